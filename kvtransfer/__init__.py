@@ -1,0 +1,1 @@
+"""The KV-connector API and its backends (NIXL, TCP) (not built yet)."""

@@ -1,0 +1,1 @@
+"""Reproducible measurements behind docs/benchmarks.md."""

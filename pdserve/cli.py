@@ -1,0 +1,69 @@
+"""The `pdserve` command."""
+
+import argparse
+import sys
+
+from pdserve.config import EngineConfig, ModelConfig
+
+
+def _log(msg: str) -> None:
+    print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    # Imported here so `pdserve --help` stays fast (torch takes seconds to import).
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+    model = ModelConfig(path=args.model, dtype=args.dtype, load_format=args.load_format)
+    engine = Engine(EngineConfig(model=model, device=args.device), log=_log)
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+
+    def show(out):
+        print(out.text, end="", flush=True)
+
+    result = engine.generate([prompt], params, on_output=show)[0]
+    print(flush=True)
+    _log(f"{len(result.token_ids)} tokens, finish reason: {result.finish_reason.value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="offline generation in one process, printed as it is produced")
+    g.add_argument("prompt")
+    g.add_argument("--model", default="tiny-moe", help="a preset (tiny-moe, qwen3-30b-a3b) or an HF model directory")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--device", default="cpu")
+    g.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        # Errors a user caused (bad parameter, unknown preset, missing file): no traceback.
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

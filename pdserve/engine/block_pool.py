@@ -1,0 +1,157 @@
+"""The KV block pool: ref-counted blocks, contiguous runs where it can, and a prefix cache.
+
+Free blocks are kept as sorted runs of consecutive ids so that a request gets one run (one
+contiguous region per layer, one transfer descriptor) whenever the pool has one. A block whose
+content is a full, hashed block of some prompt stays in the prefix cache after its last user
+leaves; such blocks are evicted least-recently-used first, only when no plain free block is left.
+"""
+
+from bisect import bisect_left
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+def hash_block(parent: int | None, tokens: Seq[int]) -> int:
+    """Hash of a full block given its parent's hash: equal hashes mean equal prefixes."""
+    return hash((parent, tuple(tokens)))
+
+
+def block_hashes(token_ids: Seq[int], block_size: int, parent: int | None = None, start: int = 0) -> list[int]:
+    """Hash chain over the full blocks of token_ids, starting at block index `start`."""
+    out = []
+    for b in range(start, len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[b * block_size:(b + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_cache: bool = True):
+        assert num_blocks > 0
+        self.num_blocks = num_blocks
+        self.enable_prefix_cache = enable_prefix_cache
+        self.ref_counts: list[int] = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # block hash -> block id holding that content
+        # Free blocks that hold no cached content, as runs: run i is [starts[i], starts[i] + lengths[i]).
+        self._run_starts: list[int] = [0]
+        self._run_lengths: list[int] = [num_blocks]
+        self._num_plain_free = num_blocks
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, still cached; LRU first
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (plain free plus evictable cached ones)."""
+        return self._num_plain_free + len(self._evictable)
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """Take n blocks, preferring the run that continues block `after`, then one run that fits."""
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(f"need {n} blocks, {self.num_free_blocks} free")
+        out: list[int] = []
+        if n == 0:
+            return out
+        i = self._run_index(after + 1) if after is not None else None
+        if i is None:
+            i = next((j for j, length in enumerate(self._run_lengths) if length >= n), None)
+        while len(out) < n and self._run_starts:
+            if i is None:  # no single run fits: take the longest runs first, fewest pieces
+                i = max(range(len(self._run_lengths)), key=self._run_lengths.__getitem__)
+            out.extend(self._take_from_run(i, n - len(out)))
+            i = None
+        while len(out) < n:
+            out.append(self._evict_one())
+        for b in out:
+            assert self.ref_counts[b] == 0
+            self.ref_counts[b] = 1
+        return out
+
+    def free(self, block_ids: Seq[int]) -> None:
+        """Drop one reference to each block; tail blocks first so they are evicted first."""
+        for b in reversed(block_ids):
+            assert self.ref_counts[b] > 0, f"block {b} freed twice"
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                if self.block_hash[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._insert_free(b)
+
+    # -- prefix cache -------------------------------------------------------------------------
+
+    def lookup(self, hashes: Seq[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of this hash chain; takes a reference to each."""
+        if not self.enable_prefix_cache:
+            return []
+        hits = []
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        for b in hits:
+            if self.ref_counts[b] == 0:
+                del self._evictable[b]
+            self.ref_counts[b] += 1
+        return hits
+
+    def register(self, block_id: int, block_hash: int) -> None:
+        """Record that block_id now holds the full block with this hash."""
+        if not self.enable_prefix_cache or self.block_hash[block_id] is not None:
+            return
+        if block_hash in self.cached:  # the same content already lives in another block
+            return
+        self.block_hash[block_id] = block_hash
+        self.cached[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request uses."""
+        while self._evictable:
+            self._insert_free(self._evict_one())
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _evict_one(self) -> int:
+        b, _ = self._evictable.popitem(last=False)
+        del self.cached[self.block_hash[b]]
+        self.block_hash[b] = None
+        return b
+
+    def _run_index(self, start: int) -> int | None:
+        i = bisect_left(self._run_starts, start)
+        return i if i < len(self._run_starts) and self._run_starts[i] == start else None
+
+    def _take_from_run(self, i: int, n: int) -> list[int]:
+        start, length = self._run_starts[i], self._run_lengths[i]
+        k = min(n, length)
+        if k == length:
+            del self._run_starts[i], self._run_lengths[i]
+        else:
+            self._run_starts[i] += k
+            self._run_lengths[i] -= k
+        self._num_plain_free -= k
+        return list(range(start, start + k))
+
+    def _insert_free(self, b: int) -> None:
+        starts, lengths = self._run_starts, self._run_lengths
+        i = bisect_left(starts, b)
+        joins_left = i > 0 and starts[i - 1] + lengths[i - 1] == b
+        joins_right = i < len(starts) and starts[i] == b + 1
+        if joins_left and joins_right:
+            lengths[i - 1] += 1 + lengths[i]
+            del starts[i], lengths[i]
+        elif joins_left:
+            lengths[i - 1] += 1
+        elif joins_right:
+            starts[i] = b
+            lengths[i] += 1
+        else:
+            starts.insert(i, b)
+            lengths.insert(i, 1)
+        self._num_plain_free += 1

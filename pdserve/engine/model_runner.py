@@ -1,0 +1,60 @@
+"""Builds a step's batch from the scheduler's choice, runs the model, samples."""
+
+from collections.abc import Callable
+
+import torch
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.sampler import Sampler, TokenLogprob
+from pdserve.engine.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
+                 device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler(device)
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
+        ids, positions, slots, starts, ctx_lens, tables, logit_rows = [], [], [], [0], [], [], []
+        bs = self.block_size
+        for s in scheduled:
+            seq, lo = s.seq, s.seq.num_computed_tokens
+            hi = lo + s.num_new_tokens
+            ids += seq.token_ids[lo:hi]
+            positions += range(lo, hi)
+            slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(lo, hi)]
+            starts.append(starts[-1] + s.num_new_tokens)
+            ctx_lens.append(hi)
+            tables.append(seq.block_ids)
+            if s.samples:
+                logit_rows.append(starts[-1] - 1)
+        width = max(len(t) for t in tables)
+        table = torch.zeros(len(tables), width, dtype=torch.long)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+
+        def dev(x):
+            return torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=dev(ids), positions=dev(positions), slot_mapping=dev(slots),
+            block_tables=table.to(self.device, non_blocking=True), query_start=starts,
+            context_lens=ctx_lens, logits_indices=dev(logit_rows), kv_cache=self.kv_cache)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq],
+                layer_done: Callable[[int], None] | None = None
+                ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Run one step; returns a token (and logprob) for each sequence whose `samples` is true."""
+        batch = self.prepare(scheduled)
+        batch.layer_done = layer_done
+        hidden = self.model(batch)
+        sampling = [s.seq for s in scheduled if s.samples]
+        if not sampling:
+            return [], []
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return self.sampler.sample(logits, [q.request_id for q in sampling], [q.params for q in sampling])

@@ -1,0 +1,54 @@
+"""What the engine hands back per step, and the per-request text state behind it."""
+
+from dataclasses import dataclass, field
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from pdserve.engine.sampler import TokenLogprob
+from pdserve.engine.sequence import FinishReason
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request from one step (a delta, not the whole text)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # Prefill role: the blocks that hold the prompt's KV (the same ids in every layer). They stay
+    # allocated until Engine.release(request_id).
+    kv_block_ids: list[int] | None = None
+
+
+@dataclass
+class Completion:
+    """A finished request, as `Engine.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class TextStream:
+    """Turns a request's tokens into text deltas, stopping at (and cutting before) a stop string."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str]):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stop = StopChecker(stops)
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Text safe to show after this token, and whether a stop string was hit."""
+        return self.stop.feed(self.detok.push([token_id]))
+
+    def flush(self) -> str:
+        """Everything still held back, at the end of generation."""
+        text, hit = self.stop.feed(self.detok.flush())
+        return text if hit else text + self.stop.flush()

@@ -1,0 +1,87 @@
+"""Turns the logits of the sequences that reached their last token into next tokens."""
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives, most likely first
+
+
+class Sampler:
+    """Greedy, temperature, top-k, top-p; a per-request generator makes seeded requests reproducible."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str],
+               params: list[SamplingParams]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits [N, vocab] float32 -> one token id (and its logprob if asked) per row."""
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            tokens[rows] = self._sample_random(logits[rows], [request_ids[i] for i in rows],
+                                               [params[i] for i in rows])
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(logits, token_list, params)
+
+    def _sample_random(self, logits, request_ids, params) -> torch.Tensor:
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits / temps[:, None]
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            logits = self._top_k_top_p(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        # argmax(p / q) with q ~ Exp(1) draws from p; it lets each row use its own generator.
+        q = torch.empty_like(probs)
+        for i, (rid, p) in enumerate(zip(request_ids, params)):
+            q[i].exponential_(generator=self._generator(rid, p.seed))
+        return (probs / q).argmax(dim=-1)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        g = self._generators.get(request_id)
+        if g is None:
+            g = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[request_id] = g
+        return g
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        drop = ranks >= ks[:, None]
+        ps = torch.tensor([p.top_p for p in params], device=logits.device)
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
+        drop |= (probs.cumsum(dim=-1) - probs) >= ps[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+    @staticmethod
+    def _logprobs(logits, tokens, params) -> list[TokenLogprob | None]:
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(params)
+        if not wanted:
+            return out
+        lp = torch.log_softmax(logits[wanted], dim=-1)
+        k = max(params[i].logprobs for i in wanted)
+        top_lp, top_ids = lp.topk(max(k, 1), dim=-1)
+        for row, i in enumerate(wanted):
+            n = params[i].logprobs
+            top = list(zip(top_ids[row, :n].tolist(), top_lp[row, :n].tolist()))
+            out[i] = TokenLogprob(tokens[i], lp[row, tokens[i]].item(), top)
+        return out

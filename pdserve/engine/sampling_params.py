@@ -1,0 +1,47 @@
+"""What a request asks of the sampler; validated where a user can reach it."""
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request field a user set is out of range. ``param`` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to return with each sampled token
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop", "must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

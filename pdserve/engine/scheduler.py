@@ -1,0 +1,135 @@
+"""The scheduler: one token budget per step, no prefill/decode phases.
+
+Every running sequence asks for the tokens it has that have no KV yet: one for a decoding
+sequence, a chunk for a prefilling one. Running sequences go first, oldest first; when blocks run
+out the newest running sequence is preempted (its blocks freed, recomputed later). Waiting
+sequences are admitted while budget, sequence slots and blocks last, reusing prefix-cached blocks.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes
+from pdserve.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    samples: bool = False  # this step reaches the sequence's last known token: it yields a new one
+
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, chunk_size: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_size = chunk_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in its blocks (placed from outside) joins the batch."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues (finished, aborted, or handed over); frees nothing."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_size)
+            assert n > 0
+            while not self._grow(seq, n):
+                victim = self.running.pop()  # newest first
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                out.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        # Admitting while preempting would thrash: the victims wait at the head of the queue.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0:
+                self._use_prefix_cache(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_size)
+            if not self._grow(seq, n):
+                self._drop_blocks(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def _use_prefix_cache(self, seq: Sequence) -> None:
+        # Leave at least one token to compute: its logits give the next token.
+        hashes = block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size)
+        hits = self.pool.lookup(hashes)
+        seq.block_ids = hits
+        seq.block_hashes = hashes[: len(hits)]
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Make seq's blocks cover its first num_computed_tokens + n tokens; False if the pool is short."""
+        need = -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.block_ids)
+        if need <= 0:
+            return True
+        try:
+            seq.block_ids += self.pool.allocate(need, after=seq.block_ids[-1] if seq.block_ids else None)
+        except NoFreeBlocksError:
+            return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._drop_blocks(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """After a step: put the blocks this step filled into the prefix cache."""
+        full = seq.num_computed_tokens // self.block_size
+        if full > len(seq.block_hashes):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            new = block_hashes(seq.token_ids[: full * self.block_size], self.block_size, parent,
+                               start=len(seq.block_hashes))
+            for k, h in enumerate(new, start=len(seq.block_hashes)):
+                self.pool.register(seq.block_ids[k], h)
+            seq.block_hashes += new

@@ -1,0 +1,52 @@
+"""A request's state inside the engine: its tokens, how many have KV, and the blocks holding it."""
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(Enum):
+    WAITING = auto()  # queued, holds no blocks
+    RUNNING = auto()  # scheduled every step: prefilling chunks or decoding
+    PREFILLED = auto()  # prefill role: KV computed, blocks held until the connector releases them
+    FINISHED = auto()
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # eos, stop token id or stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by every generated token
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: float = 0.0
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in this sequence's blocks
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of the full blocks so far
+    finish_reason: FinishReason | None = None
+    logprobs: list[dict] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED

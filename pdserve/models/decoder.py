@@ -1,0 +1,161 @@
+"""The decoder-only transformer every family shares: layer loop, logits, checkpoint loading.
+
+A family file subclasses `DecoderLM` and changes only what differs: which MLP a layer gets
+(`make_mlp`) and how its checkpoint names tensors (`checkpoint_name`). Attention differences
+(biases, q/k norm) are flags in ModelArgs, read by `Attention`.
+"""
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.models.args import ModelArgs
+from pdserve.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE
+from pdserve.ops.attention import TorchAttention
+from pdserve.ops.moe import TorchMoE
+
+# Names after `checkpoint_name`. One tensor per expert (what checkpoints on the Hub hold) ...
+_EXPERT = re.compile(r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# ... or all experts fused, as transformers 5 holds them in memory.
+_FUSED = re.compile(r"(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)")
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int, mlp: nn.Module, attn_backend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_idx, attn_backend)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    """A Llama-shaped causal LM over the paged KV cache; parameter names follow HF's, minus `model.`."""
+
+    def __init__(self, args: ModelArgs, attn_backend=None, moe_backend=None):
+        super().__init__()
+        self.args = args
+        self.attn_backend = attn_backend or TorchAttention()
+        self.moe_backend = moe_backend or TorchMoE()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, i, self.make_mlp(i), self.attn_backend) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # Tied: the embedding matrix is the head, and there is no second parameter to keep in sync.
+        self.lm_head = (None if args.tie_word_embeddings
+                        else nn.Linear(args.hidden_size, args.vocab_size, bias=False))
+        self.rotary_emb = RotaryEmbedding(args.head_dim, args.max_position_embeddings,
+                                          args.rope_theta, args.rope_scaling)
+
+    def make_mlp(self, layer_idx: int) -> nn.Module:
+        """The MLP of layer `layer_idx`: dense SwiGLU here; MoE families override."""
+        return GatedMLP(self.args.hidden_size, self.args.intermediate_size)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for the batch's flattened tokens."""
+        x = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary_emb(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, head).float()
+
+    # -- checkpoint loading ----------------------------------------------------------------------
+
+    def checkpoint_name(self, hf_name: str) -> str | None:
+        """This model's name for a HF checkpoint tensor; None for tensors to skip."""
+        name = hf_name.removeprefix("model.")
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # old checkpoints saved RoPE's buffer; we compute it
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # tied: some checkpoints still carry a copy of the embedding
+        return name
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters, one at a time; every parameter must be covered."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()  # parameter names, or `name[expert].part` for fused experts
+        for hf_name, tensor in weights:
+            name = self.checkpoint_name(hf_name)
+            if name is None:
+                continue
+            if m := _EXPERT.fullmatch(name):
+                loaded.add(self._load_expert(m[1], int(m[2]), m[3], tensor, hf_name))
+            elif m := _FUSED.fullmatch(name):
+                loaded.update(self._load_fused_experts(m[1], m[2], tensor, hf_name))
+            elif name in params:
+                _copy(params[name], tensor, hf_name)
+                loaded.update(_pieces(name, params[name]))
+            else:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.args.architecture}")
+        expected = {piece for name, p in params.items() for piece in _pieces(name, p)}
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint does not set {len(missing)} parameter(s): {shown}")
+
+    def _moe(self, prefix: str, hf_name: str) -> SparseMoE:
+        try:
+            moe = self.get_submodule(prefix)
+        except AttributeError:
+            moe = None
+        if not isinstance(moe, SparseMoE):
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.args.architecture} "
+                             f"({prefix} is not a MoE layer)")
+        return moe
+
+    def _load_expert(self, prefix: str, expert: int, proj: str, tensor: torch.Tensor, hf_name: str) -> str:
+        moe = self._moe(prefix, hf_name)
+        if not 0 <= expert < moe.w13.shape[0]:
+            raise ValueError(f"checkpoint tensor {hf_name!r}: expert {expert} out of range "
+                             f"(the model has {moe.w13.shape[0]})")
+        inter = moe.w2.shape[2]
+        if proj == "down_proj":
+            _copy(moe.w2[expert], tensor, hf_name)
+            return f"{prefix}.w2[{expert}].down"
+        rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+        _copy(moe.w13[expert, rows], tensor, hf_name)
+        return f"{prefix}.w13[{expert}].{proj.removesuffix('_proj')}"
+
+    def _load_fused_experts(self, prefix: str, proj: str, tensor: torch.Tensor, hf_name: str) -> list[str]:
+        # transformers 5 stores gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj
+        # [E, H, I], i.e. our layout; some converters write the transpose. A square tensor is
+        # ambiguous and read in transformers' orientation.
+        moe = self._moe(prefix, hf_name)
+        dst = moe.w13 if proj == "gate_up_proj" else moe.w2
+        if tensor.shape != dst.shape and tensor.dim() == 3 and tensor.transpose(1, 2).shape == dst.shape:
+            tensor = tensor.transpose(1, 2)
+        _copy(dst, tensor, hf_name)
+        return _pieces(f"{prefix}.{'w13' if proj == 'gate_up_proj' else 'w2'}", dst)
+
+
+def _pieces(name: str, param: torch.Tensor) -> list[str]:
+    """What must be loaded to set a parameter: itself, or each expert's part of a fused one."""
+    if name.endswith(".w13"):
+        return [f"{name}[{e}].{part}" for e in range(param.shape[0]) for part in ("gate", "up")]
+    if name.endswith(".w2"):
+        return [f"{name}[{e}].down" for e in range(param.shape[0])]
+    return [name]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, hf_name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(src.shape)}, "
+                         f"the model expects {tuple(dst.shape)}")
+    dst.copy_(src)

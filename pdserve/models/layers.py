@@ -1,0 +1,198 @@
+"""Building blocks shared by every model family: norm, RoPE, attention, dense and sparse MLPs.
+
+Each block computes exactly what transformers' modeling code computes (same op order, same
+float32 islands), so that logits match the HF reference bit-for-bit in float32 and closely in bf16.
+"""
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.models.args import ModelArgs
+from pdserve.ops.moe import route
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] -> [..., dim]; normalised in float32, scaled in x's dtype as HF does."""
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] float32 on the CPU, and the cos/sin scale, as transformers has them."""
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta ** exps)
+    rope_type = scaling["rope_type"] if scaling else "default"
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    assert rope_type == "yarn", rope_type
+    return _yarn_inv_freq(head_dim, theta, scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    # Long wavelengths are slowed down by `factor`, short ones kept, the band between smoothed.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn_factor = s.get("attention_factor")
+    if attn_factor is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attn_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero in the ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attn_factor
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_positions, float32, looked up by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
+        super().__init__()
+        self.head_dim, self.max_positions = head_dim, max_positions
+        self.theta, self.scaling = theta, scaling
+        self.register_buffer("cos", torch.empty(max_positions, head_dim, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim, dtype=torch.float32), persistent=False)
+        self.build_cache()
+
+    @torch.no_grad()
+    def build_cache(self) -> None:
+        """Fill the tables; call again after `to_empty` (a model built on the meta device)."""
+        if self.cos.is_meta:
+            return
+        # Computed on the CPU whatever the target device, so that every engine (prefill on one
+        # GPU, decode on another or on the CPU) rotates keys identically.
+        inv_freq, scale = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+        freqs = t[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
+        self.cos.copy_(emb.cos() * scale)
+        self.sin.copy_(emb.sin() * scale)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, head_dim] in `dtype`, ready to broadcast over heads."""
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, 1, D] -> [T, heads, D] (NeoX layout: halves, not pairs)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Self-attention over the paged KV cache; the backend writes this step's K/V and attends."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int, backend):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.scale = args.head_dim ** -0.5
+        self.backend = backend
+        h, q_dim, kv_dim = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.q_proj = nn.Linear(h, q_dim, bias=args.attention_bias)
+        self.k_proj = nn.Linear(h, kv_dim, bias=args.attention_bias)
+        self.v_proj = nn.Linear(h, kv_dim, bias=args.attention_bias)
+        self.o_proj = nn.Linear(q_dim, h, bias=args.o_proj_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; calls batch.layer_done(layer) once the layer's KV is cached."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = self.backend.forward(self.layer_idx, q, k, v, batch, self.scale)  # [T, heads, D]
+        if batch.layer_done is not None:
+            batch.layer_done(self.layer_idx)
+        return self.o_proj(o.flatten(1))
+
+
+class GatedMLP(nn.Module):
+    """Dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Routed SwiGLU experts, optionally plus a gated shared expert (Qwen2-MoE).
+
+    The experts' weights are stored fused, the layout the MoE backends take: w13 [E, 2I, H]
+    (gate rows then up rows) and w2 [E, H, I].
+    """
+
+    def __init__(self, args: ModelArgs, backend, renormalize: bool):
+        super().__init__()
+        e, h, i = args.num_experts, args.hidden_size, args.moe_intermediate_size
+        self.top_k, self.renormalize, self.backend = args.num_experts_per_tok, renormalize, backend
+        self.gate = nn.Linear(h, e, bias=False)  # the router
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, i))
+        self.shared_expert = self.shared_expert_gate = None
+        if args.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(h, args.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)  # [T, k] float32, [T, k]
+        out = self.backend.forward(x, self.w13, self.w2, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,157 @@
+"""From a preset name or a HF model directory to a model with weights on the target device."""
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pdserve.models.args import SUPPORTED_ARCHITECTURES, ModelArgs
+from pdserve.models.decoder import DecoderLM
+from pdserve.models.layers import RMSNorm
+from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.mixtral import MixtralForCausalLM
+from pdserve.models.presets import PRESETS
+from pdserve.models.qwen2 import Qwen2ForCausalLM
+from pdserve.models.qwen2_moe import Qwen2MoeForCausalLM
+from pdserve.models.qwen3 import Qwen3ForCausalLM
+from pdserve.models.qwen3_moe import Qwen3MoeForCausalLM
+
+MODEL_CLASSES: dict[str, type[DecoderLM]] = {
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def resolve_model_args(path_or_preset: str) -> ModelArgs:
+    """ModelArgs of a preset, or of a directory's config.json (eos ids merged from generation_config.json)."""
+    if path_or_preset in PRESETS:
+        return ModelArgs.from_hf_config(PRESETS[path_or_preset])
+    model_dir = Path(path_or_preset)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model {path_or_preset!r} is neither a preset ({', '.join(PRESETS)}) "
+                                f"nor a directory")
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: a model directory holds config.json and *.safetensors")
+    try:
+        args = ModelArgs.from_hf_config(json.loads(config_path.read_text()))
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from e
+    # Chat models often stop on more ids than config.json names (Qwen3: <|im_end|> and <|endoftext|>).
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        for t in [] if eos is None else [eos] if isinstance(eos, int) else eos:
+            if t not in args.eos_token_ids:
+                args.eos_token_ids.append(t)
+    return args
+
+
+def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto",
+               attn_backend=None, moe_backend=None, seed: int = 0) -> tuple[DecoderLM, ModelArgs]:
+    """Build the model on `device` in `dtype`; weights from *.safetensors ("auto") or random ("dummy").
+
+    Presets are always dummy. The model is built on the meta device and allocated once, directly
+    in `dtype` on `device`; checkpoint tensors are streamed in one at a time.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
+    args = resolve_model_args(path_or_preset)
+    dummy = load_format == "dummy" or path_or_preset in PRESETS
+    files = [] if dummy else safetensors_files(Path(path_or_preset))  # fail before allocating
+    device = torch.device(device)
+    with torch.device("meta"), _default_dtype(dtype):
+        model = MODEL_CLASSES[args.architecture](args, attn_backend, moe_backend)
+    model.to_empty(device=device)
+    model.rotary_emb.build_cache()  # to_empty left the RoPE tables uninitialised
+    if dummy:
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(_iter_tensors(files))
+    model.requires_grad_(False).eval()
+    return model, args
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's *.safetensors files: those the sharded index names, else all in the directory."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{index} names {f.name}, which is not in {model_dir}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no weights in {model_dir}: expected model.safetensors, or shards listed "
+                                f"in model.safetensors.index.json (or use load_format='dummy')")
+    return files
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights as HF initialises them: normal(0, 0.02), norms 1, biases 0; deterministic per seed.
+
+    Drawn on the parameters' device, so the same seed gives the same weights on the same device type.
+    """
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if isinstance(module, RMSNorm):
+                p.fill_(1.0)
+            elif name == "bias":
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def model_fingerprint(path_or_preset: str, args: ModelArgs, dtype: torch.dtype,
+                      load_format: str = "auto", seed: int = 0) -> str:
+    """16 hex digits naming the weights: architecture, shapes, dtype and the checkpoint (or dummy seed).
+
+    Engines that would compute the same KV for the same tokens get the same fingerprint.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps(dataclasses.asdict(args), sort_keys=True).encode())
+    h.update(str(dtype).encode())
+    if load_format == "dummy" or path_or_preset in PRESETS:
+        h.update(f"dummy seed={seed}".encode())
+    else:
+        model_dir = Path(path_or_preset)
+        h.update((model_dir / "config.json").read_bytes())
+        for f in safetensors_files(model_dir):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Parameters are created in `dtype` (on meta), so to_empty allocates them in it straight away.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

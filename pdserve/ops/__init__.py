@@ -1,0 +1,1 @@
+"""Kernels behind the model's attention and MoE layers: a torch reference (CPU, test oracle) and GPU fast paths."""

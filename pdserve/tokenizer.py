@@ -1,0 +1,252 @@
+"""Text <-> token ids and chat templates: HF `tokenizer.json` models and a byte-level tokenizer for presets."""
+
+import json
+import os
+import re
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    """A HF model's tokenizer: `tokenizer.json` plus the special tokens and chat template of its configs."""
+
+    def __init__(self, model_dir: str, eos_token_ids: list[int] | None = None):
+        self._tok = HFTokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        self._add_added_tokens(config.get("added_tokens_decoder", {}))
+
+        self.bos_token: str | None = _token_content(config.get("bos_token"))
+        self.eos_token: str | None = _token_content(config.get("eos_token"))
+        self.bos_token_id: int | None = self._token_id(self.bos_token)
+        eos_ids = set(eos_token_ids or [])
+        if (eos_id := self._token_id(self.eos_token)) is not None:
+            eos_ids.add(eos_id)
+        gen_eos = _read_json(os.path.join(model_dir, "generation_config.json")).get("eos_token_id")
+        eos_ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
+        self.eos_token_ids: list[int] = sorted(eos_ids)
+
+        # Explicit flags rebuild the post-processor, as transformers' Llama-style tokenizers do (the generic
+        # PreTrainedTokenizerFast.from_pretrained of transformers 5 ignores them next to tokenizer.json).
+        if "add_bos_token" in config or "add_eos_token" in config:
+            self._set_post_processor(bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
+        self.chat_template: str | None = _find_chat_template(model_dir, config.get("chat_template"))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special-token strings in it become their ids."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a chat, rendered with the model's Jinja template."""
+        if self.chat_template is None:
+            raise ValueError(
+                "this model has no chat template (none in tokenizer_config.json or chat_template.jinja); "
+                "use /v1/completions with a plain prompt instead"
+            )
+        special = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, special)
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def _add_added_tokens(self, added_tokens_decoder: dict) -> None:
+        # tokenizer.json normally holds these already; older checkpoints list some only in the config.
+        for entry in added_tokens_decoder.values():
+            if self._tok.token_to_id(entry["content"]) is not None:
+                continue
+            token = AddedToken(
+                entry["content"],
+                single_word=entry.get("single_word", False),
+                lstrip=entry.get("lstrip", False),
+                rstrip=entry.get("rstrip", False),
+                normalized=entry.get("normalized", not entry.get("special", False)),
+                special=entry.get("special", False),
+            )
+            if token.special:
+                self._tok.add_special_tokens([token])
+            else:
+                self._tok.add_tokens([token])
+
+    def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
+        add_bos = add_bos and self.bos_token_id is not None
+        eos_id = self._token_id(self.eos_token)
+        add_eos = add_eos and eos_id is not None
+        bos, eos = self.bos_token, self.eos_token
+        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+        special = ([(bos, self.bos_token_id)] if add_bos else []) + ([(eos, eos_id)] if add_eos else [])
+        self._tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+# ChatML, as Qwen models use it, so preset models can serve /v1/chat/completions.
+BYTE_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255 plus four ChatML special tokens, for presets that ship no tokenizer files."""
+
+    SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")  # ids 256..259
+    _SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
+
+    def __init__(self):
+        self.bos_token: str = "<|bos|>"
+        self.eos_token: str = "<|eos|>"
+        self.bos_token_id: int = 256
+        self.eos_token_ids: list[int] = [257, 259]
+        self.chat_template: str = BYTE_CHAT_TEMPLATE
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.SPECIAL_TOKENS)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """UTF-8 bytes of `text`, special-token strings as their ids, `<|bos|>` first if `add_special_tokens`."""
+        ids = [self.bos_token_id] if add_special_tokens else []
+        for i, part in enumerate(self._SPECIAL_RE.split(text)):
+            if i % 2:  # re.split puts the captured separators at odd positions
+                ids.append(256 + self.SPECIAL_TOKENS.index(part))
+            else:
+                ids.extend(part.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; invalid UTF-8 becomes U+FFFD, special ids their names unless skipped."""
+        parts: list[str] = []
+        run = bytearray()  # consecutive bytes decode together so multi-byte characters survive
+        for i in ids:
+            if i < 256:
+                run.append(i)
+            elif not skip_special_tokens:
+                parts.append(run.decode("utf-8", errors="replace"))
+                run.clear()
+                parts.append(self._special_name(i))
+        parts.append(run.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a chat, in ChatML."""
+        special = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, special)
+
+    def _special_name(self, token_id: int) -> str:
+        # A preset model's vocabulary may be larger than ours; its extra ids still need a printable name.
+        k = token_id - 256
+        return self.SPECIAL_TOKENS[k] if k < len(self.SPECIAL_TOKENS) else f"<|token_{token_id}|>"
+
+
+def load_tokenizer(path_or_preset: str, eos_token_ids: list[int] | None = None) -> Tokenizer | ByteTokenizer:
+    """The tokenizer of a model directory, or the byte tokenizer for a preset name."""
+    if not os.path.isdir(path_or_preset):
+        return ByteTokenizer()
+    if not os.path.isfile(os.path.join(path_or_preset, "tokenizer.json")):
+        raise FileNotFoundError(
+            f"model directory {path_or_preset!r} has no tokenizer.json; pdserve loads tokenizers only from "
+            "tokenizer.json (convert slow/sentencepiece tokenizers with transformers' save_pretrained)"
+        )
+    return Tokenizer(path_or_preset, eos_token_ids)
+
+
+def render_chat_template(
+    template: str, messages: list[dict], add_generation_prompt: bool, special_tokens: dict[str, str | None]
+) -> str:
+    """Render a chat template the way transformers' `apply_chat_template` does."""
+    try:
+        return _compile_template(template).render(
+            messages=[_plain_message(m) for m in messages],
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **{k: v for k, v in special_tokens.items() if v is not None},
+        )
+    except jinja2.TemplateError as e:  # raise_exception() in templates reports bad chats, e.g. wrong role order
+        raise ValueError(f"chat template rejected the messages: {e}") from e
+
+
+def _plain_message(message: dict) -> dict:
+    # Like transformers: drop None fields (OpenAI clients send content=None), which templates handle as absent.
+    message = {k: v for k, v in message.items() if v is not None}
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text":
+                raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+            texts.append(part["text"])
+        message["content"] = "\n".join(texts)
+    return message
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accepts `{% generation %}...{% endgeneration %}` (assistant-mask markers) and renders the body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes HTML characters, which would change the prompt.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(  # templates come from model repos: untrusted code
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _find_chat_template(model_dir: str, config_template: str | list | None) -> str | None:
+    # transformers >= 4.43 saves the template as chat_template.jinja, which then takes precedence.
+    jinja_path = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            return f.read()
+    if isinstance(config_template, list):  # older format: named templates; serving uses the default one
+        named = {t["name"]: t["template"] for t in config_template}
+        return named.get("default")
+    return config_template
+
+
+def _token_content(token: str | dict | None) -> str | None:
+    # Configs store a special token as a string or as a serialized AddedToken.
+    return token["content"] if isinstance(token, dict) else token
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

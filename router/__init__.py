@@ -1,0 +1,1 @@
+"""HTTP and gRPC front ends, routing policies, the request lifecycle (not built yet)."""

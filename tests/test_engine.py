@@ -1,0 +1,177 @@
+"""Engine core on the tiny-moe preset: scheduling variants must not change greedy output, and
+every workload returns the block pool to its idle count."""
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.sequence import FinishReason
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def make_engine(**kw) -> Engine:
+    kw.setdefault("num_kv_blocks", 256)
+    return Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), **kw))
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 15, 16, 17, 40, 100, 7, 64][:n]
+    return [torch.randint(0, 256, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    """Each prompt generated alone, unchunked: the oracle for every batched variant."""
+    engine = make_engine()
+    return [engine.generate([p], GREEDY)[0].token_ids for p in prompts(8)]
+
+
+def run(engine: Engine, ps, params=GREEDY) -> list[list[int]]:
+    idle = engine.pool.num_free_blocks
+    outs = [c.token_ids for c in engine.generate(ps, params)]
+    assert engine.pool.num_free_blocks == idle
+    return outs
+
+
+def test_batched_equals_alone(reference):
+    assert run(make_engine(), prompts(8)) == reference
+
+
+def test_chunked_prefill_equals_unchunked(reference):
+    engine = make_engine(max_num_batched_tokens=32, chunk_size=13)
+    assert run(engine, prompts(8)) == reference
+
+
+def test_prefix_cache_hits_equal_misses(reference):
+    engine = make_engine()
+    ps = prompts(8)
+    run(engine, ps)  # fills the prefix cache
+    second = engine.generate(ps, GREEDY)
+    assert [c.token_ids for c in second] == reference
+    assert second[5].num_cached_tokens == 96  # 100-token prompt: 6 full blocks reused
+    assert engine.pool.num_free_blocks == 256
+
+
+def test_preemption_equals_no_preemption(reference):
+    # 8 prompts need ~30 blocks to finish; 14 blocks force preemption by recompute.
+    engine = make_engine(num_kv_blocks=14, enable_prefix_cache=False)
+    assert run(engine, prompts(8)) == reference
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_disaggregated_seam_equals_colocated(reference):
+    """Prefill on one engine, copy the KV blocks into another, continue decoding there."""
+    prefill = make_engine(role="prefill")
+    decode = make_engine(role="decode")
+    decode.pool.allocate(37)  # different free layout: destination ids differ from the source's
+    for i, p in enumerate(prompts(8)):
+        rid = f"r{i}"
+        prefill.add_request(rid, p, GREEDY)
+        outs = []
+        while prefill.has_unfinished():
+            outs += prefill.step()
+        (first,) = outs
+        assert first.finished and first.kv_block_ids
+        dst = decode.reserve(rid, p, GREEDY)
+        assert len(dst) == len(first.kv_block_ids)
+        decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, first.kv_block_ids]
+        prefill.release(rid)
+        decode.start_decode(rid, first.token_ids[0])
+        tokens = []  # the decode side streams every token, the first one included
+        while decode.has_unfinished():
+            tokens += [t for o in decode.step() for t in o.token_ids]
+        assert tokens == reference[i]
+    assert prefill.pool.num_free_blocks == 256
+    assert decode.pool.num_free_blocks == 256 - 37
+
+
+def test_decode_reservation_refused_when_full_and_released_on_abort():
+    decode = make_engine(role="decode", num_kv_blocks=8)
+    assert decode.reserve("a", list(range(100)), GREEDY) is not None  # 7 blocks
+    assert decode.reserve("b", list(range(40)), GREEDY) is None
+    assert decode.abort("a")
+    assert decode.pool.num_free_blocks == 8
+    assert decode.reserve("b", list(range(40)), GREEDY) is not None
+    decode.release("b")
+    assert decode.pool.num_free_blocks == 8
+
+
+def test_abort_mid_generation_frees_blocks():
+    engine = make_engine()
+    for i, p in enumerate(prompts(4)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.pool.num_free_blocks < 256
+    for i in range(4):
+        assert engine.abort(f"r{i}")
+    assert not engine.has_unfinished()
+    assert engine.pool.num_free_blocks == 256
+
+
+def test_stop_conditions():
+    engine = make_engine()
+    ps = prompts(3)
+    free = engine.generate(ps[:1], GREEDY)[0]
+    stop_id = free.token_ids[5]
+    c = engine.generate(ps[:1], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_id]))[0]
+    assert c.finish_reason == FinishReason.STOP
+    assert c.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+    c = engine.generate(ps[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert c.finish_reason == FinishReason.LENGTH and c.token_ids == free.token_ids[:3]
+    text = engine.generate(ps[:1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].text
+    stop = text[4:6]
+    if stop:
+        c = engine.generate(ps[:1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))[0]
+        assert c.finish_reason == FinishReason.STOP
+        assert c.text == text[: text.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible_and_varies_with_seed():
+    engine = make_engine()
+    p = prompts(2)
+    s = dict(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, ignore_eos=True)
+    a = engine.generate(p, SamplingParams(seed=1, **s))
+    b = engine.generate(p, SamplingParams(seed=1, **s))
+    c = engine.generate(p, SamplingParams(seed=2, **s))
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+
+
+def test_logprobs_are_returned_per_token():
+    engine = make_engine()
+    c = engine.generate(prompts(1), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3))[0]
+    assert len(c.logprobs) == 4
+    for tok, lp in zip(c.token_ids, c.logprobs):
+        assert lp.token_id == tok and lp.logprob <= 0
+        assert lp.top[0][0] == tok  # greedy picks the most likely token
+        assert len(lp.top) == 3
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+])
+def test_bad_sampling_params_name_the_parameter(kwargs, param):
+    with pytest.raises(InvalidRequestError, match=param) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+
+
+def test_prompt_longer_than_context_is_refused():
+    engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe", max_model_len=64), num_kv_blocks=64))
+    with pytest.raises(InvalidRequestError, match="prompt.*context is 64"):
+        engine.add_request("x", list(range(64)), GREEDY)
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        engine.add_request("y", [], GREEDY)
+    # Generation stops at the context length.
+    c = engine.generate([list(range(60))], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
+    assert c.finish_reason == FinishReason.LENGTH and len(c.token_ids) == 4
+    assert engine.pool.num_free_blocks == 64

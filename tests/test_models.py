@@ -1,0 +1,297 @@
+"""Model families against transformers (same weights), the loader, presets and ModelArgs parsing."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from hf_checkpoints import FAMILIES, LLAMA3_ROPE, build_checkpoint, write_old_layout
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.models import (
+    MODEL_CLASSES,
+    PRESETS,
+    SUPPORTED_ARCHITECTURES,
+    ModelArgs,
+    load_model,
+    model_fingerprint,
+    resolve_model_args,
+)
+from pdserve.models.layers import RotaryEmbedding
+
+BLOCK = 16
+PROMPT_LENS = [5, 21, 37]
+# Each sequence's blocks, deliberately scattered and interleaved with the others'.
+TABLES = [[9, 3, 6], [1, 7, 4], [8, 0, 5]]
+NUM_BLOCKS = 10
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    cks = {family: build_checkpoint(family, root) for family in FAMILIES}
+    write_old_layout(cks["llama"].path, root / "llama_old")
+    return cks
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 128, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def make_batch(chunks: list[tuple[list[int], int]], kv_cache: torch.Tensor, layer_done=None) -> ForwardBatch:
+    """chunks[i] = (sequence i's tokens this step, position of the first); blocks from TABLES."""
+    ids, positions, slots, starts, ctx = [], [], [], [0], []
+    for (tokens, start), table in zip(chunks, TABLES):
+        pos = range(start, start + len(tokens))
+        ids += tokens
+        positions += pos
+        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in pos]
+        starts.append(starts[-1] + len(tokens))
+        ctx.append(start + len(tokens))
+    long = dict(dtype=torch.long)
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, **long), positions=torch.tensor(positions, **long),
+        slot_mapping=torch.tensor(slots, **long), block_tables=torch.tensor(TABLES, **long),
+        query_start=starts, context_lens=ctx, logits_indices=torch.arange(len(ids)),
+        kv_cache=kv_cache, layer_done=layer_done)
+
+
+def new_cache(args: ModelArgs) -> torch.Tensor:
+    return torch.zeros(args.num_layers, 2, NUM_BLOCKS, BLOCK, args.num_kv_heads, args.head_dim)
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.shape == ref.shape
+    tol = 1e-4 * ref.abs().max().item()
+    err = (ours - ref).abs().max().item()
+    assert err <= tol, f"max abs error {err:.3g} > {tol:.3g}"
+
+
+def hf_logits(ck, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return ck.hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+def run(model, batch) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.compute_logits(model(batch)[batch.logits_indices])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_matches_transformers(family, checkpoints, prompts):
+    ck = checkpoints[family]
+    model, args = load_model(str(ck.path), torch.float32, "cpu")
+    assert args.architecture == ck.hf_model.config.architectures[0]
+    kv = new_cache(args)
+    done = []
+
+    # Prefill all three prompts in one batch.
+    logits = run(model, make_batch([(p, 0) for p in prompts], kv, layer_done=done.append))
+    assert done == list(range(args.num_layers))
+    rows = logits.split(PROMPT_LENS)
+    for p, ours in zip(prompts, rows):
+        assert_close(ours, hf_logits(ck, p))
+
+    # Decode one token per sequence against the cache.
+    nxt = [int(r[-1].argmax()) for r in rows]
+    logits = run(model, make_batch([([t], len(p)) for p, t in zip(prompts, nxt)], kv))
+    for i, (p, t) in enumerate(zip(prompts, nxt)):
+        assert_close(logits[i], hf_logits(ck, p + [t])[-1])
+
+    # Chunked prefill into a fresh cache equals the one-shot prefill.
+    kv2 = new_cache(args)
+    cuts = [3, 16, 20]
+    first = run(model, make_batch([(p[:c], 0) for p, c in zip(prompts, cuts)], kv2))
+    second = run(model, make_batch([(p[c:], c) for p, c in zip(prompts, cuts)], kv2))
+    firsts, seconds = first.split(cuts), second.split([n - c for n, c in zip(PROMPT_LENS, cuts)])
+    for ours_a, ours_b, ref in zip(firsts, seconds, rows):
+        assert_close(torch.cat([ours_a, ours_b]), ref)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_fused_expert_names(family, checkpoints):
+    """transformers 5's in-memory names (fused gate_up_proj/down_proj, Mixtral's `mlp`) load too."""
+    ck = checkpoints[family]
+    ref, _ = load_model(str(ck.path), torch.float32, "cpu")
+    fused = list(ck.hf_model.state_dict().items())
+    assert any(n.endswith("experts.gate_up_proj") for n, _ in fused)
+    for transpose in (False, True):  # [E, 2I, H] as transformers 5, and the [E, H, 2I] orientation
+        model = MODEL_CLASSES[ref.args.architecture](ref.args)
+        model.load_weights((n, t.transpose(1, 2) if transpose and ".experts." in n else t) for n, t in fused)
+        for (name, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+            assert torch.equal(a, b), name
+
+
+def test_sharded_checkpoint_uses_index(checkpoints):
+    path = checkpoints["qwen3_moe"].path
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("*.safetensors"))) > 1
+
+
+def test_old_config_layout_loads_identically(checkpoints, prompts):
+    new, old = checkpoints["llama"].path, checkpoints["llama"].path.parent / "llama_old"
+    assert "rope_theta" in json.loads((old / "config.json").read_text())
+    args_new, args_old = resolve_model_args(str(new)), resolve_model_args(str(old))
+    assert args_old == args_new
+    assert args_new.rope_scaling["rope_type"] == "llama3" and args_new.o_proj_bias
+    m_new, _ = load_model(str(new), torch.float32, "cpu")
+    m_old, _ = load_model(str(old), torch.float32, "cpu")
+    chunks = [(p, 0) for p in prompts]
+    assert torch.equal(run(m_new, make_batch(chunks, new_cache(args_new))),
+                       run(m_old, make_batch(chunks, new_cache(args_old))))
+
+
+def test_family_args(checkpoints):
+    qwen2_moe = resolve_model_args(str(checkpoints["qwen2_moe"].path))
+    assert qwen2_moe.attention_bias and not qwen2_moe.o_proj_bias
+    assert [qwen2_moe.is_moe_layer(i) for i in range(2)] == [False, True]
+    assert qwen2_moe.shared_expert_intermediate_size == 80
+    qwen3_moe = resolve_model_args(str(checkpoints["qwen3_moe"].path))
+    assert [qwen3_moe.is_moe_layer(i) for i in range(3)] == [True, False, True]
+    assert qwen3_moe.qk_norm and qwen3_moe.head_dim == 32
+    mixtral = resolve_model_args(str(checkpoints["mixtral"].path))
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (6, 96, True)
+    assert resolve_model_args(str(checkpoints["qwen2"].path)).tie_word_embeddings
+
+
+def test_checkpoint_tensor_errors(checkpoints):
+    ck = checkpoints["qwen2"]
+    args = resolve_model_args(str(ck.path))
+    weights = dict(ck.hf_model.state_dict())
+    with pytest.raises(ValueError, match="model.layers.0.mlp.extra.weight"):
+        MODEL_CLASSES[args.architecture](args).load_weights(
+            [*weights.items(), ("model.layers.0.mlp.extra.weight", torch.zeros(1))])
+    del weights["model.layers.1.self_attn.k_proj.bias"]
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.k_proj\.bias"):
+        MODEL_CLASSES[args.architecture](args).load_weights(weights.items())
+    weights = dict(checkpoints["qwen3_moe"].hf_model.state_dict())
+    del weights["model.layers.2.mlp.experts.down_proj"]
+    args = resolve_model_args(str(checkpoints["qwen3_moe"].path))
+    with pytest.raises(ValueError, match=r"layers\.2\.mlp\.w2"):
+        MODEL_CLASSES[args.architecture](args).load_weights(weights.items())
+
+
+# -- RoPE --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 500000.0},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    LLAMA3_ROPE,
+    {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 128},
+], ids=lambda r: r["rope_type"])
+def test_rope_matches_transformers(rope):
+    config = transformers.LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=512,
+                                      rope_parameters=dict(rope))
+    args = ModelArgs.from_hf_config({**config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    ours = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
+    positions = torch.arange(512)
+    cos, sin = ours(positions, torch.float32)
+    ref_cos, ref_sin = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)(
+        torch.zeros(1), positions[None])
+    torch.testing.assert_close(cos[:, 0], ref_cos[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(sin[:, 0], ref_sin[0], rtol=0, atol=1e-5)
+
+
+# -- ModelArgs parsing ---------------------------------------------------------------------------
+
+def _hf(arch: str, **kw) -> dict:
+    return {"architectures": [arch], "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 96, "max_position_embeddings": 4096, **kw}
+
+
+def test_sliding_window_caps_context():
+    qwen2 = "Qwen2ForCausalLM"
+    assert ModelArgs.from_hf_config(_hf(qwen2, sliding_window=1024)).max_position_embeddings == 4096
+    used = _hf(qwen2, sliding_window=1024, use_sliding_window=True)
+    assert ModelArgs.from_hf_config(used).max_position_embeddings == 1024
+    full = {**used, "layer_types": ["full_attention"] * 2}
+    assert ModelArgs.from_hf_config(full).max_position_embeddings == 4096
+    mixtral = _hf("MixtralForCausalLM", sliding_window=2048)
+    assert ModelArgs.from_hf_config(mixtral).max_position_embeddings == 2048
+
+
+def test_head_dim_and_defaults():
+    assert ModelArgs.from_hf_config(_hf("LlamaForCausalLM", head_dim=None)).head_dim == 16
+    assert ModelArgs.from_hf_config(_hf("Qwen3ForCausalLM")).head_dim == 128  # transformers' default
+    args = ModelArgs.from_hf_config(_hf("Qwen2MoeForCausalLM", eos_token_id=[3, 4]))
+    assert args.attention_bias and args.num_experts == 60 and args.eos_token_ids == [3, 4]
+    assert ModelArgs.from_hf_config(_hf("MixtralForCausalLM")).rope_theta == 1e6
+
+
+def test_unsupported_architecture(tmp_path):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*Qwen3MoeForCausalLM"):
+        ModelArgs.from_hf_config(_hf("GPT2LMHeadModel"))
+    (tmp_path / "config.json").write_text(json.dumps(_hf("GPT2LMHeadModel")))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        load_model(str(tmp_path), torch.float32, "cpu")
+
+
+def test_unsupported_rope_type():
+    with pytest.raises(ValueError, match="rope_scaling.rope_type 'dynamic'.*llama3"):
+        ModelArgs.from_hf_config(_hf("LlamaForCausalLM", rope_scaling={"type": "dynamic", "factor": 2.0}))
+
+
+# -- loader errors, presets, dummy weights, fingerprint -----------------------------------------
+
+def test_missing_safetensors(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_hf("LlamaForCausalLM")))
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}.*model.safetensors"):
+        load_model(str(tmp_path), torch.float32, "cpu")
+    model, _ = load_model(str(tmp_path), torch.float32, "cpu", load_format="dummy")  # no files needed
+
+
+def test_missing_model_and_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no-such-model.*tiny-moe"):
+        resolve_model_args("no-such-model")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_model_args(str(tmp_path))
+
+
+def test_bad_load_format():
+    with pytest.raises(ValueError, match="load_format 'pt'.*dummy"):
+        load_model("tiny-moe", torch.float32, "cpu", load_format="pt")
+
+
+def test_presets():
+    assert set(PRESETS) == {"tiny-moe", "qwen3-30b-a3b"}
+    tiny = resolve_model_args("tiny-moe")
+    assert (tiny.vocab_size, tiny.bos_token_id, tiny.eos_token_ids) == (512, 256, [257])
+    big = resolve_model_args("qwen3-30b-a3b")
+    assert big.eos_token_ids == [151645, 151643] and big.num_kv_bytes_per_token(torch.bfloat16) == 98304
+    with torch.device("meta"):
+        model = MODEL_CLASSES[big.architecture](big)
+    assert 30.4e9 < sum(p.numel() for p in model.parameters()) < 30.6e9
+    assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+
+
+def test_dummy_weights_are_seeded():
+    a, args = load_model("tiny-moe", torch.float32, "cpu", seed=0)
+    b, _ = load_model("tiny-moe", torch.float32, "cpu", seed=0)
+    c, _ = load_model("tiny-moe", torch.float32, "cpu", seed=1)
+    pa, pb, pc = (dict(m.named_parameters()) for m in (a, b, c))
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    assert not torch.equal(pa["layers.0.mlp.w13"], pc["layers.0.mlp.w13"])
+    assert torch.all(pa["norm.weight"] == 1) and torch.all(pa["layers.1.self_attn.q_norm.weight"] == 1)
+    assert abs(pa["layers.0.mlp.w13"].std().item() - 0.02) < 1e-3
+    assert pa["embed_tokens.weight"].dtype == torch.float32
+    c.load_weights(a.state_dict().items())  # our own names (fused w13/w2) load too
+    assert all(torch.equal(pa[n], p) for n, p in c.named_parameters())
+    bf16, _ = load_model("tiny-moe", torch.bfloat16, "cpu")
+    assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+    assert bf16.rotary_emb.cos.dtype == torch.float32  # RoPE tables stay float32
+    logits = run(a, make_batch([([1, 2, 3], 0)], new_cache(args)))
+    assert logits.shape == (3, 512) and torch.isfinite(logits).all()
+
+
+def test_fingerprint(checkpoints):
+    tiny = resolve_model_args("tiny-moe")
+    fp = model_fingerprint("tiny-moe", tiny, torch.float32)
+    assert fp == model_fingerprint("tiny-moe", resolve_model_args("tiny-moe"), torch.float32)
+    assert len(fp) == 16 and int(fp, 16) >= 0
+    assert fp != model_fingerprint("tiny-moe", tiny, torch.bfloat16)
+    assert fp != model_fingerprint("tiny-moe", tiny, torch.float32, seed=1)
+    paths = [str(checkpoints[f].path) for f in ("llama", "qwen2")]
+    fps = [model_fingerprint(p, resolve_model_args(p), torch.float32) for p in paths]
+    assert fps[0] != fps[1] and fps[0] == model_fingerprint(paths[0], resolve_model_args(paths[0]), torch.float32)
