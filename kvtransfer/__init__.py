@@ -1,1 +1,20 @@
-"""The KV-connector API and its backends (NIXL, TCP) (not built yet)."""
+"""KV transfer: the connector API (handshake, decode end, prefill end) and its backends (NIXL, TCP)."""
+
+from kvtransfer.connector import DecodeConnector, Finished, PrefillConnector
+from kvtransfer.metadata import HandshakeError, KVAgentMetadata
+from kvtransfer.messages import ReserveHandle
+
+__all__ = ["DecodeConnector", "Finished", "HandshakeError", "KVAgentMetadata", "PrefillConnector",
+           "ReserveHandle", "make_connector"]
+
+
+def make_connector(role: str, backend: str, engine_id: str, kv_cache, layout, fingerprint: str, **kw):
+    """A connector of `role` ('prefill' or 'decode') over `backend` ('nixl' or 'tcp')."""
+    from kvtransfer.backends import make_backend
+
+    meta = KVAgentMetadata.for_cache(engine_id, backend, kv_cache, layout, fingerprint)
+    be = make_backend(backend, meta, kv_cache, **kw)
+    cls = {"prefill": PrefillConnector, "decode": DecodeConnector}.get(role)
+    if cls is None:
+        raise ValueError(f"role: must be 'prefill' or 'decode', got {role!r}")
+    return cls(be, meta)

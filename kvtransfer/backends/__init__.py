@@ -1,0 +1,21 @@
+"""Byte movers behind the connector. A backend writes runs of blocks of one layer into a peer's
+KV allocation and carries small notices; leases, ordering and bookkeeping are the connector's.
+
+Every backend offers:
+    add_peer(meta) / remove_peer(engine_id)
+    write(peer_id, layer, src_blocks, dst_blocks) -> token     # posts, returns at once
+    state(token) -> "done" | "pending" | "failed";  release(token)
+    notify(peer_id, payload: bytes);  notifications() -> list[bytes]
+    close()
+"""
+
+
+def make_backend(name: str, meta, kv_cache, **kw):
+    """Create backend `name` for this KV allocation; fills meta's backend-specific fields."""
+    if name == "nixl":
+        from kvtransfer.backends.nixl import NixlBackend
+        return NixlBackend(meta, kv_cache, **kw)
+    if name == "tcp":
+        from kvtransfer.backends.tcp import TcpBackend
+        return TcpBackend(meta, kv_cache, **kw)
+    raise ValueError(f"kv_transfer.backend: must be 'nixl' or 'tcp', got {name!r}")

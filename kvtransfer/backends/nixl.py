@@ -1,0 +1,262 @@
+"""KV over NIXL (UCX): one-sided WRITEs straight into the peer's registered KV allocation.
+
+The whole allocation is registered once as one region, and both descriptor lists (ours and each
+peer's) are prepared once: one descriptor per (layer, k/v, block), index
+`(layer * 2 + kv) * num_blocks + block`, so that index order is address order. A write then only
+picks indices. NIXL merges descriptors that are adjacent on both sides (`skip_desc_merge=False`),
+so a run of consecutive blocks moves as one descriptor: checked with NIXL's telemetry
+(`descCount` is 1 for a 4000-block run, 4000 with merging skipped; tests/test_nixl_backend.py
+asserts it), which matters because UCX pays per descriptor (DESIGN.md §5).
+"""
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtransfer.metadata import KVAgentMetadata
+
+log = logging.getLogger(__name__)
+
+
+def _mem(device: str) -> tuple[str, int]:
+    """NIXL memory type and device id of an allocation on `device` ("cpu" or "cuda:N")."""
+    if device.startswith("cuda"):
+        return "VRAM", torch.device(device).index or 0
+    return "DRAM", 0  # NIXL wants device id 0 for host memory
+
+
+def _descs(base: int, num_layers: int, num_blocks: int, bytes_per_block: int, dev: int) -> np.ndarray:
+    """Nx3 (address, length, device) rows, one per (layer, k/v, block), row i at offset i * bpb."""
+    # Row order equals KVAgentMetadata.offset's: (layer * 2 + kv) * num_blocks + block.
+    n = num_layers * 2 * num_blocks
+    out = np.empty((n, 3), dtype=np.uint64)
+    out[:, 0] = base + np.arange(n, dtype=np.uint64) * np.uint64(bytes_per_block)
+    out[:, 1] = bytes_per_block
+    out[:, 2] = dev
+    return out
+
+
+def _indices(layer: int, blocks: np.ndarray, num_blocks: int) -> np.ndarray:
+    """Descriptor indices of K then V of `layer` for these blocks (K's last and V's first may merge)."""
+    k = blocks + layer * 2 * num_blocks
+    return np.concatenate([k, k + num_blocks]).astype(np.int32)
+
+
+def _blocks(ids, num_blocks: int, side: str) -> np.ndarray:
+    """Block ids as an int64 array, refusing any outside [0, num_blocks): they would alias another layer."""
+    a = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if a.size and (a.min() < 0 or a.max() >= num_blocks):
+        raise ValueError(f"{side} block ids must lie in [0, {num_blocks}), got {a.min()}..{a.max()}")
+    return a
+
+
+@dataclass
+class _Peer:
+    meta: KVAgentMetadata
+    dlist: object  # nixl_prepped_dlist_handle of the peer's blocks
+
+
+@dataclass
+class _Xfer:
+    peer: str
+    handle: object | None  # nixl_xfer_handle; None when there was nothing to post
+    state: str  # "pending" | "done" | "failed" — cached once final
+
+
+class NixlBackend:
+    """Writes runs of KV blocks into peers' allocations through one NIXL agent (UCX backend)."""
+
+    def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, telemetry: bool = False,
+                 close_timeout_s: float = 2.0):
+        from nixl._api import nixl_agent, nixl_agent_config  # only workers that use NIXL load it
+
+        assert kv_cache.is_contiguous(), "the KV allocation must be one contiguous region"
+        assert kv_cache.data_ptr() == meta.base_addr, "meta describes another allocation"
+        self.meta = meta
+        self.kv = kv_cache  # keeps the registered memory alive as long as the agent uses it
+        self._mem, self._dev = _mem(str(kv_cache.device))
+        self._close_timeout_s = close_timeout_s
+        self._closed = False
+        self._peers: dict[str, _Peer] = {}
+        self._xfers: dict[int, _Xfer] = {}
+        self._stuck: list = []  # xfer handles NIXL refused to release (still in flight): retried later
+        self._tokens = itertools.count()
+        self._cuda_thread = threading.local()
+
+        # The progress thread lets transfers and notifications advance without us polling.
+        self.agent = nixl_agent(meta.engine_id, nixl_agent_config(backends=["UCX"],
+                                                                  capture_telemetry=telemetry))
+        nbytes = kv_cache.numel() * kv_cache.element_size()
+        self._reg = self.agent.register_memory([(meta.base_addr, nbytes, self._dev, "")], self._mem)
+        try:
+            self._local = self.agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT",
+                _descs(meta.base_addr, meta.num_layers, meta.num_blocks, meta.bytes_per_block, self._dev),
+                self._mem)
+        except Exception:
+            self.agent.deregister_memory(self._reg)
+            raise
+        # Taken after registering: the blob carries the region's remote keys the peers need.
+        meta.agent_metadata = self.agent.get_agent_metadata()
+
+    # -- peers ----------------------------------------------------------------------------------
+
+    def add_peer(self, peer: KVAgentMetadata) -> None:
+        """Load a peer's agent metadata and prepare its block descriptors (once per peer)."""
+        if peer.engine_id in self._peers:  # a re-handshake (e.g. the peer restarted): start afresh
+            self.remove_peer(peer.engine_id)
+        name = self.agent.add_remote_agent(peer.agent_metadata)
+        if isinstance(name, bytes):  # the bindings hand the name back as bytes
+            name = name.decode()
+        if name != peer.engine_id:
+            self.agent.remove_remote_agent(name)
+            raise ValueError(f"peer {peer.engine_id!r} sent NIXL metadata of agent {name!r}")
+        mem, dev = _mem(peer.device)
+        try:
+            dlist = self.agent.prep_xfer_dlist(
+                peer.engine_id,
+                _descs(peer.base_addr, peer.num_layers, peer.num_blocks, peer.bytes_per_block, dev), mem)
+        except Exception:
+            self.agent.remove_remote_agent(peer.engine_id)
+            raise
+        self._peers[peer.engine_id] = _Peer(peer, dlist)
+
+    def remove_peer(self, engine_id: str) -> None:
+        """Forget a peer: its transfers are released (and read as failed), then its descriptors."""
+        p = self._peers.pop(engine_id, None)
+        if p is None:
+            return
+        for tok in [t for t, x in self._xfers.items() if x.peer == engine_id]:
+            self.release(tok)
+        self._release_stuck()
+        self._quietly(p.dlist.release, "release the descriptor list of", engine_id)
+        self._quietly(lambda: self.agent.remove_remote_agent(engine_id), "remove agent", engine_id)
+
+    # -- transfers ------------------------------------------------------------------------------
+
+    def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> int:
+        """Post one WRITE of `layer`'s K and V from src_blocks into the peer's dst_blocks; returns a token."""
+        if len(src_blocks) != len(dst_blocks):
+            raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
+        if not 0 <= layer < self.meta.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.meta.num_layers})")
+        token = next(self._tokens)
+        peer = self._peers.get(peer_id)
+        if peer is None:  # removed meanwhile: the request fails, the caller's thread goes on
+            self._xfers[token] = _Xfer(peer_id, None, "failed")
+            return token
+        src = _blocks(src_blocks, self.meta.num_blocks, "source")
+        dst = _blocks(dst_blocks, peer.meta.num_blocks, "destination")
+        if src.size == 0:
+            self._xfers[token] = _Xfer(peer_id, None, "done")
+            return token
+        if self._mem == "VRAM":
+            self._bind_cuda()
+        x = _Xfer(peer_id, None, "pending")
+        self._xfers[token] = x
+        try:
+            # Indices into the prepared lists; NIXL merges runs adjacent on both sides itself.
+            x.handle = self.agent.make_prepped_xfer(
+                "WRITE", self._local, _indices(layer, src, self.meta.num_blocks),
+                peer.dlist, _indices(layer, dst, peer.meta.num_blocks), skip_desc_merge=False)
+            if self.agent.transfer(x.handle) == "ERR":
+                x.state = "failed"
+        except Exception as e:  # e.g. the peer is gone: report through state(), never raise here
+            log.warning("NIXL write to %s failed: %s", peer_id, e)
+            x.state = "failed"
+        return token
+
+    def state(self, token: int) -> str:
+        """'done' | 'pending' | 'failed' of a write (an unknown or released token reads 'failed')."""
+        x = self._xfers.get(token)
+        if x is None:
+            return "failed"
+        if x.state == "pending":
+            try:
+                s = self.agent.check_xfer_state(x.handle)
+            except Exception:
+                s = "ERR"
+            if s == "DONE":
+                x.state = "done"
+            elif s != "PROC":
+                x.state = "failed"
+        return x.state
+
+    def release(self, token: int) -> None:
+        """Free a write's handle; one still in flight is cancelled, or kept and retried later."""
+        x = self._xfers.pop(token, None)
+        if x is not None and x.handle is not None:
+            self._stuck.append(x.handle)
+        self._release_stuck()
+
+    def descriptor_count(self, token: int) -> int:
+        """Descriptors NIXL actually moved for a write, after merging (needs telemetry=True)."""
+        h = self._xfers[token].handle
+        return 0 if h is None else self.agent.get_xfer_telemetry(h).descCount
+
+    # -- notices --------------------------------------------------------------------------------
+
+    def notify(self, peer_id: str, payload: bytes) -> None:
+        """Send a small message to a peer (raises if the peer is unknown or unreachable)."""
+        if peer_id not in self._peers:
+            raise KeyError(f"unknown peer {peer_id!r}")
+        self.agent.send_notif(peer_id, payload)
+
+    def notifications(self) -> list[bytes]:
+        """Every notice received since the last call, from any peer."""
+        return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
+
+    # -- teardown -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release every transfer and descriptor list, drop the peers, deregister; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for tok in list(self._xfers):
+            self.release(tok)
+        # Transfers NIXL could not cancel get a short while to settle: deregistering memory a
+        # transfer still reads could fault, so memory stays registered if they never do.
+        deadline = time.monotonic() + self._close_timeout_s
+        while self._stuck and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self._release_stuck()
+        for engine_id in list(self._peers):
+            self.remove_peer(engine_id)
+        self._quietly(self._local.release, "release the local descriptor list", "")
+        if self._stuck:
+            log.warning("NIXL: %d transfers never settled; leaving the KV memory registered", len(self._stuck))
+        else:
+            self._quietly(lambda: self.agent.deregister_memory(self._reg), "deregister the KV memory", "")
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _release_stuck(self) -> None:
+        """Retry releasing handles NIXL refused before (their transfer may have ended by now)."""
+        still = []
+        for h in self._stuck:
+            try:
+                h.release()
+            except Exception:
+                still.append(h)
+        self._stuck = still
+
+    def _bind_cuda(self) -> None:
+        """Make our GPU's context current on the calling thread: UCX's CUDA transports use it."""
+        if getattr(self._cuda_thread, "bound", False):
+            return
+        torch.cuda.set_device(self._dev)
+        self._cuda_thread.bound = True
+
+    @staticmethod
+    def _quietly(fn, what: str, who: str) -> None:
+        """Teardown goes on past a failing step (a dead peer must not stop the rest)."""
+        try:
+            fn()
+        except Exception as e:
+            log.warning("NIXL: could not %s %s: %s", what, who, e)

@@ -1,0 +1,256 @@
+"""The two ends of a KV transfer, with leases so that no dead or silent peer strands blocks.
+
+Decode end: reserve(request, blocks) -> ReserveHandle; poll() -> (finished, failed); release().
+Prefill end: send_layer(...) (returns at once), finish(request, first_token); poll() -> (done,
+failed); release(). Blocks themselves belong to the engines: a connector says when they may be
+freed (done / failed), it never frees them.
+
+The prefill end posts from one worker thread, so the engine's step never waits on the network;
+every backend call of that end happens on that thread.
+"""
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtransfer.messages import Notice, ReserveHandle
+from kvtransfer.metadata import KVAgentMetadata, check_peer
+
+
+@dataclass
+class Finished:
+    request_id: str
+    first_token: int
+
+
+class _Base:
+    def __init__(self, backend, meta: KVAgentMetadata):
+        self.backend = backend
+        self.meta = meta
+        self.peers: dict[str, KVAgentMetadata] = {}
+
+    def metadata(self) -> bytes:
+        """What this end publishes for the handshake (msgpack)."""
+        return self.meta.pack()
+
+    def _check(self, data: bytes) -> KVAgentMetadata:
+        peer = KVAgentMetadata.unpack(data)
+        check_peer(self.meta, peer)
+        return peer
+
+
+class DecodeConnector(_Base):
+    def __init__(self, backend, meta: KVAgentMetadata):
+        super().__init__(backend, meta)
+        self._leases: dict[str, tuple[ReserveHandle, str | None]] = {}  # id -> (handle, prefill id)
+
+    def add_peer(self, data: bytes) -> str:
+        """Handshake with a prefill worker; raises HandshakeError on any mismatch."""
+        peer = self._check(data)
+        self.backend.add_peer(peer)
+        self.peers[peer.engine_id] = peer
+        return peer.engine_id
+
+    def reserve(self, request_id: str, block_ids: list[int], lease_s: float,
+                prefill_id: str | None = None) -> ReserveHandle:
+        """Open a lease on blocks the engine reserved; the handle goes to the prefill worker."""
+        handle = ReserveHandle(request_id, self.meta.engine_id, list(block_ids), time.time() + lease_s)
+        self._leases[request_id] = (handle, prefill_id)
+        return handle
+
+    def poll(self) -> tuple[list[Finished], list[str]]:
+        """Requests whose KV has fully arrived, and ones that failed (aborted by the peer, or expired)."""
+        done, failed = [], []
+        for payload in self.backend.notifications():
+            n = Notice.unpack(payload)
+            if n.request_id not in self._leases:
+                continue  # released already: a late notice
+            del self._leases[n.request_id]
+            (done.append(Finished(n.request_id, n.first_token)) if n.kind == "finish"
+             else failed.append(n.request_id))
+        now = time.time()
+        for rid in [r for r, (h, _) in self._leases.items() if h.deadline < now]:
+            self.release(rid)
+            failed.append(rid)
+        return done, failed
+
+    def release(self, request_id: str) -> None:
+        """Forget a lease; if the KV has not arrived yet, tell the prefill worker to stop."""
+        entry = self._leases.pop(request_id, None)
+        if entry is not None and entry[1] in self.peers:
+            self._notify(entry[1], Notice("abort", request_id))
+
+    def _notify(self, peer: str, notice: Notice) -> None:
+        try:
+            self.backend.notify(peer, notice.pack())
+        except Exception:  # a dead peer cannot be told; its own lease will expire
+            pass
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+@dataclass
+class _Transfer:
+    handle: ReserveHandle
+    tokens: list = field(default_factory=list)
+    first_token: int | None = None
+
+
+class PrefillConnector(_Base):
+    def __init__(self, backend, meta: KVAgentMetadata):
+        super().__init__(backend, meta)
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, ok)
+        self._transfers: dict[str, _Transfer] = {}  # worker thread only
+        self._aborted: set[str] = set()  # worker thread only: aborted before we heard of them
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kv-post-{meta.engine_id}", daemon=True)
+        self._thread.start()
+
+    # -- called by the engine's thread ----------------------------------------------------------
+
+    def add_peer(self, data: bytes) -> str:
+        """Handshake with a decode worker; raises HandshakeError on any mismatch."""
+        peer = self._check(data)
+        self._call(lambda: self.backend.add_peer(peer))
+        self.peers[peer.engine_id] = peer
+        return peer.engine_id
+
+    def send_layer(self, request_id: str, layer: int, src_blocks: list[int], handle: ReserveHandle,
+                   first: int = 0) -> None:
+        """Queue one layer's KV of the request's blocks [first, first + len(src_blocks)) for writing
+        into the same positions of the handle's blocks; returns at once."""
+        ready = None
+        if self.meta.device.startswith("cuda"):
+            # The layer's KV is written by kernels still in flight: post only once they finish.
+            ready = torch.cuda.Event()
+            ready.record()
+        dst = handle.block_ids[first:first + len(src_blocks)]
+        assert len(dst) == len(src_blocks), "more blocks than the decode side reserved"
+        self._ops.put(("layer", request_id, layer, list(src_blocks), dst, handle, ready))
+
+    def finish(self, request_id: str, first_token: int) -> None:
+        """Every layer is queued: once all have landed, tell the decode worker (with the first token)."""
+        self._ops.put(("finish", request_id, first_token))
+
+    def poll(self) -> tuple[list[str], list[str]]:
+        """Requests whose KV was delivered (source blocks may be freed), and ones that failed."""
+        done, failed = [], []
+        while True:
+            try:
+                rid, ok = self._results.get_nowait()
+            except queue.Empty:
+                return done, failed
+            (done if ok else failed).append(rid)
+
+    def release(self, request_id: str, handle: ReserveHandle | None = None) -> None:
+        """Abort a transfer from this side; the decode worker is told (pass the handle in case
+        no layer was sent yet)."""
+        self._ops.put(("release", request_id, handle))
+
+    def close(self) -> None:
+        self._closed = True
+        self._thread.join(timeout=5)
+        self.backend.close()
+
+    def _call(self, fn: Callable):
+        """Run fn on the worker thread and wait for it (backend calls stay on one thread)."""
+        box: list = []
+        ev = threading.Event()
+        self._ops.put(("call", fn, box, ev))
+        ev.wait()
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    # -- worker thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                op = self._ops.get(timeout=0.0005 if self._transfers else 0.05)
+                self._apply(op)
+                while True:
+                    self._apply(self._ops.get_nowait())
+            except queue.Empty:
+                pass
+            self._progress()
+
+    def _apply(self, op: tuple) -> None:
+        kind = op[0]
+        if kind == "call":
+            _, fn, box, ev = op
+            try:
+                box.append(fn())
+            except BaseException as e:  # handed back to the caller
+                box.append(e)
+            ev.set()
+        elif kind == "layer":
+            _, rid, layer, src, dst, handle, ready = op
+            if rid in self._aborted:
+                return
+            t = self._transfers.setdefault(rid, _Transfer(handle))
+            if ready is not None:
+                ready.synchronize()
+            t.tokens.append(self.backend.write(handle.engine_id, layer, src, dst))
+        elif kind == "finish":
+            _, rid, first = op
+            if rid in self._transfers:
+                self._transfers[rid].first_token = first
+            elif rid in self._aborted:  # aborted by the peer before we started: fail it again
+                self._aborted.discard(rid)
+                self._results.put((rid, False))
+        elif kind == "release":
+            _, rid, handle = op
+            t = self._transfers.pop(rid, None)
+            self._aborted.discard(rid)
+            if t is not None:
+                self._drop(t)
+                handle = t.handle
+            if handle is not None:
+                self._notify(handle.engine_id, Notice("abort", rid))
+
+    def _progress(self) -> None:
+        for payload in self.backend.notifications():
+            n = Notice.unpack(payload)
+            if n.kind == "abort":
+                self._fail(n.request_id, tell_peer=False)
+        now = time.time()
+        for rid, t in list(self._transfers.items()):
+            states = [self.backend.state(tok) for tok in t.tokens]
+            if "failed" in states or t.handle.deadline < now:
+                self._fail(rid, tell_peer=True)
+            elif t.first_token is not None and all(s == "done" for s in states):
+                del self._transfers[rid]
+                self._drop(t)
+                try:
+                    self.backend.notify(t.handle.engine_id, Notice("finish", rid, t.first_token).pack())
+                    self._results.put((rid, True))
+                except Exception:
+                    self._results.put((rid, False))
+
+    def _fail(self, rid: str, tell_peer: bool) -> None:
+        t = self._transfers.pop(rid, None)
+        if t is None:
+            self._aborted.add(rid)  # the layers may still be queued: drop them when they come
+            self._results.put((rid, False))
+            return
+        self._drop(t)
+        if tell_peer:
+            self._notify(t.handle.engine_id, Notice("abort", rid))
+        self._results.put((rid, False))
+
+    def _drop(self, t: _Transfer) -> None:
+        for tok in t.tokens:
+            self.backend.release(tok)
+
+    def _notify(self, peer: str, notice: Notice) -> None:
+        try:
+            self.backend.notify(peer, notice.pack())
+        except Exception:
+            pass

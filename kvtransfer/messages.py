@@ -1,0 +1,38 @@
+"""Typed messages of the KV-transfer protocol (msgpack on the wire)."""
+
+from dataclasses import asdict, dataclass
+
+import msgpack
+
+
+@dataclass
+class ReserveHandle:
+    """Where a request's KV goes: the decode engine, its block ids, and the lease's end."""
+
+    request_id: str
+    engine_id: str  # the decode worker
+    block_ids: list[int]  # the same ids in every layer
+    deadline: float  # unix time; after it the blocks are reclaimed on both sides
+
+    def pack(self) -> bytes:
+        return msgpack.packb(asdict(self))
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "ReserveHandle":
+        return cls(**msgpack.unpackb(data))
+
+
+@dataclass
+class Notice:
+    """A control message between the two ends, sent after the data it refers to."""
+
+    kind: str  # "finish": all KV written, here is the first token | "abort": forget the request
+    request_id: str
+    first_token: int = -1
+
+    def pack(self) -> bytes:
+        return msgpack.packb(asdict(self))
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "Notice":
+        return cls(**msgpack.unpackb(data))

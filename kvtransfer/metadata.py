@@ -1,0 +1,61 @@
+"""The handshake: what a worker publishes about its KV allocation, and the check a peer must pass."""
+
+from dataclasses import asdict, dataclass
+
+import msgpack
+import torch
+
+
+class HandshakeError(ValueError):
+    """A peer's KV cache cannot be exchanged with ours; the message names every mismatch."""
+
+
+@dataclass
+class KVAgentMetadata:
+    engine_id: str  # unique per worker; also the NIXL agent name
+    backend: str  # "nixl" | "tcp"
+    fingerprint: str  # model identity: architecture, shapes, weights, dtype
+    dtype: str
+    layout: str  # dimension order of the allocation
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    bytes_per_block: int  # one block of one layer's K (or V)
+    base_addr: int  # address of the allocation's first byte
+    device: str  # "cpu" or "cuda:N"
+    agent_metadata: bytes = b""  # NIXL: the agent's metadata blob
+    address: str = ""  # TCP: host:port of the receiver
+
+    LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
+
+    @classmethod
+    def for_cache(cls, engine_id: str, backend: str, kv_cache: torch.Tensor, layout, fingerprint: str
+                  ) -> "KVAgentMetadata":
+        """Describe an engine's KV allocation (`layout` is its pdserve.engine.kv_cache.KVLayout)."""
+        assert kv_cache.is_contiguous() and tuple(kv_cache.shape) == layout.shape
+        return cls(engine_id, backend, fingerprint, str(layout.dtype).removeprefix("torch."), cls.LAYOUT,
+                   layout.num_layers, layout.num_blocks, layout.block_size, layout.num_kv_heads,
+                   layout.head_dim, layout.bytes_per_block, kv_cache.data_ptr(), str(kv_cache.device))
+
+    def pack(self) -> bytes:
+        return msgpack.packb(asdict(self))
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "KVAgentMetadata":
+        return cls(**msgpack.unpackb(data))
+
+    def offset(self, layer: int, kv: int, block: int) -> int:
+        """Byte offset of (layer, k or v, block) from base_addr."""
+        return ((layer * 2 + kv) * self.num_blocks + block) * self.bytes_per_block
+
+
+def check_peer(local: KVAgentMetadata, remote: KVAgentMetadata) -> None:
+    """Refuse a peer whose KV blocks do not mean the same bytes as ours."""
+    fields = ["backend", "fingerprint", "dtype", "block_size", "layout", "num_layers", "num_kv_heads",
+              "head_dim", "bytes_per_block"]
+    bad = [f"{f}: ours {getattr(local, f)!r}, peer {remote.engine_id!r} has {getattr(remote, f)!r}"
+           for f in fields if getattr(local, f) != getattr(remote, f)]
+    if bad:
+        raise HandshakeError("KV handshake refused — " + "; ".join(bad))

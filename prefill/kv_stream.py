@@ -1,0 +1,79 @@
+"""Streams a prefill engine's KV to decode workers layer by layer, as each layer is computed.
+
+Installs itself as the engine's layer hook. A block is sent once, when it is full (or when it is
+the prompt's last block), so a chunked prefill never writes the same block twice: two writes of
+one block could land out of order.
+"""
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledSeq
+
+from kvtransfer import PrefillConnector, ReserveHandle
+
+
+class KVStreamer:
+    def __init__(self, engine: Engine, connector: PrefillConnector):
+        assert engine.config.role == "prefill"
+        self.engine = engine
+        self.connector = connector
+        self.handles: dict[str, ReserveHandle] = {}
+        self._sent: dict[str, int] = {}  # blocks already queued, per request
+        self._step_ranges: dict[str, tuple[int, int]] = {}
+        engine.layer_hook = self._on_layer
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, handle: ReserveHandle) -> None:
+        """Prefill a request whose decode-side blocks are reserved (handle)."""
+        self.engine.add_request(request_id, prompt, params)
+        self.handles[request_id] = handle
+        self._sent[request_id] = 0
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request here and on its decode worker; frees our blocks."""
+        handle = self.handles.pop(request_id, None)
+        if handle is not None:
+            self._sent.pop(request_id, None)
+            self.engine.abort(request_id)
+            self.connector.release(request_id, handle)
+
+    def step(self) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """One engine step, then: (prefill outputs, requests delivered, requests failed)."""
+        self._step_ranges.clear()
+        outputs = self.engine.step()
+        for out in outputs:
+            if out.request_id in self.handles:
+                self.connector.finish(out.request_id, out.token_ids[0])
+        done, failed = self.connector.poll()
+        for rid in done + failed:
+            if self.handles.pop(rid, None) is not None:
+                self._sent.pop(rid, None)
+                self.engine.release(rid)  # our copy of the KV is no longer needed
+        return outputs, done, failed
+
+    def busy(self) -> bool:
+        return bool(self.handles)
+
+    def _on_layer(self, layer: int, scheduled: list[ScheduledSeq]) -> None:
+        if layer == 0:
+            self._plan(scheduled)
+        for s in scheduled:
+            r = self._step_ranges.get(s.seq.request_id)
+            if r is not None:
+                lo, hi = r
+                self.connector.send_layer(s.seq.request_id, layer, s.seq.block_ids[lo:hi],
+                                          self.handles[s.seq.request_id], first=lo)
+
+    def _plan(self, scheduled: list[ScheduledSeq]) -> None:
+        """Which blocks of each request become complete in this step."""
+        bs = self.engine.config.block_size
+        for s in scheduled:
+            rid = s.seq.request_id
+            if rid not in self.handles:
+                continue
+            end = s.seq.num_computed_tokens + s.num_new_tokens
+            hi = -(-end // bs) if s.samples else end // bs
+            lo = self._sent[rid]
+            if hi > lo:
+                self._step_ranges[rid] = (lo, hi)
+                self._sent[rid] = hi

@@ -1,0 +1,165 @@
+"""A prefill worker and a decode worker in two real processes, driven over pipes by a test.
+
+Each child owns a tiny-moe engine and a KV connector of the chosen backend; the parent plays the
+router: it exchanges handshake metadata, reserves on the decode side and hands the lease to the
+prefill side.
+"""
+
+import multiprocessing as mp
+import time
+import traceback
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.sampling_params import SamplingParams
+
+NUM_BLOCKS = 160
+
+
+def _engine(role: str, seed: int, fragment: bool):
+    from pdserve.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe", seed=seed), role=role,
+                                 num_kv_blocks=NUM_BLOCKS, chunk_size=256, max_num_batched_tokens=256))
+    if fragment:
+        # Hold every third block: each allocation afterwards is scattered over small runs.
+        held = engine.pool.allocate(NUM_BLOCKS // 3 * 3)
+        engine.pool.free([b for i, b in enumerate(held) if i % 3])
+    return engine
+
+
+def _prefill_main(conn, backend: str, seed: int, fragment: bool) -> None:
+    from kvtransfer import ReserveHandle, make_connector
+    from prefill.kv_stream import KVStreamer
+
+    engine = _engine("prefill", seed, fragment)
+    idle = engine.pool.num_free_blocks
+    connector = make_connector("prefill", backend, f"prefill-{mp.current_process().pid}", engine.kv_cache,
+                               engine.layout, engine.fingerprint)
+    streamer = KVStreamer(engine, connector)
+    results: dict[str, bool] = {}
+    while True:
+        cmd, *args = conn.recv()
+        try:
+            if cmd == "meta":
+                conn.send(connector.metadata())
+            elif cmd == "add_peer":
+                conn.send(connector.add_peer(args[0]))
+            elif cmd == "prefill":
+                rid, prompt, params, handle = args
+                streamer.add(rid, prompt, SamplingParams(**params), ReserveHandle.unpack(handle))
+                conn.send(None)
+            elif cmd == "abort":
+                streamer.abort(args[0])
+                results[args[0]] = False
+                conn.send(None)
+            elif cmd == "run":  # step until every transfer settled or timeout
+                deadline = time.time() + args[0]
+                while (streamer.busy() or engine.has_unfinished()) and time.time() < deadline:
+                    _, done, failed = streamer.step()
+                    results.update({r: True for r in done})
+                    results.update({r: False for r in failed})
+                    if not engine.has_unfinished():
+                        time.sleep(0.002)
+                conn.send((dict(results), engine.pool.num_free_blocks, idle))
+                results.clear()
+            elif cmd == "exit":
+                connector.close()
+                conn.send(None)
+                return
+        except Exception as e:
+            conn.send(RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _decode_main(conn, backend: str, seed: int, fragment: bool) -> None:
+    from decode.kv_intake import KVIntake
+    from kvtransfer import make_connector
+
+    engine = _engine("decode", seed, fragment)
+    idle = engine.pool.num_free_blocks
+    connector = make_connector("decode", backend, f"decode-{mp.current_process().pid}", engine.kv_cache,
+                               engine.layout, engine.fingerprint)
+    intake = KVIntake(engine, connector)
+    tokens: dict[str, list[int]] = {}
+    failed: set[str] = set()
+    while True:
+        cmd, *args = conn.recv()
+        try:
+            if cmd == "meta":
+                conn.send(connector.metadata())
+            elif cmd == "add_peer":
+                conn.send(connector.add_peer(args[0]))
+            elif cmd == "reserve":
+                rid, prompt, params, lease_s, prefill_id = args
+                intake.lease_s = lease_s
+                h = intake.reserve(rid, prompt, SamplingParams(**params), prefill_id)
+                if h is not None:
+                    tokens[rid] = []
+                conn.send(h.pack() if h else None)
+            elif cmd == "abort":
+                intake.abort(args[0])
+                failed.add(args[0])
+                conn.send(None)
+            elif cmd == "run":  # decode until every reserved request finished or failed
+                deadline = time.time() + args[0]
+                finished: set[str] = set()
+                while len(finished | failed) < len(tokens) and time.time() < deadline:
+                    failed.update(intake.poll())
+                    for out in engine.step():
+                        tokens[out.request_id] += out.token_ids
+                        if out.finished:
+                            finished.add(out.request_id)
+                    if not engine.scheduler.has_work():
+                        time.sleep(0.002)
+                conn.send(({r: ("failed" if r in failed else t) for r, t in tokens.items()},
+                           engine.pool.num_free_blocks, idle))
+                tokens.clear()
+                failed.clear()
+            elif cmd == "exit":
+                connector.close()
+                conn.send(None)
+                return
+        except Exception as e:
+            conn.send(RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class Worker:
+    """A child process and its command pipe."""
+
+    def __init__(self, target, backend: str, seed: int = 0, fragment: bool = False):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, backend, seed, fragment), daemon=True)
+        self.proc.start()
+
+    def call(self, *msg, timeout: float = 120):
+        self.conn.send(msg)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"worker did not answer {msg[0]!r} within {timeout} s")
+        out = self.conn.recv()
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit", timeout=20)
+            except Exception:
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.kill()
+
+
+def start_pair(backend: str, fragment: bool = False, prefill_seed: int = 0) -> tuple[Worker, Worker]:
+    """A connected prefill/decode pair (handshake done both ways)."""
+    p = Worker(_prefill_main, backend, prefill_seed, fragment)
+    d = Worker(_decode_main, backend, 0, fragment)
+    pmeta, dmeta = p.call("meta"), d.call("meta")
+    p.call("add_peer", dmeta)
+    d.call("add_peer", pmeta)
+    return p, d

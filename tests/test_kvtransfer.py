@@ -1,0 +1,132 @@
+"""KV transfer between a prefill process and a decode process, both backends, real sockets/UCX.
+
+The decode side's greedy continuation must equal colocated generation, and every fault —
+a dead peer, an abort from either side, a lease running out — must leave both pools idle.
+"""
+
+import time
+
+import pytest
+import torch
+
+from kv_pair import Worker, _decode_main, _prefill_main, start_pair
+from kvtransfer.metadata import KVAgentMetadata
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+
+BACKENDS = ["tcp", "nixl"]
+PROMPT_LENS = [1, 15, 16, 17, 1000]
+GREEDY = dict(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def colocated() -> list[list[int]]:
+    engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=160))
+    return [c.token_ids for c in engine.generate(prompts(), SamplingParams(**GREEDY))]
+
+
+def transfer_all(p, d, ps, lease_s=30.0):
+    for i, prompt in enumerate(ps):
+        handle = d.call("reserve", f"r{i}", prompt, GREEDY, lease_s, None)
+        assert handle is not None
+        p.call("prefill", f"r{i}", prompt, GREEDY, handle)
+    presults, pfree, pidle = p.call("run", 60)
+    dresults, dfree, didle = d.call("run", 60)
+    return presults, dresults, (pfree, pidle), (dfree, didle)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fragment", [False, True], ids=["fresh", "fragmented"])
+def test_disaggregated_greedy_equals_colocated(backend, fragment, colocated):
+    p, d = start_pair(backend, fragment=fragment)
+    try:
+        presults, dresults, (pfree, pidle), (dfree, didle) = transfer_all(p, d, prompts())
+        assert presults == {f"r{i}": True for i in range(len(PROMPT_LENS))}
+        assert [dresults[f"r{i}"] for i in range(len(PROMPT_LENS))] == colocated
+        assert pfree == pidle and dfree == didle
+    finally:
+        p.stop()
+        d.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatched_fingerprint_is_refused(backend):
+    p = Worker(_prefill_main, backend, seed=1)  # other dummy weights: another model
+    d = Worker(_decode_main, backend, seed=0)
+    try:
+        with pytest.raises(RuntimeError, match="HandshakeError.*fingerprint"):
+            d.call("add_peer", p.call("meta"))
+        with pytest.raises(RuntimeError, match="fingerprint"):
+            p.call("add_peer", d.call("meta"))
+    finally:
+        p.stop()
+        d.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abort_from_either_side_frees_both(backend):
+    p, d = start_pair(backend)
+    pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
+    ps = prompts()
+    try:
+        # Decode side aborts before the prefill starts: the prefill side drops the request.
+        h = d.call("reserve", "a", ps[4], GREEDY, 30.0, pid)
+        d.call("abort", "a")
+        p.call("prefill", "a", ps[4], GREEDY, h)
+        # Prefill side aborts: the decode side hears of it long before the 30 s lease ends.
+        h = d.call("reserve", "b", ps[4], GREEDY, 30.0, pid)
+        p.call("prefill", "b", ps[4], GREEDY, h)
+        p.call("abort", "b")
+        t0 = time.time()
+        presults, pfree, pidle = p.call("run", 20)
+        dresults, dfree, didle = d.call("run", 20)
+        assert time.time() - t0 < 20
+        assert presults.get("a") is False and presults.get("b") is False
+        assert dresults == {"a": "failed", "b": "failed"}
+        assert pfree == pidle and dfree == didle
+    finally:
+        p.stop()
+        d.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_killed_after_reserving_frees_prefill_blocks_within_lease(backend):
+    p, d = start_pair(backend)
+    ps = prompts()
+    try:
+        h = d.call("reserve", "x", ps[4], GREEDY, 3.0, None)
+        d.kill()
+        p.call("prefill", "x", ps[4], GREEDY, h)
+        t0 = time.time()
+        presults, pfree, pidle = p.call("run", 30)
+        assert presults == {"x": False}
+        assert time.time() - t0 < 15
+        assert pfree == pidle
+    finally:
+        p.stop()
+        d.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_killed_mid_transfer_frees_decode_blocks(backend):
+    p, d = start_pair(backend)
+    pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
+    ps = prompts()
+    try:
+        h = d.call("reserve", "y", ps[4], GREEDY, 3.0, pid)
+        p.call("prefill", "y", ps[4], GREEDY, h)
+        p.conn.send(("run", 30))  # it starts streaming ...
+        time.sleep(0.05)
+        p.kill()  # ... and dies
+        dresults, dfree, didle = d.call("run", 30)
+        assert dresults == {"y": "failed"}
+        assert dfree == didle
+    finally:
+        p.stop()
+        d.stop()
