@@ -197,7 +197,10 @@ class PrefillConnector(_Base):
             t = self._transfers.setdefault(rid, _Transfer(handle))
             if ready is not None:
                 ready.synchronize()
-            t.tokens.append(self.backend.write(handle.engine_id, layer, src, dst))
+            try:
+                t.tokens.append(self.backend.write(handle.engine_id, layer, src, dst))
+            except Exception:  # a bad handle or a broken peer fails this request, not the thread
+                self._fail(rid, tell_peer=True)
         elif kind == "finish":
             _, rid, first = op
             if rid in self._transfers:

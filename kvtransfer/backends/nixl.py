@@ -34,6 +34,8 @@ def _descs(base: int, num_layers: int, num_blocks: int, bytes_per_block: int, de
     """Nx3 (address, length, device) rows, one per (layer, k/v, block), row i at offset i * bpb."""
     # Row order equals KVAgentMetadata.offset's: (layer * 2 + kv) * num_blocks + block.
     n = num_layers * 2 * num_blocks
+    if n >= 2**31:  # NIXL takes descriptor indices as int32
+        raise ValueError(f"{n} KV descriptors exceed NIXL's int32 indices; use larger blocks")
     out = np.empty((n, 3), dtype=np.uint64)
     out[:, 0] = base + np.arange(n, dtype=np.uint64) * np.uint64(bytes_per_block)
     out[:, 1] = bytes_per_block

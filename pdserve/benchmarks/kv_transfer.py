@@ -1,0 +1,268 @@
+"""KV transfer between two GPUs in two processes, against the raw GPU0 -> GPU1 copy rate.
+
+    python -m pdserve.benchmarks.kv_transfer [--backend nixl] [--sizes 1024 4096 16384 65536]
+                                             [--ttft 16384] [--json out.json]
+
+Part 1: one request's KV (qwen3-30b-a3b shape, bf16) moved by the connector, per layer as the
+prefill engine would post it, for fresh (one run), fragmented (runs of 8 blocks) and scattered
+(runs of 1 block) allocations on both sides. Reference: a 1 GiB cudaMemcpy peer copy, same run.
+Part 2: TTFT of a prompt prefilled by the real engine (dummy weights) with layer-wise streaming
+into the decode process, against the same prefill with no transfer.
+"""
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+
+from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
+from pdserve.models import model_fingerprint, resolve_model_args
+
+PRESET = "qwen3-30b-a3b"
+BLOCK = 16
+
+
+def layout_for(num_blocks: int) -> KVLayout:
+    a = resolve_model_args(PRESET)
+    return KVLayout(a.num_layers, num_blocks, BLOCK, a.num_kv_heads, a.head_dim, torch.bfloat16)
+
+
+def fingerprint() -> str:
+    return model_fingerprint(PRESET, resolve_model_args(PRESET), torch.bfloat16, "dummy", 0)
+
+
+def blocks_for(n_blocks: int, pattern: str, offset: int = 0) -> list[int]:
+    """Block ids of a request: one run, runs of 8 with gaps, or every other block."""
+    if pattern == "fresh":
+        return list(range(offset, offset + n_blocks))
+    run = 8 if pattern == "fragmented" else 1
+    return [offset + (i // run) * 2 * run + i % run for i in range(n_blocks)]
+
+
+def _decode_main(conn, backend: str, num_blocks: int, device: str, preset: str) -> None:
+    from kvtransfer import make_connector
+
+    global PRESET
+    PRESET = preset  # a spawned child does not see the parent's assignment
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    kv = allocate_kv_cache(layout_for(num_blocks), torch.device(device))
+    conn_ = make_connector("decode", backend, "bench-decode", kv, layout_for(num_blocks), fingerprint())
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "meta":
+            conn.send(conn_.metadata())
+        elif cmd == "add_peer":
+            conn.send(conn_.add_peer(args[0]))
+        elif cmd == "reserve":
+            rid, ids = args
+            conn.send(conn_.reserve(rid, ids, 600.0).pack())
+        elif cmd == "wait":
+            deadline = time.time() + 120
+            while time.time() < deadline:
+                done, failed = conn_.poll()
+                if done or failed:
+                    conn.send((len(done), len(failed)))
+                    break
+                time.sleep(0.0002)
+            else:
+                conn.send((0, 0))
+        elif cmd == "exit":
+            conn_.close()
+            conn.send(None)
+            return
+
+
+def raw_copy_gbs(nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """GPU0 -> GPU1 copy rate (GB/s), median of reps, the link's ceiling for part 1."""
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda:0")
+    dst = torch.empty_like(src, device="cuda:1")
+    times = []
+    for _ in range(reps + 2):
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(1)
+        torch.cuda.synchronize(0)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[2:]) / 1e9
+
+
+def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KVLayout) -> float:
+    """Seconds from the first layer posted to the decode side holding the whole request."""
+    from kvtransfer import ReserveHandle
+
+    n_blocks = -(-n_tokens // BLOCK)
+    handle = ReserveHandle.unpack(decode_call(decode, "reserve", rid, blocks_for(n_blocks, pattern, 1)))
+    src = blocks_for(n_blocks, pattern, 3)
+    t0 = time.perf_counter()
+    for layer in range(layout.num_layers):
+        prefill.send_layer(rid, layer, src, handle)
+    prefill.finish(rid, 0)
+    while True:
+        done, failed = prefill.poll()
+        if done or failed:
+            break
+    dt = time.perf_counter() - t0
+    assert done == [rid], (done, failed)
+    assert decode_call(decode, "wait") == (1, 0)
+    return dt
+
+
+def decode_call(decode, *msg):
+    decode[0].send(msg)
+    return decode[0].recv()
+
+
+def part1(args, decode, prefill, layout) -> list[dict]:
+    rows = []
+    for n in args.sizes:
+        nbytes = n * layout.bytes_per_token
+        for pattern in ("fresh", "fragmented", "scattered"):
+            times = [move_once(prefill, decode, f"{pattern}-{n}-{i}", n, pattern, layout) for i in range(args.reps)]
+            t = statistics.median(times)
+            rows.append({"tokens": n, "pattern": pattern, "MB": round(nbytes / 1e6, 1), "ms": round(t * 1e3, 3),
+                         "GB/s": round(nbytes / t / 1e9, 1)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    global PRESET
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="nixl", choices=["nixl", "tcp"])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    ap.add_argument("--ttft", type=int, default=16384, help="prompt tokens for part 2; 0 skips it")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json")
+    ap.add_argument("--model", default=PRESET, help="preset whose KV shape and weights are used")
+    ap.add_argument("--cpu", action="store_true", help="dry run on CPU memory (checks the script, not a figure)")
+    args = ap.parse_args()
+    dev0, dev1 = ("cpu", "cpu") if args.cpu else ("cuda:0", "cuda:1")
+    PRESET = args.model
+    from kvtransfer import make_connector
+
+    # Scattered allocations need twice the blocks of the request; +8 for the offsets.
+    num_blocks = 2 * -(-max(args.sizes + [args.ttft]) // BLOCK) + 8
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_decode_main, args=(child, args.backend, num_blocks, dev1, PRESET), daemon=True)
+    proc.start()
+    decode = (parent, proc)
+    if not args.cpu:
+        torch.cuda.set_device(0)
+    raw = float("nan") if args.cpu else raw_copy_gbs()
+    print(f"raw GPU0->GPU1 copy: {raw:.1f} GB/s", flush=True)
+
+    layout = layout_for(num_blocks)
+    kv = allocate_kv_cache(layout, torch.device(dev0))
+    kv.normal_()
+    prefill = make_connector("prefill", args.backend, "bench-prefill", kv, layout, fingerprint())
+    prefill.add_peer(decode_call(decode, "meta"))
+    decode_call(decode, "add_peer", prefill.metadata())
+    rows = part1(args, decode, prefill, layout)
+    prefill.close()
+    del kv
+    if not args.cpu:
+        torch.cuda.empty_cache()
+
+    ttft = None
+    if args.ttft:
+        ttft = part2_with_engine(args, decode, dev0)
+
+    meta = {"date": datetime.date.today().isoformat(),
+            "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+            "backend": args.backend, "torch": torch.__version__, "raw_copy_GB/s": round(raw, 1)}
+    print(f"\nraw GPU0->GPU1 copy {raw:.1f} GB/s ({meta['device']}, {args.backend})")
+    print(f"{'tokens':>7} {'pattern':>10} {'MB':>8} {'ms':>9} {'GB/s':>7} {'% raw':>6}")
+    for r in rows:
+        r["pct_raw"] = round(100 * r["GB/s"] / raw, 1)
+        print(f"{r['tokens']:>7} {r['pattern']:>10} {r['MB']:>8} {r['ms']:>9} {r['GB/s']:>7} {r['pct_raw']:>6}")
+    if ttft:
+        print(f"TTFT {ttft['tokens']} tokens: prefill only {ttft['prefill_only_ms']} ms, with streaming "
+              f"{ttft['prefill_streamed_ms']} ms, overhead {ttft['overhead_pct']} %")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "transfer": rows, "ttft": ttft}, f, indent=1)
+    decode_call(decode, "exit")
+
+
+def part2_with_engine(args, decode, device: str) -> dict:
+    """Build the prefill engine, connect its KV allocation to the decode process, measure TTFT."""
+    from pdserve.config import EngineConfig, ModelConfig
+    from pdserve.engine.engine import Engine
+
+    from kvtransfer import make_connector
+
+    n = args.ttft
+    cfg = EngineConfig(model=ModelConfig(path=PRESET, load_format="dummy", dtype="bfloat16"), role="prefill", device=device,
+                       num_kv_blocks=-(-n // BLOCK) + 8, max_num_batched_tokens=n, chunk_size=n,
+                       enable_prefix_cache=False)
+    engine = Engine(cfg, log=lambda m: print(m, flush=True))
+    conn = make_connector("prefill", args.backend, "bench-prefill-engine", engine.kv_cache, engine.layout,
+                          engine.fingerprint)
+    conn.add_peer(decode_call(decode, "meta"))
+    decode_call(decode, "add_peer", conn.metadata())
+    out = part2_run(args, decode, engine, conn)
+    conn.close()
+    return out
+
+
+def part2_run(args, decode, engine, conn) -> dict:
+    from pdserve.engine.sampling_params import SamplingParams
+    from prefill.kv_stream import KVStreamer
+
+    from kvtransfer import ReserveHandle
+
+    n = args.ttft
+    prompt = torch.randint(0, min(engine.args.vocab_size, 150000), (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=1, temperature=0)
+
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+
+    def plain(i: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        engine.add_request(f"plain-{i}", prompt, params)
+        while not engine.step():
+            pass
+        dt = time.perf_counter() - t0
+        engine.release(f"plain-{i}")
+        return dt
+
+    streamer = KVStreamer(engine, conn)
+
+    def streamed(i: int) -> float:
+        rid = f"stream-{i}"
+        handle = ReserveHandle.unpack(decode_call(decode, "reserve", rid, list(range(1, 1 + -(-n // BLOCK)))))
+        sync()
+        t0 = time.perf_counter()
+        streamer.add(rid, prompt, params, handle)
+        while True:
+            _, done, failed = streamer.step()
+            if done or failed:
+                break
+        dt = time.perf_counter() - t0
+        assert done == [rid], (done, failed)
+        assert decode_call(decode, "wait") == (1, 0)
+        return dt
+
+    hook, engine.layer_hook = engine.layer_hook, None
+    plain(-1)  # warm-up
+    plain_t = [plain(i) for i in range(args.reps)]
+    engine.layer_hook = hook
+    streamed(-1)
+    stream_t = [streamed(i) for i in range(args.reps)]
+    p, s = statistics.median(plain_t), statistics.median(stream_t)
+    return {"tokens": n, "prefill_only_ms": round(p * 1e3, 1), "prefill_streamed_ms": round(s * 1e3, 1),
+            "overhead_pct": round((s / p - 1) * 100, 2), "plain_all": [round(x * 1e3, 1) for x in plain_t],
+            "streamed_all": [round(x * 1e3, 1) for x in stream_t]}
+
+
+if __name__ == "__main__":
+    main()
