@@ -106,6 +106,7 @@ class PrefillConnector(_Base):
         super().__init__(backend, meta)
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, ok)
+        self._has_results = threading.Event()
         self._transfers: dict[str, _Transfer] = {}  # worker thread only
         self._aborted: set[str] = set()  # worker thread only: aborted before we heard of them
         self._closed = False
@@ -141,12 +142,21 @@ class PrefillConnector(_Base):
     def poll(self) -> tuple[list[str], list[str]]:
         """Requests whose KV was delivered (source blocks may be freed), and ones that failed."""
         done, failed = [], []
+        self._has_results.clear()
         while True:
             try:
                 rid, ok = self._results.get_nowait()
             except queue.Empty:
                 return done, failed
             (done if ok else failed).append(rid)
+
+    def wait(self, timeout: float) -> None:
+        """Block (GIL released) until poll() has something or timeout seconds pass.
+
+        A caller with nothing else to do waits here instead of spinning on poll(): a spinning
+        thread holds the GIL, and the posting thread would get it only every switch interval (5 ms).
+        """
+        self._has_results.wait(timeout)
 
     def release(self, request_id: str, handle: ReserveHandle | None = None) -> None:
         """Abort a transfer from this side; the decode worker is told (pass the handle in case
@@ -172,14 +182,33 @@ class PrefillConnector(_Base):
 
     def _run(self) -> None:
         while not self._closed:
+            ops = []
             try:
-                op = self._ops.get(timeout=0.0005 if self._transfers else 0.05)
-                self._apply(op)
+                ops.append(self._ops.get(timeout=0.0005 if self._transfers else 0.05))
                 while True:
-                    self._apply(self._ops.get_nowait())
+                    ops.append(self._ops.get_nowait())
             except queue.Empty:
                 pass
+            for op in self._batch_layers(ops):
+                self._apply(op)
             self._progress()
+
+    @staticmethod
+    def _batch_layers(ops: list[tuple]) -> list[tuple]:
+        """Fold consecutive queued layers of one request into one post (one backend request)."""
+        out: list[tuple] = []
+        for op in ops:
+            prev = out[-1] if out else None
+            if op[0] == "layer" and prev is not None and prev[0] == "layer" and prev[1] == op[1]:
+                # Events complete in stream order: waiting for the newest covers the older ones.
+                _, rid, layer, src, dst, handle, ready = op
+                out[-1] = ("layer", rid, prev[2] + [(layer, src, dst)], handle, ready or prev[4])
+            elif op[0] == "layer":
+                _, rid, layer, src, dst, handle, ready = op
+                out.append(("layer", rid, [(layer, src, dst)], handle, ready))
+            else:
+                out.append(op)
+        return out
 
     def _apply(self, op: tuple) -> None:
         kind = op[0]
@@ -191,14 +220,17 @@ class PrefillConnector(_Base):
                 box.append(e)
             ev.set()
         elif kind == "layer":
-            _, rid, layer, src, dst, handle, ready = op
+            _, rid, parts, handle, ready = op
             if rid in self._aborted:
                 return
             t = self._transfers.setdefault(rid, _Transfer(handle))
             if ready is not None:
                 ready.synchronize()
             try:
-                t.tokens.append(self.backend.write(handle.engine_id, layer, src, dst))
+                if hasattr(self.backend, "write_layers"):
+                    t.tokens.append(self.backend.write_layers(handle.engine_id, parts))
+                else:
+                    t.tokens += [self.backend.write(handle.engine_id, *p) for p in parts]
             except Exception:  # a bad handle or a broken peer fails this request, not the thread
                 self._fail(rid, tell_peer=True)
         elif kind == "finish":
@@ -207,7 +239,7 @@ class PrefillConnector(_Base):
                 self._transfers[rid].first_token = first
             elif rid in self._aborted:  # aborted by the peer before we started: fail it again
                 self._aborted.discard(rid)
-                self._results.put((rid, False))
+                self._result(rid, False)
         elif kind == "release":
             _, rid, handle = op
             t = self._transfers.pop(rid, None)
@@ -233,20 +265,24 @@ class PrefillConnector(_Base):
                 self._drop(t)
                 try:
                     self.backend.notify(t.handle.engine_id, Notice("finish", rid, t.first_token).pack())
-                    self._results.put((rid, True))
+                    self._result(rid, True)
                 except Exception:
-                    self._results.put((rid, False))
+                    self._result(rid, False)
 
     def _fail(self, rid: str, tell_peer: bool) -> None:
         t = self._transfers.pop(rid, None)
         if t is None:
             self._aborted.add(rid)  # the layers may still be queued: drop them when they come
-            self._results.put((rid, False))
+            self._result(rid, False)
             return
         self._drop(t)
         if tell_peer:
             self._notify(t.handle.engine_id, Notice("abort", rid))
-        self._results.put((rid, False))
+        self._result(rid, False)
+
+    def _result(self, rid: str, ok: bool) -> None:
+        self._results.put((rid, ok))
+        self._has_results.set()
 
     def _drop(self, t: _Transfer) -> None:
         for tok in t.tokens:

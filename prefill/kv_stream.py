@@ -40,6 +40,8 @@ class KVStreamer:
     def step(self) -> tuple[list[RequestOutput], list[str], list[str]]:
         """One engine step, then: (prefill outputs, requests delivered, requests failed)."""
         self._step_ranges.clear()
+        if self.handles and not self.engine.has_unfinished():
+            self.connector.wait(0.005)  # only transfers left: wait without holding the GIL
         outputs = self.engine.step()
         for out in outputs:
             if out.request_id in self.handles:

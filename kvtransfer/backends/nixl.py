@@ -10,6 +10,7 @@ asserts it), which matters because UCX pays per descriptor (DESIGN.md §5).
 """
 
 import itertools
+import os
 import logging
 import threading
 import time
@@ -43,6 +44,18 @@ def _descs(base: int, num_layers: int, num_blocks: int, bytes_per_block: int, de
     return out
 
 
+def _regions(meta: KVAgentMetadata, dev: int) -> list[tuple[int, int, int, str]]:
+    """The KV allocation as registered memory: one region per layer (its K and V blocks).
+
+    One region per layer, not one for the whole allocation: on GPUs UCX's cuda_ipc transport maps
+    the remote region a transfer touches, and a region of many GiB made every transfer slow.
+    """
+    if os.environ.get("PDSERVE_NIXL_REGION") == "one":  # kept only to reproduce that measurement
+        return [(meta.base_addr, meta.num_layers * 2 * meta.num_blocks * meta.bytes_per_block, dev, "")]
+    size = 2 * meta.num_blocks * meta.bytes_per_block
+    return [(meta.base_addr + layer * size, size, dev, "") for layer in range(meta.num_layers)]
+
+
 def _indices(layer: int, blocks: np.ndarray, num_blocks: int) -> np.ndarray:
     """Descriptor indices of K then V of `layer` for these blocks (K's last and V's first may merge)."""
     k = blocks + layer * 2 * num_blocks
@@ -74,7 +87,7 @@ class NixlBackend:
     """Writes runs of KV blocks into peers' allocations through one NIXL agent (UCX backend)."""
 
     def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, telemetry: bool = False,
-                 close_timeout_s: float = 2.0):
+                 close_timeout_s: float = 2.0, num_workers: int = 1):
         from nixl._api import nixl_agent, nixl_agent_config  # only workers that use NIXL load it
 
         assert kv_cache.is_contiguous(), "the KV allocation must be one contiguous region"
@@ -91,10 +104,10 @@ class NixlBackend:
         self._cuda_thread = threading.local()
 
         # The progress thread lets transfers and notifications advance without us polling.
-        self.agent = nixl_agent(meta.engine_id, nixl_agent_config(backends=["UCX"],
-                                                                  capture_telemetry=telemetry))
-        nbytes = kv_cache.numel() * kv_cache.element_size()
-        self._reg = self.agent.register_memory([(meta.base_addr, nbytes, self._dev, "")], self._mem)
+        self.agent = nixl_agent(meta.engine_id, nixl_agent_config(backends=[], capture_telemetry=telemetry))
+        # UCX workers post descriptors in parallel: with many descriptors per request it pays.
+        self.agent.create_backend("UCX", {"num_workers": str(num_workers)})
+        self._reg = self.agent.register_memory(_regions(meta, self._dev), self._mem)
         try:
             self._local = self.agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT",
@@ -143,17 +156,26 @@ class NixlBackend:
 
     def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> int:
         """Post one WRITE of `layer`'s K and V from src_blocks into the peer's dst_blocks; returns a token."""
-        if len(src_blocks) != len(dst_blocks):
-            raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
-        if not 0 <= layer < self.meta.num_layers:
-            raise ValueError(f"layer {layer} outside [0, {self.meta.num_layers})")
+        return self.write_layers(peer_id, [(layer, src_blocks, dst_blocks)])
+
+    def write_layers(self, peer_id: str, parts: list[tuple[int, list[int], list[int]]]) -> int:
+        """Post one WRITE covering several (layer, src_blocks, dst_blocks): one NIXL request, so
+        layers that queued up together pay the per-request cost once."""
+        for layer, src_blocks, dst_blocks in parts:
+            if len(src_blocks) != len(dst_blocks):
+                raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
+            if not 0 <= layer < self.meta.num_layers:
+                raise ValueError(f"layer {layer} outside [0, {self.meta.num_layers})")
         token = next(self._tokens)
         peer = self._peers.get(peer_id)
         if peer is None:  # removed meanwhile: the request fails, the caller's thread goes on
             self._xfers[token] = _Xfer(peer_id, None, "failed")
             return token
-        src = _blocks(src_blocks, self.meta.num_blocks, "source")
-        dst = _blocks(dst_blocks, peer.meta.num_blocks, "destination")
+        src_idx = [_indices(layer, _blocks(s, self.meta.num_blocks, "source"), self.meta.num_blocks)
+                   for layer, s, _ in parts]
+        dst_idx = [_indices(layer, _blocks(d, peer.meta.num_blocks, "destination"), peer.meta.num_blocks)
+                   for layer, _, d in parts]
+        src, dst = np.concatenate(src_idx), np.concatenate(dst_idx)
         if src.size == 0:
             self._xfers[token] = _Xfer(peer_id, None, "done")
             return token
@@ -163,9 +185,8 @@ class NixlBackend:
         self._xfers[token] = x
         try:
             # Indices into the prepared lists; NIXL merges runs adjacent on both sides itself.
-            x.handle = self.agent.make_prepped_xfer(
-                "WRITE", self._local, _indices(layer, src, self.meta.num_blocks),
-                peer.dlist, _indices(layer, dst, peer.meta.num_blocks), skip_desc_merge=False)
+            x.handle = self.agent.make_prepped_xfer("WRITE", self._local, src, peer.dlist, dst,
+                                                    skip_desc_merge=False)
             if self.agent.transfer(x.handle) == "ERR":
                 x.state = "failed"
         except Exception as e:  # e.g. the peer is gone: report through state(), never raise here

@@ -43,7 +43,7 @@ def blocks_for(n_blocks: int, pattern: str, offset: int = 0) -> list[int]:
     return [offset + (i // run) * 2 * run + i % run for i in range(n_blocks)]
 
 
-def _decode_main(conn, backend: str, num_blocks: int, device: str, preset: str) -> None:
+def _decode_main(conn, backend: str, num_blocks: int, device: str, preset: str, kw: dict) -> None:
     from kvtransfer import make_connector
 
     global PRESET
@@ -51,7 +51,7 @@ def _decode_main(conn, backend: str, num_blocks: int, device: str, preset: str) 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     kv = allocate_kv_cache(layout_for(num_blocks), torch.device(device))
-    conn_ = make_connector("decode", backend, "bench-decode", kv, layout_for(num_blocks), fingerprint())
+    conn_ = make_connector("decode", backend, "bench-decode", kv, layout_for(num_blocks), fingerprint(), **kw)
     while True:
         cmd, *args = conn.recv()
         if cmd == "meta":
@@ -108,10 +108,15 @@ def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KV
         done, failed = prefill.poll()
         if done or failed:
             break
+        prefill.wait(0.001)
     dt = time.perf_counter() - t0
     assert done == [rid], (done, failed)
     assert decode_call(decode, "wait") == (1, 0)
     return dt
+
+
+def backend_kw(args) -> dict:
+    return {"num_workers": args.nixl_workers} if args.backend == "nixl" else {}
 
 
 def decode_call(decode, *msg):
@@ -140,6 +145,7 @@ def main() -> None:
     ap.add_argument("--ttft", type=int, default=16384, help="prompt tokens for part 2; 0 skips it")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json")
+    ap.add_argument("--nixl-workers", type=int, default=1, help="UCX workers of each NIXL agent")
     ap.add_argument("--model", default=PRESET, help="preset whose KV shape and weights are used")
     ap.add_argument("--cpu", action="store_true", help="dry run on CPU memory (checks the script, not a figure)")
     args = ap.parse_args()
@@ -151,7 +157,8 @@ def main() -> None:
     num_blocks = 2 * -(-max(args.sizes + [args.ttft]) // BLOCK) + 8
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_main, args=(child, args.backend, num_blocks, dev1, PRESET), daemon=True)
+    proc = ctx.Process(target=_decode_main, args=(child, args.backend, num_blocks, dev1, PRESET, backend_kw(args)),
+                       daemon=True)
     proc.start()
     decode = (parent, proc)
     if not args.cpu:
@@ -162,7 +169,7 @@ def main() -> None:
     layout = layout_for(num_blocks)
     kv = allocate_kv_cache(layout, torch.device(dev0))
     kv.normal_()
-    prefill = make_connector("prefill", args.backend, "bench-prefill", kv, layout, fingerprint())
+    prefill = make_connector("prefill", args.backend, "bench-prefill", kv, layout, fingerprint(), **backend_kw(args))
     prefill.add_peer(decode_call(decode, "meta"))
     decode_call(decode, "add_peer", prefill.metadata())
     rows = part1(args, decode, prefill, layout)
@@ -177,7 +184,7 @@ def main() -> None:
 
     meta = {"date": datetime.date.today().isoformat(),
             "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
-            "backend": args.backend, "torch": torch.__version__, "raw_copy_GB/s": round(raw, 1)}
+            "backend": args.backend, "nixl_workers": args.nixl_workers, "torch": torch.__version__, "raw_copy_GB/s": round(raw, 1)}
     print(f"\nraw GPU0->GPU1 copy {raw:.1f} GB/s ({meta['device']}, {args.backend})")
     print(f"{'tokens':>7} {'pattern':>10} {'MB':>8} {'ms':>9} {'GB/s':>7} {'% raw':>6}")
     for r in rows:
@@ -205,7 +212,7 @@ def part2_with_engine(args, decode, device: str) -> dict:
                        enable_prefix_cache=False)
     engine = Engine(cfg, log=lambda m: print(m, flush=True))
     conn = make_connector("prefill", args.backend, "bench-prefill-engine", engine.kv_cache, engine.layout,
-                          engine.fingerprint)
+                          engine.fingerprint, **backend_kw(args))
     conn.add_peer(decode_call(decode, "meta"))
     decode_call(decode, "add_peer", conn.metadata())
     out = part2_run(args, decode, engine, conn)
