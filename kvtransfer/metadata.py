@@ -13,7 +13,7 @@ class HandshakeError(ValueError):
 @dataclass
 class KVAgentMetadata:
     engine_id: str  # unique per worker; also the NIXL agent name
-    backend: str  # "nixl" | "tcp"
+    backend: str  # "nixl" | "tcp" | "cuda_ipc"
     fingerprint: str  # model identity: architecture, shapes, weights, dtype
     dtype: str
     layout: str  # dimension order of the allocation
@@ -25,7 +25,7 @@ class KVAgentMetadata:
     bytes_per_block: int  # one block of one layer's K (or V)
     base_addr: int  # address of the allocation's first byte
     device: str  # "cpu" or "cuda:N"
-    agent_metadata: bytes = b""  # NIXL: the agent's metadata blob
+    agent_metadata: bytes = b""  # NIXL: the agent's metadata blob; cuda_ipc: the allocation's IPC handle
     address: str = ""  # TCP: host:port of the receiver
 
     LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"

@@ -15,10 +15,10 @@ from pdserve.engine.sampling_params import SamplingParams
 NUM_BLOCKS = 160
 
 
-def _engine(role: str, seed: int, fragment: bool):
+def _engine(role: str, seed: int, fragment: bool, device: str = "cpu"):
     from pdserve.engine.engine import Engine
 
-    engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe", seed=seed), role=role,
+    engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe", seed=seed), role=role, device=device,
                                  num_kv_blocks=NUM_BLOCKS, chunk_size=256, max_num_batched_tokens=256))
     if fragment:
         # Hold every third block: each allocation afterwards is scattered over small runs.
@@ -27,11 +27,11 @@ def _engine(role: str, seed: int, fragment: bool):
     return engine
 
 
-def _prefill_main(conn, backend: str, seed: int, fragment: bool) -> None:
+def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str) -> None:
     from kvtransfer import ReserveHandle, make_connector
     from prefill.kv_stream import KVStreamer
 
-    engine = _engine("prefill", seed, fragment)
+    engine = _engine("prefill", seed, fragment, device)
     idle = engine.pool.num_free_blocks
     connector = make_connector("prefill", backend, f"prefill-{mp.current_process().pid}", engine.kv_cache,
                                engine.layout, engine.fingerprint)
@@ -70,11 +70,11 @@ def _prefill_main(conn, backend: str, seed: int, fragment: bool) -> None:
             conn.send(RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def _decode_main(conn, backend: str, seed: int, fragment: bool) -> None:
+def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str) -> None:
     from decode.kv_intake import KVIntake
     from kvtransfer import make_connector
 
-    engine = _engine("decode", seed, fragment)
+    engine = _engine("decode", seed, fragment, device)
     idle = engine.pool.num_free_blocks
     connector = make_connector("decode", backend, f"decode-{mp.current_process().pid}", engine.kv_cache,
                                engine.layout, engine.fingerprint)
@@ -125,10 +125,10 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool) -> None:
 class Worker:
     """A child process and its command pipe."""
 
-    def __init__(self, target, backend: str, seed: int = 0, fragment: bool = False):
+    def __init__(self, target, backend: str, seed: int = 0, fragment: bool = False, device: str = "cpu"):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, backend, seed, fragment), daemon=True)
+        self.proc = ctx.Process(target=target, args=(child, backend, seed, fragment, device), daemon=True)
         self.proc.start()
 
     def call(self, *msg, timeout: float = 120):
@@ -155,10 +155,11 @@ class Worker:
                 self.kill()
 
 
-def start_pair(backend: str, fragment: bool = False, prefill_seed: int = 0) -> tuple[Worker, Worker]:
+def start_pair(backend: str, fragment: bool = False, prefill_seed: int = 0,
+               devices: tuple[str, str] = ("cpu", "cpu")) -> tuple[Worker, Worker]:
     """A connected prefill/decode pair (handshake done both ways)."""
-    p = Worker(_prefill_main, backend, prefill_seed, fragment)
-    d = Worker(_decode_main, backend, 0, fragment)
+    p = Worker(_prefill_main, backend, prefill_seed, fragment, devices[0])
+    d = Worker(_decode_main, backend, 0, fragment, devices[1])
     pmeta, dmeta = p.call("meta"), d.call("meta")
     p.call("add_peer", dmeta)
     d.call("add_peer", pmeta)

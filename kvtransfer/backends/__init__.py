@@ -18,4 +18,7 @@ def make_backend(name: str, meta, kv_cache, **kw):
     if name == "tcp":
         from kvtransfer.backends.tcp import TcpBackend
         return TcpBackend(meta, kv_cache, **kw)
-    raise ValueError(f"kv_transfer.backend: must be 'nixl' or 'tcp', got {name!r}")
+    if name == "cuda_ipc":
+        from kvtransfer.backends.cuda_ipc import CudaIpcBackend
+        return CudaIpcBackend(meta, kv_cache, **kw)
+    raise ValueError(f"kv_transfer.backend: must be 'nixl', 'tcp' or 'cuda_ipc', got {name!r}")

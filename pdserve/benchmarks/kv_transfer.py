@@ -61,6 +61,8 @@ def _decode_main(conn, backend: str, num_blocks: int, device: str, preset: str, 
         elif cmd == "reserve":
             rid, ids = args
             conn.send(conn_.reserve(rid, ids, 600.0).pack())
+        elif cmd == "checksum":  # of the blocks a request landed in: compared with the source's
+            conn.send(kv[:, :, args[0]].float().sum().item())
         elif cmd == "wait":
             deadline = time.time() + 120
             while time.time() < deadline:
@@ -93,7 +95,8 @@ def raw_copy_gbs(nbytes: int = 1 << 30, reps: int = 10) -> float:
     return nbytes / statistics.median(times[2:]) / 1e9
 
 
-def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KVLayout) -> float:
+def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KVLayout,
+              kv: torch.Tensor | None = None) -> float:
     """Seconds from the first layer posted to the decode side holding the whole request."""
     from kvtransfer import ReserveHandle
 
@@ -112,6 +115,10 @@ def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KV
     dt = time.perf_counter() - t0
     assert done == [rid], (done, failed)
     assert decode_call(decode, "wait") == (1, 0)
+    if kv is not None:  # the bytes arrived where they belong
+        got = decode_call(decode, "checksum", handle.block_ids)
+        want = kv[:, :, src].float().sum().item()
+        assert got == want, f"{rid}: destination checksum {got} != source {want}"
     return dt
 
 
@@ -124,11 +131,12 @@ def decode_call(decode, *msg):
     return decode[0].recv()
 
 
-def part1(args, decode, prefill, layout) -> list[dict]:
+def part1(args, decode, prefill, layout, kv) -> list[dict]:
     rows = []
     for n in args.sizes:
         nbytes = n * layout.bytes_per_token
         for pattern in ("fresh", "fragmented", "scattered"):
+            move_once(prefill, decode, f"{pattern}-{n}-check", n, pattern, layout, kv=kv)  # also warms up
             times = [move_once(prefill, decode, f"{pattern}-{n}-{i}", n, pattern, layout) for i in range(args.reps)]
             t = statistics.median(times)
             rows.append({"tokens": n, "pattern": pattern, "MB": round(nbytes / 1e6, 1), "ms": round(t * 1e3, 3),
@@ -140,7 +148,7 @@ def part1(args, decode, prefill, layout) -> list[dict]:
 def main() -> None:
     global PRESET
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="nixl", choices=["nixl", "tcp"])
+    ap.add_argument("--backend", default="nixl", choices=["nixl", "tcp", "cuda_ipc"])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     ap.add_argument("--ttft", type=int, default=16384, help="prompt tokens for part 2; 0 skips it")
     ap.add_argument("--reps", type=int, default=5)
@@ -172,7 +180,7 @@ def main() -> None:
     prefill = make_connector("prefill", args.backend, "bench-prefill", kv, layout, fingerprint(), **backend_kw(args))
     prefill.add_peer(decode_call(decode, "meta"))
     decode_call(decode, "add_peer", prefill.metadata())
-    rows = part1(args, decode, prefill, layout)
+    rows = part1(args, decode, prefill, layout, kv)
     prefill.close()
     del kv
     if not args.cpu:

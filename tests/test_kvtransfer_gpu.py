@@ -1,0 +1,43 @@
+"""KV transfer between two GPUs (runs where two are present; skipped on CPU machines).
+
+Same contract as tests/test_kvtransfer.py, on GPU memory: nixl (VRAM over UCX) and cuda_ipc.
+"""
+
+import pytest
+import torch
+
+from kv_pair import start_pair
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+GREEDY = dict(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in [1, 15, 16, 17, 1000]]
+
+
+@pytest.mark.parametrize("backend", ["nixl", "cuda_ipc"])
+@pytest.mark.parametrize("fragment", [False, True], ids=["fresh", "fragmented"])
+def test_gpu_disaggregated_greedy_equals_colocated(backend, fragment):
+    engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), device="cuda:0", num_kv_blocks=160,
+                                 chunk_size=256, max_num_batched_tokens=256))
+    expected = [c.token_ids for c in engine.generate(prompts(), SamplingParams(**GREEDY))]
+    del engine
+    p, d = start_pair(backend, fragment=fragment, devices=("cuda:0", "cuda:1"))
+    try:
+        for i, prompt in enumerate(prompts()):
+            handle = d.call("reserve", f"r{i}", prompt, GREEDY, 30.0, None)
+            p.call("prefill", f"r{i}", prompt, GREEDY, handle)
+        presults, pfree, pidle = p.call("run", 60)
+        dresults, dfree, didle = d.call("run", 60)
+        assert presults == {f"r{i}": True for i in range(5)}
+        assert [dresults[f"r{i}"] for i in range(5)] == expected
+        assert pfree == pidle and dfree == didle
+    finally:
+        p.stop()
+        d.stop()
