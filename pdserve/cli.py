@@ -50,6 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--device", default="cpu")
     g.set_defaults(func=_generate)
+
+    from pdserve import cluster_cli
+
+    u = sub.add_parser("up", help="start the cluster (no file: tiny-moe on CPU, 1 prefill + 1 decode, HTTP :8000)")
+    u.add_argument("config", nargs="?", help="cluster.yaml")
+    u.set_defaults(func=lambda a: cluster_cli.up(a.config))
+    d = sub.add_parser("down", help="stop the cluster that `pdserve up` started")
+    d.add_argument("--address", default="auto", help="Ray address (default: the local cluster)")
+    d.set_defaults(func=lambda a: cluster_cli.down(a.address))
+    st = sub.add_parser("status", help="replicas, their load and the endpoints")
+    st.add_argument("--address", default="auto")
+    st.set_defaults(func=lambda a: cluster_cli.status(a.address))
     return parser
 
 
@@ -57,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         # Errors a user caused (bad parameter, unknown preset, missing file): no traceback.
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

@@ -39,3 +39,118 @@ class EngineConfig(_Strict):
         if v != "cpu" and not v.startswith("cuda"):
             raise ValueError(f"must be 'cpu' or 'cuda[:N]', got {v!r}")
         return v
+
+
+# -- cluster.yaml ---------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """cluster.yaml is wrong; the message names each bad key, its value and what is allowed."""
+
+
+class RayConfig(_Strict):
+    address: str = "local"  # local: start a Ray cluster here | auto: join the running one | ray://host:port
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        if v not in ("local", "auto") and not v.startswith("ray://") and ":" not in v:
+            raise ValueError(f"must be 'local', 'auto', 'ray://host:port' or 'host:port', got {v!r}")
+        return v
+
+
+class RouterConfig(_Strict):
+    host: str = "0.0.0.0"
+    http_port: int = Field(default=8000, ge=1, le=65535)
+    grpc_port: int = Field(default=50051, ge=0, le=65535)  # 0: no gRPC server
+    policy: Literal["kv-aware", "round-robin"] = "kv-aware"
+
+
+class PrefillConfig(_Strict):
+    replicas: int = Field(default=1, ge=1)
+    gpus: int = Field(default=0, ge=0, le=1)  # per replica
+    max_batch_tokens: int = Field(default=8192, ge=1)
+    chunk_size: int = Field(default=2048, ge=1)
+    num_kv_blocks: int | None = Field(default=None, ge=1)
+
+
+class DecodeConfig(_Strict):
+    replicas: int = Field(default=1, ge=1)
+    gpus: int = Field(default=0, ge=0, le=1)  # per rank
+    ep_size: Literal[1] = 1  # expert parallelism is not built yet
+    max_num_seqs: int = Field(default=256, ge=1)
+    cuda_graphs: bool = True
+    num_kv_blocks: int | None = Field(default=None, ge=1)
+
+
+class KVTransferConfig(_Strict):
+    backend: Literal["nixl", "tcp", "cuda_ipc"] = "nixl"
+    block_size: int = Field(default=16, ge=1)
+    lease_s: float = Field(default=30.0, gt=0)
+
+
+class SloConfig(_Strict):
+    ttft_ms: float = Field(default=1000, gt=0)
+    tpot_ms: float = Field(default=100, gt=0)
+
+
+class ClusterConfig(_Strict):
+    model: ModelConfig = ModelConfig()
+    ray: RayConfig = RayConfig()
+    router: RouterConfig = RouterConfig()
+    prefill: PrefillConfig = PrefillConfig()
+    decode: DecodeConfig = DecodeConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
+    slo: SloConfig = SloConfig()
+
+    def engine_config(self, role: str) -> EngineConfig:
+        """The engine settings of one replica of `role` ('prefill' or 'decode')."""
+        r = self.prefill if role == "prefill" else self.decode
+        common = dict(model=self.model, role=role, device="cuda" if r.gpus else "cpu",
+                      block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks)
+        if role == "prefill":
+            return EngineConfig(**common, max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size)
+        return EngineConfig(**common, max_num_seqs=r.max_num_seqs)
+
+
+def load_cluster_config(path: str | None) -> ClusterConfig:
+    """Read and validate cluster.yaml; None gives the embedded default (tiny-moe on CPU, 1 + 1)."""
+    import yaml
+    from pydantic import ValidationError
+
+    if path is None:
+        return ClusterConfig()
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections "
+                          f"({', '.join(ClusterConfig.model_fields)})")
+    try:
+        return ClusterConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{path}:\n" + "\n".join(_explain(err) for err in e.errors())) from None
+
+
+def _explain(err: dict) -> str:
+    """One line per problem: the dotted key, the value given, and what is allowed."""
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        section = _section(err["loc"][:-1])
+        allowed = ", ".join(section.model_fields) if section else "?"
+        return f"  {key}: unknown key (allowed here: {allowed})"
+    return f"  {key}: {err['input']!r} is not allowed — {err['msg']}"
+
+
+def _section(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = ClusterConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return None
+        model = field.annotation
+    return model

@@ -1,5 +1,6 @@
 """What a request asks of the sampler; validated where a user can reach it."""
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -31,9 +32,9 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k!r}")

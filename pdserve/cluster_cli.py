@@ -1,0 +1,146 @@
+"""`pdserve up`, `down` and `status`: drive the controller of a running cluster."""
+
+import signal
+import sys
+import time
+
+from pdserve.config import ClusterConfig, load_cluster_config
+
+
+def _log(msg: str) -> None:
+    print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
+
+
+def _connect(address: str | None) -> None:
+    import ray
+
+    from pdserve.controller import NAMESPACE
+
+    ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, logging_level="WARNING",
+             log_to_driver=False, configure_logging=True)
+
+
+def up(path: str | None) -> int:
+    cfg = load_cluster_config(path)
+    _check_model(cfg)
+    import ray
+
+    from pdserve.controller import CONTROLLER, Controller
+
+    _log("starting Ray" if cfg.ray.address == "local" else f"joining Ray at {cfg.ray.address}")
+    _connect(None if cfg.ray.address == "local" else cfg.ray.address)
+    controller = ray.remote(Controller).options(name=CONTROLLER, lifetime="detached", num_cpus=0,
+                                                max_concurrency=8).remote(cfg)
+    # SIGTERM (a service manager, a test harness) stops the cluster like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        endpoints = _wait_started(controller)
+        for kind, url in endpoints.items():
+            _log(f"{kind}: {url}")
+        _log("ready; Ctrl-C stops everything")
+        while True:  # until Ctrl-C, or `pdserve down` from elsewhere
+            try:
+                if ray.get(controller.status.remote(), timeout=30)["state"] != "running":
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                break
+            time.sleep(1)
+    except KeyboardInterrupt:
+        _log("stopping")
+    finally:
+        _stop(controller)
+        ray.shutdown()
+    return 0
+
+
+def _check_model(cfg: ClusterConfig) -> None:
+    """Fail before anything starts when the model cannot be found."""
+    from pdserve.models import resolve_model_args
+
+    try:
+        resolve_model_args(cfg.model.path)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"model.path: {e}") from None
+
+
+def _wait_started(controller) -> dict[str, str]:
+    import ray
+
+    started = controller.start.remote()
+    shown = 0
+    while True:
+        done, _ = ray.wait([started], timeout=0.5)
+        try:
+            lines = ray.get(controller.status.remote(), timeout=10)["progress"]
+        except Exception:
+            lines = []
+        for line in lines[shown:]:
+            _log(line)
+        shown = max(shown, len(lines))
+        if done:
+            try:
+                return ray.get(started)
+            except ray.exceptions.RayError as e:
+                raise RuntimeError(f"a replica failed to start: {_cause(e)}") from None
+
+
+def _cause(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__
+
+
+def _stop(controller) -> None:
+    import ray
+
+    try:
+        ray.get(controller.shutdown.remote(), timeout=30)
+    except Exception:
+        pass
+    try:
+        ray.kill(controller)
+    except Exception:
+        pass
+
+
+def down(address: str) -> int:
+    import ray
+
+    from pdserve.controller import CONTROLLER, NAMESPACE
+
+    try:
+        _connect(address)
+    except ConnectionError:
+        print("pdserve: no Ray cluster is running here (nothing to stop)", file=sys.stderr)
+        return 1
+    try:
+        controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+    except ValueError:
+        print("pdserve: no pdserve cluster is running (nothing to stop)", file=sys.stderr)
+        return 1
+    ray.get(controller.shutdown.remote(), timeout=60)
+    _log("stopped")
+    return 0
+
+
+def status(address: str) -> int:
+    import ray
+
+    from pdserve.controller import CONTROLLER, NAMESPACE
+
+    try:
+        _connect(address)
+        controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+    except (ConnectionError, ValueError):
+        print("pdserve: no pdserve cluster is running", file=sys.stderr)
+        return 1
+    s = ray.get(controller.status.remote(), timeout=30)
+    print(f"state: {s['state']}")
+    for kind, url in s["endpoints"].items():
+        print(f"{kind}: {url}")
+    for name, r in s["replicas"].items():
+        if isinstance(r, str):
+            print(f"{name}: {r}")
+        else:
+            print(f"{name}: running {r.running}, waiting {r.waiting}, KV blocks used "
+                  f"{r.total_blocks - r.free_blocks}/{r.total_blocks}")
+    return 0

@@ -1,0 +1,149 @@
+"""The gRPC front end: service pdserve.v1.Completion over a ServingCore, with health and reflection."""
+
+import asyncio
+import math
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from router.grpc_gen.pdserve.v1 import completion_pb2 as pb
+from router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
+from router.types import Delta, GenerateRequest, NoCapacityError, ServingCore, ServingError
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Completion"].full_name  # "pdserve.v1.Completion"
+DEFAULT_MAX_TOKENS = 16
+HEALTH_POLL_S = 1.0
+_background: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+
+
+class ModelNotFoundError(LookupError):
+    """The request names a model this service does not serve."""
+
+
+class CompletionServicer(pb_grpc.CompletionServicer):
+    def __init__(self, core: ServingCore):
+        self.core = core
+
+    async def Complete(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.CompletionResponse:
+        """Generate to the end; one response."""
+        async with _errors_as_status(context):
+            req = self._generate_request(request)
+            text, token_ids, finish_reason = [], [], ""
+            async with aclosing(self.core.generate(req)) as deltas:
+                async for delta in deltas:
+                    text.append(delta.text)
+                    token_ids += delta.token_ids
+                    finish_reason = delta.finish_reason or finish_reason
+            return pb.CompletionResponse(id=req.request_id, text="".join(text), token_ids=token_ids,
+                                         finish_reason=finish_reason, usage=_usage(req, len(token_ids)))
+
+    async def CompleteStream(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext
+                             ) -> None:
+        """Stream one chunk per delta; usage on the last."""
+        # context.write rather than an async-generator handler: a client's cancel then lands on an
+        # await inside the `aclosing` block, so the core's generator (and the request) is closed
+        # right away instead of whenever the handler generator is garbage-collected.
+        async with _errors_as_status(context):
+            req = self._generate_request(request)
+            num_tokens = 0
+            async with aclosing(self.core.generate(req)) as deltas:
+                async for delta in deltas:
+                    num_tokens += len(delta.token_ids)
+                    await context.write(self._chunk(req, delta, num_tokens))
+
+    def _generate_request(self, request: pb.CompletionRequest) -> GenerateRequest:
+        if request.model and request.model != self.core.model_name:
+            raise ModelNotFoundError(
+                f"model: {request.model!r} is not served here; this service serves {self.core.model_name!r}")
+        if not request.prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        # SamplingParams' range checks let NaN and inf through (every comparison with NaN is False).
+        if request.HasField("temperature") and not math.isfinite(request.temperature):
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {request.temperature}")
+        params = SamplingParams(
+            max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
+            temperature=request.temperature if request.HasField("temperature") else 1.0,
+            top_p=request.top_p if request.HasField("top_p") else 1.0,
+            top_k=request.top_k,
+            seed=request.seed if request.HasField("seed") else None,
+            stop=list(request.stop),
+            ignore_eos=request.ignore_eos,
+        )
+        prompt_ids = self.core.tokenize(request.prompt)
+        # Checked here as well as in the engine: in the disaggregated path the first engine to
+        # see the prompt is behind a replica pick and a KV reservation.
+        if len(prompt_ids) >= self.core.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"is {len(prompt_ids)} tokens; the model's context is {self.core.max_model_len}"
+                          f" tokens, so a prompt may have at most {self.core.max_model_len - 1}")
+        return GenerateRequest(f"grpc-{uuid.uuid4().hex}", prompt_ids, params)
+
+    @staticmethod
+    def _chunk(req: GenerateRequest, delta: Delta, num_tokens: int) -> pb.CompletionChunk:
+        chunk = pb.CompletionChunk(id=req.request_id, text=delta.text, token_ids=delta.token_ids,
+                                   finish_reason=delta.finish_reason or "")
+        if delta.finish_reason is not None:
+            chunk.usage.CopyFrom(_usage(req, num_tokens))
+        return chunk
+
+
+def _usage(req: GenerateRequest, num_tokens: int) -> pb.Usage:
+    return pb.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=num_tokens)
+
+
+@asynccontextmanager
+async def _errors_as_status(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Turn the errors a request can meet into gRPC status codes (context.abort raises)."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    except ModelNotFoundError as e:
+        await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+    except NoCapacityError as e:
+        # gRFC A6 retry pushback: a client with a retry policy waits this long before retrying.
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e),
+                            trailing_metadata=(("grpc-retry-pushback-ms", str(int(e.retry_after_s * 1000))),))
+    except ServingError as e:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+
+async def _set_health(core: ServingCore, servicer: health.aio.HealthServicer) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if core.ready()
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for service in ("", SERVICE_NAME):  # "" is the whole server, by the health protocol
+        await servicer.set(service, status)
+
+
+async def _track_health(core: ServingCore, server: grpc.aio.Server, servicer: health.aio.HealthServicer,
+                        ) -> None:
+    """Mirror core.ready() into the health service (Check and Watch) until the server stops."""
+    # wait_for_termination doubles as the poll's sleep: it returns False (no timeout) once stopped.
+    while await server.wait_for_termination(timeout=HEALTH_POLL_S):
+        await _set_health(core, servicer)
+
+
+async def start_grpc_server(core: ServingCore, port: int, host: str = "0.0.0.0") -> grpc.aio.Server:
+    """Start serving pdserve.v1.Completion, health and reflection on host:port; the caller stops it."""
+    # No SO_REUSEPORT: a port already taken (say, by a stale router) fails here instead of
+    # silently splitting the connections between the two servers.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_CompletionServicer_to_server(CompletionServicer(core), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    server.add_insecure_port(address)  # raises RuntimeError if the address cannot be bound
+    await _set_health(core, health_servicer)
+    await server.start()
+    task = asyncio.create_task(_track_health(core, server, health_servicer))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    return server

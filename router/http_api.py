@@ -1,0 +1,602 @@
+"""OpenAI-compatible HTTP front end over a ServingCore: completions, chat completions, models, health, metrics."""
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Annotated, Any, Literal, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.engine.sampler import TokenLogprob
+from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from router.metrics import Metrics, RequestTimer
+from router.types import Delta, GenerateRequest, NoCapacityError, ServingCore, ServingError
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+_GENERATION_ENDPOINTS = (COMPLETIONS, CHAT)
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value
+T = TypeVar("T")
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """A request the front end answers with an error: HTTP status plus OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def _as_api_error(exc: Exception) -> ApiError:
+    """The HTTP form of an error raised while serving a request."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return ApiError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, NoCapacityError):
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        return ApiError(503, f"no capacity: {exc}; retry after {retry} s", code="no_capacity",
+                        headers={"Retry-After": retry})
+    if isinstance(exc, ServingError):
+        return ApiError(503, f"the request failed inside the service: {exc}", code="service_error")
+    return ApiError(500, "internal server error", code="internal_error")
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    """A 400 naming the first offending field and saying what each offending field allows."""
+    errors = exc.errors()
+    if errors and errors[0]["type"] == "json_invalid":
+        return ApiError(400, f"request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}")
+    params = [_param(e["loc"]) for e in errors]
+    if not any(params):
+        return ApiError(400, "request body must be a JSON object")
+    messages = [f"{p or 'body'}: {_describe(e)}" for p, e in zip(params, errors)]
+    return ApiError(400, "; ".join(messages), param=next(p for p in params if p), code="invalid_value")
+
+
+def _param(loc: tuple) -> str | None:
+    """`("body", "messages", 0, "content")` -> "messages.0.content"."""
+    parts = [str(p) for p in loc[1:]] if loc and loc[0] == "body" else [str(p) for p in loc]
+    return ".".join(parts) or None
+
+
+def _describe(error: dict) -> str:
+    msg = error["msg"].removeprefix("Value error, ")
+    value = error.get("input")
+    if error["type"] != "missing" and isinstance(value, (str, int, float, bool)) and len(repr(value)) <= 40:
+        msg += f" (got {value!r})"
+    return msg
+
+
+# -- request bodies -----------------------------------------------------------------------------
+
+# Python's JSON parser accepts NaN and Infinity; the sampler must never see them.
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _only(value: Any, allowed: tuple, what: str) -> Any:
+    if value not in allowed:
+        raise ValueError(f"is not supported; only {what} is accepted")
+    return value
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool | None = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields both generation endpoints take. Unknown fields (e.g. `user`) are ignored, as OpenAI does;
+    known-but-unsupported ones are accepted only at their no-op value, since silently ignoring, say, a
+    penalty would return output the caller did not ask for."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # vLLM extension; 0 or -1 = off
+    seed: Annotated[int, Field(ge=-2**63, le=2**64 - 1)] | None = None  # the range torch generators take
+    stop: list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    ignore_eos: bool | None = False  # vLLM extension
+    frequency_penalty: FiniteFloat | None = 0.0
+    presence_penalty: FiniteFloat | None = 0.0
+    repetition_penalty: FiniteFloat | None = 1.0  # vLLM extension
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _needs_stream(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("is only allowed when stream is true")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: Any) -> Any:
+        return _only(v, (None, 1), "n=1")
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, v: Any) -> Any:
+        return _only(v, (None, 0), "0")
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, v: Any) -> Any:
+        return _only(v, (None, 1), "1")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: Any) -> Any:
+        return _only(v, (None, {}), "an empty map")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; SamplingParams checks the ranges (InvalidRequestError names the field)."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),  # vLLM clients send -1 for "off"
+            seed=self.seed,
+            stop=list(self.stop or []),
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int]
+    logprobs: int | None = None  # completions style: how many alternatives per token (0..20)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]  # a batch of one
+        if isinstance(v, str) and v:
+            return v
+        if isinstance(v, list) and v and all(type(t) is int and t >= 0 for t in v):
+            return v
+        raise ValueError("must be a non-empty string, a list of one string, or a non-empty list of token ids")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: Any) -> Any:
+        return _only(v, (None, False), "false")
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, v: Any) -> Any:
+        return _only(v, (None, 1), "1")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: Any) -> Any:
+        return _only(v, (None, ""), "no suffix")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
+            raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts; '
+                             "only text is supported")
+        return "\n".join(p["text"] for p in v)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs: true")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("tool calling is not supported; send no tools")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v: Any) -> Any:
+        return _only(v, (None, "none", "auto"), '"none"')
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        return _only(v, (None, {"type": "text"}), '{"type": "text"}')
+
+
+# -- response bodies ----------------------------------------------------------------------------
+
+
+def _token(token_id: int) -> str:
+    # ServingCore has no per-token detokenizer, so tokens are named as vLLM's return_tokens_as_token_ids does.
+    return f"token_id:{token_id}"
+
+
+def _lp(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class _Shape:
+    """How one endpoint words its response, its stream chunks and its logprobs."""
+
+    endpoint = ""
+    object = ""
+    chunk_object = ""
+
+    def __init__(self, request_id: str, model: str, want_logprobs: bool, include_usage: bool):
+        self.id, self.model = request_id, model
+        self.want_logprobs, self.include_usage = want_logprobs, include_usage
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def response(self, deltas: list[Delta], usage: dict) -> dict:
+        return self._envelope(self.object, [self._choice(deltas)], usage=usage)
+
+    def opening_chunks(self) -> list[dict]:
+        return []
+
+    def chunk(self, delta: Delta, text_offset: int) -> dict | None:
+        """The stream chunk for one delta, or None when it has nothing to show."""
+        if not delta.text and delta.finish_reason is None and not (self.want_logprobs and delta.logprobs):
+            return None
+        extra = {"usage": None} if self.include_usage else {}
+        return self._envelope(self.chunk_object, [self._choice_delta(delta, text_offset)], **extra)
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._envelope(self.chunk_object, [], usage=usage)
+
+    def _choice(self, deltas: list[Delta]) -> dict:
+        raise NotImplementedError
+
+    def _choice_delta(self, delta: Delta, text_offset: int) -> dict:
+        raise NotImplementedError
+
+
+class _CompletionShape(_Shape):
+    endpoint, object, chunk_object = COMPLETIONS, "text_completion", "text_completion"
+
+    def _choice(self, deltas: list[Delta]) -> dict:
+        logprobs, offset = None, 0
+        if self.want_logprobs:
+            logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for d in deltas:
+                for key, values in self._logprobs(d.logprobs, offset).items():
+                    logprobs[key] += values
+                offset += len(d.text)
+        text = "".join(d.text for d in deltas)
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": deltas[-1].finish_reason}
+
+    def _choice_delta(self, delta: Delta, text_offset: int) -> dict:
+        logprobs = self._logprobs(delta.logprobs, text_offset) if self.want_logprobs else None
+        return {"index": 0, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+
+    @staticmethod
+    def _logprobs(lps: list[TokenLogprob], text_offset: int) -> dict:
+        # A delta's tokens all start where its text does: the core gives no per-token text split.
+        return {"tokens": [_token(t.token_id) for t in lps],
+                "token_logprobs": [_lp(t.logprob) for t in lps],
+                "top_logprobs": [{_token(i): _lp(v) for i, v in t.top} for t in lps],
+                "text_offset": [text_offset] * len(lps)}
+
+
+class _ChatShape(_Shape):
+    endpoint, object, chunk_object = CHAT, "chat.completion", "chat.completion.chunk"
+
+    def opening_chunks(self) -> list[dict]:
+        # OpenAI sends the role alone first; clients key the assistant message on it.
+        extra = {"usage": None} if self.include_usage else {}
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [self._envelope(self.chunk_object, [first], **extra)]
+
+    def _choice(self, deltas: list[Delta]) -> dict:
+        text = "".join(d.text for d in deltas)
+        logprobs = self._logprobs([t for d in deltas for t in d.logprobs]) if self.want_logprobs else None
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": deltas[-1].finish_reason}
+
+    def _choice_delta(self, delta: Delta, text_offset: int) -> dict:
+        logprobs = self._logprobs(delta.logprobs) if self.want_logprobs else None
+        return {"index": 0, "delta": {"content": delta.text} if delta.text else {}, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}
+
+    @staticmethod
+    def _logprobs(lps: list[TokenLogprob]) -> dict:
+        def entry(token_id: int, value: float) -> dict:
+            return {"token": _token(token_id), "logprob": _lp(value), "bytes": None}
+        return {"content": [entry(t.token_id, t.logprob) | {"top_logprobs": [entry(i, v) for i, v in t.top]}
+                            for t in lps]}
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+# -- the request's life -------------------------------------------------------------------------
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # Once the body is read, the server's receive() returns only when the client goes away.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it (which aborts the request) and raise _ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    gone = False
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            gone = True
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # let the core's generator run its cleanup
+    if gone:
+        raise _ClientGone()
+    return task.result()
+
+
+async def _next_delta(deltas: AsyncIterator[Delta], timer: RequestTimer) -> Delta:
+    async for delta in deltas:
+        timer.tokens(len(delta.token_ids))
+        return delta
+    raise ServingError("the request's output ended before it finished")
+
+
+async def _collect(deltas: AsyncIterator[Delta], timer: RequestTimer) -> list[Delta]:
+    out = [await _next_delta(deltas, timer)]
+    while out[-1].finish_reason is None:
+        out.append(await _next_delta(deltas, timer))
+    return out
+
+
+async def _stream_events(deltas, first: Delta, shape: _Shape, timer: RequestTimer,
+                         prompt_tokens: int) -> AsyncIterator[str]:
+    """SSE events of a started request; however it ends, the core's stream is closed (aborting it if unfinished)."""
+    try:
+        for chunk in shape.opening_chunks():
+            yield _sse(chunk)
+        delta, offset, num_tokens = first, 0, 0
+        while True:
+            num_tokens += len(delta.token_ids)
+            if (chunk := shape.chunk(delta, offset)) is not None:
+                yield _sse(chunk)
+            offset += len(delta.text)
+            if delta.finish_reason is not None:
+                break
+            delta = await _next_delta(deltas, timer)
+        if shape.include_usage:
+            yield _sse(shape.usage_chunk(_usage(prompt_tokens, num_tokens)))
+        yield _sse("[DONE]")
+        timer.finished(200)
+    except (ServingError, NoCapacityError, InvalidRequestError) as e:
+        # The 200 and its headers are already sent: report the failure in the stream, as vLLM does.
+        error = _as_api_error(e)
+        yield _sse(error.body())
+        yield _sse("[DONE]")
+        timer.finished(error.status)
+    finally:
+        await deltas.aclose()
+        if not timer.done:  # cancelled or closed mid-stream: the client went away
+            timer.aborted()
+
+
+async def _serve(request: Request, core: ServingCore, metrics: Metrics, shape: _Shape,
+                 req: GenerateRequest, stream: bool) -> Response:
+    timer = metrics.request_started(shape.endpoint, len(req.prompt_ids))
+    deltas = core.generate(req)
+    try:
+        # Streaming waits for the first delta too, so that a refused request still gets a proper 4xx/503.
+        work = _next_delta(deltas, timer) if stream else _collect(deltas, timer)
+        result = await _unless_disconnected(request, work)
+    except _ClientGone:
+        await deltas.aclose()
+        timer.aborted()
+        return Response(status_code=499)
+    except BaseException:
+        await deltas.aclose()
+        raise
+    if not stream:
+        await deltas.aclose()
+        timer.finished(200)
+        num_tokens = sum(len(d.token_ids) for d in result)
+        return JSONResponse(shape.response(result, _usage(len(req.prompt_ids), num_tokens)))
+    events = _stream_events(deltas, result, shape, timer, len(req.prompt_ids))
+    # Starlette cancels the response when the client disconnects; closing the generator afterwards runs its
+    # cleanup (the abort) at once, even when the cancel caught it between two chunks.
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                             background=BackgroundTask(events.aclose))
+
+
+def _tokenize(core: ServingCore, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    try:
+        return core.tokenize(text, add_special_tokens=add_special_tokens)
+    except UnicodeError as e:  # JSON may carry lone UTF-16 surrogates (\ud800); no UTF-8 tokenizer takes them
+        raise ApiError(400, f"{param}: text is not valid Unicode ({e.reason})", param=param,
+                       code="invalid_value") from e
+
+
+def _max_tokens(requested: int | None, param: str, default: int | None, prompt_tokens: int,
+                max_model_len: int) -> int:
+    """How many tokens to generate: the request's own limit, or the default capped by the context."""
+    room = max_model_len - prompt_tokens  # < 1 means the prompt itself is too long: the core reports that
+    if requested is None:
+        return max(1, min(default, room) if default else room)
+    if requested < 1:
+        raise ApiError(400, f"{param}: must be an integer >= 1, got {requested}", param=param, code="invalid_value")
+    if 1 <= room < requested:
+        raise ApiError(400, f"{param} is {requested}, but the prompt is {prompt_tokens} tokens and the model's "
+                            f"context is {max_model_len}: at most {room} tokens can be generated",
+                       param=param, code="invalid_value")
+    return requested
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+
+def build_app(core: ServingCore, metrics: Metrics | None = None) -> FastAPI:
+    """The OpenAI-compatible FastAPI app serving `core`."""
+    metrics = metrics or Metrics()
+    app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggregated prefill/decode service")
+    app.state.core, app.state.metrics = core, metrics
+    _add_error_handlers(app, metrics)
+
+    def check_model(model: str) -> None:
+        if model != core.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {core.model_name!r}",
+                           param="model", code="model_not_found")
+
+    @app.post(COMPLETIONS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        prompt_ids = _tokenize(core, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
+        max_tokens = _max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
+        params = body.sampling_params(max_tokens, body.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        shape = _CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
+        return await _serve(request, core, metrics, shape, GenerateRequest(rid, prompt_ids, params), bool(body.stream))
+
+    @app.post(CHAT)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        try:
+            text = core.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages])
+        except ValueError as e:  # no chat template, or the template rejects these messages
+            raise ApiError(400, str(e), param="messages", code="invalid_value") from e
+        prompt_ids = _tokenize(core, text, "messages", add_special_tokens=False)  # the template has its BOS
+        requested, param = ((body.max_completion_tokens, "max_completion_tokens")
+                            if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
+        # No default cap, as OpenAI and vLLM: generate until a stop or the end of the context.
+        max_tokens = _max_tokens(requested, param, None, len(prompt_ids), core.max_model_len)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = body.sampling_params(max_tokens, logprobs)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        shape = _ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
+        return await _serve(request, core, metrics, shape, GenerateRequest(rid, prompt_ids, params), bool(body.stream))
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [_model_card(core)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict:
+        check_model(model)
+        return _model_card(core)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if core.ready():
+            return JSONResponse({"status": "ok"})
+        error = ApiError(503, "not ready: some role has no live replica", code="not_ready")
+        return JSONResponse(error.body(), status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app
+
+
+def _model_card(core: ServingCore) -> dict:
+    return {"id": core.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "root": core.model_name, "max_model_len": core.max_model_len}
+
+
+def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every error leaves in OpenAI's shape; generation endpoints count it by status."""
+
+    def respond(request: Request, error: ApiError) -> JSONResponse:
+        if request.url.path in _GENERATION_ENDPOINTS:
+            metrics.count_request(request.url.path, error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(request, _validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return respond(request, ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
+
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        error = _as_api_error(exc)
+        if error.status == 500:
+            log.error("unexpected error serving %s", request.url.path, exc_info=exc)
+        return respond(request, error)
+
+    # Starlette hands a bare Exception handler to its outermost middleware, which re-raises after answering;
+    # the expected errors get handlers of their own.
+    for kind in (ApiError, InvalidRequestError, NoCapacityError, ServingError, Exception):
+        app.add_exception_handler(kind, on_error)

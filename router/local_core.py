@@ -1,0 +1,75 @@
+"""A ServingCore over one colocated engine in this process: the baseline every disaggregated
+figure is compared with, and a real back end for the front ends' tests."""
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestOutput
+
+from router.types import Delta, GenerateRequest
+
+
+class LocalCore:
+    def __init__(self, engine: Engine, model_name: str):
+        assert engine.config.role == "colocated"
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = engine.max_model_len
+        self._lock = threading.Lock()  # the engine is not thread-safe: steps and calls take turns
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages)
+
+    def ready(self) -> bool:
+        return self._thread.is_alive()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self.engine.add_request(request.request_id, request.prompt_ids, request.params)
+            self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                delta = await queue.get()
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+                if not finished:  # the client went away: stop generating for it
+                    self.engine.abort(request.request_id)
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._closed:
+            with self._lock:
+                outputs = self.engine.step() if self.engine.has_unfinished() else None
+                for out in outputs or []:
+                    self._dispatch(out)
+            if outputs is None:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        loop, queue = stream
+        reason = out.finish_reason.value if out.finish_reason else None
+        loop.call_soon_threadsafe(queue.put_nowait, Delta(out.text, out.token_ids, reason, out.logprobs))

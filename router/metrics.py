@@ -1,0 +1,131 @@
+"""The router's Prometheus metrics: request latencies from the front end, replica and KV figures from the Ray side."""
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+# HTTP has no status for "the client went away"; nginx's 499 is the usual label for it.
+CLIENT_CLOSED = "499"
+
+
+class Metrics:
+    """Every pdserve router metric, in a registry of its own so several routers (or tests) share a process."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_requests", "Requests answered, by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.aborts = Counter("pdserve_requests_aborted", "Requests aborted before they finished, by who saw it",
+                              ["role"], registry=r)
+        self.ttft = Histogram("pdserve_ttft_seconds", "Time from request arrival to its first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive tokens of a request",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_latency_seconds", "Time from request arrival to its last token",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Histogram("pdserve_prompt_tokens", "Prompt length of each request, in tokens",
+                                       buckets=_TOKEN_BUCKETS, registry=r)
+        self.generation_tokens = Histogram("pdserve_generation_tokens", "Tokens generated per finished request",
+                                           buckets=_TOKEN_BUCKETS, registry=r)
+        self.queue_length = Gauge("pdserve_queue_length", "Requests waiting at a replica", ["role", "replica"],
+                                  registry=r)
+        self.kv_blocks_used = Gauge("pdserve_kv_blocks_used", "KV blocks in use at a replica", ["replica"],
+                                    registry=r)
+        self.kv_blocks_total = Gauge("pdserve_kv_blocks_total", "KV blocks a replica has", ["replica"], registry=r)
+        self.kv_bytes_moved = Counter("pdserve_kv_bytes_moved", "KV cache bytes sent from prefill to decode",
+                                      registry=r)
+        self.kv_transfer = Histogram("pdserve_kv_transfer_seconds", "Time to move one request's KV cache",
+                                     buckets=_TRANSFER_BUCKETS, registry=r)
+
+    # -- front end ----------------------------------------------------------------------------
+
+    def request_started(self, endpoint: str, num_prompt_tokens: int) -> "RequestTimer":
+        """A timer for one request handed to the core; it records TTFT, ITL, E2E and its final status."""
+        self.prompt_tokens.observe(num_prompt_tokens)
+        return RequestTimer(self, endpoint)
+
+    def count_request(self, endpoint: str, status: int | str) -> None:
+        """Count a request that ended without a timer (rejected before generation)."""
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    # -- Ray side -----------------------------------------------------------------------------
+
+    def count_abort(self, role: str) -> None:
+        """A request aborted: role "router" (client disconnect), "prefill" or "decode"."""
+        self.aborts.labels(role=role).inc()
+
+    def set_replica_stats(self, role: str, replica: str, queue_len: int, kv_used: int, kv_total: int) -> None:
+        """Latest load figures of one replica."""
+        self.queue_length.labels(role=role, replica=replica).set(queue_len)
+        self.kv_blocks_used.labels(replica=replica).set(kv_used)
+        self.kv_blocks_total.labels(replica=replica).set(kv_total)
+
+    def remove_replica(self, role: str, replica: str) -> None:
+        """Drop a replica's series once it is gone (scaled down or dead), so it stops showing stale load."""
+        for gauge, labels in ((self.queue_length, (role, replica)), (self.kv_blocks_used, (replica,)),
+                              (self.kv_blocks_total, (replica,))):
+            try:
+                gauge.remove(*labels)
+            except KeyError:  # never reported: nothing to drop
+                pass
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        """One request's KV moved from prefill to decode: `nbytes` bytes in `seconds`."""
+        self.kv_bytes_moved.inc(nbytes)
+        self.kv_transfer.observe(seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Timestamps of one request; `finished` or `aborted` records it once."""
+
+    def __init__(self, metrics: Metrics, endpoint: str):
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.start = time.monotonic()
+        self.last: float | None = None  # time of the latest token
+        self.num_tokens = 0
+        self.done = False
+
+    def tokens(self, n: int) -> None:
+        """`n` new tokens arrived now: the first gives TTFT, later ones an inter-token latency each."""
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            # Tokens batched into one message arrived together: spread the gap evenly over them.
+            for _ in range(n):
+                self.metrics.itl.observe((now - self.last) / n)
+        self.last = now
+        self.num_tokens += n
+
+    def finished(self, status: int | str = 200) -> None:
+        """The request ended (normally, or with an error reported to a client still connected)."""
+        if self.done:
+            return
+        self.done = True
+        self.metrics.e2e.observe(time.monotonic() - self.start)
+        self.metrics.generation_tokens.observe(self.num_tokens)
+        self.metrics.count_request(self.endpoint, status)
+
+    def aborted(self) -> None:
+        """The client went away before the request finished."""
+        if self.done:
+            return
+        self.done = True
+        self.metrics.count_abort("router")
+        self.metrics.count_request(self.endpoint, CLIENT_CLOSED)

@@ -1,0 +1,65 @@
+"""The router (a Ray actor): HTTP and gRPC front ends over the request lifecycle in one asyncio loop."""
+
+import asyncio
+
+import ray
+import uvicorn
+
+from pdserve.config import ClusterConfig
+from pdserve.models import resolve_model_args
+from pdserve.tokenizer import load_tokenizer
+from pdserve.messages import RequestDelta
+
+from router.grpc_server import start_grpc_server
+from router.http_api import build_app
+from router.metrics import Metrics
+from router.ray_core import RayCore
+
+
+class Router:
+    def __init__(self, name: str, config: ClusterConfig, prefill: list[str], decode: list[str], namespace: str):
+        self.name = name
+        self.config = config
+        self.replica_names = (prefill, decode)
+        self.namespace = namespace
+        self.core: RayCore | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> dict[str, str]:
+        """Serve HTTP (and gRPC); returns the endpoints once both listen."""
+        cfg = self.config
+        args = resolve_model_args(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.path, eos_token_ids=args.eos_token_ids)
+        max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        prefill, decode = ({n: ray.get_actor(n, namespace=self.namespace) for n in names}
+                           for names in self.replica_names)
+        self.metrics = Metrics()
+        self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, prefill, decode, cfg.router.policy,
+                            self.metrics)
+        self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
+        http = uvicorn.Config(build_app(self.core, self.metrics), host=cfg.router.host, port=cfg.router.http_port,
+                              log_level="warning", lifespan="off")
+        self.http = uvicorn.Server(http)
+        self._tasks.append(asyncio.create_task(self.http.serve()))
+        while not self.http.started:
+            if self._tasks[-1].done():  # e.g. the port is taken
+                self._tasks[-1].result()
+                raise RuntimeError(f"HTTP server on port {cfg.router.http_port} did not start")
+            await asyncio.sleep(0.05)
+        endpoints = {"http": f"http://{cfg.router.host}:{cfg.router.http_port}"}
+        self.grpc = None
+        if cfg.router.grpc_port:
+            self.grpc = await start_grpc_server(self.core, cfg.router.grpc_port, cfg.router.host)
+            endpoints["grpc"] = f"{cfg.router.host}:{cfg.router.grpc_port}"
+        return endpoints
+
+    async def deliver(self, deltas: list[RequestDelta]) -> None:
+        """One decode step's output for requests this router streams."""
+        self.core.deliver(deltas)
+
+    async def stop(self) -> None:
+        if self.grpc is not None:
+            await self.grpc.stop(grace=1)
+        self.http.should_exit = True
+        for t in self._tasks:
+            t.cancel()

@@ -1,0 +1,59 @@
+"""What the front ends (HTTP, gRPC) and the request lifecycle exchange."""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class NoCapacityError(RuntimeError):
+    """Every decode replica is full: the client should retry later (HTTP 429/503, gRPC UNAVAILABLE)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ServingError(RuntimeError):
+    """The request failed inside the service (a replica died, a transfer failed)."""
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Delta:
+    """New output of one request: text and tokens since the last delta, and how it ended if it did."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    logprobs: list = field(default_factory=list)
+
+
+class ServingCore(Protocol):
+    """What a front end needs from the router."""
+
+    model_name: str  # the one model this service serves (its id in /v1/models)
+    max_model_len: int
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text; False for text a chat template rendered (it carries its own BOS)."""
+        ...
+
+    def apply_chat_template(self, messages: list[dict]) -> str: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        """Stream the request's output; closing the iterator early (aclose) aborts the request
+        everywhere. Raises NoCapacityError before the first delta when nothing can take it,
+        InvalidRequestError for a request the engine refuses (e.g. a prompt over the context)."""
+        ...
+
+    def ready(self) -> bool:
+        """True when every role has at least one live replica."""
+        ...

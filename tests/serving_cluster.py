@@ -1,0 +1,82 @@
+"""Start `pdserve up FILE` as a user would (a subprocess), wait until it serves, stop it with Ctrl-C."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, tmp_path, **sections):
+        self.http_port, self.grpc_port = free_port(), free_port()
+        cfg = {"router": {"host": "127.0.0.1", "http_port": self.http_port, "grpc_port": self.grpc_port},
+               "prefill": {"num_kv_blocks": 512}, "decode": {"num_kv_blocks": 512}}
+        for key, value in sections.items():
+            cfg.setdefault(key, {}).update(value)
+        self.path = tmp_path / "cluster.yaml"
+        self.path.write_text(yaml.safe_dump(cfg))
+        self.log = open(tmp_path / "pdserve-up.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", str(self.path)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.http_port}"
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pdserve up exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"pdserve up did not become healthy in {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self, timeout: float = 60) -> int:
+        """Ctrl-C, as a user stops it; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode
+
+    def replica_stats(self) -> dict[str, dict]:
+        """Per-replica KV block usage, as /metrics reports it."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out: dict[str, dict] = {}
+        for line in text.splitlines():
+            for name in ("pdserve_kv_blocks_used", "pdserve_kv_blocks_total"):
+                if line.startswith(name + "{"):
+                    replica = line.split('replica="', 1)[1].split('"', 1)[0]
+                    out.setdefault(replica, {})[name.rsplit("_", 1)[1]] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    def wait_idle(self, timeout: float = 30) -> dict[str, dict]:
+        """Until every replica's KV blocks are back to idle (used == 0); returns the last stats."""
+        deadline = time.time() + timeout
+        while True:
+            stats = self.replica_stats()
+            if stats and all(s.get("used") == 0 for s in stats.values()) or time.time() > deadline:
+                return stats
+            time.sleep(0.3)

@@ -1,0 +1,391 @@
+"""The OpenAI-compatible front end, served for real by uvicorn over a LocalCore on tiny-moe and called with the
+official openai client (and raw HTTP where the client would hide the wire)."""
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import openai
+import pytest
+import uvicorn
+
+try:
+    import httpx2 as httpx  # what the openai client is built on in this environment
+except ImportError:
+    import httpx
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import Completion
+from pdserve.engine.sampling_params import SamplingParams
+from router.http_api import build_app
+from router.local_core import LocalCore
+from router.metrics import Metrics
+from router.types import Delta, NoCapacityError, ServingError
+
+MODEL = "tiny-moe"
+PROMPT = "Once upon a time"
+STOP_PROMPT = "abc"  # its greedy text has a "?" after a few tokens
+CHAT = [{"role": "user", "content": "Hi there"}]
+MANY = [f"Request number {i}:" for i in range(16)]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+
+
+@dataclass
+class Served:
+    url: str
+    engine: Engine
+    core: LocalCore
+    metrics: Metrics
+    expected: dict[str, Completion | list[Completion]]
+    client: openai.OpenAI
+
+
+def _expected(engine: Engine) -> dict:
+    """Greedy outputs of the engine alone: what the server must return."""
+    chat_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(CHAT))
+    return {
+        "plain": engine.generate([PROMPT], greedy(12))[0],
+        "stop": engine.generate([STOP_PROMPT], greedy(24, stop=["?"]))[0],
+        "chat": engine.generate([chat_ids], greedy(10))[0],
+        "many": engine.generate(MANY, greedy(8)),
+    }
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine = Engine(EngineConfig(model=ModelConfig(path=MODEL), num_kv_blocks=256))
+    expected = _expected(engine)  # before the core's loop owns the engine
+    core, metrics = LocalCore(engine, MODEL), Metrics()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # handing uvicorn the bound socket leaves no race for the port
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(build_app(core, metrics), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        yield Served(url, engine, core, metrics, expected, client)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        core.close()
+        sock.close()
+
+
+def post(served: Served, path: str, body, **kw) -> httpx.Response:
+    if isinstance(body, bytes):
+        kw.setdefault("headers", {"content-type": "application/json"})
+        return httpx.post(served.url + path, content=body, timeout=30, **kw)
+    return httpx.post(served.url + path, json=body, timeout=30, **kw)
+
+
+def wait_idle(served: Served, timeout: float = 5.0) -> None:
+    """Every block back in the pool and no request left in the engine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with served.core._lock:
+            idle = not served.engine.seqs and served.engine.pool.num_free_blocks == served.engine.pool.num_blocks
+        if idle:
+            return
+        assert time.monotonic() < deadline, "the engine did not return to idle"
+        time.sleep(0.05)
+
+
+def sample(served: Served, name: str, labels: dict) -> float:
+    return served.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+# -- completions --------------------------------------------------------------------------------
+
+
+def test_completion_greedy_equals_engine(served):
+    want = served.expected["plain"]
+    r = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL
+    assert r.choices[0].text == want.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(served.engine.tokenize(PROMPT))
+    assert r.usage.completion_tokens == len(want.token_ids) == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_completion_stream_with_usage(served):
+    want = served.expected["plain"]
+    chunks = list(served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == len(served.engine.tokenize(PROMPT))
+
+
+def test_stream_wire_format(served):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    r = post(served, "/v1/completions", body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in r.text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    first = json.loads(events[0].removeprefix("data: "))
+    assert first["object"] == "text_completion" and first["id"].startswith("cmpl-")
+
+
+def test_token_id_prompt_equals_text_prompt(served):
+    ids = served.engine.tokenize(PROMPT)
+    r = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert r.choices[0].text == served.expected["plain"].text
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_stop_string(served):
+    want = served.expected["stop"]
+    r = served.client.completions.create(model=MODEL, prompt=STOP_PROMPT, max_tokens=24, temperature=0, stop="?")
+    assert want.finish_reason.value == "stop" and len(want.token_ids) < 24
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == want.text and "?" not in r.choices[0].text
+    assert r.usage.completion_tokens == len(want.token_ids)
+
+
+def test_logprobs(served):
+    want = served.expected["plain"].token_ids[:4]
+    r = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in want]
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(top) == 2 for top in lp.top_logprobs)
+
+
+def test_seeded_sampling_is_reproducible(served):
+    def run():
+        return served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                                top_p=0.9, seed=7, extra_body={"top_k": 50, "ignore_eos": True})
+    assert run().choices[0].text == run().choices[0].text
+
+
+# -- chat ---------------------------------------------------------------------------------------
+
+
+def test_chat_greedy_equals_engine(served):
+    want = served.expected["chat"]
+    r = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=10, temperature=0)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == want.finish_reason.value
+    assert r.usage.completion_tokens == len(want.token_ids)
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_chat_stream(served):
+    want = served.expected["chat"]
+    parts = [{"type": "text", "text": "Hi there"}]  # list-of-parts content renders like the plain string
+    chunks = list(served.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=10, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason.value
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+def test_chat_logprobs(served):
+    r = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
+                                              logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in served.expected["chat"].token_ids[:3]]
+    assert all(len(c.top_logprobs) == 3 for c in content)
+
+
+# -- the other endpoints ------------------------------------------------------------------------
+
+
+def test_models(served):
+    models = served.client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == served.engine.max_model_len
+    assert served.client.models.retrieve(MODEL).id == MODEL
+
+
+def test_health(served, monkeypatch):
+    r = httpx.get(served.url + "/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    monkeypatch.setattr(served.core, "ready", lambda: False)
+    r = httpx.get(served.url + "/health")
+    assert r.status_code == 503 and r.json()["error"]["message"]
+
+
+def test_metrics(served):
+    served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    r = httpx.get(served.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    assert 'pdserve_requests_total{endpoint="/v1/completions",status="200"}' in text
+    for name in ("pdserve_ttft_seconds_count", "pdserve_inter_token_latency_seconds_count",
+                 "pdserve_e2e_latency_seconds_count", "pdserve_prompt_tokens_count",
+                 "pdserve_generation_tokens_count", "pdserve_kv_bytes_moved_total"):
+        assert name in text
+    assert sample(served, "pdserve_ttft_seconds_count", {}) >= 1
+    assert sample(served, "pdserve_generation_tokens_sum", {}) >= 2
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+OK_CHAT = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+BAD = [
+    # (path, body, status, param)
+    ("/v1/completions", b'{"model": "tiny-moe", "prompt": ', 400, None),
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("/v1/completions", OK | {"model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", OK | {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", OK | {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", OK | {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", OK | {"prompt": [100000]}, 400, "prompt"),
+    ("/v1/completions", b'{"model": "tiny-moe", "prompt": "\\ud800"}', 400, "prompt"),
+    ("/v1/completions", OK | {"prompt": "a" * 5000}, 400, "prompt"),
+    ("/v1/completions", OK | {"max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", OK | {"max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", OK | {"max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/completions", OK | {"temperature": -1}, 400, "temperature"),
+    ("/v1/completions", b'{"model": "tiny-moe", "prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", OK | {"top_p": 0}, 400, "top_p"),
+    ("/v1/completions", OK | {"top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", OK | {"top_k": -2}, 400, "top_k"),
+    ("/v1/completions", OK | {"seed": 2**64}, 400, "seed"),
+    ("/v1/completions", OK | {"stop": [""]}, 400, "stop"),
+    ("/v1/completions", OK | {"n": 2}, 400, "n"),
+    ("/v1/completions", OK | {"echo": True}, 400, "echo"),
+    ("/v1/completions", OK | {"logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", OK | {"frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/completions", OK | {"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", OK_CHAT | {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", OK_CHAT | {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", OK_CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "messages.0.content"),
+    ("/v1/chat/completions", json.dumps(OK_CHAT | {"messages": [{"role": "user", "content": "\ud800"}]}).encode(),
+     400, "messages"),
+    ("/v1/chat/completions", OK_CHAT | {"model": "nope"}, 404, "model"),
+    ("/v1/chat/completions", OK_CHAT | {"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", OK_CHAT | {"temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", OK_CHAT | {"n": 3}, 400, "n"),
+    ("/v1/chat/completions", OK_CHAT | {"top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function"}]}, 400, "tools"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{p[0].split('/')[-1]}-{i}" for i, p in enumerate(BAD)])
+def test_bad_request(served, path, body, status, param):
+    r = post(served, path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"]
+    if param:
+        assert param in error["message"] or status == 404
+    if status == 404:
+        assert error["code"] == "model_not_found"
+
+
+def test_openai_client_raises_bad_request(served):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        served.client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        served.client.chat.completions.create(model="gpt-4", messages=CHAT)
+
+
+def test_unknown_route_is_openai_shaped(served):
+    r = httpx.get(served.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+
+
+def test_no_chat_template_is_400(served, monkeypatch):
+    def no_template(messages):
+        raise ValueError("this model has no chat template")
+    monkeypatch.setattr(served.core, "apply_chat_template", no_template)
+    r = post(served, "/v1/chat/completions", OK_CHAT)
+    assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("error,code", [(NoCapacityError("all decode replicas full", retry_after_s=2.5), "no_capacity"),
+                                        (ServingError("decode replica died"), "service_error")])
+def test_service_errors_are_503(served, monkeypatch, error, code):
+    async def refuse(request):
+        raise error
+        yield  # an async generator, like the real one
+    monkeypatch.setattr(served.core, "generate", refuse)
+    for stream in (False, True):
+        r = post(served, "/v1/completions", OK | {"stream": stream})
+        assert r.status_code == 503 and r.json()["error"]["code"] == code
+        if code == "no_capacity":
+            assert r.headers["retry-after"] == "3"
+
+
+def test_error_mid_stream_is_reported_in_stream(served, monkeypatch):
+    async def fail_later(request):
+        yield Delta("x", [120])
+        raise ServingError("decode replica died")
+    monkeypatch.setattr(served.core, "generate", fail_later)
+    r = post(served, "/v1/completions", OK | {"stream": True})
+    events = [json.loads(e.removeprefix("data: ")) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert events[0]["choices"][0]["text"] == "x" and events[-1]["error"]["code"] == "service_error"
+
+
+def test_serves_after_bad_inputs(served):
+    want = served.expected["plain"]
+    r = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert r.choices[0].text == want.text
+    wait_idle(served)
+
+
+# -- disconnects and concurrency ------------------------------------------------------------------
+
+LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+
+
+def test_disconnect_mid_stream_aborts(served):
+    before = sample(served, "pdserve_requests_aborted_total", {"role": "router"})
+    with httpx.stream("POST", served.url + "/v1/completions", json=LONG | {"stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break
+    wait_idle(served)
+    assert sample(served, "pdserve_requests_aborted_total", {"role": "router"}) == before + 1
+
+
+def test_disconnect_while_waiting_aborts(served):
+    before = sample(served, "pdserve_requests_aborted_total", {"role": "router"})
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=1.0))
+    wait_idle(served)
+    assert sample(served, "pdserve_requests_aborted_total", {"role": "router"}) == before + 1
+
+
+def test_concurrent_streams(served):
+    def run(prompt: str) -> tuple[str, str]:
+        stream = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                                  stream=True)
+        chunks = [c.choices[0] for c in stream]
+        return "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+    with ThreadPoolExecutor(len(MANY)) as pool:
+        results = list(pool.map(run, MANY))
+    assert [text for text, _ in results] == [c.text for c in served.expected["many"]]
+    assert all(reason == "length" for _, reason in results)
+    wait_idle(served)

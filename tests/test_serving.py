@@ -1,0 +1,174 @@
+"""The serving path through `pdserve up`: real Ray, real NIXL/TCP KV transfer between worker
+processes, the `openai` client over HTTP and a gRPC client from the .proto."""
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+from router.grpc_gen.pdserve.v1 import completion_pb2, completion_pb2_grpc
+from serving_cluster import Cluster
+
+PROMPTS = ["Once upon a time", "The quick brown fox jumps over the lazy dog. " * 3, "x", "Hello, world! " * 20]
+
+
+@pytest.fixture(scope="module")
+def reference() -> Engine:
+    """`pdserve generate` in one process: the oracle for every disaggregated answer."""
+    return Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=512))
+
+
+def greedy(engine: Engine, prompt: str, max_tokens: int) -> str:
+    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))[0].text
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("up"))
+    try:
+        c.wait_ready()
+        yield c
+    finally:
+        code = c.stop()
+        assert code == 0, c.output()
+
+
+def client(c: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{c.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_and_chat_equal_generate(cluster, reference):
+    oa = client(cluster)
+    for prompt in PROMPTS:
+        r = oa.completions.create(model="tiny-moe", prompt=prompt, max_tokens=20, temperature=0)
+        assert r.choices[0].text == greedy(reference, prompt, 20)
+        assert r.usage.prompt_tokens == len(reference.tokenizer.encode(prompt))
+        stream = oa.completions.create(model="tiny-moe", prompt=prompt, max_tokens=20, temperature=0, stream=True)
+        assert "".join(ch.choices[0].text for ch in stream if ch.choices) == r.choices[0].text
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    chat_ids = reference.tokenizer.encode(reference.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    expected = reference.generate([chat_ids], SamplingParams(max_tokens=16, temperature=0))[0].text
+    r = oa.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == expected
+    stream = oa.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=16, temperature=0,
+                                        stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == r.choices[0].message.content
+    assert all(s["used"] == 0 for s in cluster.wait_idle().values())
+
+
+def test_grpc_gives_the_http_output(cluster):
+    oa = client(cluster)
+    prompt = PROMPTS[0]
+    http_text = oa.completions.create(model="tiny-moe", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
+        stub = completion_pb2_grpc.CompletionStub(channel)
+        req = completion_pb2.CompletionRequest(prompt=prompt, max_tokens=24, temperature=0.0)
+        assert stub.Complete(req, timeout=60).text == http_text
+        assert "".join(ch.text for ch in stub.CompleteStream(req, timeout=60)) == http_text
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Complete(completion_pb2.CompletionRequest(prompt="", max_tokens=4), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_64_concurrent_streams_each_get_their_own_text(cluster, reference):
+    prompts = [f"Request number {i}: " + "abc " * (i % 13) for i in range(64)]
+    lengths = [4 + i % 29 for i in range(64)]
+    expected = [greedy(reference, p, n) for p, n in zip(prompts, lengths)]
+    aoa = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    async def one(p, n):
+        stream = await aoa.completions.create(model="tiny-moe", prompt=p, max_tokens=n, temperature=0, stream=True)
+        return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+
+    async def all_of_them():
+        return await asyncio.gather(*[one(p, n) for p, n in zip(prompts, lengths)])
+
+    assert asyncio.run(all_of_them()) == expected
+    stats = cluster.wait_idle()
+    assert stats and all(s["used"] == 0 for s in stats.values()), stats
+
+
+def test_client_disconnect_aborts_everywhere(cluster):
+    before = httpx.get(f"{cluster.url}/metrics").text
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=60,
+                      json={"model": "tiny-moe", "prompt": "Never ending story", "max_tokens": 4000,
+                            "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 5:
+                break
+    stats = cluster.wait_idle()
+    assert all(s["used"] == 0 for s in stats.values()), stats
+    deadline = time.time() + 10
+    while time.time() < deadline:  # workers report their abort counts every half second
+        after = httpx.get(f"{cluster.url}/metrics").text
+        if aborted(after, "decode") > aborted(before, "decode") and aborted(after, "prefill") >= aborted(before, "prefill"):
+            break
+        time.sleep(0.3)
+    assert aborted(after, "router") > aborted(before, "router")
+    assert aborted(after, "decode") > aborted(before, "decode")
+
+
+def aborted(metrics: str, role: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith("pdserve_requests_aborted_total{") and f'role="{role}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ("{not json", 400, None),
+    ({"model": "tiny-moe", "max_tokens": 4}, 400, "prompt"),
+    ({"model": "tiny-moe", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny-moe", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": "no-such-model", "prompt": "hi"}, 404, None),
+    ({"model": "tiny-moe", "prompt": "x" * 5000, "max_tokens": 1}, 400, "prompt"),
+])
+def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(cluster, body, status, param):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
+    r = httpx.post(f"{cluster.url}/v1/completions", timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"]
+    if param:
+        assert err["param"] == param
+    ok = httpx.post(f"{cluster.url}/v1/completions", timeout=60,
+                    json={"model": "tiny-moe", "prompt": "still here?", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("sections", [
+    {"prefill": {"replicas": 2}},
+    {"kv_transfer": {"backend": "tcp"}},
+], ids=["2-prefill-1-decode", "tcp"])
+def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, sections):
+    c = Cluster(tmp_path, **sections)
+    try:
+        c.wait_ready()
+        oa = client(c)
+        for prompt in PROMPTS * 2:  # enough requests to use both prefill replicas
+            r = oa.completions.create(model="tiny-moe", prompt=prompt, max_tokens=12, temperature=0)
+            assert r.choices[0].text == greedy(reference, prompt, 12)
+        stats = c.wait_idle()
+        assert len(stats) == sum(s.get("replicas", 1) for s in [sections.get("prefill", {}), {}])
+        assert all(s["used"] == 0 for s in stats.values()), stats
+    finally:
+        assert c.stop() == 0, c.output()
+
+
+def test_bad_cluster_yaml_fails_before_anything_starts(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("prefill: {replicas: 0}\nkv_transfer: {backend: carrier-pigeon}\nrouter: {htp_port: 1}\n")
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", str(path)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2
+    for needle in ("prefill.replicas", "kv_transfer.backend", "carrier-pigeon", "router.htp_port", "unknown key"):
+        assert needle in r.stderr
+    assert "Traceback" not in r.stderr and "starting Ray" not in r.stderr
