@@ -15,6 +15,10 @@ from pdserve.engine_loop import EngineLoop
 from pdserve.messages import ReplicaStats, RequestDelta, ReserveResult
 
 
+IDLE_S = 0.1  # nap of an idle worker; a reservation wakes it at once
+KV_POLL_S = 0.002
+
+
 class DecodeWorker:
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, lease_s: float,
                  namespace: str, cpu_threads: int = 1):
@@ -64,9 +68,9 @@ class DecodeWorker:
         return ReplicaStats(self.name, "decode", len(e.scheduler.running), len(e.scheduler.waiting),
                             e.pool.num_free_blocks, e.pool.num_blocks, self.aborted)
 
-    def _step(self) -> bool:
+    def _step(self) -> float | None:
         if not self.owner:
-            return False
+            return IDLE_S
         batches: dict[str, list[RequestDelta]] = defaultdict(list)
         for rid in self.intake.poll():  # their KV never came: the router hears it failed
             router = self.owner.pop(rid, None)
@@ -84,7 +88,8 @@ class DecodeWorker:
         # One message per router per step, never one per token.
         for router, deltas in batches.items():
             self._router(router).deliver.remote(deltas)
-        return self.engine.has_unfinished()
+        # Only reservations waiting for their KV: poll the connector every few milliseconds.
+        return None if self.engine.has_unfinished() else KV_POLL_S
 
     def _router(self, name: str):
         h = self._routers.get(name)

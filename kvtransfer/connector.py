@@ -78,6 +78,10 @@ class DecodeConnector(_Base):
             failed.append(rid)
         return done, failed
 
+    def progress(self) -> None:
+        """Let the transport move data into our blocks; call it while waiting (poll() does too)."""
+        self.backend.progress()
+
     def release(self, request_id: str) -> None:
         """Forget a lease; if the KV has not arrived yet, tell the prefill worker to stop."""
         entry = self._leases.pop(request_id, None)

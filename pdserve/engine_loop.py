@@ -1,8 +1,9 @@
 """Runs an engine's steps on a thread of its own inside a worker process.
 
 The engine is not thread-safe: actor methods and the loop take turns through `lock`. `step`
-returns whether it has more to do right away; when not, the loop naps (`idle_s`, so transfers
-still get polled) or until `wake()`.
+returns None when it has more to do right away, else how long the loop may nap (woken early by
+`wake()`): short while transfers are in flight, long when idle — an idle worker must not burn a
+core polling.
 """
 
 import logging
@@ -13,10 +14,9 @@ log = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, step: Callable[[], bool], name: str, idle_s: float = 0.002):
+    def __init__(self, step: Callable[[], float | None], name: str):
         self.lock = threading.Lock()
         self._step = step
-        self._idle_s = idle_s
         self._wake = threading.Event()
         self._stopped = False
         self.error: BaseException | None = None
@@ -38,9 +38,9 @@ class EngineLoop:
         try:
             while not self._stopped:
                 with self.lock:
-                    busy = self._step()
-                if not busy:
-                    self._wake.wait(self._idle_s)
+                    nap = self._step()
+                if nap is not None:
+                    self._wake.wait(nap)
                     self._wake.clear()
         except BaseException as e:  # the worker reports itself unhealthy; the controller replaces it
             log.exception("engine loop died")

@@ -11,6 +11,9 @@ from pdserve.messages import ReplicaStats
 from prefill.kv_stream import KVStreamer
 
 
+IDLE_S = 0.1  # nap of an idle worker; new work wakes it at once
+
+
 class PrefillWorker:
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, cpu_threads: int = 1):
         if engine_config.device == "cpu":
@@ -49,8 +52,8 @@ class PrefillWorker:
         return ReplicaStats(self.name, "prefill", len(e.scheduler.running), len(e.scheduler.waiting),
                             e.pool.num_free_blocks, e.pool.num_blocks, self.aborted)
 
-    def _step(self) -> bool:
+    def _step(self) -> float | None:
         if not (self.streamer.busy() or self.engine.has_unfinished()):
-            return False
-        self.streamer.step()
-        return self.engine.has_unfinished()
+            return IDLE_S
+        self.streamer.step()  # waits a little itself when only transfers are left
+        return None

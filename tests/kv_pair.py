@@ -82,6 +82,8 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str) -> 
     tokens: dict[str, list[int]] = {}
     failed: set[str] = set()
     while True:
+        while not conn.poll(0.002):  # a live decode worker keeps polling: that moves the KV in
+            connector.progress()
         cmd, *args = conn.recv()
         try:
             if cmd == "meta":

@@ -52,7 +52,12 @@ def _node(conn, engine_id: str, source: bool) -> None:
     meta = KVAgentMetadata.for_cache(engine_id, "nixl", kv, layout, "test-model")
     backend = NixlBackend(meta, kv, telemetry=True)
     conn.send(meta.pack())
-    while conn.poll(60):  # the parent died or forgot us: do not linger
+    while True:
+        idle_until = time.monotonic() + 60  # the parent died or forgot us: do not linger
+        while not conn.poll(0.001):  # a live worker keeps polling, and so drives UCX's progress
+            backend.progress()
+            if time.monotonic() > idle_until:
+                return
         cmd, *args = conn.recv()
         try:
             if cmd == "add_peer":

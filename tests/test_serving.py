@@ -30,6 +30,26 @@ def greedy(engine: Engine, prompt: str, max_tokens: int) -> str:
     return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))[0].text
 
 
+# These start clusters of their own: they run before the shared one exists (one Ray at a time).
+@pytest.mark.parametrize("sections", [
+    {"prefill": {"replicas": 2}},
+    {"kv_transfer": {"backend": "tcp"}},
+], ids=["2-prefill-1-decode", "tcp"])
+def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, sections):
+    c = Cluster(tmp_path, **sections)
+    try:
+        c.wait_ready()
+        oa = client(c)
+        for prompt in PROMPTS * 2:  # enough requests to use both prefill replicas
+            r = oa.completions.create(model="tiny-moe", prompt=prompt, max_tokens=12, temperature=0)
+            assert r.choices[0].text == greedy(reference, prompt, 12)
+        stats = c.wait_idle()
+        assert len(stats) == sum(s.get("replicas", 1) for s in [sections.get("prefill", {}), {}])
+        assert all(s["used"] == 0 for s in stats.values()), stats
+    finally:
+        assert c.stop() == 0, c.output()
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("up"))
@@ -142,25 +162,6 @@ def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(cluster, body, stat
     ok = httpx.post(f"{cluster.url}/v1/completions", timeout=60,
                     json={"model": "tiny-moe", "prompt": "still here?", "max_tokens": 2})
     assert ok.status_code == 200
-
-
-@pytest.mark.parametrize("sections", [
-    {"prefill": {"replicas": 2}},
-    {"kv_transfer": {"backend": "tcp"}},
-], ids=["2-prefill-1-decode", "tcp"])
-def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, sections):
-    c = Cluster(tmp_path, **sections)
-    try:
-        c.wait_ready()
-        oa = client(c)
-        for prompt in PROMPTS * 2:  # enough requests to use both prefill replicas
-            r = oa.completions.create(model="tiny-moe", prompt=prompt, max_tokens=12, temperature=0)
-            assert r.choices[0].text == greedy(reference, prompt, 12)
-        stats = c.wait_idle()
-        assert len(stats) == sum(s.get("replicas", 1) for s in [sections.get("prefill", {}), {}])
-        assert all(s["used"] == 0 for s in stats.values()), stats
-    finally:
-        assert c.stop() == 0, c.output()
 
 
 def test_bad_cluster_yaml_fails_before_anything_starts(tmp_path):

@@ -6,6 +6,7 @@ Every backend offers:
     write(peer_id, layer, src_blocks, dst_blocks) -> token     # posts, returns at once
     state(token) -> "done" | "pending" | "failed";  release(token)
     notify(peer_id, payload: bytes);  notifications() -> list[bytes]
+    progress()    # drive the transport while waiting for a peer's writes (NIXL has no thread for it)
     close()
 """
 

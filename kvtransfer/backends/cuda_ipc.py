@@ -86,6 +86,9 @@ class CudaIpcBackend:
     def notify(self, peer_id: str, payload: bytes) -> None:
         self.notices.notify(peer_id, payload)
 
+    def progress(self) -> None:
+        """Nothing to drive: a thread of our own receives."""
+
     def notifications(self) -> list[bytes]:
         return self.notices.notifications()
 

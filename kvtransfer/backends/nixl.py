@@ -87,7 +87,7 @@ class NixlBackend:
     """Writes runs of KV blocks into peers' allocations through one NIXL agent (UCX backend)."""
 
     def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, telemetry: bool = False,
-                 close_timeout_s: float = 2.0, num_workers: int = 1):
+                 close_timeout_s: float = 2.0, num_workers: int = 1, progress_thread: bool = False):
         from nixl._api import nixl_agent, nixl_agent_config  # only workers that use NIXL load it
 
         assert kv_cache.is_contiguous(), "the KV allocation must be one contiguous region"
@@ -101,10 +101,14 @@ class NixlBackend:
         self._xfers: dict[int, _Xfer] = {}
         self._stuck: list = []  # xfer handles NIXL refused to release (still in flight): retried later
         self._tokens = itertools.count()
+        self._notices: list[bytes] = []
         self._cuda_thread = threading.local()
 
-        # The progress thread lets transfers and notifications advance without us polling.
-        self.agent = nixl_agent(meta.engine_id, nixl_agent_config(backends=[], capture_telemetry=telemetry))
+        # No NIXL progress thread by default: it spins a core even when idle (seen: ~100 % per
+        # worker on a 2-core host), and the connector already drives progress by polling
+        # transfer states and notifications (`progress`).
+        self.agent = nixl_agent(meta.engine_id, nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
+                                                                  capture_telemetry=telemetry))
         # UCX workers post descriptors in parallel: with many descriptors per request it pays.
         self.agent.create_backend("UCX", {"num_workers": str(num_workers)})
         self._reg = self.agent.register_memory(_regions(meta, self._dev), self._mem)
@@ -232,7 +236,16 @@ class NixlBackend:
 
     def notifications(self) -> list[bytes]:
         """Every notice received since the last call, from any peer."""
-        return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
+        self.progress()
+        out, self._notices = self._notices, []
+        return out
+
+    def progress(self) -> None:
+        """Let UCX make progress (there is no progress thread); notices received are kept.
+
+        A peer's write into our memory over UCX's host transports needs our side to progress
+        too, so an idle end that expects data calls this (polling notifications does)."""
+        self._notices += [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
 
     # -- teardown -------------------------------------------------------------------------------
 

@@ -73,6 +73,9 @@ class TcpBackend:
     def notify(self, peer_id: str, payload: bytes) -> None:
         self._run(self._send(peer_id, {"kind": "notice", "nbytes": len(payload)}, payload), timeout=10)
 
+    def progress(self) -> None:
+        """Nothing to drive: a thread of our own receives."""
+
     def notifications(self) -> list[bytes]:
         with self._notice_lock:
             out, self._notices = self._notices, []

@@ -53,6 +53,8 @@ def _decode_main(conn, backend: str, num_blocks: int, device: str, preset: str, 
     kv = allocate_kv_cache(layout_for(num_blocks), torch.device(device))
     conn_ = make_connector("decode", backend, "bench-decode", kv, layout_for(num_blocks), fingerprint(), **kw)
     while True:
+        while not conn.poll(0.0005):  # like a decode worker with reservations pending
+            conn_.progress()
         cmd, *args = conn.recv()
         if cmd == "meta":
             conn.send(conn_.metadata())
@@ -123,7 +125,9 @@ def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KV
 
 
 def backend_kw(args) -> dict:
-    return {"num_workers": args.nixl_workers} if args.backend == "nixl" else {}
+    if args.backend != "nixl":
+        return {}
+    return {"num_workers": args.nixl_workers, "progress_thread": args.nixl_progress_thread}
 
 
 def decode_call(decode, *msg):
@@ -154,6 +158,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json")
     ap.add_argument("--nixl-workers", type=int, default=1, help="UCX workers of each NIXL agent")
+    ap.add_argument("--nixl-progress-thread", action="store_true", help="NIXL's own (spinning) progress thread")
     ap.add_argument("--model", default=PRESET, help="preset whose KV shape and weights are used")
     ap.add_argument("--cpu", action="store_true", help="dry run on CPU memory (checks the script, not a figure)")
     args = ap.parse_args()
@@ -192,7 +197,8 @@ def main() -> None:
 
     meta = {"date": datetime.date.today().isoformat(),
             "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
-            "backend": args.backend, "nixl_workers": args.nixl_workers, "torch": torch.__version__, "raw_copy_GB/s": round(raw, 1)}
+            "backend": args.backend, "nixl_workers": args.nixl_workers,
+            "nixl_progress_thread": args.nixl_progress_thread, "torch": torch.__version__, "raw_copy_GB/s": round(raw, 1)}
     print(f"\nraw GPU0->GPU1 copy {raw:.1f} GB/s ({meta['device']}, {args.backend})")
     print(f"{'tokens':>7} {'pattern':>10} {'MB':>8} {'ms':>9} {'GB/s':>7} {'% raw':>6}")
     for r in rows:
