@@ -4,45 +4,29 @@ reservations, their KV through kvtransfer; new tokens go back to each router onc
 from collections import defaultdict
 
 import ray
-import torch
 
 from decode.kv_intake import KVIntake
-from kvtransfer import make_connector
 from pdserve.config import EngineConfig
-from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from pdserve.engine_loop import EngineLoop
-from pdserve.messages import ReplicaStats, RequestDelta, ReserveResult
+from pdserve.messages import RequestDelta, ReserveResult
+from pdserve.replica import Replica
 
 
 IDLE_S = 0.1  # nap of an idle worker; a reservation wakes it at once
 KV_POLL_S = 0.002
 
 
-class DecodeWorker:
+class DecodeWorker(Replica):
+    role = "decode"
+
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, lease_s: float,
                  namespace: str, cpu_threads: int = 1):
-        if engine_config.device == "cpu":
-            torch.set_num_threads(cpu_threads)
-        self.name = name
+        super().__init__(name, engine_config, kv_backend, cpu_threads)
         self.namespace = namespace
-        self.engine = Engine(engine_config)
-        self.connector = make_connector("decode", kv_backend, name, self.engine.kv_cache, self.engine.layout,
-                                        self.engine.fingerprint)
         self.intake = KVIntake(self.engine, self.connector, lease_s)
         self.owner: dict[str, str] = {}  # request id -> the router streaming it
         self._routers: dict[str, ray.actor.ActorHandle] = {}
-        self.aborted = 0
-        self.loop = EngineLoop(self._step, f"{name}-engine")
-
-    def ready(self) -> bool:
-        return self.loop.alive()
-
-    def metadata(self) -> bytes:
-        return self.connector.metadata()
-
-    def add_peer(self, meta: bytes) -> str:
-        return self.connector.add_peer(meta)
+        self._start_loop()
 
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_id: str,
                 router: str) -> ReserveResult:
@@ -62,11 +46,6 @@ class DecodeWorker:
             if self.owner.pop(request_id, None) is not None:
                 self.intake.abort(request_id)
                 self.aborted += 1
-
-    def stats(self) -> ReplicaStats:
-        e = self.engine
-        return ReplicaStats(self.name, "decode", len(e.scheduler.running), len(e.scheduler.waiting),
-                            e.pool.num_free_blocks, e.pool.num_blocks, self.aborted)
 
     def _step(self) -> float | None:
         if not self.owner:

@@ -103,6 +103,8 @@ class _Transfer:
     handle: ReserveHandle
     tokens: list = field(default_factory=list)
     first_token: int | None = None
+    nbytes: int = 0
+    started: float = field(default_factory=time.monotonic)  # first layer posted
 
 
 class PrefillConnector(_Base):
@@ -111,6 +113,7 @@ class PrefillConnector(_Base):
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, ok)
         self._has_results = threading.Event()
+        self._delivered: queue.SimpleQueue = queue.SimpleQueue()  # (bytes, seconds) per request
         self._transfers: dict[str, _Transfer] = {}  # worker thread only
         self._aborted: set[str] = set()  # worker thread only: aborted before we heard of them
         self._closed = False
@@ -153,6 +156,13 @@ class PrefillConnector(_Base):
             except queue.Empty:
                 return done, failed
             (done if ok else failed).append(rid)
+
+    def delivered(self) -> list[tuple[int, float]]:
+        """(KV bytes, seconds from first post to delivered) of each request delivered since the last call."""
+        out = []
+        while not self._delivered.empty():
+            out.append(self._delivered.get_nowait())
+        return out
 
     def wait(self, timeout: float) -> None:
         """Block (GIL released) until poll() has something or timeout seconds pass.
@@ -230,6 +240,7 @@ class PrefillConnector(_Base):
             t = self._transfers.setdefault(rid, _Transfer(handle))
             if ready is not None:
                 ready.synchronize()
+            t.nbytes += sum(2 * len(src) for _, src, _ in parts) * self.meta.bytes_per_block
             try:
                 if hasattr(self.backend, "write_layers"):
                     t.tokens.append(self.backend.write_layers(handle.engine_id, parts))
@@ -269,6 +280,7 @@ class PrefillConnector(_Base):
                 self._drop(t)
                 try:
                     self.backend.notify(t.handle.engine_id, Notice("finish", rid, t.first_token).pack())
+                    self._delivered.put((t.nbytes, time.monotonic() - t.started))
                     self._result(rid, True)
                 except Exception:
                     self._result(rid, False)

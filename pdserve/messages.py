@@ -33,4 +33,7 @@ class ReplicaStats:
     free_blocks: int
     total_blocks: int
     aborted: int  # requests aborted on this replica since it started
-    kv_bytes: int = 0  # KV bytes sent (prefill) over its life
+    # Prefill: (KV bytes, seconds) of the latest deliveries to decode replicas, and how many
+    # there have been in all (a reader remembers the count it has seen; nothing is drained).
+    transfers: list[tuple[int, float]] = field(default_factory=list)
+    transfers_total: int = 0

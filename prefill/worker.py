@@ -1,39 +1,24 @@
 """The prefill worker (a Ray actor): the engine in its prefill role, streaming KV to decode workers."""
 
-import torch
-
-from kvtransfer import ReserveHandle, make_connector
+from kvtransfer import ReserveHandle
 from pdserve.config import EngineConfig
-from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine_loop import EngineLoop
-from pdserve.messages import ReplicaStats
+from pdserve.replica import Replica
 from prefill.kv_stream import KVStreamer
 
-
 IDLE_S = 0.1  # nap of an idle worker; new work wakes it at once
+RECENT_TRANSFERS = 1024  # transfer records kept for readers of stats()
 
 
-class PrefillWorker:
+class PrefillWorker(Replica):
+    role = "prefill"
+
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, cpu_threads: int = 1):
-        if engine_config.device == "cpu":
-            torch.set_num_threads(cpu_threads)  # several workers share the host's cores
-        self.name = name
-        self.engine = Engine(engine_config)
-        self.connector = make_connector("prefill", kv_backend, name, self.engine.kv_cache, self.engine.layout,
-                                        self.engine.fingerprint)
+        super().__init__(name, engine_config, kv_backend, cpu_threads)
         self.streamer = KVStreamer(self.engine, self.connector)
-        self.aborted = 0
-        self.loop = EngineLoop(self._step, f"{name}-engine")
-
-    def ready(self) -> bool:
-        return self.loop.alive()
-
-    def metadata(self) -> bytes:
-        return self.connector.metadata()
-
-    def add_peer(self, meta: bytes) -> str:
-        return self.connector.add_peer(meta)
+        self._transfers: list[tuple[int, float]] = []
+        self._transfers_total = 0
+        self._start_loop()
 
     def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, handle: bytes) -> None:
         """Prefill a request into the decode blocks its handle names; returns at once."""
@@ -47,10 +32,13 @@ class PrefillWorker:
                 self.streamer.abort(request_id)
                 self.aborted += 1
 
-    def stats(self) -> ReplicaStats:
-        e = self.engine
-        return ReplicaStats(self.name, "prefill", len(e.scheduler.running), len(e.scheduler.waiting),
-                            e.pool.num_free_blocks, e.pool.num_blocks, self.aborted)
+    def stats(self):
+        done = self.connector.delivered()
+        self._transfers = (self._transfers + done)[-RECENT_TRANSFERS:]
+        self._transfers_total += len(done)
+        s = super().stats()
+        s.transfers, s.transfers_total = list(self._transfers), self._transfers_total
+        return s
 
     def _step(self) -> float | None:
         if not (self.streamer.busy() or self.engine.has_unfinished()):

@@ -116,6 +116,9 @@ class RayCore:
                                                        s.total_blocks - s.free_blocks, s.total_blocks)
                         for _ in range(s.aborted - (before.aborted if before else 0)):
                             self.metrics.count_abort(s.role)
+                        new = s.transfers_total - (before.transfers_total if before else 0)
+                        for nbytes, seconds in s.transfers[len(s.transfers) - min(new, len(s.transfers)):]:
+                            self.metrics.observe_transfer(nbytes, seconds)
                 except Exception:
                     self.stats.pop(name, None)  # unreachable: not live
             await asyncio.sleep(interval_s)

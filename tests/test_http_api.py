@@ -49,7 +49,7 @@ class Served:
 
 def _expected(engine: Engine) -> dict:
     """Greedy outputs of the engine alone: what the server must return."""
-    chat_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(CHAT))
+    chat_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(CHAT), add_special_tokens=False)
     return {
         "plain": engine.generate([PROMPT], greedy(12))[0],
         "stop": engine.generate([STOP_PROMPT], greedy(24, stop=["?"]))[0],

@@ -114,6 +114,9 @@ def test_64_concurrent_streams_each_get_their_own_text(cluster, reference):
     assert asyncio.run(all_of_them()) == expected
     stats = cluster.wait_idle()
     assert stats and all(s["used"] == 0 for s in stats.values()), stats
+    metrics = httpx.get(f"{cluster.url}/metrics").text
+    assert metric(metrics, "pdserve_kv_bytes_moved_total") > 0
+    assert metric(metrics, "pdserve_kv_transfer_seconds_count") >= 64
 
 
 def test_client_disconnect_aborts_everywhere(cluster):
@@ -134,6 +137,13 @@ def test_client_disconnect_aborts_everywhere(cluster):
         time.sleep(0.3)
     assert aborted(after, "router") > aborted(before, "router")
     assert aborted(after, "decode") > aborted(before, "decode")
+
+
+def metric(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def aborted(metrics: str, role: str) -> float:
@@ -162,6 +172,15 @@ def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(cluster, body, stat
     ok = httpx.post(f"{cluster.url}/v1/completions", timeout=60,
                     json={"model": "tiny-moe", "prompt": "still here?", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_pdserve_down_stops_what_up_started(cluster):
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "down"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    cluster.proc.wait(60)  # `pdserve up` notices and exits on its own
+    assert cluster.proc.returncode == 0
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{cluster.url}/health", timeout=5)
 
 
 def test_bad_cluster_yaml_fails_before_anything_starts(tmp_path):
