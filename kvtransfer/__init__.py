@@ -1,4 +1,4 @@
-"""KV transfer: the connector API (handshake, decode end, prefill end) and its backends (NIXL, TCP)."""
+"""KV transfer: the connector API (handshake, decode end, prefill end) and its backends (NIXL, TCP, CUDA IPC)."""
 
 from kvtransfer.connector import DecodeConnector, Finished, PrefillConnector
 from kvtransfer.metadata import HandshakeError, KVAgentMetadata
@@ -9,7 +9,7 @@ __all__ = ["DecodeConnector", "Finished", "HandshakeError", "KVAgentMetadata", "
 
 
 def make_connector(role: str, backend: str, engine_id: str, kv_cache, layout, fingerprint: str, **kw):
-    """A connector of `role` ('prefill' or 'decode') over `backend` ('nixl' or 'tcp')."""
+    """A connector of `role` ('prefill' or 'decode') over `backend` ('nixl', 'tcp' or 'cuda_ipc')."""
     from kvtransfer.backends import make_backend
 
     meta = KVAgentMetadata.for_cache(engine_id, backend, kv_cache, layout, fingerprint)
