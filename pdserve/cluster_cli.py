@@ -31,8 +31,7 @@ def up(path: str | None) -> int:
     _connect(None if cfg.ray.address == "local" else cfg.ray.address)
     controller = ray.remote(Controller).options(name=CONTROLLER, lifetime="detached", num_cpus=0,
                                                 max_concurrency=8).remote(cfg)
-    # SIGTERM (a service manager, a test harness) stops the cluster like Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         endpoints = _wait_started(controller)
         for kind, url in endpoints.items():
@@ -51,6 +50,11 @@ def up(path: str | None) -> int:
         _stop(controller)
         ray.shutdown()
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM (a service manager, a test harness) stops the cluster the way Ctrl-C does."""
+    raise KeyboardInterrupt
 
 
 def _check_model(cfg: ClusterConfig) -> None:

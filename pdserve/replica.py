@@ -42,6 +42,8 @@ class Replica:
         return self.connector.add_peer(meta)
 
     def stats(self) -> ReplicaStats:
+        if not self.loop.alive():  # the router then counts this replica as down (/health 503)
+            raise RuntimeError(f"{self.name}: the engine loop stopped: {self.loop.error!r}")
         e = self.engine
         return ReplicaStats(self.name, self.role, len(e.scheduler.running), len(e.scheduler.waiting),
                             e.pool.num_free_blocks, e.pool.num_blocks, self.aborted)

@@ -58,6 +58,7 @@ class RayCore:
         finished = False
         try:
             p_name = self._pick(self.prefill)
+            self._loads[p_name] += 1
             d_name, handle = await self._reserve(request, p_name)
             await self.prefill[p_name].prefill.remote(rid, request.prompt_ids, request.params, handle)
             while not finished:
@@ -78,7 +79,6 @@ class RayCore:
 
     async def _reserve(self, request: GenerateRequest, p_name: str) -> tuple[str, bytes]:
         """Reserve KV blocks on a decode replica, best candidate first; raises when all are full."""
-        self._loads[p_name] += 1
         for d_name in self._decode_order():
             res = await self.decode[d_name].reserve.remote(request.request_id, request.prompt_ids, request.params,
                                                           p_name, self.name)
