@@ -1,12 +1,14 @@
 """The two ends of a KV transfer, with leases so that no dead or silent peer strands blocks.
 
 Decode end: reserve(request, blocks) -> ReserveHandle; poll() -> (finished, failed); release().
-Prefill end: send_layer(...) (returns at once), finish(request, first_token); poll() -> (done,
-failed); release(). Blocks themselves belong to the engines: a connector says when they may be
+Prefill end: send_layer(...) / send_layers(...) (return at once), finish(request, first_token);
+poll() -> (done, failed); release(). Blocks themselves belong to the engines: a connector says when they may be
 freed (done / failed), it never frees them.
 
 The prefill end posts from one worker thread, so the engine's step never waits on the network;
-every backend call of that end happens on that thread.
+every backend call of that end happens on that thread — except for a backend that posts inline
+(cuda_ipc: it only enqueues device work, so it posts on the engine's thread) and the completion
+thread's blocking wait and finish notice for a backend that can wait.
 """
 
 import queue
@@ -105,6 +107,8 @@ class _Transfer:
     first_token: int | None = None
     nbytes: int = 0
     started: float = field(default_factory=time.monotonic)  # first layer posted
+    # open -> (finishing: every layer posted, a completion thread waits for the copies) -> done | failed
+    state: str = "open"
 
 
 class PrefillConnector(_Base):
@@ -115,10 +119,20 @@ class PrefillConnector(_Base):
         self._has_results = threading.Event()
         self._delivered: queue.SimpleQueue = queue.SimpleQueue()  # (bytes, seconds) per request
         self._transfers: dict[str, _Transfer] = {}  # worker thread only
-        self._aborted: set[str] = set()  # worker thread only: aborted before we heard of them
+        self._aborted: set[str] = set()  # written by the worker thread: aborted before we heard of them
+        self._lock = threading.Lock()  # a transfer's state, where the completion thread also moves it
         self._closed = False
+        # A backend that posts on the caller's thread (device-ordered, never blocking) skips the
+        # hand-off to the worker thread; one that can block until a post is done gets a completion
+        # thread, so delivery is noticed at once rather than at the next poll.
+        self._inline = getattr(backend, "inline", False)
+        self._waits: queue.SimpleQueue | None = queue.SimpleQueue() if hasattr(backend, "wait") else None
+        self._posting: dict[str, _Transfer] = {}  # inline posting: requests not finished yet (caller's thread)
         self._thread = threading.Thread(target=self._run, name=f"kv-post-{meta.engine_id}", daemon=True)
         self._thread.start()
+        if self._waits is not None:
+            self._waiter = threading.Thread(target=self._complete, name=f"kv-done-{meta.engine_id}", daemon=True)
+            self._waiter.start()
 
     # -- called by the engine's thread ----------------------------------------------------------
 
@@ -133,17 +147,49 @@ class PrefillConnector(_Base):
                    first: int = 0) -> None:
         """Queue one layer's KV of the request's blocks [first, first + len(src_blocks)) for writing
         into the same positions of the handle's blocks; returns at once."""
+        self.send_layers(request_id, layer, 1, src_blocks, handle, first)
+
+    def send_layers(self, request_id: str, first_layer: int, num_layers: int, src_blocks: list[int],
+                    handle: ReserveHandle, first: int = 0) -> None:
+        """send_layer for the layers [first_layer, first_layer + num_layers) at once: KV that is
+        complete already (a whole request, a cached prefix) moves as one post."""
+        dst = handle.block_ids[first:first + len(src_blocks)]
+        assert len(dst) == len(src_blocks), "more blocks than the decode side reserved"
+        src = list(src_blocks)
+        nbytes = 2 * len(src) * num_layers * self.meta.bytes_per_block
+        if self._inline:
+            self._post_inline(request_id, first_layer, num_layers, src, dst, handle, nbytes)
+            return
         ready = None
         if self.meta.device.startswith("cuda"):
             # The layer's KV is written by kernels still in flight: post only once they finish.
             ready = torch.cuda.Event()
             ready.record()
-        dst = handle.block_ids[first:first + len(src_blocks)]
-        assert len(dst) == len(src_blocks), "more blocks than the decode side reserved"
-        self._ops.put(("layer", request_id, layer, list(src_blocks), dst, handle, ready))
+        parts = [(layer, src, dst) for layer in range(first_layer, first_layer + num_layers)]
+        self._ops.put(("layer", request_id, parts, handle, ready, nbytes))
+
+    def _post_inline(self, rid: str, first_layer: int, num_layers: int, src: list[int], dst: list[int],
+                     handle: ReserveHandle, nbytes: int) -> None:
+        """Post on this thread; the worker hears of the request once (its first post), not per
+        layer: a hand-off per layer would ping-pong the GIL between the two threads."""
+        t = self._posting.get(rid)
+        if t is not None and t.state == "failed":
+            return  # aborted meanwhile: the decode side may have reused its blocks already
+        try:
+            token = self.backend.write_range(handle.engine_id, first_layer, num_layers, src, dst)
+        except Exception:  # a bad handle or a peer gone fails this request, not the engine
+            self._ops.put(("fail", rid, handle))
+            return
+        if t is None:
+            t = self._posting[rid] = _Transfer(handle, [token], nbytes=nbytes)
+            self._ops.put(("opened", rid, t))
+        else:
+            t.tokens.append(token)  # the worker reads the list only after finish (or to drop it)
+            t.nbytes += nbytes
 
     def finish(self, request_id: str, first_token: int) -> None:
         """Every layer is queued: once all have landed, tell the decode worker (with the first token)."""
+        self._posting.pop(request_id, None)
         self._ops.put(("finish", request_id, first_token))
 
     def poll(self) -> tuple[list[str], list[str]]:
@@ -175,10 +221,14 @@ class PrefillConnector(_Base):
     def release(self, request_id: str, handle: ReserveHandle | None = None) -> None:
         """Abort a transfer from this side; the decode worker is told (pass the handle in case
         no layer was sent yet)."""
+        self._posting.pop(request_id, None)
         self._ops.put(("release", request_id, handle))
 
     def close(self) -> None:
         self._closed = True
+        if self._waits is not None:
+            self._waits.put(None)
+            self._waiter.join(timeout=5)
         self._thread.join(timeout=5)
         self.backend.close()
 
@@ -197,8 +247,10 @@ class PrefillConnector(_Base):
     def _run(self) -> None:
         while not self._closed:
             ops = []
+            # Completion is polled only where no completion thread waits for it.
+            polling = self._waits is None and any(t.state == "open" for t in self._transfers.values())
             try:
-                ops.append(self._ops.get(timeout=0.0005 if self._transfers else 0.05))
+                ops.append(self._ops.get(timeout=0.0005 if polling else 0.05))
                 while True:
                     ops.append(self._ops.get_nowait())
             except queue.Empty:
@@ -215,11 +267,8 @@ class PrefillConnector(_Base):
             prev = out[-1] if out else None
             if op[0] == "layer" and prev is not None and prev[0] == "layer" and prev[1] == op[1]:
                 # Events complete in stream order: waiting for the newest covers the older ones.
-                _, rid, layer, src, dst, handle, ready = op
-                out[-1] = ("layer", rid, prev[2] + [(layer, src, dst)], handle, ready or prev[4])
-            elif op[0] == "layer":
-                _, rid, layer, src, dst, handle, ready = op
-                out.append(("layer", rid, [(layer, src, dst)], handle, ready))
+                _, rid, parts, handle, ready, nbytes = op
+                out[-1] = ("layer", rid, prev[2] + parts, handle, ready or prev[4], prev[5] + nbytes)
             else:
                 out.append(op)
         return out
@@ -234,13 +283,13 @@ class PrefillConnector(_Base):
                 box.append(e)
             ev.set()
         elif kind == "layer":
-            _, rid, parts, handle, ready = op
+            _, rid, parts, handle, ready, nbytes = op
             if rid in self._aborted:
                 return
             t = self._transfers.setdefault(rid, _Transfer(handle))
             if ready is not None:
                 ready.synchronize()
-            t.nbytes += sum(2 * len(src) for _, src, _ in parts) * self.meta.bytes_per_block
+            t.nbytes += nbytes
             try:
                 if hasattr(self.backend, "write_layers"):
                     t.tokens.append(self.backend.write_layers(handle.engine_id, parts))
@@ -248,18 +297,43 @@ class PrefillConnector(_Base):
                     t.tokens += [self.backend.write(handle.engine_id, *p) for p in parts]
             except Exception:  # a bad handle or a broken peer fails this request, not the thread
                 self._fail(rid, tell_peer=True)
+        elif kind == "opened":  # inline posting: the request's first post
+            _, rid, t = op
+            if rid in self._aborted:
+                t.state = "failed"  # the poster sees it and stops
+                return
+            self._transfers[rid] = t
+        elif kind == "fail":
+            _, rid, handle = op
+            if rid not in self._transfers and rid not in self._aborted:
+                self._notify(handle.engine_id, Notice("abort", rid))
+            self._fail(rid, tell_peer=True)
         elif kind == "finish":
             _, rid, first = op
-            if rid in self._transfers:
-                self._transfers[rid].first_token = first
+            t = self._transfers.get(rid)
+            if t is not None:
+                t.first_token = first
+                if self._waits is not None:
+                    t.state = "finishing"
+                    self._waits.put((rid, t))
             elif rid in self._aborted:  # aborted by the peer before we started: fail it again
                 self._aborted.discard(rid)
                 self._result(rid, False)
+        elif kind == "settled":  # the completion thread is through with it
+            _, rid, t = op
+            if self._transfers.get(rid) is t:
+                del self._transfers[rid]
+                self._drop(t)
         elif kind == "release":
             _, rid, handle = op
-            t = self._transfers.pop(rid, None)
+            t = self._transfers.get(rid)
             self._aborted.discard(rid)
             if t is not None:
+                with self._lock:
+                    if t.state == "done":  # delivered already: nothing to abort
+                        return
+                    t.state = "failed"
+                del self._transfers[rid]
                 self._drop(t)
                 handle = t.handle
             if handle is not None:
@@ -272,25 +346,61 @@ class PrefillConnector(_Base):
                 self._fail(n.request_id, tell_peer=False)
         now = time.time()
         for rid, t in list(self._transfers.items()):
-            states = [self.backend.state(tok) for tok in t.tokens]
-            if "failed" in states or t.handle.deadline < now:
+            if t.handle.deadline < now:
                 self._fail(rid, tell_peer=True)
-            elif t.first_token is not None and all(s == "done" for s in states):
-                del self._transfers[rid]
-                self._drop(t)
-                try:
-                    self.backend.notify(t.handle.engine_id, Notice("finish", rid, t.first_token).pack())
-                    self._delivered.put((t.nbytes, time.monotonic() - t.started))
-                    self._result(rid, True)
-                except Exception:
-                    self._result(rid, False)
+            elif t.state != "open" or self._waits is not None:
+                continue  # the completion thread waits for it (once finished)
+            else:
+                states = [self.backend.state(tok) for tok in t.tokens]
+                if "failed" in states:
+                    self._fail(rid, tell_peer=True)
+                elif t.first_token is not None and all(s == "done" for s in states):
+                    del self._transfers[rid]
+                    t.state = "done"
+                    self._drop(t)
+                    self._deliver(rid, t)
+
+    def _complete(self) -> None:
+        """Completion thread: wait for each finished request's copies, then tell the decode side."""
+        while True:
+            item = self._waits.get()
+            if item is None:
+                return
+            rid, t = item
+            try:
+                ok = all([self.backend.wait(tok) for tok in t.tokens])
+            except Exception:
+                ok = False
+            with self._lock:
+                if t.state != "finishing":  # aborted or expired meanwhile
+                    continue
+                t.state = "done" if ok else "failed"
+            if ok:
+                self._deliver(rid, t)
+            else:
+                self._notify(t.handle.engine_id, Notice("abort", rid))
+                self._result(rid, False)
+            self._ops.put(("settled", rid, t))
+
+    def _deliver(self, rid: str, t: _Transfer) -> None:
+        try:
+            self.backend.notify(t.handle.engine_id, Notice("finish", rid, t.first_token).pack())
+            self._delivered.put((t.nbytes, time.monotonic() - t.started))
+            self._result(rid, True)
+        except Exception:
+            self._result(rid, False)
 
     def _fail(self, rid: str, tell_peer: bool) -> None:
-        t = self._transfers.pop(rid, None)
+        t = self._transfers.get(rid)
         if t is None:
             self._aborted.add(rid)  # the layers may still be queued: drop them when they come
             self._result(rid, False)
             return
+        with self._lock:
+            if t.state == "done":  # delivered already (a late abort): the completion thread settles it
+                return
+            t.state = "failed"
+        del self._transfers[rid]
         self._drop(t)
         if tell_peer:
             self._notify(t.handle.engine_id, Notice("abort", rid))

@@ -41,3 +41,19 @@ def test_gpu_disaggregated_greedy_equals_colocated(backend, fragment):
     finally:
         p.stop()
         d.stop()
+
+
+def test_block_copy_kernel_between_gpus():
+    """The cuda_ipc copy kernel, GPU0 -> GPU1 over the peer mapping, random blocks, all layers."""
+    from kvtransfer.backends.block_copy import copy_blocks
+
+    torch.cuda.set_device(0)
+    src = torch.randn(6, 2, 40, 16, 4, 128, dtype=torch.bfloat16, device="cuda:0")
+    dst = torch.randn(6, 2, 50, 16, 4, 128, dtype=torch.bfloat16, device="cuda:1")
+    torch.ones(1, device="cuda:1").copy_(torch.ones(1, device="cuda:0"))  # enables peer access
+    want = dst.cpu()
+    s, d = torch.randperm(40)[:17], torch.randperm(50)[:17]
+    copy_blocks(src, dst, 1, 4, s.to("cuda:0", torch.int32), d.to("cuda:0", torch.int32))
+    torch.cuda.synchronize(0)
+    want[1:5, :, d] = src[1:5, :, s].cpu()
+    assert torch.equal(dst.cpu(), want)

@@ -1,36 +1,63 @@
 """KV between GPUs of one host through CUDA IPC: the prefill worker maps the decode worker's KV
-allocation and copies into it over NVLink with the copy engines; notices go over TCP.
+allocation and copies into it over NVLink; notices go over TCP.
 
 Why besides NIXL: on one host, NIXL/UCX's cuda_ipc path pays about a millisecond per request
-and reaches 60-70 % of the peer-copy rate (docs/benchmarks.md); a plain peer copy of a strided
-view — every layer of a run of blocks in one call — reaches 87-91 %.
+and reaches 60-70 % of the peer-copy rate (docs/benchmarks.md); here a request's blocks move in
+one copy kernel per post (kvtransfer/backends/block_copy.py), whatever their fragmentation.
+
+Posting is *inline*: `write_range` runs on the caller's (the engine's) thread and only enqueues
+GPU work — our copy stream waits for the caller's stream on the device, never on the host — so
+a layer's KV leaves as soon as its kernels finish, without a thread hand-off; `wait` blocks (the
+GIL released) until a post's copy is done.
 """
 
 import pickle
+import socket
+import threading
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from kvtransfer.backends.tcp import TcpBackend
-from kvtransfer.blocks import runs
+from kvtransfer.backends.block_copy import copy_blocks
+from kvtransfer.backends.tcp import TcpBackend, frame
 from kvtransfer.metadata import KVAgentMetadata
 
 _STORAGE_DEVICE = 6  # position of the storage's device index in reduce_tensor's rebuild arguments
+_RING = 8  # pinned staging slots for block ids: a slot is reused only after its upload finished
+
+
+def _one_run(ids: list[int]) -> bool:
+    return ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:]))
 
 
 class CudaIpcBackend:
+    inline = True
+
     def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, host: str = "127.0.0.1"):
         if not kv_cache.is_cuda:
             raise ValueError("kv_transfer.backend 'cuda_ipc' needs the KV cache on a GPU; use 'nixl' or 'tcp'")
         self.kv = kv_cache
         self.meta = meta
-        self.notices = TcpBackend(meta, kv_cache, host=host)  # the notice channel (sets meta.address)
+        self.notices = TcpBackend(meta, kv_cache, host=host)  # receives notices (sets meta.address)
         # The handle lets a peer on this host map our allocation; the args hold no tensor data.
         _, args = reduce_tensor(kv_cache)
         meta.agent_metadata = pickle.dumps(args)
         self.stream = torch.cuda.Stream(device=kv_cache.device)
         self._handles: dict[str, bytes] = {}
         self._peers: dict[str, torch.Tensor] = {}
+        self._socks: dict[str, socket.socket] = {}
+        self._sock_lock = threading.Lock()  # notices go out from the poster and the completion thread
+        self._pinned = torch.empty(_RING, 2 * meta.num_blocks, dtype=torch.int32, pin_memory=True)
+        self._uploaded = [None] * _RING  # event of each slot's last upload
+        self._slot = 0
+        self._ids: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # last upload: layers reuse it
+        # Compile the copy kernel now (block 0 onto itself, before the engine uses the cache), not
+        # while the first request waits.
+        with torch.cuda.stream(self.stream):
+            zero = torch.zeros(1, dtype=torch.int32, device=kv_cache.device)
+            copy_blocks(kv_cache, kv_cache, 0, 1, zero, zero)
+            copy_blocks(kv_cache, kv_cache, 0, 1, 0, 0, 1)
+        self.stream.synchronize()
 
     def add_peer(self, peer: KVAgentMetadata) -> None:
         self.notices.add_peer(peer)
@@ -39,6 +66,10 @@ class CudaIpcBackend:
     def remove_peer(self, engine_id: str) -> None:
         self._peers.pop(engine_id, None)
         self._handles.pop(engine_id, None)
+        with self._sock_lock:
+            s = self._socks.pop(engine_id, None)
+        if s is not None:
+            s.close()
         self.notices.remove_peer(engine_id)
 
     def _peer_kv(self, engine_id: str) -> torch.Tensor:
@@ -54,37 +85,93 @@ class CudaIpcBackend:
             kv = self._peers[engine_id] = rebuild_cuda_tensor(*args)
         return kv
 
-    def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]):
-        return self.write_layers(peer_id, [(layer, src_blocks, dst_blocks)])
-
-    def write_layers(self, peer_id: str, parts: list[tuple[int, list[int], list[int]]]):
-        """Copy several layers' K and V; consecutive layers with the same blocks are one strided copy."""
+    def write_range(self, peer_id: str, first_layer: int, num_layers: int, src_blocks: list[int],
+                    dst_blocks: list[int]) -> torch.cuda.Event:
+        """Enqueue the copy of layers [first_layer, first_layer + num_layers) of these blocks;
+        ordered after the work the caller's stream has queued so far. Returns the copy's event."""
         dst_kv = self._peer_kv(peer_id)
+        if len(src_blocks) != len(dst_blocks):
+            raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
+        if not (0 <= first_layer and first_layer + num_layers <= self.meta.num_layers):
+            raise ValueError(f"layers {first_layer}..{first_layer + num_layers - 1} outside [0, {self.meta.num_layers})")
+        for ids, n, side in ((src_blocks, self.kv.shape[2], "source"), (dst_blocks, dst_kv.shape[2], "destination")):
+            if ids and (min(ids) < 0 or max(ids) >= n):  # the kernel would write outside the cache
+                raise ValueError(f"{side} block ids must lie in [0, {n}), got {min(ids)}..{max(ids)}")
+        self.stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         with torch.cuda.stream(self.stream):
-            i = 0
-            while i < len(parts):
-                first, src, dst = parts[i]
-                j = i + 1
-                while j < len(parts) and parts[j][0] == parts[j - 1][0] + 1 and parts[j][1:] == parts[i][1:]:
-                    j += 1
-                last = parts[j - 1][0]
-                for s, d, n in runs(src, dst):
-                    dst_kv[first:last + 1, :, d:d + n].copy_(self.kv[first:last + 1, :, s:s + n], non_blocking=True)
-                i = j
+            if src_blocks and _one_run(src_blocks) and _one_run(dst_blocks):  # fresh allocations
+                copy_blocks(self.kv, dst_kv, first_layer, num_layers, src_blocks[0], dst_blocks[0], len(src_blocks))
+            else:
+                src_ids, dst_ids = self._upload(src_blocks, dst_blocks)
+                copy_blocks(self.kv, dst_kv, first_layer, num_layers, src_ids, dst_ids)
             done = torch.cuda.Event()
             done.record(self.stream)
         return done
 
+    def _upload(self, src: list[int], dst: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Source and destination block ids on the GPU (int32), through pinned memory so that the
+        upload never waits for the stream; the layers of one step reuse them. Runs on self.stream."""
+        key = (tuple(src), tuple(dst))
+        if self._ids is not None and self._ids[0] == key:
+            return self._ids[1], self._ids[2]
+        slot = self._slot = (self._slot + 1) % _RING
+        if self._uploaded[slot] is not None:
+            self._uploaded[slot].synchronize()  # in practice long done: 8 uploads ago
+        n = len(src)
+        host = self._pinned[slot, :2 * n]  # contiguous: a pinned source keeps the copy asynchronous
+        host[:n] = torch.tensor(src, dtype=torch.int32)
+        host[n:] = torch.tensor(dst, dtype=torch.int32)
+        ids = host.to(self.kv.device, non_blocking=True)
+        ev = self._uploaded[slot] = torch.cuda.Event()
+        ev.record(self.stream)
+        self._ids = (key, ids[:n], ids[n:])
+        return ids[:n], ids[n:]
+
+    def write_layers(self, peer_id: str, parts: list[tuple[int, list[int], list[int]]]):
+        """Several (layer, src, dst) at once (the worker-thread interface); consecutive layers with
+        the same blocks are one kernel."""
+        done = None
+        i = 0
+        while i < len(parts):
+            j = i + 1
+            while j < len(parts) and parts[j][0] == parts[j - 1][0] + 1 and parts[j][1:] == parts[i][1:]:
+                j += 1
+            done = self.write_range(peer_id, parts[i][0], j - i, parts[i][1], parts[i][2])
+            i = j
+        return done
+
+    def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]):
+        return self.write_range(peer_id, layer, 1, src_blocks, dst_blocks)
+
     @staticmethod
     def state(token) -> str:
-        return "done" if token.query() else "pending"
+        return "done" if token is None or token.query() else "pending"
+
+    @staticmethod
+    def wait(token) -> bool:
+        """Block until the copy is done (the GIL is released meanwhile); True when it succeeded."""
+        if token is not None:
+            token.synchronize()
+        return True
 
     @staticmethod
     def release(token) -> None:
         pass
 
     def notify(self, peer_id: str, payload: bytes) -> None:
-        self.notices.notify(peer_id, payload)
+        """A blocking send on a socket of our own: no hop through an event loop on the hot path."""
+        data = frame({"kind": "notice", "nbytes": len(payload)}, payload)
+        with self._sock_lock:
+            s = self._socks.get(peer_id)
+            try:
+                if s is None:
+                    host, port = self.notices.peers[peer_id].address.rsplit(":", 1)
+                    s = self._socks[peer_id] = socket.create_connection((host, int(port)), timeout=10)
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                s.sendall(data)
+            except OSError:
+                self._socks.pop(peer_id, None)
+                raise
 
     def progress(self) -> None:
         """Nothing to drive: a thread of our own receives."""
@@ -95,4 +182,8 @@ class CudaIpcBackend:
     def close(self) -> None:
         self.stream.synchronize()
         self._peers.clear()
+        with self._sock_lock:
+            for s in self._socks.values():
+                s.close()
+            self._socks.clear()
         self.notices.close()

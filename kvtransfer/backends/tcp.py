@@ -18,6 +18,12 @@ from kvtransfer.metadata import KVAgentMetadata
 _LEN = struct.Struct(">I")
 
 
+def frame(header: dict, payload: bytes) -> bytes:
+    """One frame: header length, msgpack header, payload."""
+    h = msgpack.packb(header)
+    return _LEN.pack(len(h)) + h + payload
+
+
 class TcpBackend:
     def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, host: str = "127.0.0.1", port: int = 0):
         self.meta = meta
@@ -89,8 +95,7 @@ class TcpBackend:
                 host, port = self.peers[peer_id].address.rsplit(":", 1)
                 _, w = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 10)
                 self._writers[peer_id] = w
-            h = msgpack.packb(header)
-            w.write(_LEN.pack(len(h)) + h)
+            w.write(frame(header, b""))
             w.write(payload)
             await w.drain()
 

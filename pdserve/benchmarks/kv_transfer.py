@@ -3,9 +3,9 @@
     python -m pdserve.benchmarks.kv_transfer [--backend nixl] [--sizes 1024 4096 16384 65536]
                                              [--ttft 16384] [--json out.json]
 
-Part 1: one request's KV (qwen3-30b-a3b shape, bf16) moved by the connector, per layer as the
-prefill engine would post it, for fresh (one run), fragmented (runs of 8 blocks) and scattered
-(runs of 1 block) allocations on both sides. Reference: a 1 GiB cudaMemcpy peer copy, same run.
+Part 1: one request's KV (qwen3-30b-a3b shape, bf16) moved by the connector — all layers in one
+post, for fresh (one run), fragmented (runs of 8 blocks) and scattered (runs of 1 block)
+allocations on both sides, and fresh posted layer by layer as layer-wise streaming posts it. Reference: a 1 GiB cudaMemcpy peer copy, same run.
 Part 2: TTFT of a prompt prefilled by the real engine (dummy weights) with layer-wise streaming
 into the decode process, against the same prefill with no transfer.
 """
@@ -98,16 +98,21 @@ def raw_copy_gbs(nbytes: int = 1 << 30, reps: int = 10) -> float:
 
 
 def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KVLayout,
-              kv: torch.Tensor | None = None) -> float:
-    """Seconds from the first layer posted to the decode side holding the whole request."""
+              kv: torch.Tensor | None = None, post: str = "whole") -> float:
+    """Seconds from the first post until the prefill end reports the request delivered (every
+    byte written, the finish notice sent). post "whole": all layers in one send_layers call (KV
+    that is complete already); "layers": one send_layer per layer, as layer-wise streaming posts."""
     from kvtransfer import ReserveHandle
 
     n_blocks = -(-n_tokens // BLOCK)
     handle = ReserveHandle.unpack(decode_call(decode, "reserve", rid, blocks_for(n_blocks, pattern, 1)))
     src = blocks_for(n_blocks, pattern, 3)
     t0 = time.perf_counter()
-    for layer in range(layout.num_layers):
-        prefill.send_layer(rid, layer, src, handle)
+    if post == "whole":
+        prefill.send_layers(rid, 0, layout.num_layers, src, handle)
+    else:
+        for layer in range(layout.num_layers):
+            prefill.send_layer(rid, layer, src, handle)
     prefill.finish(rid, 0)
     while True:
         done, failed = prefill.poll()
@@ -137,14 +142,17 @@ def decode_call(decode, *msg):
 
 def part1(args, decode, prefill, layout, kv) -> list[dict]:
     rows = []
+    cases = [("fresh", "whole"), ("fragmented", "whole"), ("scattered", "whole"), ("fresh", "layers")]
     for n in args.sizes:
         nbytes = n * layout.bytes_per_token
-        for pattern in ("fresh", "fragmented", "scattered"):
-            move_once(prefill, decode, f"{pattern}-{n}-check", n, pattern, layout, kv=kv)  # also warms up
-            times = [move_once(prefill, decode, f"{pattern}-{n}-{i}", n, pattern, layout) for i in range(args.reps)]
+        for pattern, post in cases:
+            name = f"{pattern}-{post}-{n}"
+            move_once(prefill, decode, f"{name}-check", n, pattern, layout, kv=kv, post=post)  # also warms up
+            times = [move_once(prefill, decode, f"{name}-{i}", n, pattern, layout, post=post) for i in range(args.reps)]
             t = statistics.median(times)
-            rows.append({"tokens": n, "pattern": pattern, "MB": round(nbytes / 1e6, 1), "ms": round(t * 1e3, 3),
-                         "GB/s": round(nbytes / t / 1e9, 1)})
+            rows.append({"tokens": n, "pattern": pattern, "post": post, "MB": round(nbytes / 1e6, 1),
+                         "ms": round(t * 1e3, 3), "GB/s": round(nbytes / t / 1e9, 1),
+                         "ms_all": [round(x * 1e3, 3) for x in times]})
             print(rows[-1], flush=True)
     return rows
 
@@ -200,10 +208,11 @@ def main() -> None:
             "backend": args.backend, "nixl_workers": args.nixl_workers,
             "nixl_progress_thread": args.nixl_progress_thread, "torch": torch.__version__, "raw_copy_GB/s": round(raw, 1)}
     print(f"\nraw GPU0->GPU1 copy {raw:.1f} GB/s ({meta['device']}, {args.backend})")
-    print(f"{'tokens':>7} {'pattern':>10} {'MB':>8} {'ms':>9} {'GB/s':>7} {'% raw':>6}")
+    print(f"{'tokens':>7} {'pattern':>10} {'post':>6} {'MB':>8} {'ms':>9} {'GB/s':>7} {'% raw':>6}")
     for r in rows:
         r["pct_raw"] = round(100 * r["GB/s"] / raw, 1)
-        print(f"{r['tokens']:>7} {r['pattern']:>10} {r['MB']:>8} {r['ms']:>9} {r['GB/s']:>7} {r['pct_raw']:>6}")
+        print(f"{r['tokens']:>7} {r['pattern']:>10} {r['post']:>6} {r['MB']:>8} {r['ms']:>9} {r['GB/s']:>7} "
+              f"{r['pct_raw']:>6}")
     if ttft:
         print(f"TTFT {ttft['tokens']} tokens: prefill only {ttft['prefill_only_ms']} ms, with streaming "
               f"{ttft['prefill_streamed_ms']} ms, overhead {ttft['overhead_pct']} %")

@@ -3,14 +3,16 @@
     python -m pdserve.benchmarks.p2p_probe
 
 What a copy engine or copy kernel reaches for one request's KV: all layers of a run in one strided
-copy, one copy per layer, runs of 8 blocks, and gather + contiguous copy + scatter; next to the
-raw 1 GiB peer copy. It bounds what the cuda_ipc KV backend can reach.
+copy, one copy per layer, runs of 8 blocks, gather + contiguous copy + scatter, and the cuda_ipc
+backend's copy kernel (one launch, every layer; fresh and scattered); next to the raw 1 GiB peer copy. It bounds what the cuda_ipc KV backend can reach.
 """
 
 import statistics
 import time
 
 import torch
+
+from kvtransfer.backends.block_copy import copy_blocks
 
 
 def main() -> None:
@@ -43,7 +45,18 @@ def main() -> None:
             s1 = stage.to("cuda:1", non_blocking=True)   # one contiguous peer copy
             dst.index_copy_(2, didx, s1)                 # local HBM scatter
         g = t(gather)
-        print(f"{nblk*16:>6} tok {nbytes/1e6:8.1f} MB: whole {nbytes/whole/1e9:6.1f} GB/s ({100*nbytes/whole/1e9/raw:.0f}%), per-layer {nbytes/per_layer/1e9:6.1f} ({100*nbytes/per_layer/1e9/raw:.0f}%), runs-of-8 strided {nbytes/frag/1e9:6.1f} ({100*nbytes/frag/1e9/raw:.0f}%), scattered gather+copy+scatter {nbytes/g/1e9:6.1f} ({100*nbytes/g/1e9/raw:.0f}%)", flush=True)
+        # The cuda_ipc backend's copy kernel: one launch for every layer, fresh and scattered.
+        ids = [torch.arange(3, 3 + nblk, dtype=torch.int32, device="cuda:0"),
+               torch.arange(1, 1 + nblk, dtype=torch.int32, device="cuda:0")]
+        kfresh = t(lambda: copy_blocks(src, dst, 0, L, *ids))
+        ids_s = [sidx.to(torch.int32), didx.to(device="cuda:0", dtype=torch.int32)]
+        kscat = t(lambda: copy_blocks(src, dst, 0, L, *ids_s))
+        assert torch.equal(dst[:, :, didx].to("cuda:0"), src[:, :, sidx]), "kernel copy is wrong"
+        def pct(sec):
+            return f"{nbytes / sec / 1e9:6.1f} GB/s ({100 * nbytes / sec / 1e9 / raw:.0f}%)"
+        print(f"{nblk*16:>6} tok {nbytes/1e6:8.1f} MB: whole {pct(whole)}, per-layer {pct(per_layer)}, "
+              f"runs-of-8 strided {pct(frag)}, scattered gather+copy+scatter {pct(g)}, "
+              f"kernel fresh {pct(kfresh)}, kernel scattered {pct(kscat)}", flush=True)
 
 
 if __name__ == "__main__":
