@@ -5,36 +5,32 @@ and each (layer, K/V, run) would be its own cudaMemcpy — thousands of calls fo
 request, each paying a launch. Here one launch covers every (layer, K/V, block) of the request:
 each program moves one block with wide loads and stores, the stores going over NVLink into the
 peer's memory (mapped through CUDA IPC), so fresh and fragmented allocations cost the same.
-Measured on two H200s (pdserve.benchmarks.p2p_sweep): 91-95 % of the copy engine's peer rate
-from 4k tokens up with 16 warps; 4 warps reached 84 % at 4k.
+Measured on two H200s: 88-94 % of the copy engine's peer rate from 4k tokens up, in one process
+(pdserve.benchmarks.p2p_probe). 16 warps per program looked a few points faster in one sweep
+(p2p_sweep) but made the two-process transfer slower end to end (docs/benchmarks.md): 4 it is.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-NUM_WARPS = 16
+NUM_WARPS = 4
 CHUNK_WORDS = 1024
 
 
 # Integer arguments are not specialised (Triton would compile a variant per value class, e.g. for
 # n_blocks == 1): one compiled kernel per block size serves every request, so no request ever
 # waits for a compilation after warm-up. Alignment still follows from BLOCK_WORDS.
-@triton.jit(do_not_specialize=["n_blocks", "first_lkv", "src_num_blocks", "dst_num_blocks", "src_start",
-                               "dst_start"])
+@triton.jit(do_not_specialize=["n_blocks", "first_lkv", "src_num_blocks", "dst_num_blocks"])
 def _copy_blocks(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, n_blocks, first_lkv,
-                 src_num_blocks, dst_num_blocks, src_start, dst_start,
-                 BLOCK_WORDS: tl.constexpr, CHUNK: tl.constexpr, HAS_IDS: tl.constexpr):
+                 src_num_blocks, dst_num_blocks,
+                 BLOCK_WORDS: tl.constexpr, CHUNK: tl.constexpr):
     # Program p moves block p % n_blocks of the (layer * 2 + kv) slab first_lkv + p // n_blocks.
     pid = tl.program_id(0)
     i = pid % n_blocks
     lkv = (pid // n_blocks + first_lkv).to(tl.int64)
-    if HAS_IDS:
-        s = tl.load(src_ids_ptr + i).to(tl.int64)
-        d = tl.load(dst_ids_ptr + i).to(tl.int64)
-    else:  # one run of consecutive blocks on both sides: no id upload on the critical path
-        s = (src_start + i).to(tl.int64)
-        d = (dst_start + i).to(tl.int64)
+    s = tl.load(src_ids_ptr + i).to(tl.int64)
+    d = tl.load(dst_ids_ptr + i).to(tl.int64)
     src = src_ptr + (lkv * src_num_blocks + s) * BLOCK_WORDS
     dst = dst_ptr + (lkv * dst_num_blocks + d) * BLOCK_WORDS
     for off in tl.static_range(0, BLOCK_WORDS, CHUNK):
@@ -54,22 +50,19 @@ def _words(kv: torch.Tensor) -> torch.Tensor:
 
 
 def copy_blocks(src_kv: torch.Tensor, dst_kv: torch.Tensor, first_layer: int, num_layers: int,
-                src_ids: torch.Tensor | int, dst_ids: torch.Tensor | int, n_blocks: int | None = None,
-                num_warps: int = NUM_WARPS, chunk: int = CHUNK_WORDS) -> None:
+                src_ids: torch.Tensor, dst_ids: torch.Tensor, num_warps: int = NUM_WARPS,
+                chunk: int = CHUNK_WORDS) -> None:
     """dst_kv[l, :, dst_ids[i]] = src_kv[l, :, src_ids[i]] for l in [first_layer, first_layer + num_layers).
 
     Both caches are [layers, 2, blocks, block_size, kv_heads, head_dim] of one dtype (their block
-    counts may differ). The ids are int32 tensors on src_kv's device, or two ints: the first block
-    of one run of n_blocks consecutive blocks on each side. Runs on the current stream.
+    counts may differ); the ids are int32 tensors on src_kv's device. Runs on the current stream.
     """
-    ids = isinstance(src_ids, torch.Tensor)
-    n = src_ids.numel() if ids else n_blocks
-    if not n or num_layers == 0:
+    n = src_ids.numel()
+    if n == 0 or num_layers == 0:
         return
     src_w, dst_w = _words(src_kv), _words(dst_kv)
     words_per_block = src_w.numel() // (src_kv.shape[0] * 2 * src_kv.shape[2])
     chunk = min(chunk, triton.next_power_of_2(words_per_block))
     grid = (num_layers * 2 * n,)
-    _copy_blocks[grid](src_w, dst_w, src_ids if ids else src_w, dst_ids if ids else dst_w, n, first_layer * 2,
-                       src_kv.shape[2], dst_kv.shape[2], 0 if ids else src_ids, 0 if ids else dst_ids,
-                       BLOCK_WORDS=words_per_block, CHUNK=chunk, HAS_IDS=ids, num_warps=num_warps)
+    _copy_blocks[grid](src_w, dst_w, src_ids, dst_ids, n, first_layer * 2, src_kv.shape[2], dst_kv.shape[2],
+                       BLOCK_WORDS=words_per_block, CHUNK=chunk, num_warps=num_warps)

@@ -26,10 +26,6 @@ _STORAGE_DEVICE = 6  # position of the storage's device index in reduce_tensor's
 _RING = 8  # pinned staging slots for block ids: a slot is reused only after its upload finished
 
 
-def _one_run(ids: list[int]) -> bool:
-    return ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:]))
-
-
 class CudaIpcBackend:
     inline = True
 
@@ -56,7 +52,6 @@ class CudaIpcBackend:
         with torch.cuda.stream(self.stream):
             zero = torch.zeros(1, dtype=torch.int32, device=kv_cache.device)
             copy_blocks(kv_cache, kv_cache, 0, 1, zero, zero)
-            copy_blocks(kv_cache, kv_cache, 0, 1, 0, 0, 1)
         self.stream.synchronize()
 
     def add_peer(self, peer: KVAgentMetadata) -> None:
@@ -99,11 +94,8 @@ class CudaIpcBackend:
                 raise ValueError(f"{side} block ids must lie in [0, {n}), got {min(ids)}..{max(ids)}")
         self.stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         with torch.cuda.stream(self.stream):
-            if src_blocks and _one_run(src_blocks) and _one_run(dst_blocks):  # fresh allocations
-                copy_blocks(self.kv, dst_kv, first_layer, num_layers, src_blocks[0], dst_blocks[0], len(src_blocks))
-            else:
-                src_ids, dst_ids = self._upload(src_blocks, dst_blocks)
-                copy_blocks(self.kv, dst_kv, first_layer, num_layers, src_ids, dst_ids)
+            src_ids, dst_ids = self._upload(src_blocks, dst_blocks)
+            copy_blocks(self.kv, dst_kv, first_layer, num_layers, src_ids, dst_ids)
             done = torch.cuda.Event()
             done.record(self.stream)
         return done
