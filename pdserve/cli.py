@@ -62,7 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="replicas, their load and the endpoints")
     st.add_argument("--address", default="auto")
     st.set_defaults(func=lambda a: cluster_cli.status(a.address))
+
+    # Its arguments are parsed by the benchmark itself (`pdserve bench-engine --help` lists them), so
+    # that `pdserve --help` does not import torch. prefix_chars="\0": every word goes through as is.
+    be = sub.add_parser("bench-engine", add_help=False, prefix_chars="\0",
+                        help="engine prefill MFU and decode S-MBU vs the device's ceilings and HF transformers")
+    be.add_argument("args", nargs=argparse.REMAINDER)
+    be.set_defaults(func=_bench_engine)
     return parser
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from pdserve.benchmarks import bench_engine
+
+    return bench_engine.main(args.args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,12 +59,14 @@ def _interrupt(signum, frame) -> None:
 
 def _check_model(cfg: ClusterConfig) -> None:
     """Fail before anything starts when the model cannot be found."""
+    from pdserve.config import check_model_fit
     from pdserve.models import resolve_model_args
 
     try:
-        resolve_model_args(cfg.model.path)
+        args = resolve_model_args(cfg.model.path)
     except (ValueError, FileNotFoundError) as e:
         raise ValueError(f"model.path: {e}") from None
+    check_model_fit(cfg, args)
 
 
 def _wait_started(controller) -> dict[str, str]:
@@ -145,6 +147,7 @@ def status(address: str) -> int:
         if isinstance(r, str):
             print(f"{name}: {r}")
         else:
-            print(f"{name}: running {r.running}, waiting {r.waiting}, KV blocks used "
+            group = f" ({r.ranks} expert-parallel ranks)" if r.ranks > 1 else ""
+            print(f"{name}{group}: running {r.running}, waiting {r.waiting}, KV blocks used "
                   f"{r.total_blocks - r.free_blocks}/{r.total_blocks}")
     return 0

@@ -30,8 +30,9 @@ class EngineConfig(_Strict):
     max_num_batched_tokens: int = Field(default=8192, ge=1)  # token budget of one step
     chunk_size: int = Field(default=2048, ge=1)  # most prompt tokens of one request in one step
     enable_prefix_cache: bool = True
-    attention_backend: Literal["auto", "torch"] = "auto"
-    moe_backend: Literal["auto", "torch"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA, torch on CPU
+    moe_backend: Literal["auto", "torch", "triton"] = "auto"
+    cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs (batch-size buckets)
 
     @field_validator("device")
     @classmethod
@@ -77,7 +78,12 @@ class PrefillConfig(_Strict):
 class DecodeConfig(_Strict):
     replicas: int = Field(default=1, ge=1)
     gpus: int = Field(default=0, ge=0, le=1)  # per rank
-    ep_size: Literal[1] = 1  # expert parallelism is not built yet
+    # Expert parallelism (DESIGN §6): a replica is ep_size ranks, one process (and GPU) each;
+    # attention data-parallel, experts sharded. ep_size must divide the model's number of experts.
+    ep_size: int = Field(default=1, ge=1)
+    ep_threshold: int = Field(default=64, ge=0)  # tokens per rank from which MoE layers exchange by
+    # all-to-all; below it by all-gather / reduce-scatter (0: always all-to-all)
+    ep_replicated_experts: list[int] = Field(default_factory=list)  # hot experts copied to every rank
     max_num_seqs: int = Field(default=256, ge=1)
     cuda_graphs: bool = True
     num_kv_blocks: int | None = Field(default=None, ge=1)
@@ -110,7 +116,22 @@ class ClusterConfig(_Strict):
                       block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks)
         if role == "prefill":
             return EngineConfig(**common, max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size)
-        return EngineConfig(**common, max_num_seqs=r.max_num_seqs)
+        return EngineConfig(**common, max_num_seqs=r.max_num_seqs, cuda_graphs=r.cuda_graphs)
+
+
+def check_model_fit(cfg: ClusterConfig, args) -> None:
+    """What cluster.yaml can only be checked against the model (its ModelArgs); raises ConfigError."""
+    from pdserve.ops.expert_placement import allowed_ep_sizes
+
+    d, experts = cfg.decode, args.num_experts
+    if d.ep_size > 1 and (not experts or experts % d.ep_size):
+        allowed = ", ".join(map(str, allowed_ep_sizes(experts))) if experts else "1 (the model has no experts)"
+        raise ConfigError(f"decode.ep_size: {d.ep_size} is not allowed — it must divide the model's "
+                          f"{experts} experts (allowed: {allowed})")
+    bad = [e for e in d.ep_replicated_experts if not 0 <= e < experts]
+    if bad or len(set(d.ep_replicated_experts)) != len(d.ep_replicated_experts):
+        raise ConfigError(f"decode.ep_replicated_experts: {d.ep_replicated_experts} is not allowed — "
+                          f"distinct expert ids in [0, {experts})")
 
 
 def load_cluster_config(path: str | None) -> ClusterConfig:

@@ -1,15 +1,20 @@
 """The controller: a named, detached Ray actor that owns the cluster's desired state.
 
-It starts the replicas and the router, introduces every prefill replica to every decode replica
-(the KV handshake), reports status, and stops everything on `shutdown`.
+It starts the replicas and the router, introduces every prefill replica to every decode rank
+(the KV handshake), reports status, and stops everything on `shutdown`. A decode replica is one
+DecodeWorker, or with `decode.ep_size` N > 1 an expert-parallel group of N, placed together in a
+placement group (one bundle, i.e. one GPU, per rank).
 """
 
 import os
 import time
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import ClusterConfig
+from pdserve.messages import ReplicaStats
 
 NAMESPACE = "pdserve"
 CONTROLLER = "pdserve-controller"
@@ -22,17 +27,17 @@ class Controller:
         self.progress: list[str] = []
         self.endpoints: dict[str, str] = {}
         self.prefill: dict[str, ray.actor.ActorHandle] = {}
-        self.decode: dict[str, ray.actor.ActorHandle] = {}
+        self.decode: dict[str, dict[str, ray.actor.ActorHandle]] = {}  # replica -> its ranks
+        self._placement_groups: list = []
         self.router = None
 
     def start(self) -> dict[str, str]:
         """Start replicas and router; returns the endpoints once every replica is ready."""
-        from decode.worker import DecodeWorker
         from prefill.worker import PrefillWorker
         from router.server import Router
 
         cfg = self.config
-        n = cfg.prefill.replicas + cfg.decode.replicas
+        n = cfg.prefill.replicas + cfg.decode.replicas * cfg.decode.ep_size  # worker processes
         threads = max(1, (os.cpu_count() or 1) // n)
         for i in range(cfg.prefill.replicas):
             name = f"pdserve-prefill-{i}"
@@ -40,35 +45,67 @@ class Controller:
                 name=name, num_cpus=0, num_gpus=cfg.prefill.gpus, max_concurrency=8).remote(
                 name, cfg.engine_config("prefill"), cfg.kv_transfer.backend, threads)
         for i in range(cfg.decode.replicas):
-            name = f"pdserve-decode-{i}"
-            self.decode[name] = ray.remote(DecodeWorker).options(
-                name=name, num_cpus=0, num_gpus=cfg.decode.gpus, max_concurrency=8).remote(
-                name, cfg.engine_config("decode"), cfg.kv_transfer.backend, cfg.kv_transfer.lease_s,
-                NAMESPACE, threads)
-        self._note(f"loading {cfg.model.path} on {n} replicas")
-        pending = {w.ready.remote(): name for name, w in [*self.prefill.items(), *self.decode.items()]}
+            self.decode[f"pdserve-decode-{i}"] = self._start_decode(f"pdserve-decode-{i}", threads)
+        self._note(f"loading {cfg.model.path} on {n} workers")
+        pending = {w.ready.remote(): name for name, w in self._workers().items()}
         while pending:
             done, _ = ray.wait(list(pending), timeout=1.0)
             for ref in done:
                 ray.get(ref)  # raises the replica's own error (bad model, out of memory, ...)
                 self._note(f"{pending.pop(ref)} ready ({n - len(pending)}/{n})")
-        metas = {name: ray.get(w.metadata.remote()) for name, w in [*self.prefill.items(), *self.decode.items()]}
+        metas = {name: ray.get(w.metadata.remote()) for name, w in self._workers().items()}
+        # Each decode rank has a KV connector of its own: a request's KV goes to the rank owning it.
         for p, pw in self.prefill.items():
-            for d, dw in self.decode.items():
+            for d, dw in self._decode_ranks().items():
                 ray.get([pw.add_peer.remote(metas[d]), dw.add_peer.remote(metas[p])])
         self._note(f"KV handshake done ({cfg.kv_transfer.backend})")
         self.router = ray.remote(Router).options(name="pdserve-router-0", num_cpus=0).remote(
-            "pdserve-router-0", cfg, list(self.prefill), list(self.decode), NAMESPACE)
+            "pdserve-router-0", cfg, list(self.prefill), {d: list(r) for d, r in self.decode.items()}, NAMESPACE)
         self.endpoints = ray.get(self.router.start.remote())
         self.state = "running"
         self._note("router listening: " + ", ".join(f"{k} {v}" for k, v in self.endpoints.items()))
         return self.endpoints
 
+    def _start_decode(self, name: str, threads: int) -> dict[str, ray.actor.ActorHandle]:
+        """One decode replica: its worker, or the ranks of its expert-parallel group (by name)."""
+        from decode.ep_group import EPRank, rendezvous_address
+        from decode.worker import DecodeWorker
+
+        cfg, d = self.config, self.config.decode
+        args = (cfg.engine_config("decode"), cfg.kv_transfer.backend, cfg.kv_transfer.lease_s, NAMESPACE, threads)
+        opts = dict(num_cpus=0, num_gpus=d.gpus, max_concurrency=8)
+        if d.ep_size == 1:
+            return {name: ray.remote(DecodeWorker).options(name=name, **opts).remote(name, *args)}
+        # One node, one bundle per rank. A bundle may not be empty: on CPU it holds a sliver of a core.
+        bundle = {"CPU": 0.001, **({"GPU": d.gpus} if d.gpus else {})}
+        pg = placement_group([bundle] * d.ep_size, strategy="STRICT_PACK", name=name)
+        self._placement_groups.append(pg)
+        if not pg.wait(timeout_seconds=120):
+            raise RuntimeError(f"{name}: decode.ep_size {d.ep_size} needs {d.ep_size} x {bundle} on one node; "
+                               f"the Ray cluster could not place them")
+        # Rank 0 serves the rendezvous: an address of its node and a free port there.
+        init_method = ray.get(ray.remote(rendezvous_address).options(
+            num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote())
+        ranks = {}
+        for r in range(d.ep_size):
+            rank = EPRank(r, d.ep_size, init_method, d.ep_threshold, list(d.ep_replicated_experts))
+            ranks[f"{name}-rank{r}"] = ray.remote(DecodeWorker).options(
+                name=f"{name}-rank{r}", scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r), **opts
+            ).remote(f"{name}-rank{r}", *args, ep=rank)
+        return ranks
+
+    def _decode_ranks(self) -> dict[str, ray.actor.ActorHandle]:
+        return {r: h for ranks in self.decode.values() for r, h in ranks.items()}
+
+    def _workers(self) -> dict[str, ray.actor.ActorHandle]:
+        return {**self.prefill, **self._decode_ranks()}
+
     def status(self) -> dict:
-        replicas = {}
-        for name, w in [*self.prefill.items(), *self.decode.items()]:
+        replicas: dict[str, ReplicaStats | str] = {}
+        for name, ranks in [*((p, {p: w}) for p, w in self.prefill.items()), *self.decode.items()]:
             try:
-                replicas[name] = ray.get(w.stats.remote(), timeout=5)
+                parts = ray.get([w.stats.remote() for w in ranks.values()], timeout=5)
+                replicas[name] = parts[0] if len(parts) == 1 else ReplicaStats.combine(name, parts)
             except Exception as e:
                 replicas[name] = f"unreachable: {type(e).__name__}"
         return {"state": self.state, "progress": list(self.progress), "endpoints": self.endpoints,
@@ -81,9 +118,11 @@ class Controller:
                 ray.get(self.router.stop.remote(), timeout=10)
             except Exception:
                 pass
-        for h in [self.router, *self.prefill.values(), *self.decode.values()]:
+        for h in [self.router, *self._workers().values()]:
             if h is not None:
                 ray.kill(h)
+        for pg in self._placement_groups:
+            remove_placement_group(pg)
         self.state = "stopped"
 
     def _note(self, line: str) -> None:

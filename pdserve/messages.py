@@ -37,3 +37,21 @@ class ReplicaStats:
     # there have been in all (a reader remembers the count it has seen; nothing is drained).
     transfers: list[tuple[int, float]] = field(default_factory=list)
     transfers_total: int = 0
+    # Expert-parallel decode: tokens routed to each expert, summed over MoE layers (since start,
+    # and in the latest step); empty when the replica's experts are not sharded.
+    expert_tokens: list[int] = field(default_factory=list)
+    expert_tokens_step: list[int] = field(default_factory=list)
+    ranks: int = 1  # processes of the replica (an expert-parallel group has ep_size)
+
+    @classmethod
+    def combine(cls, name: str, ranks: list["ReplicaStats"]) -> "ReplicaStats":
+        """One replica's figures from its ranks' (an expert-parallel group): sums."""
+        def total(f):
+            return sum(getattr(r, f) for r in ranks)
+
+        def per_expert(f):
+            return [sum(c) for c in zip(*(getattr(r, f) for r in ranks))]
+
+        return cls(name, ranks[0].role, total("running"), total("waiting"), total("free_blocks"),
+                   total("total_blocks"), total("aborted"), expert_tokens=per_expert("expert_tokens"),
+                   expert_tokens_step=per_expert("expert_tokens_step"), ranks=len(ranks))

@@ -13,11 +13,12 @@ from pdserve.messages import ReplicaStats
 class Replica:
     role: str  # "prefill" | "decode", set by the subclass
 
-    def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, cpu_threads: int):
+    def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, cpu_threads: int, ep=None):
+        """`ep`: an EPExchange when this worker is one rank of an expert-parallel decode replica."""
         if engine_config.device == "cpu":
             torch.set_num_threads(cpu_threads)  # several workers share the host's cores
         self.name = name
-        self.engine = Engine(engine_config)
+        self.engine = Engine(engine_config, ep=ep)
         # Socket-based backends listen on this node's address, not loopback: peers may be elsewhere.
         kw = {"host": ray.util.get_node_ip_address()} if kv_backend in ("tcp", "cuda_ipc") else {}
         self.connector = make_connector(self.role, kv_backend, name, self.engine.kv_cache, self.engine.layout,

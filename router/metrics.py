@@ -45,6 +45,9 @@ class Metrics:
                                       registry=r)
         self.kv_transfer = Histogram("pdserve_kv_transfer_seconds", "Time to move one request's KV cache",
                                      buckets=_TRANSFER_BUCKETS, registry=r)
+        # Labelled by expert but summed over MoE layers: replicas x experts series, not x layers too.
+        self.expert_tokens = Counter("pdserve_expert_tokens", "Tokens routed to each expert at an expert-parallel "
+                                     "decode replica, summed over MoE layers", ["replica", "expert"], registry=r)
 
     # -- front end ----------------------------------------------------------------------------
 
@@ -77,6 +80,12 @@ class Metrics:
                 gauge.remove(*labels)
             except KeyError:  # never reported: nothing to drop
                 pass
+
+    def count_expert_tokens(self, replica: str, new: list[int]) -> None:
+        """Tokens routed to each expert since the last report (index = expert id)."""
+        for expert, n in enumerate(new):
+            if n > 0:  # (a restarted rank counts from 0 again: nothing to add)
+                self.expert_tokens.labels(replica=replica, expert=str(expert)).inc(n)
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         """One request's KV moved from prefill to decode: `nbytes` bytes in `seconds`."""

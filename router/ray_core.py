@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.messages import ReplicaStats, RequestDelta
 
+from router.decode_replica import DecodeReplica
 from router.types import Delta, GenerateRequest, NoCapacityError, ServingError
 
 log = logging.getLogger(__name__)
@@ -16,13 +17,13 @@ log = logging.getLogger(__name__)
 
 class RayCore:
     def __init__(self, name: str, model_name: str, max_model_len: int, tokenizer,
-                 prefill: dict[str, object], decode: dict[str, object], policy: str, metrics=None):
+                 prefill: dict[str, object], decode: dict[str, DecodeReplica], policy: str, metrics=None):
         self.name = name  # this router's actor name: where decode replicas send deltas
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.prefill = prefill  # replica name -> actor handle
-        self.decode = decode
+        self.decode = decode  # replica name -> its rank(s)
         self.policy = policy
         self.metrics = metrics
         self.stats: dict[str, ReplicaStats] = {}
@@ -54,12 +55,12 @@ class RayCore:
                                                 f"{self.max_model_len} tokens")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
-        d_name = p_name = None
+        d_name = p_name = d_rank = None
         finished = False
         try:
             p_name = self._pick(self.prefill)
             self._loads[p_name] += 1
-            d_name, handle = await self._reserve(request, p_name)
+            d_name, d_rank, handle = await self._reserve(request, p_name)
             await self.prefill[p_name].prefill.remote(rid, request.prompt_ids, request.params, handle)
             while not finished:
                 d: RequestDelta = await queue.get()
@@ -74,19 +75,22 @@ class RayCore:
                 if name is not None:
                     self._loads[name] -= 1
             if not finished and d_name is not None:  # the client left: stop it everywhere
-                self.decode[d_name].abort.remote(rid)
+                self.decode[d_name].ranks[d_rank].abort.remote(rid)
                 self.prefill[p_name].abort.remote(rid)  # (the front end counts the router's abort)
 
-    async def _reserve(self, request: GenerateRequest, p_name: str) -> tuple[str, bytes]:
-        """Reserve KV blocks on a decode replica, best candidate first; raises when all are full."""
+    async def _reserve(self, request: GenerateRequest, p_name: str) -> tuple[str, str, bytes]:
+        """Reserve KV blocks on a decode replica's rank, best candidates first -> (replica, rank,
+        handle); raises when all are full. The handle names the rank: the KV goes there."""
         for d_name in self._decode_order():
-            res = await self.decode[d_name].reserve.remote(request.request_id, request.prompt_ids, request.params,
-                                                          p_name, self.name)
-            if res.error:
-                raise InvalidRequestError(res.param or "prompt", res.error.split(": ", 1)[-1])
-            if res.handle is not None:
-                self._loads[d_name] += 1
-                return d_name, res.handle
+            replica = self.decode[d_name]
+            for rank in replica.rank_order():
+                res = await replica.ranks[rank].reserve.remote(request.request_id, request.prompt_ids,
+                                                               request.params, p_name, self.name)
+                if res.error:
+                    raise InvalidRequestError(res.param or "prompt", res.error.split(": ", 1)[-1])
+                if res.handle is not None:
+                    self._loads[d_name] += 1
+                    return d_name, rank, res.handle
         raise NoCapacityError("every decode replica is full; retry later")
 
     def _pick(self, replicas: dict) -> str:
@@ -106,9 +110,12 @@ class RayCore:
     async def refresh_stats(self, interval_s: float = 0.5) -> None:
         """Keep replica stats (routing, /health, /metrics) fresh; runs for the router's life."""
         while True:
-            for name, h in [*self.prefill.items(), *self.decode.items()]:
+            for name in [*self.prefill, *self.decode]:
                 try:
-                    s: ReplicaStats = await asyncio.wait_for(h.stats.remote(), timeout=5)
+                    if name in self.prefill:
+                        s: ReplicaStats = await asyncio.wait_for(self.prefill[name].stats.remote(), timeout=5)
+                    else:
+                        s = await self.decode[name].fetch_stats(timeout_s=5)
                     before = self.stats.get(name)
                     self.stats[name] = s
                     if self.metrics:
@@ -119,6 +126,9 @@ class RayCore:
                         new = s.transfers_total - (before.transfers_total if before else 0)
                         for nbytes, seconds in s.transfers[len(s.transfers) - min(new, len(s.transfers)):]:
                             self.metrics.observe_transfer(nbytes, seconds)
+                        seen = before.expert_tokens if before else []
+                        self.metrics.count_expert_tokens(s.name, [n - (seen[e] if e < len(seen) else 0)
+                                                                  for e, n in enumerate(s.expert_tokens)])
                 except Exception:
                     self.stats.pop(name, None)  # unreachable: not live
             await asyncio.sleep(interval_s)

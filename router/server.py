@@ -10,6 +10,7 @@ from pdserve.models import resolve_model_args
 from pdserve.tokenizer import load_tokenizer
 from pdserve.messages import RequestDelta
 
+from router.decode_replica import DecodeReplica
 from router.grpc_server import start_grpc_server
 from router.http_api import build_app
 from router.metrics import Metrics
@@ -17,7 +18,9 @@ from router.ray_core import RayCore
 
 
 class Router:
-    def __init__(self, name: str, config: ClusterConfig, prefill: list[str], decode: list[str], namespace: str):
+    def __init__(self, name: str, config: ClusterConfig, prefill: list[str], decode: dict[str, list[str]],
+                 namespace: str):
+        """decode: each decode replica's ranks (actor names): itself, or its expert-parallel group."""
         self.name = name
         self.config = config
         self.replica_names = (prefill, decode)
@@ -31,8 +34,10 @@ class Router:
         args = resolve_model_args(cfg.model.path)
         tokenizer = load_tokenizer(cfg.model.path, eos_token_ids=args.eos_token_ids)
         max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
-        prefill, decode = ({n: ray.get_actor(n, namespace=self.namespace) for n in names}
-                           for names in self.replica_names)
+        names, ranks = self.replica_names
+        prefill = {n: ray.get_actor(n, namespace=self.namespace) for n in names}
+        decode = {d: DecodeReplica(d, {r: ray.get_actor(r, namespace=self.namespace) for r in rs})
+                  for d, rs in ranks.items()}
         self.metrics = Metrics()
         self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, prefill, decode, cfg.router.policy,
                             self.metrics)

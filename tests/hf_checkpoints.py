@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 _COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, intermediate_size=96, max_position_embeddings=256,
@@ -70,3 +71,10 @@ def write_old_layout(src: Path, dst: Path) -> None:
     cfg["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
     cfg["torch_dtype"] = cfg.pop("dtype")
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer covering every id: the engine needs one to detokenize."""
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))

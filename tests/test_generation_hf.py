@@ -4,22 +4,14 @@ import copy
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 
-from hf_checkpoints import FAMILIES, build_checkpoint
+from hf_checkpoints import FAMILIES, build_checkpoint, write_tokenizer
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 
 NEW_TOKENS = 32
 PROMPT_LENS = [3, 16, 29, 50]
-
-
-def write_tokenizer(path, vocab_size: int) -> None:
-    """A word-level tokenizer covering every id: the engine needs one to detokenize."""
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")

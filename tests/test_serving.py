@@ -50,9 +50,13 @@ def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, section
         assert c.stop() == 0, c.output()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("up"))
+# The client tests below run against one decode replica, and again against an expert-parallel one
+# (2 ranks: DESIGN §6) that must look the same from outside. Its threshold is low so that busy
+# steps take the all-to-all exchange and quiet ones the all-gather one.
+@pytest.fixture(scope="module", params=[{}, {"ep_size": 2, "ep_threshold": 8}], ids=["decode", "decode-ep2"])
+def cluster(request, tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("up"), decode=request.param)
+    c.ep_size = request.param.get("ep_size", 1)
     try:
         c.wait_ready()
         yield c
@@ -172,6 +176,16 @@ def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(cluster, body, stat
     ok = httpx.post(f"{cluster.url}/v1/completions", timeout=60,
                     json={"model": "tiny-moe", "prompt": "still here?", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_expert_parallel_replica_counts_tokens_per_expert(cluster):
+    if cluster.ep_size == 1:
+        pytest.skip("expert load is counted where experts are sharded")
+    lines = [line for line in httpx.get(f"{cluster.url}/metrics").text.splitlines()
+             if line.startswith('pdserve_expert_tokens_total{') and 'replica="pdserve-decode-0"' in line]
+    experts = {line.split('expert="', 1)[1].split('"', 1)[0] for line in lines}
+    assert experts == {str(e) for e in range(8)}  # tiny-moe: every expert got tokens by now
+    assert all(float(line.rsplit(" ", 1)[1]) > 0 for line in lines)
 
 
 def test_pdserve_down_stops_what_up_started(cluster):

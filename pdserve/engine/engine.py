@@ -21,21 +21,28 @@ from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.models import load_model, model_fingerprint
+from pdserve.ops.backends import make_backends
 from pdserve.tokenizer import load_tokenizer
 
+# Largest decode batch run as a CUDA graph (above it, steps run eagerly); TritonMoE switches to
+# torch._grouped_mm from 512 tokens, which is not captured.
+MAX_GRAPH_BATCH = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None):
+    def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None, ep=None):
+        """`ep`: an EPExchange when this engine is one rank of an expert-parallel group."""
         self.config = config
         self.device = torch.device(config.device)
         mc = config.model
         dtype = _DTYPES.get(mc.dtype) or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         if log:
             log(f"loading {mc.path} ({mc.load_format}, {str(dtype).removeprefix('torch.')}) on {self.device}")
+        attn_backend, moe_backend = make_backends(config.attention_backend, config.moe_backend, self.device)
         self.model, self.args = load_model(mc.path, dtype=dtype, device=self.device,
-                                           load_format=mc.load_format, seed=mc.seed)
+                                           load_format=mc.load_format, attn_backend=attn_backend,
+                                           moe_backend=moe_backend, seed=mc.seed, ep=ep)
         self.tokenizer = load_tokenizer(mc.path, eos_token_ids=self.args.eos_token_ids)
         self.fingerprint = model_fingerprint(mc.path, self.args, dtype, mc.load_format, mc.seed)
         self.max_model_len = min(mc.max_model_len or self.args.max_position_embeddings,
@@ -47,6 +54,11 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.chunk_size)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
+        if self._wants_graphs(attn_backend, ep):
+            from pdserve.engine.cuda_graphs import DecodeGraphs
+            self.runner.graphs = DecodeGraphs(
+                self.model, self.kv_cache, attn_backend, min(config.max_num_seqs, MAX_GRAPH_BATCH),
+                -(-self.max_model_len // config.block_size), self.max_model_len, self.device, log)
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, TextStream] = {}
         self._ready: list[RequestOutput] = []  # outputs produced outside a step (start_decode)
@@ -56,6 +68,14 @@ class Engine:
         if log:
             log(f"KV cache: {self.layout.num_blocks} blocks of {config.block_size} tokens "
                 f"({self.layout.num_blocks * config.block_size} tokens)")
+
+    def _wants_graphs(self, attn_backend, ep) -> bool:
+        """Decode steps replay CUDA graphs on a GPU with the Triton kernels (the torch reference
+        reads host-side lengths); not for prefill-only engines, nor yet for expert-parallel ranks."""
+        from pdserve.ops.attention import TorchAttention
+
+        return (self.config.cuda_graphs and self.device.type == "cuda" and self.config.role != "prefill"
+                and ep is None and not isinstance(attn_backend, TorchAttention))
 
     def _num_blocks(self, dtype: torch.dtype) -> int:
         if self.config.num_kv_blocks:
@@ -153,9 +173,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._ready)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, scheduled: list[ScheduledSeq] | None = None) -> list[RequestOutput]:
+        """One step; `scheduled`: this step's schedule when the caller had to see it first (expert parallel)."""
         outputs, self._ready = self._ready, []
-        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
         hook = self.layer_hook

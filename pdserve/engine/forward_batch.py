@@ -25,6 +25,9 @@ class ForwardBatch:
     kv_cache: torch.Tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
     # Called with the layer index once that layer's KV is in the cache: layer-wise KV streaming.
     layer_done: Callable[[int], None] | None = None
+    # Device copies of the host lists for GPU kernels, which must not read host memory (CUDA graphs).
+    context_lens_t: torch.Tensor | None = None  # [num_seqs] int32
+    query_start_t: torch.Tensor | None = None  # [num_seqs + 1] int32
 
     @property
     def num_seqs(self) -> int:

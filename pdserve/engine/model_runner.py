@@ -17,6 +17,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device)
+        self.graphs = None  # DecodeGraphs, when the engine captured the decode step (CUDA)
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
         ids, positions, slots, starts, ctx_lens, tables, logit_rows = [], [], [], [0], [], [], []
@@ -40,19 +41,29 @@ class ModelRunner:
         def dev(x):
             return torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True)
 
+        # One copy for both int32 lists the GPU kernels read.
+        lens = torch.tensor(ctx_lens + starts, dtype=torch.int32).to(self.device, non_blocking=True)
         return ForwardBatch(
             input_ids=dev(ids), positions=dev(positions), slot_mapping=dev(slots),
             block_tables=table.to(self.device, non_blocking=True), query_start=starts,
-            context_lens=ctx_lens, logits_indices=dev(logit_rows), kv_cache=self.kv_cache)
+            context_lens=ctx_lens, logits_indices=dev(logit_rows), kv_cache=self.kv_cache,
+            context_lens_t=lens[: len(ctx_lens)], query_start_t=lens[len(ctx_lens):])
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq],
                 layer_done: Callable[[int], None] | None = None
                 ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Run one step; returns a token (and logprob) for each sequence whose `samples` is true."""
+        if self.device.index is not None:
+            # The step may run on any thread (a worker's engine loop), and a thread starts on GPU 0:
+            # Triton launches on the current device, whatever device the tensors are on.
+            torch.cuda.set_device(self.device)
         batch = self.prepare(scheduled)
         batch.layer_done = layer_done
-        hidden = self.model(batch)
+        if self.graphs is not None and layer_done is None and self.graphs.fits(batch):
+            hidden = self.graphs.run(batch)
+        else:
+            hidden = self.model(batch)
         sampling = [s.seq for s in scheduled if s.samples]
         if not sampling:
             return [], []

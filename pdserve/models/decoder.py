@@ -62,6 +62,26 @@ class DecoderLM(nn.Module):
         """The MLP of layer `layer_idx`: dense SwiGLU here; MoE families override."""
         return GatedMLP(self.args.hidden_size, self.args.intermediate_size)
 
+    def moe_layers(self) -> list[SparseMoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def shard_experts(self, exchange) -> None:
+        """Expert parallel: keep only this rank's experts (on the meta device, before allocation);
+        the MoE layers exchange tokens with the ranks holding the others (an EPExchange)."""
+        for moe in self.moe_layers():
+            moe.hold_experts(exchange.placement.local_experts)
+            moe.exchange = exchange
+
+    @torch.inference_mode()
+    def join_expert_exchanges(self) -> None:
+        """Take part in every MoE layer's exchange with no tokens: an expert-parallel rank without
+        requests in a step still serves its experts to the other ranks. Nothing else has work."""
+        x = self.embed_tokens.weight.new_empty(0, self.args.hidden_size)
+        ids = torch.empty(0, self.args.num_experts_per_tok, dtype=torch.long, device=x.device)
+        weights = torch.empty(ids.shape, dtype=torch.float32, device=x.device)
+        for moe in self.moe_layers():
+            moe.exchange.forward(x, moe.w13, moe.w2, weights, ids, moe.backend)
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for the batch's flattened tokens."""
         x = self.embed_tokens(batch.input_ids)
@@ -76,6 +96,15 @@ class DecoderLM(nn.Module):
         return F.linear(hidden, head).float()
 
     # -- checkpoint loading ----------------------------------------------------------------------
+
+    def wants(self, hf_name: str) -> bool:
+        """False for a checkpoint tensor of an expert another rank holds: it need not be read."""
+        name = self.checkpoint_name(hf_name)
+        m = _EXPERT.fullmatch(name) if name else None
+        if m is None:
+            return True
+        moe, expert = self._moe(m[1], hf_name), int(m[2])
+        return expert in moe.experts or not 0 <= expert < moe.num_experts  # (load_weights reports the latter)
 
     def checkpoint_name(self, hf_name: str) -> str | None:
         """This model's name for a HF checkpoint tensor; None for tensors to skip."""
@@ -96,7 +125,7 @@ class DecoderLM(nn.Module):
             if name is None:
                 continue
             if m := _EXPERT.fullmatch(name):
-                loaded.add(self._load_expert(m[1], int(m[2]), m[3], tensor, hf_name))
+                loaded.update(self._load_expert(m[1], int(m[2]), m[3], tensor, hf_name))
             elif m := _FUSED.fullmatch(name):
                 loaded.update(self._load_fused_experts(m[1], m[2], tensor, hf_name))
             elif name in params:
@@ -120,18 +149,21 @@ class DecoderLM(nn.Module):
                              f"({prefix} is not a MoE layer)")
         return moe
 
-    def _load_expert(self, prefix: str, expert: int, proj: str, tensor: torch.Tensor, hf_name: str) -> str:
+    def _load_expert(self, prefix: str, expert: int, proj: str, tensor: torch.Tensor, hf_name: str) -> list[str]:
         moe = self._moe(prefix, hf_name)
-        if not 0 <= expert < moe.w13.shape[0]:
+        if not 0 <= expert < moe.num_experts:
             raise ValueError(f"checkpoint tensor {hf_name!r}: expert {expert} out of range "
-                             f"(the model has {moe.w13.shape[0]})")
+                             f"(the model has {moe.num_experts})")
+        if expert not in moe.experts:
+            return []  # another rank's expert (expert parallel)
+        slot = moe.experts.index(expert)
         inter = moe.w2.shape[2]
         if proj == "down_proj":
-            _copy(moe.w2[expert], tensor, hf_name)
-            return f"{prefix}.w2[{expert}].down"
+            _copy(moe.w2[slot], tensor, hf_name)
+            return [f"{prefix}.w2[{slot}].down"]
         rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-        _copy(moe.w13[expert, rows], tensor, hf_name)
-        return f"{prefix}.w13[{expert}].{proj.removesuffix('_proj')}"
+        _copy(moe.w13[slot, rows], tensor, hf_name)
+        return [f"{prefix}.w13[{slot}].{proj.removesuffix('_proj')}"]
 
     def _load_fused_experts(self, prefix: str, proj: str, tensor: torch.Tensor, hf_name: str) -> list[str]:
         # transformers 5 stores gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj
@@ -139,8 +171,11 @@ class DecoderLM(nn.Module):
         # ambiguous and read in transformers' orientation.
         moe = self._moe(prefix, hf_name)
         dst = moe.w13 if proj == "gate_up_proj" else moe.w2
-        if tensor.shape != dst.shape and tensor.dim() == 3 and tensor.transpose(1, 2).shape == dst.shape:
+        full = (moe.num_experts, *dst.shape[1:])
+        if tensor.shape != full and tensor.dim() == 3 and tensor.transpose(1, 2).shape == full:
             tensor = tensor.transpose(1, 2)
+        if tensor.shape == full and len(moe.experts) != moe.num_experts:
+            tensor = tensor[moe.experts]  # expert parallel: this rank's experts (the file is read whole)
         _copy(dst, tensor, hf_name)
         return _pieces(f"{prefix}.{'w13' if proj == 'gate_up_proj' else 'w2'}", dst)
 

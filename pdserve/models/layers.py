@@ -13,7 +13,6 @@ from torch import nn
 
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.models.args import ModelArgs
-from pdserve.ops.moe import route
 
 
 class RMSNorm(nn.Module):
@@ -181,6 +180,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         e, h, i = args.num_experts, args.hidden_size, args.moe_intermediate_size
         self.top_k, self.renormalize, self.backend = args.num_experts_per_tok, renormalize, backend
+        self.num_experts = e
+        self.experts: list[int] = list(range(e))  # global id of the expert in each slot of w13 / w2
+        self.exchange = None  # an EPExchange when the experts are sharded over ranks
         self.gate = nn.Linear(h, e, bias=False)  # the router
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
         self.w2 = nn.Parameter(torch.empty(e, h, i))
@@ -189,10 +191,20 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(h, args.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
+    def hold_experts(self, experts: list[int]) -> None:
+        """Keep only these experts' weights (expert parallel); call before the weights are allocated."""
+        assert self.w13.is_meta, "hold_experts() resizes parameters: call it on a model built on the meta device"
+        self.experts = list(experts)
+        self.w13 = nn.Parameter(self.w13.new_empty(len(experts), *self.w13.shape[1:]))
+        self.w2 = nn.Parameter(self.w2.new_empty(len(experts), *self.w2.shape[1:]))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)  # [T, k] float32, [T, k]
-        out = self.backend.forward(x, self.w13, self.w2, weights, ids)
+        weights, ids = self.backend.route(self.gate(x), self.top_k, self.renormalize)  # [T, k] float32, [T, k]
+        if self.exchange is None:
+            out = self.backend.forward(x, self.w13, self.w2, weights, ids)
+        else:  # the other experts live on other ranks
+            out = self.exchange.forward(x, self.w13, self.w2, weights, ids, self.backend)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

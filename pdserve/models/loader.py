@@ -3,7 +3,7 @@
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -13,7 +13,7 @@ from torch import nn
 
 from pdserve.models.args import SUPPORTED_ARCHITECTURES, ModelArgs
 from pdserve.models.decoder import DecoderLM
-from pdserve.models.layers import RMSNorm
+from pdserve.models.layers import RMSNorm, SparseMoE
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.mixtral import MixtralForCausalLM
 from pdserve.models.presets import PRESETS
@@ -61,11 +61,12 @@ def resolve_model_args(path_or_preset: str) -> ModelArgs:
 
 
 def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto",
-               attn_backend=None, moe_backend=None, seed: int = 0) -> tuple[DecoderLM, ModelArgs]:
+               attn_backend=None, moe_backend=None, seed: int = 0, ep=None) -> tuple[DecoderLM, ModelArgs]:
     """Build the model on `device` in `dtype`; weights from *.safetensors ("auto") or random ("dummy").
 
     Presets are always dummy. The model is built on the meta device and allocated once, directly
-    in `dtype` on `device`; checkpoint tensors are streamed in one at a time.
+    in `dtype` on `device`; checkpoint tensors are streamed in one at a time. With `ep` (an
+    EPExchange) only this rank's experts are allocated and read.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
@@ -75,12 +76,14 @@ def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | s
     device = torch.device(device)
     with torch.device("meta"), _default_dtype(dtype):
         model = MODEL_CLASSES[args.architecture](args, attn_backend, moe_backend)
+    if ep is not None:
+        model.shard_experts(ep)
     model.to_empty(device=device)
     model.rotary_emb.build_cache()  # to_empty left the RoPE tables uninitialised
     if dummy:
         init_dummy_weights(model, seed)
     else:
-        model.load_weights(_iter_tensors(files))
+        model.load_weights(_iter_tensors(files, model.wants))
     model.requires_grad_(False).eval()
     return model, args
 
@@ -102,11 +105,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_tensors(files: list[Path], wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if wanted(name):
+                    yield name, f.get_tensor(name)
 
 
 @torch.no_grad()
@@ -123,6 +127,11 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
                 p.fill_(1.0)
             elif name == "bias":
                 p.zero_()
+            elif isinstance(module, SparseMoE) and len(module.experts) != module.num_experts:
+                # Expert parallel: draw every expert and keep ours, so that each rank's experts
+                # (and every tensor drawn after them) are exactly the single-rank model's.
+                full = p.new_empty(module.num_experts, *p.shape[1:]).normal_(0.0, 0.02, generator=gen)
+                p.copy_(full[module.experts])
             else:
                 p.normal_(0.0, 0.02, generator=gen)
 

@@ -16,6 +16,11 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 class TorchMoE:
     """Reference experts backend: loops over the experts that received tokens."""
 
+    def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits [T, E] -> weights [T, k] float32, ids [T, k]: `route`."""
+        return route(router_logits, top_k, renormalize)
+
     def forward(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [T, k] -> [T, H]."""

@@ -1,0 +1,77 @@
+"""The expert-parallel group of one decode replica (DESIGN §6): N ranks, one process (and GPU) each.
+
+Attention is data-parallel: each rank owns its requests and their KV. The experts are sharded
+(ExpertPlacement) and each MoE layer exchanges tokens between the ranks (EPExchange), so the
+ranks step in lockstep. Before each step they agree, in one all-reduce on the host, on the
+largest batch any of them computes and on how busy the busiest is. If no rank has tokens none
+runs a forward; otherwise every rank runs its step, one with nothing scheduled a forward over no
+tokens, so that each joins every layer's exchange.
+"""
+
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.ops.ep_exchange import EPExchange
+from pdserve.ops.expert_placement import ExpertPlacement
+
+# How busy a rank is; the whole group acts on its busiest rank's state.
+IDLE, WAITING_FOR_KV, RUNNING = 0, 1, 2
+
+
+@dataclass
+class EPRank:
+    """What one rank needs to join its group (controller -> decode worker)."""
+
+    rank: int
+    size: int
+    init_method: str  # "tcp://host:port": the rendezvous rank 0 serves
+    threshold: int = 64  # a step whose largest batch has this many tokens exchanges by all-to-all
+    replicated: list[int] = field(default_factory=list)  # hot experts with a copy on every rank
+
+
+def rendezvous_address(host: str | None = None) -> str:
+    """A rendezvous on this node (rank 0's): its address (default: Ray's node IP) and a free port."""
+    if host is None:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    return f"tcp://{host}:{port}"
+
+
+class EPGroup:
+    def __init__(self, me: EPRank, num_experts: int, device: torch.device, timeout_s: float = 600):
+        """Join the group: returns once every rank has joined. Gloo on CPU, NCCL on GPUs."""
+        placement = ExpertPlacement(num_experts, me.size, me.rank, tuple(me.replicated))  # fails before joining
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=me.init_method, rank=me.rank, world_size=me.size,
+                                timeout=timedelta(seconds=timeout_s))
+        # The step agreement is host data: on GPUs it goes over gloo, never queued behind kernels.
+        self._control = dist.new_group(backend="gloo") if backend == "nccl" else None
+        self.rank, self.size = me.rank, me.size
+        self.exchange = EPExchange(placement, device, me.threshold)
+
+    def step(self, engine: Engine, busy: int) -> tuple[list[RequestOutput], int]:
+        """One step of this rank in lockstep with the others -> (its outputs, the busiest rank's state).
+
+        `busy` is this rank's state (IDLE, WAITING_FOR_KV, RUNNING) before the step."""
+        scheduled = engine.scheduler.schedule()
+        tokens = sum(s.num_new_tokens for s in scheduled)
+        agreed = torch.tensor([tokens, max(busy, RUNNING if scheduled else IDLE)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._control)
+        max_tokens, group_busy = agreed.tolist()
+        self.exchange.begin_step(max_tokens)
+        if max_tokens and not scheduled:
+            engine.model.join_expert_exchanges()
+        return engine.step(scheduled), group_busy
+
+    def close(self) -> None:
+        dist.destroy_process_group()

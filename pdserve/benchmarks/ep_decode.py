@@ -1,0 +1,245 @@
+"""Decode throughput of one expert-parallel replica (EP = 2) against one single-GPU replica and two
+independent single-GPU replicas, and the MoE exchange per layer against NCCL's all-to-all rate
+measured in the same run (DESIGN §6).
+
+    python -m pdserve.benchmarks.ep_decode [--batches 64 128 256 512] [--context 1024] [--json out.json]
+    python -m pdserve.benchmarks.ep_decode --cpu     # dry run: tiny-moe, gloo, tiny batches
+
+Every worker is an engine in the decode role fed through `reserve` + `start_decode` (no prefill:
+the KV is garbage, which costs the same to read). `--batches` are per GPU: the single replica and
+each independent replica decode B requests, each EP rank B requests (2B in the replica). Every
+request has `--context` tokens of context and never finishes during the measurement. Shape:
+qwen3-30b-a3b (dummy bf16 weights) on GPUs. Needs 2 GPUs (the single replica uses the first).
+"""
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.sampling_params import SamplingParams
+
+SETUPS = ("single", "pair", "ep2")  # one GPU | two independent GPUs | one EP replica over two GPUs
+# The EP replica decodes once with each exchange path forced (decode.ep_threshold 0 or "never").
+PATHS = {"all_gather": 2**62, "all_to_all": 0}
+
+
+class _NoExperts:
+    """A MoE backend that computes nothing: times the exchange alone."""
+
+    def forward(self, x, w13, w2, topk_weights, topk_ids):
+        return torch.zeros_like(x)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _engine(opts, device: torch.device, ep=None):
+    from pdserve.engine.engine import Engine
+
+    max_len = opts.context + opts.warmup + opts.steps + 2
+    blocks = max(opts.batches) * -(-max_len // 16) + 16
+    model = ModelConfig(path=opts.model, dtype=opts.dtype, load_format="dummy")
+    return Engine(EngineConfig(model=model, role="decode", device=str(device), num_kv_blocks=blocks,
+                               max_num_seqs=max(opts.batches), enable_prefix_cache=False), ep=ep)
+
+
+def _decode_rate(engine, group, batch: int, opts) -> dict:
+    """Tokens per second of `batch` requests decoding together on this worker."""
+    from decode.ep_group import RUNNING
+
+    params = SamplingParams(max_tokens=opts.warmup + opts.steps + 2, temperature=0, ignore_eos=True)
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        assert engine.reserve(rid, [2 + i % 200] + [1] * (opts.context - 1), params) is not None, "KV cache too small"
+        engine.start_decode(rid, 1)
+
+    def step():
+        return group.step(engine, RUNNING) if group else engine.step()
+
+    for _ in range(opts.warmup):
+        step()
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(opts.steps):
+        step()
+    _sync(engine.device)
+    dt = time.perf_counter() - t0
+    for rid in ids:
+        engine.abort(rid)
+    return {"tok_s": batch * opts.steps / dt, "step_ms": 1e3 * dt / opts.steps}
+
+
+def _time_us(fn, device: torch.device, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync(device)
+    return 1e6 * (time.perf_counter() - t0) / reps
+
+
+def _exchange_times(group, engine, batch: int, opts) -> dict:
+    """One MoE layer of `batch` tokens per rank on each path: experts + exchange, exchange alone;
+    and NCCL's (gloo's) all_to_all_single moving the same tokens, as the link's rate."""
+    moe, ex, dev = engine.model.moe_layers()[0], group.exchange, engine.device
+    h, dtype = moe.w13.shape[2], moe.w13.dtype
+    g = torch.Generator(device=dev).manual_seed(group.rank)
+    x = 0.1 * torch.randn(batch, h, generator=g, device=dev).to(dtype)
+    weights, ids = moe.backend.route(torch.randn(batch, moe.num_experts, generator=g, device=dev), moe.top_k, True)
+    out = {}
+    for path, threshold in PATHS.items():
+        ex.threshold = threshold
+        ex.begin_step(batch)
+        for what, backend in (("moe", moe.backend), ("exchange", _NoExperts())):
+            dist.barrier()
+            out[f"{path}_{what}_us"] = _time_us(lambda: ex.forward(x, moe.w13, moe.w2, weights, ids, backend),
+                                                dev, opts.reps)
+    # The tokens themselves, B rows to each rank: what the all-to-all path's dispatch moves at most.
+    send = x.repeat(group.size, 1)
+    recv = torch.empty_like(send)
+    dist.barrier()
+    us = _time_us(lambda: dist.all_to_all_single(recv, send), dev, opts.reps)
+    off_rank = batch * (group.size - 1) * h * x.element_size()
+    out.update(a2a_us=us, a2a_gb_s=off_rank / us / 1e3)
+    return out
+
+
+def _worker(rank: int, setup: str, opts, init_method: str, results) -> None:
+    try:
+        torch.set_num_threads(opts.threads)
+        device = torch.device("cpu" if opts.cpu else f"cuda:{rank}")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        group = None
+        if setup == "ep2":
+            from decode.ep_group import EPGroup, EPRank
+            from pdserve.models import resolve_model_args
+
+            group = EPGroup(EPRank(rank, 2, init_method), resolve_model_args(opts.model).num_experts, device)
+        engine = _engine(opts, device, group.exchange if group else None)
+        rows = []
+        for b in opts.batches:
+            if group is None:
+                rows.append({"batch": b, **_decode_rate(engine, None, b, opts)})
+                continue
+            row = {"batch": b}
+            for path, threshold in PATHS.items():
+                group.exchange.threshold = threshold
+                row.update({f"{path}_{k}": v for k, v in _decode_rate(engine, group, b, opts).items()})
+            rows.append({**row, **_exchange_times(group, engine, b, opts)})
+        if group:
+            group.close()
+        results.put((rank, rows))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+def _run(setup: str, opts) -> list[list[dict]]:
+    """Each worker's rows for one setup; the workers of a setup run at the same time."""
+    n = 1 if setup == "single" else 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, setup, opts, init_method, results)) for r in range(n)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in procs:
+        rank, rows = results.get()
+        if isinstance(rows, str):
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"{setup} worker {rank} failed:\n{rows}")
+        got[rank] = rows
+    for p in procs:
+        p.join()
+    return [got[r] for r in range(n)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="dry run on the CPU: tiny-moe, gloo, tiny batches")
+    ap.add_argument("--model", help="preset or model directory (default: qwen3-30b-a3b; --cpu: tiny-moe)")
+    ap.add_argument("--batches", type=int, nargs="+", help="requests per GPU (default 64 128 256 512; --cpu: 2 4)")
+    ap.add_argument("--context", type=int, help="context tokens per request (default 1024; --cpu: 64)")
+    ap.add_argument("--steps", type=int, default=None, help="timed decode steps (default 32; --cpu: 4)")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=None, help="repetitions of each exchange timing (default 50; --cpu: 5)")
+    ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (CPU)")
+    ap.add_argument("--json", help="write the results here")
+    opts = ap.parse_args(argv)
+    cpu = opts.cpu
+    opts.model = opts.model or ("tiny-moe" if cpu else "qwen3-30b-a3b")
+    opts.batches = opts.batches or ([2, 4] if cpu else [64, 128, 256, 512])
+    opts.context = opts.context or (64 if cpu else 1024)
+    opts.steps = opts.steps or (4 if cpu else 32)
+    opts.reps = opts.reps or (5 if cpu else 50)
+    opts.warmup = min(opts.warmup, 1) if cpu else opts.warmup
+    opts.dtype = "float32" if cpu else "bfloat16"
+    if not cpu and torch.cuda.device_count() < 2:
+        raise SystemExit(f"needs 2 GPUs, found {torch.cuda.device_count()} (or run --cpu)")
+
+    per_setup = {}
+    for setup in opts.setups:
+        print(f"{setup}: running ...", flush=True)
+        per_setup[setup] = _run(setup, opts)
+    rows = [_row(i, b, per_setup) for i, b in enumerate(opts.batches)]
+    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "model": opts.model,
+            "dtype": opts.dtype, "context": opts.context, "steps": opts.steps,
+            "device": "cpu" if cpu else torch.cuda.get_device_name(0),
+            "nccl": None if cpu else ".".join(map(str, torch.cuda.nccl.version()))}
+    _print(rows, per_setup)
+    print(json.dumps(meta))
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+def _row(i: int, batch: int, per_setup: dict) -> dict:
+    """Batch i's figures: tokens/s of each setup (summed over its workers), EP ratios, exchange times."""
+    row = {"batch_per_gpu": batch}
+    for setup, workers in per_setup.items():
+        for name in ([f"{p}_" for p in PATHS] if setup == "ep2" else [""]):
+            label = f"{setup}_{name}".rstrip("_")
+            row[f"{label}_tok_s"] = round(sum(w[i][f"{name}tok_s"] for w in workers), 1)
+            row[f"{label}_step_ms"] = round(max(w[i][f"{name}step_ms"] for w in workers), 2)
+            for base in ("single", "pair"):
+                if setup == "ep2" and base in per_setup:
+                    row[f"{label}_vs_{base}"] = round(row[f"{label}_tok_s"] / row[f"{base}_tok_s"], 2)
+    if "ep2" in per_setup:
+        rank0 = per_setup["ep2"][0][i]
+        row.update({k: round(v, 1) for k, v in rank0.items() if k.endswith(("_us", "_gb_s"))})
+    return row
+
+
+def _print(rows: list[dict], per_setup: dict) -> None:
+    cols = [c for c in rows[0] if c.endswith(("_tok_s", "_vs_single", "_vs_pair"))]
+    print("\n" + " ".join(f"{c:>{max(9, len(c))}}" for c in ["batch_per_gpu", *cols]))
+    for r in rows:
+        print(" ".join(f"{r[c]:>{max(9, len(c))}}" for c in ["batch_per_gpu", *cols]))
+    if "ep2" in per_setup:
+        print("\nMoE layer on EP rank 0, per call (us): experts + exchange | exchange alone; "
+              "all_to_all_single of the tokens (us, off-rank GB/s)")
+        for r in rows:
+            print(f"{r['batch_per_gpu']:>9}  all-gather {r['all_gather_moe_us']:>9} | {r['all_gather_exchange_us']:>8}"
+                  f"   all-to-all {r['all_to_all_moe_us']:>9} | {r['all_to_all_exchange_us']:>8}"
+                  f"   a2a {r['a2a_us']:>8} us {r['a2a_gb_s']:>7} GB/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""CUDA graphs of the decode forward, one per batch-size bucket.
+
+A decode step of a MoE model launches hundreds of small kernels (per layer: norms, projections,
+RoPE, KV write, attention, routing, experts); at small batches launching them costs more than
+running them. A captured graph replays the whole forward with one launch. What the graph reads
+lives in static buffers: each step copies its batch into them (padded to the bucket: padded rows
+write no KV (slot -1) and attend to nothing (context 0)), replays, and reads the bucket's output.
+
+Captured with the GPU kernels only (TritonAttention reads device-side lengths, TritonMoE's
+small-batch path sizes its grids from host-known shapes): nothing in the forward waits for the GPU.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.ops.decode_attention import decode_num_splits
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, attention, max_batch: int,
+                 max_blocks_per_seq: int, max_context: int, device: torch.device,
+                 log: Callable[[str], None] | None = None):
+        self.model, self.kv_cache, self.attention = model, kv_cache, attention
+        self.device = device
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        n, w = self.buckets[-1], max_blocks_per_seq
+        self.width = w
+        z = dict(device=device)
+        self.input_ids = torch.zeros(n, dtype=torch.long, **z)
+        self.positions = torch.zeros(n, dtype=torch.long, **z)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, **z)
+        self.block_tables = torch.zeros(n, w, dtype=torch.long, **z)
+        self.context_lens = torch.zeros(n, dtype=torch.int32, **z)
+        self.query_start = torch.arange(n + 1, dtype=torch.int32, **z)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture(max_context, log)
+
+    def _batch(self, b: int, max_context: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
+            block_tables=self.block_tables[:b], query_start=list(range(b + 1)), context_lens=[max_context] * b,
+            logits_indices=self.input_ids[:0], kv_cache=self.kv_cache,
+            context_lens_t=self.context_lens[:b], query_start_t=self.query_start[:b + 1])
+
+    @torch.inference_mode()
+    def _capture(self, max_context: int, log) -> None:
+        if log:
+            log(f"capturing CUDA graphs of the decode step for batch sizes {self.buckets}")
+        pool = torch.cuda.graph_pool_handle()
+        fixed = getattr(self.attention, "decode_splits", None)
+        stream = torch.cuda.Stream(self.device)
+        try:
+            # Largest first: the smaller graphs then fit in the memory pool the largest reserved.
+            for b in reversed(self.buckets):
+                batch = self._batch(b, max_context)
+                # The split count is baked into the graph: size it for the longest context allowed.
+                self.attention.decode_splits = decode_num_splits(b, self.kv_cache.shape[4], max_context,
+                                                                 self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # compiles every kernel variant before capture
+                        self.model(batch)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    self.outputs[b] = self.model(batch)
+                self.graphs[b] = g
+        finally:
+            self.attention.decode_splits = fixed
+        torch.cuda.synchronize(self.device)
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        """A decode-only batch (one token per sequence, every sequence with a past) within the buckets."""
+        n = batch.num_seqs
+        return (0 < n <= self.buckets[-1] and batch.input_ids.shape[0] == n
+                and batch.block_tables.shape[1] <= self.width and batch.context_lens_t is not None)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """The batch's hidden states [n, hidden], by replaying the smallest bucket that holds it."""
+        n = batch.num_seqs
+        b = next(x for x in self.buckets if x >= n)
+        w = batch.block_tables.shape[1]
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.block_tables[:n, :w].copy_(batch.block_tables)
+        self.context_lens[:n].copy_(batch.context_lens_t)
+        if b > n:  # padded rows: no KV written, nothing attended
+            self.slot_mapping[n:b].fill_(-1)
+            self.context_lens[n:b].zero_()
+        self.graphs[b].replay()
+        return self.outputs[b][:n]

@@ -1,0 +1,117 @@
+"""Paged variable-length causal attention in Triton (flash-attention style), for prefill chunks.
+
+Sequence b's queries are rows ``query_start[b]:query_start[b+1]`` of q; its keys are its first
+``context_lens[b]`` cached tokens, read through its block table, so a chunk that continues a
+cached prefix attends to the prefix without copying it. Query j of an n-token chunk sits at
+absolute position ctx - n + j and sees keys up to and including it.
+
+GQA-aware: a program's tile of BLOCK_M rows is (query, head) pairs of one KV head's group,
+query-major, so each K/V tile it loads serves every head of the group; a one-token row (decode
+inside a mixed batch) still fills GROUP rows of the tile.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb,
+                    stride_ot, stride_oh,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_first = tl.load(qstart_ptr + b)
+    n = tl.load(qstart_ptr + b + 1) - q_first
+    rows = n * GROUP
+    if pid_m * BLOCK_M >= rows:
+        return
+    ctx = tl.load(ctx_ptr + b)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < rows
+    j = offs_m // GROUP
+    heads = kvh * GROUP + offs_m % GROUP
+    q_pos = ctx - n + j  # absolute position of each row's query
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    kv_ty = cache_ptr.dtype.element_ty
+    q_rows = (q_first + j).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(kv_ty)
+
+    # Keys past the tile's last query are never seen.
+    last_j = (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP
+    hi = tl.minimum(ctx, ctx - n + last_j + 1)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_base = cache_ptr + kvh * stride_ch
+    table = tables_ptr + b.to(tl.int64) * stride_tb
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        blk = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        row = blk * stride_cb + (offs_n % PAGE) * stride_cs
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kv_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_base + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # Every real row sees key 0 in the first tile, so m_new is finite from then on; rows past
+        # the chunk (masked out of the store) may stay -inf: keep them NaN-free anyway.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv_ty), v, input_precision=PRECISION)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    dst = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def _tile_config(max_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the longest sequence's rows (queries x group)."""
+    if dtype == torch.float32:  # twice the registers per element: smaller tiles
+        return 32, 32, 4, 2
+    if max_rows >= 128 and head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 64, 4, 2
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                            context_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int,
+                            scale: float, out: torch.Tensor | None = None,
+                            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """q [T, heads, D]; kv_layer [2, blocks, page, kv_heads, D]; block_tables [B, max_blocks];
+    context_lens [B], query_start [B+1] int32 on the device; max_query_len a host-side bound -> [T, heads, D]."""
+    num_tokens, heads, head_dim = q.shape
+    page, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+    group = heads // kv_heads
+    assert heads == group * kv_heads and q.stride(-1) == 1 and kv_layer.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    bsz = context_lens.shape[0]
+    if num_tokens == 0 or bsz == 0:
+        return out
+    block_m, block_n, warps, stages = config or _tile_config(max_query_len * group, head_dim, kv_layer.dtype)
+    grid = (triton.cdiv(max_query_len * group, block_m), bsz, kv_heads)
+    _prefill_kernel[grid](
+        q, kv_layer, block_tables, context_lens, query_start, out, scale * _LOG2E,
+        q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PRECISION="ieee" if kv_layer.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages)
+    return out

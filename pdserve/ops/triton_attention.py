@@ -1,0 +1,55 @@
+"""Attention backend for CUDA: Triton kernels over the paged KV cache, same interface as TorchAttention.
+
+A step whose rows are all one token (decode) runs the split-K paged decode kernel; any other step
+(prefill chunks, or prefill mixed with decode rows) runs the paged varlen prefill kernel over every
+row. The decode path reads only device tensors (`ForwardBatch.context_lens_t`) and sizes its grid
+from host-side numbers, so it never waits for the GPU and can be captured in a CUDA graph. On that
+path the decode kernel writes the step's K/V into the cache itself (one launch fewer;
+`fuse_kv_write=False` keeps the separate `write_kv_triton` launch).
+"""
+
+import torch
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention
+from pdserve.ops.kv_write import write_kv_triton
+from pdserve.ops.prefill_attention import paged_prefill_attention
+
+
+class TritonAttention:
+    """Paged attention with Triton kernels; `decode_splits` fixes the split count (CUDA graphs)."""
+
+    def __init__(self, decode_splits: int | None = None, fuse_kv_write: bool = True,
+                 min_keys_per_split: int | None = None):
+        self.decode_splits = decode_splits
+        self.fuse_kv_write = fuse_kv_write
+        self.min_keys_per_split = min_keys_per_split
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D]."""
+        kv_layer = batch.kv_cache[layer]
+        decode = q.shape[0] == batch.num_seqs  # every sequence brings exactly one token
+        fused = decode and self.fuse_kv_write
+        if not fused:
+            write_kv_triton(kv_layer, k, v, batch.slot_mapping)
+        _ensure_device_metadata(batch, q.device)
+        if decode:
+            extra = {} if self.min_keys_per_split is None else {"min_keys_per_split": self.min_keys_per_split}
+            splits = self.decode_splits or decode_num_splits(
+                batch.num_seqs, kv_layer.shape[3], max(batch.context_lens), q.device, **extra)
+            new_kv = dict(k_new=k, v_new=v, slot_mapping=batch.slot_mapping) if fused else {}
+            return paged_decode_attention(q, kv_layer, batch.block_tables, batch.context_lens_t, scale,
+                                          splits, block_n=32 if kv_layer.dtype == torch.float32 else 64,
+                                          **new_kv)
+        max_query_len = max(batch.query_lens)
+        return paged_prefill_attention(q, kv_layer, batch.block_tables, batch.context_lens_t,
+                                       batch.query_start_t, max_query_len, scale)
+
+
+def _ensure_device_metadata(batch: ForwardBatch, device: torch.device) -> None:
+    """Fill the int32 device copies of the host lists when whoever built the batch did not."""
+    if batch.context_lens_t is None:
+        batch.context_lens_t = torch.tensor(batch.context_lens, dtype=torch.int32, device=device)
+    if batch.query_start_t is None:
+        batch.query_start_t = torch.tensor(batch.query_start, dtype=torch.int32, device=device)

@@ -1,0 +1,48 @@
+"""MoE backend for CUDA: fused top-k routing, and per batch size (a host-known shape, so each choice
+is fixed inside a CUDA graph) one of: the GEMV MoE (a handful of tokens: no sort/align pass), the
+Triton fused MoE (small batches, decode) or `torch._grouped_mm` (large bf16 batches)."""
+
+import torch
+
+from pdserve.ops.fused_moe import fused_moe
+from pdserve.ops.gemv_moe import gemv_moe
+from pdserve.ops.grouped_mm_moe import grouped_mm_moe
+from pdserve.ops.routing import fused_topk
+
+# From this many tokens on, bf16 batches take torch._grouped_mm (see check_kernels.py's MoE rows).
+GROUPED_MM_MIN_TOKENS = 512
+# Up to this many tokens, the GEMV path (check_kernels.py's "moe gemv" rows against "moe fused"). On an
+# H200 replayed from a graph the two tie at T=1 (36.6 vs 36.7 us) and fused wins from T=2; run
+# eagerly GEMV wins at T=1 (120 vs 193 us): its one fewer launch.
+GEMV_MAX_TOKENS = 1
+
+
+class TritonMoE:
+    """Same interface as TorchMoE, plus `route`."""
+
+    def __init__(self, grouped_mm_min_tokens: int = GROUPED_MM_MIN_TOKENS, gemv_max_tokens: int = GEMV_MAX_TOKENS):
+        self.grouped_mm_min_tokens = grouped_mm_min_tokens
+        self.gemv_max_tokens = gemv_max_tokens
+
+    def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits [T, E] -> weights [T, k] float32, ids [T, k]: softmax, top-k, renormalise."""
+        return fused_topk(router_logits, top_k, renormalize)
+
+    def path(self, num_tokens: int, dtype: torch.dtype) -> str:
+        """Which implementation `forward` takes for this many tokens: "gemv", "fused" or "grouped_mm"."""
+        if num_tokens <= self.gemv_max_tokens:
+            return "gemv"
+        if dtype == torch.bfloat16 and num_tokens >= self.grouped_mm_min_tokens:
+            return "grouped_mm"
+        return "fused"
+
+    def forward(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [T, k] -> [T, H]."""
+        path = self.path(x.shape[0], x.dtype)
+        if path == "gemv":
+            return gemv_moe(x, w13, w2, topk_weights, topk_ids)
+        if path == "grouped_mm":
+            return grouped_mm_moe(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids)

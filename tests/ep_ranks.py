@@ -1,0 +1,109 @@
+"""The ranks of an expert-parallel group in processes of their own (gloo), each generating greedily
+for its own requests in lockstep with the others; the parent collects every rank's tokens.
+
+A request is (prompt ids, max_tokens, the step at which its rank adds it): a rank may have no
+request for a while, or be done while the others go on, and it still joins every exchange.
+"""
+
+import multiprocessing as mp
+import socket
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    at_step: int = 0
+
+
+@dataclass
+class Run:
+    """One generation on every rank: requests per rank, and the exchange threshold to use."""
+
+    requests: list[list[Request]]
+    threshold: int  # 0: always all-to-all; huge: always all-gather
+
+
+def engine_config(model: str) -> EngineConfig:
+    # Small chunks: prompts take several steps, so ranks compute different numbers of tokens.
+    return EngineConfig(model=ModelConfig(path=model), num_kv_blocks=64, block_size=4, chunk_size=8,
+                        max_num_batched_tokens=16, enable_prefix_cache=False)
+
+
+def run_ranks(model: str, runs: list[Run], size: int = 2, replicated: tuple[int, ...] = (),
+              timeout: float = 240) -> list[list[dict]]:
+    """For each rank, for each run: {"tokens": [ids per request], "load": tokens per expert}."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, size, f"tcp://127.0.0.1:{port}", model, runs,
+                                                  list(replicated), results)) for r in range(size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    try:
+        for _ in procs:
+            rank, value = results.get(timeout=timeout)
+            if isinstance(value, str):
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(size)]
+
+
+def _rank_main(rank: int, size: int, init_method: str, model: str, runs: list[Run], replicated: list[int],
+               results) -> None:
+    torch.set_num_threads(1)  # two ranks share the test machine's cores
+    try:
+        from decode.ep_group import EPGroup, EPRank
+        from pdserve.engine.engine import Engine
+        from pdserve.models import resolve_model_args
+
+        group = EPGroup(EPRank(rank, size, init_method, replicated=replicated),
+                        resolve_model_args(model).num_experts, torch.device("cpu"))
+        engine = Engine(engine_config(model), ep=group.exchange)
+        out = []
+        for i, run in enumerate(runs):
+            group.exchange.threshold = run.threshold
+            before = group.exchange.expert_load()[0]
+            tokens = _generate(group, engine, run.requests[rank], f"run{i}")
+            load = [a - b for a, b in zip(group.exchange.expert_load()[0], before)]
+            out.append({"tokens": tokens, "load": load})
+        group.close()
+        results.put((rank, out))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+def _generate(group, engine, requests: list[Request], tag: str) -> list[list[int]]:
+    from decode.ep_group import IDLE, RUNNING
+
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while True:
+        for j, r in enumerate(requests):
+            if r.at_step == step:
+                engine.add_request(f"{tag}-{j}", r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0,
+                                                                          ignore_eos=True))
+                tokens[f"{tag}-{j}"] = []
+        # Requests still to come keep the group stepping, as reservations waiting for KV do.
+        pending = any(r.at_step > step for r in requests)
+        outputs, group_busy = group.step(engine, RUNNING if pending or engine.has_unfinished() else IDLE)
+        for o in outputs:
+            tokens[o.request_id] += o.token_ids
+        step += 1
+        if group_busy == IDLE:
+            return [tokens[f"{tag}-{j}"] for j in range(len(requests))]

@@ -1,0 +1,70 @@
+"""`pdserve bench-engine` as a dry run on the CPU: every part runs and every figure is there.
+
+The figures themselves mean nothing here; the GPU run is what docs/benchmarks.md reports.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdserve.benchmarks.bench_engine import ModelCost
+from pdserve.models import load_model, resolve_model_args
+
+PREFILL_KEYS = {"tokens", "ms", "tok_s", "TFLOP_s", "MFU_pct", "TFLOP"}
+DECODE_KEYS = {"batch", "context", "step_ms", "tok_s", "experts_per_layer", "experts_uniform", "weights_GB",
+               "experts_GB", "kv_GB", "GB_s", "roofline_pct", "roofline_tok_s"}
+
+
+def _positive(row: dict, keys: set[str]) -> None:
+    assert keys <= row.keys(), keys - row.keys()
+    for k in keys:
+        assert row[k] > 0, (k, row)
+
+
+def test_cpu_dry_run_reports_every_figure(tmp_path):
+    out = tmp_path / "bench.json"
+    # One thread: on a loaded 2-core machine, OpenMP threads spinning against each other cost seconds.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "bench-engine", "--model", "tiny-moe", "--device", "cpu",
+         "--prefill-sizes", "32", "64", "--decode-batches", "1", "2", "--context", "32", "--reps", "1",
+         "--decode-steps", "2", "--hf-steps", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["errors"] == []
+    assert res["ceilings"]["hbm_copy_GB_s"] > 0 and res["ceilings"]["matmul_TFLOP_s"] > 0
+    assert res["meta"]["model"] == "tiny-moe" and res["meta"]["total_params"] > 0
+
+    for side in (res["engine_prefill"]["rows"], res["hf"]["prefill"]):
+        assert [x["tokens"] for x in side] == [32, 64]
+        for row in side:
+            _positive(row, PREFILL_KEYS)
+    for side in (res["engine_decode"]["rows"], res["hf"]["decode"]):
+        assert [x["batch"] for x in side] == [1, 2]
+        for row in side:
+            _positive(row, DECODE_KEYS)
+            assert row["experts_source"] == "counted"  # the router hooks fired on both models
+            assert 2 <= row["experts_per_layer"] <= min(8, 2 * row["batch"])  # tiny-moe: top-2 of 8
+    assert res["engine_decode"]["backends"] == {"attn": "TorchAttention", "moe": "TorchMoE"}
+    assert "prefill" in r.stdout and "HF roofl %" in r.stdout  # the table at the end
+
+
+def test_cost_model_counts_every_parameter():
+    model, args = load_model("tiny-moe", torch.float32, "cpu")
+    assert ModelCost(args, 4).total_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_cost_model_of_qwen3_30b_a3b():
+    cost = ModelCost(resolve_model_args("qwen3-30b-a3b"), 2)
+    assert 30.4e9 < cost.total_params() < 30.6e9  # "30.5B"
+    assert 3.2e9 < cost.active_params_per_token() + 2 * cost.lm_head_params < 3.4e9  # "A3B": 3.3B activated
+    assert cost.kv_bytes_per_token() == 48 * 2 * 4 * 128 * 2
+    # Batch 1 reads the weights outside the experts plus 8 experts per layer: about 6.1 GB.
+    assert cost.decode_bytes(1, 1024, 8)["total"] == pytest.approx(6.18e9, rel=0.01)
+    assert cost.uniform_experts_hit(1) == pytest.approx(8)
+    assert cost.uniform_experts_hit(256) == pytest.approx(128, rel=0.01)

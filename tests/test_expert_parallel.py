@@ -1,0 +1,146 @@
+"""Expert parallelism (DESIGN §6): placement, each rank's weights, and N = 2 ranks in processes of
+their own (gloo) generating exactly what one rank generates, on both exchange paths."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from ep_ranks import Request, Run, engine_config, run_ranks
+from hf_checkpoints import build_checkpoint, write_tokenizer
+from pdserve.config import ClusterConfig, ConfigError, check_model_fit
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages import ReplicaStats
+from pdserve.models import load_model, resolve_model_args
+from pdserve.ops.ep_exchange import EPExchange
+from pdserve.ops.expert_placement import ExpertPlacement
+from router.decode_replica import DecodeReplica
+
+ALL_GATHER, ALL_TO_ALL, MIXED = 10**9, 0, 12  # thresholds; MIXED switches path from step to step
+
+
+def test_placement_shards_experts_and_replicates_hot_ones():
+    p = [ExpertPlacement(8, 2, r, replicated=(1, 6)) for r in range(2)]
+    assert p[0].local_experts == [0, 1, 2, 3, 6] and p[1].local_experts == [4, 5, 6, 7, 1]
+    table = p[0].serving_rank()
+    assert table[0].tolist() == [0, 0, 0, 0, 1, 1, 0, 1]  # a replicated expert serves its own rank's tokens
+    assert table[1].tolist() == [0, 1, 0, 0, 1, 1, 1, 1]
+    assert p[1].local_slot().tolist() == [-1, 4, -1, -1, 0, 1, 2, 3]
+    with pytest.raises(ValueError, match="ep_size 3 does not divide the model's 8 experts; allowed: 1, 2, 4, 8"):
+        ExpertPlacement(8, 3, 0)
+    with pytest.raises(ValueError, match="replicated"):
+        ExpertPlacement(8, 2, 0, replicated=(8,))
+
+
+def test_cluster_yaml_ep_size_must_fit_the_model():
+    args = resolve_model_args("tiny-moe")  # 8 experts
+    check_model_fit(ClusterConfig.model_validate({"decode": {"ep_size": 4}}), args)
+    with pytest.raises(ConfigError) as e:
+        check_model_fit(ClusterConfig.model_validate({"decode": {"ep_size": 3}}), args)
+    assert "decode.ep_size" in str(e.value) and "3" in str(e.value) and "1, 2, 4, 8" in str(e.value)
+    with pytest.raises(ConfigError, match="decode.ep_replicated_experts"):
+        check_model_fit(ClusterConfig.model_validate({"decode": {"ep_size": 2, "ep_replicated_experts": [9]}}),
+                        args)
+
+
+def test_the_router_sees_one_replica_with_the_capacity_of_its_ranks():
+    ranks = [ReplicaStats(f"d-rank{r}", "decode", r, 0, free, 10, r, expert_tokens=[1, r], expert_tokens_step=[0, r])
+             for r, free in enumerate([3, 7])]
+    replica = DecodeReplica("d", {"d-rank0": None, "d-rank1": None}, {s.name: s for s in ranks})
+    assert replica.rank_order() == ["d-rank1", "d-rank0"]  # reserve where the most KV blocks are free
+    s = ReplicaStats.combine("d", ranks)
+    assert (s.name, s.running, s.free_blocks, s.total_blocks, s.aborted, s.ranks) == ("d", 1, 10, 20, 1, 2)
+    assert s.expert_tokens == [2, 1] and s.expert_tokens_step == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    paths = {}
+    for family in ("qwen3_moe", "mixtral"):
+        ck = build_checkpoint(family, root)
+        write_tokenizer(ck.path, ck.hf_model.config.vocab_size)
+        paths[family] = ck.path
+    return paths
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "qwen3_moe", "mixtral"])
+def test_each_rank_holds_its_slice_of_the_single_rank_model(model, checkpoints):
+    path = str(checkpoints.get(model, model))
+    full, args = load_model(path, torch.float32, "cpu")
+    placements = [ExpertPlacement(args.num_experts, 2, r, replicated=(1,)) for r in range(2)]
+    ranks = [load_model(path, torch.float32, "cpu", ep=EPExchange(p, torch.device("cpu"), 1))[0] for p in placements]
+    for placement, model_r in zip(placements, ranks):
+        theirs = dict(model_r.named_parameters())
+        for name, p in full.named_parameters():
+            expected = p[placement.local_experts] if name.endswith((".w13", ".w2")) else p
+            assert torch.equal(theirs[name], expected), name
+        assert all(moe.exchange is not None for moe in model_r.moe_layers())
+    # A rank does not even read the other rank's experts from the checkpoint.
+    if model == "qwen3_moe":
+        assert not ranks[0].wants("model.layers.0.mlp.experts.5.up_proj.weight")
+        assert ranks[0].wants("model.layers.0.mlp.experts.1.up_proj.weight") and ranks[1].wants(
+            "model.layers.0.mlp.experts.1.up_proj.weight")
+
+
+def _requests(vocab: int, seed: int) -> list[list[Request]]:
+    """Rank 0: four requests from the start. Rank 1: none for 3 steps, then two short ones, so it
+    also idles while rank 0 is still going."""
+    g = torch.Generator().manual_seed(seed)
+
+    def prompt(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    return [[Request(prompt(3), 14), Request(prompt(21), 10), Request(prompt(9), 16), Request(prompt(1), 6)],
+            [Request(prompt(13), 4, at_step=3), Request(prompt(30), 3, at_step=3)]]
+
+
+def _single_rank(model: str, requests: list[list[Request]]) -> list[list[int]]:
+    engine = Engine(engine_config(model))
+    flat = [r for rank in requests for r in rank]
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in flat]
+    return [c.token_ids for c in engine.generate([r.prompt for r in flat], params)]
+
+
+@dataclass
+class EPRuns:
+    path: str
+    requests: list[list[Request]]
+    expected: list[list[int]]  # the single-rank run's tokens, rank 0's requests first
+    by_threshold: dict[int, tuple[dict, dict]]  # threshold -> each rank's result
+    replicated: list[list[dict]]  # each rank's result with hot experts replicated
+
+
+@pytest.fixture(scope="module")
+def ep_runs(checkpoints) -> dict[str, EPRuns]:
+    """Each model generated by 2 ranks on each path; all runs share one pair of processes per model."""
+    out = {}
+    for family in ("qwen3_moe", "mixtral"):
+        path = str(checkpoints[family])
+        requests = _requests(resolve_model_args(path).vocab_size, seed=len(family))
+        thresholds = (ALL_GATHER, ALL_TO_ALL, MIXED)
+        ranks = run_ranks(path, [Run(requests, t) for t in thresholds])
+        replicated = run_ranks(path, [Run(requests, MIXED)], replicated=(0, 5))
+        out[family] = EPRuns(path, requests, _single_rank(path, requests), dict(zip(thresholds, zip(*ranks))),
+                             replicated)
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("path", [ALL_GATHER, ALL_TO_ALL, MIXED], ids=["all_gather", "all_to_all", "mixed"])
+def test_two_ranks_generate_what_one_rank_generates(ep_runs, family, path):
+    runs = ep_runs[family]
+    ranks = runs.by_threshold[path]
+    assert ranks[0]["tokens"] + ranks[1]["tokens"] == runs.expected
+    # Expert load: every forwarded token counted once per MoE layer and top-k choice.
+    args = resolve_model_args(runs.path)
+    moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_layers))
+    forwarded = sum(len(r.prompt) + r.max_tokens - 1 for rank in runs.requests for r in rank)
+    load = [a + b for a, b in zip(ranks[0]["load"], ranks[1]["load"])]
+    assert sum(load) == forwarded * moe_layers * args.num_experts_per_tok
+
+
+def test_hot_experts_copied_to_every_rank_change_no_token(ep_runs):
+    for family, runs in ep_runs.items():
+        assert runs.replicated[0][0]["tokens"] + runs.replicated[1][0]["tokens"] == runs.expected, family

@@ -1,0 +1,477 @@
+"""The GPU kernels (pdserve/ops, Triton) against the torch reference, on fresh random inputs.
+
+Each check poisons the output with NaN first, then compares ‖out − ref‖ / ‖ref‖ with a reference
+computed in float64 (CPU) or float32 (GPU) from the same inputs upcast. Two modes:
+
+- a CUDA device: the real kernels, real shapes (skipped without one);
+- PDSERVE_TRITON_INTERPRET=1: the same kernels on the CPU under Triton's interpreter, tiny shapes,
+  float32/float16 only (the interpreter rounds bfloat16 toward zero). Slow: not part of CI.
+"""
+
+import os
+
+INTERPRET = os.environ.get("PDSERVE_TRITON_INTERPRET") == "1"
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before importing them
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("no CUDA device (PDSERVE_TRITON_INTERPRET=1 runs the kernels under Triton's interpreter)",
+                allow_module_level=True)
+triton = pytest.importorskip("triton")
+
+from pdserve.engine.forward_batch import ForwardBatch  # noqa: E402
+from pdserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
+from pdserve.ops.activation import silu_and_mul  # noqa: E402
+from pdserve.ops.attention import TorchAttention, write_kv  # noqa: E402
+from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention  # noqa: E402
+from pdserve.ops.fused_moe import fused_moe, moe_align  # noqa: E402
+from pdserve.ops.gemv_moe import gemv_moe  # noqa: E402
+from pdserve.ops.grouped_mm_moe import grouped_mm_moe  # noqa: E402
+from pdserve.ops.kv_write import write_kv_triton  # noqa: E402
+from pdserve.ops.moe import TorchMoE, route  # noqa: E402
+from pdserve.ops.prefill_attention import paged_prefill_attention  # noqa: E402
+from pdserve.ops.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from pdserve.ops.rotary import qk_norm_rope  # noqa: E402
+from pdserve.ops.routing import fused_topk  # noqa: E402
+from pdserve.ops.testing import random_moe_inputs, random_paged_case, rel_err  # noqa: E402
+from pdserve.ops.triton_attention import TritonAttention  # noqa: E402
+from pdserve.ops.triton_moe import TritonMoE  # noqa: E402
+
+
+def _patch_interpreter() -> None:
+    # Triton 3.6's interpreter turns a loaded scalar (a 1-element array) into a Python int with
+    # int(array), which numpy >= 2.4 refuses; `range(start, end)` over loaded bounds needs it.
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _patch_interpreter()
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+REF_DTYPE = torch.float64 if INTERPRET else torch.float32
+DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.bfloat16, torch.float16, torch.float32]
+# ‖out − ref‖ / ‖ref‖ bounds (METHOD.md): float32 kernels use IEEE dots (no tf32).
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+BLOCK = 16
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def pick(gpu, interp):
+    return interp if INTERPRET else gpu
+
+
+def poisoned(shape, dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert torch.isfinite(out).all(), f"{what}: output not fully written (NaN/inf left)"
+    err = rel_err(out, ref)
+    print(f"{what} {str(dtype).removeprefix('torch.')}: rel err {err:.2e}")  # pytest -s shows them
+    assert err <= TOL[dtype], f"{what}: relative error {err:.3g} > {TOL[dtype]:.0e}"
+
+
+def reference_attention(case, scale: float) -> torch.Tensor:
+    """TorchAttention over upcast copies of the clean batch; writes the step's KV into ref_batch's cache."""
+    ref = case.ref_batch
+    cache = ref.kv_cache.to(REF_DTYPE)
+    up = ForwardBatch(**{**ref.__dict__, "kv_cache": cache})
+    out = TorchAttention().forward(0, case.q.to(REF_DTYPE), case.k.to(REF_DTYPE), case.v.to(REF_DTYPE), up, scale)
+    write_kv(ref.kv_cache[0], case.k, case.v, ref.slot_mapping)  # the expected cache, in the cache's dtype
+    return out
+
+
+def assert_cache_written(case) -> None:
+    """The step's K/V landed where write_kv puts them, and every context is NaN-free (the unused
+    slots of the kernel's cache are NaN: a write to a wrong slot, or a missed one, shows)."""
+    b, ours, ref = case.batch, case.batch.kv_cache, case.ref_batch.kv_cache
+    filled = ~torch.isnan(ours)
+    assert torch.equal(ours[filled], ref[filled]), "KV cache differs from write_kv's"
+    for i, ctx in enumerate(b.context_lens):
+        table = b.block_tables[i, : -(-ctx // b.block_size)]
+        assert torch.isfinite(ours[0][:, table].flatten(1, 2)[:, :ctx]).all(), f"sequence {i}: context has holes"
+
+
+# -- KV write -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv(dtype):
+    g = gen(1)
+    kv_heads, head_dim, blocks = pick((4, 128, 64), (2, 32, 8))
+    cache = torch.randn(2, blocks, BLOCK, kv_heads, head_dim, generator=g, device=DEVICE).to(dtype)
+    t = pick(300, 20)
+    slots = torch.randperm(blocks * BLOCK, device="cpu")[:t].to(DEVICE)
+    slots[3] = -1  # padding row: skipped
+    k = torch.randn(t, kv_heads, head_dim, generator=g, device=DEVICE).to(dtype)
+    v = torch.randn(t, kv_heads, head_dim, generator=g, device=DEVICE).to(dtype)
+    ref = cache.clone()
+    keep = slots >= 0
+    write_kv(ref, k[keep], v[keep], slots[keep])
+    write_kv_triton(cache, k, v, slots)
+    assert torch.equal(cache, ref)
+
+
+# -- attention --------------------------------------------------------------------------------------
+
+# (heads, kv_heads, head_dim): GQA ratios 1, 4, 8; head_dim 64 and 128 (tiny ones under the interpreter).
+HEADS = pick([(8, 8, 64), (16, 4, 128), (32, 4, 128), (16, 2, 64)], [(4, 4, 16), (8, 2, 32), (8, 1, 32)])
+DECODE_CTX = pick([1, 15, 16, 17, 100, 1000, 1023, 4097, 5000], [1, 15, 16, 17, 40, 77])
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention(heads, splits, dtype):
+    num_heads, kv_heads, head_dim = heads
+    g = gen(2)
+    ctx = DECODE_CTX[::-1] + [int(x) for x in torch.randint(1, max(DECODE_CTX), (3,), generator=g, device=DEVICE)]
+    case = random_paged_case([(c, 1) for c in ctx], num_heads, kv_heads, head_dim, BLOCK, dtype, DEVICE, g)
+    scale = head_dim ** -0.5
+    ref = reference_attention(case, scale)
+    b = case.batch
+    write_kv_triton(b.kv_cache[0], case.k, case.v, b.slot_mapping)
+    assert_cache_written(case)
+    if splits is None:  # the backend's own choice
+        splits = decode_num_splits(len(ctx), kv_heads, max(ctx), torch.device(DEVICE))
+    out = poisoned(case.q.shape, dtype)
+    paged_decode_attention(case.q, b.kv_cache[0], b.block_tables, b.context_lens_t, scale, splits, out=out)
+    check(out, ref, dtype, f"decode {heads} splits={splits}")
+
+
+def _poison_new_slots(case) -> None:
+    """NaN at the step's own slots in the kernel's cache: a fused write that reads its slot back
+    (instead of using k/v directly) or misses it shows."""
+    cache = case.batch.kv_cache[0]
+    flat = cache.view(2, -1, *cache.shape[3:])
+    flat[:, case.batch.slot_mapping] = float("nan")
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("splits", [None, 1, 3, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_fused_kv_write(heads, splits, dtype):
+    """The decode kernel writing the step's K/V itself: same output as write + decode, same cache."""
+    num_heads, kv_heads, head_dim = heads
+    g = gen(15)
+    ctx = DECODE_CTX[::-1] + [int(x) for x in torch.randint(1, max(DECODE_CTX), (3,), generator=g, device=DEVICE)]
+    case = random_paged_case([(c, 1) for c in ctx], num_heads, kv_heads, head_dim, BLOCK, dtype, DEVICE, g)
+    scale = head_dim ** -0.5
+    ref = reference_attention(case, scale)
+    _poison_new_slots(case)
+    b = case.batch
+    if splits is None:
+        splits = decode_num_splits(len(ctx), kv_heads, max(ctx), torch.device(DEVICE))
+    out = poisoned(case.q.shape, dtype)
+    paged_decode_attention(case.q, b.kv_cache[0], b.block_tables, b.context_lens_t, scale, splits, out=out,
+                           block_n=pick(64, 16), k_new=case.k, v_new=case.v, slot_mapping=b.slot_mapping)
+    assert_cache_written(case)
+    check(out, ref, dtype, f"decode fused write {heads} splits={splits}")
+
+
+def test_decode_fused_write_padding_rows():
+    """Graph padding rows (context 0, slot -1) write nothing and give zeros; strided k/v views work."""
+    g = gen(16)
+    case = random_paged_case([(20, 1), (5, 1), (33, 1)], 8, 2, 32, BLOCK, torch.float32, DEVICE, g)
+    b = case.batch
+    ctx = b.context_lens_t.clone()
+    ctx[1] = 0
+    slots = b.slot_mapping.clone()
+    slots[1] = -1
+    kv = torch.cat([case.k, case.v], dim=1)  # k, v as strided views of one tensor
+    k, v = kv[:, :2], kv[:, 2:]
+    for splits in (1, 4):
+        cache = b.kv_cache[0].clone()
+        before = cache.clone()
+        out = poisoned(case.q.shape, torch.float32)
+        paged_decode_attention(case.q, cache, b.block_tables, ctx, 0.2, splits, out=out,
+                               k_new=k, v_new=v, slot_mapping=slots)
+        assert torch.isfinite(out).all() and (out[1] == 0).all()
+        changed = ~((cache == before) | (torch.isnan(cache) & torch.isnan(before)))
+        flat = changed.view(2, -1, *cache.shape[3:]).any(-1).any(-1).any(0)
+        assert torch.equal(flat.nonzero().flatten().sort().values, slots[[0, 2]].sort().values)
+
+
+def test_decode_context_zero_gives_zeros():
+    """Rows of context 0 (CUDA-graph padding) come out as zeros, not NaN, whatever the split count."""
+    g = gen(3)
+    case = random_paged_case([(20, 1), (5, 1)], 8, 2, 32, BLOCK, torch.float32, DEVICE, g)
+    b = case.batch
+    ctx = torch.tensor([20, 0], dtype=torch.int32, device=DEVICE)
+    for splits in (1, 4):
+        out = poisoned(case.q.shape, torch.float32)
+        paged_decode_attention(case.q, case.ref_batch.kv_cache[0], b.block_tables, ctx, 0.2, splits, out=out)
+        assert torch.isfinite(out).all() and (out[1] == 0).all()
+
+
+def _prefill_seqs(g) -> list[tuple[int, int]]:
+    """Fresh prompts, chunks continuing a cached prefix (block-aligned or not), and decode rows."""
+    if INTERPRET:
+        return [(33, 33), (40, 7), (16, 16), (50, 16), (9, 1), (17, 2), (1, 1)]
+    seqs = [(600, 600), (5000, 317), (4096, 512), (2048, 16), (3000, 1), (17, 17), (1, 1), (100, 37)]
+    n = int(torch.randint(1, 400, (1,), generator=g, device=DEVICE))
+    return seqs + [(n + int(torch.randint(0, 2000, (1,), generator=g, device=DEVICE)), n)]
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention(heads, dtype):
+    num_heads, kv_heads, head_dim = heads
+    g = gen(4)
+    case = random_paged_case(_prefill_seqs(g), num_heads, kv_heads, head_dim, BLOCK, dtype, DEVICE, g)
+    scale = head_dim ** -0.5
+    ref = reference_attention(case, scale)
+    b = case.batch
+    write_kv_triton(b.kv_cache[0], case.k, case.v, b.slot_mapping)
+    assert_cache_written(case)
+    out = poisoned(case.q.shape, dtype)
+    paged_prefill_attention(case.q, b.kv_cache[0], b.block_tables, b.context_lens_t, b.query_start_t,
+                            max(b.query_lens), scale, out=out)
+    check(out, ref, dtype, f"prefill {heads}")
+
+
+@pytest.mark.parametrize("fuse_kv_write", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_backend_mixed_batch(dtype, fuse_kv_write):
+    """TritonAttention end to end (KV write + kernel choice), without the ForwardBatch device fields."""
+    g = gen(5)
+    num_heads, kv_heads, head_dim = HEADS[1]
+    seqs = pick([(300, 300), (1200, 1), (700, 64), (33, 1)], [(20, 20), (30, 1), (40, 9)])
+    for rows in (seqs, [(c, 1) for c, _ in seqs]):  # mixed, then decode only
+        case = random_paged_case(rows, num_heads, kv_heads, head_dim, BLOCK, dtype, DEVICE, g)
+        case.batch.context_lens_t = case.batch.query_start_t = None
+        ref = reference_attention(case, 0.1)
+        _poison_new_slots(case)
+        out = TritonAttention(fuse_kv_write=fuse_kv_write).forward(0, case.q, case.k, case.v, case.batch, 0.1)
+        assert_cache_written(case)
+        check(out, ref, dtype, f"backend {rows}")
+
+
+# -- MoE ----------------------------------------------------------------------------------------------
+
+MOE_SHAPES = pick(  # (experts, top_k, hidden, intermediate)
+    [(8, 2, 1024, 512), (128, 8, 2048, 768), (128, 2, 512, 256)], [(8, 2, 64, 32), (16, 4, 48, 40)])
+MOE_TOKENS = pick([1, 5, 64, 257, 600], [1, 3, 17])
+
+
+def reference_moe(x, w13, w2, weights, ids) -> torch.Tensor:
+    return TorchMoE().forward(x.to(REF_DTYPE), w13.to(REF_DTYPE), w2.to(REF_DTYPE), weights.to(REF_DTYPE), ids)
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+@pytest.mark.parametrize("tokens", MOE_TOKENS)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing(shape, tokens, renormalize):
+    experts, top_k, _, _ = shape
+    logits = torch.randn(tokens, experts, generator=gen(6), device=DEVICE)
+    ref_w, ref_ids = route(logits, top_k, renormalize)
+    w = poisoned((tokens, top_k), torch.float32)
+    ids = torch.full((tokens, top_k), -1, dtype=torch.int64, device=DEVICE)
+    fused_topk(logits, top_k, renormalize, out=(w, ids))
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+
+
+def test_routing_half_precision_ties():
+    """16-bit logits tie often; the chosen experts' probabilities must still be the top k."""
+    logits = torch.randn(pick(600, 40), 128, generator=gen(7), device=DEVICE).to(torch.float16)
+    ref_w, _ = route(logits, 8, False)
+    w, ids = fused_topk(logits, 8, False)
+    probs = torch.softmax(logits, -1, dtype=torch.float32)
+    assert torch.equal(probs.gather(1, ids), ref_w)
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_moe_align(block_m):
+    experts, tokens, top_k = pick(128, 16), pick(300, 21), pick(8, 4)
+    ids = torch.stack([torch.randperm(experts, device="cpu")[:top_k] for _ in range(tokens)]).to(DEVICE)
+    sorted_ids, expert_ids, num_padded = moe_align(ids, experts, block_m)
+    n = int(num_padded)
+    pairs = tokens * top_k
+    counts = torch.bincount(ids.flatten().cpu(), minlength=experts)
+    assert n == int(((counts + block_m - 1) // block_m * block_m).sum())
+    real = sorted_ids[:n].cpu()
+    assert torch.equal(real[real < pairs].sort().values, torch.arange(pairs, dtype=torch.int32))
+    assert (real[real >= pairs] == pairs).all()
+    flat = ids.flatten().cpu()
+    for tile in range(n // block_m):
+        members = real[tile * block_m:(tile + 1) * block_m]
+        members = members[members < pairs].long()
+        assert (flat[members] == int(expert_ids[tile])).all()
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+@pytest.mark.parametrize("tokens", MOE_TOKENS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_moe(shape, tokens, dtype):
+    experts, top_k, hidden, inter = shape
+    x, w13, w2, logits = random_moe_inputs(tokens, experts, hidden, inter, dtype, DEVICE, gen(8))
+    weights, ids = route(logits, top_k, True)
+    ref = reference_moe(x, w13, w2, weights, ids)
+    out = poisoned(x.shape, dtype)
+    fused_moe(x, w13, w2, weights, ids, out=out)
+    check(out, ref, dtype, f"fused_moe T={tokens} {shape}")
+
+
+GEMV_CONFIGS = [None,  # the default table
+                dict(BLOCK_N13=8, BLOCK_K13=pick(512, 16), BLOCK_N2=32, BLOCK_K2=pick(128, 16), EPP=1, num_warps=4),
+                dict(BLOCK_N13=32, BLOCK_K13=pick(128, 32), BLOCK_N2=8, BLOCK_K2=pick(256, 32), EPP=2, num_warps=2)]
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+@pytest.mark.parametrize("tokens", pick([1, 2, 5, 8, 16], [1, 3, 8]))
+@pytest.mark.parametrize("config", range(len(GEMV_CONFIGS)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_moe(shape, tokens, config, dtype):
+    experts, top_k, hidden, inter = shape
+    x, w13, w2, logits = random_moe_inputs(tokens, experts, hidden, inter, dtype, DEVICE, gen(17 + tokens))
+    weights, ids = route(logits, top_k, True)
+    ids[0, :] = ids[-1, :]  # two tokens on the same experts (with T > 1)
+    ref = reference_moe(x, w13, w2, weights, ids)
+    out = poisoned(x.shape, dtype)
+    gemv_moe(x, w13, w2, weights, ids, config=GEMV_CONFIGS[config], out=out)
+    check(out, ref, dtype, f"gemv_moe T={tokens} {shape} cfg{config}")
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+@pytest.mark.parametrize("tokens", pick([1, 64, 600, 4096], [1, 3, 17]))
+def test_grouped_mm_moe(shape, tokens):
+    # CUDA's torch._grouped_mm takes bfloat16; the CPU one (interpreter mode) also float16, which
+    # the interpreter, unlike bfloat16, rounds correctly.
+    dtype = torch.float16 if INTERPRET else torch.bfloat16
+    experts, top_k, hidden, inter = shape
+    x, w13, w2, logits = random_moe_inputs(tokens, experts, hidden, inter, dtype, DEVICE, gen(9))
+    weights, ids = route(logits, top_k, True)
+    ref = reference_moe(x, w13, w2, weights, ids)
+    out = poisoned(x.shape, dtype)
+    grouped_mm_moe(x, w13, w2, weights, ids, out=out)
+    check(out, ref, dtype, f"grouped_mm_moe T={tokens} {shape}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_backend(dtype):
+    experts, top_k, hidden, inter = MOE_SHAPES[0]
+    backend = TritonMoE(grouped_mm_min_tokens=pick(64, 10**9), gemv_max_tokens=4)
+    for tokens in pick([3, 9, 100], [3, 9]):  # every side of the switches
+        x, w13, w2, logits = random_moe_inputs(tokens, experts, hidden, inter, dtype, DEVICE, gen(10))
+        weights, ids = backend.route(logits, top_k, True)
+        assert backend.path(tokens, dtype) == ("gemv" if tokens <= 4 else "fused" if tokens < pick(64, 10**9)
+                                               else "grouped_mm" if dtype == torch.bfloat16 else "fused")
+        check(backend.forward(x, w13, w2, weights, ids), reference_moe(x, w13, w2, weights, ids), dtype,
+              f"TritonMoE T={tokens}")
+
+
+# -- norm, RoPE, activation -------------------------------------------------------------------------
+
+NORM_TOKENS = pick([1, 7, 600], [1, 5])
+
+
+@pytest.mark.parametrize("tokens", NORM_TOKENS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(tokens, dtype):
+    g = gen(11)
+    dim = pick(2048, 48)
+    norm = RMSNorm(dim, 1e-6).to(DEVICE)
+    norm.weight.data = 1 + 0.1 * torch.randn(dim, generator=g, device=DEVICE)
+    x = torch.randn(tokens, dim, generator=g, device=DEVICE).to(dtype)
+    res = torch.randn(tokens, dim, generator=g, device=DEVICE).to(dtype)
+    w = norm.weight.data.to(dtype)
+    out = poisoned(x.shape, dtype)
+    rms_norm(x, w, 1e-6, out=out)
+    check(out, norm.to(REF_DTYPE)(x.to(REF_DTYPE)), dtype, "rms_norm")
+    out = poisoned(x.shape, dtype)
+    _, summed = fused_add_rms_norm(x, res, w, 1e-6, out=out)
+    check(out, norm.to(REF_DTYPE)((x + res).to(REF_DTYPE)), dtype, "fused_add_rms_norm")
+    assert torch.equal(summed, x + res)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope(heads, qk_norm, dtype):
+    num_heads, kv_heads, head_dim = heads
+    g = gen(12)
+    tokens = pick(300, 6)
+    rotary = RotaryEmbedding(head_dim, 8192, 1e6, None).to(DEVICE)
+    rotary.build_cache()
+    positions = torch.randint(0, 8192, (tokens,), generator=g, device=DEVICE)
+    q = torch.randn(tokens, num_heads, head_dim, generator=g, device=DEVICE).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=g, device=DEVICE).to(dtype)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(DEVICE), RMSNorm(head_dim, 1e-6).to(DEVICE)
+    for n in (q_norm, k_norm):
+        n.weight.data = 1 + 0.1 * torch.randn(head_dim, generator=g, device=DEVICE)
+    cos, sin = rotary(positions, REF_DTYPE)
+    rq, rk = q.to(REF_DTYPE), k.to(REF_DTYPE)
+    if qk_norm:
+        rq, rk = q_norm.to(REF_DTYPE)(rq), k_norm.to(REF_DTYPE)(rk)
+    rq, rk = apply_rotary(rq, cos, sin), apply_rotary(rk, cos, sin)
+    out = poisoned(q.shape, dtype), poisoned(k.shape, dtype)
+    weights = (q_norm.weight.data.to(dtype), k_norm.weight.data.to(dtype)) if qk_norm else (None, None)
+    qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *weights, eps=1e-6, out=out)
+    check(out[0], rq, dtype, "q")
+    check(out[1], rk, dtype, "k")
+
+
+@pytest.mark.parametrize("tokens", NORM_TOKENS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(tokens, dtype):
+    inter = pick(768, 40)
+    x = torch.randn(tokens, 2 * inter, generator=gen(13), device=DEVICE).to(dtype)
+    gate, up = x.to(REF_DTYPE).chunk(2, dim=-1)
+    out = poisoned((tokens, inter), dtype)
+    silu_and_mul(x, out=out)
+    check(out, F.silu(gate) * up, dtype, "silu_and_mul")
+
+
+# -- a whole model ------------------------------------------------------------------------------------
+
+def test_model_forward_matches_torch_backends():
+    """tiny-moe with the Triton backends against the torch ones: a prefill step, then a decode step."""
+    from pdserve.models import load_model
+    from pdserve.ops.attention import TorchAttention as TA
+    from pdserve.ops.moe import TorchMoE as TM
+
+    dtype = torch.float32
+    ours, args = load_model("tiny-moe", dtype, DEVICE, attn_backend=TritonAttention(), moe_backend=TritonMoE())
+    ref, _ = load_model("tiny-moe", dtype, DEVICE, attn_backend=TA(), moe_backend=TM())
+    g = gen(14)
+    prompts = [(37, 37), (20, 20)]
+    case = random_paged_case(prompts, args.num_heads, args.num_kv_heads, args.head_dim, BLOCK, dtype, DEVICE, g)
+    layers = args.num_layers
+    cache_shape = (layers,) + tuple(case.batch.kv_cache.shape[1:])
+    caches = [torch.zeros(cache_shape, dtype=dtype, device=DEVICE) for _ in range(2)]
+    tokens = torch.randint(0, 256, (sum(n for _, n in prompts),), generator=g, device=DEVICE)
+
+    def step(batch: ForwardBatch, cache: torch.Tensor, ids: torch.Tensor, model) -> torch.Tensor:
+        b = ForwardBatch(**{**batch.__dict__, "kv_cache": cache, "input_ids": ids,
+                            "logits_indices": torch.arange(ids.numel(), device=DEVICE)})
+        with torch.inference_mode():
+            return model.compute_logits(model(b))
+
+    la, lb = step(case.ref_batch, caches[0], tokens, ours), step(case.ref_batch, caches[1], tokens, ref)
+    assert rel_err(la, lb) < 1e-4
+    # Decode: one more token per sequence, in the blocks the prefill used.
+    dec = random_paged_case([(38, 1), (21, 1)], args.num_heads, args.num_kv_heads, args.head_dim, BLOCK,
+                            dtype, DEVICE, g)
+    b = dec.ref_batch
+    bt = case.ref_batch.block_tables
+    slots = torch.tensor([int(bt[i, p // BLOCK]) * BLOCK + p % BLOCK for i, p in enumerate((37, 20))], device=DEVICE)
+    b = ForwardBatch(**{**b.__dict__, "block_tables": bt, "slot_mapping": slots,
+                        "positions": torch.tensor([37, 20], device=DEVICE)})
+    nxt = torch.randint(0, 256, (2,), generator=g, device=DEVICE)
+    assert rel_err(step(b, caches[0], nxt, ours), step(b, caches[1], nxt, ref)) < 1e-4
