@@ -10,6 +10,8 @@ the KV is garbage, which costs the same to read). `--batches` are per GPU: the s
 each independent replica decode B requests, each EP rank B requests (2B in the replica). Every
 request has `--context` tokens of context and never finishes during the measurement. Shape:
 qwen3-30b-a3b (dummy bf16 weights) on GPUs. Needs 2 GPUs (the single replica uses the first).
+Single-GPU replicas replay CUDA graphs of the decode step (up to batch 256) unless --no-graphs;
+EP ranks run eagerly (their graphs are not built yet), so run both ways to separate the two effects.
 """
 
 import argparse
@@ -50,7 +52,8 @@ def _engine(opts, device: torch.device, ep=None):
     blocks = max(opts.batches) * -(-max_len // 16) + 16
     model = ModelConfig(path=opts.model, dtype=opts.dtype, load_format="dummy")
     return Engine(EngineConfig(model=model, role="decode", device=str(device), num_kv_blocks=blocks,
-                               max_num_seqs=max(opts.batches), enable_prefix_cache=False), ep=ep)
+                               max_num_seqs=max(opts.batches), enable_prefix_cache=False,
+                               cuda_graphs=not opts.no_graphs), ep=ep)
 
 
 def _decode_rate(engine, group, batch: int, opts) -> dict:
@@ -180,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--reps", type=int, default=None, help="repetitions of each exchange timing (default 50; --cpu: 5)")
     ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="single-GPU replicas decode eagerly too (EP ranks do not capture CUDA graphs yet)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (CPU)")
     ap.add_argument("--json", help="write the results here")
     opts = ap.parse_args(argv)
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         per_setup[setup] = _run(setup, opts)
     rows = [_row(i, b, per_setup) for i, b in enumerate(opts.batches)]
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "model": opts.model,
-            "dtype": opts.dtype, "context": opts.context, "steps": opts.steps,
+            "dtype": opts.dtype, "context": opts.context, "steps": opts.steps, "graphs": not opts.no_graphs,
             "device": "cpu" if cpu else torch.cuda.get_device_name(0),
             "nccl": None if cpu else ".".join(map(str, torch.cuda.nccl.version()))}
     _print(rows, per_setup)
