@@ -15,11 +15,21 @@ from pdserve.engine.sampling_params import SamplingParams
 NUM_BLOCKS = 160
 
 
+def engine_config(role: str, seed: int, device: str) -> EngineConfig:
+    """tiny-moe with the torch reference kernels everywhere: the test is about moving KV, and the
+    colocated oracle must compute each decode row with the same kernel as the decode side. (The
+    Triton path picks kernels by a step's shape — a decode row mixed into a prefill step takes the
+    prefill kernel — and tiny-moe's random weights leave near-ties that rounding can flip;
+    tests/test_gpu_engine.py checks the Triton path against this reference.)"""
+    return EngineConfig(model=ModelConfig(path="tiny-moe", seed=seed), role=role, device=device,
+                        num_kv_blocks=NUM_BLOCKS, chunk_size=256, max_num_batched_tokens=256,
+                        attention_backend="torch", moe_backend="torch")
+
+
 def _engine(role: str, seed: int, fragment: bool, device: str = "cpu"):
     from pdserve.engine.engine import Engine
 
-    engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe", seed=seed), role=role, device=device,
-                                 num_kv_blocks=NUM_BLOCKS, chunk_size=256, max_num_batched_tokens=256))
+    engine = Engine(engine_config(role, seed, device))
     if fragment:
         # Hold every third block: each allocation afterwards is scattered over small runs.
         held = engine.pool.allocate(NUM_BLOCKS // 3 * 3)

@@ -6,8 +6,7 @@ Same contract as tests/test_kvtransfer.py, on GPU memory: nixl (VRAM over UCX) a
 import pytest
 import torch
 
-from kv_pair import start_pair
-from pdserve.config import EngineConfig, ModelConfig
+from kv_pair import engine_config, start_pair
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -24,8 +23,7 @@ def prompts() -> list[list[int]]:
 @pytest.mark.parametrize("backend", ["nixl", "cuda_ipc"])
 @pytest.mark.parametrize("fragment", [False, True], ids=["fresh", "fragmented"])
 def test_gpu_disaggregated_greedy_equals_colocated(backend, fragment):
-    engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), device="cuda:0", num_kv_blocks=160,
-                                 chunk_size=256, max_num_batched_tokens=256))
+    engine = Engine(engine_config("colocated", 0, "cuda:0"))
     expected = [c.token_ids for c in engine.generate(prompts(), SamplingParams(**GREEDY))]
     del engine
     p, d = start_pair(backend, fragment=fragment, devices=("cuda:0", "cuda:1"))

@@ -38,7 +38,9 @@ class DecodeGraphs:
         self.query_start = torch.arange(n + 1, dtype=torch.int32, **z)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._capture(max_context, log)
+        # Capture on our GPU whichever is current: Triton launches on the current device.
+        with torch.cuda.device(device):
+            self._capture(max_context, log)
 
     def _batch(self, b: int, max_context: int) -> ForwardBatch:
         return ForwardBatch(
