@@ -173,7 +173,7 @@ class PrefillConnector(_Base):
         """Post on this thread; the worker hears of the request once (its first post), not per
         layer: a hand-off per layer would ping-pong the GIL between the two threads."""
         t = self._posting.get(rid)
-        if t is not None and t.state == "failed":
+        if (t is not None and t.state == "failed") or (t is None and rid in self._aborted):
             return  # aborted meanwhile: the decode side may have reused its blocks already
         try:
             token = self.backend.write_range(handle.engine_id, first_layer, num_layers, src, dst)
