@@ -26,7 +26,8 @@ class Cluster:
             cfg.setdefault(key, {}).update(value)
         self.path = tmp_path / "cluster.yaml"
         self.path.write_text(yaml.safe_dump(cfg))
-        self.log = open(tmp_path / "pdserve-up.log", "w+")
+        self.log_path = tmp_path / "pdserve-up.log"
+        self.log = open(self.log_path, "w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", str(self.path)],
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.http_port}"
@@ -45,11 +46,12 @@ class Cluster:
         raise TimeoutError(f"pdserve up did not become healthy in {timeout} s:\n{self.output()}")
 
     def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
+        """What `pdserve up` printed so far (also after stop)."""
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text()
 
-    def stop(self, timeout: float = 60) -> int:
+    def stop(self, timeout: float = 120) -> int:
         """Ctrl-C, as a user stops it; returns the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)

@@ -257,7 +257,7 @@ def prefill_row(cost: ModelCost, tokens: int, times: list[float], matmul_rate: f
     t = statistics.median(times)
     flops = cost.prefill_flops(tokens)
     return {"tokens": tokens, "ms": round(t * 1e3, 2), "tok_s": round(tokens / t, 1),
-            "TFLOP_s": round(flops / t / 1e12, 2), "MFU_pct": round(100 * flops / t / matmul_rate, 2),
+            "TFLOP_s": _sig(flops / t / 1e12), "MFU_pct": _sig(100 * flops / t / matmul_rate),
             "TFLOP": round(flops / 1e12, 4), "all_ms": [round(x * 1e3, 2) for x in times]}
 
 
@@ -595,6 +595,11 @@ def _write_json(path: str | None, result: dict[str, Any]) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits: a tiny CPU dry run's TFLOP/s must not round to 0."""
+    return float(f"{x:.{digits}g}")
 
 
 def _meta(a: argparse.Namespace, device: torch.device, cost: ModelCost) -> dict[str, Any]:
