@@ -1,5 +1,6 @@
 """`pdserve up`, `down` and `status`: drive the controller of a running cluster."""
 
+import faulthandler
 import signal
 import sys
 import time
@@ -32,6 +33,8 @@ def up(path: str | None) -> int:
     controller = ray.remote(Controller).options(name=CONTROLLER, lifetime="detached", num_cpus=0,
                                                 max_concurrency=8).remote(cfg)
     signal.signal(signal.SIGTERM, _interrupt)
+    # `kill -USR1 <pid>` prints every thread's stack: what a stuck `pdserve up` is waiting for.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         endpoints = _wait_started(controller)
         for kind, url in endpoints.items():

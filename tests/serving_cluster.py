@@ -58,6 +58,8 @@ class Cluster:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGUSR1)  # its threads' stacks go into the log first
+                time.sleep(2)
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self.log.close()
