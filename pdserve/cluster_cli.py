@@ -32,6 +32,9 @@ def up(path: str | None) -> int:
     _connect(None if cfg.ray.address == "local" else cfg.ray.address)
     controller = ray.remote(Controller).options(name=CONTROLLER, lifetime="detached", num_cpus=0,
                                                 max_concurrency=8).remote(cfg)
+    # Ctrl-C stops the cluster even where SIGINT arrives ignored: a shell starts background jobs
+    # (`pdserve up &` in a script) with SIGINT ignored, and Python then never raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     # `kill -USR1 <pid>` prints every thread's stack: what a stuck `pdserve up` is waiting for.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -56,7 +59,7 @@ def up(path: str | None) -> int:
 
 
 def _interrupt(signum, frame) -> None:
-    """SIGTERM (a service manager, a test harness) stops the cluster the way Ctrl-C does."""
+    """Ctrl-C, and SIGTERM (a service manager, a test harness), stop the cluster."""
     raise KeyboardInterrupt
 
 
