@@ -51,7 +51,7 @@ class Cluster:
             self.log.flush()
         return self.log_path.read_text()
 
-    def stop(self, timeout: float = 120) -> int:
+    def stop(self, timeout: float = 60) -> int:
         """Ctrl-C, as a user stops it; returns the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
