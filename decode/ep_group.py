@@ -3,9 +3,10 @@
 Attention is data-parallel: each rank owns its requests and their KV. The experts are sharded
 (ExpertPlacement) and each MoE layer exchanges tokens between the ranks (EPExchange), so the
 ranks step in lockstep. Before each step they agree, in one all-reduce on the host, on the
-largest batch any of them computes and on how busy the busiest is. If no rank has tokens none
+largest batch any of them computes, on whether every batch is decode-only (then, with CUDA
+graphs, all replay the same bucket) and on how busy the busiest is. If no rank has tokens none
 runs a forward; otherwise every rank runs its step, one with nothing scheduled a forward over no
-tokens, so that each joins every layer's exchange.
+tokens (or the agreed graph, padding only), so that each joins every layer's exchange.
 """
 
 import socket
@@ -65,12 +66,16 @@ class EPGroup:
         `busy` is this rank's state (IDLE, WAITING_FOR_KV, RUNNING) before the step."""
         scheduled = engine.scheduler.schedule()
         tokens = sum(s.num_new_tokens for s in scheduled)
-        agreed = torch.tensor([tokens, max(busy, RUNNING if scheduled else IDLE)])
+        not_decode = int(tokens != len(scheduled))  # a prompt chunk here: this step runs eagerly everywhere
+        agreed = torch.tensor([tokens, max(busy, RUNNING if scheduled else IDLE), not_decode])
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._control)
-        max_tokens, group_busy = agreed.tolist()
-        self.exchange.begin_step(max_tokens)
+        max_tokens, group_busy, any_not_decode = agreed.tolist()
+        self.exchange.begin_step(max_tokens, decode_only=not any_not_decode)
         if max_tokens and not scheduled:
-            engine.model.join_expert_exchanges()
+            if self.exchange.graphed:
+                engine.runner.graphs.run_idle()
+            else:
+                engine.model.join_expert_exchanges()
         return engine.step(scheduled), group_busy
 
     def close(self) -> None:

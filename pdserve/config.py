@@ -2,7 +2,8 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class _Strict(BaseModel):
@@ -67,8 +68,12 @@ class RouterConfig(_Strict):
     policy: Literal["kv-aware", "round-robin"] = "kv-aware"
 
 
+# prefill.replicas and decode.replicas left out (None) are settled by ClusterConfig: 1 each in a
+# disaggregated cluster, 0 in a colocated one.
+
+
 class PrefillConfig(_Strict):
-    replicas: int = Field(default=1, ge=1)
+    replicas: int | None = Field(default=None, ge=0)
     gpus: int = Field(default=0, ge=0, le=1)  # per replica
     max_batch_tokens: int = Field(default=8192, ge=1)
     chunk_size: int = Field(default=2048, ge=1)
@@ -76,7 +81,7 @@ class PrefillConfig(_Strict):
 
 
 class DecodeConfig(_Strict):
-    replicas: int = Field(default=1, ge=1)
+    replicas: int | None = Field(default=None, ge=0)
     gpus: int = Field(default=0, ge=0, le=1)  # per rank
     # Expert parallelism (DESIGN §6): a replica is ep_size ranks, one process (and GPU) each;
     # attention data-parallel, experts sharded. ep_size must divide the model's number of experts.
@@ -87,6 +92,19 @@ class DecodeConfig(_Strict):
     max_num_seqs: int = Field(default=256, ge=1)
     cuda_graphs: bool = True
     num_kv_blocks: int | None = Field(default=None, ge=1)
+
+
+class ColocatedConfig(_Strict):
+    """Replicas doing both phases in one engine (continuous batching, chunked prefill): the
+    baseline every disaggregated figure is compared with (DESIGN §3). No KV moves between them."""
+
+    replicas: int = Field(default=0, ge=0)
+    gpus: int = Field(default=0, ge=0, le=1)  # per replica
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_batch_tokens: int = Field(default=8192, ge=1)
+    chunk_size: int = Field(default=2048, ge=1)
+    num_kv_blocks: int | None = Field(default=None, ge=1)
+    cuda_graphs: bool = True
 
 
 class KVTransferConfig(_Strict):
@@ -106,17 +124,52 @@ class ClusterConfig(_Strict):
     router: RouterConfig = RouterConfig()
     prefill: PrefillConfig = PrefillConfig()
     decode: DecodeConfig = DecodeConfig()
+    # Declared after prefill and decode: its check reads theirs. Validated even when left out,
+    # for that check.
+    colocated: ColocatedConfig = Field(default=ColocatedConfig(), validate_default=True)
     kv_transfer: KVTransferConfig = KVTransferConfig()
     slo: SloConfig = SloConfig()
 
+    @field_validator("colocated")
+    @classmethod
+    def _one_topology(cls, colocated: ColocatedConfig, info: ValidationInfo) -> ColocatedConfig:
+        """Disaggregated (prefill and decode replicas, no colocated ones) or colocated (colocated
+        replicas only). Runs even when other sections are wrong, so that every error shows at once."""
+        named = {f"{s}.replicas": info.data[s].replicas for s in ("prefill", "decode")
+                 if s in info.data and info.data[s].replicas is not None}  # (a wrong section is reported already)
+        if colocated.replicas:
+            bad = {k: v for k, v in named.items() if v > 0}
+            allowed = (f"with colocated.replicas: {colocated.replicas} the cluster is colocated: leave "
+                       f"prefill.replicas and decode.replicas out (or 0), or set colocated.replicas: 0 "
+                       f"for a disaggregated cluster")
+        else:
+            bad = {k: v for k, v in named.items() if v < 1}
+            allowed = ("a disaggregated cluster needs at least 1 prefill and 1 decode replica "
+                       "(or set colocated.replicas >= 1 for a colocated cluster)")
+        if bad:
+            raise PydanticCustomError("topology", "{allowed}", {"keys": bad, "allowed": allowed})
+        return colocated
+
+    @model_validator(mode="after")
+    def _default_replicas(self) -> "ClusterConfig":
+        n = 0 if self.colocated.replicas else 1
+        for key in ("prefill", "decode"):
+            section = getattr(self, key)
+            if section.replicas is None:  # a copy: a section passed in by the caller stays as it was
+                setattr(self, key, section.model_copy(update={"replicas": n}))
+        return self
+
     def engine_config(self, role: str) -> EngineConfig:
-        """The engine settings of one replica of `role` ('prefill' or 'decode')."""
-        r = self.prefill if role == "prefill" else self.decode
-        common = dict(model=self.model, role=role, device="cuda" if r.gpus else "cpu",
-                      block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks)
-        if role == "prefill":
-            return EngineConfig(**common, max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size)
-        return EngineConfig(**common, max_num_seqs=r.max_num_seqs, cuda_graphs=r.cuda_graphs)
+        """The engine settings of one replica of `role` ('prefill', 'decode' or 'colocated')."""
+        r = getattr(self, role)
+        # A colocated engine never moves KV, but shares the cluster's block size all the same.
+        kw = dict(model=self.model, role=role, device="cuda" if r.gpus else "cpu",
+                  block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks)
+        if role in ("prefill", "colocated"):  # the prompt phase
+            kw.update(max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size)
+        if role in ("decode", "colocated"):  # the generation phase
+            kw.update(max_num_seqs=r.max_num_seqs, cuda_graphs=r.cuda_graphs)
+        return EngineConfig(**kw)
 
 
 def check_model_fit(cfg: ClusterConfig, args) -> None:
@@ -160,6 +213,10 @@ def load_cluster_config(path: str | None) -> ClusterConfig:
 def _explain(err: dict) -> str:
     """One line per problem: the dotted key, the value given, and what is allowed."""
     key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "topology":  # names keys of other sections than where it was found
+        keys = err["ctx"]["keys"]
+        given = ", ".join(f"{k}: {v!r}" for k, v in keys.items())
+        return f"  {given} {'is' if len(keys) == 1 else 'are'} not allowed — {err['msg']}"
     if err["type"] == "extra_forbidden":
         section = _section(err["loc"][:-1])
         allowed = ", ".join(section.model_fields) if section else "?"

@@ -3,7 +3,8 @@
 It starts the replicas and the router, introduces every prefill replica to every decode rank
 (the KV handshake), reports status, and stops everything on `shutdown`. A decode replica is one
 DecodeWorker, or with `decode.ep_size` N > 1 an expert-parallel group of N, placed together in a
-placement group (one bundle, i.e. one GPU, per rank).
+placement group (one bundle, i.e. one GPU, per rank). A colocated cluster has ColocatedWorkers
+only (one engine doing both phases), and no handshake: no KV moves between them.
 """
 
 import os
@@ -28,16 +29,18 @@ class Controller:
         self.endpoints: dict[str, str] = {}
         self.prefill: dict[str, ray.actor.ActorHandle] = {}
         self.decode: dict[str, dict[str, ray.actor.ActorHandle]] = {}  # replica -> its ranks
+        self.colocated: dict[str, ray.actor.ActorHandle] = {}
         self._placement_groups: list = []
         self.router = None
 
     def start(self) -> dict[str, str]:
         """Start replicas and router; returns the endpoints once every replica is ready."""
+        from pdserve.colocated_worker import ColocatedWorker
         from prefill.worker import PrefillWorker
         from router.server import Router
 
         cfg = self.config
-        n = cfg.prefill.replicas + cfg.decode.replicas * cfg.decode.ep_size  # worker processes
+        n = cfg.prefill.replicas + cfg.decode.replicas * cfg.decode.ep_size + cfg.colocated.replicas  # processes
         threads = max(1, (os.cpu_count() or 1) // n)
         for i in range(cfg.prefill.replicas):
             name = f"pdserve-prefill-{i}"
@@ -46,6 +49,11 @@ class Controller:
                 name, cfg.engine_config("prefill"), cfg.kv_transfer.backend, threads)
         for i in range(cfg.decode.replicas):
             self.decode[f"pdserve-decode-{i}"] = self._start_decode(f"pdserve-decode-{i}", threads)
+        for i in range(cfg.colocated.replicas):
+            name = f"pdserve-colocated-{i}"
+            self.colocated[name] = ray.remote(ColocatedWorker).options(
+                name=name, num_cpus=0, num_gpus=cfg.colocated.gpus, max_concurrency=8).remote(
+                name, cfg.engine_config("colocated"), NAMESPACE, threads)
         self._note(f"loading {cfg.model.path} on {n} workers")
         pending = {w.ready.remote(): name for name, w in self._workers().items()}
         while pending:
@@ -53,18 +61,25 @@ class Controller:
             for ref in done:
                 ray.get(ref)  # raises the replica's own error (bad model, out of memory, ...)
                 self._note(f"{pending.pop(ref)} ready ({n - len(pending)}/{n})")
-        metas = {name: ray.get(w.metadata.remote()) for name, w in self._workers().items()}
-        # Each decode rank has a KV connector of its own: a request's KV goes to the rank owning it.
-        for p, pw in self.prefill.items():
-            for d, dw in self._decode_ranks().items():
-                ray.get([pw.add_peer.remote(metas[d]), dw.add_peer.remote(metas[p])])
-        self._note(f"KV handshake done ({cfg.kv_transfer.backend})")
+        if self.prefill:
+            self._handshake()
         self.router = ray.remote(Router).options(name="pdserve-router-0", num_cpus=0).remote(
-            "pdserve-router-0", cfg, list(self.prefill), {d: list(r) for d, r in self.decode.items()}, NAMESPACE)
+            "pdserve-router-0", cfg, list(self.prefill), {d: list(r) for d, r in self.decode.items()},
+            list(self.colocated), NAMESPACE)
         self.endpoints = ray.get(self.router.start.remote())
         self.state = "running"
         self._note("router listening: " + ", ".join(f"{k} {v}" for k, v in self.endpoints.items()))
         return self.endpoints
+
+    def _handshake(self) -> None:
+        """Introduce every prefill replica to every decode rank, and back."""
+        ranks = self._decode_ranks()
+        metas = {name: ray.get(w.metadata.remote()) for name, w in {**self.prefill, **ranks}.items()}
+        # Each decode rank has a KV connector of its own: a request's KV goes to the rank owning it.
+        for p, pw in self.prefill.items():
+            for d, dw in ranks.items():
+                ray.get([pw.add_peer.remote(metas[d]), dw.add_peer.remote(metas[p])])
+        self._note(f"KV handshake done ({self.config.kv_transfer.backend})")
 
     def _start_decode(self, name: str, threads: int) -> dict[str, ray.actor.ActorHandle]:
         """One decode replica: its worker, or the ranks of its expert-parallel group (by name)."""
@@ -98,11 +113,12 @@ class Controller:
         return {r: h for ranks in self.decode.values() for r, h in ranks.items()}
 
     def _workers(self) -> dict[str, ray.actor.ActorHandle]:
-        return {**self.prefill, **self._decode_ranks()}
+        return {**self.prefill, **self._decode_ranks(), **self.colocated}
 
     def status(self) -> dict:
         replicas: dict[str, ReplicaStats | str] = {}
-        for name, ranks in [*((p, {p: w}) for p, w in self.prefill.items()), *self.decode.items()]:
+        single = {**self.prefill, **self.colocated}  # replicas of one worker each
+        for name, ranks in [*((n, {n: w}) for n, w in single.items()), *self.decode.items()]:
             try:
                 parts = ray.get([w.stats.remote() for w in ranks.values()], timeout=5)
                 replicas[name] = parts[0] if len(parts) == 1 else ReplicaStats.combine(name, parts)

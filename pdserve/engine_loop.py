@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+IDLE_S = 0.1  # the nap of a worker with nothing to do; new work wakes it at once
+
 
 class EngineLoop:
     def __init__(self, step: Callable[[], float | None], name: str):

@@ -2,14 +2,31 @@
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.sampling_params import InvalidRequestError
+
+
+@dataclass
+class Refusal:
+    """A worker refused a request that is unacceptable in itself (e.g. too long for its KV cache).
+    A return value rather than a raised error: the router answers it with a 400 naming `param`."""
+
+    param: str
+    message: str
+
+    @classmethod
+    def of(cls, e: InvalidRequestError) -> "Refusal":
+        return cls(e.param, str(e).removeprefix(f"{e.param}: "))
+
+    def error(self) -> InvalidRequestError:
+        return InvalidRequestError(self.param, self.message)
+
 
 @dataclass
 class ReserveResult:
     """A decode replica's answer to a reservation: the handle, or why not."""
 
-    handle: bytes | None  # kvtransfer.ReserveHandle, packed
-    error: str | None = None  # the request itself is unacceptable (e.g. too long): a 400
-    param: str | None = None
+    handle: bytes | None  # kvtransfer.ReserveHandle, packed; None when the replica is full
+    refused: Refusal | None = None
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""What a prefill and a decode worker share: one engine in a role, its KV connector, its loop."""
+"""What every worker (prefill, decode, colocated) shares: one engine in a role, its KV connector, its loop."""
 
 import ray
 import torch
@@ -11,18 +11,23 @@ from pdserve.messages import ReplicaStats
 
 
 class Replica:
-    role: str  # "prefill" | "decode", set by the subclass
+    role: str  # "prefill" | "decode" | "colocated", set by the subclass
 
-    def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, cpu_threads: int, ep=None):
-        """`ep`: an EPExchange when this worker is one rank of an expert-parallel decode replica."""
+    def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str | None, cpu_threads: int,
+                 ep=None):
+        """`kv_backend` None: no KV connector. A colocated worker does both phases in its own
+        engine, so its KV never leaves it; a connector would only register memory and open ports.
+        `ep`: an EPExchange when this worker is one rank of an expert-parallel decode replica."""
         if engine_config.device == "cpu":
             torch.set_num_threads(cpu_threads)  # several workers share the host's cores
         self.name = name
         self.engine = Engine(engine_config, ep=ep)
-        # Socket-based backends listen on this node's address, not loopback: peers may be elsewhere.
-        kw = {"host": ray.util.get_node_ip_address()} if kv_backend in ("tcp", "cuda_ipc") else {}
-        self.connector = make_connector(self.role, kv_backend, name, self.engine.kv_cache, self.engine.layout,
-                                        self.engine.fingerprint, **kw)
+        self.connector = None
+        if kv_backend is not None:
+            # Socket-based backends listen on this node's address, not loopback: peers may be elsewhere.
+            kw = {"host": ray.util.get_node_ip_address()} if kv_backend in ("tcp", "cuda_ipc") else {}
+            self.connector = make_connector(self.role, kv_backend, name, self.engine.kv_cache, self.engine.layout,
+                                            self.engine.fingerprint, **kw)
         self.aborted = 0
 
     def _start_loop(self) -> None:

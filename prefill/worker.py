@@ -3,10 +3,10 @@
 from kvtransfer import ReserveHandle
 from pdserve.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine_loop import IDLE_S
 from pdserve.replica import Replica
 from prefill.kv_stream import KVStreamer
 
-IDLE_S = 0.1  # nap of an idle worker; new work wakes it at once
 RECENT_TRANSFERS = 1024  # transfer records kept for readers of stats()
 
 

@@ -63,7 +63,7 @@ class Metrics:
     # -- Ray side -----------------------------------------------------------------------------
 
     def count_abort(self, role: str) -> None:
-        """A request aborted: role "router" (client disconnect), "prefill" or "decode"."""
+        """A request aborted: role "router" (client disconnect), "prefill", "decode" or "colocated"."""
         self.aborts.labels(role=role).inc()
 
     def set_replica_stats(self, role: str, replica: str, queue_len: int, kv_used: int, kv_total: int) -> None:

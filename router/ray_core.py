@@ -1,5 +1,6 @@
 """The request lifecycle across replicas (DESIGN §3): reserve on a decode replica, prefill on a
-prefill replica that streams the KV there, then relay the decode replica's per-step deltas."""
+prefill replica that streams the KV there, then relay the decode replica's per-step deltas. In a
+colocated cluster one replica does both phases: hand it the request, relay its deltas."""
 
 import asyncio
 import itertools
@@ -7,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from pdserve.engine.sampling_params import InvalidRequestError
-from pdserve.messages import ReplicaStats, RequestDelta
+from pdserve.messages import Refusal, ReplicaStats, RequestDelta
 
 from router.decode_replica import DecodeReplica
 from router.types import Delta, GenerateRequest, NoCapacityError, ServingError
@@ -17,19 +18,22 @@ log = logging.getLogger(__name__)
 
 class RayCore:
     def __init__(self, name: str, model_name: str, max_model_len: int, tokenizer,
-                 prefill: dict[str, object], decode: dict[str, DecodeReplica], policy: str, metrics=None):
+                 prefill: dict[str, object], decode: dict[str, DecodeReplica], colocated: dict[str, object],
+                 policy: str, metrics=None):
+        """Replicas by name: prefill and decode ones (disaggregated), or colocated ones only."""
         self.name = name  # this router's actor name: where decode replicas send deltas
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.prefill = prefill  # replica name -> actor handle
         self.decode = decode  # replica name -> its rank(s)
+        self.colocated = colocated  # replica name -> actor handle
         self.policy = policy
         self.metrics = metrics
         self.stats: dict[str, ReplicaStats] = {}
         self._rr = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}
-        self._loads: dict[str, int] = {n: 0 for n in [*prefill, *decode]}  # requests we placed there
+        self._loads: dict[str, int] = {n: 0 for n in [*prefill, *decode, *colocated]}  # requests we placed there
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -39,10 +43,10 @@ class RayCore:
 
     def ready(self) -> bool:
         live = {s.role for s in self.stats.values()}
-        return {"prefill", "decode"} <= live
+        return "colocated" in live or {"prefill", "decode"} <= live
 
     def deliver(self, deltas: list[RequestDelta]) -> None:
-        """A decode replica's output of one step, for the requests this router streams."""
+        """A decode (or colocated) replica's output of one step, for the requests this router streams."""
         for d in deltas:
             q = self._queues.get(d.request_id)
             if q is not None:
@@ -55,13 +59,12 @@ class RayCore:
                                                 f"{self.max_model_len} tokens")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
-        d_name = p_name = d_rank = None
+        placed: list[str] = []  # replicas whose count of our requests in flight this one raised
+        holders: list = []  # workers holding the request: told to abort it if it does not finish
         finished = False
         try:
-            p_name = self._pick(self.prefill)
-            self._loads[p_name] += 1
-            d_name, d_rank, handle = await self._reserve(request, p_name)
-            await self.prefill[p_name].prefill.remote(rid, request.prompt_ids, request.params, handle)
+            start = self._start_colocated if self.colocated else self._start_disaggregated
+            await start(request, placed, holders)
             while not finished:
                 d: RequestDelta = await queue.get()
                 if d.finish_reason == "error":
@@ -71,27 +74,46 @@ class RayCore:
                 yield Delta(d.text, d.token_ids, d.finish_reason, d.logprobs)
         finally:
             self._queues.pop(rid, None)
-            for name in (p_name, d_name):
-                if name is not None:
-                    self._loads[name] -= 1
-            if not finished and d_name is not None:  # the client left: stop it everywhere
-                self.decode[d_name].ranks[d_rank].abort.remote(rid)
-                self.prefill[p_name].abort.remote(rid)  # (the front end counts the router's abort)
+            for name in placed:
+                self._loads[name] -= 1
+            if not finished:  # the client left: stop it everywhere (the front end counts the router's abort)
+                for worker in holders:
+                    worker.abort.remote(rid)
+
+    async def _start_disaggregated(self, request: GenerateRequest, placed: list[str], holders: list) -> None:
+        """Reserve KV on a decode replica, then have a prefill replica stream the prompt's KV there."""
+        p_name = self._pick(self.prefill)
+        self._place(p_name, placed)
+        d_name, d_rank, handle = await self._reserve(request, p_name)
+        self._place(d_name, placed)
+        holders += [self.decode[d_name].ranks[d_rank], self.prefill[p_name]]
+        await self.prefill[p_name].prefill.remote(request.request_id, request.prompt_ids, request.params, handle)
+
+    async def _start_colocated(self, request: GenerateRequest, placed: list[str], holders: list) -> None:
+        """Hand the whole request to the colocated replica first in the routing order."""
+        name = self._order(self.colocated)[0]
+        self._place(name, placed)
+        worker = self.colocated[name]
+        holders.append(worker)  # before the call: a client leaving during it must still stop the request
+        _raise_refused(await worker.generate.remote(request.request_id, request.prompt_ids, request.params,
+                                                    self.name))
 
     async def _reserve(self, request: GenerateRequest, p_name: str) -> tuple[str, str, bytes]:
         """Reserve KV blocks on a decode replica's rank, best candidates first -> (replica, rank,
         handle); raises when all are full. The handle names the rank: the KV goes there."""
-        for d_name in self._decode_order():
+        for d_name in self._order(self.decode):
             replica = self.decode[d_name]
             for rank in replica.rank_order():
                 res = await replica.ranks[rank].reserve.remote(request.request_id, request.prompt_ids,
                                                                request.params, p_name, self.name)
-                if res.error:
-                    raise InvalidRequestError(res.param or "prompt", res.error.split(": ", 1)[-1])
+                _raise_refused(res.refused)
                 if res.handle is not None:
-                    self._loads[d_name] += 1
                     return d_name, rank, res.handle
         raise NoCapacityError("every decode replica is full; retry later")
+
+    def _place(self, name: str, placed: list[str]) -> None:
+        self._loads[name] += 1
+        placed.append(name)
 
     def _pick(self, replicas: dict) -> str:
         names = list(replicas)
@@ -99,8 +121,9 @@ class RayCore:
             return names[next(self._rr) % len(names)]
         return min(names, key=lambda n: self._loads[n])  # fewest requests in flight from us
 
-    def _decode_order(self) -> list[str]:
-        names = list(self.decode)
+    def _order(self, replicas: dict) -> list[str]:
+        """Replicas holding a request's KV (decode, colocated), best candidates first."""
+        names = list(replicas)
         if self.policy == "round-robin":
             k = next(self._rr) % len(names)
             return names[k:] + names[:k]
@@ -109,11 +132,12 @@ class RayCore:
 
     async def refresh_stats(self, interval_s: float = 0.5) -> None:
         """Keep replica stats (routing, /health, /metrics) fresh; runs for the router's life."""
+        single = {**self.prefill, **self.colocated}  # replicas of one worker each
         while True:
-            for name in [*self.prefill, *self.decode]:
+            for name in [*single, *self.decode]:
                 try:
-                    if name in self.prefill:
-                        s: ReplicaStats = await asyncio.wait_for(self.prefill[name].stats.remote(), timeout=5)
+                    if name in single:
+                        s: ReplicaStats = await asyncio.wait_for(single[name].stats.remote(), timeout=5)
                     else:
                         s = await self.decode[name].fetch_stats(timeout_s=5)
                     before = self.stats.get(name)
@@ -132,3 +156,9 @@ class RayCore:
                 except Exception:
                     self.stats.pop(name, None)  # unreachable: not live
             await asyncio.sleep(interval_s)
+
+
+def _raise_refused(refused: Refusal | None) -> None:
+    """A worker refused the request itself (e.g. too long for its KV cache): the client's 400."""
+    if refused is not None:
+        raise refused.error()

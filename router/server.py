@@ -19,11 +19,12 @@ from router.ray_core import RayCore
 
 class Router:
     def __init__(self, name: str, config: ClusterConfig, prefill: list[str], decode: dict[str, list[str]],
-                 namespace: str):
-        """decode: each decode replica's ranks (actor names): itself, or its expert-parallel group."""
+                 colocated: list[str], namespace: str):
+        """decode: each decode replica's ranks (actor names): itself, or its expert-parallel group.
+        A cluster has prefill and decode replicas, or colocated ones only."""
         self.name = name
         self.config = config
-        self.replica_names = (prefill, decode)
+        self.replica_names = (prefill, decode, colocated)
         self.namespace = namespace
         self.core: RayCore | None = None
         self._tasks: list[asyncio.Task] = []
@@ -34,13 +35,13 @@ class Router:
         args = resolve_model_args(cfg.model.path)
         tokenizer = load_tokenizer(cfg.model.path, eos_token_ids=args.eos_token_ids)
         max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
-        names, ranks = self.replica_names
-        prefill = {n: ray.get_actor(n, namespace=self.namespace) for n in names}
-        decode = {d: DecodeReplica(d, {r: ray.get_actor(r, namespace=self.namespace) for r in rs})
-                  for d, rs in ranks.items()}
+        prefill_names, ranks, colocated_names = self.replica_names
+        prefill = {n: self._actor(n) for n in prefill_names}
+        decode = {d: DecodeReplica(d, {r: self._actor(r) for r in rs}) for d, rs in ranks.items()}
+        colocated = {n: self._actor(n) for n in colocated_names}
         self.metrics = Metrics()
-        self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, prefill, decode, cfg.router.policy,
-                            self.metrics)
+        self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, prefill, decode, colocated,
+                            cfg.router.policy, self.metrics)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
         http = uvicorn.Config(build_app(self.core, self.metrics), host=cfg.router.host, port=cfg.router.http_port,
                               log_level="warning", lifespan="off")
@@ -58,8 +59,11 @@ class Router:
             endpoints["grpc"] = f"{cfg.router.host}:{cfg.router.grpc_port}"
         return endpoints
 
+    def _actor(self, name: str):
+        return ray.get_actor(name, namespace=self.namespace)
+
     async def deliver(self, deltas: list[RequestDelta]) -> None:
-        """One decode step's output for requests this router streams."""
+        """One decode (or colocated) step's output for requests this router streams."""
         self.core.deliver(deltas)
 
     async def stop(self) -> None:

@@ -55,5 +55,5 @@ class ServingCore(Protocol):
         ...
 
     def ready(self) -> bool:
-        """True when every role has at least one live replica."""
+        """True when every role the cluster has (prefill and decode, or colocated) has a live replica."""
         ...

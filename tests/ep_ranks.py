@@ -31,22 +31,25 @@ class Run:
     threshold: int  # 0: always all-to-all; huge: always all-gather
 
 
-def engine_config(model: str) -> EngineConfig:
+def engine_config(model: str, device: str = "cpu") -> EngineConfig:
     # Small chunks: prompts take several steps, so ranks compute different numbers of tokens.
-    return EngineConfig(model=ModelConfig(path=model), num_kv_blocks=64, block_size=4, chunk_size=8,
-                        max_num_batched_tokens=16, enable_prefix_cache=False)
+    # float32 on GPUs too: the single-rank CPU run is the oracle, token for token.
+    return EngineConfig(model=ModelConfig(path=model, dtype="float32"), device=device, num_kv_blocks=64,
+                        block_size=4, chunk_size=8, max_num_batched_tokens=16, enable_prefix_cache=False,
+                        max_num_seqs=16)
 
 
 def run_ranks(model: str, runs: list[Run], size: int = 2, replicated: tuple[int, ...] = (),
-              timeout: float = 240) -> list[list[dict]]:
-    """For each rank, for each run: {"tokens": [ids per request], "load": tokens per expert}."""
+              timeout: float = 240, gpus: bool = False) -> list[list[dict]]:
+    """For each rank, for each run: {"tokens": [ids per request], "load": tokens per expert}.
+    `gpus`: rank r on cuda:r over NCCL (CUDA graphs of the decode step on), else CPU over gloo."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, size, f"tcp://127.0.0.1:{port}", model, runs,
-                                                  list(replicated), results)) for r in range(size)]
+                                                  list(replicated), gpus, results)) for r in range(size)]
     for p in procs:
         p.start()
     out: dict[int, object] = {}
@@ -65,16 +68,20 @@ def run_ranks(model: str, runs: list[Run], size: int = 2, replicated: tuple[int,
 
 
 def _rank_main(rank: int, size: int, init_method: str, model: str, runs: list[Run], replicated: list[int],
-               results) -> None:
+               gpus: bool, results) -> None:
     torch.set_num_threads(1)  # two ranks share the test machine's cores
     try:
         from decode.ep_group import EPGroup, EPRank
         from pdserve.engine.engine import Engine
         from pdserve.models import resolve_model_args
 
-        group = EPGroup(EPRank(rank, size, init_method, replicated=replicated),
-                        resolve_model_args(model).num_experts, torch.device("cpu"))
-        engine = Engine(engine_config(model), ep=group.exchange)
+        device = torch.device(f"cuda:{rank}" if gpus else "cpu")
+        if gpus:
+            torch.cuda.set_device(device)
+        # Graphs are captured below the threshold the group starts with: the largest of the runs'.
+        group = EPGroup(EPRank(rank, size, init_method, max(r.threshold for r in runs), replicated=replicated),
+                        resolve_model_args(model).num_experts, device)
+        engine = Engine(engine_config(model, str(device)), ep=group.exchange)
         out = []
         for i, run in enumerate(runs):
             group.exchange.threshold = run.threshold

@@ -141,6 +141,25 @@ def test_two_ranks_generate_what_one_rank_generates(ep_runs, family, path):
     assert sum(load) == forwarded * moe_layers * args.num_experts_per_tok
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_ranks_replaying_graphs_generate_what_one_rank_generates(checkpoints):
+    """NCCL, CUDA graphs of the decode step with the all-gather exchange inside (every rank replays
+    the agreed bucket; an idle rank replays padding), eager prompt steps; the MIXED run also
+    switches to the all-to-all path (eager) whenever a rank's batch reaches the threshold."""
+    path = str(checkpoints["qwen3_moe"])
+    requests = _requests(resolve_model_args(path).vocab_size, seed=3)
+    ranks = run_ranks(path, [Run(requests, ALL_GATHER), Run(requests, MIXED)], gpus=True)
+    expected = _single_rank(path, requests)
+    args = resolve_model_args(path)
+    moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_layers))
+    forwarded = sum(len(r.prompt) + r.max_tokens - 1 for rank in requests for r in rank)
+    for run in range(2):
+        assert ranks[0][run]["tokens"] + ranks[1][run]["tokens"] == expected, run
+        # Padding rows of a replayed bucket are not counted as expert load.
+        load = [a + b for a, b in zip(ranks[0][run]["load"], ranks[1][run]["load"])]
+        assert sum(load) == forwarded * moe_layers * args.num_experts_per_tok, run
+
+
 def test_hot_experts_copied_to_every_rank_change_no_token(ep_runs):
     for family, runs in ep_runs.items():
         assert runs.replicated[0][0]["tokens"] + runs.replicated[1][0]["tokens"] == runs.expected, family

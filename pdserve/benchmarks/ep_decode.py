@@ -1,17 +1,18 @@
-"""Decode throughput of one expert-parallel replica (EP = 2) against one single-GPU replica and two
+"""Decode throughput of expert-parallel replicas (EP = N) against one single-GPU replica and two
 independent single-GPU replicas, and the MoE exchange per layer against NCCL's all-to-all rate
 measured in the same run (DESIGN §6).
 
-    python -m pdserve.benchmarks.ep_decode [--batches 64 128 256 512] [--context 1024] [--json out.json]
+    python -m pdserve.benchmarks.ep_decode [--ep-sizes 2 4] [--batches 64 128 256 512] [--json out.json]
     python -m pdserve.benchmarks.ep_decode --cpu     # dry run: tiny-moe, gloo, tiny batches
 
 Every worker is an engine in the decode role fed through `reserve` + `start_decode` (no prefill:
 the KV is garbage, which costs the same to read). `--batches` are per GPU: the single replica and
-each independent replica decode B requests, each EP rank B requests (2B in the replica). Every
+each independent replica decode B requests, each EP rank B requests (N·B in the replica). Every
 request has `--context` tokens of context and never finishes during the measurement. Shape:
-qwen3-30b-a3b (dummy bf16 weights) on GPUs. Needs 2 GPUs (the single replica uses the first).
-Single-GPU replicas replay CUDA graphs of the decode step (up to batch 256) unless --no-graphs;
-EP ranks run eagerly (their graphs are not built yet), so run both ways to separate the two effects.
+qwen3-30b-a3b (dummy bf16 weights) on GPUs. Needs max(2, N) GPUs (the single replica uses the first).
+Decode steps replay CUDA graphs up to batch 256 per GPU unless --no-graphs: single-GPU replicas
+always, EP ranks on the all-gather path (the graphs hold the exchange); the all-to-all path is eager.
+Scaling: `epN_<path>_vs_linear` is the EP replica's tokens/s over N times the single GPU's.
 """
 
 import argparse
@@ -28,9 +29,14 @@ import torch.distributed as dist
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.sampling_params import SamplingParams
 
-SETUPS = ("single", "pair", "ep2")  # one GPU | two independent GPUs | one EP replica over two GPUs
+SETUPS = ("single", "pair", "ep")  # one GPU | two independent GPUs | one EP replica per --ep-sizes
 # The EP replica decodes once with each exchange path forced (decode.ep_threshold 0 or "never").
 PATHS = {"all_gather": 2**62, "all_to_all": 0}
+
+
+def _size(setup: str) -> int:
+    """Worker processes (GPUs) of a setup: single, pair, ep2, ep4, ..."""
+    return {"single": 1, "pair": 2}.get(setup) or int(setup.removeprefix("ep"))
 
 
 class _NoExperts:
@@ -102,9 +108,9 @@ def _exchange_times(group, engine, batch: int, opts) -> dict:
     x = 0.1 * torch.randn(batch, h, generator=g, device=dev).to(dtype)
     weights, ids = moe.backend.route(torch.randn(batch, moe.num_experts, generator=g, device=dev), moe.top_k, True)
     out = {}
-    for path, threshold in PATHS.items():
-        ex.threshold = threshold
-        ex.begin_step(batch)
+    for path in opts.paths:
+        ex.threshold = PATHS[path]
+        ex.begin_step(batch)  # eager: times the exchange's own launches
         for what, backend in (("moe", moe.backend), ("exchange", _NoExperts())):
             dist.barrier()
             out[f"{path}_{what}_us"] = _time_us(lambda: ex.forward(x, moe.w13, moe.w2, weights, ids, backend),
@@ -126,11 +132,13 @@ def _worker(rank: int, setup: str, opts, init_method: str, results) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         group = None
-        if setup == "ep2":
+        if setup.startswith("ep"):
             from decode.ep_group import EPGroup, EPRank
             from pdserve.models import resolve_model_args
 
-            group = EPGroup(EPRank(rank, 2, init_method), resolve_model_args(opts.model).num_experts, device)
+            # Created on the all-gather path: the engine captures its graphs below this threshold.
+            group = EPGroup(EPRank(rank, _size(setup), init_method, PATHS["all_gather"]),
+                            resolve_model_args(opts.model).num_experts, device)
         engine = _engine(opts, device, group.exchange if group else None)
         rows = []
         for b in opts.batches:
@@ -138,7 +146,8 @@ def _worker(rank: int, setup: str, opts, init_method: str, results) -> None:
                 rows.append({"batch": b, **_decode_rate(engine, None, b, opts)})
                 continue
             row = {"batch": b}
-            for path, threshold in PATHS.items():
+            for path in opts.paths:
+                threshold = PATHS[path]
                 group.exchange.threshold = threshold
                 row.update({f"{path}_{k}": v for k, v in _decode_rate(engine, group, b, opts).items()})
             rows.append({**row, **_exchange_times(group, engine, b, opts)})
@@ -151,7 +160,7 @@ def _worker(rank: int, setup: str, opts, init_method: str, results) -> None:
 
 def _run(setup: str, opts) -> list[list[dict]]:
     """Each worker's rows for one setup; the workers of a setup run at the same time."""
-    n = 1 if setup == "single" else 2
+    n = _size(setup)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
@@ -183,8 +192,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--reps", type=int, default=None, help="repetitions of each exchange timing (default 50; --cpu: 5)")
     ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
-    ap.add_argument("--no-graphs", action="store_true",
-                    help="single-GPU replicas decode eagerly too (EP ranks do not capture CUDA graphs yet)")
+    ap.add_argument("--ep-sizes", type=int, nargs="+", default=[2], help="ranks of each EP replica measured")
+    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS),
+                    help="exchange paths each EP replica decodes with")
+    ap.add_argument("--no-graphs", action="store_true", help="every replica decodes eagerly")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (CPU)")
     ap.add_argument("--json", help="write the results here")
     opts = ap.parse_args(argv)
@@ -196,54 +207,58 @@ def main(argv: list[str] | None = None) -> None:
     opts.reps = opts.reps or (5 if cpu else 50)
     opts.warmup = min(opts.warmup, 1) if cpu else opts.warmup
     opts.dtype = "float32" if cpu else "bfloat16"
-    if not cpu and torch.cuda.device_count() < 2:
-        raise SystemExit(f"needs 2 GPUs, found {torch.cuda.device_count()} (or run --cpu)")
+    setups = [s for s in opts.setups if s != "ep"] + ([f"ep{n}" for n in opts.ep_sizes] if "ep" in opts.setups else [])
+    need = max(_size(s) for s in setups)
+    if not cpu and torch.cuda.device_count() < need:
+        raise SystemExit(f"needs {need} GPUs, found {torch.cuda.device_count()} (or run --cpu)")
 
     per_setup = {}
-    for setup in opts.setups:
+    for setup in setups:
         print(f"{setup}: running ...", flush=True)
         per_setup[setup] = _run(setup, opts)
-    rows = [_row(i, b, per_setup) for i, b in enumerate(opts.batches)]
+    rows = [_row(i, b, per_setup, opts.paths) for i, b in enumerate(opts.batches)]
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "model": opts.model,
+            "gpus": torch.cuda.device_count() if not cpu else 0,
             "dtype": opts.dtype, "context": opts.context, "steps": opts.steps, "graphs": not opts.no_graphs,
             "device": "cpu" if cpu else torch.cuda.get_device_name(0),
             "nccl": None if cpu else ".".join(map(str, torch.cuda.nccl.version()))}
-    _print(rows, per_setup)
+    _print(rows, per_setup, opts.paths)
     print(json.dumps(meta))
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
-def _row(i: int, batch: int, per_setup: dict) -> dict:
+def _row(i: int, batch: int, per_setup: dict, paths: list[str]) -> dict:
     """Batch i's figures: tokens/s of each setup (summed over its workers), EP ratios, exchange times."""
     row = {"batch_per_gpu": batch}
     for setup, workers in per_setup.items():
-        for name in ([f"{p}_" for p in PATHS] if setup == "ep2" else [""]):
+        ep = setup.startswith("ep")
+        for name in ([f"{p}_" for p in paths] if ep else [""]):
             label = f"{setup}_{name}".rstrip("_")
             row[f"{label}_tok_s"] = round(sum(w[i][f"{name}tok_s"] for w in workers), 1)
             row[f"{label}_step_ms"] = round(max(w[i][f"{name}step_ms"] for w in workers), 2)
             for base in ("single", "pair"):
-                if setup == "ep2" and base in per_setup:
+                if ep and base in per_setup:
                     row[f"{label}_vs_{base}"] = round(row[f"{label}_tok_s"] / row[f"{base}_tok_s"], 2)
-    if "ep2" in per_setup:
-        rank0 = per_setup["ep2"][0][i]
-        row.update({k: round(v, 1) for k, v in rank0.items() if k.endswith(("_us", "_gb_s"))})
+            if ep and "single" in per_setup:
+                row[f"{label}_vs_linear"] = round(row[f"{label}_tok_s"] / (_size(setup) * row["single_tok_s"]), 2)
+        if ep:  # the exchange as rank 0 of this replica sees it
+            row.update({f"{setup}_{k}": round(v, 1) for k, v in workers[0][i].items() if k.endswith(("_us", "_gb_s"))})
     return row
 
 
-def _print(rows: list[dict], per_setup: dict) -> None:
-    cols = [c for c in rows[0] if c.endswith(("_tok_s", "_vs_single", "_vs_pair"))]
+def _print(rows: list[dict], per_setup: dict, paths: list[str]) -> None:
+    cols = [c for c in rows[0] if c.endswith(("_tok_s", "_vs_single", "_vs_pair", "_vs_linear"))]
     print("\n" + " ".join(f"{c:>{max(9, len(c))}}" for c in ["batch_per_gpu", *cols]))
     for r in rows:
         print(" ".join(f"{r[c]:>{max(9, len(c))}}" for c in ["batch_per_gpu", *cols]))
-    if "ep2" in per_setup:
-        print("\nMoE layer on EP rank 0, per call (us): experts + exchange | exchange alone; "
+    for setup in (s for s in per_setup if s.startswith("ep")):
+        print(f"\n{setup}: MoE layer on rank 0, per call (us): experts + exchange | exchange alone; "
               "all_to_all_single of the tokens (us, off-rank GB/s)")
         for r in rows:
-            print(f"{r['batch_per_gpu']:>9}  all-gather {r['all_gather_moe_us']:>9} | {r['all_gather_exchange_us']:>8}"
-                  f"   all-to-all {r['all_to_all_moe_us']:>9} | {r['all_to_all_exchange_us']:>8}"
-                  f"   a2a {r['a2a_us']:>8} us {r['a2a_gb_s']:>7} GB/s")
+            cells = "   ".join(f"{p} {r[f'{setup}_{p}_moe_us']:>9} | {r[f'{setup}_{p}_exchange_us']:>8}" for p in paths)
+            print(f"{r['batch_per_gpu']:>9}  {cells}   a2a {r[f'{setup}_a2a_us']:>8} us {r[f'{setup}_a2a_gb_s']:>7} GB/s")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@ write no KV (slot -1) and attend to nothing (context 0)), replays, and reads the
 
 Captured with the GPU kernels only (TritonAttention reads device-side lengths, TritonMoE's
 small-batch path sizes its grids from host-known shapes): nothing in the forward waits for the GPU.
+
+An expert-parallel rank (`exchange` given) captures its MoE exchanges too, on the all-gather path
+(static shapes, NCCL collectives inside the graph), for the buckets below the exchange threshold.
+Every rank of the group must then replay the same bucket in the same step: the bucket follows the
+batch the ranks agreed on (EPExchange.begin_step), not the rank's own, and a rank with nothing
+scheduled replays it with padding only (`run_idle`), serving its experts to the others.
 """
 
 from collections.abc import Callable
@@ -23,9 +29,13 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, attention, max_batch: int,
                  max_blocks_per_seq: int, max_context: int, device: torch.device,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, exchange=None):
         self.model, self.kv_cache, self.attention = model, kv_cache, attention
         self.device = device
+        self.exchange = exchange
+        if exchange is not None:  # from the threshold on, steps exchange by all-to-all: eagerly
+            max_batch = min(max_batch, exchange.threshold - 1)
+        assert max_batch >= 1, "no batch size to capture"
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         n, w = self.buckets[-1], max_blocks_per_seq
         self.width = w
@@ -36,6 +46,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, w, dtype=torch.long, **z)
         self.context_lens = torch.zeros(n, dtype=torch.int32, **z)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, **z)
+        self.row_valid = torch.zeros(n, dtype=torch.int32, **z)  # expert-parallel load counting
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # Capture on our GPU whichever is current: Triton launches on the current device.
@@ -63,9 +74,12 @@ class DecodeGraphs:
                 # The split count is baked into the graph: size it for the longest context allowed.
                 self.attention.decode_splits = decode_num_splits(b, self.kv_cache.shape[4], max_context,
                                                                  self.device)
+                if self.exchange is not None:  # every rank captures this bucket now, all-gather path
+                    self.exchange.max_tokens, self.exchange.graphed = b, True
+                    self.exchange.row_valid = self.row_valid[:b]
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
-                    for _ in range(2):  # compiles every kernel variant before capture
+                    for _ in range(2):  # compiles every kernel variant (and joins NCCL) before capture
                         self.model(batch)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 g = torch.cuda.CUDAGraph()
@@ -74,26 +88,48 @@ class DecodeGraphs:
                 self.graphs[b] = g
         finally:
             self.attention.decode_splits = fixed
+            if self.exchange is not None:
+                self.exchange.graphed, self.exchange.row_valid = False, None
         torch.cuda.synchronize(self.device)
+        if self.exchange is not None:
+            self.exchange.graph_batch = self.buckets[-1]
 
     def fits(self, batch: ForwardBatch) -> bool:
-        """A decode-only batch (one token per sequence, every sequence with a past) within the buckets."""
+        """A decode-only batch (one token per sequence, every sequence with a past) within the buckets;
+        for an expert-parallel rank, whether the group agreed to replay this step."""
         n = batch.num_seqs
-        return (0 < n <= self.buckets[-1] and batch.input_ids.shape[0] == n
+        fits = (0 < n <= self.buckets[-1] and batch.input_ids.shape[0] == n
                 and batch.block_tables.shape[1] <= self.width and batch.context_lens_t is not None)
+        if self.exchange is None:
+            return fits
+        # The agreement saw this rank's batch: a mismatch would leave the other ranks waiting.
+        assert fits or not self.exchange.graphed, "the group agreed on graphs for a batch they do not hold"
+        return self.exchange.graphed
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """The batch's hidden states [n, hidden], by replaying the smallest bucket that holds it."""
+        """The batch's hidden states [n, hidden], by replaying the smallest bucket that holds it
+        (expert parallel: the bucket of the group's largest batch)."""
         n = batch.num_seqs
-        b = next(x for x in self.buckets if x >= n)
         w = batch.block_tables.shape[1]
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.slot_mapping[:n].copy_(batch.slot_mapping)
         self.block_tables[:n, :w].copy_(batch.block_tables)
         self.context_lens[:n].copy_(batch.context_lens_t)
-        if b > n:  # padded rows: no KV written, nothing attended
+        return self._replay(n)[:n]
+
+    def run_idle(self) -> None:
+        """Expert parallel, nothing scheduled here: replay the agreed bucket with padding only."""
+        with torch.cuda.device(self.device):  # (called from the worker's loop thread, which starts on GPU 0)
+            self._replay(0)
+
+    def _replay(self, n: int) -> torch.Tensor:
+        b = next(x for x in self.buckets if x >= max(n, self.exchange.max_tokens if self.exchange else 0))
+        if b > n:  # padded rows: no KV written, nothing attended, no expert load counted
             self.slot_mapping[n:b].fill_(-1)
             self.context_lens[n:b].zero_()
+        if self.exchange is not None:
+            self.row_valid[:n].fill_(1)
+            self.row_valid[n:b].zero_()
         self.graphs[b].replay()
-        return self.outputs[b][:n]
+        return self.outputs[b]

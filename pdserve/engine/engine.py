@@ -58,7 +58,7 @@ class Engine:
             from pdserve.engine.cuda_graphs import DecodeGraphs
             self.runner.graphs = DecodeGraphs(
                 self.model, self.kv_cache, attn_backend, min(config.max_num_seqs, MAX_GRAPH_BATCH),
-                -(-self.max_model_len // config.block_size), self.max_model_len, self.device, log)
+                -(-self.max_model_len // config.block_size), self.max_model_len, self.device, log, exchange=ep)
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, TextStream] = {}
         self._ready: list[RequestOutput] = []  # outputs produced outside a step (start_decode)
@@ -71,11 +71,12 @@ class Engine:
 
     def _wants_graphs(self, attn_backend, ep) -> bool:
         """Decode steps replay CUDA graphs on a GPU with the Triton kernels (the torch reference
-        reads host-side lengths); not for prefill-only engines, nor yet for expert-parallel ranks."""
+        reads host-side lengths); not for prefill-only engines, nor for expert-parallel ranks whose
+        every step exchanges by all-to-all (threshold 1 or less: no static shapes)."""
         from pdserve.ops.attention import TorchAttention
 
         return (self.config.cuda_graphs and self.device.type == "cuda" and self.config.role != "prefill"
-                and ep is None and not isinstance(attn_backend, TorchAttention))
+                and (ep is None or ep.threshold > 1) and not isinstance(attn_backend, TorchAttention))
 
     def _num_blocks(self, dtype: torch.dtype) -> int:
         if self.config.num_kv_blocks:

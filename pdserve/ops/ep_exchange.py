@@ -14,6 +14,8 @@ the weighted sum over its top-k experts wherever they live. Two paths:
   rows move and only owned pairs are computed: the path for large batches.
 
 The ranks agree on the step's largest batch before the step (`begin_step`), so all take the same path.
+When every rank's batch is decode-only and the largest fits the captured buckets, the step replays
+CUDA graphs (pdserve/engine/cuda_graphs.py) on every rank, all-gather path, padded to one bucket.
 """
 
 import torch
@@ -38,19 +40,26 @@ class EPExchange:
         self._serving = placement.serving_rank().to(device)  # [ep_size, num_experts]
         self._slot = placement.local_slot().to(device)  # [num_experts]
         self.max_tokens = 0  # the current step's largest batch over the ranks
+        self.graph_batch = 0  # the largest batch the decode graphs hold (0: no graphs); set by DecodeGraphs
+        self.graphed = False  # this step replays the decode graphs on every rank
+        # While capturing: 1 for a real row of the bucket, 0 for padding, so that padding is not
+        # counted as expert load. A static buffer of the graphs; None in eager steps (no padding).
+        self.row_valid: torch.Tensor | None = None
         # Tokens this rank routed to each expert, summed over MoE layers; on the device, no sync per layer.
         self.tokens_step = torch.zeros(placement.num_experts, dtype=torch.long, device=device)
         self.tokens_total = torch.zeros_like(self.tokens_step)  # before the current step
 
-    def begin_step(self, max_tokens: int) -> None:
-        """The ranks agreed this step's largest batch (tokens on one rank): it fixes padding and path."""
+    def begin_step(self, max_tokens: int, decode_only: bool = False) -> None:
+        """The ranks agreed this step's largest batch (tokens on one rank), and whether every rank's
+        batch is decode-only: it fixes padding, path, and whether the step replays graphs."""
         self.tokens_total += self.tokens_step
         self.tokens_step.zero_()
         self.max_tokens = max_tokens
+        self.graphed = decode_only and 0 < max_tokens <= self.graph_batch and max_tokens < self.threshold
 
     @property
     def path(self) -> str:
-        return ALL_TO_ALL if self.max_tokens >= self.threshold else ALL_GATHER
+        return ALL_GATHER if self.graphed or self.max_tokens < self.threshold else ALL_TO_ALL
 
     def expert_load(self) -> tuple[list[int], list[int]]:
         """Tokens this rank routed to each expert, summed over layers: (since start, in the latest step)."""
@@ -63,7 +72,9 @@ class EPExchange:
         expert ids -> [T, H]. `backend` computes the local experts (pdserve.ops.moe interface)."""
         assert x.shape[0] <= self.max_tokens, f"{x.shape[0]} tokens, but the ranks agreed on {self.max_tokens}"
         flat = topk_ids.flatten()
-        self.tokens_step.index_add_(0, flat, torch.ones_like(flat))
+        counts = torch.ones_like(flat) if self.row_valid is None else \
+            self.row_valid[:, None].expand(topk_ids.shape).flatten().long()
+        self.tokens_step.index_add_(0, flat, counts)
         if self.path == ALL_TO_ALL:
             return self._all_to_all(x, w13, w2, topk_weights, topk_ids, backend)
         return self._all_gather(x, w13, w2, topk_weights, topk_ids, backend)

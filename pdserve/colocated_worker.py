@@ -1,0 +1,47 @@
+"""The colocated worker (a Ray actor): one engine doing both phases (continuous batching, chunked
+prefill), the baseline every disaggregated figure is compared with (DESIGN §3). A request goes
+in whole; new tokens go back to each router once per step, as from a decode worker."""
+
+from pdserve.config import EngineConfig
+from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine_loop import IDLE_S
+from pdserve.messages import Refusal
+from pdserve.replica import Replica
+from pdserve.router_streams import RouterStreams
+
+
+class ColocatedWorker(Replica):
+    role = "colocated"
+
+    def __init__(self, name: str, engine_config: EngineConfig, namespace: str, cpu_threads: int = 1):
+        super().__init__(name, engine_config, None, cpu_threads)  # no KV connector: its KV never leaves
+        self.streams = RouterStreams(namespace)
+        self._start_loop()
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 router: str) -> Refusal | None:
+        """Queue a request whose output streams to `router`; returns at once. The engine queues
+        what its KV cache cannot take yet, so a replica is never full: only a request that is
+        unacceptable in itself is refused."""
+        with self.loop.lock:
+            try:
+                self.engine.add_request(request_id, prompt_ids, params)
+            except InvalidRequestError as e:
+                return Refusal.of(e)
+            self.streams.add(request_id, router)
+        self.loop.wake()
+        return None
+
+    def abort(self, request_id: str) -> None:
+        with self.loop.lock:
+            if self.streams.drop(request_id):
+                self.engine.abort(request_id)
+                self.aborted += 1
+
+    def _step(self) -> float | None:
+        if not self.engine.has_unfinished():
+            return IDLE_S
+        for out in self.engine.step():
+            self.streams.output(out)
+        self.streams.flush()
+        return None
