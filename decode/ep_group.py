@@ -79,4 +79,8 @@ class EPGroup:
         return engine.step(scheduled), group_busy
 
     def close(self) -> None:
+        if self.exchange.graph_batch:
+            # Seen on H200s (torch 2.11, NCCL 2.28): destroying a communicator whose collectives
+            # live in captured CUDA graphs never returns. The process is on its way out: leave it.
+            return
         dist.destroy_process_group()

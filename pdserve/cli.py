@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="engine prefill MFU and decode S-MBU vs the device's ceilings and HF transformers")
     be.add_argument("args", nargs=argparse.REMAINDER)
     be.set_defaults(func=_bench_engine)
+    b = sub.add_parser("bench", add_help=False, prefix_chars="\0",
+                       help="load generator against a running cluster: Poisson arrivals, TTFT/TPOT/ITL, goodput")
+    b.add_argument("args", nargs=argparse.REMAINDER)
+    b.set_defaults(func=_bench)
     return parser
 
 
@@ -76,6 +80,12 @@ def _bench_engine(args: argparse.Namespace) -> int:
     from pdserve.benchmarks import bench_engine
 
     return bench_engine.main(args.args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pdserve.benchmarks import serving_load
+
+    return serving_load.main(args.args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,8 +90,10 @@ class RayCore:
         await self.prefill[p_name].prefill.remote(request.request_id, request.prompt_ids, request.params, handle)
 
     async def _start_colocated(self, request: GenerateRequest, placed: list[str], holders: list) -> None:
-        """Hand the whole request to the colocated replica first in the routing order."""
-        name = self._order(self.colocated)[0]
+        """Hand the whole request to the least-loaded colocated replica. Not by free KV blocks as
+        for decode: a colocated replica never refuses (it queues), so a burst routed by stats up to
+        0.5 s old would all land on one replica; the requests in flight from us are exact."""
+        name = self._pick(self.colocated)
         self._place(name, placed)
         worker = self.colocated[name]
         holders.append(worker)  # before the call: a client leaving during it must still stop the request
@@ -122,7 +124,7 @@ class RayCore:
         return min(names, key=lambda n: self._loads[n])  # fewest requests in flight from us
 
     def _order(self, replicas: dict) -> list[str]:
-        """Replicas holding a request's KV (decode, colocated), best candidates first."""
+        """Decode replicas to try for a reservation, best candidates first."""
         names = list(replicas)
         if self.policy == "round-robin":
             k = next(self._rr) % len(names)

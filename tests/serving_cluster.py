@@ -20,8 +20,9 @@ def free_port() -> int:
 class Cluster:
     def __init__(self, tmp_path, **sections):
         self.http_port, self.grpc_port = free_port(), free_port()
-        cfg = {"router": {"host": "127.0.0.1", "http_port": self.http_port, "grpc_port": self.grpc_port},
-               "prefill": {"num_kv_blocks": 512}, "decode": {"num_kv_blocks": 512}}
+        cfg = {"router": {"host": "127.0.0.1", "http_port": self.http_port, "grpc_port": self.grpc_port}}
+        if "colocated" not in sections:  # a colocated cluster has no prefill or decode replicas to size
+            cfg |= {"prefill": {"num_kv_blocks": 512}, "decode": {"num_kv_blocks": 512}}
         for key, value in sections.items():
             cfg.setdefault(key, {}).update(value)
         self.path = tmp_path / "cluster.yaml"

@@ -363,6 +363,29 @@ def test_grouped_mm_moe(shape, tokens):
     check(out, ref, dtype, f"grouped_mm_moe T={tokens} {shape}")
 
 
+@pytest.mark.parametrize("impl", ["fused", "gemv", "grouped_mm", "torch"])
+def test_moe_skips_pairs_served_elsewhere(impl):
+    """Expert parallel: a pair carrying the skip id E (another rank serves it) adds nothing, in
+    every backend, whatever its never-computed rows hold. Half the pairs are skipped, and every
+    pair of the last token (a padding row). Oracle: the same pairs kept at weight 0."""
+    experts, top_k, hidden, inter = MOE_SHAPES[0]
+    dtype = (torch.float16 if INTERPRET else torch.bfloat16) if impl == "grouped_mm" else torch.float32
+    tokens = pick(5, 3) if impl == "gemv" else pick(64, 9)
+    x, w13, w2, logits = random_moe_inputs(tokens, experts, hidden, inter, dtype, DEVICE, gen(21))
+    weights, ids = route(logits, top_k, True)
+    skip = torch.rand(ids.shape, generator=gen(22), device=DEVICE) < 0.5
+    skip[-1] = True
+    ref = reference_moe(x, w13, w2, torch.where(skip, 0.0, weights), ids)
+    skipped = torch.where(skip, experts, ids)
+    if impl == "torch":
+        out = TorchMoE().forward(x, w13, w2, weights, skipped)
+    else:
+        out = poisoned(x.shape, dtype)
+        {"fused": fused_moe, "gemv": gemv_moe, "grouped_mm": grouped_mm_moe}[impl](x, w13, w2, weights, skipped,
+                                                                                  out=out)
+    check(out, ref, dtype, f"{impl} with skipped pairs")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_backend(dtype):
     experts, top_k, hidden, inter = MOE_SHAPES[0]

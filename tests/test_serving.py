@@ -1,5 +1,6 @@
 """The serving path through `pdserve up`: real Ray, real NIXL/TCP KV transfer between worker
-processes, the `openai` client over HTTP and a gRPC client from the .proto."""
+processes (or colocated replicas doing both phases), the `openai` client over HTTP and a gRPC
+client from the .proto."""
 
 import asyncio
 import subprocess
@@ -22,7 +23,7 @@ PROMPTS = ["Once upon a time", "The quick brown fox jumps over the lazy dog. " *
 
 @pytest.fixture(scope="module")
 def reference() -> Engine:
-    """`pdserve generate` in one process: the oracle for every disaggregated answer."""
+    """`pdserve generate` in one process: the oracle for every answer of a cluster."""
     return Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=512))
 
 
@@ -31,32 +32,41 @@ def greedy(engine: Engine, prompt: str, max_tokens: int) -> str:
 
 
 # These start clusters of their own: they run before the shared one exists (one Ray at a time).
-@pytest.mark.parametrize("sections", [
-    {"prefill": {"replicas": 2}},
-    {"kv_transfer": {"backend": "tcp"}},
-], ids=["2-prefill-1-decode", "tcp"])
-def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, sections):
+@pytest.mark.parametrize("sections, replicas", [
+    ({"prefill": {"replicas": 2}}, 3),
+    ({"kv_transfer": {"backend": "tcp"}}, 2),
+    # Round-robin: consecutive requests go to both replicas.
+    ({"colocated": {"replicas": 2, "num_kv_blocks": 512}, "router": {"policy": "round-robin"}}, 2),
+], ids=["2-prefill-1-decode", "tcp", "2-colocated"])
+def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, sections, replicas):
     c = Cluster(tmp_path, **sections)
     try:
         c.wait_ready()
         oa = client(c)
-        for prompt in PROMPTS * 2:  # enough requests to use both prefill replicas
+        for prompt in PROMPTS * 2:  # enough requests to use two replicas of a role
             r = oa.completions.create(model="tiny-moe", prompt=prompt, max_tokens=12, temperature=0)
             assert r.choices[0].text == greedy(reference, prompt, 12)
         stats = c.wait_idle()
-        assert len(stats) == sum(s.get("replicas", 1) for s in [sections.get("prefill", {}), {}])
+        assert len(stats) == replicas
         assert all(s["used"] == 0 for s in stats.values()), stats
     finally:
         assert c.stop() == 0, c.output()
 
 
-# The client tests below run against one decode replica, and again against an expert-parallel one
-# (2 ranks: DESIGN §6) that must look the same from outside. Its threshold is low so that busy
-# steps take the all-to-all exchange and quiet ones the all-gather one.
-@pytest.fixture(scope="module", params=[{}, {"ep_size": 2, "ep_threshold": 8}], ids=["decode", "decode-ep2"])
+# The client tests below run against one prefill and one decode replica, again against an
+# expert-parallel decode replica (2 ranks: DESIGN §6), and again against one colocated replica (the
+# baseline: both phases in one engine); all must look the same from outside. The expert-parallel
+# threshold is low so that busy steps take the all-to-all exchange and quiet ones the all-gather one.
+@pytest.fixture(scope="module", params=[
+    {"decode": {}},
+    {"decode": {"ep_size": 2, "ep_threshold": 8}},
+    {"colocated": {"replicas": 1, "num_kv_blocks": 512}},
+], ids=["decode", "decode-ep2", "colocated"])
 def cluster(request, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("up"), decode=request.param)
-    c.ep_size = request.param.get("ep_size", 1)
+    c = Cluster(tmp_path_factory.mktemp("up"), **request.param)
+    c.ep_size = request.param.get("decode", {}).get("ep_size", 1)
+    c.role = "colocated" if "colocated" in request.param else "decode"  # the role that generates
+    c.replicas = {"pdserve-colocated-0"} if c.role == "colocated" else {"pdserve-prefill-0", "pdserve-decode-0"}
     try:
         c.wait_ready()
         yield c
@@ -117,10 +127,13 @@ def test_64_concurrent_streams_each_get_their_own_text(cluster, reference):
 
     assert asyncio.run(all_of_them()) == expected
     stats = cluster.wait_idle()
-    assert stats and all(s["used"] == 0 for s in stats.values()), stats
+    assert set(stats) == cluster.replicas and all(s["used"] == 0 for s in stats.values()), stats
     metrics = httpx.get(f"{cluster.url}/metrics").text
-    assert metric(metrics, "pdserve_kv_bytes_moved_total") > 0
-    assert metric(metrics, "pdserve_kv_transfer_seconds_count") >= 64
+    if cluster.role == "colocated":  # both phases in one engine: no KV moves
+        assert metric(metrics, "pdserve_kv_bytes_moved_total") == 0
+    else:
+        assert metric(metrics, "pdserve_kv_bytes_moved_total") > 0
+        assert metric(metrics, "pdserve_kv_transfer_seconds_count") >= 64
 
 
 def test_client_disconnect_aborts_everywhere(cluster):
@@ -133,14 +146,15 @@ def test_client_disconnect_aborts_everywhere(cluster):
                 break
     stats = cluster.wait_idle()
     assert all(s["used"] == 0 for s in stats.values()), stats
+    role = cluster.role  # the replica that was generating
     deadline = time.time() + 10
     while time.time() < deadline:  # workers report their abort counts every half second
         after = httpx.get(f"{cluster.url}/metrics").text
-        if aborted(after, "decode") > aborted(before, "decode") and aborted(after, "prefill") >= aborted(before, "prefill"):
+        if aborted(after, role) > aborted(before, role):
             break
         time.sleep(0.3)
     assert aborted(after, "router") > aborted(before, "router")
-    assert aborted(after, "decode") > aborted(before, "decode")
+    assert aborted(after, role) > aborted(before, role)
 
 
 def metric(metrics: str, name: str) -> float:
@@ -164,6 +178,8 @@ def aborted(metrics: str, role: str) -> float:
     ({"model": "tiny-moe", "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"model": "no-such-model", "prompt": "hi"}, 404, None),
     ({"model": "tiny-moe", "prompt": "x" * 5000, "max_tokens": 1}, 400, "prompt"),
+    # Past the router's checks: the worker refuses it (tiny-moe has 512 token ids).
+    ({"model": "tiny-moe", "prompt": [7, 100000], "max_tokens": 1}, 400, "prompt"),
 ])
 def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(cluster, body, status, param):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}

@@ -151,9 +151,9 @@ def _worker(rank: int, setup: str, opts, init_method: str, results) -> None:
                 group.exchange.threshold = threshold
                 row.update({f"{path}_{k}": v for k, v in _decode_rate(engine, group, b, opts).items()})
             rows.append({**row, **_exchange_times(group, engine, b, opts)})
+        results.put((rank, rows))  # before close: see EPGroup.close
         if group:
             group.close()
-        results.put((rank, rows))
     except BaseException:
         results.put((rank, traceback.format_exc()))
 
@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     for setup in setups:
         print(f"{setup}: running ...", flush=True)
         per_setup[setup] = _run(setup, opts)
+        print(f"{setup}: " + json.dumps([{k: round(v, 1) for k, v in r.items()} for r in per_setup[setup][0]]), flush=True)
     rows = [_row(i, b, per_setup, opts.paths) for i, b in enumerate(opts.batches)]
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "model": opts.model,
             "gpus": torch.cuda.device_count() if not cpu else 0,

@@ -9,14 +9,15 @@ byte-level tokenizer of the presets, ordinary tokens of any HF vocabulary), each
 --output-len tokens (max_tokens with ignore_eos), greedy, streamed from /v1/completions (SSE).
 Arrivals are Poisson at each --rate in turn (inf: all at once), --num-prompts requests per rate or
 rate × --duration; one seeded generator serves the whole sweep, so no two prompts repeat (the
-prefix cache cannot help a later rate). A refused request (503: no capacity) is not retried: it
-counts as failed, as it would for a user.
+prefix cache cannot help a later rate). --warmup requests go first, uncounted. A refused request
+(503: no capacity) is not retried: it counts as failed, as it would for a user.
 
 Per request, on the client's clock:
   TTFT  send -> the first chunk carrying output (text or the finish)
-  ITL   the gaps between successive output chunks (vLLM's convention). pdserve streams one chunk
-        per decode step, i.e. per token, except that a token completing no character (part of a
-        UTF-8 sequence, a special token) rides in the next chunk: such a gap spans two tokens.
+  ITL   the gaps between successive output chunks (vLLM's convention). pdserve streams a chunk
+        per decode step, i.e. per token, but a token that completes no character (part of a UTF-8
+        sequence, a special token) has no chunk of its own and rides in the next one, whose gap
+        then spans several tokens (often so with the random weights of the presets).
   TPOT  (e2e - TTFT) / (output tokens - 1), the output tokens counted by the usage that ends the
         stream (stream_options.include_usage): exact whatever the chunking
   e2e   send -> [DONE]
@@ -69,6 +70,7 @@ class Workload:
     seed: int = 0
     max_concurrency: int | None = None
     request_timeout_s: float = 600.0
+    warmup: int = 4  # requests of this shape, all at once, before the first rate; not counted
 
     def num_requests(self, rate: float) -> int:
         if self.num_prompts is not None:
@@ -239,14 +241,14 @@ async def _read_events(resp: httpx.Response, rec: RequestRecord, start: float) -
     async for line in resp.aiter_lines():
         if not line.startswith("data: "):
             continue
+        now = time.perf_counter()  # before parsing: the arrival is what is timed
         data = line.removeprefix("data: ")
         if data == "[DONE]":
-            rec.e2e_ms = _ms(time.perf_counter() - start)
+            rec.e2e_ms = _ms(now - start)
             break
         event = json.loads(data)
-        now = time.perf_counter()
         if "error" in event:  # the server failed it after the 200 was sent
-            rec.error = f"error in the stream: {event['error'].get('message', event['error'])}"
+            rec.error = f"error in the stream: {_error_text(data)}"
             return
         if event.get("choices"):
             if last is None:
@@ -259,14 +261,16 @@ async def _read_events(resp: httpx.Response, rec: RequestRecord, start: float) -
             rec.output_tokens = event["usage"]["completion_tokens"]
     if rec.e2e_ms is None:
         rec.error = "the stream ended before [DONE]"
-    elif rec.ttft_ms is None or not rec.output_tokens:
-        rec.error = "the stream carried no output" if rec.ttft_ms is None else "the stream carried no usage"
+    elif rec.ttft_ms is None:
+        rec.error = "the stream carried no output"
+    elif not rec.output_tokens:
+        rec.error = "the stream carried no usage (stream_options.include_usage)"
 
 
 def _error_text(body: str) -> str:
-    """The message of an OpenAI-style error body, else the body itself (cut short)."""
+    """The message of an OpenAI-style error body ({"error": {"message": ...}}), else the body (cut short)."""
     try:
-        return json.loads(body)["error"]["message"]
+        return str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return body[:300]
 
@@ -357,7 +361,7 @@ async def connect(client: httpx.AsyncClient, url: str, model: str | None) -> Ser
     try:
         health = await client.get(f"{url}/health", timeout=10)
         models = (await client.get(f"{url}/v1/models", timeout=10)).json()["data"]
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
         raise BenchError(f"cannot reach {url} ({type(e).__name__}: {e}) — {_HINT_UP}") from None
     except (ValueError, KeyError, TypeError):
         raise BenchError(f"{url}/v1/models did not answer as an OpenAI API does — {_HINT_UP}") from None
@@ -371,6 +375,22 @@ async def connect(client: httpx.AsyncClient, url: str, model: str | None) -> Ser
         raise BenchError(f"--model {model!r} is not served at {url}; it serves {', '.join(served)} "
                          f"(leave out --model to use the first)")
     return Server(url, model, served[model].get("max_model_len"))
+
+
+async def warm_up(client: httpx.AsyncClient, server: Server, workload: Workload,
+                  log: Callable[[str], None]) -> None:
+    """The first requests of a fresh cluster pay one-time costs (kernel compilation, first
+    allocations, connections): they would be counted against the first rate. Sent at once, so that
+    the router spreads them over the replicas. Its own prompts: the sweep's are not cached by it."""
+    rng = random.Random(f"warm-up {workload.seed}")
+    records = [RequestRecord(i, workload.input_len) for i in range(workload.warmup)]
+    t0 = time.perf_counter()
+    await asyncio.gather(*(stream_request(client, server, request_body(
+        server, random_prompt(rng, workload.input_len), workload.output_len), r, t0) for r in records))
+    if failed := [r for r in records if not r.ok]:
+        raise BenchError(f"{len(failed)} of {len(records)} warm-up requests failed ({failed[0].error}); "
+                         f"the workload does not run here (--warmup 0 skips the warm-up)")
+    log(f"warm-up: {len(records)} requests in {time.perf_counter() - t0:.1f} s")
 
 
 def check_fits(server: Server, workload: Workload) -> None:
@@ -392,13 +412,15 @@ async def run_sweep(url: str, rates: list[float], workload: Workload, slo: Slo, 
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         server = await connect(client, url.rstrip("/"), model)
         check_fits(server, workload)
+        if workload.warmup:
+            await warm_up(client, server, workload, log)
         sweep = Sweep(server, workload, slo)
-        for rate in rates:
+        for i, rate in enumerate(rates):
             sweep.runs.append(await run_rate(client, server, rate, workload, rng, slo, log))
             if on_run:
                 on_run(sweep)
             attained = sweep.runs[-1].summary.slo_attainment
-            if stop_below is not None and attained < stop_below and rate != rates[-1]:
+            if stop_below is not None and attained < stop_below and i < len(rates) - 1:
                 log(f"attainment {100 * attained:.1f} % < --stop-below {100 * stop_below:.0f} %: "
                     f"the higher rates are skipped")
                 break
@@ -434,6 +456,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default: %(default)s)")
     p.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no cap)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="requests sent at once before the first rate, not counted (default: %(default)s)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default: %(default)s")
     p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="default: %(default)s")
     p.add_argument("--slo-attainment", type=float, default=0.9,
@@ -453,13 +477,15 @@ def check_load_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         value = getattr(a, name)
         if value is not None and not value > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
     if not 0 < a.slo_attainment <= 1:
         p.error(f"--slo-attainment must be in (0, 1], got {a.slo_attainment}")
 
 
 def workload_of(a: argparse.Namespace) -> Workload:
     return Workload(a.input_len, a.output_len, a.num_prompts, a.duration, a.seed, a.max_concurrency,
-                    a.request_timeout)
+                    a.request_timeout, a.warmup)
 
 
 def slo_of(a: argparse.Namespace) -> Slo:
@@ -507,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if any(r.summary.completed for r in sweep.runs) else 1
 
 
-def _f(x: float | None, digits: int = 1) -> str:
+def fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
@@ -520,11 +546,11 @@ def print_table(sweep: Sweep) -> None:
           f"{'ITL p90':>7} {'e2e p90':>8} | {'SLO %':>6} {'good/s':>7}")
     for run in sweep.runs:
         s = run.summary
+        ttft, tpot = s.ttft_ms, s.tpot_ms
         print(f"{rate_label(s.rate):>6} {f'{s.completed}/{s.sent}':>9} {s.duration_s:>7.1f} "
-              f"{s.request_throughput:>7.2f} {s.output_throughput:>8.1f} | {_f(s.ttft_ms.p50):>11} "
-              f"{_f(s.ttft_ms.p90):>8} {_f(s.ttft_ms.p99):>8} | {_f(s.tpot_ms.p50, 2):>11} {_f(s.tpot_ms.p90, 2):>7} "
-              f"{_f(s.tpot_ms.p99, 2):>7} | {_f(s.itl_ms.p90, 2):>7} {_f(s.e2e_ms.p90, 0):>8} | "
-              f"{100 * s.slo_attainment:>6.1f} {s.good_rps:>7.2f}")
+              f"{s.request_throughput:>7.2f} {s.output_throughput:>8.1f} | {fmt(ttft.p50):>11} {fmt(ttft.p90):>8} "
+              f"{fmt(ttft.p99):>8} | {fmt(tpot.p50, 2):>11} {fmt(tpot.p90, 2):>7} {fmt(tpot.p99, 2):>7} | "
+              f"{fmt(s.itl_ms.p90, 2):>7} {fmt(s.e2e_ms.p90, 0):>8} | {100 * s.slo_attainment:>6.1f} {s.good_rps:>7.2f}")
     g = sweep.goodput
     print(f"goodput: {rate_label(g) + ' req/s' if g is not None else 'none of these rates'} "
           f"(the highest rate with >= {100 * slo.attainment:g} % of requests meeting both SLOs)")

@@ -83,7 +83,10 @@ class DecodeGraphs:
                         self.model(batch)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
+                # Expert parallel: NCCL's own threads (and torch's watchdog) make CUDA calls while we
+                # capture; "global" mode would let them invalidate the capture.
+                mode = "thread_local" if self.exchange is not None else "global"
+                with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=mode):
                     self.outputs[b] = self.model(batch)
                 self.graphs[b] = g
         finally:

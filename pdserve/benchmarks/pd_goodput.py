@@ -1,0 +1,233 @@
+"""P:D configurations through `pdserve up`, compared by goodput on one workload.
+
+    python -m pdserve.benchmarks.pd_goodput deploy/pd4/*.yaml --rates 1 2 4 8 --duration 20 \\
+        --input-len 4096 --output-len 256 --stop-below 0.5 --json out.json --log-dir out/
+
+For each cluster file in turn: start `pdserve up FILE` (a process group of its own, output to
+LOG_DIR/pdserve-up.NAME.log), wait for its /health (router.http_port of the file), run the
+`pdserve bench` sweep against it in this process, stop it as a user does (Ctrl-C; if it hangs,
+SIGUSR1 writes its threads' stacks to the log, then the group is killed), and go on to the next;
+a cluster that does not start is reported with its log's tail and skipped. Goodput of a
+configuration = the highest rate at which >= --slo-attainment of the requests meet TTFT <=
+--slo-ttft-ms and TPOT <= --slo-tpot-ms (defaults: 90 %, 2 s, 50 ms). Every other option is
+`pdserve bench`'s (`pdserve bench --help` describes what is measured).
+"""
+
+import argparse
+import asyncio
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pdserve.benchmarks import serving_load
+from pdserve.benchmarks.serving_load import BenchError, RateSummary, Sweep, rate_json, rate_label
+from pdserve.config import ClusterConfig, ConfigError, load_cluster_config
+
+WAIT_PROGRESS_S = 15.0
+
+
+def log(msg: str) -> None:
+    print(f"[pd-goodput] {msg}", file=sys.stderr, flush=True)
+
+
+# -- one cluster ------------------------------------------------------------------------------------
+
+
+def endpoint(cfg: ClusterConfig) -> tuple[str, int]:
+    """(host, port) to reach the cluster's HTTP API from this machine."""
+    host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "::", "") else cfg.router.host
+    return host, cfg.router.http_port
+
+
+def port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+class UpProcess:
+    """`pdserve up FILE` in a session of its own: Ray's processes join its group, so a kill reaches them."""
+
+    def __init__(self, path: Path, log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", str(path)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def tail(self, lines: int = 30) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_healthy(self, url: str, timeout_s: float, name: str) -> None:
+        t0 = time.monotonic()
+        shown = t0
+        while True:
+            if self.proc.poll() is not None:
+                raise BenchError(f"`pdserve up` exited with {self.proc.returncode} before serving")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            now = time.monotonic()
+            if now - t0 > timeout_s:
+                raise BenchError(f"not healthy after {timeout_s:.0f} s (--start-timeout)")
+            if now - shown >= WAIT_PROGRESS_S:
+                shown = now
+                last = self.tail(1).strip()
+                log(f"{name}: waiting for {url}/health, {now - t0:.0f} s{f' — {last}' if last else ''}")
+            time.sleep(1)
+
+    def stop(self, timeout_s: float) -> tuple[int, str]:
+        """Ctrl-C; a cluster that does not stop in time gets its stacks dumped, then is killed.
+        Returns (exit code, "interrupted" | "killed")."""
+        how = "interrupted"
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                how = "killed"
+                self.proc.send_signal(signal.SIGUSR1)  # `pdserve up` writes every thread's stack to its log
+                time.sleep(2)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self._log.close()
+        return self.proc.returncode, how
+
+
+def wait_port_closed(host: str, port: int, timeout_s: float) -> bool:
+    """The router dies with its cluster, a moment after `pdserve up`; the next file may use the same port."""
+    deadline = time.monotonic() + timeout_s
+    while port_open(host, port):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    path: str
+    url: str
+    log_path: str
+    error: str | None = None  # why it did not start or was not measured
+    sweep: Sweep | None = None
+    exit_code: int | None = None  # of `pdserve up`
+    stopped: str | None = None  # "interrupted" (Ctrl-C was enough) | "killed"
+    port_closed: bool | None = None
+
+    @property
+    def runs(self) -> list[RateSummary]:
+        return [r.summary for r in self.sweep.runs] if self.sweep else []
+
+    @property
+    def goodput(self) -> float | None:
+        return self.sweep.goodput if self.sweep else None
+
+    def to_json(self, save_requests: bool) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "log_path": self.log_path, "error": self.error,
+                "exit_code": self.exit_code, "stopped": self.stopped, "port_closed": self.port_closed,
+                "goodput": rate_json(self.goodput),
+                **(self.sweep.to_json(save_requests) if self.sweep else {"url": self.url, "runs": []})}
+
+
+def run_config(path: Path, cfg: ClusterConfig, a: argparse.Namespace, log_dir: Path) -> ConfigResult:
+    host, port = endpoint(cfg)
+    url = f"http://{host}:{port}"
+    res = ConfigResult(path.stem, str(path), url, str(log_dir / f"pdserve-up.{path.stem}.log"))
+    if port_open(host, port):  # /health would answer from the wrong cluster
+        res.error = f"port {port} is already in use (another cluster? `pdserve down` stops it)"
+        log(f"{res.name}: {res.error}")
+        return res
+    log(f"{res.name}: pdserve up {path} (log: {res.log_path})")
+    up = UpProcess(path, Path(res.log_path))
+    try:
+        t0 = time.monotonic()
+        up.wait_healthy(url, a.start_timeout, res.name)
+        log(f"{res.name}: serving at {url} after {time.monotonic() - t0:.0f} s")
+        res.sweep = asyncio.run(serving_load.run_sweep(
+            url, a.rates, serving_load.workload_of(a), serving_load.slo_of(a), stop_below=a.stop_below,
+            log=lambda m: log(f"{res.name}: {m}")))
+    except BenchError as e:
+        res.error = str(e)
+        log(f"{res.name}: {res.error}; the log's tail:\n{up.tail()}")
+    finally:
+        log(f"{res.name}: stopping")
+        res.exit_code, res.stopped = up.stop(a.stop_timeout)
+        res.port_closed = wait_port_closed(host, port, 30)
+        if not res.port_closed:
+            log(f"{res.name}: port {port} still answers after the stop")
+    return res
+
+
+# -- the command ------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.pd_goodput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("configs", nargs="+", type=Path, help="cluster.yaml files, run in this order")
+    p.add_argument("--start-timeout", type=float, default=900.0,
+                   help="seconds for a cluster to answer /health (default: %(default)s)")
+    p.add_argument("--stop-timeout", type=float, default=120.0,
+                   help="seconds for a cluster to stop after Ctrl-C before it is killed (default: %(default)s)")
+    p.add_argument("--log-dir", type=Path, help="where the `pdserve up` logs go (default: a new temporary folder)")
+    serving_load.add_load_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    serving_load.check_load_args(p, a)
+    try:  # every file is checked before the first cluster starts
+        configs = {path: load_cluster_config(str(path)) for path in a.configs}
+    except ConfigError as e:
+        print(f"pd_goodput: error: {e}", file=sys.stderr)
+        return 2
+    log_dir = a.log_dir or Path(tempfile.mkdtemp(prefix="pd_goodput-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
+            "args": {**serving_load.args_json(a), "configs": [str(c) for c in a.configs],
+                     "log_dir": str(log_dir)}}
+    results: list[ConfigResult] = []
+    for path, cfg in configs.items():
+        results.append(run_config(path, cfg, a, log_dir))
+        serving_load.write_json(a.json, {"meta": meta, "configs": [r.to_json(a.save_requests) for r in results]})
+    print_table(results, a)
+    if a.json:
+        log(f"wrote {a.json}")
+    return 0 if all(r.error is None for r in results) else 1
+
+
+def print_table(results: list[ConfigResult], a: argparse.Namespace) -> None:
+    print(f"\nprompts {a.input_len} tokens, output {a.output_len}; goodput: the highest rate with >= "
+          f"{100 * a.slo_attainment:g} % of requests meeting TTFT <= {a.slo_ttft_ms:g} ms and TPOT <= "
+          f"{a.slo_tpot_ms:g} ms")
+    print(f"{'config':<14} {'goodput':>8} | {'rate':>6} {'ok/sent':>9} {'SLO %':>6} {'p90 TTFT ms':>12} "
+          f"{'p90 TPOT ms':>12}")
+    for r in results:
+        goodput = rate_label(r.goodput) if r.goodput is not None else "-"
+        if not r.runs:
+            print(f"{r.name:<14} {goodput:>8} | {r.error}")
+        for i, s in enumerate(r.runs):
+            head = f"{r.name:<14} {goodput:>8}" if i == 0 else " " * 23
+            print(f"{head} | {rate_label(s.rate):>6} {f'{s.completed}/{s.sent}':>9} {100 * s.slo_attainment:>6.1f} "
+                  f"{serving_load.fmt(s.ttft_ms.p90):>12} {serving_load.fmt(s.tpot_ms.p90, 2):>12}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

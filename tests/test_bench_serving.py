@@ -1,0 +1,169 @@
+"""`pdserve bench` and the P:D goodput driver as a user runs them: real `pdserve up` clusters on the
+CPU, real HTTP. The pure parts (arrivals, percentiles, attainment, goodput) on hand-made records."""
+
+import dataclasses
+import json
+import math
+import random
+import socket
+import statistics
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from pdserve.benchmarks.serving_load import RequestRecord, Slo, Stats, goodput, poisson_gaps, summarize
+from serving_cluster import Cluster, free_port
+
+NO_SLO = ["--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000"]  # every request meets these
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+# -- the pure parts -----------------------------------------------------------------------------------
+
+
+def test_poisson_gaps_average_one_over_the_rate():
+    gaps = poisson_gaps(4.0, 20000, random.Random(0))
+    assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.03)
+    assert statistics.stdev(gaps) == pytest.approx(0.25, rel=0.05)  # exponential: stdev = mean
+    assert gaps[:50] == poisson_gaps(4.0, 50, random.Random(0))  # seeded: the same arrivals again
+    assert poisson_gaps(math.inf, 3, random.Random(0)) == [0.0, 0.0, 0.0]
+
+
+def test_percentiles_interpolate_between_ranks():
+    values = [float(x) for x in range(1, 101)]
+    random.Random(0).shuffle(values)
+    assert Stats.of(values) == Stats(mean=50.5, p50=50.5, p90=90.1, p99=99.01)
+    assert Stats.of([7.0]) == Stats(7.0, 7.0, 7.0, 7.0)
+    assert Stats.of([]) == Stats(None, None, None, None)
+
+
+def record(ttft_ms: float | None, e2e_ms: float | None, tokens: int = 11, error: str | None = None) -> RequestRecord:
+    return RequestRecord(0, 32, start_s=0.0, ttft_ms=ttft_ms, e2e_ms=e2e_ms, output_tokens=tokens, error=error)
+
+
+def test_attainment_counts_every_request_sent():
+    slo = Slo(ttft_ms=100, tpot_ms=10, attainment=0.75)
+    records = [record(50, 150),  # TPOT (150 - 50) / 10 = 10: meets both
+               record(90, 90, tokens=1),  # one token: no TPOT, TTFT meets
+               record(150, 200),  # TTFT misses
+               record(50, 300),  # TPOT 25 misses
+               record(None, None, error="HTTP 503: full")]
+    s = summarize(2.0, records, duration_s=4.0, slo=slo)
+    assert (s.sent, s.completed, s.failed) == (5, 4, 1)
+    assert s.slo_attainment == 0.4 and s.good_rps == 0.5
+    assert s.errors == {"HTTP 503: full": 1}
+    assert s.tpot_ms.p50 == 10 and s.ttft_ms.mean == 85  # the failed request is in neither
+    assert s.request_throughput == 1.0 and s.output_throughput == 34 / 4
+
+
+def test_goodput_is_the_highest_rate_that_meets_the_attainment():
+    slo = Slo(attainment=0.9)
+    base = summarize(1.0, [record(10, 20)], 1.0, slo)
+
+    def at(rate: float, attainment: float):
+        return dataclasses.replace(base, rate=rate, slo_attainment=attainment)
+
+    assert goodput([at(1, 1.0), at(2, 0.95), at(4, 0.5), at(8, 0.9)], slo) == 8  # the highest, not the first
+    assert goodput([at(1, 0.89), at(2, 0.2)], slo) is None
+    assert goodput([at(4, 1.0), at(math.inf, 0.9)], slo) == math.inf
+
+
+def test_the_commands_import_no_torch():
+    code = ("import sys; import pdserve.cli, pdserve.benchmarks.serving_load, pdserve.benchmarks.pd_goodput; "
+            "pdserve.cli.build_parser(); assert 'torch' not in sys.modules, 'torch was imported'")
+    r = run("-c", code)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_server_that_is_not_there_is_a_clear_error():
+    r = run("-m", "pdserve.cli", "bench", "--url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1")
+    assert r.returncode == 2
+    assert "cannot reach" in r.stderr and "pdserve up" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- the P:D driver: its own cluster, before the shared one exists (one Ray at a time) ------------------
+
+
+def test_pd_goodput_measures_each_config_and_stops_its_cluster(tmp_path):
+    port = free_port()
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({"router": {"host": "127.0.0.1", "http_port": port, "grpc_port": 0},
+                                      "prefill": {"num_kv_blocks": 512}, "decode": {"num_kv_blocks": 512}}))
+    out = tmp_path / "out.json"
+    r = run("-m", "pdserve.benchmarks.pd_goodput", str(config), "--rates", "2", "--num-prompts", "4",
+            "--input-len", "16", "--output-len", "4", *NO_SLO, "--log-dir", str(tmp_path), "--json", str(out),
+            "--start-timeout", "240", timeout=420)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    [c] = json.loads(out.read_text())["configs"]
+    assert c["name"] == "tiny" and c["error"] is None and c["goodput"] == 2.0
+    [rate] = c["runs"]
+    assert rate["rate"] == 2.0 and rate["completed"] == 4 and rate["slo_attainment"] == 1.0
+    assert c["exit_code"] == 0 and c["stopped"] == "interrupted" and c["port_closed"]
+    assert not port_open(port)
+    assert "ready" in (tmp_path / "pdserve-up.tiny.log").read_text()
+    assert "tiny" in r.stdout  # the table
+
+
+# -- `pdserve bench` against one shared cluster -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("bench"))
+    try:
+        c.wait_ready()
+        yield c
+    finally:
+        assert c.stop() == 0, c.output()
+
+
+def bench(cluster: Cluster, tmp_path, *args: str) -> tuple[dict, subprocess.CompletedProcess]:
+    out = tmp_path / "out.json"
+    r = run("-m", "pdserve.cli", "bench", "--url", cluster.url, "--num-prompts", "6", "--input-len", "32",
+            "--output-len", "8", "--json", str(out), "--save-requests", *args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(out.read_text()), r
+
+
+def test_bench_measures_every_request_at_each_rate(cluster, tmp_path):
+    res, r = bench(cluster, tmp_path, "--rate", "4", "inf", *NO_SLO)
+    assert res["model"] == "tiny-moe" and [x["rate"] for x in res["runs"]] == [4.0, "inf"]
+    for x in res["runs"]:
+        assert x["sent"] == x["completed"] == 6 and x["failed"] == 0 and x["errors"] == {}
+        for req in x["requests"]:
+            assert req["ok"] and req["output_tokens"] == 8  # ignore_eos: exactly --output-len
+            assert 0 < req["ttft_ms"] <= req["e2e_ms"] and req["tpot_ms"] >= 0
+            assert len(req["itl_ms"]) == req["chunks"] - 1
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            s = x[key]
+            assert s["p50"] <= s["p90"] <= s["p99"], (key, s)
+        assert x["slo_attainment"] == 1.0 and x["good_rps"] == x["request_throughput"] > 0
+        assert x["output_throughput"] == pytest.approx(8 * x["request_throughput"], rel=0.01)
+    starts = [req["start_s"] for req in res["runs"][0]["requests"]]
+    assert starts == sorted(starts) and starts[-1] > 0.1  # Poisson arrivals, spread over about 1.5 s
+    assert res["goodput"] == "inf"  # every rate passed: the highest one
+    assert "goodput: inf" in r.stdout and "[bench] rate 4 req/s" in r.stderr
+
+
+def test_an_impossible_slo_is_met_by_no_request(cluster, tmp_path):
+    res, r = bench(cluster, tmp_path, "--rate", "4", "--slo-ttft-ms", "0.001")
+    [x] = res["runs"]
+    assert x["completed"] == 6 and x["slo_attainment"] == 0.0 and x["good_rps"] == 0.0
+    assert res["goodput"] is None and "none of these rates" in r.stdout
+
+
+def test_bad_requests_say_what_to_do(cluster):
+    r = run("-m", "pdserve.cli", "bench", "--url", cluster.url, "--model", "nope", "--num-prompts", "1")
+    assert r.returncode == 2 and "it serves tiny-moe" in r.stderr
+    r = run("-m", "pdserve.cli", "bench", "--url", cluster.url, "--input-len", "4096", "--num-prompts", "1")
+    assert r.returncode == 2 and "exceed the context" in r.stderr and "Traceback" not in r.stderr

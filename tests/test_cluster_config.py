@@ -1,0 +1,56 @@
+"""cluster.yaml topologies: disaggregated (prefill + decode replicas) or colocated (colocated
+replicas only); a wrong mix fails on load, naming the keys and what is allowed."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from pdserve.config import ClusterConfig, ConfigError, load_cluster_config
+
+
+def load(tmp_path, raw: dict) -> ClusterConfig:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return load_cluster_config(str(path))
+
+
+def test_the_default_is_one_prefill_and_one_decode_replica(tmp_path):
+    for cfg in (load_cluster_config(None), load(tmp_path, {})):
+        assert (cfg.prefill.replicas, cfg.decode.replicas, cfg.colocated.replicas) == (1, 1, 0)
+    with pytest.raises(ConfigError, match=r"prefill\.replicas: 0 is not allowed — a disaggregated cluster"):
+        load(tmp_path, {"prefill": {"replicas": 0}})
+
+
+@pytest.mark.parametrize("named", [{}, {"prefill": {"replicas": 0}, "decode": {"replicas": 0, "max_num_seqs": 8}}])
+def test_colocated_replicas_leave_no_prefill_or_decode_replicas(tmp_path, named):
+    cfg = load(tmp_path, {"colocated": {"replicas": 2, "max_num_seqs": 32, "chunk_size": 64}, **named})
+    assert (cfg.prefill.replicas, cfg.decode.replicas, cfg.colocated.replicas) == (0, 0, 2)
+    engine = cfg.engine_config("colocated")  # both phases' settings
+    assert (engine.role, engine.max_num_seqs, engine.chunk_size) == ("colocated", 32, 64)
+
+
+def test_colocated_with_prefill_or_decode_replicas_names_the_keys(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, {"colocated": {"replicas": 1}, "prefill": {"replicas": 1}, "decode": {"replicas": 2}})
+    msg = str(e.value)
+    assert "prefill.replicas: 1, decode.replicas: 2 are not allowed" in msg
+    assert "colocated.replicas: 1" in msg and "leave prefill.replicas and decode.replicas out" in msg
+    with pytest.raises(ConfigError, match=r"prefill\.replicas: 1 is not allowed"):
+        load(tmp_path, {"colocated": {"replicas": 1}, "prefill": {"replicas": 1}})
+
+
+def test_colocated_gpus_are_0_or_1(tmp_path):
+    with pytest.raises(ConfigError, match=r"colocated\.gpus: 2 is not allowed"):
+        load(tmp_path, {"colocated": {"replicas": 1, "gpus": 2}})
+
+
+def test_pdserve_up_refuses_a_mixed_topology_before_starting(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("colocated: {replicas: 2}\ndecode: {replicas: 1}\n")
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", str(path)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2
+    assert "decode.replicas: 1 is not allowed" in r.stderr
+    assert "Traceback" not in r.stderr and "starting Ray" not in r.stderr
