@@ -14,6 +14,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import ReplicaStats
 from pdserve.models import load_model, resolve_model_args
 from pdserve.ops.ep_exchange import EPExchange
+from pdserve.ops.moe import TorchMoE, route
 from pdserve.ops.expert_placement import ExpertPlacement
 from router.decode_replica import DecodeReplica
 
@@ -82,6 +83,30 @@ def test_each_rank_holds_its_slice_of_the_single_rank_model(model, checkpoints):
         assert not ranks[0].wants("model.layers.0.mlp.experts.5.up_proj.weight")
         assert ranks[0].wants("model.layers.0.mlp.experts.1.up_proj.weight") and ranks[1].wants(
             "model.layers.0.mlp.experts.1.up_proj.weight")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_all_gather_path_packs_routing_beside_the_tokens(dtype):
+    """One rank of one (gloo, in this process): the all-gather path ships each token with its
+    routing in one collective (float32 weights and ids reinterpreted in the token dtype) and skips
+    the padding; its output is the plain MoE's, bit for bit."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(5)
+        experts, k, h, i = 8, 2, 16, 8
+        ex = EPExchange(ExpertPlacement(experts, 1, 0), torch.device("cpu"), threshold=10**9)
+        x = torch.randn(5, h, generator=g).to(dtype)
+        w13 = torch.randn(experts, 2 * i, h, generator=g).to(dtype)
+        w2 = torch.randn(experts, h, i, generator=g).to(dtype)
+        weights, ids = route(torch.randn(5, experts, generator=g), k, True)
+        ex.begin_step(7)  # another rank has 7 tokens: 2 padding rows here
+        out = ex.forward(x, w13, w2, weights, ids, TorchMoE())
+        assert torch.equal(out, TorchMoE().forward(x, w13, w2, weights, ids))
+        assert ex.expert_load()[1] == torch.bincount(ids.flatten(), minlength=experts).tolist()
+    finally:
+        dist.destroy_process_group()
 
 
 def _requests(vocab: int, seed: int) -> list[list[Request]]:

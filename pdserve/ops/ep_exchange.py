@@ -4,11 +4,12 @@ Each rank holds some of the experts (ExpertPlacement). For every MoE layer of ev
 rank of the group calls `forward` with its own tokens (possibly none) and gets back, per token,
 the weighted sum over its top-k experts wherever they live. Two paths:
 
-- all-gather / reduce-scatter: each rank gathers every rank's tokens, padded to the step's
-  agreed largest batch, runs its own experts over all of them (pairs served elsewhere weigh 0),
-  and a reduce-scatter sums the partial results and hands each rank its rows. Static shapes, no
-  host sync: safe inside a CUDA graph. For small batches, where reading the experts' weights,
-  not the extra rows, is what a step costs.
+- all-gather / reduce-scatter: each rank gathers every rank's tokens with their routing (one
+  collective), padded to the step's agreed largest batch, runs its own experts over the pairs it
+  serves (the others, and padding, carry the skip id: no kernel computes them), and a
+  reduce-scatter sums the partial results and hands each rank its rows. Static shapes, no host
+  sync: safe inside a CUDA graph. For small batches, where reading the experts' weights, not the
+  extra rows, is what a step costs.
 - all-to-all: a token goes once to each rank that serves one of its experts, with counts
   exchanged first (one host sync per layer); results come back the same way. Only the needed
   rows move and only owned pairs are computed: the path for large batches.
@@ -83,24 +84,27 @@ class EPExchange:
 
     def _all_gather(self, x, w13, w2, weights, ids, backend) -> torch.Tensor:
         (t, k), h, p, n = ids.shape, x.shape[1], self.max_tokens, self.size
-        xs = x.new_zeros(p, h)
-        xs[:t] = x
-        # The expert ids travel as float32 beside their weights (ids < 2**24 are exact): one
-        # collective for both. Padding rows weigh 0.
+        # One collective for tokens and routing: each row is its token, then its k weights and k
+        # expert ids as float32 (ids < 2**24 are exact) reinterpreted in x's dtype. Padding rows
+        # weigh 0 (each collective pays NCCL's latency once per layer: fewer is faster).
         route = torch.zeros(p, 2 * k, dtype=torch.float32, device=x.device)
         route[:t, :k] = weights
         route[:t, k:] = ids
-        x_all = x.new_empty(n * p, h)
-        _all_gather(x_all, xs, group=self.group)
-        route_all = route.new_empty(n * p, 2 * k)
-        _all_gather(route_all, route, group=self.group)
+        route = route.view(x.dtype)  # [p, 2k * 4 / x's element size]
+        send = x.new_zeros(p, h + route.shape[1])
+        send[:t, :h] = x
+        send[:, h:] = route
+        recv = x.new_empty(n * p, send.shape[1])
+        _all_gather(recv, send, group=self.group)
+        x_all = recv[:, :h]  # rows strided past their routing: the backends take a row stride
+        route_all = recv[:, h:].contiguous().view(torch.float32)
         w_all, ids_all = route_all[:, :k], route_all[:, k:].long()
         src = torch.arange(n * p, device=x.device) // p  # the rank each row comes from
-        mine = self._serving[src[:, None], ids_all] == self.rank  # [n * p, k]
-        # Static shapes: a pair served elsewhere stays, weighing 0, on some local expert (spread
-        # over them, so that no one expert gets every such row).
-        local_ids = torch.where(mine, self._slot[ids_all], ids_all % self.num_local)
-        y = backend.forward(x_all, w13, w2, torch.where(mine, w_all, 0.0), local_ids)  # [n * p, H]
+        # Pairs this rank serves; padding (weight 0) is nobody's. The rest carry the skip id
+        # (num_local: one past this rank's experts), which every MoE backend leaves out.
+        mine = (self._serving[src[:, None], ids_all] == self.rank) & (w_all != 0)  # [n * p, k]
+        local_ids = torch.where(mine, self._slot[ids_all], self.num_local)
+        y = backend.forward(x_all, w13, w2, w_all, local_ids)  # [n * p, H]
         out = x.new_empty(p, h)
         _reduce_scatter(out, y.contiguous(), group=self.group)
         return out[:t]

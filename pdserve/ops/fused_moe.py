@@ -8,6 +8,10 @@
    routing weight multiplied in the epilogue. Rows are written per pair, in pair order.
 3. `moe_sum`: each token's k rows summed in float32.
 
+A pair whose expert id is E (the number of experts: an expert-parallel rank's "served elsewhere")
+is skipped: `moe_align` places it in no tile, so no GEMM computes it, and `moe_sum` leaves its
+(never written) row out.
+
 The grids are sized from an upper bound on the padded length (T*k + min(E, T*k) * (BLOCK_M - 1));
 tiles past the real end (read on the device) return at once.
 """
@@ -27,7 +31,7 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, curso
     for c0 in range(0, num_pairs, CHUNK):
         i = c0 + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + i, mask=i < num_pairs, other=0).to(tl.int32)
-        counts += tl.histogram(ids, BLOCK_E, mask=i < num_pairs)
+        counts += tl.histogram(ids, BLOCK_E, mask=(i < num_pairs) & (ids < num_experts))
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     tl.store(cursor_ptr + e, ends - padded)
@@ -44,8 +48,9 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, curso
     for c0 in range(0, num_pairs, CHUNK):
         i = c0 + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + i, mask=i < num_pairs, other=0).to(tl.int32)
-        slot = tl.atomic_add(cursor_ptr + ids, 1, mask=i < num_pairs)
-        tl.store(sorted_ptr + slot, i, mask=i < num_pairs)
+        placed = (i < num_pairs) & (ids < num_experts)  # a skipped pair gets no slot
+        slot = tl.atomic_add(cursor_ptr + ids, 1, mask=placed)
+        tl.store(sorted_ptr + slot, i, mask=placed)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -122,9 +127,9 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr
 
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, out_ptr, rows_ptr, w_ptr, H, stride_y, stride_o,
+def _moe_sum_kernel(y_ptr, out_ptr, rows_ptr, w_ptr, ids_ptr, num_experts, H, stride_y, stride_o,
                     TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+                    HAS_IDS: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h < H
@@ -136,13 +141,17 @@ def _moe_sum_kernel(y_ptr, out_ptr, rows_ptr, w_ptr, H, stride_y, stride_o,
         y = tl.load(y_ptr + row.to(tl.int64) * stride_y + h, mask=h_mask, other=0.0).to(tl.float32)
         if HAS_WEIGHTS:
             y = y * tl.load(w_ptr + t * TOP_K + j)
+        if HAS_IDS:  # a skipped pair's row was never written: whatever it holds (NaN too) stays out
+            y = tl.where(tl.load(ids_ptr + t * TOP_K + j) < num_experts, y, 0.0)
         acc += y
     tl.store(out_ptr + t * stride_o + h, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
 
 
 def moe_sum(y: torch.Tensor, num_tokens: int, top_k: int, rows: torch.Tensor | None = None,
-            weights: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * y[rows[t*k + j]] (rows, weights optional) -> [T, H] in y's dtype."""
+            weights: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            ids: torch.Tensor | None = None, num_experts: int = 0) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * y[rows[t*k + j]] (rows, weights optional) -> [T, H] in y's dtype;
+    with `ids` [T, k] (contiguous), only over the pairs whose id is below `num_experts`."""
     h = y.shape[1]
     if out is None:
         out = torch.empty(num_tokens, h, dtype=y.dtype, device=y.device)
@@ -151,8 +160,9 @@ def moe_sum(y: torch.Tensor, num_tokens: int, top_k: int, rows: torch.Tensor | N
     block_h = min(1024, triton.next_power_of_2(h))
     _moe_sum_kernel[(num_tokens, triton.cdiv(h, block_h))](
         y, out, rows if rows is not None else y, weights if weights is not None else y,
-        h, y.stride(0), out.stride(0),
-        TOP_K=top_k, HAS_ROWS=rows is not None, HAS_WEIGHTS=weights is not None, BLOCK_H=block_h,
+        ids if ids is not None else y, num_experts, h, y.stride(0), out.stride(0),
+        TOP_K=top_k, HAS_ROWS=rows is not None, HAS_WEIGHTS=weights is not None, HAS_IDS=ids is not None,
+        BLOCK_H=block_h,
         num_warps=4)
     return out
 
@@ -192,11 +202,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return torch.empty_like(x) if out is None else out
     cfg = config or _gemm_config(num_pairs, x.dtype)
     topk_weights = topk_weights.contiguous()
-    sorted_ids, expert_ids, num_padded = moe_align(topk_ids.contiguous(), num_experts, cfg["BLOCK_M"])
+    topk_ids = topk_ids.contiguous()
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, cfg["BLOCK_M"])
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     _launch_gemm(x, w13, inter, topk_weights, sorted_ids, expert_ids, num_padded,
                  num_pairs, inter_size, hidden, top_k, True, cfg)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _launch_gemm(inter, w2, y, topk_weights, sorted_ids, expert_ids, num_padded,
                  num_pairs, hidden, inter_size, 1, False, cfg)
-    return moe_sum(y, num_tokens, top_k, out=out)
+    return moe_sum(y, num_tokens, top_k, out=out, ids=topk_ids, num_experts=num_experts)

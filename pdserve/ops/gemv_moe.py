@@ -25,14 +25,15 @@ from pdserve.ops.fused_moe import moe_sum
 
 
 @triton.jit
-def _gemv_w13_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, I, K,
+def _gemv_w13_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, I, K, num_experts,
                      stride_xt, stride_we, stride_wn, stride_it,
                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
     p = tl.program_id(0)
     nt = tl.program_id(1)
     t = p // TOP_K
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    # A skipped pair (id E) computes with the last expert, in bounds; _gemv_w2_kernel weighs it 0.
+    e = tl.minimum(tl.load(ids_ptr + p), num_experts - 1).to(tl.int64)
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
@@ -61,7 +62,7 @@ def _gemv_w13_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, I, K,
 
 
 @triton.jit
-def _gemv_w2_kernel(inter_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, N, K,
+def _gemv_w2_kernel(inter_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, N, K, num_experts,
                     stride_it, stride_we, stride_wn, stride_ot,
                     EPP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
@@ -73,8 +74,9 @@ def _gemv_w2_kernel(inter_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, N, K,
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for j in tl.static_range(EPP):
         p = grp * EPP + j
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        wt = tl.load(tw_ptr + p).to(tl.float32)
+        e = tl.load(ids_ptr + p)
+        wt = tl.where(e < num_experts, tl.load(tw_ptr + p).to(tl.float32), 0.0)
+        e = tl.minimum(e, num_experts - 1).to(tl.int64)
         a_row = inter_ptr + p.to(tl.int64) * stride_it
         w_rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
         for k0 in range(0, K, BLOCK_K):
@@ -130,14 +132,14 @@ def gemv_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     assert top_k % epp == 0
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     _gemv_w13_kernel[(num_pairs, triton.cdiv(inter_size, bn13))](
-        x, w13, ids, inter, inter_size, hidden,
+        x, w13, ids, inter, inter_size, hidden, w13.shape[0],
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         TOP_K=top_k, BLOCK_N=bn13, BLOCK_K=bk13, EVEN_K=hidden % bk13 == 0, EVEN_N=inter_size % bn13 == 0,
         num_warps=cfg["num_warps"])
     groups = num_tokens * (top_k // epp)
     y = out if epp == top_k else torch.empty(groups, hidden, dtype=torch.float32, device=x.device)
     _gemv_w2_kernel[(groups, triton.cdiv(hidden, bn2))](
-        inter, w2, ids, tw, y, hidden, inter_size,
+        inter, w2, ids, tw, y, hidden, inter_size, w2.shape[0],
         inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         EPP=epp, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=inter_size % bk2 == 0, EVEN_N=hidden % bn2 == 0,
         num_warps=cfg["num_warps"])

@@ -23,12 +23,13 @@ class TorchMoE:
 
     def forward(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [T, k] -> [T, H]."""
+        """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [T, k] -> [T, H].
+        A pair whose id is E (SKIP_EXPERT(w13)) adds nothing: expert parallel, served elsewhere."""
         out = torch.zeros_like(x)
         top_k = topk_ids.shape[1]
         flat_ids = topk_ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+        order = torch.argsort(flat_ids, stable=True)  # skipped pairs sort last, past every expert's run
+        counts = torch.bincount(flat_ids, minlength=w13.shape[0])[:w13.shape[0]].tolist()
         flat_weights = topk_weights.flatten()
         start = 0
         for expert, n in enumerate(counts):
