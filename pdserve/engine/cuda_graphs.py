@@ -46,7 +46,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, w, dtype=torch.long, **z)
         self.context_lens = torch.zeros(n, dtype=torch.int32, **z)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, **z)
-        self.row_valid = torch.zeros(n, dtype=torch.int32, **z)  # expert-parallel load counting
+        self.row_valid = torch.zeros(n, dtype=torch.int32, **z)  # EP: padding is not computed nor counted
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # Capture on our GPU whichever is current: Triton launches on the current device.

@@ -43,8 +43,8 @@ class EPExchange:
         self.max_tokens = 0  # the current step's largest batch over the ranks
         self.graph_batch = 0  # the largest batch the decode graphs hold (0: no graphs); set by DecodeGraphs
         self.graphed = False  # this step replays the decode graphs on every rank
-        # While capturing: 1 for a real row of the bucket, 0 for padding, so that padding is not
-        # counted as expert load. A static buffer of the graphs; None in eager steps (no padding).
+        # While capturing: 1 for a real row of the bucket, 0 for padding, so that padding is neither
+        # computed nor counted as expert load. A static buffer of the graphs; None in eager steps.
         self.row_valid: torch.Tensor | None = None
         # Tokens this rank routed to each expert, summed over MoE layers; on the device, no sync per layer.
         self.tokens_step = torch.zeros(placement.num_experts, dtype=torch.long, device=device)
@@ -88,7 +88,8 @@ class EPExchange:
         # expert ids as float32 (ids < 2**24 are exact) reinterpreted in x's dtype. Padding rows
         # weigh 0 (each collective pays NCCL's latency once per layer: fewer is faster).
         route = torch.zeros(p, 2 * k, dtype=torch.float32, device=x.device)
-        route[:t, :k] = weights
+        # In a replayed graph the bucket's padding rows are rows of x: row_valid weighs them 0.
+        route[:t, :k] = weights if self.row_valid is None else weights * self.row_valid[:, None]
         route[:t, k:] = ids
         route = route.view(x.dtype)  # [p, 2k * 4 / x's element size]
         send = x.new_zeros(p, h + route.shape[1])
