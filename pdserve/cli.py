@@ -83,9 +83,9 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from pdserve.benchmarks import serving_load
+    from pdserve.benchmarks.load.cli import main
 
-    return serving_load.main(args.args)
+    return main(args.args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,8 @@ import sys
 import pytest
 import yaml
 
-from pdserve.benchmarks.serving_load import RequestRecord, Slo, Stats, goodput, poisson_gaps, summarize
+from pdserve.benchmarks.load.records import RequestRecord, Slo, Stats, goodput, summarize
+from pdserve.benchmarks.load.sweep import poisson_gaps
 from serving_cluster import Cluster, free_port
 
 NO_SLO = ["--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000"]  # every request meets these
@@ -79,7 +80,7 @@ def test_goodput_is_the_highest_rate_that_meets_the_attainment():
 
 
 def test_the_commands_import_no_torch():
-    code = ("import sys; import pdserve.cli, pdserve.benchmarks.serving_load, pdserve.benchmarks.pd_goodput; "
+    code = ("import sys; import pdserve.cli, pdserve.benchmarks.load.cli, pdserve.benchmarks.pd_goodput; "
             "pdserve.cli.build_parser(); assert 'torch' not in sys.modules, 'torch was imported'")
     r = run("-c", code)
     assert r.returncode == 0, r.stderr

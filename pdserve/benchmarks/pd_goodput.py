@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from pdserve.benchmarks import serving_load
-from pdserve.benchmarks.serving_load import BenchError, RateSummary, Sweep, rate_json, rate_label
+from pdserve.benchmarks.load.cli import add_load_args, args_json, check_load_args, fmt, slo_of, workload_of, write_json
+from pdserve.benchmarks.load.client import BenchError
+from pdserve.benchmarks.load.records import RateSummary, rate_json, rate_label
+from pdserve.benchmarks.load.sweep import Sweep, run_sweep
 from pdserve.config import ClusterConfig, ConfigError, load_cluster_config
 
 WAIT_PROGRESS_S = 15.0
@@ -158,8 +160,8 @@ def run_config(path: Path, cfg: ClusterConfig, a: argparse.Namespace, log_dir: P
         t0 = time.monotonic()
         up.wait_healthy(url, a.start_timeout, res.name)
         log(f"{res.name}: serving at {url} after {time.monotonic() - t0:.0f} s")
-        res.sweep = asyncio.run(serving_load.run_sweep(
-            url, a.rates, serving_load.workload_of(a), serving_load.slo_of(a), stop_below=a.stop_below,
+        res.sweep = asyncio.run(run_sweep(
+            url, a.rates, workload_of(a), slo_of(a), stop_below=a.stop_below,
             log=lambda m: log(f"{res.name}: {m}")))
     except BenchError as e:
         res.error = str(e)
@@ -185,14 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-timeout", type=float, default=120.0,
                    help="seconds for a cluster to stop after Ctrl-C before it is killed (default: %(default)s)")
     p.add_argument("--log-dir", type=Path, help="where the `pdserve up` logs go (default: a new temporary folder)")
-    serving_load.add_load_args(p)
+    add_load_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    serving_load.check_load_args(p, a)
+    check_load_args(p, a)
     try:  # every file is checked before the first cluster starts
         configs = {path: load_cluster_config(str(path)) for path in a.configs}
     except ConfigError as e:
@@ -201,12 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = a.log_dir or Path(tempfile.mkdtemp(prefix="pd_goodput-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
-            "args": {**serving_load.args_json(a), "configs": [str(c) for c in a.configs],
+            "args": {**args_json(a), "configs": [str(c) for c in a.configs],
                      "log_dir": str(log_dir)}}
     results: list[ConfigResult] = []
     for path, cfg in configs.items():
         results.append(run_config(path, cfg, a, log_dir))
-        serving_load.write_json(a.json, {"meta": meta, "configs": [r.to_json(a.save_requests) for r in results]})
+        write_json(a.json, {"meta": meta, "configs": [r.to_json(a.save_requests) for r in results]})
     print_table(results, a)
     if a.json:
         log(f"wrote {a.json}")
@@ -226,7 +228,7 @@ def print_table(results: list[ConfigResult], a: argparse.Namespace) -> None:
         for i, s in enumerate(r.runs):
             head = f"{r.name:<14} {goodput:>8}" if i == 0 else " " * 23
             print(f"{head} | {rate_label(s.rate):>6} {f'{s.completed}/{s.sent}':>9} {100 * s.slo_attainment:>6.1f} "
-                  f"{serving_load.fmt(s.ttft_ms.p90):>12} {serving_load.fmt(s.tpot_ms.p90, 2):>12}")
+                  f"{fmt(s.ttft_ms.p90):>12} {fmt(s.tpot_ms.p90, 2):>12}")
 
 
 if __name__ == "__main__":

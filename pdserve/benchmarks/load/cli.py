@@ -1,0 +1,153 @@
+"""`pdserve bench`: Poisson load against a running pdserve's OpenAI HTTP API (DESIGN §7).
+
+    pdserve up &
+    pdserve bench --rate 1 2 4 inf --num-prompts 200 --input-len 1024 --output-len 128 --json out.json
+    python -m pdserve.benchmarks.load ...          (the same command)
+
+Imports no torch: it runs on any client machine with httpx.
+
+Workload: prompts of --input-len random token ids (seeded; ids in [3, 256): bytes for the
+byte-level tokenizer of the presets, ordinary tokens of any HF vocabulary), each asking for exactly
+--output-len tokens (max_tokens with ignore_eos), greedy, streamed from /v1/completions (SSE).
+Arrivals are Poisson at each --rate in turn (inf: all at once), --num-prompts requests per rate or
+rate × --duration; one seeded generator serves the whole sweep, so no two prompts repeat (the
+prefix cache cannot help a later rate). --warmup requests go first, uncounted. A refused request
+(503: no capacity) is not retried: it counts as failed, as it would for a user.
+"""
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import sys
+from typing import Any
+
+from pdserve.benchmarks.load import records
+from pdserve.benchmarks.load.client import BenchError
+from pdserve.benchmarks.load.records import Slo, Workload, rate_json, rate_label
+from pdserve.benchmarks.load.sweep import Sweep, log, run_sweep
+
+
+def _rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (requests/s, or inf)") from None
+    if not rate > 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"{text!r}: a rate must be > 0 (or inf)")
+    return rate
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """The workload and SLO options, shared with pd_goodput."""
+    p.add_argument("--rate", "--rates", dest="rates", type=_rate, nargs="+", default=[1.0], metavar="RATE",
+                   help="requests/s, Poisson arrivals; several: a sweep, in order; inf: all at once (default: 1)")
+    n = p.add_mutually_exclusive_group()
+    n.add_argument("--num-prompts", type=int, help="requests per rate (default: 100)")
+    n.add_argument("--duration", type=float, help="seconds of arrivals per rate: rate × duration requests")
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens, exactly (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default: %(default)s)")
+    p.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no cap)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="requests sent at once before the first rate, not counted (default: %(default)s)")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default: %(default)s")
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="default: %(default)s")
+    p.add_argument("--slo-attainment", type=float, default=0.9,
+                   help="share of requests that must meet both SLOs for a rate to count (default: %(default)s)")
+    p.add_argument("--stop-below", type=float, metavar="ATTAINMENT",
+                   help="end the sweep after a rate whose attainment is under this (e.g. 0.5)")
+    p.add_argument("--json", help="write every figure here")
+    p.add_argument("--save-requests", action="store_true", help="also write each request's record to the JSON")
+
+
+def check_load_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.num_prompts is None and a.duration is None:
+        a.num_prompts = 100
+    if a.duration is not None and any(math.isinf(r) for r in a.rates):
+        p.error("--rate inf sends everything at once: give --num-prompts, not --duration")
+    for name in ("num_prompts", "duration", "input_len", "output_len", "max_concurrency", "request_timeout"):
+        value = getattr(a, name)
+        if value is not None and not value > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    if not 0 < a.slo_attainment <= 1:
+        p.error(f"--slo-attainment must be in (0, 1], got {a.slo_attainment}")
+
+
+def workload_of(a: argparse.Namespace) -> Workload:
+    return Workload(a.input_len, a.output_len, a.num_prompts, a.duration, a.seed, a.max_concurrency,
+                    a.request_timeout, a.warmup)
+
+
+def slo_of(a: argparse.Namespace) -> Slo:
+    return Slo(a.slo_ttft_ms, a.slo_tpot_ms, a.slo_attainment)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # The help: this docstring, then records.py's (what is measured) less its first line.
+    measured = records.__doc__.split("\n", 2)[2]
+    p = argparse.ArgumentParser(prog="pdserve bench", description=f"{__doc__}\n{measured}",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the pdserve HTTP endpoint (default: %(default)s)")
+    p.add_argument("--model", help="default: the first model /v1/models lists")
+    add_load_args(p)
+    return p
+
+
+def args_json(a: argparse.Namespace) -> dict[str, Any]:
+    return {k: [rate_json(r) for r in v] if k == "rates" else v for k, v in vars(a).items()}
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    check_load_args(p, a)
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "args": args_json(a)}
+
+    def save(sweep: Sweep) -> None:
+        write_json(a.json, {"meta": meta, **sweep.to_json(a.save_requests)})
+
+    try:
+        sweep = asyncio.run(run_sweep(a.url, a.rates, workload_of(a), slo_of(a), a.model, a.stop_below,
+                                      on_run=save))
+    except BenchError as e:
+        print(f"pdserve bench: error: {e}", file=sys.stderr)
+        return 2
+    print_table(sweep)
+    if a.json:
+        log(f"wrote {a.json}")
+    # Nothing completed at all is a broken setup rather than a measurement.
+    return 0 if any(r.summary.completed for r in sweep.runs) else 1
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def print_table(sweep: Sweep) -> None:
+    w, slo = sweep.workload, sweep.slo
+    print(f"\n{sweep.server.model} at {sweep.server.url}: prompts {w.input_len} tokens, output {w.output_len}; "
+          f"SLO TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms")
+    print(f"{'rate':>6} {'ok/sent':>9} {'dur s':>7} {'req/s':>7} {'tok/s':>8} | "
+          f"{'TTFT ms p50':>11} {'p90':>8} {'p99':>8} | {'TPOT ms p50':>11} {'p90':>7} {'p99':>7} | "
+          f"{'ITL p90':>7} {'e2e p90':>8} | {'SLO %':>6} {'good/s':>7}")
+    for run in sweep.runs:
+        s = run.summary
+        ttft, tpot = s.ttft_ms, s.tpot_ms
+        print(f"{rate_label(s.rate):>6} {f'{s.completed}/{s.sent}':>9} {s.duration_s:>7.1f} "
+              f"{s.request_throughput:>7.2f} {s.output_throughput:>8.1f} | {fmt(ttft.p50):>11} {fmt(ttft.p90):>8} "
+              f"{fmt(ttft.p99):>8} | {fmt(tpot.p50, 2):>11} {fmt(tpot.p90, 2):>7} {fmt(tpot.p99, 2):>7} | "
+              f"{fmt(s.itl_ms.p90, 2):>7} {fmt(s.e2e_ms.p90, 0):>8} | {100 * s.slo_attainment:>6.1f} {s.good_rps:>7.2f}")
+    g = sweep.goodput
+    print(f"goodput: {rate_label(g) + ' req/s' if g is not None else 'none of these rates'} "
+          f"(the highest rate with >= {100 * slo.attainment:g} % of requests meeting both SLOs)")

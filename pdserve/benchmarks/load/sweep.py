@@ -1,0 +1,166 @@
+"""`pdserve bench`'s arrivals: the prompts, a warm-up, one run of Poisson arrivals per rate, the sweep."""
+
+import asyncio
+import contextlib
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from pdserve.benchmarks.load.client import BenchError, Server, connect, request_body, stream_request
+from pdserve.benchmarks.load.records import (RateSummary, RequestRecord, Slo, Workload, goodput, rate_json,
+                                             rate_label, summarize)
+
+PROMPT_IDS = (3, 256)  # [low, high): below every vocabulary, clear of the usual specials 0..2
+PROGRESS_EVERY_S = 5.0
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def poisson_gaps(rate: float, n: int, rng: random.Random) -> list[float]:
+    """Seconds before each of n arrivals: exponential with mean 1/rate; all 0 at an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * n
+    return [rng.expovariate(rate) for _ in range(n)]
+
+
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(*PROMPT_IDS) for _ in range(length)]
+
+
+# -- one rate ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RateRun:
+    summary: RateSummary
+    records: list[RequestRecord]
+
+
+async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workload: Workload,
+                   rng: random.Random, slo: Slo, log: Callable[[str], None] = log) -> RateRun:
+    n = workload.num_requests(rate)
+    prompts = [random_prompt(rng, workload.input_len) for _ in range(n)]
+    gaps = poisson_gaps(rate, n, rng)
+    records = [RequestRecord(i, workload.input_len) for i in range(n)]
+    limit = asyncio.Semaphore(workload.max_concurrency) if workload.max_concurrency else None
+    label = rate_label(rate)
+    log(f"rate {label} req/s: {n} requests")
+    t0 = time.perf_counter()
+    progress = asyncio.create_task(_report_progress(label, records, t0, log))
+
+    async def send(rec: RequestRecord, prompt: list[int]) -> None:
+        async with limit or contextlib.nullcontext():  # waiting for a slot is not part of the latency
+            await stream_request(client, server, request_body(server, prompt, workload.output_len), rec, t0)
+
+    tasks, due = [], 0.0
+    try:
+        for rec, prompt, gap in zip(records, prompts, gaps):
+            due += gap
+            await asyncio.sleep(max(0.0, t0 + due - time.perf_counter()))
+            tasks.append(asyncio.create_task(send(rec, prompt)))
+        await asyncio.gather(*tasks)
+    finally:
+        progress.cancel()
+        for t in tasks:
+            t.cancel()
+    summary = summarize(rate, records, time.perf_counter() - t0, slo)
+    log(f"rate {label} req/s: {summary.completed}/{summary.sent} completed in {summary.duration_s:.1f} s, "
+        f"SLO attainment {100 * summary.slo_attainment:.1f} %")
+    if summary.errors:
+        text, count = next(iter(summary.errors.items()))
+        log(f"rate {label} req/s: {summary.failed} failed, e.g. ({count}x) {text}")
+    return RateRun(summary, records)
+
+
+async def _report_progress(label: str, records: list[RequestRecord], t0: float, log: Callable[[str], None]) -> None:
+    while True:
+        await asyncio.sleep(PROGRESS_EVERY_S)
+        sent = sum(r.start_s is not None for r in records)
+        done = sum(r.ok for r in records)
+        failed = sum(r.finished and not r.ok for r in records)
+        log(f"rate {label} req/s: {time.perf_counter() - t0:.0f} s, sent {sent}/{len(records)}, "
+            f"done {done}, failed {failed}")
+
+
+# -- the sweep --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sweep:
+    server: Server
+    workload: Workload
+    slo: Slo
+    runs: list[RateRun] = field(default_factory=list)
+
+    @property
+    def goodput(self) -> float | None:
+        return goodput([r.summary for r in self.runs], self.slo)
+
+    def to_json(self, save_requests: bool) -> dict[str, Any]:
+        runs = []
+        for r in self.runs:
+            runs.append(r.summary.to_json())
+            if save_requests:
+                runs[-1]["requests"] = [rec.to_json() for rec in r.records]
+        return {"url": self.server.url, "model": self.server.model, "max_model_len": self.server.max_model_len,
+                "workload": asdict(self.workload), "slo": asdict(self.slo), "runs": runs,
+                "goodput": rate_json(self.goodput)}
+
+
+async def warm_up(client: httpx.AsyncClient, server: Server, workload: Workload,
+                  log: Callable[[str], None]) -> None:
+    """The first requests of a fresh cluster pay one-time costs (kernel compilation, first
+    allocations, connections): they would be counted against the first rate. Sent at once, so that
+    the router spreads them over the replicas. Its own prompts: the sweep's are not cached by it."""
+    rng = random.Random(f"warm-up {workload.seed}")
+    records = [RequestRecord(i, workload.input_len) for i in range(workload.warmup)]
+    t0 = time.perf_counter()
+    await asyncio.gather(*(stream_request(client, server, request_body(
+        server, random_prompt(rng, workload.input_len), workload.output_len), r, t0) for r in records))
+    if failed := [r for r in records if not r.ok]:
+        raise BenchError(f"{len(failed)} of {len(records)} warm-up requests failed ({failed[0].error}); "
+                         f"the workload does not run here (--warmup 0 skips the warm-up)")
+    log(f"warm-up: {len(records)} requests in {time.perf_counter() - t0:.1f} s")
+
+
+def check_fits(server: Server, workload: Workload) -> None:
+    total = workload.input_len + workload.output_len
+    if server.max_model_len is not None and total > server.max_model_len:
+        raise BenchError(f"--input-len + --output-len = {total} tokens exceed the context of {server.model} "
+                         f"({server.max_model_len} tokens): lower them")
+
+
+async def run_sweep(url: str, rates: list[float], workload: Workload, slo: Slo, model: str | None = None,
+                    stop_below: float | None = None, log: Callable[[str], None] = log,
+                    on_run: Callable[[Sweep], None] | None = None) -> Sweep:
+    """One run per rate, in order; `on_run` sees the sweep after each (to save what is measured so far).
+    With `stop_below`, a rate whose attainment falls under it ends the sweep: higher rates only do worse."""
+    # One generator for the whole sweep: no prompt repeats, so the prefix cache cannot help a later rate.
+    rng = random.Random(workload.seed)
+    timeout = httpx.Timeout(workload.request_timeout_s, connect=30)
+    # No pool limit: a request queued in the client's pool would count the wait as server latency.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        server = await connect(client, url.rstrip("/"), model)
+        check_fits(server, workload)
+        if workload.warmup:
+            await warm_up(client, server, workload, log)
+        sweep = Sweep(server, workload, slo)
+        for i, rate in enumerate(rates):
+            sweep.runs.append(await run_rate(client, server, rate, workload, rng, slo, log))
+            if on_run:
+                on_run(sweep)
+            attained = sweep.runs[-1].summary.slo_attainment
+            if stop_below is not None and attained < stop_below and i < len(rates) - 1:
+                log(f"attainment {100 * attained:.1f} % < --stop-below {100 * stop_below:.0f} %: "
+                    f"the higher rates are skipped")
+                break
+    return sweep
