@@ -1,14 +1,12 @@
 """Start `pdserve up FILE` as a user would (a subprocess), wait until it serves, stop it with Ctrl-C."""
 
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import yaml
+
+from pdserve.benchmarks.up_process import ClusterStartError, UpProcess
 
 
 def free_port() -> int:
@@ -27,44 +25,23 @@ class Cluster:
             cfg.setdefault(key, {}).update(value)
         self.path = tmp_path / "cluster.yaml"
         self.path.write_text(yaml.safe_dump(cfg))
-        self.log_path = tmp_path / "pdserve-up.log"
-        self.log = open(self.log_path, "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", str(self.path)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.up = UpProcess(self.path, tmp_path / "pdserve-up.log")
+        self.proc = self.up.proc
         self.url = f"http://127.0.0.1:{self.http_port}"
 
     def wait_ready(self, timeout: float = 240) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve up exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"pdserve up did not become healthy in {timeout} s:\n{self.output()}")
+        try:
+            self.up.wait_healthy(self.url, timeout)
+        except ClusterStartError as e:
+            raise RuntimeError(f"{e}:\n{self.output()}") from e
 
     def output(self) -> str:
         """What `pdserve up` printed so far (also after stop)."""
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text()
+        return self.up.output()
 
     def stop(self, timeout: float = 60) -> int:
         """Ctrl-C, as a user stops it; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.send_signal(signal.SIGUSR1)  # its threads' stacks go into the log first
-                time.sleep(2)
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
-        return self.proc.returncode
+        return self.up.stop(timeout)[0]
 
     def replica_stats(self) -> dict[str, dict]:
         """Per-replica KV block usage, as /metrics reports it."""

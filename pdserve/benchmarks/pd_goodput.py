@@ -16,10 +16,7 @@ configuration = the highest rate at which >= --slo-attainment of the requests me
 import argparse
 import asyncio
 import datetime
-import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from pdserve.benchmarks.load.cli import add_load_args, args_json, check_load_args, fmt, slo_of, workload_of, write_json
 from pdserve.benchmarks.load.client import BenchError
 from pdserve.benchmarks.load.records import RateSummary, rate_json, rate_label
 from pdserve.benchmarks.load.sweep import Sweep, run_sweep
+from pdserve.benchmarks.up_process import ClusterStartError, UpProcess
 from pdserve.config import ClusterConfig, ConfigError, load_cluster_config
 
 WAIT_PROGRESS_S = 15.0
@@ -56,57 +53,6 @@ def port_open(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
-
-
-class UpProcess:
-    """`pdserve up FILE` in a session of its own: Ray's processes join its group, so a kill reaches them."""
-
-    def __init__(self, path: Path, log_path: Path):
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", str(path)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def tail(self, lines: int = 30) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def wait_healthy(self, url: str, timeout_s: float, name: str) -> None:
-        t0 = time.monotonic()
-        shown = t0
-        while True:
-            if self.proc.poll() is not None:
-                raise BenchError(f"`pdserve up` exited with {self.proc.returncode} before serving")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            now = time.monotonic()
-            if now - t0 > timeout_s:
-                raise BenchError(f"not healthy after {timeout_s:.0f} s (--start-timeout)")
-            if now - shown >= WAIT_PROGRESS_S:
-                shown = now
-                last = self.tail(1).strip()
-                log(f"{name}: waiting for {url}/health, {now - t0:.0f} s{f' — {last}' if last else ''}")
-            time.sleep(1)
-
-    def stop(self, timeout_s: float) -> tuple[int, str]:
-        """Ctrl-C; a cluster that does not stop in time gets its stacks dumped, then is killed.
-        Returns (exit code, "interrupted" | "killed")."""
-        how = "interrupted"
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                how = "killed"
-                self.proc.send_signal(signal.SIGUSR1)  # `pdserve up` writes every thread's stack to its log
-                time.sleep(2)
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        self._log.close()
-        return self.proc.returncode, how
 
 
 def wait_port_closed(host: str, port: int, timeout_s: float) -> bool:
@@ -158,12 +104,12 @@ def run_config(path: Path, cfg: ClusterConfig, a: argparse.Namespace, log_dir: P
     up = UpProcess(path, Path(res.log_path))
     try:
         t0 = time.monotonic()
-        up.wait_healthy(url, a.start_timeout, res.name)
+        up.wait_healthy(url, a.start_timeout, progress=lambda m: log(f"{res.name}: {m}"), every_s=WAIT_PROGRESS_S)
         log(f"{res.name}: serving at {url} after {time.monotonic() - t0:.0f} s")
         res.sweep = asyncio.run(run_sweep(
             url, a.rates, workload_of(a), slo_of(a), stop_below=a.stop_below,
             log=lambda m: log(f"{res.name}: {m}")))
-    except BenchError as e:
+    except (BenchError, ClusterStartError) as e:
         res.error = str(e)
         log(f"{res.name}: {res.error}; the log's tail:\n{up.tail()}")
     finally:
