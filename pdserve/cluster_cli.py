@@ -1,6 +1,7 @@
 """`pdserve up`, `down` and `status`: drive the controller of a running cluster."""
 
 import faulthandler
+import os
 import signal
 import sys
 import time
@@ -13,6 +14,8 @@ def _log(msg: str) -> None:
 
 
 def _connect(address: str | None) -> None:
+    if address not in (None, "auto"):
+        _use_token_if_present()
     import ray
 
     from pdserve.controller import NAMESPACE
@@ -21,15 +24,28 @@ def _connect(address: str | None) -> None:
              log_to_driver=False, configure_logging=True)
 
 
+def _use_token_if_present() -> None:
+    """Ray (2.5x on) starts local clusters with token authentication and finds the token itself when
+    it looks the cluster up ("auto"), but not for an address named outright: there it must be told."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(path):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def up(path: str | None) -> int:
     cfg = load_cluster_config(path)
     _check_model(cfg)
+    _log("starting Ray" if cfg.ray.address == "local" else f"joining Ray at {cfg.ray.address}")
+    _connect(None if cfg.ray.address == "local" else cfg.ray.address)  # before Ray's import: see _connect
     import ray
 
     from pdserve.controller import CONTROLLER, Controller
 
-    _log("starting Ray" if cfg.ray.address == "local" else f"joining Ray at {cfg.ray.address}")
-    _connect(None if cfg.ray.address == "local" else cfg.ray.address)
+    # Named so `pdserve down --address` reaches this cluster where a host runs several: with no
+    # address, Ray picks the cluster started last on the host.
+    _log(f"Ray at {ray.get_runtime_context().gcs_address}")
     controller = ray.remote(Controller).options(name=CONTROLLER, lifetime="detached", num_cpus=0,
                                                 max_concurrency=8).remote(cfg)
     # Ctrl-C stops the cluster even where SIGINT arrives ignored: a shell starts background jobs
@@ -115,15 +131,15 @@ def _stop(controller) -> None:
 
 
 def down(address: str) -> int:
+    try:
+        _connect(address)  # first: it readies the environment Ray reads once, on import
+    except ConnectionError:
+        print("pdserve: no Ray cluster is running here (nothing to stop)", file=sys.stderr)
+        return 1
     import ray
 
     from pdserve.controller import CONTROLLER, NAMESPACE
 
-    try:
-        _connect(address)
-    except ConnectionError:
-        print("pdserve: no Ray cluster is running here (nothing to stop)", file=sys.stderr)
-        return 1
     try:
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
     except ValueError:
@@ -135,12 +151,12 @@ def down(address: str) -> int:
 
 
 def status(address: str) -> int:
-    import ray
-
-    from pdserve.controller import CONTROLLER, NAMESPACE
-
     try:
-        _connect(address)
+        _connect(address)  # first: it readies the environment Ray reads once, on import
+        import ray
+
+        from pdserve.controller import CONTROLLER, NAMESPACE
+
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
     except (ConnectionError, ValueError):
         print("pdserve: no pdserve cluster is running", file=sys.stderr)

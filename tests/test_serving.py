@@ -205,7 +205,11 @@ def test_expert_parallel_replica_counts_tokens_per_expert(cluster):
 
 
 def test_pdserve_down_stops_what_up_started(cluster):
-    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "down"], capture_output=True, text=True, timeout=120)
+    # The address names this cluster: test files running beside this one start clusters of their own.
+    address = cluster.up.ray_address()
+    assert address, cluster.output()
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "down", "--address", address], capture_output=True,
+                       text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     cluster.proc.wait(60)  # `pdserve up` notices and exits on its own
     assert cluster.proc.returncode == 0

@@ -30,6 +30,13 @@ class UpProcess:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
 
+    def ray_address(self) -> str | None:
+        """The Ray cluster `pdserve up` started or joined, from its "Ray at HOST:PORT" line."""
+        for line in self.output().splitlines():
+            if line.startswith("[pdserve] Ray at "):
+                return line.rsplit(" ", 1)[1]
+        return None
+
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.output().splitlines()[-lines:])
 
