@@ -12,6 +12,7 @@ class KVIntake:
         self.engine = engine
         self.connector = connector
         self.lease_s = lease_s
+        self._aborted: set[str] = set()  # aborted here, their blocks waiting for the lease to settle
 
     def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
                 prefill_id: str | None = None) -> ReserveHandle | None:
@@ -22,14 +23,24 @@ class KVIntake:
         return self.connector.reserve(request_id, blocks, self.lease_s, prefill_id)
 
     def abort(self, request_id: str) -> None:
-        self.connector.release(request_id)
-        self.engine.abort(request_id)
+        if self.connector.release(request_id):
+            # Its KV may still be on the way: the reservation (and its blocks) stays until poll()
+            # hears the lease settled, then goes; the request itself is over now.
+            self._aborted.add(request_id)
+        else:
+            self.engine.abort(request_id)
+
+    def busy(self) -> bool:
+        """Leases open or settling: poll() has work."""
+        return self.connector.busy()
 
     def poll(self) -> list[str]:
-        """Start the requests whose KV arrived; free the ones that failed (returned)."""
-        done, failed = self.connector.poll()
-        for f in done:
+        """Start the requests whose KV arrived, free the blocks of leases that settled; returns the
+        requests that failed (their KV will not come), aborted ones left out."""
+        p = self.connector.poll()
+        for f in p.done:
             self.engine.start_decode(f.request_id, f.first_token)
-        for rid in failed:
+        for rid in p.settled:
             self.engine.release(rid)
-        return failed
+            self._aborted.discard(rid)
+        return [rid for rid in p.failed if rid not in self._aborted]

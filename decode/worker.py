@@ -64,11 +64,11 @@ class DecodeWorker(Replica):
         return s
 
     def _step(self) -> float | None:
-        if self.ep is None and not self.streams:
+        leases = bool(self.streams) or self.intake.busy()
+        if self.ep is None and not leases:
             return IDLE_S
-        # Only with reservations: an idle rank of a group still steps, but must not touch the
-        # connector (NIXL's agent is not thread-safe, and a handshake may be running).
-        for rid in self.intake.poll() if self.streams else []:  # their KV never came: the router hears it failed
+        # Only with leases: an idle rank of a group steps without touching the connector.
+        for rid in self.intake.poll() if leases else []:  # their KV never came: the router hears it failed
             self.streams.fail(rid, "the KV transfer from the prefill replica failed")
         if self.ep is None:
             outputs = self.engine.step()
@@ -83,4 +83,5 @@ class DecodeWorker(Replica):
         return self._naps[busy]
 
     def _busy(self) -> int:
-        return RUNNING if self.engine.has_unfinished() else WAITING_FOR_KV if self.streams else IDLE
+        waiting = self.streams or self.intake.busy()
+        return RUNNING if self.engine.has_unfinished() else WAITING_FOR_KV if waiting else IDLE

@@ -1,6 +1,7 @@
 """The two ends of a KV transfer, with leases so that no dead or silent peer strands blocks.
 
-Decode end: reserve(request, blocks) -> ReserveHandle; poll() -> (finished, failed); release().
+Decode end: reserve(request, blocks) -> ReserveHandle; poll() -> DecodePoll (done, failed, settled);
+release() -> whether the blocks must wait to be settled.
 Prefill end: send_layer(...) / send_layers(...) (return at once), finish(request, first_token);
 poll() -> (done, failed); release(). Blocks themselves belong to the engines: a connector says when they may be
 freed (done / failed), it never frees them.
@@ -45,10 +46,34 @@ class _Base:
         return peer
 
 
+@dataclass
+class DecodePoll:
+    """What a decode end's poll() found. `failed` is for whoever waits on the request; `settled`
+    is for the block pool: a lease that ended without its KV (aborted, expired, refused) keeps its
+    blocks until no write of the prefill end can land in them any more."""
+
+    done: list[Finished] = field(default_factory=list)  # KV arrived: decode may start
+    failed: list[str] = field(default_factory=list)  # the transfer failed (prefill abort, lease ran out)
+    settled: list[str] = field(default_factory=list)  # blocks of ended leases that may be reused now
+
+
+@dataclass
+class _Lease:
+    handle: ReserveHandle
+    prefill_id: str | None
+    closing: bool = False  # ended without its KV: waiting until the prefill end's writes have stopped
+
+
 class DecodeConnector(_Base):
-    def __init__(self, backend, meta: KVAgentMetadata):
+    """Blocks of a lease that ends without its KV are freed only once the prefill end has answered
+    the abort (its answer follows any write it posted) or, where it stays silent, `settle_s` after
+    the lease's deadline (by which a live prefill end stopped writing on its own). Freed earlier, a
+    late write would land in blocks that another request owns by then."""
+
+    def __init__(self, backend, meta: KVAgentMetadata, settle_s: float = 5.0):
         super().__init__(backend, meta)
-        self._leases: dict[str, tuple[ReserveHandle, str | None]] = {}  # id -> (handle, prefill id)
+        self.settle_s = settle_s
+        self._leases: dict[str, _Lease] = {}
 
     def add_peer(self, data: bytes) -> str:
         """Handshake with a prefill worker; raises HandshakeError on any mismatch."""
@@ -61,40 +86,59 @@ class DecodeConnector(_Base):
                 prefill_id: str | None = None) -> ReserveHandle:
         """Open a lease on blocks the engine reserved; the handle goes to the prefill worker."""
         handle = ReserveHandle(request_id, self.meta.engine_id, list(block_ids), time.time() + lease_s)
-        self._leases[request_id] = (handle, prefill_id)
+        self._leases[request_id] = _Lease(handle, prefill_id)
         return handle
 
-    def poll(self) -> tuple[list[Finished], list[str]]:
-        """Requests whose KV has fully arrived, and ones that failed (aborted by the peer, or expired)."""
-        done, failed = [], []
+    def poll(self) -> DecodePoll:
+        """Requests whose KV has fully arrived, ones that failed, and ones whose blocks may be reused."""
+        out = DecodePoll()
         for payload in self.backend.notifications():
             n = Notice.unpack(payload)
-            if n.request_id not in self._leases:
-                continue  # released already: a late notice
-            del self._leases[n.request_id]
-            (done.append(Finished(n.request_id, n.first_token)) if n.kind == "finish"
-             else failed.append(n.request_id))
+            lease = self._leases.pop(n.request_id, None)
+            if lease is None:
+                continue  # a late notice of a lease settled already
+            if lease.closing:  # "finish" too: every write landed, none can follow
+                out.settled.append(n.request_id)
+            elif n.kind == "finish":
+                out.done.append(Finished(n.request_id, n.first_token))
+            else:  # the prefill end gave up, and its writes have stopped
+                out.failed.append(n.request_id)
+                out.settled.append(n.request_id)
         now = time.time()
-        for rid in [r for r, (h, _) in self._leases.items() if h.deadline < now]:
-            self.release(rid)
-            failed.append(rid)
-        return done, failed
+        for rid, lease in list(self._leases.items()):
+            if lease.closing and lease.handle.deadline + self.settle_s < now:
+                del self._leases[rid]  # a silent or dead prefill end
+                out.settled.append(rid)
+            elif not lease.closing and lease.handle.deadline < now:
+                self._close(rid, lease)
+                out.failed.append(rid)
+        return out
 
     def progress(self) -> None:
         """Let the transport move data into our blocks; call it while waiting (poll() does too)."""
         self.backend.progress()
 
-    def release(self, request_id: str) -> None:
-        """Forget a lease; if the KV has not arrived yet, tell the prefill worker to stop."""
-        entry = self._leases.pop(request_id, None)
-        if entry is not None and entry[1] in self.peers:
-            self._notify(entry[1], Notice("abort", request_id))
+    def release(self, request_id: str) -> bool:
+        """End a lease before its KV arrived: the prefill worker is told to stop. True when the blocks
+        must wait for poll() to report the request settled; False when they are free to go now."""
+        lease = self._leases.get(request_id)
+        if lease is None:
+            return False
+        if not lease.closing:
+            self._close(request_id, lease)
+        return True
 
-    def _notify(self, peer: str, notice: Notice) -> None:
-        try:
-            self.backend.notify(peer, notice.pack())
-        except Exception:  # a dead peer cannot be told; its own lease will expire
-            pass
+    def busy(self) -> bool:
+        """Leases open or closing: poll() has something to wait for."""
+        return bool(self._leases)
+
+    def _close(self, rid: str, lease: _Lease) -> None:
+        lease.closing = True
+        if lease.prefill_id in self.peers:
+            try:
+                self.backend.notify(lease.prefill_id, Notice("abort", rid, sender=self.meta.engine_id).pack())
+            except Exception:  # a dead peer cannot be told: the blocks wait out the lease
+                pass
 
     def close(self) -> None:
         self.backend.close()
@@ -128,6 +172,10 @@ class PrefillConnector(_Base):
         self._inline = getattr(backend, "inline", False)
         self._waits: queue.SimpleQueue | None = queue.SimpleQueue() if hasattr(backend, "wait") else None
         self._posting: dict[str, _Transfer] = {}  # inline posting: requests not finished yet (caller's thread)
+        self._unopened: set[str] = set()  # inline posts the worker has not heard of yet (under _lock)
+        # Failed transfers whose writes may still land (a copy NIXL could not cancel, a queued device
+        # copy): the decode end hears "abort" only once they cannot, as it then reuses the blocks.
+        self._draining: dict[str, _Transfer] = {}  # worker thread only
         self._thread = threading.Thread(target=self._run, name=f"kv-post-{meta.engine_id}", daemon=True)
         self._thread.start()
         if self._waits is not None:
@@ -173,19 +221,23 @@ class PrefillConnector(_Base):
         """Post on this thread; the worker hears of the request once (its first post), not per
         layer: a hand-off per layer would ping-pong the GIL between the two threads."""
         t = self._posting.get(rid)
-        if (t is not None and t.state == "failed") or (t is None and rid in self._aborted):
-            return  # aborted meanwhile: the decode side may have reused its blocks already
-        try:
-            token = self.backend.write_range(handle.engine_id, first_layer, num_layers, src, dst)
-        except Exception:  # a bad handle or a peer gone fails this request, not the engine
-            self._ops.put(("fail", rid, handle))
-            return
-        if t is None:
-            t = self._posting[rid] = _Transfer(handle, [token], nbytes=nbytes)
-            self._ops.put(("opened", rid, t))
-        else:
-            t.tokens.append(token)  # the worker reads the list only after finish (or to drop it)
-            t.nbytes += nbytes
+        # Under the lock: once the worker marks the transfer failed, no copy of it is posted, so
+        # the copies it waits for before answering an abort are all there are.
+        with self._lock:
+            if (t is not None and t.state == "failed") or (t is None and rid in self._aborted):
+                return  # aborted meanwhile: the decode side may have reused its blocks already
+            try:
+                token = self.backend.write_range(handle.engine_id, first_layer, num_layers, src, dst)
+            except Exception:  # a bad handle or a peer gone fails this request, not the engine
+                self._ops.put(("fail", rid, handle))
+                return
+            if t is None:
+                t = self._posting[rid] = _Transfer(handle, [token], nbytes=nbytes)
+                self._unopened.add(rid)
+                self._ops.put(("opened", rid, t))
+            else:
+                t.tokens.append(token)  # the worker reads the list only after finish (or to drop it)
+                t.nbytes += nbytes
 
     def finish(self, request_id: str, first_token: int) -> None:
         """Every layer is queued: once all have landed, tell the decode worker (with the first token)."""
@@ -248,7 +300,8 @@ class PrefillConnector(_Base):
         while not self._closed:
             ops = []
             # Completion is polled only where no completion thread waits for it.
-            polling = self._waits is None and any(t.state == "open" for t in self._transfers.values())
+            polling = bool(self._draining) or (
+                self._waits is None and any(t.state == "open" for t in self._transfers.values()))
             try:
                 ops.append(self._ops.get(timeout=0.0005 if polling else 0.05))
                 while True:
@@ -296,18 +349,20 @@ class PrefillConnector(_Base):
                 else:
                     t.tokens += [self.backend.write(handle.engine_id, *p) for p in parts]
             except Exception:  # a bad handle or a broken peer fails this request, not the thread
-                self._fail(rid, tell_peer=True)
+                self._fail(rid)
         elif kind == "opened":  # inline posting: the request's first post
             _, rid, t = op
-            if rid in self._aborted:
-                t.state = "failed"  # the poster sees it and stops
-                return
-            self._transfers[rid] = t
+            with self._lock:
+                self._unopened.discard(rid)
+                self._transfers[rid] = t
+            if rid in self._aborted:  # the decode end aborted it already: answer once its copies are done
+                self._aborted.discard(rid)
+                self._fail(rid, result=False)
         elif kind == "fail":
             _, rid, handle = op
-            if rid not in self._transfers and rid not in self._aborted:
-                self._notify(handle.engine_id, Notice("abort", rid))
-            self._fail(rid, tell_peer=True)
+            if rid not in self._transfers and rid not in self._aborted:  # nothing was posted
+                self._notify(handle.engine_id, Notice("abort", rid, sender=self.meta.engine_id))
+            self._fail(rid)
         elif kind == "finish":
             _, rid, first = op
             t = self._transfers.get(rid)
@@ -335,25 +390,29 @@ class PrefillConnector(_Base):
                     t.state = "failed"
                 del self._transfers[rid]
                 self._drop(t)
-                handle = t.handle
-            if handle is not None:
-                self._notify(handle.engine_id, Notice("abort", rid))
+                self._tell_aborted(rid, t)
+            elif handle is not None:  # nothing was posted
+                self._notify(handle.engine_id, Notice("abort", rid, sender=self.meta.engine_id))
 
     def _progress(self) -> None:
         for payload in self.backend.notifications():
             n = Notice.unpack(payload)
             if n.kind == "abort":
-                self._fail(n.request_id, tell_peer=False)
+                self._fail(n.request_id, answer=n.sender)
         now = time.time()
+        for rid, t in list(self._draining.items()):
+            if self._settled(t):
+                del self._draining[rid]
+                self._notify(t.handle.engine_id, Notice("abort", rid, sender=self.meta.engine_id))
         for rid, t in list(self._transfers.items()):
             if t.handle.deadline < now:
-                self._fail(rid, tell_peer=True)
+                self._fail(rid)
             elif t.state != "open" or self._waits is not None:
                 continue  # the completion thread waits for it (once finished)
             else:
                 states = [self.backend.state(tok) for tok in t.tokens]
                 if "failed" in states:
-                    self._fail(rid, tell_peer=True)
+                    self._fail(rid)
                 elif t.first_token is not None and all(s == "done" for s in states):
                     del self._transfers[rid]
                     t.state = "done"
@@ -377,8 +436,8 @@ class PrefillConnector(_Base):
                 t.state = "done" if ok else "failed"
             if ok:
                 self._deliver(rid, t)
-            else:
-                self._notify(t.handle.engine_id, Notice("abort", rid))
+            else:  # every copy was waited for: none can land later
+                self._notify(t.handle.engine_id, Notice("abort", rid, sender=self.meta.engine_id))
                 self._result(rid, False)
             self._ops.put(("settled", rid, t))
 
@@ -390,11 +449,17 @@ class PrefillConnector(_Base):
         except Exception:
             self._result(rid, False)
 
-    def _fail(self, rid: str, tell_peer: bool) -> None:
+    def _fail(self, rid: str, answer: str | None = None, result: bool = True) -> None:
+        """Stop a transfer and tell the decode end once none of its writes can land any more.
+        `answer`: the decode end that aborted it, answered even where we never heard of the request."""
         t = self._transfers.get(rid)
         if t is None:
-            self._aborted.add(rid)  # the layers may still be queued: drop them when they come
+            with self._lock:
+                self._aborted.add(rid)  # the layers may still be queued: drop them when they come
+                unopened = rid in self._unopened  # posted inline already: answered once "opened" comes
             self._result(rid, False)
+            if answer and not unopened:
+                self._notify(answer, Notice("abort", rid, sender=self.meta.engine_id))
             return
         with self._lock:
             if t.state == "done":  # delivered already (a late abort): the completion thread settles it
@@ -402,9 +467,20 @@ class PrefillConnector(_Base):
             t.state = "failed"
         del self._transfers[rid]
         self._drop(t)
-        if tell_peer:
-            self._notify(t.handle.engine_id, Notice("abort", rid))
-        self._result(rid, False)
+        self._tell_aborted(rid, t)
+        if result:
+            self._result(rid, False)
+
+    def _tell_aborted(self, rid: str, t: _Transfer) -> None:
+        if self._settled(t):
+            self._notify(t.handle.engine_id, Notice("abort", rid, sender=self.meta.engine_id))
+        else:
+            self._draining[rid] = t  # _progress tells it when they are
+
+    def _settled(self, t: _Transfer) -> bool:
+        """No write of this (released) transfer can still land in the peer's blocks."""
+        settled = getattr(self.backend, "settled", None)
+        return settled is None or all(settled(tok) for tok in t.tokens)
 
     def _result(self, rid: str, ok: bool) -> None:
         self._results.put((rid, ok))

@@ -26,9 +26,13 @@ class ReserveHandle:
 class Notice:
     """A control message between the two ends, sent after the data it refers to."""
 
-    kind: str  # "finish": all KV written, here is the first token | "abort": forget the request
+    # "finish": all KV written, here is the first token. "abort": forget the request; from the
+    # prefill end it also says that none of its writes for the request can land any more, which is
+    # why the prefill end answers the decode end's abort with one: only then may those blocks be reused.
+    kind: str
     request_id: str
     first_token: int = -1
+    sender: str = ""  # the engine id of the end that sent it (an abort is answered there)
 
     def pack(self) -> bytes:
         return msgpack.packb(asdict(self))

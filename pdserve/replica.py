@@ -45,7 +45,8 @@ class Replica:
 
     def add_peer(self, meta: bytes) -> str:
         """Handshake with a replica of the other role; raises HandshakeError on a mismatch."""
-        return self.connector.add_peer(meta)
+        with self.loop.lock:  # the loop's step polls the connector, and NIXL's agent is not thread-safe
+            return self.connector.add_peer(meta)
 
     def stats(self) -> ReplicaStats:
         if not self.loop.alive():  # the router then counts this replica as down (/health 503)

@@ -114,7 +114,8 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str) -> 
             elif cmd == "run":  # decode until every reserved request finished or failed
                 deadline = time.time() + args[0]
                 finished: set[str] = set()
-                while len(finished | failed) < len(tokens) and time.time() < deadline:
+                # ... and until the blocks of every lease that ended without its KV are back
+                while (len(finished | failed) < len(tokens) or intake.busy()) and time.time() < deadline:
                     failed.update(intake.poll())
                     for out in engine.step():
                         tokens[out.request_id] += out.token_ids

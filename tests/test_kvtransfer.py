@@ -4,6 +4,8 @@ The decode side's greedy continuation must equal colocated generation, and every
 a dead peer, an abort from either side, a lease running out — must leave both pools idle.
 """
 
+import os
+import signal
 import time
 
 import pytest
@@ -130,3 +132,42 @@ def test_prefill_killed_mid_transfer_frees_decode_blocks(backend):
     finally:
         p.stop()
         d.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_abort_holds_blocks_until_the_prefill_side_stops_writing(backend):
+    """A write posted before the abort may still land: the blocks are reused only once the prefill
+    side answers (it answers after its writes stopped) or, if it stays silent, after the lease."""
+    p, d = start_pair(backend)
+    pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
+    ps = prompts()
+    lease_s = 2.0
+    try:
+        # A live prefill side answers at once: the blocks come back long before the lease ends.
+        h = d.call("reserve", "live", ps[4], GREEDY, 30.0, pid)
+        p.call("prefill", "live", ps[4], GREEDY, h)
+        p.conn.send(("run", 30))  # streaming ...
+        time.sleep(0.05)
+        d.call("abort", "live")  # ... when the decode side gives up
+        t0 = time.time()
+        dresults, dfree, didle = d.call("run", 20)
+        assert dresults == {"live": "failed"} and dfree == didle and time.time() - t0 < 20
+        p.conn.recv()
+        os.kill(p.proc.pid, signal.SIGSTOP)  # a silent prefill side: it never answers
+        h = d.call("reserve", "silent", ps[4], GREEDY, lease_s, pid)
+        held = didle - dfree_after_reserve(d)
+        d.call("abort", "silent")
+        _, dfree, _ = d.call("run", 0.5)
+        assert didle - dfree == held > 0  # still held: the prefill side may yet write
+        t0 = time.time()
+        _, dfree, _ = d.call("run", 30)
+        assert dfree == didle  # the lease ran out and the settling time passed
+        assert time.time() - t0 < 20
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+        p.stop()
+        d.stop()
+
+
+def dfree_after_reserve(d: Worker) -> int:
+    return d.call("run", 0.01)[1]

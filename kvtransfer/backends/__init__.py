@@ -5,6 +5,7 @@ Every backend offers:
     add_peer(meta) / remove_peer(engine_id)
     write(peer_id, layer, src_blocks, dst_blocks) -> token     # posts, returns at once
     state(token) -> "done" | "pending" | "failed";  release(token)
+    settled(token) -> bool   # optional: a released write can no longer land (absent: at once)
     notify(peer_id, payload: bytes);  notifications() -> list[bytes]
     progress()    # drive the transport while waiting for a peer's writes (NIXL has no thread for it)
     close()

@@ -96,7 +96,7 @@ class NixlBackend:
         self._closed = False
         self._peers: dict[str, _Peer] = {}
         self._xfers: dict[int, _Xfer] = {}
-        self._stuck: list = []  # xfer handles NIXL refused to release (still in flight): retried later
+        self._stuck: dict[int, object] = {}  # token -> xfer handle NIXL refused to release (in flight): retried later
         self._tokens = itertools.count()
         self._notices: list[bytes] = []
         self._cuda_thread = threading.local()
@@ -215,8 +215,13 @@ class NixlBackend:
         """Free a write's handle; one still in flight is cancelled, or kept and retried later."""
         x = self._xfers.pop(token, None)
         if x is not None and x.handle is not None:
-            self._stuck.append(x.handle)
+            self._stuck[token] = x.handle
         self._release_stuck()
+
+    def settled(self, token: int) -> bool:
+        """A released write can no longer touch the peer's memory: NIXL let go of its handle."""
+        self._release_stuck()
+        return token not in self._xfers and token not in self._stuck
 
     def descriptor_count(self, token: int) -> int:
         """Descriptors NIXL actually moved for a write, after merging (needs telemetry=True)."""
@@ -271,13 +276,12 @@ class NixlBackend:
 
     def _release_stuck(self) -> None:
         """Retry releasing handles NIXL refused before (their transfer may have ended by now)."""
-        still = []
-        for h in self._stuck:
+        for token, h in list(self._stuck.items()):
             try:
                 h.release()
             except Exception:
-                still.append(h)
-        self._stuck = still
+                continue
+            del self._stuck[token]
 
     def _bind_cuda(self) -> None:
         """Make our GPU's context current on the calling thread: UCX's CUDA transports use it."""

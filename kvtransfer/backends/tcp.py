@@ -74,6 +74,8 @@ class TcpBackend:
 
     @staticmethod
     def release(token) -> None:
+        """Unsent frames are dropped; no settled(): whatever was sent precedes any later notice on
+        the same connection, so the peer has placed it before it reads that notice."""
         token.cancel()
 
     def notify(self, peer_id: str, payload: bytes) -> None:

@@ -68,9 +68,9 @@ def _decode_main(conn, backend: str, num_blocks: int, device: str, preset: str, 
         elif cmd == "wait":
             deadline = time.time() + 120
             while time.time() < deadline:
-                done, failed = conn_.poll()
-                if done or failed:
-                    conn.send((len(done), len(failed)))
+                p = conn_.poll()
+                if p.done or p.failed:
+                    conn.send((len(p.done), len(p.failed)))
                     break
                 time.sleep(0.0002)
             else:
