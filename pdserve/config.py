@@ -34,6 +34,8 @@ class EngineConfig(_Strict):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA, torch on CPU
     moe_backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs (batch-size buckets)
+    # Queue step N+1 on the device before handing out step N's tokens (default: on a GPU).
+    overlap_scheduling: bool | None = None
 
     @field_validator("device")
     @classmethod

@@ -12,8 +12,21 @@ from pdserve.engine.sequence import FinishReason
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
+MODE = {"overlap_scheduling": False}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def overlap(request):
+    """Every test twice: steps handed out as they finish, and overlapped (step N+1 queued before
+    step N's tokens are handed out), which must not change anything a user sees."""
+    MODE["overlap_scheduling"] = request.param
+    yield request.param
+    MODE["overlap_scheduling"] = False
+
+
 def make_engine(**kw) -> Engine:
     kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("overlap_scheduling", MODE["overlap_scheduling"])
     return Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), **kw))
 
 
@@ -26,7 +39,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     """Each prompt generated alone, unchunked: the oracle for every batched variant."""
-    engine = make_engine()
+    engine = make_engine(overlap_scheduling=False)
     return [engine.generate([p], GREEDY)[0].token_ids for p in prompts(8)]
 
 

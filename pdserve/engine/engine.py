@@ -14,7 +14,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache, num_blocks_for
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import PENDING, Launched, ModelRunner
 from pdserve.engine.outputs import Completion, RequestOutput, TextStream
 from pdserve.engine.sampler import TokenLogprob
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -63,6 +63,8 @@ class Engine:
         self._streams: dict[str, TextStream] = {}
         self._ready: list[RequestOutput] = []  # outputs produced outside a step (start_decode)
         self._reserved: set[str] = set()  # decode role: reserved, waiting for their KV
+        self.overlap = self._wants_overlap(ep)
+        self._inflight: Launched | None = None  # overlap: the step queued last, not yet handed out
         # Called after each layer's KV is written, with the step's batch: layer-wise KV streaming.
         self.layer_hook: Callable[[int, list[ScheduledSeq]], None] | None = None
         if log:
@@ -77,6 +79,15 @@ class Engine:
 
         return (self.config.cuda_graphs and self.device.type == "cuda" and self.config.role != "prefill"
                 and (ep is None or ep.threshold > 1) and not isinstance(attn_backend, TorchAttention))
+
+    def _wants_overlap(self, ep) -> bool:
+        """Overlap the host's work with the device's: on by default on a GPU. Not for the prefill
+        role (a request's one step hands its KV to the connector right away) nor an expert-parallel
+        rank (its ranks agree on each step's batch before running it)."""
+        want = self.config.overlap_scheduling
+        if want is None:
+            want = self.device.type == "cuda"
+        return want and self.config.role != "prefill" and ep is None
 
     def _num_blocks(self, dtype: torch.dtype) -> int:
         if self.config.num_kv_blocks:
@@ -172,31 +183,68 @@ class Engine:
     # -- stepping -----------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._ready)
+        f = self._inflight  # a queued step counts while a sequence of it still waits for its token
+        return (self.scheduler.has_work() or bool(self._ready)
+                or (f is not None and any(self.seqs.get(q.request_id) is q for q in f.sampling)))
 
     def step(self, scheduled: list[ScheduledSeq] | None = None) -> list[RequestOutput]:
-        """One step; `scheduled`: this step's schedule when the caller had to see it first (expert parallel)."""
+        """One step; `scheduled`: this step's schedule when the caller had to see it first (expert parallel).
+
+        Overlapped, a step queues its forward on the GPU and only then waits for the one before
+        and hands out that one's tokens: the host's work of a step (scheduling, batch building,
+        detokenizing, streaming) runs while the device computes the next. Its outputs thus come one
+        call later, and a sequence that hit a stop token has one more token computed, then dropped."""
         outputs, self._ready = self._ready, []
         if scheduled is None:
             scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return outputs
+        launched = self._launch(scheduled) if scheduled else None
+        if not self.overlap:
+            return outputs + (self._complete(launched) if launched else [])
+        prev, self._inflight = self._inflight, launched
+        return outputs + (self._complete(prev) if prev else [])
+
+    def _launch(self, scheduled: list[ScheduledSeq]) -> Launched:
         hook = self.layer_hook
-        tokens, logprobs = self.runner.execute(
-            scheduled, (lambda layer: hook(layer, scheduled)) if hook else None)
-        k = 0
+        launched = self.runner.launch(scheduled, self._inflight,
+                                      (lambda layer: hook(layer, scheduled)) if hook else None)
         for s in scheduled:
-            seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
-            self.scheduler.register_full_blocks(seq)
-            if s.samples:
-                outputs.append(self._append_token(seq, tokens[k], logprobs[k]))
-                k += 1
+            s.seq.num_computed_tokens += s.num_new_tokens
+        for seq in launched.sampling:
+            seq.token_ids.append(PENDING)  # its value comes with the step's result
+            if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.scheduler.remove(seq)  # it ends with this token, whichever it is: no later step
+        return launched
+
+    def _complete(self, launched: Launched) -> list[RequestOutput]:
+        """Wait for a launched step; its tokens go into their sequences (in place of PENDING)."""
+        tokens, logprobs = launched.result()
+        outputs = []
+        placed = []
+        for row, seq in enumerate(launched.sampling):
+            if self.seqs.get(seq.request_id) is not seq:
+                continue  # aborted, or stopped by the step before (overlap): the token is dropped
+            ids = seq.token_ids
+            # Its oldest PENDING token; the newer one, if any, is the step queued after this one.
+            at = len(ids) - 2 if len(ids) >= 2 and ids[-2] == PENDING else len(ids) - 1
+            ids[at] = tokens[row]
+            placed.append((seq, at, row))
+        for s in launched.scheduled:
+            if self.seqs.get(s.seq.request_id) is s.seq:
+                self.scheduler.register_full_blocks(s.seq)  # every token it hashes is known now
+        for seq, at, row in placed:
+            if self.seqs.get(seq.request_id) is seq:  # (not ended by a token of this step before)
+                outputs.append(self._emit(seq, at, logprobs[row]))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        p = seq.params
         seq.token_ids.append(token)
+        return self._emit(seq, len(seq.token_ids) - 1, logprob)
+
+    def _emit(self, seq: Sequence, at: int, logprob: TokenLogprob | None) -> RequestOutput:
+        """The output of the token at `at` in `seq`; ends the sequence where that token does (a
+        PENDING token after it, of a step queued meanwhile, is dropped then)."""
+        p = seq.params
+        token = seq.token_ids[at]
         if logprob is not None:
             seq.logprobs.append(logprob)
         stream = self._streams[seq.request_id]
@@ -207,7 +255,7 @@ class Engine:
             text, hit = stream.push(token)
             if hit:
                 reason = FinishReason.STOP
-            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif at + 1 - seq.num_prompt_tokens >= p.max_tokens or at + 1 >= self.max_model_len:
                 reason, text = FinishReason.LENGTH, text + stream.flush()
         out = RequestOutput(seq.request_id, [token], text, [logprob] if logprob else [],
                             num_prompt_tokens=seq.num_prompt_tokens,
@@ -225,6 +273,8 @@ class Engine:
         return out
 
     def _finish(self, seq: Sequence) -> None:
+        while seq.token_ids[-1] == PENDING:  # a step queued after the last token (overlap)
+            seq.token_ids.pop()
         self.pool.free(seq.block_ids)
         seq.block_ids = []
         seq.status = SeqStatus.FINISHED

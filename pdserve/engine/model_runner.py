@@ -1,12 +1,32 @@
 """Builds a step's batch from the scheduler's choice, runs the model, samples."""
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.sampler import Sampler, TokenLogprob
+from pdserve.engine.sampler import Sampled, Sampler, TokenLogprob
 from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.engine.sequence import Sequence
+
+
+# A sampled token the host has not seen yet: the next step reads it on the device (overlap).
+PENDING = -1
+
+
+@dataclass
+class Launched:
+    """A step whose forward and sampling are queued on the device."""
+
+    scheduled: list[ScheduledSeq]
+    sampling: list[Sequence]  # the sequences that get a token, in the rows of `sampled`
+    sampled: Sampled | None
+    rows: dict[str, int]  # request id -> row of `sampled`: where the next step finds its input
+
+    def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Waits for the step; the token (and logprob) of each sampling sequence."""
+        return self.sampled.result() if self.sampled is not None else ([], [])
 
 
 class ModelRunner:
@@ -19,13 +39,19 @@ class ModelRunner:
         self.sampler = Sampler(device)
         self.graphs = None  # DecodeGraphs, when the engine captured the decode step (CUDA)
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
+    def prepare(self, scheduled: list[ScheduledSeq], prev: Launched | None = None) -> ForwardBatch:
+        """The step's batch; a sequence whose last token is PENDING takes it from `prev`'s sampled
+        tokens on the device (the step before, still running when this one is queued)."""
         ids, positions, slots, starts, ctx_lens, tables, logit_rows = [], [], [], [0], [], [], []
+        pending_at, pending_rows = [], []
         bs = self.block_size
         for s in scheduled:
             seq, lo = s.seq, s.seq.num_computed_tokens
             hi = lo + s.num_new_tokens
             ids += seq.token_ids[lo:hi]
+            if ids[-1] == PENDING:  # only ever a sequence's newest token
+                pending_at.append(len(ids) - 1)
+                pending_rows.append(prev.rows[seq.request_id])
             positions += range(lo, hi)
             slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(lo, hi)]
             starts.append(starts[-1] + s.num_new_tokens)
@@ -41,24 +67,26 @@ class ModelRunner:
         def dev(x):
             return torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True)
 
+        input_ids = dev(ids)
+        if pending_at:
+            input_ids[dev(pending_at)] = prev.sampled.tokens[dev(pending_rows)]
         # One copy for both int32 lists the GPU kernels read.
         lens = torch.tensor(ctx_lens + starts, dtype=torch.int32).to(self.device, non_blocking=True)
         return ForwardBatch(
-            input_ids=dev(ids), positions=dev(positions), slot_mapping=dev(slots),
+            input_ids=input_ids, positions=dev(positions), slot_mapping=dev(slots),
             block_tables=table.to(self.device, non_blocking=True), query_start=starts,
             context_lens=ctx_lens, logits_indices=dev(logit_rows), kv_cache=self.kv_cache,
             context_lens_t=lens[: len(ctx_lens)], query_start_t=lens[len(ctx_lens):])
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq],
-                layer_done: Callable[[int], None] | None = None
-                ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Run one step; returns a token (and logprob) for each sequence whose `samples` is true."""
+    def launch(self, scheduled: list[ScheduledSeq], prev: Launched | None = None,
+               layer_done: Callable[[int], None] | None = None) -> Launched:
+        """Queue one step (forward and sampling) without waiting for the device."""
         if self.device.index is not None:
             # The step may run on any thread (a worker's engine loop), and a thread starts on GPU 0:
             # Triton launches on the current device, whatever device the tensors are on.
             torch.cuda.set_device(self.device)
-        batch = self.prepare(scheduled)
+        batch = self.prepare(scheduled, prev)
         batch.layer_done = layer_done
         if self.graphs is not None and layer_done is None and self.graphs.fits(batch):
             hidden = self.graphs.run(batch)
@@ -66,6 +94,13 @@ class ModelRunner:
             hidden = self.model(batch)
         sampling = [s.seq for s in scheduled if s.samples]
         if not sampling:
-            return [], []
+            return Launched(scheduled, [], None, {})
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return self.sampler.sample(logits, [q.request_id for q in sampling], [q.params for q in sampling])
+        sampled = self.sampler.launch(logits, [q.request_id for q in sampling], [q.params for q in sampling])
+        return Launched(scheduled, sampling, sampled, {q.request_id: i for i, q in enumerate(sampling)})
+
+    def execute(self, scheduled: list[ScheduledSeq],
+                layer_done: Callable[[int], None] | None = None
+                ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Run one step; returns a token (and logprob) for each sequence whose `samples` is true."""
+        return self.launch(scheduled, None, layer_done).result()

@@ -27,14 +27,26 @@ class Sampler:
     def sample(self, logits: torch.Tensor, request_ids: list[str],
                params: list[SamplingParams]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits [N, vocab] float32 -> one token id (and its logprob if asked) per row."""
+        return self.launch(logits, request_ids, params).result()
+
+    def launch(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> "Sampled":
+        """Sample on the device without waiting for it: the tokens stay on the device (the next step
+        reads them there) and start their copy to the host; Sampled.result() waits for that copy."""
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             tokens[rows] = self._sample_random(logits[rows], [request_ids[i] for i in rows],
                                                [params[i] for i in rows])
-        token_list = tokens.tolist()
-        return token_list, self._logprobs(logits, token_list, params)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        lp = None
+        if wanted:
+            k = max(max(params[i].logprobs for i in wanted), 1)
+            logp = torch.log_softmax(logits[wanted], dim=-1)
+            top_lp, top_ids = logp.topk(k, dim=-1)
+            chosen = logp.gather(1, tokens[wanted, None])[:, 0]
+            lp = (wanted, _to_host(top_ids), _to_host(top_lp), _to_host(chosen))
+        return Sampled(tokens, _to_host(tokens), lp, [p.logprobs for p in params], _event(tokens))
 
     def _sample_random(self, logits, request_ids, params) -> torch.Tensor:
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
@@ -71,17 +83,43 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
-    @staticmethod
-    def _logprobs(logits, tokens, params) -> list[TokenLogprob | None]:
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        out: list[TokenLogprob | None] = [None] * len(params)
-        if not wanted:
-            return out
-        lp = torch.log_softmax(logits[wanted], dim=-1)
-        k = max(params[i].logprobs for i in wanted)
-        top_lp, top_ids = lp.topk(max(k, 1), dim=-1)
-        for row, i in enumerate(wanted):
-            n = params[i].logprobs
-            top = list(zip(top_ids[row, :n].tolist(), top_lp[row, :n].tolist()))
-            out[i] = TokenLogprob(tokens[i], lp[row, tokens[i]].item(), top)
-        return out
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor to (pinned) host memory; read it only after the step's event."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
+def _event(t: torch.Tensor):
+    if t.device.type == "cpu":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    return ev
+
+
+@dataclass
+class Sampled:
+    """One step's sampled tokens: on the device now, on the host once `done` has fired."""
+
+    tokens: torch.Tensor  # [N] int64 on the step's device
+    host: torch.Tensor  # [N] int64, being copied
+    logprobs: tuple | None  # (rows that asked, top ids, top logprobs, chosen token's logprob), on the host
+    wanted: list[int | None]  # per row: how many alternatives it asked for (None: no logprobs)
+    done: object = None  # CUDA event after the copies; None on the CPU
+
+    def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        if self.done is not None:
+            self.done.synchronize()
+        tokens = self.host.tolist()
+        out: list[TokenLogprob | None] = [None] * len(tokens)
+        if self.logprobs is not None:
+            rows, top_ids, top_lp, chosen = self.logprobs
+            top_ids, top_lp, chosen = top_ids.tolist(), top_lp.tolist(), chosen.tolist()
+            for r, i in enumerate(rows):
+                n = self.wanted[i]
+                out[i] = TokenLogprob(tokens[i], chosen[r], list(zip(top_ids[r][:n], top_lp[r][:n])))
+        return tokens, out
