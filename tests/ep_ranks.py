@@ -29,6 +29,7 @@ class Run:
 
     requests: list[list[Request]]
     threshold: int  # 0: always all-to-all; huge: always all-gather
+    overlap: bool = False  # the engines' overlap scheduling (step N+1 queued before N is handed out)
 
 
 def engine_config(model: str, device: str = "cpu") -> EngineConfig:
@@ -85,6 +86,7 @@ def _rank_main(rank: int, size: int, init_method: str, model: str, runs: list[Ru
         out = []
         for i, run in enumerate(runs):
             group.exchange.threshold = run.threshold
+            engine.overlap = run.overlap  # (between runs: no step is in flight)
             before = group.exchange.expert_load()[0]
             tokens = _generate(group, engine, run.requests[rank], f"run{i}")
             load = [a - b for a, b in zip(group.exchange.expert_load()[0], before)]

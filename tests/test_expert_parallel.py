@@ -141,6 +141,7 @@ class EPRuns:
     requests: list[list[Request]]
     expected: list[list[int]]  # the single-rank run's tokens, rank 0's requests first
     by_threshold: dict[int, tuple[dict, dict]]  # threshold -> each rank's result
+    overlapped: tuple[dict, dict]  # each rank's result on the MIXED paths with overlap scheduling
     replicated: list[list[dict]]  # each rank's result with hot experts replicated
 
 
@@ -152,10 +153,11 @@ def ep_runs(checkpoints) -> dict[str, EPRuns]:
         path = str(checkpoints[family])
         requests = _requests(resolve_model_args(path).vocab_size, seed=len(family))
         thresholds = (ALL_GATHER, ALL_TO_ALL, MIXED)
-        ranks = run_ranks(path, [Run(requests, t) for t in thresholds])
+        ranks = run_ranks(path, [Run(requests, t) for t in thresholds] + [Run(requests, MIXED, overlap=True)])
         replicated = run_ranks(path, [Run(requests, MIXED)], replicated=(0, 5))
-        out[family] = EPRuns(path, requests, _single_rank(path, requests), dict(zip(thresholds, zip(*ranks))),
-                             replicated)
+        by_threshold = dict(zip(thresholds, zip(*[r[:3] for r in ranks])))
+        out[family] = EPRuns(path, requests, _single_rank(path, requests), by_threshold,
+                             (ranks[0][3], ranks[1][3]), replicated)
     return out
 
 
@@ -190,6 +192,14 @@ def test_two_gpu_ranks_replaying_graphs_generate_what_one_rank_generates(checkpo
         # Padding rows of a replayed bucket are not counted as expert load.
         load = [a + b for a, b in zip(ranks[0][run]["load"], ranks[1][run]["load"])]
         assert sum(load) == forwarded * moe_layers * args.num_experts_per_tok, run
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_overlapped_ranks_generate_what_one_rank_generates(ep_runs, family):
+    """Each rank queues its step N+1 (and the group's agreement on it) before handing out step N."""
+    runs = ep_runs[family]
+    assert runs.overlapped[0]["tokens"] + runs.overlapped[1]["tokens"] == runs.expected
+    assert runs.overlapped[0]["load"] == runs.by_threshold[MIXED][0]["load"]
 
 
 def test_hot_experts_copied_to_every_rank_change_no_token(ep_runs):

@@ -59,7 +59,8 @@ def _engine(opts, device: torch.device, ep=None):
     model = ModelConfig(path=opts.model, dtype=opts.dtype, load_format="dummy")
     return Engine(EngineConfig(model=model, role="decode", device=str(device), num_kv_blocks=blocks,
                                max_num_seqs=max(opts.batches), enable_prefix_cache=False,
-                               cuda_graphs=not opts.no_graphs), ep=ep)
+                               cuda_graphs=not opts.no_graphs,
+                               overlap_scheduling={"auto": None, "on": True, "off": False}[opts.overlap]), ep=ep)
 
 
 def _decode_rate(engine, group, batch: int, opts) -> dict:
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS),
                     help="exchange paths each EP replica decodes with")
     ap.add_argument("--no-graphs", action="store_true", help="every replica decodes eagerly")
+    ap.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                    help="the engines' overlap_scheduling (auto: on a GPU; default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (CPU)")
     ap.add_argument("--json", help="write the results here")
     opts = ap.parse_args(argv)

@@ -63,7 +63,7 @@ class Engine:
         self._streams: dict[str, TextStream] = {}
         self._ready: list[RequestOutput] = []  # outputs produced outside a step (start_decode)
         self._reserved: set[str] = set()  # decode role: reserved, waiting for their KV
-        self.overlap = self._wants_overlap(ep)
+        self.overlap = self._wants_overlap()
         self._inflight: Launched | None = None  # overlap: the step queued last, not yet handed out
         # Called after each layer's KV is written, with the step's batch: layer-wise KV streaming.
         self.layer_hook: Callable[[int, list[ScheduledSeq]], None] | None = None
@@ -80,14 +80,14 @@ class Engine:
         return (self.config.cuda_graphs and self.device.type == "cuda" and self.config.role != "prefill"
                 and (ep is None or ep.threshold > 1) and not isinstance(attn_backend, TorchAttention))
 
-    def _wants_overlap(self, ep) -> bool:
+    def _wants_overlap(self) -> bool:
         """Overlap the host's work with the device's: on by default on a GPU. Not for the prefill
-        role (a request's one step hands its KV to the connector right away) nor an expert-parallel
-        rank (its ranks agree on each step's batch before running it)."""
+        role (a request's one step hands its KV to the connector right away). An expert-parallel
+        rank overlaps too: its group agrees on step N+1 (on the host) while the GPUs run step N."""
         want = self.config.overlap_scheduling
         if want is None:
             want = self.device.type == "cuda"
-        return want and self.config.role != "prefill" and ep is None
+        return want and self.config.role != "prefill"
 
     def _num_blocks(self, dtype: torch.dtype) -> int:
         if self.config.num_kv_blocks:
