@@ -251,7 +251,8 @@ def test_attention_backend_mixed_batch(dtype, fuse_kv_write):
     g = gen(5)
     num_heads, kv_heads, head_dim = HEADS[1]
     seqs = pick([(300, 300), (1200, 1), (700, 64), (33, 1)], [(20, 20), (30, 1), (40, 9)])
-    for rows in (seqs, [(c, 1) for c, _ in seqs]):  # mixed, then decode only
+    # mixed, then decode only, then fresh prompts only (SDPA on the step's own K/V)
+    for rows in (seqs, [(c, 1) for c, _ in seqs], [(n, n) for _, n in seqs if n > 1]):
         case = random_paged_case(rows, num_heads, kv_heads, head_dim, BLOCK, dtype, DEVICE, g)
         case.batch.context_lens_t = case.batch.query_start_t = None
         ref = reference_attention(case, 0.1)

@@ -1,14 +1,16 @@
 """Attention backend for CUDA: Triton kernels over the paged KV cache, same interface as TorchAttention.
 
-A step whose rows are all one token (decode) runs the split-K paged decode kernel; any other step
-(prefill chunks, or prefill mixed with decode rows) runs the paged varlen prefill kernel over every
-row. The decode path reads only device tensors (`ForwardBatch.context_lens_t`) and sizes its grid
+A step whose rows are all one token (decode) runs the split-K paged decode kernel; a step of fresh
+prompts only (no cached prefix, no decode rows) runs torch's SDPA on its own K/V; any other step
+(prefill chunks after a prefix, or prefill mixed with decode rows) runs the paged varlen prefill
+kernel over every row. The decode path reads only device tensors (`ForwardBatch.context_lens_t`) and sizes its grid
 from host-side numbers, so it never waits for the GPU and can be captured in a CUDA graph. On that
 path the decode kernel writes the step's K/V into the cache itself (one launch fewer;
 `fuse_kv_write=False` keeps the separate `write_kv_triton` launch).
 """
 
 import torch
+import torch.nn.functional as F
 
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention
@@ -20,10 +22,11 @@ class TritonAttention:
     """Paged attention with Triton kernels; `decode_splits` fixes the split count (CUDA graphs)."""
 
     def __init__(self, decode_splits: int | None = None, fuse_kv_write: bool = True,
-                 min_keys_per_split: int | None = None):
+                 min_keys_per_split: int | None = None, fresh_sdpa: bool = True):
         self.decode_splits = decode_splits
         self.fuse_kv_write = fuse_kv_write
         self.min_keys_per_split = min_keys_per_split
+        self.fresh_sdpa = fresh_sdpa
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
@@ -42,9 +45,25 @@ class TritonAttention:
             return paged_decode_attention(q, kv_layer, batch.block_tables, batch.context_lens_t, scale,
                                           splits, block_n=32 if kv_layer.dtype == torch.float32 else 64,
                                           **new_kv)
-        max_query_len = max(batch.query_lens)
+        query_lens = batch.query_lens
+        if self.fresh_sdpa and query_lens == batch.context_lens:
+            return _fresh_prompts(q, k, v, batch.query_start, scale)
+        max_query_len = max(query_lens)
         return paged_prefill_attention(q, kv_layer, batch.block_tables, batch.context_lens_t,
                                        batch.query_start_t, max_query_len, scale)
+
+
+def _fresh_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int],
+                   scale: float) -> torch.Tensor:
+    """Prompts with no cached prefix attend only to this step's own K/V: torch's SDPA (its flash
+    kernel on a GPU, GQA native) is faster there than our paged kernel, which reads the cache
+    through the block table. One call per prompt; a prefill step holds few."""
+    out = torch.empty_like(q)
+    for a, b in zip(starts, starts[1:]):
+        qi, ki, vi = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, D]
+        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        out[a:b] = o[0].transpose(0, 1)
+    return out
 
 
 def _ensure_device_metadata(batch: ForwardBatch, device: torch.device) -> None:
