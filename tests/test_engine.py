@@ -188,3 +188,17 @@ def test_prompt_longer_than_context_is_refused():
     c = engine.generate([list(range(60))], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
     assert c.finish_reason == FinishReason.LENGTH and len(c.token_ids) == 4
     assert engine.pool.num_free_blocks == 64
+
+
+def test_overlapped_steps_hand_out_tokens_one_call_later(overlap, reference):
+    """Overlapped, a step() queues its own forward first and then hands out the step before it:
+    the prompt's first token comes with the second call; the tokens are the same."""
+    engine = make_engine()
+    engine.add_request("r", prompts(8)[4], GREEDY)
+    first = engine.step()
+    assert len(first) == (0 if overlap else 1)
+    tokens = [t for o in first for t in o.token_ids]
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() for t in o.token_ids]
+    assert tokens == reference[4]
+    assert engine.pool.num_free_blocks == 256
