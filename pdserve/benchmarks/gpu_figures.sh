@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/benchmarks.md in one go, on one host of 4 (or 2, or 1) GPUs:
+#   bash pdserve/benchmarks/gpu_figures.sh OUT_DIR [PART ...]
+# PARTs (default: all but goodput, which takes ~5 minutes per cluster file):
+#   tests    the GPU-path tests (kernels, engine, expert parallel, KV transfer)
+#   engine   bench-engine, decode with and without overlap scheduling (same run), prefill, HF
+#   ep       EP decode scaling at 256 per rank (ep_size 2 and 4 where there are 4 GPUs), overlap on/off
+#   kv       KV transfer rate (cuda_ipc) and TTFT with layer-wise streaming
+#   goodput  the P:D configurations of deploy/pd4 through `pdserve up` (4 GPUs)
+# Each part writes OUT_DIR/<part>*.json and a log; a failing part does not stop the others.
+set -u
+out=${1:?usage: gpu_figures.sh OUT_DIR [PART ...]}
+shift
+parts=${*:-tests engine ep kv}
+mkdir -p "$out"
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+echo "[gpu-figures] $(date -u +%FT%TZ) $gpus GPU(s); parts: $parts"
+
+run() {  # run NAME COMMAND...: logs to OUT/NAME.log, says how it went
+    local name=$1
+    shift
+    local t0=$SECONDS
+    "$@" >"$out/$name.log" 2>&1
+    echo "[gpu-figures] $name: exit $? after $((SECONDS - t0)) s (log: $out/$name.log)"
+    tail -n 12 "$out/$name.log"
+}
+
+for part in $parts; do
+    case $part in
+    tests)
+        run tests python -m pytest -q -x -p no:cacheprovider tests/test_gpu_kernels.py tests/test_gpu_engine.py \
+            tests/test_expert_parallel.py tests/test_kvtransfer_gpu.py ;;
+    engine)
+        for overlap in on off; do
+            run "engine-decode-$overlap" python -m pdserve.benchmarks.bench_engine --overlap "$overlap" \
+                --prefill-sizes --no-hf --json "$out/engine-decode-$overlap.json"
+        done
+        run engine python -m pdserve.benchmarks.bench_engine --hf-prefill-sizes 2048 4096 \
+            --hf-decode-batches 1 8 32 --reps 3 --json "$out/engine.json" ;;
+    ep)
+        sizes=2
+        [ "$gpus" -ge 4 ] && sizes="2 4"
+        for overlap in on off; do
+            run "ep-$overlap" python -m pdserve.benchmarks.ep_decode --ep-sizes $sizes --batches 256 \
+                --setups single pair ep --paths all_gather --overlap "$overlap" --json "$out/ep-$overlap.json"
+        done ;;
+    kv)
+        run kv python -m pdserve.benchmarks.kv_transfer --backend cuda_ipc --sizes 1024 4096 16384 65536 \
+            --ttft 16384 --reps 9 --json "$out/kv.json" ;;
+    goodput)
+        run goodput python -m pdserve.benchmarks.pd_goodput deploy/pd4/*.yaml --rates 1 2 4 8 --duration 20 \
+            --input-len 4096 --output-len 256 --stop-below 0.5 --log-dir "$out" --json "$out/goodput.json" ;;
+    *)
+        echo "[gpu-figures] unknown part $part (tests, engine, ep, kv, goodput)" ;;
+    esac
+done
