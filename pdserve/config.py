@@ -95,6 +95,7 @@ class DecodeConfig(_Strict):
     ep_replicated_experts: list[int] = Field(default_factory=list)  # hot experts copied to every rank
     max_num_seqs: int = Field(default=256, ge=1)
     cuda_graphs: bool = True
+    overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     num_kv_blocks: int | None = Field(default=None, ge=1)
 
 
@@ -109,6 +110,7 @@ class ColocatedConfig(_Strict):
     chunk_size: int = Field(default=2048, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)
     cuda_graphs: bool = True
+    overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
 
 
 class KVTransferConfig(_Strict):
@@ -172,7 +174,8 @@ class ClusterConfig(_Strict):
         if role in ("prefill", "colocated"):  # the prompt phase
             kw.update(max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size)
         if role in ("decode", "colocated"):  # the generation phase
-            kw.update(max_num_seqs=r.max_num_seqs, cuda_graphs=r.cuda_graphs)
+            kw.update(max_num_seqs=r.max_num_seqs, cuda_graphs=r.cuda_graphs,
+                      overlap_scheduling=r.overlap_scheduling)
         return EngineConfig(**kw)
 
 

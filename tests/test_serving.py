@@ -57,10 +57,11 @@ def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, section
 # expert-parallel decode replica (2 ranks: DESIGN §6), and again against one colocated replica (the
 # baseline: both phases in one engine); all must look the same from outside. The expert-parallel
 # threshold is low so that busy steps take the all-to-all exchange and quiet ones the all-gather one.
+# The last two overlap their steps (on by default on GPUs only), which nothing outside may notice.
 @pytest.fixture(scope="module", params=[
     {"decode": {}},
-    {"decode": {"ep_size": 2, "ep_threshold": 8}},
-    {"colocated": {"replicas": 1, "num_kv_blocks": 512}},
+    {"decode": {"ep_size": 2, "ep_threshold": 8, "overlap_scheduling": True}},
+    {"colocated": {"replicas": 1, "num_kv_blocks": 512, "overlap_scheduling": True}},
 ], ids=["decode", "decode-ep2", "colocated"])
 def cluster(request, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("up"), **request.param)
