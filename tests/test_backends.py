@@ -7,12 +7,13 @@ from pdserve.config import EngineConfig
 from pdserve.ops.attention import TorchAttention
 from pdserve.ops.backends import make_backends
 from pdserve.ops.moe import TorchMoE
+from pdserve.ops.norms import TorchNorms
 
 
 def test_auto_and_torch_on_cpu():
     for choice in ("auto", "torch"):
-        attn, moe = make_backends(choice, choice, torch.device("cpu"))
-        assert isinstance(attn, TorchAttention) and isinstance(moe, TorchMoE)
+        attn, moe, norms = make_backends(choice, choice, torch.device("cpu"))
+        assert isinstance(attn, TorchAttention) and isinstance(moe, TorchMoE) and isinstance(norms, TorchNorms)
 
 
 @pytest.mark.parametrize("which", ["attention", "moe"])

@@ -24,7 +24,8 @@ if not INTERPRET and not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from pdserve.engine.forward_batch import ForwardBatch  # noqa: E402
-from pdserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
+from pdserve.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from pdserve.ops.norms import apply_rotary  # noqa: E402
 from pdserve.ops.activation import silu_and_mul  # noqa: E402
 from pdserve.ops.attention import TorchAttention, write_kv  # noqa: E402
 from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention  # noqa: E402
@@ -465,14 +466,18 @@ def test_silu_and_mul(tokens, dtype):
 # -- a whole model ------------------------------------------------------------------------------------
 
 def test_model_forward_matches_torch_backends():
-    """tiny-moe with the Triton backends against the torch ones: a prefill step, then a decode step."""
+    """tiny-moe with the Triton backends (attention, MoE, norms and RoPE) against the torch ones: a
+    prefill step, then a decode step."""
     from pdserve.models import load_model
     from pdserve.ops.attention import TorchAttention as TA
     from pdserve.ops.moe import TorchMoE as TM
+    from pdserve.ops.norms import TorchNorms
+    from pdserve.ops.triton_norms import TritonNorms
 
     dtype = torch.float32
-    ours, args = load_model("tiny-moe", dtype, DEVICE, attn_backend=TritonAttention(), moe_backend=TritonMoE())
-    ref, _ = load_model("tiny-moe", dtype, DEVICE, attn_backend=TA(), moe_backend=TM())
+    ours, args = load_model("tiny-moe", dtype, DEVICE, attn_backend=TritonAttention(), moe_backend=TritonMoE(),
+                            norms=TritonNorms())
+    ref, _ = load_model("tiny-moe", dtype, DEVICE, attn_backend=TA(), moe_backend=TM(), norms=TorchNorms())
     g = gen(14)
     prompts = [(37, 37), (20, 20)]
     case = random_paged_case(prompts, args.num_heads, args.num_kv_heads, args.head_dim, BLOCK, dtype, DEVICE, g)

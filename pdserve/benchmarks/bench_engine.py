@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -308,6 +309,9 @@ def bench_engine_prefill(a, cfg: EngineConfig, cost: ModelCost, matmul_rate: flo
                 times.append(dt)
             rows.append(prefill_row(cost, n, times[1:], matmul_rate))
             log(f"engine prefill {rows[-1]}")
+            if a.profile:
+                engine.add_request(f"prefill-{n}-profile", prompt, params)
+                rows[-1]["profile"] = _profile(a, f"prefill-{n}", engine.step, device)
         except Exception as e:  # noqa: BLE001 — one size failing (e.g. out of memory) must not lose the rest
             errors.append({"part": f"engine prefill {n}", "error": f"{type(e).__name__}: {e}"})
             log(f"engine prefill {n} failed: {errors[-1]['error']}")
@@ -373,7 +377,17 @@ def _decode_batch(a, engine, cost: ModelCost, batch: int, copy_rate: float) -> d
     assert all(len(o) == batch for o in outs), f"a decode step gave {min(map(len, outs))} tokens for a batch of {batch}"
     row = decode_row(cost, batch, context, dt / a.decode_steps, hit, copy_rate)
     row["overlap"] = engine.overlap
+    if a.profile:  # one more step: the sequences have two tokens to go
+        row["profile"] = _profile(a, f"decode-{batch}", engine.step, engine.device)
     return row
+
+
+def _profile(a, label: str, step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
+    from pdserve.benchmarks.step_profile import profile_step, summary
+
+    p = profile_step(step, device, trace=Path(a.profile) / f"{label}.trace.json")
+    log(summary(label, p))
+    return p
 
 
 # -- HF transformers ------------------------------------------------------------------------------
@@ -535,6 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-steps", type=int, default=16, help="decode steps of each timed HF generate (their mean)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure here")
+    p.add_argument("--profile", metavar="DIR",
+                   help="also profile one more step of each prefill size and decode batch: host vs GPU time, "
+                        "kernel count and top kernels in the log and the JSON, a Chrome trace per step in DIR")
     return p
 
 

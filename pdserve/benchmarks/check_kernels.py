@@ -335,8 +335,12 @@ def sweep_moe(c: Checker, a, tokens: int) -> None:
     touched = int(torch.unique(ids).numel())
     nbytes = touched * 3 * inter * hid * 2
     sets = [(w13, w2), (w13.clone(), w2.clone())]
-    for bm, bn, bk, warps, stages in [(16, 64, 128, 4, 3), (16, 32, 128, 4, 4), (16, 128, 64, 4, 3),
-                                      (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 8, 3)]:
+    configs = [(16, 64, 128, 4, 3), (16, 32, 128, 4, 4), (16, 128, 64, 4, 3),
+               (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 8, 3)]
+    if tokens >= 1024:  # prefill sizes: tens to hundreds of rows per expert, against torch._grouped_mm
+        configs += [(64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3),
+                    (128, 128, 32, 4, 4)]
+    for bm, bn, bk, warps, stages in configs:
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
         t = c.bench(_cycle(lambda i: fused_moe(x, *sets[i], weights, ids, config=cfg), 2))
         c.add(Row("sweep fused_moe", f"T={tokens}", None, t, None, bytes=nbytes,
@@ -392,7 +396,8 @@ def check_rms_norm(c: Checker, a, tokens: int) -> None:
 
 
 def check_qk_norm_rope(c: Checker, a, tokens: int) -> None:
-    from pdserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+    from pdserve.models.layers import RMSNorm, RotaryEmbedding
+    from pdserve.ops.norms import apply_rotary
     from pdserve.ops.rotary import qk_norm_rope
 
     g, h, kvh, d = _gen(c.device, 7), a.num_heads, a.num_kv_heads, a.head_dim
@@ -491,7 +496,7 @@ def main() -> None:
             for t in (1, 64, 256, 4096) if "small" not in groups else (64, 256, 4096):
                 c.run(f"moe T={t}", lambda t=t: check_moe(c, a, t))
             if args.sweep:
-                for t in (1, 64, 256):
+                for t in (1, 64, 256, 1024, 4096):
                     c.run(f"sweep moe T={t}", lambda t=t: sweep_moe(c, a, t))
         if "routing" in groups:
             for t in (1, 256, 4096):

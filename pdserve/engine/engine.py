@@ -39,10 +39,10 @@ class Engine:
         dtype = _DTYPES.get(mc.dtype) or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         if log:
             log(f"loading {mc.path} ({mc.load_format}, {str(dtype).removeprefix('torch.')}) on {self.device}")
-        attn_backend, moe_backend = make_backends(config.attention_backend, config.moe_backend, self.device)
+        attn_backend, moe_backend, norms = make_backends(config.attention_backend, config.moe_backend, self.device)
         self.model, self.args = load_model(mc.path, dtype=dtype, device=self.device,
                                            load_format=mc.load_format, attn_backend=attn_backend,
-                                           moe_backend=moe_backend, seed=mc.seed, ep=ep)
+                                           moe_backend=moe_backend, seed=mc.seed, ep=ep, norms=norms)
         self.tokenizer = load_tokenizer(mc.path, eos_token_ids=self.args.eos_token_ids)
         self.fingerprint = model_fingerprint(mc.path, self.args, dtype, mc.load_format, mc.seed)
         self.max_model_len = min(mc.max_model_len or self.args.max_position_embeddings,

@@ -17,6 +17,7 @@ from pdserve.models.args import ModelArgs
 from pdserve.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE
 from pdserve.ops.attention import TorchAttention
 from pdserve.ops.moe import TorchMoE
+from pdserve.ops.norms import TorchNorms
 
 # Names after `checkpoint_name`. One tensor per expert (what checkpoints on the Hub hold) ...
 _EXPERT = re.compile(r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -25,33 +26,43 @@ _FUSED = re.compile(r"(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)")
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, args: ModelArgs, layer_idx: int, mlp: nn.Module, attn_backend):
+    The residual stream travels beside the block's output instead of being added at its end: the
+    next norm adds it (one fused kernel on the GPU path, `norms.add_rms_norm`)."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int, mlp: nn.Module, attn_backend, norms):
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args, layer_idx, attn_backend)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, norms)
+        self.self_attn = Attention(args, layer_idx, attn_backend, norms)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, norms)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) [T, hidden] -> (mlp output, residual); the layer's output is their sum.
+        The first layer gets residual None: x is the embedding."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, batch), residual)
+        return self.mlp(h), residual
 
 
 class DecoderLM(nn.Module):
     """A Llama-shaped causal LM over the paged KV cache; parameter names follow HF's, minus `model.`."""
 
-    def __init__(self, args: ModelArgs, attn_backend=None, moe_backend=None):
+    def __init__(self, args: ModelArgs, attn_backend=None, moe_backend=None, norms=None):
         super().__init__()
         self.args = args
         self.attn_backend = attn_backend or TorchAttention()
         self.moe_backend = moe_backend or TorchMoE()
+        self.norms = norms or TorchNorms()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, i, self.make_mlp(i), self.attn_backend) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            DecoderLayer(args, i, self.make_mlp(i), self.attn_backend, self.norms) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, self.norms)
         # Tied: the embedding matrix is the head, and there is no second parameter to keep in sync.
         self.lm_head = (None if args.tie_word_embeddings
                         else nn.Linear(args.hidden_size, args.vocab_size, bias=False))
@@ -85,10 +96,11 @@ class DecoderLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for the batch's flattened tokens."""
         x = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary_emb(batch.positions, x.dtype)
+        rope = self.norms.rope_inputs(self.rotary_emb, batch.positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, batch)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""

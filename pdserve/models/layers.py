@@ -13,20 +13,25 @@ from torch import nn
 
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.models.args import ModelArgs
+from pdserve.ops.norms import TorchNorms
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMSNorm through a norms backend (`TorchNorms` unless given); with a residual, the residual
+    add before it is fused in and the sum returned beside the output: it is the next residual."""
+
+    def __init__(self, dim: int, eps: float, kernels=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels or TorchNorms()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., dim] -> [..., dim]; normalised in float32, scaled in x's dtype as HF does."""
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [..., dim] -> [..., dim]; with `residual`: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
@@ -113,22 +118,13 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, 1, D] -> [T, heads, D] (NeoX layout: halves, not pairs)."""
-    return x * cos + _rotate_half(x) * sin
-
-
 class Attention(nn.Module):
     """Self-attention over the paged KV cache; the backend writes this step's K/V and attends."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int, backend):
+    def __init__(self, args: ModelArgs, layer_idx: int, backend, norms):
         super().__init__()
         self.layer_idx = layer_idx
+        self.norms = norms  # q/k norm and RoPE
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.scale = args.head_dim ** -0.5
         self.backend = backend
@@ -140,15 +136,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; calls batch.layer_done(layer) once the layer's KV is cached."""
+    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `rope` from the norms backend's `rope_inputs`. Calls
+        batch.layer_done(layer) once the layer's KV is cached."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qk_norm = self.q_norm is not None  # Qwen3 normalises each head before RoPE
+        q, k = self.norms.qk_norm_rope(q, k, rope, self.q_norm.weight if qk_norm else None,
+                                       self.k_norm.weight if qk_norm else None,
+                                       self.q_norm.eps if qk_norm else 0.0)
         o = self.backend.forward(self.layer_idx, q, k, v, batch, self.scale)  # [T, heads, D]
         if batch.layer_done is not None:
             batch.layer_done(self.layer_idx)

@@ -61,7 +61,8 @@ def resolve_model_args(path_or_preset: str) -> ModelArgs:
 
 
 def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto",
-               attn_backend=None, moe_backend=None, seed: int = 0, ep=None) -> tuple[DecoderLM, ModelArgs]:
+               attn_backend=None, moe_backend=None, seed: int = 0, ep=None, norms=None
+               ) -> tuple[DecoderLM, ModelArgs]:
     """Build the model on `device` in `dtype`; weights from *.safetensors ("auto") or random ("dummy").
 
     Presets are always dummy. The model is built on the meta device and allocated once, directly
@@ -75,7 +76,7 @@ def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | s
     files = [] if dummy else safetensors_files(Path(path_or_preset))  # fail before allocating
     device = torch.device(device)
     with torch.device("meta"), _default_dtype(dtype):
-        model = MODEL_CLASSES[args.architecture](args, attn_backend, moe_backend)
+        model = MODEL_CLASSES[args.architecture](args, attn_backend, moe_backend, norms)
     if ep is not None:
         model.shard_experts(ep)
     model.to_empty(device=device)

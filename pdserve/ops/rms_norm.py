@@ -1,6 +1,6 @@
 """RMSNorm in Triton, optionally fused with the residual add before it.
 
-Same math as `layers.RMSNorm`: normalised in float32, rounded to x's dtype, then scaled by the
+Same math as `norms.rms_norm`: normalised in float32, rounded to x's dtype, then scaled by the
 weight (the product rounded once, to the promoted dtype, as torch does).
 """
 

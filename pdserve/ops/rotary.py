@@ -1,6 +1,6 @@
 """RoPE (NeoX layout: halves, not pairs) in Triton, optionally after Qwen3's per-head q/k RMSNorm.
 
-Same math as `layers.apply_rotary` (and `layers.RMSNorm` on each head first when weights are
+Same math as `norms.apply_rotary` (and `norms.rms_norm` on each head first when weights are
 given), reading cos/sin from RotaryEmbedding's float32 tables by position. One program per token
 rotates all of its q and k heads; everything is computed in float32 and rounded once.
 """
