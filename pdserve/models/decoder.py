@@ -83,6 +83,11 @@ class DecoderLM(nn.Module):
             moe.hold_experts(exchange.placement.local_experts)
             moe.exchange = exchange
 
+    def fuse_qkv(self) -> None:
+        """Every attention layer's q/k/v projections as one GEMM (`Attention.fuse_qkv`)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_qkv()
+
     @torch.inference_mode()
     def join_expert_exchanges(self) -> None:
         """Take part in every MoE layer's exchange with no tokens: an expert-parallel rank without

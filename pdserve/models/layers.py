@@ -135,14 +135,40 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, h, bias=args.o_proj_bias)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.qkv = None  # (weight, bias) of the three projections stacked, once `fuse_qkv` ran
+
+    @torch.no_grad()
+    def fuse_qkv(self) -> None:
+        """Stack q_proj, k_proj and v_proj into one weight (and bias), and make the three parameters
+        views of it: one GEMM per step instead of three, no second copy. Call once the weights are
+        loaded. Only the GPU path does (TritonAttention.fuse_qkv): on the CPU reference a wider
+        GEMM may sum in another order than transformers' three."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([m.weight for m in projs])
+        bias = torch.cat([m.bias for m in projs]) if self.q_proj.bias is not None else None
+        row = 0
+        for m in projs:
+            n = m.weight.shape[0]
+            m.weight = nn.Parameter(weight[row:row + n], requires_grad=False)
+            if bias is not None:
+                m.bias = nn.Parameter(bias[row:row + n], requires_grad=False)
+            row += n
+        self.qkv = (weight, bias)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, heads, D], k and v [T, kv_heads, D] (views of one GEMM's output once fused)."""
+        t, d = x.shape[0], self.head_dim
+        if self.qkv is None:
+            return (self.q_proj(x).view(t, self.num_heads, d), self.k_proj(x).view(t, self.num_kv_heads, d),
+                    self.v_proj(x).view(t, self.num_kv_heads, d))
+        q_dim, kv_dim = self.num_heads * d, self.num_kv_heads * d
+        q, k, v = F.linear(x, *self.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
+        return q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
 
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; `rope` from the norms backend's `rope_inputs`. Calls
         batch.layer_done(layer) once the layer's KV is cached."""
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
         qk_norm = self.q_norm is not None  # Qwen3 normalises each head before RoPE
         q, k = self.norms.qk_norm_rope(q, k, rope, self.q_norm.weight if qk_norm else None,
                                        self.k_norm.weight if qk_norm else None,

@@ -86,6 +86,8 @@ def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | s
     else:
         model.load_weights(_iter_tensors(files, model.wants))
     model.requires_grad_(False).eval()
+    if getattr(attn_backend, "fuse_qkv", False):
+        model.fuse_qkv()
     return model, args
 
 
