@@ -128,13 +128,17 @@ class ByteTokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; invalid UTF-8 becomes U+FFFD, special ids their names unless skipped."""
+        """Text of `ids`; invalid UTF-8 becomes U+FFFD, special ids their names unless skipped.
+
+        A preset model's vocabulary is larger than ours: an id past the special tokens is ordinary
+        output this tokenizer cannot spell, written `<|token_N|>` whether specials are skipped or
+        not, so that a dummy model's output streams token by token instead of as nothing."""
         parts: list[str] = []
         run = bytearray()  # consecutive bytes decode together so multi-byte characters survive
         for i in ids:
             if i < 256:
                 run.append(i)
-            elif not skip_special_tokens:
+            elif not skip_special_tokens or i >= 256 + len(self.SPECIAL_TOKENS):
                 parts.append(run.decode("utf-8", errors="replace"))
                 run.clear()
                 parts.append(self._special_name(i))

@@ -288,6 +288,7 @@ def test_byte_tokenizer():
     assert tok.encode("a<|im_end|>é", add_special_tokens=False) == [97, 259, 0xC3, 0xA9]
     assert tok.decode([256, 97, 259, 98, 257]) == "ab"
     assert tok.decode([256, 97, 259, 300], skip_special_tokens=False) == "<|bos|>a<|im_end|><|token_300|>"
+    assert tok.decode([256, 97, 259, 300]) == "a<|token_300|>"  # past our vocabulary: text, not special
     assert tok.decode([0xE2, 0x82, 97, 0xFF]) == "\ufffda\ufffd"  # incomplete and invalid bytes
 
 
