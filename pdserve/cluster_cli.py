@@ -61,7 +61,8 @@ def up(path: str | None) -> int:
         _log("ready; Ctrl-C stops everything")
         while True:  # until Ctrl-C, or `pdserve down` from elsewhere
             try:
-                if ray.get(controller.status.remote(), timeout=30)["state"] != "running":
+                # "stopping": a `pdserve down` is at work; killing the controller now would cut it short.
+                if ray.get(controller.status.remote(), timeout=30)["state"] not in ("running", "stopping"):
                     break
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 break
@@ -145,7 +146,10 @@ def down(address: str) -> int:
     except ValueError:
         print("pdserve: no pdserve cluster is running (nothing to stop)", file=sys.stderr)
         return 1
-    ray.get(controller.shutdown.remote(), timeout=60)
+    try:
+        ray.get(controller.shutdown.remote(), timeout=60)
+    except ray.exceptions.RayActorError:
+        pass  # the `pdserve up` that started it removed it as it stopped: it is gone either way
     _log("stopped")
     return 0
 

@@ -1,6 +1,10 @@
 """The requests a worker streams to routers (decode and colocated workers): which router each
-belongs to, and their new output, sent as one `Router.deliver` per router per step — never one
-message per token."""
+belongs to, and their new output, sent as `Router.deliver` messages — never one per token.
+
+Each router has at most one message from a worker in flight; what the steps produce meanwhile goes
+into the next one. Ray does not keep the order of an async actor's calls, so two messages in
+flight could land swapped and put a request's tokens out of order; and a router that falls behind
+gets fewer, larger messages instead of a growing queue."""
 
 from collections import defaultdict
 
@@ -9,13 +13,16 @@ import ray
 from pdserve.engine.outputs import RequestOutput
 from pdserve.messages import RequestDelta
 
+HELD_S = 0.001  # a worker's nap while a router still takes its previous message and more waits
+
 
 class RouterStreams:
     def __init__(self, namespace: str):
         self.namespace = namespace  # where the routers' named actors live
         self._owner: dict[str, str] = {}  # request id -> the router streaming it
         self._routers: dict[str, ray.actor.ActorHandle] = {}  # looked up once per router
-        self._pending: dict[str, list[RequestDelta]] = defaultdict(list)  # this step's, per router
+        self._pending: dict[str, list[RequestDelta]] = defaultdict(list)  # not sent yet, per router
+        self._inflight: dict[str, ray.ObjectRef] = {}  # the message each router is taking
 
     def __len__(self) -> int:
         """Requests streaming from here."""
@@ -45,11 +52,17 @@ class RouterStreams:
         if out.finished:
             del self._owner[out.request_id]
 
-    def flush(self) -> None:
-        """Send this step's deltas: one message per router."""
-        for router, deltas in self._pending.items():
-            self._router(router).deliver.remote(deltas)
-        self._pending.clear()
+    def flush(self) -> bool:
+        """Send the pending deltas to each router that has taken its previous message; True while
+        some are held back (the caller flushes again soon: `HELD_S`)."""
+        for router in list(self._pending):
+            ref = self._inflight.get(router)
+            if ref is not None:
+                ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
+                if not ready:
+                    continue
+            self._inflight[router] = self._router(router).deliver.remote(self._pending.pop(router))
+        return bool(self._pending)
 
     def _router(self, name: str) -> ray.actor.ActorHandle:
         h = self._routers.get(name)

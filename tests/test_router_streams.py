@@ -1,0 +1,66 @@
+"""A worker's stream of deltas to a router (pdserve/router_streams.py) keeps each request's tokens
+in order, though Ray runs an async actor's calls (the router is one) in any order."""
+
+import asyncio
+import random
+import time
+
+import pytest
+import ray
+
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sequence import FinishReason
+from pdserve.router_streams import RouterStreams
+
+NAMESPACE = "test-router-streams"
+
+
+@ray.remote
+class SlowRouter:
+    """Takes `deliver` as the router does (async), but each call awaits a random while first: calls
+    in flight together would finish, and record, out of order."""
+
+    def __init__(self):
+        self.tokens: dict[str, list[int]] = {}
+        self.calls = 0
+
+    async def deliver(self, deltas) -> None:
+        self.calls += 1
+        await asyncio.sleep(random.random() * 0.003)
+        for d in deltas:
+            self.tokens.setdefault(d.request_id, []).extend(d.token_ids)
+
+    def seen(self) -> tuple[dict[str, list[int]], int]:
+        return self.tokens, self.calls
+
+
+@pytest.fixture(scope="module")
+def router():
+    ray.init(num_cpus=1, namespace=NAMESPACE, include_dashboard=False)
+    yield SlowRouter.options(name="router-0", namespace=NAMESPACE).remote()
+    ray.shutdown()
+
+
+def test_tokens_reach_the_router_in_order_and_nothing_is_left_behind(router):
+    streams = RouterStreams(NAMESPACE)
+    steps = 300
+    for rid in ("a", "b"):
+        streams.add(rid, "router-0")
+    for i in range(steps):  # a fast engine: one step's output after another, no nap between
+        for rid in ("a", "b"):
+            last = i == steps - 1
+            streams.output(RequestOutput(rid, [i], str(i), finished=last,
+                                         finish_reason=FinishReason.LENGTH if last else None))
+        streams.flush()
+    deadline = time.monotonic() + 30
+    while streams.flush():  # what the steps left held back goes once the router takes the rest
+        assert time.monotonic() < deadline, "deltas still held back after 30 s"
+        time.sleep(0.001)
+    while True:  # the last message may still be on its way
+        tokens, calls = ray.get(router.seen.remote())
+        if sum(map(len, tokens.values())) == 2 * steps or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert tokens == {"a": list(range(steps)), "b": list(range(steps))}
+    assert calls < steps  # a router taking its time gets fewer, larger messages
+    assert len(streams) == 0  # both finished: no longer streaming from here
