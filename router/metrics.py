@@ -45,6 +45,11 @@ class Metrics:
                                       registry=r)
         self.kv_transfer = Histogram("pdserve_kv_transfer_seconds", "Time to move one request's KV cache",
                                      buckets=_TRANSFER_BUCKETS, registry=r)
+        self.phase = Histogram("pdserve_request_phase_seconds", "Time of each phase of a request on its way to "
+                               "its first token, as the router sees it: reserve (decode KV blocks), "
+                               "dispatch (handed to the prefill or colocated replica), first_token "
+                               "(from then on until its first token reached the router)", ["phase"],
+                               buckets=_LATENCY_BUCKETS, registry=r)
         # Labelled by expert but summed over MoE layers: replicas x experts series, not x layers too.
         self.expert_tokens = Counter("pdserve_expert_tokens", "Tokens routed to each expert at an expert-parallel "
                                      "decode replica, summed over MoE layers", ["replica", "expert"], registry=r)
@@ -86,6 +91,10 @@ class Metrics:
         for expert, n in enumerate(new):
             if n > 0:  # (a restarted rank counts from 0 again: nothing to add)
                 self.expert_tokens.labels(replica=replica, expert=str(expert)).inc(n)
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        """One request spent `seconds` in `phase` (reserve, dispatch, first_token)."""
+        self.phase.labels(phase=phase).observe(seconds)
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         """One request's KV moved from prefill to decode: `nbytes` bytes in `seconds`."""

@@ -5,6 +5,7 @@ colocated cluster one replica does both phases: hand it the request, relay its d
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from pdserve.engine.sampling_params import InvalidRequestError
@@ -65,8 +66,12 @@ class RayCore:
         try:
             start = self._start_colocated if self.colocated else self._start_disaggregated
             await start(request, placed, holders)
+            dispatched, first = time.perf_counter(), True
             while not finished:
                 d: RequestDelta = await queue.get()
+                if first:
+                    self._phase("first_token", dispatched)
+                    first = False
                 if d.finish_reason == "error":
                     finished = True
                     raise ServingError(d.error or "the request failed")
@@ -84,10 +89,13 @@ class RayCore:
         """Reserve KV on a decode replica, then have a prefill replica stream the prompt's KV there."""
         p_name = self._pick(self.prefill)
         self._place(p_name, placed)
+        t0 = time.perf_counter()
         d_name, d_rank, handle = await self._reserve(request, p_name)
+        t1 = self._phase("reserve", t0)
         self._place(d_name, placed)
         holders += [self.decode[d_name].ranks[d_rank], self.prefill[p_name]]
         await self.prefill[p_name].prefill.remote(request.request_id, request.prompt_ids, request.params, handle)
+        self._phase("dispatch", t1)
 
     async def _start_colocated(self, request: GenerateRequest, placed: list[str], holders: list) -> None:
         """Hand the whole request to the least-loaded colocated replica. Not by free KV blocks as
@@ -97,8 +105,17 @@ class RayCore:
         self._place(name, placed)
         worker = self.colocated[name]
         holders.append(worker)  # before the call: a client leaving during it must still stop the request
+        t0 = time.perf_counter()
         _raise_refused(await worker.generate.remote(request.request_id, request.prompt_ids, request.params,
                                                     self.name))
+        self._phase("dispatch", t0)
+
+    def _phase(self, phase: str, since: float) -> float:
+        """Record that a request spent the time from `since` until now in `phase`; returns now."""
+        now = time.perf_counter()
+        if self.metrics:
+            self.metrics.observe_phase(phase, now - since)
+        return now
 
     async def _reserve(self, request: GenerateRequest, p_name: str) -> tuple[str, str, bytes]:
         """Reserve KV blocks on a decode replica's rank, best candidates first -> (replica, rank,

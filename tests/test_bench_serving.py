@@ -150,6 +150,10 @@ def test_bench_measures_every_request_at_each_rate(cluster, tmp_path):
             assert s["p50"] <= s["p90"] <= s["p99"], (key, s)
         assert x["slo_attainment"] == 1.0 and x["good_rps"] == x["request_throughput"] > 0
         assert x["output_throughput"] == pytest.approx(8 * x["request_throughput"], rel=0.01)
+        # The router's split of the same requests' TTFT (its /metrics before and after the run).
+        phases = x["server_ms"]
+        assert {"reserve", "dispatch", "first_token"} <= phases.keys(), phases
+        assert 0 < phases["reserve"] + phases["dispatch"] + phases["first_token"] < x["ttft_ms"]["mean"]
     starts = [req["start_s"] for req in res["runs"][0]["requests"]]
     assert starts == sorted(starts) and starts[-1] > 0.1  # Poisson arrivals, spread over about 1.5 s
     assert res["goodput"] == "inf"  # every rate passed: the highest one

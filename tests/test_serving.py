@@ -135,6 +135,11 @@ def test_64_concurrent_streams_each_get_their_own_text(cluster, reference):
     else:
         assert metric(metrics, "pdserve_kv_bytes_moved_total") > 0
         assert metric(metrics, "pdserve_kv_transfer_seconds_count") >= 64
+    # Where the time to a first token went, per phase, for every one of these requests too.
+    phases = ["dispatch", "first_token"] + ([] if cluster.role == "colocated" else ["reserve"])
+    assert all(phase_count(metrics, ph) >= len(prompts) for ph in phases)
+    if cluster.role == "colocated":  # nothing to reserve: no decode replica
+        assert phase_count(metrics, "reserve") == 0
 
 
 def test_client_disconnect_aborts_everywhere(cluster):
@@ -161,6 +166,13 @@ def test_client_disconnect_aborts_everywhere(cluster):
 def metric(metrics: str, name: str) -> float:
     for line in metrics.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def phase_count(metrics: str, phase: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith("pdserve_request_phase_seconds_count{") and f'phase="{phase}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 

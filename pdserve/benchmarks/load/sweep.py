@@ -15,6 +15,7 @@ import httpx
 from pdserve.benchmarks.load.client import BenchError, Server, connect, request_body, stream_request
 from pdserve.benchmarks.load.records import (RateSummary, RequestRecord, Slo, Workload, goodput, rate_json,
                                              rate_label, summarize)
+from pdserve.benchmarks.load.server_metrics import means_ms, scrape
 
 PROMPT_IDS = (3, 256)  # [low, high): below every vocabulary, clear of the usual specials 0..2
 PROGRESS_EVERY_S = 5.0
@@ -42,6 +43,7 @@ def random_prompt(rng: random.Random, length: int) -> list[int]:
 class RateRun:
     summary: RateSummary
     records: list[RequestRecord]
+    server_ms: dict[str, float] = field(default_factory=dict)  # mean of each phase, as the router timed it
 
 
 async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workload: Workload,
@@ -53,6 +55,7 @@ async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workl
     limit = asyncio.Semaphore(workload.max_concurrency) if workload.max_concurrency else None
     label = rate_label(rate)
     log(f"rate {label} req/s: {n} requests")
+    before = await scrape(client, server.url)
     t0 = time.perf_counter()
     progress = asyncio.create_task(_report_progress(label, records, t0, log))
 
@@ -77,7 +80,11 @@ async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workl
     if summary.errors:
         text, count = next(iter(summary.errors.items()))
         log(f"rate {label} req/s: {summary.failed} failed, e.g. ({count}x) {text}")
-    return RateRun(summary, records)
+    server_ms = means_ms(before, await scrape(client, server.url))
+    if server_ms:
+        log(f"rate {label} req/s: the router's means (ms): "
+            + ", ".join(f"{k} {v:g}" for k, v in server_ms.items()))
+    return RateRun(summary, records, server_ms)
 
 
 async def _report_progress(label: str, records: list[RequestRecord], t0: float, log: Callable[[str], None]) -> None:
@@ -108,6 +115,7 @@ class Sweep:
         runs = []
         for r in self.runs:
             runs.append(r.summary.to_json())
+            runs[-1]["server_ms"] = r.server_ms
             if save_requests:
                 runs[-1]["requests"] = [rec.to_json() for rec in r.records]
         return {"url": self.server.url, "model": self.server.model, "max_model_len": self.server.max_model_len,
