@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md in one go, on one host of 4 (or 2, or 1) GPUs:
 #   bash pdserve/benchmarks/gpu_figures.sh OUT_DIR [PART ...]
-# PARTs (default: all but goodput, which takes ~5 minutes per cluster file):
+# PARTs (default: all but goodput, which takes ~7 minutes for its four cluster files):
 #   tests    the GPU-path tests (kernels, engine, expert parallel, KV transfer)
 #   engine   bench-engine, decode with and without overlap scheduling (same run), prefill, HF
 #   ep       EP decode scaling at 256 per rank (ep_size 2 and 4 where there are 4 GPUs), overlap on/off
@@ -48,8 +48,10 @@ for part in $parts; do
         run kv python -m pdserve.benchmarks.kv_transfer --backend cuda_ipc --sizes 1024 4096 16384 65536 \
             --ttft 16384 --reps 9 --json "$out/kv.json" ;;
     goodput)
-        run goodput python -m pdserve.benchmarks.pd_goodput deploy/pd4/*.yaml --rates 1 2 4 8 --duration 20 \
-            --input-len 4096 --output-len 256 --stop-below 0.5 --log-dir "$out" --json "$out/goodput.json" ;;
+        run goodput python -m pdserve.benchmarks.pd_goodput deploy/pd4/colocated4.yaml deploy/pd4/2p2d.yaml \
+            deploy/pd4/1p3d.yaml deploy/pd4/2p1ep2.yaml --rates 4 8 16 --duration 10 --input-len 4096 \
+            --output-len 256 --stop-below 0.5 --start-timeout 120 --stop-timeout 20 --log-dir "$out" \
+            --json "$out/goodput.json" ;;
     *)
         echo "[gpu-figures] unknown part $part (tests, engine, ep, kv, goodput)" ;;
     esac
