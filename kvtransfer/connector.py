@@ -15,6 +15,7 @@ thread's blocking wait and finish notice for a backend that can wait.
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,6 +23,8 @@ import torch
 
 from kvtransfer.messages import Notice, ReserveHandle
 from kvtransfer.metadata import KVAgentMetadata, check_peer
+
+RECENT_DONE = 4096  # delivered requests a prefill connector remembers, for late aborts
 
 
 @dataclass
@@ -164,6 +167,9 @@ class PrefillConnector(_Base):
         self._delivered: queue.SimpleQueue = queue.SimpleQueue()  # (bytes, seconds) per request
         self._transfers: dict[str, _Transfer] = {}  # worker thread only
         self._aborted: set[str] = set()  # written by the worker thread: aborted before we heard of them
+        # Requests delivered lately (under _lock): an abort the decode end sent before it read our
+        # "finish" comes after the transfer is gone, and is no failure.
+        self._recent_done: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()  # a transfer's state, where the completion thread also moves it
         self._closed = False
         # A backend that posts on the caller's thread (device-ordered, never blocking) skips the
@@ -445,6 +451,10 @@ class PrefillConnector(_Base):
         try:
             self.backend.notify(t.handle.engine_id, Notice("finish", rid, t.first_token).pack())
             self._delivered.put((t.nbytes, time.monotonic() - t.started))
+            with self._lock:
+                self._recent_done[rid] = None
+                if len(self._recent_done) > RECENT_DONE:
+                    self._recent_done.popitem(last=False)
             self._result(rid, True)
         except Exception:
             self._result(rid, False)
@@ -455,10 +465,13 @@ class PrefillConnector(_Base):
         t = self._transfers.get(rid)
         if t is None:
             with self._lock:
-                self._aborted.add(rid)  # the layers may still be queued: drop them when they come
+                late = rid in self._recent_done  # delivered: every write landed, the result was given
+                if not late:
+                    self._aborted.add(rid)  # the layers may still be queued: drop them when they come
                 unopened = rid in self._unopened  # posted inline already: answered once "opened" comes
-            self._result(rid, False)
-            if answer and not unopened:
+            if not late:
+                self._result(rid, False)
+            if answer and not unopened:  # the decode end holds its blocks until it hears back
                 self._notify(answer, Notice("abort", rid, sender=self.meta.engine_id))
             return
         with self._lock:

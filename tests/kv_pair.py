@@ -72,6 +72,15 @@ def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str) ->
                         time.sleep(0.002)
                 conn.send((dict(results), engine.pool.num_free_blocks, idle))
                 results.clear()
+            elif cmd == "listen":  # keep polling for a while with nothing in flight: late notices
+                deadline = time.time() + args[0]
+                while time.time() < deadline:
+                    _, done, failed = streamer.step()
+                    results.update({r: True for r in done})
+                    results.update({r: False for r in failed})
+                    time.sleep(0.002)
+                conn.send((dict(results), engine.pool.num_free_blocks, idle))
+                results.clear()
             elif cmd == "exit":
                 connector.close()
                 conn.send(None)

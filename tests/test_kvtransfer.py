@@ -98,6 +98,28 @@ def test_abort_from_either_side_frees_both(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_abort_after_delivery_is_no_prefill_failure(backend):
+    """The decode side aborts a request whose KV the prefill side has delivered but whose "finish"
+    it has not read yet: the prefill side's result stays delivered, both pools come back idle."""
+    p, d = start_pair(backend)
+    pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
+    try:
+        h = d.call("reserve", "late", prompts()[4], GREEDY, 30.0, pid)
+        p.call("prefill", "late", prompts()[4], GREEDY, h)
+        presults, _, _ = p.call("run", 30)
+        assert presults == {"late": True}
+        d.call("abort", "late")  # before the decode side polled the "finish" notice
+        presults, pfree, pidle = p.call("listen", 1.0)  # the abort arrives at the prefill side
+        assert "late" not in presults  # not reported failed after it was delivered
+        dresults, dfree, didle = d.call("run", 20)
+        assert dresults == {"late": "failed"}  # aborted by the client: no tokens streamed
+        assert pfree == pidle and dfree == didle
+    finally:
+        p.stop()
+        d.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_killed_after_reserving_frees_prefill_blocks_within_lease(backend):
     p, d = start_pair(backend)
     ps = prompts()
