@@ -49,6 +49,30 @@ def _words(kv: torch.Tensor) -> torch.Tensor:
     return flat
 
 
+class BlockCopy:
+    """The copy from one cache into another, its word views and sizes worked out once: a post then
+    costs the kernel launch alone (the connector posts per request, or per layer while streaming)."""
+
+    def __init__(self, src_kv: torch.Tensor, dst_kv: torch.Tensor, num_warps: int = NUM_WARPS,
+                 chunk: int = CHUNK_WORDS):
+        self.src_w, self.dst_w = _words(src_kv), _words(dst_kv)
+        self.src_num_blocks, self.dst_num_blocks = src_kv.shape[2], dst_kv.shape[2]
+        self.words_per_block = self.src_w.numel() // (src_kv.shape[0] * 2 * src_kv.shape[2])
+        self.chunk = min(chunk, triton.next_power_of_2(self.words_per_block))
+        self.num_warps = num_warps
+
+    def __call__(self, first_layer: int, num_layers: int, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+                 n: int | None = None) -> None:
+        """dst[l, :, dst_ids[i]] = src[l, :, src_ids[i]] for l in [first_layer, first_layer + num_layers),
+        i < n (default: all ids). The ids are int32 tensors on the source's device; current stream."""
+        n = src_ids.numel() if n is None else n
+        if n == 0 or num_layers == 0:
+            return
+        _copy_blocks[(num_layers * 2 * n,)](
+            self.src_w, self.dst_w, src_ids, dst_ids, n, first_layer * 2, self.src_num_blocks,
+            self.dst_num_blocks, BLOCK_WORDS=self.words_per_block, CHUNK=self.chunk, num_warps=self.num_warps)
+
+
 def copy_blocks(src_kv: torch.Tensor, dst_kv: torch.Tensor, first_layer: int, num_layers: int,
                 src_ids: torch.Tensor, dst_ids: torch.Tensor, num_warps: int = NUM_WARPS,
                 chunk: int = CHUNK_WORDS) -> None:
@@ -57,12 +81,4 @@ def copy_blocks(src_kv: torch.Tensor, dst_kv: torch.Tensor, first_layer: int, nu
     Both caches are [layers, 2, blocks, block_size, kv_heads, head_dim] of one dtype (their block
     counts may differ); the ids are int32 tensors on src_kv's device. Runs on the current stream.
     """
-    n = src_ids.numel()
-    if n == 0 or num_layers == 0:
-        return
-    src_w, dst_w = _words(src_kv), _words(dst_kv)
-    words_per_block = src_w.numel() // (src_kv.shape[0] * 2 * src_kv.shape[2])
-    chunk = min(chunk, triton.next_power_of_2(words_per_block))
-    grid = (num_layers * 2 * n,)
-    _copy_blocks[grid](src_w, dst_w, src_ids, dst_ids, n, first_layer * 2, src_kv.shape[2], dst_kv.shape[2],
-                       BLOCK_WORDS=words_per_block, CHUNK=chunk, num_warps=num_warps)
+    BlockCopy(src_kv, dst_kv, num_warps, chunk)(first_layer, num_layers, src_ids, dst_ids)

@@ -18,7 +18,7 @@ import threading
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from kvtransfer.backends.block_copy import copy_blocks
+from kvtransfer.backends.block_copy import BlockCopy
 from kvtransfer.backends.tcp import TcpBackend, frame
 from kvtransfer.metadata import KVAgentMetadata
 
@@ -40,18 +40,19 @@ class CudaIpcBackend:
         meta.agent_metadata = pickle.dumps(args)
         self.stream = torch.cuda.Stream(device=kv_cache.device)
         self._handles: dict[str, bytes] = {}
-        self._peers: dict[str, torch.Tensor] = {}
+        self._peers: dict[str, BlockCopy] = {}  # a mapped peer allocation, as the copy into it
         self._socks: dict[str, socket.socket] = {}
         self._sock_lock = threading.Lock()  # notices go out from the poster and the completion thread
         self._pinned = torch.empty(_RING, 2 * meta.num_blocks, dtype=torch.int32, pin_memory=True)
-        self._uploaded = [None] * _RING  # event of each slot's last upload
+        self._pinned_np = self._pinned.numpy()  # filled from lists without building tensors
+        self._uploaded = [None] * _RING  # per slot: the event of the first copy after its upload
         self._slot = 0
         self._ids: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # last upload: layers reuse it
         # Compile the copy kernel now (block 0 onto itself, before the engine uses the cache), not
         # while the first request waits.
         with torch.cuda.stream(self.stream):
             zero = torch.zeros(1, dtype=torch.int32, device=kv_cache.device)
-            copy_blocks(kv_cache, kv_cache, 0, 1, zero, zero)
+            BlockCopy(kv_cache, kv_cache)(0, 1, zero, zero)
         self.stream.synchronize()
 
     def add_peer(self, peer: KVAgentMetadata) -> None:
@@ -67,57 +68,62 @@ class CudaIpcBackend:
             s.close()
         self.notices.remove_peer(engine_id)
 
-    def _peer_kv(self, engine_id: str) -> torch.Tensor:
-        """The peer's KV allocation mapped into our GPU's context (on first write only: the
-        decode side never writes and never maps)."""
-        kv = self._peers.get(engine_id)
-        if kv is None:
+    def _peer_copy(self, engine_id: str) -> BlockCopy:
+        """The copy into the peer's KV allocation, mapped into our GPU's context on first write
+        (the decode side never writes and never maps)."""
+        copy = self._peers.get(engine_id)
+        if copy is None:
             args = list(pickle.loads(self._handles[engine_id]))
             # Open the handle in OUR device's context (peer access over NVLink), not the owner's:
             # our copy kernels run on our device, and an address mapped only in the other
             # device's context faults there. The tensor thus reads as ours; its bytes live on the peer.
             args[_STORAGE_DEVICE] = self.kv.device.index
-            kv = self._peers[engine_id] = rebuild_cuda_tensor(*args)
-        return kv
+            copy = self._peers[engine_id] = BlockCopy(self.kv, rebuild_cuda_tensor(*args))
+        return copy
 
     def write_range(self, peer_id: str, first_layer: int, num_layers: int, src_blocks: list[int],
                     dst_blocks: list[int]) -> torch.cuda.Event:
         """Enqueue the copy of layers [first_layer, first_layer + num_layers) of these blocks;
-        ordered after the work the caller's stream has queued so far. Returns the copy's event."""
-        dst_kv = self._peer_kv(peer_id)
+        ordered after the work the caller's stream has queued so far. Returns the copy's event.
+
+        This is the whole host cost of a post, paid before the copy can start: kept to array
+        fills and two launches (the ids' upload, the kernel)."""
+        copy = self._peer_copy(peer_id)
         if len(src_blocks) != len(dst_blocks):
             raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
         if not (0 <= first_layer and first_layer + num_layers <= self.meta.num_layers):
             raise ValueError(f"layers {first_layer}..{first_layer + num_layers - 1} outside [0, {self.meta.num_layers})")
-        for ids, n, side in ((src_blocks, self.kv.shape[2], "source"), (dst_blocks, dst_kv.shape[2], "destination")):
-            if ids and (min(ids) < 0 or max(ids) >= n):  # the kernel would write outside the cache
-                raise ValueError(f"{side} block ids must lie in [0, {n}), got {min(ids)}..{max(ids)}")
         self.stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         with torch.cuda.stream(self.stream):
-            src_ids, dst_ids = self._upload(src_blocks, dst_blocks)
-            copy_blocks(self.kv, dst_kv, first_layer, num_layers, src_ids, dst_ids)
+            src_ids, dst_ids, slot = self._upload(src_blocks, dst_blocks, copy.dst_num_blocks)
+            copy(first_layer, num_layers, src_ids, dst_ids)
             done = torch.cuda.Event()
             done.record(self.stream)
+        if slot is not None:
+            self._uploaded[slot] = done  # the upload ran before this copy, on this stream
         return done
 
-    def _upload(self, src: list[int], dst: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _upload(self, src: list[int], dst: list[int], dst_num_blocks: int):
         """Source and destination block ids on the GPU (int32), through pinned memory so that the
-        upload never waits for the stream; the layers of one step reuse them. Runs on self.stream."""
+        upload never waits for the stream; the layers of one step reuse them. Runs on self.stream.
+        Returns them and the pinned slot used (None: reused)."""
         key = (tuple(src), tuple(dst))
         if self._ids is not None and self._ids[0] == key:
-            return self._ids[1], self._ids[2]
+            return self._ids[1], self._ids[2], None
         slot = self._slot = (self._slot + 1) % _RING
         if self._uploaded[slot] is not None:
             self._uploaded[slot].synchronize()  # in practice long done: 8 uploads ago
         n = len(src)
-        host = self._pinned[slot, :2 * n]  # contiguous: a pinned source keeps the copy asynchronous
-        host[:n] = torch.tensor(src, dtype=torch.int32)
-        host[n:] = torch.tensor(dst, dtype=torch.int32)
-        ids = host.to(self.kv.device, non_blocking=True)
-        ev = self._uploaded[slot] = torch.cuda.Event()
-        ev.record(self.stream)
+        host = self._pinned_np[slot, :2 * n]
+        host[:n], host[n:] = src, dst
+        if n:  # the kernel would write outside the cache
+            for ids, limit, side in ((host[:n], self.kv.shape[2], "source"), (host[n:], dst_num_blocks, "destination")):
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < 0 or hi >= limit:
+                    raise ValueError(f"{side} block ids must lie in [0, {limit}), got {lo}..{hi}")
+        ids = self._pinned[slot, :2 * n].to(self.kv.device, non_blocking=True)  # pinned: asynchronous
         self._ids = (key, ids[:n], ids[n:])
-        return ids[:n], ids[n:]
+        return ids[:n], ids[n:], slot
 
     def write_layers(self, peer_id: str, parts: list[tuple[int, list[int], list[int]]]):
         """Several (layer, src, dst) at once (the worker-thread interface); consecutive layers with

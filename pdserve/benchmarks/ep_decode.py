@@ -6,7 +6,11 @@ measured in the same run (DESIGN §6).
     python -m pdserve.benchmarks.ep_decode --cpu     # dry run: tiny-moe, gloo, tiny batches
 
 Every worker is an engine in the decode role fed through `reserve` + `start_decode` (no prefill:
-the KV is garbage, which costs the same to read). `--batches` are per GPU: the single replica and
+the KV cache is filled with random values, which cost the same to read, and every request gets
+random prompt and first-token ids, so that the requests' hidden states differ and the routers
+spread them over the experts as a real batch does). `--kv zeros` keeps the cache zeroed, with the
+same first token for every request, as the first runs did (docs/benchmarks.md): every request then computes
+the same hidden state and all pick the same 8 experts per layer (the `experts_hit` column says so). `--batches` are per GPU: the single replica and
 each independent replica decode B requests, each EP rank B requests (N·B in the replica). Every
 request has `--context` tokens of context and never finishes during the measurement. Shape:
 qwen3-30b-a3b (dummy bf16 weights) on GPUs. Needs max(2, N) GPUs (the single replica uses the first).
@@ -32,6 +36,7 @@ from pdserve.engine.sampling_params import SamplingParams
 SETUPS = ("single", "pair", "ep")  # one GPU | two independent GPUs | one EP replica per --ep-sizes
 # The EP replica decodes once with each exchange path forced (decode.ep_threshold 0 or "never").
 PATHS = {"all_gather": 2**62, "all_to_all": 0}
+_COUNT_STEPS = 2  # eager decode steps with the routers hooked, before the warm-up
 
 
 def _size(setup: str) -> int:
@@ -57,36 +62,75 @@ def _engine(opts, device: torch.device, ep=None):
     max_len = opts.context + opts.warmup + opts.steps + 2
     blocks = max(opts.batches) * -(-max_len // 16) + 16
     model = ModelConfig(path=opts.model, dtype=opts.dtype, load_format="dummy")
-    return Engine(EngineConfig(model=model, role="decode", device=str(device), num_kv_blocks=blocks,
-                               max_num_seqs=max(opts.batches), enable_prefix_cache=False,
-                               cuda_graphs=not opts.no_graphs,
-                               overlap_scheduling={"auto": None, "on": True, "off": False}[opts.overlap]), ep=ep)
+    engine = Engine(EngineConfig(model=model, role="decode", device=str(device), num_kv_blocks=blocks,
+                                 max_num_seqs=max(opts.batches), enable_prefix_cache=False,
+                                 cuda_graphs=not opts.no_graphs,
+                                 overlap_scheduling={"auto": None, "on": True, "off": False}[opts.overlap]), ep=ep)
+    if opts.kv == "random":  # each rank its own values: its requests' contexts differ from the others'
+        rank = ep.rank if ep is not None else 0
+        engine.kv_cache.normal_(generator=torch.Generator(device).manual_seed(opts.seed + rank))
+    return engine
 
 
 def _decode_rate(engine, group, batch: int, opts) -> dict:
     """Tokens per second of `batch` requests decoding together on this worker."""
     from decode.ep_group import RUNNING
 
-    params = SamplingParams(max_tokens=opts.warmup + opts.steps + 2, temperature=0, ignore_eos=True)
+    from pdserve.benchmarks.bench_engine import experts_hit_per_layer
+
+    args = engine.model.args
+    params = SamplingParams(max_tokens=_COUNT_STEPS + opts.warmup + opts.steps + 2, temperature=0, ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
+    gen = torch.Generator().manual_seed(opts.seed + 1000 * batch + (group.rank if group else 0))
+    vocab = min(args.vocab_size, 256)  # byte ids: every preset's tokenizer has them
     for i, rid in enumerate(ids):
-        assert engine.reserve(rid, [2 + i % 200] + [1] * (opts.context - 1), params) is not None, "KV cache too small"
-        engine.start_decode(rid, 1)
+        if opts.kv == "random":
+            prompt = torch.randint(0, vocab, (opts.context,), generator=gen).tolist()
+            first = int(torch.randint(0, vocab, (1,), generator=gen))
+        else:
+            prompt, first = [2 + i % 200] + [1] * (opts.context - 1), 1
+        assert engine.reserve(rid, prompt, params) is not None, "KV cache too small"
+        engine.start_decode(rid, first)
 
     def step():
         return group.step(engine, RUNNING) if group else engine.step()
 
+    # A few steps run eagerly on every rank (the same steps: the ranks stay in lockstep) with the
+    # routers hooked: how many distinct experts a step's batch hits per layer (a graph replay
+    # runs no hooks).
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    try:
+        hit = experts_hit_per_layer(engine.model, lambda: [step() for _ in range(_COUNT_STEPS)], batch,
+                                    args.num_experts_per_tok, args.num_experts)
+    finally:
+        engine.runner.graphs = graphs
     for _ in range(opts.warmup):
         step()
+    load0 = _served_per_rank(group) if group else None
     _sync(engine.device)
     t0 = time.perf_counter()
     for _ in range(opts.steps):
         step()
     _sync(engine.device)
     dt = time.perf_counter() - t0
+    out = {"tok_s": batch * opts.steps / dt, "step_ms": 1e3 * dt / opts.steps, "experts_hit": hit or 0.0}
+    if group:
+        served = _served_per_rank(group) - load0
+        out["rank_load"] = (served.max() / served.mean()).item() if served.sum() else 0.0
     for rid in ids:
         engine.abort(rid)
-    return {"tok_s": batch * opts.steps / dt, "step_ms": 1e3 * dt / opts.steps}
+    return out
+
+
+def _served_per_rank(group) -> torch.Tensor:
+    """(token, expert) pairs each rank's experts served since start, over all ranks' tokens and
+    every MoE layer (float64, host). Their max over their mean is the replica's load imbalance:
+    the busiest rank's expert work sets the lockstep step's pace."""
+    ex = group.exchange
+    routed = (ex.tokens_total + ex.tokens_step).double()  # this rank's tokens, per expert
+    dist.all_reduce(routed)  # every rank's tokens
+    homes = torch.tensor([ex.placement.home(e) for e in range(ex.placement.num_experts)], device=routed.device)
+    return torch.zeros(group.size, dtype=torch.float64, device=routed.device).index_add_(0, homes, routed).cpu()
 
 
 def _time_us(fn, device: torch.device, reps: int) -> float:
@@ -200,6 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                     help="the engines' overlap_scheduling (auto: on a GPU; default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (CPU)")
+    ap.add_argument("--kv", choices=["random", "zeros"], default="random",
+                    help="random: random KV and token ids (realistic routing); zeros: the zeroed cache and "
+                         "one first token for every request of runs before 2026-11-23 (collapsed routing)")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the results here")
     opts = ap.parse_args(argv)
     cpu = opts.cpu
@@ -223,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [_row(i, b, per_setup, opts.paths) for i, b in enumerate(opts.batches)]
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "model": opts.model,
             "gpus": torch.cuda.device_count() if not cpu else 0,
-            "dtype": opts.dtype, "context": opts.context, "steps": opts.steps, "graphs": not opts.no_graphs,
+            "dtype": opts.dtype, "context": opts.context, "kv": opts.kv, "steps": opts.steps, "graphs": not opts.no_graphs,
             "device": "cpu" if cpu else torch.cuda.get_device_name(0),
             "nccl": None if cpu else ".".join(map(str, torch.cuda.nccl.version()))}
     _print(rows, per_setup, opts.paths)
@@ -242,6 +290,9 @@ def _row(i: int, batch: int, per_setup: dict, paths: list[str]) -> dict:
             label = f"{setup}_{name}".rstrip("_")
             row[f"{label}_tok_s"] = round(sum(w[i][f"{name}tok_s"] for w in workers), 1)
             row[f"{label}_step_ms"] = round(max(w[i][f"{name}step_ms"] for w in workers), 2)
+            row[f"{label}_experts_hit"] = round(sum(w[i][f"{name}experts_hit"] for w in workers) / len(workers), 1)
+            if ep:
+                row[f"{label}_rank_load"] = round(workers[0][i][f"{name}rank_load"], 3)
             for base in ("single", "pair"):
                 if ep and base in per_setup:
                     row[f"{label}_vs_{base}"] = round(row[f"{label}_tok_s"] / row[f"{base}_tok_s"], 2)
@@ -253,7 +304,8 @@ def _row(i: int, batch: int, per_setup: dict, paths: list[str]) -> dict:
 
 
 def _print(rows: list[dict], per_setup: dict, paths: list[str]) -> None:
-    cols = [c for c in rows[0] if c.endswith(("_tok_s", "_vs_single", "_vs_pair", "_vs_linear"))]
+    cols = [c for c in rows[0] if c.endswith(("_tok_s", "_vs_single", "_vs_pair", "_vs_linear", "_experts_hit",
+                                             "_rank_load"))]
     print("\n" + " ".join(f"{c:>{max(9, len(c))}}" for c in ["batch_per_gpu", *cols]))
     for r in rows:
         print(" ".join(f"{r[c]:>{max(9, len(c))}}" for c in ["batch_per_gpu", *cols]))

@@ -98,21 +98,33 @@ def raw_copy_gbs(nbytes: int = 1 << 30, reps: int = 10) -> float:
 
 
 def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KVLayout,
-              kv: torch.Tensor | None = None, post: str = "whole") -> float:
+              kv: torch.Tensor | None = None, post: str = "whole", split: dict | None = None) -> float:
     """Seconds from the first post until the prefill end reports the request delivered (every
     byte written, the finish notice sent). post "whole": all layers in one send_layers call (KV
-    that is complete already); "layers": one send_layer per layer, as layer-wise streaming posts."""
+    that is complete already); "layers": one send_layer per layer, as layer-wise streaming posts.
+
+    `split` (cuda_ipc): gets where the time went — `post_us`, the host time of the posting calls;
+    `stream_ms`, the copy stream's time from the first post's arrival to the last copy's end (the
+    posting's launch latency and the copies); the rest of the total is the wait for the copy's
+    event, the finish notice and the caller's wake-up."""
     from kvtransfer import ReserveHandle
 
     n_blocks = -(-n_tokens // BLOCK)
     handle = ReserveHandle.unpack(decode_call(decode, "reserve", rid, blocks_for(n_blocks, pattern, 1)))
     src = blocks_for(n_blocks, pattern, 3)
+    stream = getattr(prefill.backend, "stream", None) if split is not None else None
+    if stream is not None:
+        marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        marks[0].record(stream)
     t0 = time.perf_counter()
     if post == "whole":
         prefill.send_layers(rid, 0, layout.num_layers, src, handle)
     else:
         for layer in range(layout.num_layers):
             prefill.send_layer(rid, layer, src, handle)
+    t_posted = time.perf_counter()
+    if stream is not None:
+        marks[1].record(stream)
     prefill.finish(rid, 0)
     while True:
         done, failed = prefill.poll()
@@ -126,7 +138,29 @@ def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KV
         got = decode_call(decode, "checksum", handle.block_ids)
         want = kv[:, :, src].float().sum().item()
         assert got == want, f"{rid}: destination checksum {got} != source {want}"
+    if stream is not None:
+        split.setdefault("post_us", []).append(1e6 * (t_posted - t0))
+        split.setdefault("stream_ms", []).append(marks[0].elapsed_time(marks[1]))
     return dt
+
+
+def kernel_only_ms(prefill, peer: str, n_tokens: int, pattern: str, layout: KVLayout, reps: int) -> float:
+    """cuda_ipc: the copy kernel alone (ids already on the GPU, CUDA events around the launch),
+    the same blocks as a whole post: the in-run ceiling of the connector's figure."""
+    n_blocks = -(-n_tokens // BLOCK)
+    dev = prefill.backend.kv.device
+    src = torch.tensor(blocks_for(n_blocks, pattern, 3), dtype=torch.int32, device=dev)
+    dst = torch.tensor(blocks_for(n_blocks, pattern, 1), dtype=torch.int32, device=dev)
+    copy = prefill.backend._peer_copy(peer)
+    times = []
+    for _ in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        copy(0, layout.num_layers, src, dst)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times[2:])
 
 
 def backend_kw(args) -> dict:
@@ -140,7 +174,7 @@ def decode_call(decode, *msg):
     return decode[0].recv()
 
 
-def part1(args, decode, prefill, layout, kv) -> list[dict]:
+def part1(args, decode, prefill, layout, kv, peer: str) -> list[dict]:
     rows = []
     cases = [("fresh", "whole"), ("fragmented", "whole"), ("scattered", "whole"), ("fresh", "layers")]
     for n in args.sizes:
@@ -148,11 +182,19 @@ def part1(args, decode, prefill, layout, kv) -> list[dict]:
         for pattern, post in cases:
             name = f"{pattern}-{post}-{n}"
             move_once(prefill, decode, f"{name}-check", n, pattern, layout, kv=kv, post=post)  # also warms up
-            times = [move_once(prefill, decode, f"{name}-{i}", n, pattern, layout, post=post) for i in range(args.reps)]
+            split: dict = {}
+            times = [move_once(prefill, decode, f"{name}-{i}", n, pattern, layout, post=post, split=split)
+                     for i in range(args.reps)]
             t = statistics.median(times)
             rows.append({"tokens": n, "pattern": pattern, "post": post, "MB": round(nbytes / 1e6, 1),
                          "ms": round(t * 1e3, 3), "GB/s": round(nbytes / t / 1e9, 1),
                          "ms_all": [round(x * 1e3, 3) for x in times]})
+            if split:
+                rows[-1].update(post_us=round(statistics.median(split["post_us"]), 1),
+                                stream_ms=round(statistics.median(split["stream_ms"]), 3))
+            if args.backend == "cuda_ipc" and post == "whole":
+                k = kernel_only_ms(prefill, peer, n, pattern, layout, args.reps)
+                rows[-1].update(kernel_ms=round(k, 3), kernel_GB_s=round(nbytes / k / 1e6, 1))
             print(rows[-1], flush=True)
     return rows
 
@@ -191,9 +233,9 @@ def main() -> None:
     kv = allocate_kv_cache(layout, torch.device(dev0))
     kv.normal_()
     prefill = make_connector("prefill", args.backend, "bench-prefill", kv, layout, fingerprint(), **backend_kw(args))
-    prefill.add_peer(decode_call(decode, "meta"))
+    peer = prefill.add_peer(decode_call(decode, "meta"))
     decode_call(decode, "add_peer", prefill.metadata())
-    rows = part1(args, decode, prefill, layout, kv)
+    rows = part1(args, decode, prefill, layout, kv, peer)
     prefill.close()
     del kv
     if not args.cpu:
@@ -208,11 +250,15 @@ def main() -> None:
             "backend": args.backend, "nixl_workers": args.nixl_workers,
             "nixl_progress_thread": args.nixl_progress_thread, "torch": torch.__version__, "raw_copy_GB/s": round(raw, 1)}
     print(f"\nraw GPU0->GPU1 copy {raw:.1f} GB/s ({meta['device']}, {args.backend})")
-    print(f"{'tokens':>7} {'pattern':>10} {'post':>6} {'MB':>8} {'ms':>9} {'GB/s':>7} {'% raw':>6}")
+    print(f"{'tokens':>7} {'pattern':>10} {'post':>6} {'MB':>8} {'ms':>9} {'GB/s':>7} {'% raw':>6}"
+          f" {'post us':>8} {'stream ms':>9} {'kernel ms':>9} {'kernel %':>8}")
     for r in rows:
         r["pct_raw"] = round(100 * r["GB/s"] / raw, 1)
+        if "kernel_GB_s" in r:
+            r["kernel_pct_raw"] = round(100 * r["kernel_GB_s"] / raw, 1)
         print(f"{r['tokens']:>7} {r['pattern']:>10} {r['post']:>6} {r['MB']:>8} {r['ms']:>9} {r['GB/s']:>7} "
-              f"{r['pct_raw']:>6}")
+              f"{r['pct_raw']:>6} {r.get('post_us', ''):>8} {r.get('stream_ms', ''):>9} {r.get('kernel_ms', ''):>9}"
+              f" {r.get('kernel_pct_raw', ''):>8}")
     if ttft:
         print(f"TTFT {ttft['tokens']} tokens: prefill only {ttft['prefill_only_ms']} ms, with streaming "
               f"{ttft['prefill_streamed_ms']} ms, overhead {ttft['overhead_pct']} %")
