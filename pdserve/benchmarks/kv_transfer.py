@@ -174,6 +174,67 @@ def decode_call(decode, *msg):
     return decode[0].recv()
 
 
+def post_costs(prefill, peer: str, layout: KVLayout, n_tokens: int = 4096, reps: int = 50) -> dict:
+    """cuda_ipc: host microseconds (median) of the pieces of one whole post of a fresh request,
+    each timed alone (the stream synchronised between calls, so no queue builds up), and the
+    wake-up of a thread waiting on a threading.Event — what the connector pays around the copy."""
+    import threading
+
+    b = prefill.backend
+    n_blocks = -(-n_tokens // BLOCK)
+    src, dst = blocks_for(n_blocks, "fresh", 3), blocks_for(n_blocks, "fresh", 1)
+    copy = b._peer_copy(peer)
+    sid = torch.tensor(src, dtype=torch.int32, device=b.kv.device)
+    did = torch.tensor(dst, dtype=torch.int32, device=b.kv.device)
+
+    def upload():
+        b._ids = None  # no reuse: a new request's ids
+        with torch.cuda.stream(b.stream):
+            b._upload(src, dst, copy.dst_num_blocks)
+
+    def stream_enter():
+        b.stream.wait_stream(torch.cuda.current_stream(b.kv.device))
+        with torch.cuda.stream(b.stream):
+            pass
+
+    def write_range():
+        b._ids = None
+        b.write_range(peer, 0, layout.num_layers, src, dst)
+
+    pieces = {"launch (kernel, 1 layer)": lambda: copy(0, 1, sid, did),
+              "event record": lambda: torch.cuda.Event().record(b.stream),
+              "stream enter": stream_enter, "upload ids": upload, "write_range": write_range}
+    out = {}
+    for name, fn in pieces.items():
+        times = []
+        for _ in range(reps + 5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = round(1e6 * statistics.median(times[5:]), 1)
+    torch.cuda.synchronize()
+    woke, go = [], threading.Event()
+
+    def waiter():
+        go.wait()
+        woke.append(time.perf_counter())
+
+    wakes = []
+    for _ in range(20):
+        go.clear()
+        th = threading.Thread(target=waiter)
+        th.start()
+        time.sleep(0.002)
+        t0 = time.perf_counter()
+        go.set()
+        th.join()
+        wakes.append(woke[-1] - t0)
+    out["thread wake-up"] = round(1e6 * statistics.median(wakes), 1)
+    print("post costs (host us): " + json.dumps(out), flush=True)
+    return out
+
+
 def part1(args, decode, prefill, layout, kv, peer: str) -> list[dict]:
     rows = []
     cases = [("fresh", "whole"), ("fragmented", "whole"), ("scattered", "whole"), ("fresh", "layers")]
@@ -235,6 +296,7 @@ def main() -> None:
     prefill = make_connector("prefill", args.backend, "bench-prefill", kv, layout, fingerprint(), **backend_kw(args))
     peer = prefill.add_peer(decode_call(decode, "meta"))
     decode_call(decode, "add_peer", prefill.metadata())
+    costs = post_costs(prefill, peer, layout) if args.backend == "cuda_ipc" else None
     rows = part1(args, decode, prefill, layout, kv, peer)
     prefill.close()
     del kv
@@ -259,12 +321,14 @@ def main() -> None:
         print(f"{r['tokens']:>7} {r['pattern']:>10} {r['post']:>6} {r['MB']:>8} {r['ms']:>9} {r['GB/s']:>7} "
               f"{r['pct_raw']:>6} {r.get('post_us', ''):>8} {r.get('stream_ms', ''):>9} {r.get('kernel_ms', ''):>9}"
               f" {r.get('kernel_pct_raw', ''):>8}")
+    if costs:
+        print("post costs (host us): " + json.dumps(costs))
     if ttft:
         print(f"TTFT {ttft['tokens']} tokens: prefill only {ttft['prefill_only_ms']} ms, with streaming "
               f"{ttft['prefill_streamed_ms']} ms, overhead {ttft['overhead_pct']} %")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "transfer": rows, "ttft": ttft}, f, indent=1)
+            json.dump({"meta": meta, "transfer": rows, "post_costs_us": costs, "ttft": ttft}, f, indent=1)
     decode_call(decode, "exit")
 
 
