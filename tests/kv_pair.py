@@ -178,8 +178,10 @@ class Worker:
 
 
 def start_pair(backend: str, fragment: bool = False, prefill_seed: int = 0,
-               devices: tuple[str, str] = ("cpu", "cpu")) -> tuple[Worker, Worker]:
-    """A connected prefill/decode pair (handshake done both ways)."""
+               devices: tuple[str, str] | None = None) -> tuple[Worker, Worker]:
+    """A connected prefill/decode pair (handshake done both ways); on two GPUs for cuda_ipc, on
+    CPU memory otherwise, unless `devices` says."""
+    devices = devices or (("cuda:0", "cuda:1") if backend == "cuda_ipc" else ("cpu", "cpu"))
     p = Worker(_prefill_main, backend, prefill_seed, fragment, devices[0])
     d = Worker(_decode_main, backend, 0, fragment, devices[1])
     pmeta, dmeta = p.call("meta"), d.call("meta")

@@ -18,6 +18,9 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 
 BACKENDS = ["tcp", "nixl"]
+# The fault contract also holds for the same-host GPU backend, where two GPUs are present (its
+# greedy equality, against a GPU colocated run, is in tests/test_kvtransfer_gpu.py).
+FAULT_BACKENDS = BACKENDS + (["cuda_ipc"] if torch.cuda.device_count() >= 2 else [])
 PROMPT_LENS = [1, 15, 16, 17, 1000]
 GREEDY = dict(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -71,7 +74,7 @@ def test_mismatched_fingerprint_is_refused(backend):
         d.stop()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_abort_from_either_side_frees_both(backend):
     p, d = start_pair(backend)
     pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
@@ -97,7 +100,7 @@ def test_abort_from_either_side_frees_both(backend):
         d.stop()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_decode_abort_after_delivery_is_no_prefill_failure(backend):
     """The decode side aborts a request whose KV the prefill side has delivered but whose "finish"
     it has not read yet: the prefill side's result stays delivered, both pools come back idle."""
@@ -119,7 +122,7 @@ def test_decode_abort_after_delivery_is_no_prefill_failure(backend):
         d.stop()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_decode_killed_after_reserving_frees_prefill_blocks_within_lease(backend):
     p, d = start_pair(backend)
     ps = prompts()
@@ -137,7 +140,7 @@ def test_decode_killed_after_reserving_frees_prefill_blocks_within_lease(backend
         d.stop()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_prefill_killed_mid_transfer_frees_decode_blocks(backend):
     p, d = start_pair(backend)
     pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
@@ -156,7 +159,7 @@ def test_prefill_killed_mid_transfer_frees_decode_blocks(backend):
         d.stop()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_decode_abort_holds_blocks_until_the_prefill_side_stops_writing(backend):
     """A write posted before the abort may still land: the blocks are reused only once the prefill
     side answers (it answers after its writes stopped) or, if it stays silent, after the lease."""
