@@ -9,8 +9,7 @@ freed (done / failed), it never frees them.
 The prefill end posts from one worker thread, so the engine's step never waits on the network;
 every backend call of that end happens on that thread — except for a backend that posts inline
 (cuda_ipc: it only enqueues device work, so it posts on the engine's thread) and the completion
-thread's blocking wait and finish notice for a backend that can wait (with an inline backend, a
-caller blocked in `wait` may deliver a transfer itself, whichever thread sees its copies done first).
+thread's blocking wait and finish notice for a backend that can wait.
 """
 
 import queue
@@ -26,12 +25,6 @@ from kvtransfer.messages import Notice, ReserveHandle
 from kvtransfer.metadata import KVAgentMetadata, check_peer
 
 RECENT_DONE = 4096  # delivered requests a prefill connector remembers, for late aborts
-# Inline (device-copy) backends: a caller waiting for a finished transfer sleeps until the copy
-# could be done at LINK_BYTES_PER_S (faster than any link we drive: it wakes early, never late), then
-# polls the copy for up to SPIN_S and delivers on its own thread — a sleeping thread's wake-up
-# (tens of microseconds) is a tenth of a 4k-token request's copy.
-LINK_BYTES_PER_S = 500e9
-SPIN_S = 300e-6
 
 
 @dataclass
@@ -161,7 +154,6 @@ class _Transfer:
     first_token: int | None = None
     nbytes: int = 0
     started: float = field(default_factory=time.monotonic)  # first layer posted
-    last_post: float = 0.0  # inline posting: when the latest layer was posted
     # open -> (finishing: every layer posted, a completion thread waits for the copies) -> done | failed
     state: str = "open"
 
@@ -186,7 +178,6 @@ class PrefillConnector(_Base):
         self._inline = getattr(backend, "inline", False)
         self._waits: queue.SimpleQueue | None = queue.SimpleQueue() if hasattr(backend, "wait") else None
         self._posting: dict[str, _Transfer] = {}  # inline posting: requests not finished yet (caller's thread)
-        self._finished_here: OrderedDict[str, _Transfer] = OrderedDict()  # inline: finished, caller's thread
         self._unopened: set[str] = set()  # inline posts the worker has not heard of yet (under _lock)
         # Failed transfers whose writes may still land (a copy NIXL could not cancel, a queued device
         # copy): the decode end hears "abort" only once they cannot, as it then reuses the blocks.
@@ -253,21 +244,16 @@ class PrefillConnector(_Base):
             else:
                 t.tokens.append(token)  # the worker reads the list only after finish (or to drop it)
                 t.nbytes += nbytes
-            t.last_post = time.monotonic()
 
     def finish(self, request_id: str, first_token: int) -> None:
         """Every layer is queued: once all have landed, tell the decode worker (with the first token)."""
-        t = self._posting.pop(request_id, None)
-        if t is not None:  # inline: a caller that waits may deliver it itself (wait)
-            t.first_token = first_token
-            self._finished_here[request_id] = t
+        self._posting.pop(request_id, None)
         self._ops.put(("finish", request_id, first_token))
 
     def poll(self) -> tuple[list[str], list[str]]:
         """Requests whose KV was delivered (source blocks may be freed), and ones that failed."""
         done, failed = [], []
         self._has_results.clear()
-        self._forget_finished()
         while True:
             try:
                 rid, ok = self._results.get_nowait()
@@ -287,43 +273,8 @@ class PrefillConnector(_Base):
 
         A caller with nothing else to do waits here instead of spinning on poll(): a spinning
         thread holds the GIL, and the posting thread would get it only every switch interval (5 ms).
-        With an inline backend the caller may deliver a transfer it finished itself (_finish_here).
         """
-        deadline = time.monotonic() + timeout
-        if self._finished_here and self._finish_here(deadline):
-            return
-        self._has_results.wait(max(0.0, deadline - time.monotonic()))
-
-    def _forget_finished(self) -> None:
-        """Drop the transfers this thread finished that were delivered or failed (oldest first)."""
-        while self._finished_here:
-            rid, t = next(iter(self._finished_here.items()))
-            if t.state in ("open", "finishing"):
-                return
-            del self._finished_here[rid]
-
-    def _finish_here(self, deadline: float) -> bool:
-        """Inline backends: sleep until the oldest transfer this thread finished could be done, poll
-        its copies for up to SPIN_S (yielding the GIL between polls) and deliver it here; True when
-        poll() has something. The completion thread waits for the same copies: whichever sees them
-        done first delivers (_finalize)."""
-        self._forget_finished()
-        if not self._finished_here:
-            return False
-        rid, t = next(iter(self._finished_here.items()))
-        now = time.monotonic()
-        nap = min(t.last_post + t.nbytes / LINK_BYTES_PER_S, deadline) - now
-        if nap > 0 and self._has_results.wait(nap):
-            return True
-        stop = min(time.monotonic() + SPIN_S, deadline)
-        while True:
-            if self._settled(t):
-                del self._finished_here[rid]
-                self._finalize(rid, t, True)
-                return True
-            if self._has_results.is_set() or time.monotonic() >= stop:
-                return self._has_results.is_set()
-            time.sleep(0)  # let the other threads have the GIL
+        self._has_results.wait(timeout)
 
     def release(self, request_id: str, handle: ReserveHandle | None = None) -> None:
         """Abort a transfer from this side; the decode worker is told (pass the handle in case
@@ -423,11 +374,8 @@ class PrefillConnector(_Base):
             t = self._transfers.get(rid)
             if t is not None:
                 t.first_token = first
-                with self._lock:
-                    wait = self._waits is not None and t.state == "open"  # not delivered by the caller yet
-                    if wait:
-                        t.state = "finishing"
-                if wait:
+                if self._waits is not None:
+                    t.state = "finishing"
                     self._waits.put((rid, t))
             elif rid in self._aborted:  # aborted by the peer before we started: fail it again
                 self._aborted.discard(rid)
@@ -488,24 +436,16 @@ class PrefillConnector(_Base):
                 ok = all([self.backend.wait(tok) for tok in t.tokens])
             except Exception:
                 ok = False
-            self._finalize(rid, t, ok)
-
-    def _finalize(self, rid: str, t: _Transfer, ok: bool) -> None:
-        """Every copy of a finished transfer was waited for (none can land later): deliver it, or
-        fail it. Called by the completion thread or by a waiting caller (inline backends); the
-        first to get here does it, unless an abort or expiry came first."""
-        with self._lock:
-            if t.state not in ("open", "finishing") or t.first_token is None:
-                return
-            t.state = "done" if ok else "failed"
-            if ok:  # now, under the lock: an abort from the decode end from here on is a late one
-                self._recent_done[rid] = None
-        if ok:
-            self._deliver(rid, t)
-        else:
-            self._notify(t.handle.engine_id, Notice("abort", rid, sender=self.meta.engine_id))
-            self._result(rid, False)
-        self._ops.put(("settled", rid, t))
+            with self._lock:
+                if t.state != "finishing":  # aborted or expired meanwhile
+                    continue
+                t.state = "done" if ok else "failed"
+            if ok:
+                self._deliver(rid, t)
+            else:  # every copy was waited for: none can land later
+                self._notify(t.handle.engine_id, Notice("abort", rid, sender=self.meta.engine_id))
+                self._result(rid, False)
+            self._ops.put(("settled", rid, t))
 
     def _deliver(self, rid: str, t: _Transfer) -> None:
         try:
