@@ -1,9 +1,11 @@
 """Runs an engine's steps on a thread of its own inside a worker process.
 
-The engine is not thread-safe: actor methods and the loop take turns through `lock`. `step`
-returns None when it has more to do right away, else how long the loop may nap (woken early by
-`wake()`): short while transfers are in flight, long when idle — an idle worker must not burn a
-core polling.
+The engine is not thread-safe: actor methods and the loop take turns through `lock`, a FIFO
+(`TurnLock`): a busy loop takes it again right after each step, and with a plain Lock it would
+win every time — an actor call (a new request, a reservation) then waited until the loop napped,
+hundreds of milliseconds under load (docs/benchmarks.md, goodput). `step` returns None when it
+has more to do right away, else how long the loop may nap (woken early by `wake()`): short while
+transfers are in flight, long when idle — an idle worker must not burn a core polling.
 """
 
 import logging
@@ -15,9 +17,38 @@ log = logging.getLogger(__name__)
 IDLE_S = 0.1  # the nap of a worker with nothing to do; new work wakes it at once
 
 
+class TurnLock:
+    """A lock granted in the order it was asked for (a ticket lock): the loop, between two steps,
+    lets in whoever asked during the step."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._next = 0  # the next ticket handed out
+        self._serving = 0  # the ticket whose holder has the lock
+
+    def acquire(self) -> None:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cond.wait()
+
+    def release(self) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+    def __enter__(self) -> "TurnLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class EngineLoop:
     def __init__(self, step: Callable[[], float | None], name: str):
-        self.lock = threading.Lock()
+        self.lock = TurnLock()
         self._step = step
         self._wake = threading.Event()
         self._stopped = False

@@ -1,0 +1,64 @@
+"""The engine loop lets actor calls in between its steps: a worker whose loop always has more to
+do (a busy decode batch) must still take a new request or reservation at the next step boundary,
+not when the loop happens to nap (with a plain lock, the loop won every time)."""
+
+import threading
+import time
+
+from pdserve.engine_loop import EngineLoop
+
+
+def test_a_call_gets_the_lock_at_the_next_step_boundary():
+    steps = 0
+
+    def step():  # always more to do right away, like a busy engine
+        nonlocal steps
+        steps += 1
+        time.sleep(0.002)  # the GIL is free meanwhile, as during a GPU step
+        return None
+
+    loop = EngineLoop(step, "busy-loop")
+    try:
+        while steps < 3:
+            time.sleep(0.001)
+        waited = []
+        for _ in range(20):
+            before = steps
+            with loop.lock:
+                waited.append(steps - before)  # steps the loop began while this call waited
+            time.sleep(0.003)
+        assert max(waited) <= 2, f"steps run while a call waited for the lock: {waited}"
+        assert loop.alive()
+    finally:
+        loop.stop()
+
+
+def test_lock_is_exclusive_and_first_come_first_served():
+    loop = EngineLoop(lambda: 1.0, "idle-loop")  # naps: the lock is free
+    inside, order = [], []
+    try:
+        loop.lock.acquire()  # hold it while three callers line up
+        started = []
+
+        def call(i):
+            started.append(i)
+            with loop.lock:
+                inside.append(i)
+                assert len(inside) == 1, "two holders at once"
+                order.append(i)
+                time.sleep(0.001)
+                inside.remove(i)
+
+        threads = []
+        for i in range(3):
+            threads.append(threading.Thread(target=call, args=(i,)))
+            threads[-1].start()
+            while len(started) <= i:  # the next one asks only after this one asked
+                time.sleep(0.001)
+            time.sleep(0.01)
+        loop.lock.release()
+        for t in threads:
+            t.join(timeout=5)
+        assert order == [0, 1, 2]
+    finally:
+        loop.stop()
