@@ -9,8 +9,11 @@ from pdserve.ops.gemv_moe import gemv_moe
 from pdserve.ops.grouped_mm_moe import grouped_mm_moe
 from pdserve.ops.routing import fused_topk
 
-# From this many tokens on, bf16 batches take torch._grouped_mm (see check_kernels.py's MoE rows).
-GROUPED_MM_MIN_TOKENS = 512
+# From this many tokens on, bf16 batches take torch._grouped_mm (check_kernels.py's MoE rows, H200:
+# fused 346 us against _grouped_mm 501 us at 256 tokens, fused 443-457 us at 1k, _grouped_mm ahead
+# only at 4k, 974 against 1,038 us). Was 512: decode batches of 512 and the gathered rows of
+# expert-parallel steps (N ranks x 256) then took the slower path.
+GROUPED_MM_MIN_TOKENS = 2048
 # Up to this many tokens, the GEMV path (check_kernels.py's "moe gemv" rows against "moe fused"). On an
 # H200 replayed from a graph the two tie at T=1 (36.6 vs 36.7 us) and fused wins from T=2; run
 # eagerly GEMV wins at T=1 (120 vs 193 us): its one fewer launch.
