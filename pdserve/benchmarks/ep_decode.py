@@ -14,7 +14,7 @@ the same hidden state and all pick the same 8 experts per layer (the `experts_hi
 each independent replica decode B requests, each EP rank B requests (N·B in the replica). Every
 request has `--context` tokens of context and never finishes during the measurement. Shape:
 qwen3-30b-a3b (dummy bf16 weights) on GPUs. Needs max(2, N) GPUs (the single replica uses the first).
-Decode steps replay CUDA graphs up to batch 256 per GPU unless --no-graphs: single-GPU replicas
+Decode steps replay CUDA graphs up to batch 256 per GPU (--graph-max-batch) unless --no-graphs: single-GPU replicas
 always, EP ranks on the all-gather path (the graphs hold the exchange); the all-to-all path is eager.
 Scaling: `epN_<path>_vs_linear` is the EP replica's tokens/s over N times the single GPU's.
 """
@@ -64,7 +64,7 @@ def _engine(opts, device: torch.device, ep=None):
     model = ModelConfig(path=opts.model, dtype=opts.dtype, load_format="dummy")
     engine = Engine(EngineConfig(model=model, role="decode", device=str(device), num_kv_blocks=blocks,
                                  max_num_seqs=max(opts.batches), enable_prefix_cache=False,
-                                 cuda_graphs=not opts.no_graphs,
+                                 cuda_graphs=not opts.no_graphs, cuda_graph_max_batch=opts.graph_max_batch,
                                  overlap_scheduling={"auto": None, "on": True, "off": False}[opts.overlap]), ep=ep)
     if opts.kv == "random":  # each rank its own values: its requests' contexts differ from the others'
         rank = ep.rank if ep is not None else 0
@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS),
                     help="exchange paths each EP replica decodes with")
     ap.add_argument("--no-graphs", action="store_true", help="every replica decodes eagerly")
+    ap.add_argument("--graph-max-batch", type=int, default=EngineConfig.model_fields["cuda_graph_max_batch"].default,
+                    help="largest decode batch captured in CUDA graphs (default: the engine's, %(default)s)")
     ap.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                     help="the engines' overlap_scheduling (auto: on a GPU; default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (CPU)")

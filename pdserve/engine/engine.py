@@ -24,9 +24,6 @@ from pdserve.models import load_model, model_fingerprint
 from pdserve.ops.backends import make_backends
 from pdserve.tokenizer import load_tokenizer
 
-# Largest decode batch run as a CUDA graph (above it, steps run eagerly); TritonMoE switches to
-# torch._grouped_mm from 512 tokens, which is not captured.
-MAX_GRAPH_BATCH = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -57,7 +54,7 @@ class Engine:
         if self._wants_graphs(attn_backend, ep):
             from pdserve.engine.cuda_graphs import DecodeGraphs
             self.runner.graphs = DecodeGraphs(
-                self.model, self.kv_cache, attn_backend, min(config.max_num_seqs, MAX_GRAPH_BATCH),
+                self.model, self.kv_cache, attn_backend, min(config.max_num_seqs, config.cuda_graph_max_batch),
                 -(-self.max_model_len // config.block_size), self.max_model_len, self.device, log, exchange=ep)
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, TextStream] = {}
