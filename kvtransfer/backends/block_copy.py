@@ -61,11 +61,10 @@ class BlockCopy:
         self.chunk = min(chunk, triton.next_power_of_2(self.words_per_block))
         self.num_warps = num_warps
 
-    def __call__(self, first_layer: int, num_layers: int, src_ids: torch.Tensor, dst_ids: torch.Tensor,
-                 n: int | None = None) -> None:
-        """dst[l, :, dst_ids[i]] = src[l, :, src_ids[i]] for l in [first_layer, first_layer + num_layers),
-        i < n (default: all ids). The ids are int32 tensors on the source's device; current stream."""
-        n = src_ids.numel() if n is None else n
+    def __call__(self, first_layer: int, num_layers: int, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+        """dst[l, :, dst_ids[i]] = src[l, :, src_ids[i]] for l in [first_layer, first_layer + num_layers).
+        The ids are int32 tensors on the source's device; runs on the current stream."""
+        n = src_ids.numel()
         if n == 0 or num_layers == 0:
             return
         _copy_blocks[(num_layers * 2 * n,)](

@@ -9,13 +9,14 @@ Every worker is an engine in the decode role fed through `reserve` + `start_deco
 the KV cache is filled with random values, which cost the same to read, and every request gets
 random prompt and first-token ids, so that the requests' hidden states differ and the routers
 spread them over the experts as a real batch does). `--kv zeros` keeps the cache zeroed, with the
-same first token for every request, as the first runs did (docs/benchmarks.md): every request then computes
-the same hidden state and all pick the same 8 experts per layer (the `experts_hit` column says so). `--batches` are per GPU: the single replica and
+same first token for every request, as the first runs did (docs/benchmarks.md): every request
+then computes the same hidden state and all pick the same 8 experts per layer (the `experts_hit`
+column says so). `--batches` are per GPU: the single replica and
 each independent replica decode B requests, each EP rank B requests (N·B in the replica). Every
 request has `--context` tokens of context and never finishes during the measurement. Shape:
 qwen3-30b-a3b (dummy bf16 weights) on GPUs. Needs max(2, N) GPUs (the single replica uses the first).
-Decode steps replay CUDA graphs up to batch 256 per GPU (--graph-max-batch) unless --no-graphs: single-GPU replicas
-always, EP ranks on the all-gather path (the graphs hold the exchange); the all-to-all path is eager.
+Decode steps replay CUDA graphs up to batch 256 per GPU (--graph-max-batch) unless --no-graphs:
+single-GPU replicas always, EP ranks on the all-gather path (the graphs hold the exchange); the all-to-all path is eager.
 Scaling: `epN_<path>_vs_linear` is the EP replica's tokens/s over N times the single GPU's.
 """
 
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (CPU)")
     ap.add_argument("--kv", choices=["random", "zeros"], default="random",
                     help="random: random KV and token ids (realistic routing); zeros: the zeroed cache and "
-                         "one first token for every request of runs before 2026-11-23 (collapsed routing)")
+                         "one first token for every request, as the first runs had (collapsed routing)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the results here")
     opts = ap.parse_args(argv)

@@ -6,6 +6,8 @@
 Part 1: one request's KV (qwen3-30b-a3b shape, bf16) moved by the connector — all layers in one
 post, for fresh (one run), fragmented (runs of 8 blocks) and scattered (runs of 1 block)
 allocations on both sides, and fresh posted layer by layer as layer-wise streaming posts it. Reference: a 1 GiB cudaMemcpy peer copy, same run.
+For cuda_ipc also where the time goes: the posting calls' host time, the copy stream's time, the
+copy kernel alone on the same blocks, and the host cost of a post's pieces (`post costs`).
 Part 2: TTFT of a prompt prefilled by the real engine (dummy weights) with layer-wise streaming
 into the decode process, against the same prefill with no transfer.
 """
