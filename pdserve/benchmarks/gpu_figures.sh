@@ -5,6 +5,7 @@
 #   tests    the GPU-path tests (kernels, engine, expert parallel, KV transfer)
 #   engine   bench-engine, decode with and without overlap scheduling (same run), prefill, HF
 #   ep       EP decode scaling at 256 per rank (ep_size 2 and 4 where there are 4 GPUs), overlap on/off
+#   ep512    EP decode at 256 and 512 per rank with CUDA graphs captured up to 512 (--graph-max-batch)
 #   kv       KV transfer rate (cuda_ipc) and TTFT with layer-wise streaming
 #   goodput  the P:D configurations of deploy/pd4 through `pdserve up` (4 GPUs)
 # Each part writes OUT_DIR/<part>*.json and a log; a failing part does not stop the others.
@@ -44,6 +45,11 @@ for part in $parts; do
             run "ep-$overlap" python -m pdserve.benchmarks.ep_decode --ep-sizes $sizes --batches 256 \
                 --setups single pair ep --paths all_gather --overlap "$overlap" --json "$out/ep-$overlap.json"
         done ;;
+    ep512)
+        sizes=2
+        [ "$gpus" -ge 4 ] && sizes="2 4"
+        run ep512 python -m pdserve.benchmarks.ep_decode --ep-sizes $sizes --batches 256 512 \
+            --setups single ep --paths all_gather --graph-max-batch 512 --json "$out/ep512.json" ;;
     kv)
         run kv python -m pdserve.benchmarks.kv_transfer --backend cuda_ipc --sizes 1024 4096 16384 65536 \
             --ttft 16384 --reps 9 --json "$out/kv.json" ;;
@@ -53,6 +59,6 @@ for part in $parts; do
             --output-len 256 --stop-below 0.5 --start-timeout 120 --stop-timeout 20 --log-dir "$out" \
             --json "$out/goodput.json" ;;
     *)
-        echo "[gpu-figures] unknown part $part (tests, engine, ep, kv, goodput)" ;;
+        echo "[gpu-figures] unknown part $part (tests, engine, ep, ep512, kv, goodput)" ;;
     esac
 done
