@@ -32,7 +32,7 @@ class EPRank:
     rank: int
     size: int
     init_method: str  # "tcp://host:port": the rendezvous rank 0 serves
-    threshold: int = 512  # a step whose largest batch has this many tokens exchanges by all-to-all
+    threshold: int = 1024  # a step whose largest batch has this many tokens exchanges by all-to-all
     replicated: list[int] = field(default_factory=list)  # hot experts with a copy on every rank
 
 

@@ -91,10 +91,10 @@ class DecodeConfig(_Strict):
     # Expert parallelism (DESIGN §6): a replica is ep_size ranks, one process (and GPU) each;
     # attention data-parallel, experts sharded. ep_size must divide the model's number of experts.
     ep_size: int = Field(default=1, ge=1)
-    ep_threshold: int = Field(default=512, ge=0)  # tokens per rank from which MoE layers exchange by
+    ep_threshold: int = Field(default=1024, ge=0)  # tokens per rank from which MoE layers exchange by
     # all-to-all; below it by all-gather / reduce-scatter, replayed from CUDA graphs up to batch 256
-    # (0: always all-to-all). On 2-4 H200s the graphed all-gather path won at 256 per rank and the
-    # eager all-gather still led all-to-all at 512 (docs/benchmarks.md).
+    # (0: always all-to-all). On 2-4 H200s the all-gather path led at every batch measured, 64-512
+    # per rank, graphed or eager (docs/benchmarks.md): all-to-all is for batches beyond those.
     ep_replicated_experts: list[int] = Field(default_factory=list)  # hot experts copied to every rank
     max_num_seqs: int = Field(default=256, ge=1)
     cuda_graphs: bool = True
