@@ -14,7 +14,7 @@ from pdserve.engine_loop import IDLE_S
 from pdserve.messages import Refusal, ReplicaStats, ReserveResult
 from pdserve.models import resolve_model_args
 from pdserve.replica import Replica
-from pdserve.router_streams import HELD_S, RouterStreams
+from pdserve.router_streams import RouterStreams
 
 # An idle expert-parallel group naps less: a reservation wakes only its own rank, and the step
 # waits for the others to wake on their own.
@@ -66,7 +66,7 @@ class DecodeWorker(Replica):
     def _step(self) -> float | None:
         leases = bool(self.streams) or self.intake.busy()
         if self.ep is None and not leases:
-            return HELD_S if self.streams.flush() else IDLE_S  # the last tokens may still wait
+            return self.streams.flush_nap(IDLE_S)  # the last tokens may still wait for a router
         # Only with leases: an idle rank of a group steps without touching the connector.
         for rid in self.intake.poll() if leases else []:  # their KV never came: the router hears it failed
             self.streams.fail(rid, "the KV transfer from the prefill replica failed")
@@ -77,11 +77,9 @@ class DecodeWorker(Replica):
             outputs, busy = self.ep.step(self.engine, self._busy())
         for out in outputs:
             self.streams.output(out)
-        held = self.streams.flush()
         # No nap while requests run; a few milliseconds while reservations wait for their KV. An
         # expert-parallel rank naps as its busiest rank says, so that the group stays in step.
-        nap = self._naps[busy]
-        return min(nap, HELD_S) if held and nap is not None else nap
+        return self.streams.flush_nap(self._naps[busy])
 
     def _busy(self) -> int:
         waiting = self.streams or self.intake.busy()

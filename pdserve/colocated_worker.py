@@ -7,7 +7,7 @@ from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine_loop import IDLE_S
 from pdserve.messages import Refusal
 from pdserve.replica import Replica
-from pdserve.router_streams import HELD_S, RouterStreams
+from pdserve.router_streams import RouterStreams
 
 
 class ColocatedWorker(Replica):
@@ -40,8 +40,7 @@ class ColocatedWorker(Replica):
 
     def _step(self) -> float | None:
         if not self.engine.has_unfinished():
-            return HELD_S if self.streams.flush() else IDLE_S  # the last tokens may still wait
+            return self.streams.flush_nap(IDLE_S)  # the last tokens may still wait for a router
         for out in self.engine.step():
             self.streams.output(out)
-        self.streams.flush()
-        return None
+        return self.streams.flush_nap(None)

@@ -64,6 +64,12 @@ class RouterStreams:
             self._inflight[router] = self._router(router).deliver.remote(self._pending.pop(router))
         return bool(self._pending)
 
+    def flush_nap(self, nap: float | None) -> float | None:
+        """flush(), then the worker's nap: `nap`, but no longer than HELD_S while deltas wait for a
+        router to take its previous message (None, no nap, stays None)."""
+        held = self.flush()
+        return min(nap, HELD_S) if held and nap is not None else nap
+
     def _router(self, name: str) -> ray.actor.ActorHandle:
         h = self._routers.get(name)
         if h is None:
