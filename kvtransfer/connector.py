@@ -153,7 +153,7 @@ class _Transfer:
     tokens: list = field(default_factory=list)
     first_token: int | None = None
     nbytes: int = 0
-    started: float = field(default_factory=time.monotonic)  # first layer posted
+    started: float = field(default_factory=time.monotonic)  # when the caller posted its first layer
     # open -> (finishing: every layer posted, a completion thread waits for the copies) -> done | failed
     state: str = "open"
 
@@ -220,7 +220,7 @@ class PrefillConnector(_Base):
             ready = torch.cuda.Event()
             ready.record()
         parts = [(layer, src, dst) for layer in range(first_layer, first_layer + num_layers)]
-        self._ops.put(("layer", request_id, parts, handle, ready, nbytes))
+        self._ops.put(("layer", request_id, parts, handle, ready, nbytes, time.monotonic()))
 
     def _post_inline(self, rid: str, first_layer: int, num_layers: int, src: list[int], dst: list[int],
                      handle: ReserveHandle, nbytes: int) -> None:
@@ -232,13 +232,14 @@ class PrefillConnector(_Base):
         with self._lock:
             if (t is not None and t.state == "failed") or (t is None and rid in self._aborted):
                 return  # aborted meanwhile: the decode side may have reused its blocks already
+            started = time.monotonic()  # the transfer's clock starts before its first post's host work
             try:
                 token = self.backend.write_range(handle.engine_id, first_layer, num_layers, src, dst)
             except Exception:  # a bad handle or a peer gone fails this request, not the engine
                 self._ops.put(("fail", rid, handle))
                 return
             if t is None:
-                t = self._posting[rid] = _Transfer(handle, [token], nbytes=nbytes)
+                t = self._posting[rid] = _Transfer(handle, [token], nbytes=nbytes, started=started)
                 self._unopened.add(rid)
                 self._ops.put(("opened", rid, t))
             else:
@@ -326,8 +327,8 @@ class PrefillConnector(_Base):
             prev = out[-1] if out else None
             if op[0] == "layer" and prev is not None and prev[0] == "layer" and prev[1] == op[1]:
                 # Events complete in stream order: waiting for the newest covers the older ones.
-                _, rid, parts, handle, ready, nbytes = op
-                out[-1] = ("layer", rid, prev[2] + parts, handle, ready or prev[4], prev[5] + nbytes)
+                _, rid, parts, handle, ready, nbytes, _ = op
+                out[-1] = ("layer", rid, prev[2] + parts, handle, ready or prev[4], prev[5] + nbytes, prev[6])
             else:
                 out.append(op)
         return out
@@ -342,10 +343,12 @@ class PrefillConnector(_Base):
                 box.append(e)
             ev.set()
         elif kind == "layer":
-            _, rid, parts, handle, ready, nbytes = op
+            _, rid, parts, handle, ready, nbytes, posted = op
             if rid in self._aborted:
                 return
-            t = self._transfers.setdefault(rid, _Transfer(handle))
+            t = self._transfers.get(rid)
+            if t is None:  # the clock runs from the caller's first post, hand-off included
+                t = self._transfers[rid] = _Transfer(handle, started=posted)
             if ready is not None:
                 ready.synchronize()
             t.nbytes += nbytes

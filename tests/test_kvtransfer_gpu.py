@@ -55,3 +55,33 @@ def test_block_copy_kernel_between_gpus():
     torch.cuda.synchronize(0)
     want[1:5, :, d] = src[1:5, :, s].cpu()
     assert torch.equal(dst.cpu(), want)
+
+
+def test_block_copy_compiled_launch_between_gpus():
+    """BlockCopy's later calls launch the compiled kernel directly (no JIT): every call of one
+    instance — other blocks, other layers, odd counts, a side stream, ids off the 16-byte
+    alignment (back through the JIT) — copies exactly what indexing would."""
+    from kvtransfer.backends.block_copy import BlockCopy
+
+    torch.cuda.set_device(0)
+    src = torch.randn(6, 2, 40, 16, 4, 128, dtype=torch.bfloat16, device="cuda:0")
+    dst = torch.randn(6, 2, 50, 16, 4, 128, dtype=torch.bfloat16, device="cuda:1")
+    torch.ones(1, device="cuda:1").copy_(torch.ones(1, device="cuda:0"))
+    copy = BlockCopy(src, dst)
+    side = torch.cuda.Stream(device="cuda:0")
+    g = torch.Generator().manual_seed(5)
+    for i, (first, count, n) in enumerate([(0, 6, 17), (2, 1, 3), (5, 1, 40), (1, 4, 1), (0, 6, 9)]):
+        want = dst.cpu()
+        s, d = torch.randperm(40, generator=g)[:n], torch.randperm(50, generator=g)[:n]
+        ids = torch.cat([torch.zeros(1, dtype=torch.int32), s.int(), d.int()]).to("cuda:0")
+        sid, did = (ids[1:n + 1], ids[n + 1:]) if i == 4 else (ids[1:n + 1].clone(), ids[n + 1:].clone())
+        if i % 2:
+            side.wait_stream(torch.cuda.current_stream())
+            copy(first, count, sid, did, stream=side.cuda_stream)
+            side.synchronize()
+        else:
+            copy(first, count, sid, did)
+        torch.cuda.synchronize(0)
+        want[first:first + count, :, d] = src[first:first + count, :, s].cpu()
+        assert torch.equal(dst.cpu(), want), (first, count, n)
+    assert copy._kernel is not None  # the later calls took the compiled kernel's launcher

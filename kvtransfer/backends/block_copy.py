@@ -13,6 +13,7 @@ Measured on two H200s: 88-94 % of the copy engine's peer rate from 4k tokens up,
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 NUM_WARPS = 4
 CHUNK_WORDS = 1024
@@ -49,9 +50,22 @@ def _words(kv: torch.Tensor) -> torch.Tensor:
     return flat
 
 
+def _hooked() -> bool:
+    """Launch hooks installed (a profiler, proton): launches go through the JIT, which calls them."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
 class BlockCopy:
     """The copy from one cache into another, its word views and sizes worked out once: a post then
-    costs the kernel launch alone (the connector posts per request, or per layer while streaming)."""
+    costs the kernel launch alone (the connector posts per request, or per layer while streaming).
+
+    The first call goes through Triton's JIT (compiling or finding the kernel); later calls hand
+    the arguments straight to the compiled kernel's launcher: the JIT's per-call binding,
+    specialisation key and cache lookup cost 15-25 us of host time per post on the GPU host, on a
+    path where every microsecond delays the copy's start (docs/benchmarks.md, KV transfer). The
+    specialisation the kernel was compiled for stays valid: the caches are the same tensors and
+    the ids pointers are checked to keep the 16-byte alignment Triton assumed."""
 
     def __init__(self, src_kv: torch.Tensor, dst_kv: torch.Tensor, num_warps: int = NUM_WARPS,
                  chunk: int = CHUNK_WORDS):
@@ -60,16 +74,35 @@ class BlockCopy:
         self.words_per_block = self.src_w.numel() // (src_kv.shape[0] * 2 * src_kv.shape[2])
         self.chunk = min(chunk, triton.next_power_of_2(self.words_per_block))
         self.num_warps = num_warps
+        self._kernel = None  # the compiled kernel, once the JIT has run it with aligned ids
 
-    def __call__(self, first_layer: int, num_layers: int, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    def __call__(self, first_layer: int, num_layers: int, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+                 stream: int | None = None) -> None:
         """dst[l, :, dst_ids[i]] = src[l, :, src_ids[i]] for l in [first_layer, first_layer + num_layers).
-        The ids are int32 tensors on the source's device; runs on the current stream."""
+        The ids are int32 tensors on the source's device; runs on `stream` (a raw CUDA stream
+        handle) or else the current stream."""
         n = src_ids.numel()
         if n == 0 or num_layers == 0:
             return
-        _copy_blocks[(num_layers * 2 * n,)](
-            self.src_w, self.dst_w, src_ids, dst_ids, n, first_layer * 2, self.src_num_blocks,
-            self.dst_num_blocks, BLOCK_WORDS=self.words_per_block, CHUNK=self.chunk, num_warps=self.num_warps)
+        args = (self.src_w, self.dst_w, src_ids, dst_ids, n, first_layer * 2, self.src_num_blocks,
+                self.dst_num_blocks, self.words_per_block, self.chunk)
+        k = self._kernel
+        aligned = src_ids.data_ptr() % 16 == 0 and dst_ids.data_ptr() % 16 == 0
+        if k is not None and aligned and not _hooked():
+            if stream is None:
+                stream = torch.cuda.current_stream(self.src_w.device).cuda_stream
+            k.run(num_layers * 2 * n, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args)
+            return
+        if stream is not None:
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.src_w.device)):
+                k = _copy_blocks[(num_layers * 2 * n,)](*args[:-2], BLOCK_WORDS=args[-2], CHUNK=args[-1],
+                                                        num_warps=self.num_warps)
+        else:
+            k = _copy_blocks[(num_layers * 2 * n,)](*args[:-2], BLOCK_WORDS=args[-2], CHUNK=args[-1],
+                                                    num_warps=self.num_warps)
+        # Under TRITON_INTERPRET there is no compiled kernel to keep: every call takes this path.
+        if aligned and all(hasattr(k, a) for a in ("run", "function", "packed_metadata")):
+            self._kernel = k
 
 
 def copy_blocks(src_kv: torch.Tensor, dst_kv: torch.Tensor, first_layer: int, num_layers: int,

@@ -23,7 +23,7 @@ from kvtransfer.backends.tcp import TcpBackend, frame
 from kvtransfer.metadata import KVAgentMetadata
 
 _STORAGE_DEVICE = 6  # position of the storage's device index in reduce_tensor's rebuild arguments
-_RING = 8  # pinned staging slots for block ids: a slot is reused only after its upload finished
+_RING = 8  # staging slots for block ids (pinned and on the GPU)
 
 
 class CudaIpcBackend:
@@ -39,15 +39,22 @@ class CudaIpcBackend:
         _, args = reduce_tensor(kv_cache)
         meta.agent_metadata = pickle.dumps(args)
         self.stream = torch.cuda.Stream(device=kv_cache.device)
+        self._raw_stream = self.stream.cuda_stream
         self._handles: dict[str, bytes] = {}
         self._peers: dict[str, BlockCopy] = {}  # a mapped peer allocation, as the copy into it
         self._socks: dict[str, socket.socket] = {}
         self._sock_lock = threading.Lock()  # notices go out from the poster and the completion thread
-        self._pinned = torch.empty(_RING, 2 * meta.num_blocks, dtype=torch.int32, pin_memory=True)
+        # Block ids go up through pinned memory into a device ring: a slot is refilled only once
+        # the last copy that read it has run. Each slot holds the source ids, then the destination
+        # ids from the next multiple of 4 on, so both start 16-byte aligned (as BlockCopy's
+        # compiled kernel assumes).
+        width = 2 * (-(-meta.num_blocks // 4) * 4) + 4
+        self._pinned = torch.empty(_RING, width, dtype=torch.int32, pin_memory=True)
         self._pinned_np = self._pinned.numpy()  # filled from lists without building tensors
-        self._uploaded = [None] * _RING  # per slot: the event of the first copy after its upload
+        self._dev_ids = torch.empty(_RING, width, dtype=torch.int32, device=kv_cache.device)
+        self._last_use: list[torch.cuda.Event | None] = [None] * _RING  # per slot: the last copy reading it
         self._slot = 0
-        self._ids: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # last upload: layers reuse it
+        self._ids: tuple[tuple, torch.Tensor, torch.Tensor, int] | None = None  # last upload: layers reuse it
         # Compile the copy kernel now (block 0 onto itself, before the engine uses the cache), not
         # while the first request waits.
         with torch.cuda.stream(self.stream):
@@ -86,44 +93,47 @@ class CudaIpcBackend:
         """Enqueue the copy of layers [first_layer, first_layer + num_layers) of these blocks;
         ordered after the work the caller's stream has queued so far. Returns the copy's event.
 
-        This is the whole host cost of a post, paid before the copy can start: kept to array
-        fills and two launches (the ids' upload, the kernel)."""
+        This is the whole host cost of a post, paid before the copy can start, so it is kept to
+        array fills, one upload, two events and the kernel's launch — no stream switch (the
+        upload goes on the caller's stream, the kernel is launched onto ours by handle)."""
         copy = self._peer_copy(peer_id)
         if len(src_blocks) != len(dst_blocks):
             raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
         if not (0 <= first_layer and first_layer + num_layers <= self.meta.num_layers):
             raise ValueError(f"layers {first_layer}..{first_layer + num_layers - 1} outside [0, {self.meta.num_layers})")
-        self.stream.wait_stream(torch.cuda.current_stream(self.kv.device))
-        with torch.cuda.stream(self.stream):
-            src_ids, dst_ids, slot = self._upload(src_blocks, dst_blocks, copy.dst_num_blocks)
-            copy(first_layer, num_layers, src_ids, dst_ids)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        if slot is not None:
-            self._uploaded[slot] = done  # the upload ran before this copy, on this stream
+        src_ids, dst_ids, slot = self._upload(src_blocks, dst_blocks, copy.dst_num_blocks)
+        ready = torch.cuda.Event()
+        ready.record()  # the caller's stream: the KV's kernels and the ids' upload
+        self.stream.wait_event(ready)
+        copy(first_layer, num_layers, src_ids, dst_ids, stream=self._raw_stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        self._last_use[slot] = done
         return done
 
     def _upload(self, src: list[int], dst: list[int], dst_num_blocks: int):
         """Source and destination block ids on the GPU (int32), through pinned memory so that the
-        upload never waits for the stream; the layers of one step reuse them. Runs on self.stream.
-        Returns them and the pinned slot used (None: reused)."""
+        upload never waits for a stream; the layers of one step reuse them. The upload is queued
+        on the caller's stream. Returns them and the ring slot they are in."""
         key = (tuple(src), tuple(dst))
         if self._ids is not None and self._ids[0] == key:
-            return self._ids[1], self._ids[2], None
+            return self._ids[1], self._ids[2], self._ids[3]
         slot = self._slot = (self._slot + 1) % _RING
-        if self._uploaded[slot] is not None:
-            self._uploaded[slot].synchronize()  # in practice long done: 8 uploads ago
+        if self._last_use[slot] is not None:
+            self._last_use[slot].synchronize()  # in practice long done: 8 uploads ago
         n = len(src)
-        host = self._pinned_np[slot, :2 * n]
-        host[:n], host[n:] = src, dst
+        off = -(-n // 4) * 4
+        host = self._pinned_np[slot]
+        host[:n], host[off:off + n] = src, dst
         if n:  # the kernel would write outside the cache
-            for ids, limit, side in ((host[:n], self.kv.shape[2], "source"), (host[n:], dst_num_blocks, "destination")):
+            for ids, limit, side in ((host[:n], self.kv.shape[2], "source"), (host[off:off + n], dst_num_blocks, "destination")):
                 lo, hi = int(ids.min()), int(ids.max())
                 if lo < 0 or hi >= limit:
                     raise ValueError(f"{side} block ids must lie in [0, {limit}), got {lo}..{hi}")
-        ids = self._pinned[slot, :2 * n].to(self.kv.device, non_blocking=True)  # pinned: asynchronous
-        self._ids = (key, ids[:n], ids[n:])
-        return ids[:n], ids[n:], slot
+        dev = self._dev_ids[slot]
+        dev[:off + n].copy_(self._pinned[slot, :off + n], non_blocking=True)  # pinned: asynchronous
+        self._ids = (key, dev[:n], dev[off:off + n], slot)
+        return self._ids[1], self._ids[2], slot
 
     def write_layers(self, peer_id: str, parts: list[tuple[int, list[int], list[int]]]):
         """Several (layer, src, dst) at once (the worker-thread interface); consecutive layers with

@@ -55,7 +55,7 @@ for part in $parts; do
             --ttft 16384 --reps 9 --json "$out/kv.json" ;;
     goodput)
         run goodput python -m pdserve.benchmarks.pd_goodput deploy/pd4/colocated4.yaml deploy/pd4/2p2d.yaml \
-            deploy/pd4/1p3d.yaml deploy/pd4/2p1ep2.yaml --rates 8 16 24 32 --duration 10 --input-len 4096 \
+            deploy/pd4/1p3d.yaml deploy/pd4/2p1ep2.yaml --rates 12 16 24 32 --duration 10 --input-len 4096 \
             --output-len 256 --stop-below 0.5 --start-timeout 120 --stop-timeout 20 --log-dir "$out" \
             --json "$out/goodput.json" ;;
     *)
