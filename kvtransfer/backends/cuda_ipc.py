@@ -14,6 +14,7 @@ GIL released) until a post's copy is done.
 import pickle
 import socket
 import threading
+import time
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
@@ -29,11 +30,15 @@ _RING = 8  # staging slots for block ids (pinned and on the GPU)
 class CudaIpcBackend:
     inline = True
 
-    def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, host: str = "127.0.0.1"):
+    def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, host: str = "127.0.0.1",
+                 completion: str = "spin"):
         if not kv_cache.is_cuda:
             raise ValueError("kv_transfer.backend 'cuda_ipc' needs the KV cache on a GPU; use 'nixl' or 'tcp'")
         self.kv = kv_cache
         self.meta = meta
+        if completion not in ("spin", "block"):
+            raise ValueError(f"completion: must be 'spin' or 'block', got {completion!r}")
+        self.completion = completion
         self.notices = TcpBackend(meta, kv_cache, host=host)  # receives notices (sets meta.address)
         # The handle lets a peer on this host map our allocation; the args hold no tensor data.
         _, args = reduce_tensor(kv_cache)
@@ -155,11 +160,20 @@ class CudaIpcBackend:
     def state(token) -> str:
         return "done" if token is None or token.query() else "pending"
 
-    @staticmethod
-    def wait(token) -> bool:
-        """Block until the copy is done (the GIL is released meanwhile); True when it succeeded."""
-        if token is not None:
+    def wait(self, token) -> bool:
+        """Block until the copy is done; True when it succeeded. The completion thread calls it
+        with the request's last copy in flight, and the finish notice leaves when it returns.
+
+        "spin": poll the event, yielding the GIL between polls (a core kept busy until the copy
+        ends; the notice leaves microseconds after it). "block": cudaEventSynchronize, the GIL
+        released (measured slower to return after long copies: docs/benchmarks.md, KV transfer)."""
+        if token is None:
+            return True
+        if self.completion == "block":
             token.synchronize()
+        else:
+            while not token.query():
+                time.sleep(0)  # lets the engine's thread have the GIL
         return True
 
     @staticmethod
