@@ -11,10 +11,10 @@ a layer's KV leaves as soon as its kernels finish, without a thread hand-off; `w
 GIL released) until a post's copy is done.
 """
 
+import os
 import pickle
 import socket
 import threading
-import time
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
@@ -173,7 +173,7 @@ class CudaIpcBackend:
             token.synchronize()
         else:
             while not token.query():
-                time.sleep(0)  # lets the engine's thread have the GIL
+                os.sched_yield()  # the GIL released: the engine's thread runs (time.sleep(0) may sleep out the timer slack)
         return True
 
     @staticmethod

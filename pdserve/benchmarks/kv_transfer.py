@@ -109,8 +109,9 @@ def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KV
 
     `split` (cuda_ipc): gets where the time went — `post_us`, the host time of the posting calls;
     `stream_ms`, the copy stream's time from the first post's arrival to the last copy's end (the
-    posting's launch latency and the copies); the rest of the total is the wait for the copy's
-    event, the finish notice and the caller's wake-up."""
+    posting's launch latency and the copies); `waited_ms`, from the first post until the
+    completion thread's wait for the copy returned (its excess over `stream_ms` is the detection
+    lag); `notify_us`, the finish notice's send."""
     from kvtransfer import ReserveHandle
 
     n_blocks = -(-n_tokens // BLOCK)
@@ -120,6 +121,7 @@ def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KV
     if stream is not None:
         marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         marks[0].record(stream)
+        stamps = _stamp_completion(prefill.backend)
     t0 = time.perf_counter()
     if post == "whole":
         prefill.send_layers(rid, 0, layout.num_layers, src, handle)
@@ -144,9 +146,32 @@ def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KV
         want = kv[:, :, src].float().sum().item()
         assert got == want, f"{rid}: destination checksum {got} != source {want}"
     if stream is not None:
+        del prefill.backend.wait, prefill.backend.notify  # the class's own again
         split.setdefault("post_us", []).append(1e6 * (t_posted - t0))
         split.setdefault("stream_ms", []).append(marks[0].elapsed_time(marks[1]))
+        split.setdefault("waited_ms", []).append(1e3 * (stamps["waited"] - t0))
+        split.setdefault("notify_us", []).append(1e6 * (stamps["sent"] - stamps["send"]))
     return notice_s, dt
+
+
+def _stamp_completion(backend) -> dict:
+    """Host clock stamps of the completion thread's steps for one transfer: shadows the
+    backend's wait and notify on the instance (undone by deleting the attributes)."""
+    stamps: dict = {}
+    wait, notify = backend.wait, backend.notify
+
+    def timed_wait(token):
+        ok = wait(token)
+        stamps["waited"] = time.perf_counter()
+        return ok
+
+    def timed_notify(peer, payload):
+        stamps["send"] = time.perf_counter()
+        notify(peer, payload)
+        stamps["sent"] = time.perf_counter()
+
+    backend.wait, backend.notify = timed_wait, timed_notify
+    return stamps
 
 
 def kernel_only_ms(prefill, peer: str, n_tokens: int, pattern: str, layout: KVLayout, reps: int) -> float:
@@ -260,8 +285,8 @@ def part1(args, decode, prefill, layout, kv, peer: str) -> list[dict]:
                          "ms_all": [round(x * 1e3, 3) for x in times],
                          "caller_ms": round(c * 1e3, 3), "caller_GB_s": round(nbytes / c / 1e9, 1)})
             if split:
-                rows[-1].update(post_us=round(statistics.median(split["post_us"]), 1),
-                                stream_ms=round(statistics.median(split["stream_ms"]), 3))
+                rows[-1].update({k: round(statistics.median(v), 3 if k.endswith("ms") else 1)
+                                 for k, v in split.items()})
             if args.backend == "cuda_ipc" and post == "whole":
                 k = kernel_only_ms(prefill, peer, n, pattern, layout, args.reps)
                 rows[-1].update(kernel_ms=round(k, 3), kernel_GB_s=round(nbytes / k / 1e6, 1))
@@ -325,7 +350,7 @@ def main() -> None:
     print(f"\nraw GPU0->GPU1 copy {raw:.1f} GB/s ({meta['device']}, {args.backend})")
     print("ms / % raw: first post -> finish notice sent (every byte written); caller: -> the waiting caller told")
     print(f"{'tokens':>7} {'pattern':>10} {'post':>6} {'MB':>8} {'ms':>9} {'GB/s':>7} {'% raw':>6} {'caller %':>8}"
-          f" {'post us':>8} {'stream ms':>9} {'kernel ms':>9} {'kernel %':>8}")
+          f" {'post us':>8} {'stream ms':>9} {'waited ms':>9} {'notify us':>9} {'kernel ms':>9} {'kernel %':>8}")
     for r in rows:
         r["pct_raw"] = round(100 * r["GB/s"] / raw, 1)
         r["caller_pct_raw"] = round(100 * r["caller_GB_s"] / raw, 1)
@@ -333,7 +358,8 @@ def main() -> None:
             r["kernel_pct_raw"] = round(100 * r["kernel_GB_s"] / raw, 1)
         print(f"{r['tokens']:>7} {r['pattern']:>10} {r['post']:>6} {r['MB']:>8} {r['ms']:>9} {r['GB/s']:>7} "
               f"{r['pct_raw']:>6} {r['caller_pct_raw']:>8} {r.get('post_us', ''):>8} {r.get('stream_ms', ''):>9}"
-              f" {r.get('kernel_ms', ''):>9} {r.get('kernel_pct_raw', ''):>8}")
+              f" {r.get('waited_ms', ''):>9} {r.get('notify_us', ''):>9} {r.get('kernel_ms', ''):>9}"
+              f" {r.get('kernel_pct_raw', ''):>8}")
     if costs:
         print("post costs (host us): " + json.dumps(costs))
     if ttft:
