@@ -34,9 +34,11 @@ class EngineConfig(_Strict):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA, torch on CPU
     moe_backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs (batch-size buckets)
-    # The largest decode batch captured (larger ones run eagerly): each bucket's graph holds its
-    # activations and decode attention's split-K buffers, so larger captures cost memory.
-    cuda_graph_max_batch: int = Field(default=256, ge=1)
+    # The largest decode batch captured (larger ones run eagerly); capture goes up to
+    # min(max_num_seqs, this). Each bucket's graph holds its activations and decode attention's
+    # split-K buffers, so larger captures cost memory; an eager step at 512 ran 2.5x slower than
+    # its graph for an EP rank (docs/benchmarks.md), hence 512.
+    cuda_graph_max_batch: int = Field(default=512, ge=1)
     # Queue step N+1 on the device before handing out step N's tokens (default: on a GPU).
     overlap_scheduling: bool | None = None
 

@@ -194,8 +194,6 @@ def kernel_only_ms(prefill, peer: str, n_tokens: int, pattern: str, layout: KVLa
 
 
 def backend_kw(args) -> dict:
-    if args.backend == "cuda_ipc":
-        return {"completion": args.completion}
     if args.backend != "nixl":
         return {}
     return {"num_workers": args.nixl_workers, "progress_thread": args.nixl_progress_thread}
@@ -304,8 +302,6 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--nixl-workers", type=int, default=1, help="UCX workers of each NIXL agent")
     ap.add_argument("--nixl-progress-thread", action="store_true", help="NIXL's own (spinning) progress thread")
-    ap.add_argument("--completion", default="spin", choices=["spin", "block"],
-                    help="cuda_ipc: how the completion thread waits for a copy")
     ap.add_argument("--model", default=PRESET, help="preset whose KV shape and weights are used")
     ap.add_argument("--cpu", action="store_true", help="dry run on CPU memory (checks the script, not a figure)")
     args = ap.parse_args()
@@ -345,7 +341,7 @@ def main() -> None:
 
     meta = {"date": datetime.date.today().isoformat(),
             "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
-            "backend": args.backend, "completion": args.completion, "nixl_workers": args.nixl_workers,
+            "backend": args.backend, "nixl_workers": args.nixl_workers,
             "nixl_progress_thread": args.nixl_progress_thread, "torch": torch.__version__, "raw_copy_GB/s": round(raw, 1)}
     print(f"\nraw GPU0->GPU1 copy {raw:.1f} GB/s ({meta['device']}, {args.backend})")
     print("ms / % raw: first post -> finish notice sent (every byte written); caller: -> the waiting caller told")
