@@ -53,6 +53,8 @@ class EPGroup:
         """Join the group: returns once every rank has joined. Gloo on CPU, NCCL on GPUs."""
         placement = ExpertPlacement(num_experts, me.size, me.rank, tuple(me.replicated))  # fails before joining
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":  # NCCL binds the current device: ours, where a worker sees several GPUs
+            torch.cuda.set_device(device)
         dist.init_process_group(backend, init_method=me.init_method, rank=me.rank, world_size=me.size,
                                 timeout=timedelta(seconds=timeout_s))
         # The step agreement is host data: on GPUs it goes over gloo, never queued behind kernels.

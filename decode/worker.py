@@ -13,7 +13,7 @@ from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine_loop import IDLE_S
 from pdserve.messages import Refusal, ReplicaStats, ReserveResult
 from pdserve.models import resolve_model_args
-from pdserve.replica import Replica
+from pdserve.replica import Replica, assigned_device
 from pdserve.router_streams import RouterStreams
 
 # An idle expert-parallel group naps less: a reservation wakes only its own rank, and the step
@@ -30,7 +30,7 @@ class DecodeWorker(Replica):
         self.ep: EPGroup | None = None
         if ep is not None:  # returns once every rank of the group has joined
             num_experts = resolve_model_args(engine_config.model.path).num_experts
-            self.ep = EPGroup(ep, num_experts, torch.device(engine_config.device))
+            self.ep = EPGroup(ep, num_experts, torch.device(assigned_device(engine_config.device)))
         super().__init__(name, engine_config, kv_backend, cpu_threads, ep=self.ep.exchange if self.ep else None)
         self._naps = {RUNNING: None, WAITING_FOR_KV: KV_POLL_S, IDLE: EP_IDLE_S if self.ep else IDLE_S}
         self.intake = KVIntake(self.engine, self.connector, lease_s)

@@ -161,6 +161,18 @@ class ClusterConfig(_Strict):
             raise PydanticCustomError("topology", "{allowed}", {"keys": bad, "allowed": allowed})
         return colocated
 
+    @field_validator("kv_transfer")
+    @classmethod
+    def _cuda_ipc_on_gpus(cls, kv: KVTransferConfig, info: ValidationInfo) -> KVTransferConfig:
+        """cuda_ipc maps the decode replica's GPU memory into the prefill worker: both on GPUs."""
+        on_cpu = [f"{s}.gpus" for s in ("prefill", "decode") if s in info.data and not info.data[s].gpus]
+        if kv.backend == "cuda_ipc" and on_cpu and not info.data.get("colocated", ColocatedConfig()).replicas:
+            raise PydanticCustomError("topology", "{allowed}", {
+                "keys": {"kv_transfer.backend": kv.backend},
+                "allowed": f"cuda_ipc moves KV between GPUs of one host, and {' and '.join(on_cpu)} "
+                           f"{'is' if len(on_cpu) == 1 else 'are'} 0; set them to 1, or use nixl or tcp"})
+        return kv
+
     @model_validator(mode="after")
     def _default_replicas(self) -> "ClusterConfig":
         n = 0 if self.colocated.replicas else 1

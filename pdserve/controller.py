@@ -45,7 +45,7 @@ class Controller:
         for i in range(cfg.prefill.replicas):
             name = f"pdserve-prefill-{i}"
             self.prefill[name] = ray.remote(PrefillWorker).options(
-                name=name, num_cpus=0, num_gpus=cfg.prefill.gpus, max_concurrency=8).remote(
+                name=name, num_cpus=0, num_gpus=cfg.prefill.gpus, max_concurrency=8, **self._kv_env()).remote(
                 name, cfg.engine_config("prefill"), cfg.kv_transfer.backend, threads)
         for i in range(cfg.decode.replicas):
             self.decode[f"pdserve-decode-{i}"] = self._start_decode(f"pdserve-decode-{i}", threads)
@@ -71,6 +71,16 @@ class Controller:
         self._note("router listening: " + ", ".join(f"{k} {v}" for k, v in self.endpoints.items()))
         return self.endpoints
 
+    def _kv_env(self) -> dict:
+        """Actor options for a KV worker. cuda_ipc opens the peer's GPU memory in the prefill worker,
+        which must therefore see that GPU: Ray is told to leave CUDA_VISIBLE_DEVICES alone, and the
+        worker takes the GPU Ray assigned it by index (Replica)."""
+        if self.config.kv_transfer.backend != "cuda_ipc":
+            return {}
+        from pdserve.replica import ALL_GPUS_VISIBLE
+
+        return {"runtime_env": {"env_vars": {ALL_GPUS_VISIBLE: "1"}}}
+
     def _handshake(self) -> None:
         """Introduce every prefill replica to every decode rank, and back."""
         ranks = self._decode_ranks()
@@ -88,7 +98,7 @@ class Controller:
 
         cfg, d = self.config, self.config.decode
         args = (cfg.engine_config("decode"), cfg.kv_transfer.backend, cfg.kv_transfer.lease_s, NAMESPACE, threads)
-        opts = dict(num_cpus=0, num_gpus=d.gpus, max_concurrency=8)
+        opts = dict(num_cpus=0, num_gpus=d.gpus, max_concurrency=8, **self._kv_env())
         if d.ep_size == 1:
             return {name: ray.remote(DecodeWorker).options(name=name, **opts).remote(name, *args)}
         # One node, one bundle per rank. A bundle may not be empty: on CPU it holds a sliver of a core.

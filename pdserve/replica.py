@@ -1,5 +1,7 @@
 """What every worker (prefill, decode, colocated) shares: one engine in a role, its KV connector, its loop."""
 
+import os
+
 import ray
 import torch
 
@@ -8,6 +10,18 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine_loop import EngineLoop
 from pdserve.messages import ReplicaStats
+
+
+# Set (by the controller, for cuda_ipc) in a worker's environment: Ray leaves every GPU visible.
+ALL_GPUS_VISIBLE = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def assigned_device(device: str) -> str:
+    """The worker's device. Ray normally shows a worker only its own GPU ("cuda" is it); with every
+    GPU visible the worker must pick the one Ray assigned it."""
+    if device == "cuda" and os.environ.get(ALL_GPUS_VISIBLE):
+        return f"cuda:{int(ray.get_gpu_ids()[0])}"
+    return device
 
 
 class Replica:
@@ -20,6 +34,7 @@ class Replica:
         `ep`: an EPExchange when this worker is one rank of an expert-parallel decode replica."""
         if engine_config.device == "cpu":
             torch.set_num_threads(cpu_threads)  # several workers share the host's cores
+        engine_config = engine_config.model_copy(update={"device": assigned_device(engine_config.device)})
         self.name = name
         self.engine = Engine(engine_config, ep=ep)
         self.connector = None

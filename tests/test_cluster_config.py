@@ -54,3 +54,13 @@ def test_pdserve_up_refuses_a_mixed_topology_before_starting(tmp_path):
     assert r.returncode == 2
     assert "decode.replicas: 1 is not allowed" in r.stderr
     assert "Traceback" not in r.stderr and "starting Ray" not in r.stderr
+
+
+def test_cuda_ipc_needs_gpu_replicas(tmp_path):
+    with pytest.raises(ConfigError, match=r"kv_transfer\.backend: 'cuda_ipc' is not allowed — cuda_ipc moves KV "
+                                          r"between GPUs of one host, and prefill\.gpus and decode\.gpus are 0"):
+        load(tmp_path, {"kv_transfer": {"backend": "cuda_ipc"}})
+    with pytest.raises(ConfigError, match=r"and decode\.gpus is 0; set them to 1, or use nixl or tcp"):
+        load(tmp_path, {"kv_transfer": {"backend": "cuda_ipc"}, "prefill": {"gpus": 1}})
+    cfg = load(tmp_path, {"kv_transfer": {"backend": "cuda_ipc"}, "prefill": {"gpus": 1}, "decode": {"gpus": 1}})
+    assert cfg.kv_transfer.backend == "cuda_ipc"
