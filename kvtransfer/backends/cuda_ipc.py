@@ -103,7 +103,7 @@ class CudaIpcBackend:
             raise ValueError(f"layers {first_layer}..{first_layer + num_layers - 1} outside [0, {self.meta.num_layers})")
         src_ids, dst_ids, slot = self._upload(src_blocks, dst_blocks, copy.dst_num_blocks)
         ready = torch.cuda.Event()
-        ready.record()  # the caller's stream: the KV's kernels and the ids' upload
+        ready.record(torch.cuda.current_stream(self.kv.device))  # after the KV's kernels and the ids' upload
         self.stream.wait_event(ready)
         copy(first_layer, num_layers, src_ids, dst_ids, stream=self._raw_stream)
         done = torch.cuda.Event()
