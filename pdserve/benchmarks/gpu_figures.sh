@@ -7,7 +7,8 @@
 #   ep       EP decode scaling at 256 per rank (ep_size 2 and 4 where there are 4 GPUs), overlap on/off
 #   ep512    EP decode at 256 and 512 per rank with CUDA graphs captured up to 512 (--graph-max-batch)
 #   kv       KV transfer rate (cuda_ipc) and TTFT with layer-wise streaming
-#   goodput  the P:D configurations of deploy/pd4 through `pdserve up` (4 GPUs)
+#   goodput  the P:D configurations of deploy/pd4 through `pdserve up` (4 GPUs; GOODPUT_RATES="24 32 48 64"
+#            to look past the 32 req/s that three of them held on 2026-11-22)
 # Each part writes OUT_DIR/<part>*.json and a log; a failing part does not stop the others.
 set -u
 out=${1:?usage: gpu_figures.sh OUT_DIR [PART ...]}
@@ -55,7 +56,7 @@ for part in $parts; do
             --ttft 16384 --reps 9 --json "$out/kv.json" ;;
     goodput)
         run goodput python -m pdserve.benchmarks.pd_goodput deploy/pd4/colocated4.yaml deploy/pd4/2p2d.yaml \
-            deploy/pd4/1p3d.yaml deploy/pd4/2p1ep2.yaml --rates 12 16 24 32 --duration 10 --input-len 4096 \
+            deploy/pd4/1p3d.yaml deploy/pd4/2p1ep2.yaml --rates ${GOODPUT_RATES:-12 16 24 32} --duration 10 --input-len 4096 \
             --output-len 256 --stop-below 0.5 --start-timeout 120 --stop-timeout 20 --log-dir "$out" \
             --json "$out/goodput.json" ;;
     *)
