@@ -152,6 +152,7 @@ class _Transfer:
     handle: ReserveHandle
     tokens: list = field(default_factory=list)
     first_token: int | None = None
+    notice: bytes = b""  # the "finish" notice, packed before the copies end: sent the moment they do
     nbytes: int = 0
     started: float = field(default_factory=time.monotonic)  # when the caller posted its first layer
     # open -> (finishing: every layer posted, a completion thread waits for the copies) -> done | failed
@@ -377,6 +378,7 @@ class PrefillConnector(_Base):
             t = self._transfers.get(rid)
             if t is not None:
                 t.first_token = first
+                t.notice = Notice("finish", rid, first).pack()
                 if self._waits is not None:
                     t.state = "finishing"
                     self._waits.put((rid, t))
@@ -452,7 +454,7 @@ class PrefillConnector(_Base):
 
     def _deliver(self, rid: str, t: _Transfer) -> None:
         try:
-            self.backend.notify(t.handle.engine_id, Notice("finish", rid, t.first_token).pack())
+            self.backend.notify(t.handle.engine_id, t.notice)
             self._delivered.put((t.nbytes, time.monotonic() - t.started))
             with self._lock:
                 self._recent_done[rid] = None

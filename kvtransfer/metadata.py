@@ -26,7 +26,7 @@ class KVAgentMetadata:
     base_addr: int  # address of the allocation's first byte
     device: str  # "cpu" or "cuda:N"
     agent_metadata: bytes = b""  # NIXL: the agent's metadata blob; cuda_ipc: the allocation's IPC handle
-    address: str = ""  # TCP: host:port of the receiver
+    address: str = ""  # where notices (and TCP data) go: "host:port", or "unix:@name" on one host
 
     LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
 

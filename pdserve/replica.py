@@ -40,7 +40,7 @@ class Replica:
         self.connector = None
         if kv_backend is not None:
             # Socket-based backends listen on this node's address, not loopback: peers may be elsewhere.
-            kw = {"host": ray.util.get_node_ip_address()} if kv_backend in ("tcp", "cuda_ipc") else {}
+            kw = {"host": ray.util.get_node_ip_address()} if kv_backend == "tcp" else {}
             self.connector = make_connector(self.role, kv_backend, name, self.engine.kv_cache, self.engine.layout,
                                             self.engine.fingerprint, **kw)
         self.aborted = 0

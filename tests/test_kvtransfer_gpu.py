@@ -85,3 +85,28 @@ def test_block_copy_compiled_launch_between_gpus():
         want[first:first + count, :, d] = src[first:first + count, :, s].cpu()
         assert torch.equal(dst.cpu(), want), (first, count, n)
     assert copy._kernel is not None  # the later calls took the compiled kernel's launcher
+
+
+def test_block_copy_reads_ids_from_pinned_memory():
+    """The connector's posts hand the kernel block ids in pinned host memory (read over PCIe,
+    nothing uploaded), refilled between posts: each copy moves the blocks its ids name at its
+    launch, whether through the JIT (first call) or the compiled kernel's launcher, with a count
+    shorter than the slot (`n`)."""
+    from kvtransfer.backends.block_copy import BlockCopy
+
+    torch.cuda.set_device(0)
+    src = torch.randn(6, 2, 40, 16, 4, 128, dtype=torch.bfloat16, device="cuda:0")
+    dst = torch.randn(6, 2, 50, 16, 4, 128, dtype=torch.bfloat16, device="cuda:1")
+    torch.ones(1, device="cuda:1").copy_(torch.ones(1, device="cuda:0"))
+    slot = torch.zeros(2, 48, dtype=torch.int32, pin_memory=True)
+    copy = BlockCopy(src, dst)
+    g = torch.Generator().manual_seed(7)
+    for first, count, n in [(0, 6, 17), (3, 2, 40), (1, 1, 5)]:
+        want = dst.cpu()
+        s, d = torch.randperm(40, generator=g)[:n], torch.randperm(50, generator=g)[:n]
+        slot[0, :n], slot[1, :n] = s, d
+        copy(first, count, slot[0], slot[1], n=n)
+        torch.cuda.synchronize(0)
+        want[first:first + count, :, d] = src[first:first + count, :, s].cpu()
+        assert torch.equal(dst.cpu(), want), (first, count, n)
+    assert copy._kernel is not None

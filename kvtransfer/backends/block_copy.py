@@ -74,32 +74,37 @@ class BlockCopy:
         self.words_per_block = self.src_w.numel() // (src_kv.shape[0] * 2 * src_kv.shape[2])
         self.chunk = min(chunk, triton.next_power_of_2(self.words_per_block))
         self.num_warps = num_warps
+        self._src_addr, self._dst_addr = self.src_w.data_ptr(), self.dst_w.data_ptr()
         self._kernel = None  # the compiled kernel, once the JIT has run it with aligned ids
 
     def __call__(self, first_layer: int, num_layers: int, src_ids: torch.Tensor, dst_ids: torch.Tensor,
-                 stream: int | None = None) -> None:
-        """dst[l, :, dst_ids[i]] = src[l, :, src_ids[i]] for l in [first_layer, first_layer + num_layers).
-        The ids are int32 tensors on the source's device; runs on `stream` (a raw CUDA stream
-        handle) or else the current stream."""
-        n = src_ids.numel()
+                 stream: int | None = None, n: int | None = None) -> None:
+        """dst[l, :, dst_ids[i]] = src[l, :, src_ids[i]] for i < n, l in [first_layer, first_layer + num_layers).
+        The ids are int32 tensors on the source's device or in pinned host memory (the kernel then
+        reads them over PCIe: nothing to upload); `n` defaults to all of them. Runs on `stream` (a
+        raw CUDA stream handle) or else the current stream."""
+        n = src_ids.numel() if n is None else n
         if n == 0 or num_layers == 0:
             return
-        args = (self.src_w, self.dst_w, src_ids, dst_ids, n, first_layer * 2, self.src_num_blocks,
-                self.dst_num_blocks, self.words_per_block, self.chunk)
         k = self._kernel
         aligned = src_ids.data_ptr() % 16 == 0 and dst_ids.data_ptr() % 16 == 0
         if k is not None and aligned and not _hooked():
             if stream is None:
                 stream = torch.cuda.current_stream(self.src_w.device).cuda_stream
-            k.run(num_layers * 2 * n, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args)
+            # The caches as plain device addresses: the launcher skips their pointer lookups.
+            k.run(num_layers * 2 * n, 1, 1, stream, k.function, k.packed_metadata, None, None, None,
+                  self._src_addr, self._dst_addr, src_ids, dst_ids, n, first_layer * 2, self.src_num_blocks,
+                  self.dst_num_blocks, self.words_per_block, self.chunk)
             return
-        if stream is not None:
+        args = (self.src_w, self.dst_w, src_ids, dst_ids, n, first_layer * 2, self.src_num_blocks,
+                self.dst_num_blocks)
+        if stream is not None:  # (entering the stream also makes its device the current one)
             with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.src_w.device)):
-                k = _copy_blocks[(num_layers * 2 * n,)](*args[:-2], BLOCK_WORDS=args[-2], CHUNK=args[-1],
-                                                        num_warps=self.num_warps)
+                k = _copy_blocks[(num_layers * 2 * n,)](*args, BLOCK_WORDS=self.words_per_block,
+                                                        CHUNK=self.chunk, num_warps=self.num_warps)
         else:
-            k = _copy_blocks[(num_layers * 2 * n,)](*args[:-2], BLOCK_WORDS=args[-2], CHUNK=args[-1],
-                                                    num_warps=self.num_warps)
+            k = _copy_blocks[(num_layers * 2 * n,)](*args, BLOCK_WORDS=self.words_per_block,
+                                                    CHUNK=self.chunk, num_warps=self.num_warps)
         # Under TRITON_INTERPRET there is no compiled kernel to keep: every call takes this path.
         if aligned and all(hasattr(k, a) for a in ("run", "function", "packed_metadata")):
             self._kernel = k

@@ -1,5 +1,5 @@
 """KV between GPUs of one host through CUDA IPC: the prefill worker maps the decode worker's KV
-allocation and copies into it over NVLink; notices go over TCP.
+allocation and copies into it over NVLink; notices go over a Unix socket.
 
 Why besides NIXL: on one host, NIXL/UCX's cuda_ipc path pays about a millisecond per request
 and reaches 60-70 % of the peer-copy rate (docs/benchmarks.md); here a request's blocks move in
@@ -13,53 +13,60 @@ GIL released) until a post's copy is done.
 
 import pickle
 import socket
+import struct
 import threading
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from kvtransfer.backends.block_copy import BlockCopy
-from kvtransfer.backends.tcp import TcpBackend, frame
+from kvtransfer.backends.tcp import TcpBackend, connect, frame
 from kvtransfer.metadata import KVAgentMetadata
 
 _STORAGE_DEVICE = 6  # position of the storage's device index in reduce_tensor's rebuild arguments
-_RING = 8  # staging slots for block ids (pinned and on the GPU)
+_RING = 8  # staging slots for block ids (pinned host memory, read by the copy kernel)
 
 
 class CudaIpcBackend:
     inline = True
 
-    def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, host: str = "127.0.0.1"):
+    def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor):
         if not kv_cache.is_cuda:
             raise ValueError("kv_transfer.backend 'cuda_ipc' needs the KV cache on a GPU; use 'nixl' or 'tcp'")
         self.kv = kv_cache
         self.meta = meta
-        self.notices = TcpBackend(meta, kv_cache, host=host)  # receives notices (sets meta.address)
+        # Notices go over a Unix socket: CUDA IPC peers share this host, and a send costs a few
+        # microseconds against 10-30 on loopback TCP — on the path between the copy's end and
+        # the decode side hearing of it.
+        self.notices = TcpBackend(meta, kv_cache, unix=True)  # receives notices (sets meta.address)
         # The handle lets a peer on this host map our allocation; the args hold no tensor data.
         _, args = reduce_tensor(kv_cache)
         meta.agent_metadata = pickle.dumps(args)
         self.stream = torch.cuda.Stream(device=kv_cache.device)
         self._raw_stream = self.stream.cuda_stream
+        self._ready = torch.cuda.Event()
         self._handles: dict[str, bytes] = {}
         self._peers: dict[str, BlockCopy] = {}  # a mapped peer allocation, as the copy into it
         self._socks: dict[str, socket.socket] = {}
         self._sock_lock = threading.Lock()  # notices go out from the poster and the completion thread
-        # Block ids go up through pinned memory into a device ring: a slot is refilled only once
-        # the last copy that read it has run. Each slot holds the source ids, then the destination
-        # ids from the next multiple of 4 on, so both start 16-byte aligned (as BlockCopy's
-        # compiled kernel assumes).
-        width = 2 * (-(-meta.num_blocks // 4) * 4) + 4
-        self._pinned = torch.empty(_RING, width, dtype=torch.int32, pin_memory=True)
-        self._pinned_np = self._pinned.numpy()  # filled from lists without building tensors
-        self._dev_ids = torch.empty(_RING, width, dtype=torch.int32, device=kv_cache.device)
+        # Block ids live in a ring of pinned host slots that the copy kernel reads directly (over
+        # PCIe, a few bytes per block): a post fills a slot and launches — no upload to wait for.
+        # A slot is refilled only once the last copy that read it has run. Each slot holds the
+        # source ids, then the destination ids from `half` on, both 16-byte aligned (as
+        # BlockCopy's compiled kernel assumes).
+        half = -(-meta.num_blocks // 4) * 4
+        self._pinned = torch.empty(_RING, 2 * half, dtype=torch.int32, pin_memory=True)
+        self._slot_bytes = [memoryview(row).cast("B") for row in self._pinned.numpy()]  # filled by struct
+        self._slot_ids = [(self._pinned[i, :half], self._pinned[i, half:]) for i in range(_RING)]
+        self._half = half
         self._last_use: list[torch.cuda.Event | None] = [None] * _RING  # per slot: the last copy reading it
         self._slot = 0
-        self._ids: tuple[tuple, torch.Tensor, torch.Tensor, int] | None = None  # last upload: layers reuse it
+        self._staged: tuple[list[int], list[int], int] | None = None  # the last ids staged: layers reuse them
         # Compile the copy kernel now (block 0 onto itself, before the engine uses the cache), not
         # while the first request waits.
+        self._pinned.zero_()
         with torch.cuda.stream(self.stream):
-            zero = torch.zeros(1, dtype=torch.int32, device=kv_cache.device)
-            BlockCopy(kv_cache, kv_cache)(0, 1, zero, zero)
+            BlockCopy(kv_cache, kv_cache)(0, 1, *self._slot_ids[0], n=1)
         self.stream.synchronize()
 
     def add_peer(self, peer: KVAgentMetadata) -> None:
@@ -94,46 +101,54 @@ class CudaIpcBackend:
         ordered after the work the caller's stream has queued so far. Returns the copy's event.
 
         This is the whole host cost of a post, paid before the copy can start, so it is kept to
-        array fills, one upload, two events and the kernel's launch — no stream switch (the
-        upload goes on the caller's stream, the kernel is launched onto ours by handle)."""
+        array fills, two events and the kernel's launch — no upload (the kernel reads the ids
+        from pinned memory), no stream switch (the kernel is launched onto our stream by handle)."""
         copy = self._peer_copy(peer_id)
-        if len(src_blocks) != len(dst_blocks):
-            raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
+        n = len(src_blocks)
+        if n != len(dst_blocks):
+            raise ValueError(f"{n} source blocks but {len(dst_blocks)} destination blocks")
         if not (0 <= first_layer and first_layer + num_layers <= self.meta.num_layers):
             raise ValueError(f"layers {first_layer}..{first_layer + num_layers - 1} outside [0, {self.meta.num_layers})")
-        src_ids, dst_ids, slot = self._upload(src_blocks, dst_blocks, copy.dst_num_blocks)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.kv.device))  # after the KV's kernels and the ids' upload
-        self.stream.wait_event(ready)
-        copy(first_layer, num_layers, src_ids, dst_ids, stream=self._raw_stream)
+        slot = self._stage(src_blocks, dst_blocks, copy.dst_num_blocks)
+        # After the kernels writing the KV. One event serves every post: a stream's wait takes the
+        # event's state at the call, so recording it again later changes nothing for this copy.
+        self._ready.record(torch.cuda.current_stream(self.kv.device))
+        self.stream.wait_event(self._ready)
+        src_ids, dst_ids = self._slot_ids[slot]
+        copy(first_layer, num_layers, src_ids, dst_ids, stream=self._raw_stream, n=n)
         done = torch.cuda.Event()
         done.record(self.stream)
         self._last_use[slot] = done
         return done
 
-    def _upload(self, src: list[int], dst: list[int], dst_num_blocks: int):
-        """Source and destination block ids on the GPU (int32), through pinned memory so that the
-        upload never waits for a stream; the layers of one step reuse them. The upload is queued
-        on the caller's stream. Returns them and the ring slot they are in."""
-        key = (tuple(src), tuple(dst))
-        if self._ids is not None and self._ids[0] == key:
-            return self._ids[1], self._ids[2], self._ids[3]
-        slot = self._slot = (self._slot + 1) % _RING
-        if self._last_use[slot] is not None:
-            self._last_use[slot].synchronize()  # in practice long done: 8 uploads ago
+    def _stage(self, src: list[int], dst: list[int], dst_num_blocks: int) -> int:
+        """Put the ids where the kernel reads them; the layers of one step reuse them. Returns the slot.
+
+        struct packs a list straight into the slot (2-3 us for 256 ids, numpy's conversion 8), and
+        its unsigned format refuses negative ids on the way; max() bounds the rest."""
+        staged = self._staged
+        if staged is not None and staged[0] == src and staged[1] == dst:
+            return staged[2]
         n = len(src)
-        off = -(-n // 4) * 4
-        host = self._pinned_np[slot]
-        host[:n], host[off:off + n] = src, dst
+        if n > self._half:
+            raise ValueError(f"{n} blocks in one post, more than the {self._half} the id slots hold")
         if n:  # the kernel would write outside the cache
-            for ids, limit, side in ((host[:n], self.kv.shape[2], "source"), (host[off:off + n], dst_num_blocks, "destination")):
-                lo, hi = int(ids.min()), int(ids.max())
-                if lo < 0 or hi >= limit:
-                    raise ValueError(f"{side} block ids must lie in [0, {limit}), got {lo}..{hi}")
-        dev = self._dev_ids[slot]
-        dev[:off + n].copy_(self._pinned[slot, :off + n], non_blocking=True)  # pinned: asynchronous
-        self._ids = (key, dev[:n], dev[off:off + n], slot)
-        return self._ids[1], self._ids[2], slot
+            for ids, limit, side in ((src, self.kv.shape[2], "source"), (dst, dst_num_blocks, "destination")):
+                if max(ids) >= limit:
+                    raise ValueError(f"{side} block ids must lie in [0, {limit}), got {min(ids)}..{max(ids)}")
+        slot = self._slot = (self._slot + 1) % _RING
+        last = self._last_use[slot]
+        if last is not None and not last.query():  # in practice long done: 8 stagings ago
+            last.synchronize()  # (which lets go of the GIL: not on the usual path)
+        fmt, buf = f"{n}I", self._slot_bytes[slot]
+        try:
+            struct.pack_into(fmt, buf, 0, *src)
+            struct.pack_into(fmt, buf, 4 * self._half, *dst)
+        except struct.error:
+            side = "source" if any(i < 0 for i in src) else "destination"
+            raise ValueError(f"{side} block ids must be non-negative, got {min(src + dst)}") from None
+        self._staged = (list(src), list(dst), slot)
+        return slot
 
     def write_layers(self, peer_id: str, parts: list[tuple[int, list[int], list[int]]]):
         """Several (layer, src, dst) at once (the worker-thread interface); consecutive layers with
@@ -181,9 +196,7 @@ class CudaIpcBackend:
             s = self._socks.get(peer_id)
             try:
                 if s is None:
-                    host, port = self.notices.peers[peer_id].address.rsplit(":", 1)
-                    s = self._socks[peer_id] = socket.create_connection((host, int(port)), timeout=10)
-                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    s = self._socks[peer_id] = connect(self.notices.peers[peer_id].address)
                 s.sendall(data)
             except OSError:
                 self._socks.pop(peer_id, None)

@@ -174,13 +174,17 @@ def _stamp_completion(backend) -> dict:
     return stamps
 
 
-def kernel_only_ms(prefill, peer: str, n_tokens: int, pattern: str, layout: KVLayout, reps: int) -> float:
-    """cuda_ipc: the copy kernel alone (ids already on the GPU, CUDA events around the launch),
-    the same blocks as a whole post: the in-run ceiling of the connector's figure."""
+def kernel_only_ms(prefill, peer: str, n_tokens: int, pattern: str, layout: KVLayout, reps: int,
+                   ids: str = "gpu") -> float:
+    """cuda_ipc: the copy kernel alone (CUDA events around the launch), the same blocks as a whole
+    post: the in-run ceiling of the connector's figure. ids "gpu": read from device memory;
+    "pinned": from pinned host memory, as the connector's posts read them."""
     n_blocks = -(-n_tokens // BLOCK)
-    dev = prefill.backend.kv.device
+    dev = prefill.backend.kv.device if ids == "gpu" else "cpu"
     src = torch.tensor(blocks_for(n_blocks, pattern, 3), dtype=torch.int32, device=dev)
     dst = torch.tensor(blocks_for(n_blocks, pattern, 1), dtype=torch.int32, device=dev)
+    if ids == "pinned":
+        src, dst = src.pin_memory(), dst.pin_memory()
     copy = prefill.backend._peer_copy(peer)
     times = []
     for _ in range(reps + 2):
@@ -217,12 +221,12 @@ def post_costs(prefill, peer: str, layout: KVLayout, n_tokens: int = 4096, reps:
     sid = torch.tensor(src, dtype=torch.int32, device=b.kv.device)
     did = torch.tensor(dst, dtype=torch.int32, device=b.kv.device)
 
-    def upload():
-        b._ids = None  # no reuse: a new request's ids
-        b._upload(src, dst, copy.dst_num_blocks)
+    def stage():
+        b._staged = None  # no reuse: a new request's ids
+        b._stage(src, dst, copy.dst_num_blocks)
 
     def write_range():
-        b._ids = None
+        b._staged = None
         b.write_range(peer, 0, layout.num_layers, src, dst)
 
     def jit_launch():  # the same kernel through Triton's JIT, as before BlockCopy kept the compiled one
@@ -233,7 +237,7 @@ def post_costs(prefill, peer: str, layout: KVLayout, n_tokens: int = 4096, reps:
     pieces = {"launch (kernel, 1 layer)": lambda: copy(0, 1, sid, did, stream=b._raw_stream),
               "launch through the JIT": jit_launch,
               "event record": lambda: torch.cuda.Event().record(b.stream),
-              "upload ids": upload, "write_range": write_range}
+              "stage ids": stage, "write_range": write_range}
     out = {}
     for name, fn in pieces.items():
         times = []
@@ -287,7 +291,9 @@ def part1(args, decode, prefill, layout, kv, peer: str) -> list[dict]:
                                  for k, v in split.items()})
             if args.backend == "cuda_ipc" and post == "whole":
                 k = kernel_only_ms(prefill, peer, n, pattern, layout, args.reps)
-                rows[-1].update(kernel_ms=round(k, 3), kernel_GB_s=round(nbytes / k / 1e6, 1))
+                kp = kernel_only_ms(prefill, peer, n, pattern, layout, args.reps, ids="pinned")
+                rows[-1].update(kernel_ms=round(k, 3), kernel_GB_s=round(nbytes / k / 1e6, 1),
+                                kernel_pinned_ms=round(kp, 3), kernel_pinned_GB_s=round(nbytes / kp / 1e6, 1))
             print(rows[-1], flush=True)
     return rows
 
@@ -346,16 +352,17 @@ def main() -> None:
     print(f"\nraw GPU0->GPU1 copy {raw:.1f} GB/s ({meta['device']}, {args.backend})")
     print("ms / % raw: first post -> finish notice sent (every byte written); caller: -> the waiting caller told")
     print(f"{'tokens':>7} {'pattern':>10} {'post':>6} {'MB':>8} {'ms':>9} {'GB/s':>7} {'% raw':>6} {'caller %':>8}"
-          f" {'post us':>8} {'stream ms':>9} {'waited ms':>9} {'notify us':>9} {'kernel ms':>9} {'kernel %':>8}")
+          f" {'post us':>8} {'stream ms':>9} {'waited ms':>9} {'notify us':>9} {'kernel ms':>9} {'kernel %':>8} {'pinned %':>8}")
     for r in rows:
         r["pct_raw"] = round(100 * r["GB/s"] / raw, 1)
         r["caller_pct_raw"] = round(100 * r["caller_GB_s"] / raw, 1)
         if "kernel_GB_s" in r:
             r["kernel_pct_raw"] = round(100 * r["kernel_GB_s"] / raw, 1)
+            r["kernel_pinned_pct_raw"] = round(100 * r["kernel_pinned_GB_s"] / raw, 1)
         print(f"{r['tokens']:>7} {r['pattern']:>10} {r['post']:>6} {r['MB']:>8} {r['ms']:>9} {r['GB/s']:>7} "
               f"{r['pct_raw']:>6} {r['caller_pct_raw']:>8} {r.get('post_us', ''):>8} {r.get('stream_ms', ''):>9}"
               f" {r.get('waited_ms', ''):>9} {r.get('notify_us', ''):>9} {r.get('kernel_ms', ''):>9}"
-              f" {r.get('kernel_pct_raw', ''):>8}")
+              f" {r.get('kernel_pct_raw', ''):>8} {r.get('kernel_pinned_pct_raw', ''):>8}")
     if costs:
         print("post costs (host us): " + json.dumps(costs))
     if ttft:
