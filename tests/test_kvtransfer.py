@@ -197,32 +197,3 @@ def test_decode_abort_holds_blocks_until_the_prefill_side_stops_writing(backend)
 def dfree_after_reserve(d: Worker) -> int:
     return d.call("run", 0.01)[1]
 
-
-def test_unix_socket_receiver_takes_frames_and_notices():
-    """A receiver on a Unix socket (cuda_ipc's notices: peers share the host) gets what both senders
-    send — the asyncio one (a layer's KV, then a notice) and a blocking connect() — in order."""
-    from kvtransfer.backends.tcp import TcpBackend, connect, frame
-    from pdserve.engine.kv_cache import KVLayout
-
-    layout = KVLayout(2, 8, 4, 2, 8, torch.float32)
-    kvs = [torch.randn(layout.shape), torch.zeros(layout.shape)]
-    metas = [KVAgentMetadata.for_cache(f"e{i}", "tcp", kv, layout, "f") for i, kv in enumerate(kvs)]
-    sender, receiver = (TcpBackend(m, kv, unix=True) for m, kv in zip(metas, kvs))
-    try:
-        assert metas[1].address.startswith("unix:@")
-        sender.add_peer(metas[1])
-        sender.write("e1", 1, [0, 5], [6, 2]).result(10)
-        sender.notify("e1", b"first")
-        with connect(metas[1].address) as s:
-            s.sendall(frame({"kind": "notice", "nbytes": 6}, b"second"))
-        deadline = time.time() + 10
-        got: list[bytes] = []
-        while len(got) < 2 and time.time() < deadline:
-            got += receiver.notifications()
-            time.sleep(0.01)
-        assert got == [b"first", b"second"]
-        assert torch.equal(kvs[1][1, :, [6, 2]], kvs[0][1, :, [0, 5]])
-        assert kvs[1][0].abs().sum() == 0 and kvs[1][1, :, [0, 1, 3, 4, 5, 7]].abs().sum() == 0
-    finally:
-        sender.close()
-        receiver.close()

@@ -12,15 +12,13 @@ GIL released) until a post's copy is done.
 """
 
 import pickle
-import socket
 import struct
-import threading
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from kvtransfer.backends.block_copy import BlockCopy
-from kvtransfer.backends.tcp import TcpBackend, connect, frame
+from kvtransfer.backends.notices import NoticeInbox, NoticeOutbox
 from kvtransfer.metadata import KVAgentMetadata
 
 _STORAGE_DEVICE = 6  # position of the storage's device index in reduce_tensor's rebuild arguments
@@ -35,10 +33,11 @@ class CudaIpcBackend:
             raise ValueError("kv_transfer.backend 'cuda_ipc' needs the KV cache on a GPU; use 'nixl' or 'tcp'")
         self.kv = kv_cache
         self.meta = meta
-        # Notices go over a Unix socket: CUDA IPC peers share this host, and a send costs a few
-        # microseconds against 10-30 on loopback TCP — on the path between the copy's end and
-        # the decode side hearing of it.
-        self.notices = TcpBackend(meta, kv_cache, unix=True)  # receives notices (sets meta.address)
+        # Notices go over a Unix socket read when the connector polls (CUDA IPC peers share
+        # this host): a send is a copy into a socket buffer, no thread to wake (notices.py).
+        self.inbox, self.outbox = NoticeInbox(), NoticeOutbox()
+        meta.address = self.inbox.address
+        self._addresses: dict[str, str] = {}  # each peer's inbox
         # The handle lets a peer on this host map our allocation; the args hold no tensor data.
         _, args = reduce_tensor(kv_cache)
         meta.agent_metadata = pickle.dumps(args)
@@ -47,8 +46,6 @@ class CudaIpcBackend:
         self._ready = torch.cuda.Event()
         self._handles: dict[str, bytes] = {}
         self._peers: dict[str, BlockCopy] = {}  # a mapped peer allocation, as the copy into it
-        self._socks: dict[str, socket.socket] = {}
-        self._sock_lock = threading.Lock()  # notices go out from the poster and the completion thread
         # Block ids live in a ring of pinned host slots that the copy kernel reads directly (over
         # PCIe, a few bytes per block): a post fills a slot and launches — no upload to wait for.
         # A slot is refilled only once the last copy that read it has run. Each slot holds the
@@ -70,17 +67,14 @@ class CudaIpcBackend:
         self.stream.synchronize()
 
     def add_peer(self, peer: KVAgentMetadata) -> None:
-        self.notices.add_peer(peer)
+        self._addresses[peer.engine_id] = peer.address
         self._handles[peer.engine_id] = peer.agent_metadata
 
     def remove_peer(self, engine_id: str) -> None:
         self._peers.pop(engine_id, None)
         self._handles.pop(engine_id, None)
-        with self._sock_lock:
-            s = self._socks.pop(engine_id, None)
-        if s is not None:
-            s.close()
-        self.notices.remove_peer(engine_id)
+        self.outbox.forget(engine_id)
+        self._addresses.pop(engine_id, None)
 
     def _peer_copy(self, engine_id: str) -> BlockCopy:
         """The copy into the peer's KV allocation, mapped into our GPU's context on first write
@@ -190,29 +184,18 @@ class CudaIpcBackend:
         return token is None or token.query()
 
     def notify(self, peer_id: str, payload: bytes) -> None:
-        """A blocking send on a socket of our own: no hop through an event loop on the hot path."""
-        data = frame({"kind": "notice", "nbytes": len(payload)}, payload)
-        with self._sock_lock:
-            s = self._socks.get(peer_id)
-            try:
-                if s is None:
-                    s = self._socks[peer_id] = connect(self.notices.peers[peer_id].address)
-                s.sendall(data)
-            except OSError:
-                self._socks.pop(peer_id, None)
-                raise
+        """Straight into the peer's socket, no hop through an event loop on the hot path."""
+        self.outbox.send(peer_id, self._addresses[peer_id], payload)
 
     def progress(self) -> None:
-        """Nothing to drive: a thread of our own receives."""
+        """Nothing to drive: notices wait in the socket until notifications() reads them."""
 
     def notifications(self) -> list[bytes]:
-        return self.notices.notifications()
+        self.outbox.flush()  # (both ends poll here: a good moment to retry what a full socket left)
+        return self.inbox.drain()
 
     def close(self) -> None:
         self.stream.synchronize()
         self._peers.clear()
-        with self._sock_lock:
-            for s in self._socks.values():
-                s.close()
-            self._socks.clear()
-        self.notices.close()
+        self.outbox.close()
+        self.inbox.close()

@@ -6,9 +6,6 @@ Frame: 4-byte big-endian header length, msgpack header, then `nbytes` of payload
 """
 
 import asyncio
-import os
-import secrets
-import socket
 import struct
 import threading
 
@@ -27,29 +24,8 @@ def frame(header: dict, payload: bytes) -> bytes:
     return _LEN.pack(len(h)) + h + payload
 
 
-def _unix_path(address: str) -> str | None:
-    """The socket path of a "unix:@name" address (Linux's abstract namespace: no file to clean up)."""
-    return "\0" + address[6:] if address.startswith("unix:@") else None
-
-
-def connect(address: str, timeout: float = 10) -> socket.socket:
-    """A blocking connection to a receiver: "host:port" or "unix:@name"."""
-    path = _unix_path(address)
-    if path is not None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(timeout)
-        s.connect(path)
-        return s
-    host, port = address.rsplit(":", 1)
-    s = socket.create_connection((host, int(port)), timeout=timeout)
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return s
-
-
 class TcpBackend:
-    def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, host: str = "127.0.0.1", port: int = 0,
-                 unix: bool = False):
-        """Receives on host:port, or with `unix` on a Unix socket (peers on this host only)."""
+    def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, host: str = "127.0.0.1", port: int = 0):
         self.meta = meta
         self.kv = kv_cache
         self.peers: dict[str, KVAgentMetadata] = {}
@@ -62,12 +38,8 @@ class TcpBackend:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"kv-tcp-{meta.engine_id}",
                                         daemon=True)
         self._thread.start()
-        if unix:
-            meta.address = f"unix:@pdserve-kv-{os.getpid()}-{secrets.token_hex(6)}"
-            self._server = self._run(asyncio.start_unix_server(self._serve, _unix_path(meta.address)))
-        else:
-            self._server = self._run(asyncio.start_server(self._serve, host, port))
-            meta.address = f"{host}:{self._server.sockets[0].getsockname()[1]}"
+        self._server = self._run(asyncio.start_server(self._serve, host, port))
+        meta.address = f"{host}:{self._server.sockets[0].getsockname()[1]}"
 
     def _run(self, coro, timeout: float | None = 30):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -122,14 +94,8 @@ class TcpBackend:
         async with lock:  # frames of one peer never interleave
             w = self._writers.get(peer_id)
             if w is None or w.is_closing():
-                address = self.peers[peer_id].address
-                path = _unix_path(address)
-                if path is not None:
-                    opening = asyncio.open_unix_connection(path)
-                else:
-                    host, port = address.rsplit(":", 1)
-                    opening = asyncio.open_connection(host, int(port))
-                _, w = await asyncio.wait_for(opening, 10)
+                host, port = self.peers[peer_id].address.rsplit(":", 1)
+                _, w = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 10)
                 self._writers[peer_id] = w
             w.write(frame(header, b""))
             w.write(payload)

@@ -1,0 +1,148 @@
+"""Notices between workers of one host over Unix sockets that no thread blocks on: the receiver
+reads its inbox when its connector polls, the sender never waits for the receiver.
+
+Why no receiving thread (the TCP backend has one): a send to a socket that a thread sleeps on
+wakes that thread, and the scheduler may run it at once on the sender's core. The sender's
+60-byte "finish" then took 10-60 us on the GPU hosts, on the path between the copy's end and
+the request's delivery (docs/benchmarks.md, KV transfer). Nobody waits on a notice anyway: the
+connectors read them when they poll. So the receiver reads the socket then, and a send only
+copies bytes into a socket buffer.
+
+That buffer holds ~70 unread notices (each send is its own kernel buffer). A receiver that does
+not poll for a while must not block its senders (a prefill worker's completion thread serves
+every peer), so what the socket does not take waits in the sender's outbox, sent on its next
+notice or flush().
+
+Frame: 4-byte big-endian length, then the notice's bytes. Addresses are "unix:@name", a name in
+Linux's abstract namespace (no file to clean up; peers must share the host, as CUDA IPC needs).
+"""
+
+import os
+import secrets
+import socket
+import struct
+import threading
+
+_LEN = struct.Struct(">I")
+
+
+def _path(address: str) -> str:
+    if not address.startswith("unix:@"):
+        raise ValueError(f"not a notice inbox address: {address!r} (expected 'unix:@name')")
+    return "\0" + address[len("unix:@"):]
+
+
+def frame(payload: bytes) -> bytes:
+    return _LEN.pack(len(payload)) + payload
+
+
+class NoticeInbox:
+    def __init__(self):
+        self.address = f"unix:@pdserve-kv-{os.getpid()}-{secrets.token_hex(6)}"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(_path(self.address))
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._conns: dict[socket.socket, bytearray] = {}  # each sender's bytes not yet a whole frame
+        self._lock = threading.Lock()  # a connector may poll from more than one thread
+
+    def drain(self) -> list[bytes]:
+        """Every whole notice that arrived since the last call, in each sender's order."""
+        out: list[bytes] = []
+        with self._lock:
+            while True:
+                try:
+                    conn, _ = self._listener.accept()
+                except (BlockingIOError, OSError):
+                    break
+                conn.setblocking(False)
+                self._conns[conn] = bytearray()
+            for conn, buf in list(self._conns.items()):
+                closed = False
+                while True:
+                    try:
+                        chunk = conn.recv(1 << 16)
+                    except BlockingIOError:
+                        break
+                    except OSError:
+                        chunk = b""
+                    if not chunk:
+                        closed = True
+                        break
+                    buf += chunk
+                while len(buf) >= _LEN.size:
+                    (n,) = _LEN.unpack_from(buf)
+                    if len(buf) < _LEN.size + n:
+                        break
+                    out.append(bytes(buf[_LEN.size:_LEN.size + n]))
+                    del buf[:_LEN.size + n]
+                if closed:  # the sender went away; a partial frame of its goes with it
+                    conn.close()
+                    del self._conns[conn]
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()
+            self._listener.close()
+
+
+class NoticeOutbox:
+    """One connection per peer inbox; sends never block once connected."""
+
+    def __init__(self):
+        self._socks: dict[str, socket.socket] = {}
+        self._pending: dict[str, bytearray] = {}  # per peer: bytes its socket did not take yet
+        self._lock = threading.Lock()  # notices go out from the poster and the completion thread
+
+    def send(self, peer: str, address: str, payload: bytes) -> None:
+        """Queue a notice to `peer`; raises OSError where its inbox cannot be reached (gone, closed)."""
+        with self._lock:
+            s = self._socks.get(peer)
+            try:
+                if s is None:
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.settimeout(10)
+                    s.connect(_path(address))
+                    s.setblocking(False)
+                    self._socks[peer] = s
+                self._pending.setdefault(peer, bytearray()).extend(frame(payload))
+                self._push(peer, s)
+            except OSError:
+                self._drop(peer)
+                raise
+
+    def flush(self) -> None:
+        """Send what receivers that did not poll left waiting; peers whose inbox is gone are forgotten."""
+        with self._lock:
+            for peer in [p for p, buf in self._pending.items() if buf]:
+                try:
+                    self._push(peer, self._socks[peer])
+                except OSError:
+                    self._drop(peer)
+
+    def forget(self, peer: str) -> None:
+        with self._lock:
+            self._drop(peer)
+
+    def close(self) -> None:
+        with self._lock:
+            for peer in list(self._socks):
+                self._drop(peer)
+
+    def _push(self, peer: str, s: socket.socket) -> None:
+        buf = self._pending[peer]
+        while buf:
+            try:
+                n = s.send(buf)
+            except BlockingIOError:
+                return  # the receiver's socket is full until it polls
+            del buf[:n]
+
+    def _drop(self, peer: str) -> None:
+        self._pending.pop(peer, None)
+        s = self._socks.pop(peer, None)
+        if s is not None:
+            s.close()
