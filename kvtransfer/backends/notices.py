@@ -1,12 +1,12 @@
 """Notices between workers of one host over Unix sockets that no thread blocks on: the receiver
 reads its inbox when its connector polls, the sender never waits for the receiver.
 
-Why no receiving thread (the TCP backend has one): a send to a socket that a thread sleeps on
-wakes that thread, and the scheduler may run it at once on the sender's core. The sender's
-60-byte "finish" then took 10-60 us on the GPU hosts, on the path between the copy's end and
-the request's delivery (docs/benchmarks.md, KV transfer). Nobody waits on a notice anyway: the
-connectors read them when they poll. So the receiver reads the socket then, and a send only
-copies bytes into a socket buffer.
+Why no receiving thread (the TCP backend has one): with a thread asleep on the socket, the
+sender's 60-byte "finish" took 10-60 us on the GPU hosts (the send wakes that thread, and the
+scheduler may well run it on the sender's core first); without one, 4-15 us — on the path
+between the copy's end and the request's delivery (docs/benchmarks.md, KV transfer). Nobody
+waits on a notice anyway: the connectors read them when they poll. So the receiver reads the
+socket then, and a send only copies bytes into a socket buffer.
 
 That buffer holds ~70 unread notices (each send is its own kernel buffer). A receiver that does
 not poll for a while must not block its senders (a prefill worker's completion thread serves
@@ -104,8 +104,12 @@ class NoticeOutbox:
             try:
                 if s is None:
                     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    s.settimeout(10)
-                    s.connect(_path(address))
+                    try:
+                        s.settimeout(10)
+                        s.connect(_path(address))
+                    except OSError:
+                        s.close()
+                        raise
                     s.setblocking(False)
                     self._socks[peer] = s
                 self._pending.setdefault(peer, bytearray()).extend(frame(payload))
