@@ -9,7 +9,6 @@ runs a forward; otherwise every rank runs its step, one with nothing scheduled a
 tokens (or the agreed graph, padding only), so that each joins every layer's exchange.
 """
 
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -31,21 +30,21 @@ class EPRank:
 
     rank: int
     size: int
-    init_method: str  # "tcp://host:port": the rendezvous rank 0 serves
+    store_host: str  # the rendezvous: a TCPStore that its creator holds open at this host and port
+    store_port: int
     threshold: int = 1024  # a step whose largest batch has this many tokens exchanges by all-to-all
     replicated: list[int] = field(default_factory=list)  # hot experts with a copy on every rank
 
 
-def rendezvous_address(host: str | None = None) -> str:
-    """A rendezvous on this node (rank 0's): its address (default: Ray's node IP) and a free port."""
+def rendezvous_store(host: str | None = None) -> dist.TCPStore:
+    """A group's rendezvous, hosted by the caller: a TCPStore bound to port 0 and listening from now
+    on, so no port is picked and given up. The caller holds it for the group's life (dropping it
+    closes the port); every rank joins it at (host, store.port). `host`: default Ray's node IP."""
     if host is None:
         import ray
 
         host = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-    return f"tcp://{host}:{port}"
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
 
 
 class EPGroup:
@@ -55,7 +54,9 @@ class EPGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":  # NCCL binds the current device: ours, where a worker sees several GPUs
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=me.init_method, rank=me.rank, world_size=me.size,
+        # A client of the store rendezvous_store made (rank 0 too): nobody here binds a port.
+        store = dist.TCPStore(me.store_host, me.store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=me.rank, world_size=me.size,
                                 timeout=timedelta(seconds=timeout_s))
         # The step agreement is host data: on GPUs it goes over gloo, never queued behind kernels.
         self._control = dist.new_group(backend="gloo") if backend == "nccl" else None

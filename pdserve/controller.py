@@ -93,7 +93,7 @@ class Controller:
 
     def _start_decode(self, name: str, threads: int) -> dict[str, ray.actor.ActorHandle]:
         """One decode replica: its worker, or the ranks of its expert-parallel group (by name)."""
-        from decode.ep_group import EPRank, rendezvous_address
+        from decode.ep_group import EPRank, rendezvous_store
         from decode.worker import DecodeWorker
 
         cfg, d = self.config, self.config.decode
@@ -108,12 +108,13 @@ class Controller:
         if not pg.wait(timeout_seconds=120):
             raise RuntimeError(f"{name}: decode.ep_size {d.ep_size} needs {d.ep_size} x {bundle} on one node; "
                                f"the Ray cluster could not place them")
-        # Rank 0 serves the rendezvous: an address of its node and a free port there.
-        init_method = ray.get(ray.remote(rendezvous_address).options(
-            num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote())
+        # The rendezvous is a store served from here (this node's IP, a port bound now and never let
+        # go), held for the group's life; every rank, wherever it runs, joins it as a client.
+        store = rendezvous_store()
+        self._ep_stores = {**getattr(self, "_ep_stores", {}), name: store}
         ranks = {}
         for r in range(d.ep_size):
-            rank = EPRank(r, d.ep_size, init_method, d.ep_threshold, list(d.ep_replicated_experts))
+            rank = EPRank(r, d.ep_size, store.host, store.port, d.ep_threshold, list(d.ep_replicated_experts))
             ranks[f"{name}-rank{r}"] = ray.remote(DecodeWorker).options(
                 name=f"{name}-rank{r}", scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r), **opts
             ).remote(f"{name}-rank{r}", *args, ep=rank)

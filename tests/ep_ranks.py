@@ -6,8 +6,8 @@ request for a while, or be done while the others go on, and it still joins every
 """
 
 import multiprocessing as mp
-import socket
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +41,20 @@ def engine_config(model: str, device: str = "cpu") -> EngineConfig:
 
 
 def run_ranks(model: str, runs: list[Run], size: int = 2, replicated: tuple[int, ...] = (),
-              timeout: float = 240, gpus: bool = False) -> list[list[dict]]:
+              timeout: float = 240, gpus: bool = False,
+              before_start: Callable[[str, int], None] | None = None) -> list[list[dict]]:
     """For each rank, for each run: {"tokens": [ids per request], "load": tokens per expert}.
-    `gpus`: rank r on cuda:r over NCCL (CUDA graphs of the decode step on), else CPU over gloo."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    `gpus`: rank r on cuda:r over NCCL (CUDA graphs of the decode step on), else CPU over gloo.
+    The rendezvous store lives here, bound to port 0 and held until every rank is done;
+    `before_start(host, port)` is called with its address before the ranks start."""
+    from decode.ep_group import rendezvous_store
+
+    store = rendezvous_store("127.0.0.1")
+    if before_start is not None:
+        before_start("127.0.0.1", store.port)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, f"tcp://127.0.0.1:{port}", model, runs,
+    procs = [ctx.Process(target=_rank_main, args=(r, size, store.port, model, runs,
                                                   list(replicated), gpus, results)) for r in range(size)]
     for p in procs:
         p.start()
@@ -65,10 +70,11 @@ def run_ranks(model: str, runs: list[Run], size: int = 2, replicated: tuple[int,
             p.join(10)
             if p.is_alive():
                 p.kill()
+        del store  # the ranks are gone: the port may go
     return [out[r] for r in range(size)]
 
 
-def _rank_main(rank: int, size: int, init_method: str, model: str, runs: list[Run], replicated: list[int],
+def _rank_main(rank: int, size: int, store_port: int, model: str, runs: list[Run], replicated: list[int],
                gpus: bool, results) -> None:
     torch.set_num_threads(1)  # two ranks share the test machine's cores
     try:
@@ -80,8 +86,8 @@ def _rank_main(rank: int, size: int, init_method: str, model: str, runs: list[Ru
         if gpus:
             torch.cuda.set_device(device)
         # Graphs are captured below the threshold the group starts with: the largest of the runs'.
-        group = EPGroup(EPRank(rank, size, init_method, max(r.threshold for r in runs), replicated=replicated),
-                        resolve_model_args(model).num_experts, device)
+        me = EPRank(rank, size, "127.0.0.1", store_port, max(r.threshold for r in runs), replicated=replicated)
+        group = EPGroup(me, resolve_model_args(model).num_experts, device)
         engine = Engine(engine_config(model, str(device)), ep=group.exchange)
         out = []
         for i, run in enumerate(runs):

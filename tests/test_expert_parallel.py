@@ -1,11 +1,15 @@
 """Expert parallelism (DESIGN §6): placement, each rank's weights, and N = 2 ranks in processes of
 their own (gloo) generating exactly what one rank generates, on both exchange paths."""
 
+import errno
+import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import pytest
 import torch
 
+from decode.ep_group import rendezvous_store
 from ep_ranks import Request, Run, engine_config, run_ranks
 from hf_checkpoints import build_checkpoint, write_tokenizer
 from pdserve.config import ClusterConfig, ConfigError, check_model_fit
@@ -205,3 +209,53 @@ def test_overlapped_ranks_generate_what_one_rank_generates(ep_runs, family):
 def test_hot_experts_copied_to_every_rank_change_no_token(ep_runs):
     for family, runs in ep_runs.items():
         assert runs.replicated[0][0]["tokens"] + runs.replicated[1][0]["tokens"] == runs.expected, family
+
+
+def _take(host: str, port: int) -> socket.socket | None:
+    """What another process after a free port does (a rank 0 serving a rendezvous, a server): bind it
+    and listen. None if the port is taken (EADDRINUSE), else the socket, now holding the port."""
+    s = socket.socket()
+    try:
+        s.bind((host, port))
+        s.listen()
+        return s
+    except OSError as e:
+        s.close()
+        if e.errno != errno.EADDRINUSE:
+            raise
+        return None
+
+
+def test_the_rendezvous_store_holds_its_port_from_the_start():
+    """Nothing picks a free port and lets it go: the store is bound (port 0) and listening as soon as
+    it exists, so no one else can take its port before the ranks join it."""
+    import torch.distributed as dist
+
+    store = rendezvous_store("127.0.0.1")
+    assert store.port > 0 and store.host == "127.0.0.1"
+    assert _take("127.0.0.1", store.port) is None
+    joined = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
+    joined.set("rank0", "here")
+    assert store.get("rank0") == b"here"
+
+
+def test_nothing_takes_the_rendezvous_port_before_the_ranks_join():
+    """The flaky `pytest -n 2` run: run_ranks picked a free port, closed it, and the ranks bound it
+    later, when another test's process could have it (EADDRINUSE). Here another process tries to take
+    the port just before the ranks start (where the port used to be free, and whoever took it would
+    have kept it): it must be taken already, and the ranks still meet and generate."""
+    attempts = []
+
+    def thief(host: str, port: int) -> None:
+        attempts.append(_take(host, port))  # held (if it got the port) until the ranks are done
+
+    requests = _requests(resolve_model_args("tiny-moe").vocab_size, seed=1)
+    try:
+        ranks = run_ranks("tiny-moe", [Run(requests, ALL_GATHER)], before_start=thief)
+    finally:
+        taken = [s for s in attempts if s is not None]
+        for s in taken:
+            s.close()
+    assert len(attempts) == 1 and not taken, "the rendezvous port was free before the ranks joined"
+    assert [len(t) for t in ranks[0][0]["tokens"] + ranks[1][0]["tokens"]] == [
+        r.max_tokens for rank in requests for r in rank]

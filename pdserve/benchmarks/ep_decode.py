@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import multiprocessing as mp
-import socket
 import time
 import traceback
 
@@ -171,7 +170,7 @@ def _exchange_times(group, engine, batch: int, opts) -> dict:
     return out
 
 
-def _worker(rank: int, setup: str, opts, init_method: str, results) -> None:
+def _worker(rank: int, setup: str, opts, store_port: int, results) -> None:
     try:
         torch.set_num_threads(opts.threads)
         device = torch.device("cpu" if opts.cpu else f"cuda:{rank}")
@@ -183,7 +182,7 @@ def _worker(rank: int, setup: str, opts, init_method: str, results) -> None:
             from pdserve.models import resolve_model_args
 
             # Created on the all-gather path: the engine captures its graphs below this threshold.
-            group = EPGroup(EPRank(rank, _size(setup), init_method, PATHS["all_gather"]),
+            group = EPGroup(EPRank(rank, _size(setup), "127.0.0.1", store_port, PATHS["all_gather"]),
                             resolve_model_args(opts.model).num_experts, device)
         engine = _engine(opts, device, group.exchange if group else None)
         rows = []
@@ -206,13 +205,13 @@ def _worker(rank: int, setup: str, opts, init_method: str, results) -> None:
 
 def _run(setup: str, opts) -> list[list[dict]]:
     """Each worker's rows for one setup; the workers of a setup run at the same time."""
+    from decode.ep_group import rendezvous_store
+
     n = _size(setup)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    store = rendezvous_store("127.0.0.1")  # the workers' rendezvous, held here (port 0) until they are done
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, setup, opts, init_method, results)) for r in range(n)]
+    procs = [ctx.Process(target=_worker, args=(r, setup, opts, store.port, results)) for r in range(n)]
     for p in procs:
         p.start()
     got = {}
