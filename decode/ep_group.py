@@ -1,4 +1,4 @@
-"""The expert-parallel group of one decode replica (DESIGN §6): N ranks, one process (and GPU) each.
+"""The expert-parallel group of one decode replica: N ranks, one process (and GPU) each.
 
 Attention is data-parallel: each rank owns its requests and their KV. The experts are sharded
 (ExpertPlacement) and each MoE layer exchanges tokens between the ranks (EPExchange), so the

@@ -37,6 +37,12 @@ def _use_token_if_present() -> None:
 def up(path: str | None) -> int:
     cfg = load_cluster_config(path)
     _check_model(cfg)
+    if cfg.ray.address == "local":  # the router will listen on this host: a taken port fails now, not after loading
+        from router.listen import check_free
+
+        check_free(cfg.router.host, cfg.router.http_port, "router.http_port")
+        if cfg.router.grpc_port is not None:
+            check_free(cfg.router.host, cfg.router.grpc_port, "router.grpc_port")
     _log("starting Ray" if cfg.ray.address == "local" else f"joining Ray at {cfg.ray.address}")
     _connect(None if cfg.ray.address == "local" else cfg.ray.address)  # before Ray's import: see _connect
     import ray
@@ -59,13 +65,16 @@ def up(path: str | None) -> int:
         for kind, url in endpoints.items():
             _log(f"{kind}: {url}")
         _log("ready; Ctrl-C stops everything")
+        down: dict[str, str] = {}
         while True:  # until Ctrl-C, or `pdserve down` from elsewhere
             try:
-                # "stopping": a `pdserve down` is at work; killing the controller now would cut it short.
-                if ray.get(controller.status.remote(), timeout=30)["state"] not in ("running", "stopping"):
-                    break
+                s = ray.get(controller.status.remote(), timeout=30)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 break
+            # "stopping": a `pdserve down` is at work; killing the controller now would cut it short.
+            if s["state"] not in ("running", "degraded", "stopping"):
+                break
+            down = _show_down(s["replicas"], down)
             time.sleep(1)
     except KeyboardInterrupt:
         _log("stopping")
@@ -73,6 +82,18 @@ def up(path: str | None) -> int:
         _stop(controller)
         ray.shutdown()
     return 0
+
+
+def _show_down(replicas: dict, before: dict[str, str]) -> dict[str, str]:
+    """Tell the operator which replicas went down (and came back) since the last look."""
+    now = {name: r for name, r in replicas.items() if isinstance(r, str)}
+    for name, why in now.items():
+        if name not in before:
+            _log(f"replica {name} is {why}; requests on it ended with an error, and its role serves "
+                 f"with the replicas left (none left: 503). Restart the cluster to bring it back")
+    for name in before.keys() - now.keys():
+        _log(f"replica {name} answers again")
+    return now
 
 
 def _interrupt(signum, frame) -> None:
@@ -110,7 +131,7 @@ def _wait_started(controller) -> dict[str, str]:
             try:
                 return ray.get(started)
             except ray.exceptions.RayError as e:
-                raise RuntimeError(f"a replica failed to start: {_cause(e)}") from None
+                raise RuntimeError(f"the cluster failed to start: {_cause(e)}") from None
 
 
 def _cause(e: Exception) -> str:
@@ -173,7 +194,7 @@ def status(address: str) -> int:
         if isinstance(r, str):
             print(f"{name}: {r}")
         else:
-            group = f" ({r.ranks} expert-parallel ranks)" if r.ranks > 1 else ""
+            group = f" ({r.ranks} expert-parallel ranks)" if r.ranks > 1 else f" (pid {r.pid})"
             print(f"{name}{group}: running {r.running}, waiting {r.waiting}, KV blocks used "
                   f"{r.total_blocks - r.free_blocks}/{r.total_blocks}")
     return 0

@@ -1,5 +1,5 @@
 """The colocated worker (a Ray actor): one engine doing both phases (continuous batching, chunked
-prefill), the baseline every disaggregated figure is compared with (DESIGN §3). A request goes
+prefill), the baseline every disaggregated figure is compared with. A request goes
 in whole; new tokens go back to each router once per step, as from a decode worker."""
 
 from pdserve.config import EngineConfig

@@ -70,9 +70,12 @@ class RayConfig(_Strict):
 
 class RouterConfig(_Strict):
     host: str = "0.0.0.0"
-    http_port: int = Field(default=8000, ge=1, le=65535)
-    grpc_port: int = Field(default=50051, ge=0, le=65535)  # 0: no gRPC server
+    # 0: any free port (`pdserve up` prints the one taken); null turns gRPC off.
+    http_port: int = Field(default=8000, ge=0, le=65535)
+    grpc_port: int | None = Field(default=50051, ge=0, le=65535)
     policy: Literal["kv-aware", "round-robin"] = "kv-aware"
+    # Larger request bodies get 413 before they are read in full or tokenized.
+    max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
 
 
 # prefill.replicas and decode.replicas left out (None) are settled by ClusterConfig: 1 each in a
@@ -90,7 +93,7 @@ class PrefillConfig(_Strict):
 class DecodeConfig(_Strict):
     replicas: int | None = Field(default=None, ge=0)
     gpus: int = Field(default=0, ge=0, le=1)  # per rank
-    # Expert parallelism (DESIGN §6): a replica is ep_size ranks, one process (and GPU) each;
+    # Expert parallelism: a replica is ep_size ranks, one process (and GPU) each;
     # attention data-parallel, experts sharded. ep_size must divide the model's number of experts.
     ep_size: int = Field(default=1, ge=1)
     ep_threshold: int = Field(default=1024, ge=0)  # tokens per rank from which MoE layers exchange by
@@ -106,7 +109,7 @@ class DecodeConfig(_Strict):
 
 class ColocatedConfig(_Strict):
     """Replicas doing both phases in one engine (continuous batching, chunked prefill): the
-    baseline every disaggregated figure is compared with (DESIGN §3). No KV moves between them."""
+    baseline every disaggregated figure is compared with. No KV moves between them."""
 
     replicas: int = Field(default=0, ge=0)
     gpus: int = Field(default=0, ge=0, le=1)  # per replica

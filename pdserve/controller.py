@@ -31,6 +31,7 @@ class Controller:
         self.decode: dict[str, dict[str, ray.actor.ActorHandle]] = {}  # replica -> its ranks
         self.colocated: dict[str, ray.actor.ActorHandle] = {}
         self._placement_groups: list = []
+        self._ep_stores: dict = {}  # decode replica -> its expert-parallel group's rendezvous TCPStore, held for its life
         self.router = None
 
     def start(self) -> dict[str, str]:
@@ -111,7 +112,7 @@ class Controller:
         # The rendezvous is a store served from here (this node's IP, a port bound now and never let
         # go), held for the group's life; every rank, wherever it runs, joins it as a client.
         store = rendezvous_store()
-        self._ep_stores = {**getattr(self, "_ep_stores", {}), name: store}
+        self._ep_stores[name] = store
         ranks = {}
         for r in range(d.ep_size):
             rank = EPRank(r, d.ep_size, store.host, store.port, d.ep_threshold, list(d.ep_replicated_experts))
@@ -127,6 +128,10 @@ class Controller:
         return {**self.prefill, **self._decode_ranks(), **self.colocated}
 
     def status(self) -> dict:
+        """state ("starting", "running", "degraded": some replica is down, "stopping", "stopped"),
+        progress lines, endpoints, and each replica's stats or why it is down ("down: ...")."""
+        from router.replica_health import down_reason
+
         replicas: dict[str, ReplicaStats | str] = {}
         single = {**self.prefill, **self.colocated}  # replicas of one worker each
         for name, ranks in [*((n, {n: w}) for n, w in single.items()), *self.decode.items()]:
@@ -134,8 +139,11 @@ class Controller:
                 parts = ray.get([w.stats.remote() for w in ranks.values()], timeout=5)
                 replicas[name] = parts[0] if len(parts) == 1 else ReplicaStats.combine(name, parts)
             except Exception as e:
-                replicas[name] = f"unreachable: {type(e).__name__}"
-        return {"state": self.state, "progress": list(self.progress), "endpoints": self.endpoints,
+                replicas[name] = f"down: {down_reason(e) or 'no answer in 5 s'}"
+        state = self.state
+        if state == "running" and any(isinstance(r, str) for r in replicas.values()):
+            state = "degraded"
+        return {"state": state, "progress": list(self.progress), "endpoints": self.endpoints,
                 "replicas": replicas}
 
     def shutdown(self) -> None:
@@ -150,6 +158,7 @@ class Controller:
                 ray.kill(h)
         for pg in self._placement_groups:
             remove_placement_group(pg)
+        self._ep_stores.clear()  # closes the rendezvous ports
         self.state = "stopped"
 
     def _note(self, line: str) -> None:

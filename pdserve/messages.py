@@ -59,6 +59,7 @@ class ReplicaStats:
     expert_tokens: list[int] = field(default_factory=list)
     expert_tokens_step: list[int] = field(default_factory=list)
     ranks: int = 1  # processes of the replica (an expert-parallel group has ep_size)
+    pid: int = 0  # the worker's process (rank 0's for an expert-parallel group)
 
     @classmethod
     def combine(cls, name: str, ranks: list["ReplicaStats"]) -> "ReplicaStats":
@@ -71,4 +72,4 @@ class ReplicaStats:
 
         return cls(name, ranks[0].role, total("running"), total("waiting"), total("free_blocks"),
                    total("total_blocks"), total("aborted"), expert_tokens=per_expert("expert_tokens"),
-                   expert_tokens_step=per_expert("expert_tokens_step"), ranks=len(ranks))
+                   expert_tokens_step=per_expert("expert_tokens_step"), ranks=len(ranks), pid=ranks[0].pid)

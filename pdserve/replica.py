@@ -68,4 +68,4 @@ class Replica:
             raise RuntimeError(f"{self.name}: the engine loop stopped: {self.loop.error!r}")
         e = self.engine
         return ReplicaStats(self.name, self.role, len(e.scheduler.running), len(e.scheduler.waiting),
-                            e.pool.num_free_blocks, e.pool.num_blocks, self.aborted)
+                            e.pool.num_free_blocks, e.pool.num_blocks, self.aborted, pid=os.getpid())

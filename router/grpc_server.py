@@ -1,6 +1,7 @@
 """The gRPC front end: service pdserve.v1.Completion over a ServingCore, with health and reflection."""
 
 import asyncio
+import logging
 import math
 import uuid
 from collections.abc import AsyncIterator
@@ -13,8 +14,11 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
+from router import limits
+from router.listen import PortInUseError, holder
 from router.types import Delta, GenerateRequest, NoCapacityError, ServingCore, ServingError
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Completion"].full_name  # "pdserve.v1.Completion"
 DEFAULT_MAX_TOKENS = 16
 HEALTH_POLL_S = 1.0
@@ -66,8 +70,12 @@ class CompletionServicer(pb_grpc.CompletionServicer):
         # SamplingParams' range checks let NaN and inf through (every comparison with NaN is False).
         if request.HasField("temperature") and not math.isfinite(request.temperature):
             raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {request.temperature}")
+        prompt_ids = self.core.tokenize(request.prompt)
+        # The HTTP API's rule: checked here, in front of a replica pick and a KV reservation.
+        max_tokens = limits.max_tokens(request.max_tokens or None, "max_tokens", DEFAULT_MAX_TOKENS,
+                                       len(prompt_ids), self.core.max_model_len)
         params = SamplingParams(
-            max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
+            max_tokens=max_tokens,
             temperature=request.temperature if request.HasField("temperature") else 1.0,
             top_p=request.top_p if request.HasField("top_p") else 1.0,
             top_k=request.top_k,
@@ -75,13 +83,6 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             stop=list(request.stop),
             ignore_eos=request.ignore_eos,
         )
-        prompt_ids = self.core.tokenize(request.prompt)
-        # Checked here as well as in the engine: in the disaggregated path the first engine to
-        # see the prompt is behind a replica pick and a KV reservation.
-        if len(prompt_ids) >= self.core.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"is {len(prompt_ids)} tokens; the model's context is {self.core.max_model_len}"
-                          f" tokens, so a prompt may have at most {self.core.max_model_len - 1}")
         return GenerateRequest(f"grpc-{uuid.uuid4().hex}", prompt_ids, params)
 
     @staticmethod
@@ -112,6 +113,12 @@ async def _errors_as_status(context: grpc.aio.ServicerContext) -> AsyncIterator[
                             trailing_metadata=(("grpc-retry-pushback-ms", str(int(e.retry_after_s * 1000))),))
     except ServingError as e:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+    except (grpc.aio.AbortError, asyncio.CancelledError):
+        raise  # context.abort's own exception; a client's cancel
+    except Exception:
+        # Never a Python class name or traceback to the client: those are the router's log's.
+        log.exception("unexpected error serving a gRPC request")
+        await context.abort(grpc.StatusCode.INTERNAL, "internal error in the router; its log has the details")
 
 
 async def _set_health(core: ServingCore, servicer: health.aio.HealthServicer) -> None:
@@ -130,7 +137,8 @@ async def _track_health(core: ServingCore, server: grpc.aio.Server, servicer: he
 
 
 async def start_grpc_server(core: ServingCore, port: int, host: str = "0.0.0.0") -> grpc.aio.Server:
-    """Start serving pdserve.v1.Completion, health and reflection on host:port; the caller stops it."""
+    """Start serving pdserve.v1.Completion, health and reflection on host:port (0: any free port,
+    then `server.port` says which); the caller stops it. Raises PortInUseError when it is taken."""
     # No SO_REUSEPORT: a port already taken (say, by a stale router) fails here instead of
     # silently splitting the connections between the two servers.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -140,7 +148,11 @@ async def start_grpc_server(core: ServingCore, port: int, host: str = "0.0.0.0")
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    server.add_insecure_port(address)  # raises RuntimeError if the address cannot be bound
+    try:
+        server.port = server.add_insecure_port(address)  # the port taken: `port`, or a free one for 0
+    except RuntimeError:
+        raise PortInUseError(f"router.grpc_port: cannot listen on {address}; {holder(port)}. Stop it, or set "
+                             f"router.grpc_port to a free port (0 takes any, null turns gRPC off)") from None
     await _set_health(core, health_servicer)
     await server.start()
     task = asyncio.create_task(_track_health(core, server, health_servicer))

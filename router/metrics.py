@@ -38,6 +38,9 @@ class Metrics:
                                            buckets=_TOKEN_BUCKETS, registry=r)
         self.queue_length = Gauge("pdserve_queue_length", "Requests waiting at a replica", ["role", "replica"],
                                   registry=r)
+        self.replica_up = Gauge("pdserve_replica_up", "1 while a replica answers, 0 once the router counts it "
+                                "down (process died, engine loop stopped, or no answer)", ["role", "replica"],
+                                registry=r)
         self.kv_blocks_used = Gauge("pdserve_kv_blocks_used", "KV blocks in use at a replica", ["replica"],
                                     registry=r)
         self.kv_blocks_total = Gauge("pdserve_kv_blocks_total", "KV blocks a replica has", ["replica"], registry=r)
@@ -76,6 +79,9 @@ class Metrics:
         self.queue_length.labels(role=role, replica=replica).set(queue_len)
         self.kv_blocks_used.labels(replica=replica).set(kv_used)
         self.kv_blocks_total.labels(replica=replica).set(kv_total)
+
+    def set_replica_up(self, role: str, replica: str, up: bool) -> None:
+        self.replica_up.labels(role=role, replica=replica).set(1 if up else 0)
 
     def remove_replica(self, role: str, replica: str) -> None:
         """Drop a replica's series once it is gone (scaled down or dead), so it stops showing stale load."""

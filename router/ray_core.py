@@ -1,4 +1,4 @@
-"""The request lifecycle across replicas (DESIGN §3): reserve on a decode replica, prefill on a
+"""The request lifecycle across replicas: reserve on a decode replica, prefill on a
 prefill replica that streams the KV there, then relay the decode replica's per-step deltas. In a
 colocated cluster one replica does both phases: hand it the request, relay its deltas."""
 
@@ -8,11 +8,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from ray.exceptions import ActorDiedError
+
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.messages import Refusal, ReplicaStats, RequestDelta
 
 from router.decode_replica import DecodeReplica
-from router.types import Delta, GenerateRequest, NoCapacityError, ServingError
+from router.replica_health import ReplicaHealth
+from router.types import Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingError
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,8 @@ class RayCore:
         self._rr = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}
         self._loads: dict[str, int] = {n: 0 for n in [*prefill, *decode, *colocated]}  # requests we placed there
+        self.health = ReplicaHealth({**{n: "prefill" for n in prefill}, **{n: "decode" for n in decode},
+                                     **{n: "colocated" for n in colocated}})
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -61,19 +66,20 @@ class RayCore:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         placed: list[str] = []  # replicas whose count of our requests in flight this one raised
-        holders: list = []  # workers holding the request: told to abort it if it does not finish
+        holders: dict[str, object] = {}  # replica -> worker holding the request: told to abort it if unfinished
         finished = False
         try:
             start = self._start_colocated if self.colocated else self._start_disaggregated
-            await start(request, placed, holders)
+            await start(request, queue, placed, holders)
             dispatched, first = time.perf_counter(), True
             while not finished:
                 d: RequestDelta = await queue.get()
                 if first:
                     self._phase("first_token", dispatched)
+                    for name in self.prefill.keys() & holders.keys():  # its part is done
+                        self.health.done_with(name, rid)
                     first = False
-                if d.finish_reason == "error":
-                    finished = True
+                if d.finish_reason == "error":  # left unfinished: the live holders drop it too
                     raise ServingError(d.error or "the request failed")
                 finished = d.finish_reason is not None
                 yield Delta(d.text, d.token_ids, d.finish_reason, d.logprobs)
@@ -81,34 +87,52 @@ class RayCore:
             self._queues.pop(rid, None)
             for name in placed:
                 self._loads[name] -= 1
-            if not finished:  # the client left: stop it everywhere (the front end counts the router's abort)
-                for worker in holders:
+            for name in holders:
+                self.health.done_with(name, rid)
+            if not finished:  # the client left, or it failed: stop it everywhere
+                for worker in (w for n, w in holders.items() if n not in self.health.down):
                     worker.abort.remote(rid)
 
-    async def _start_disaggregated(self, request: GenerateRequest, placed: list[str], holders: list) -> None:
+    async def _start_disaggregated(self, request: GenerateRequest, queue: asyncio.Queue, placed: list[str],
+                                   holders: dict[str, object]) -> None:
         """Reserve KV on a decode replica, then have a prefill replica stream the prompt's KV there."""
-        p_name = self._pick(self.prefill)
+        p_name = self._pick(self.prefill, "prefill")
         self._place(p_name, placed)
         t0 = time.perf_counter()
         d_name, d_rank, handle = await self._reserve(request, p_name)
         t1 = self._phase("reserve", t0)
         self._place(d_name, placed)
-        holders += [self.decode[d_name].ranks[d_rank], self.prefill[p_name]]
-        await self.prefill[p_name].prefill.remote(request.request_id, request.prompt_ids, request.params, handle)
+        holders |= {d_name: self.decode[d_name].ranks[d_rank], p_name: self.prefill[p_name]}
+        for name in (d_name, p_name):
+            self.health.wait_on(name, request.request_id, queue)
+        await self._call(p_name, self.prefill[p_name].prefill.remote(request.request_id, request.prompt_ids,
+                                                                      request.params, handle))
         self._phase("dispatch", t1)
 
-    async def _start_colocated(self, request: GenerateRequest, placed: list[str], holders: list) -> None:
+    async def _start_colocated(self, request: GenerateRequest, queue: asyncio.Queue, placed: list[str],
+                               holders: dict[str, object]) -> None:
         """Hand the whole request to the least-loaded colocated replica. Not by free KV blocks as
         for decode: a colocated replica never refuses (it queues), so a burst routed by stats up to
         0.5 s old would all land on one replica; the requests in flight from us are exact."""
-        name = self._pick(self.colocated)
+        name = self._pick(self.colocated, "colocated")
         self._place(name, placed)
         worker = self.colocated[name]
-        holders.append(worker)  # before the call: a client leaving during it must still stop the request
+        holders[name] = worker  # before the call: a client leaving during it must still stop the request
+        self.health.wait_on(name, request.request_id, queue)
         t0 = time.perf_counter()
-        _raise_refused(await worker.generate.remote(request.request_id, request.prompt_ids, request.params,
-                                                    self.name))
+        _raise_refused(await self._call(name, worker.generate.remote(request.request_id, request.prompt_ids,
+                                                                     request.params, self.name)))
         self._phase("dispatch", t0)
+
+    async def _call(self, replica: str, ref):
+        """Await a call to a replica; one whose process died meanwhile is counted down, and the
+        request gets the 503 naming its role (ReplicaUnavailableError)."""
+        try:
+            return await ref
+        except ActorDiedError as e:
+            if self.health.failed(replica, e):
+                self._count_down(replica)
+            raise self.health.unavailable(self.health.roles[replica]) from None
 
     def _phase(self, phase: str, since: float) -> float:
         """Record that a request spent the time from `since` until now in `phase`; returns now."""
@@ -119,38 +143,45 @@ class RayCore:
 
     async def _reserve(self, request: GenerateRequest, p_name: str) -> tuple[str, str, bytes]:
         """Reserve KV blocks on a decode replica's rank, best candidates first -> (replica, rank,
-        handle); raises when all are full. The handle names the rank: the KV goes there."""
+        handle); raises when all are full or down. The handle names the rank: the KV goes there."""
         for d_name in self._order(self.decode):
             replica = self.decode[d_name]
             for rank in replica.rank_order():
-                res = await replica.ranks[rank].reserve.remote(request.request_id, request.prompt_ids,
-                                                               request.params, p_name, self.name)
+                try:
+                    res = await self._call(d_name, replica.ranks[rank].reserve.remote(
+                        request.request_id, request.prompt_ids, request.params, p_name, self.name))
+                except ReplicaUnavailableError:
+                    break  # this replica is down: try the next one
                 _raise_refused(res.refused)
                 if res.handle is not None:
                     return d_name, rank, res.handle
+        if not self.health.live(self.decode):
+            raise self.health.unavailable("decode")
         raise NoCapacityError("every decode replica is full; retry later")
 
     def _place(self, name: str, placed: list[str]) -> None:
         self._loads[name] += 1
         placed.append(name)
 
-    def _pick(self, replicas: dict) -> str:
-        names = list(replicas)
+    def _pick(self, replicas: dict, role: str) -> str:
+        names = self.health.live(replicas)
+        if not names:
+            raise self.health.unavailable(role)
         if self.policy == "round-robin":
             return names[next(self._rr) % len(names)]
         return min(names, key=lambda n: self._loads[n])  # fewest requests in flight from us
 
     def _order(self, replicas: dict) -> list[str]:
-        """Decode replicas to try for a reservation, best candidates first."""
-        names = list(replicas)
-        if self.policy == "round-robin":
+        """Live decode replicas to try for a reservation, best candidates first."""
+        names = self.health.live(replicas)
+        if self.policy == "round-robin" and names:
             k = next(self._rr) % len(names)
             return names[k:] + names[:k]
         # kv-aware: most free KV blocks first (as last reported), then fewest requests from us.
         return sorted(names, key=lambda n: (-getattr(self.stats.get(n), "free_blocks", 0), self._loads[n]))
 
     async def refresh_stats(self, interval_s: float = 0.5) -> None:
-        """Keep replica stats (routing, /health, /metrics) fresh; runs for the router's life."""
+        """Keep replica stats (routing, /health, /metrics) and health fresh; runs for the router's life."""
         single = {**self.prefill, **self.colocated}  # replicas of one worker each
         while True:
             for name in [*single, *self.decode]:
@@ -159,22 +190,41 @@ class RayCore:
                         s: ReplicaStats = await asyncio.wait_for(single[name].stats.remote(), timeout=5)
                     else:
                         s = await self.decode[name].fetch_stats(timeout_s=5)
-                    before = self.stats.get(name)
-                    self.stats[name] = s
-                    if self.metrics:
-                        self.metrics.set_replica_stats(s.role, s.name, s.running + s.waiting,
-                                                       s.total_blocks - s.free_blocks, s.total_blocks)
-                        for _ in range(s.aborted - (before.aborted if before else 0)):
-                            self.metrics.count_abort(s.role)
-                        new = s.transfers_total - (before.transfers_total if before else 0)
-                        for nbytes, seconds in s.transfers[len(s.transfers) - min(new, len(s.transfers)):]:
-                            self.metrics.observe_transfer(nbytes, seconds)
-                        seen = before.expert_tokens if before else []
-                        self.metrics.count_expert_tokens(s.name, [n - (seen[e] if e < len(seen) else 0)
-                                                                  for e, n in enumerate(s.expert_tokens)])
-                except Exception:
-                    self.stats.pop(name, None)  # unreachable: not live
+                except Exception as e:
+                    self.stats.pop(name, None)  # not live: not routed to, /health counts it out
+                    if self.health.failed(name, e):
+                        self._count_down(name)
+                    continue
+                if self.health.answered(name):
+                    log.warning("%s replica %s answers again", s.role, name)
+                self._record(s, self.stats.get(name))
+                self.stats[name] = s
             await asyncio.sleep(interval_s)
+
+    def _record(self, s: ReplicaStats, before: ReplicaStats | None) -> None:
+        """A replica's latest stats into /metrics."""
+        if not self.metrics:
+            return
+        self.metrics.set_replica_up(s.role, s.name, True)
+        self.metrics.set_replica_stats(s.role, s.name, s.running + s.waiting, s.total_blocks - s.free_blocks,
+                                       s.total_blocks)
+        for _ in range(s.aborted - (before.aborted if before else 0)):
+            self.metrics.count_abort(s.role)
+        new = s.transfers_total - (before.transfers_total if before else 0)
+        for nbytes, seconds in s.transfers[len(s.transfers) - min(new, len(s.transfers)):]:
+            self.metrics.observe_transfer(nbytes, seconds)
+        seen = before.expert_tokens if before else []
+        self.metrics.count_expert_tokens(s.name, [n - (seen[e] if e < len(seen) else 0)
+                                                  for e, n in enumerate(s.expert_tokens)])
+
+    def _count_down(self, name: str) -> None:
+        """A replica went down: /metrics shows it down and drops its load figures (no stale gauges)."""
+        log.warning("%s replica %s is down: %s", self.health.roles[name], name, self.health.down[name])
+        self.stats.pop(name, None)
+        if self.metrics:
+            role = self.health.roles[name]
+            self.metrics.set_replica_up(role, name, False)
+            self.metrics.remove_replica(role, name)
 
 
 def _raise_refused(refused: Refusal | None) -> None:

@@ -13,6 +13,7 @@ from pdserve.messages import RequestDelta
 from router.decode_replica import DecodeReplica
 from router.grpc_server import start_grpc_server
 from router.http_api import build_app
+from router.listen import bind_listener
 from router.metrics import Metrics
 from router.ray_core import RayCore
 
@@ -32,6 +33,8 @@ class Router:
     async def start(self) -> dict[str, str]:
         """Serve HTTP (and gRPC); returns the endpoints once both listen."""
         cfg = self.config
+        # Bound first and here, not by uvicorn: a taken port raises at once, naming it (PortInUseError).
+        sock = bind_listener(cfg.router.host, cfg.router.http_port, "router.http_port")
         args = resolve_model_args(cfg.model.path)
         tokenizer = load_tokenizer(cfg.model.path, eos_token_ids=args.eos_token_ids)
         max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
@@ -43,20 +46,19 @@ class Router:
         self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, prefill, decode, colocated,
                             cfg.router.policy, self.metrics)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
-        http = uvicorn.Config(build_app(self.core, self.metrics), host=cfg.router.host, port=cfg.router.http_port,
-                              log_level="warning", lifespan="off")
+        http = uvicorn.Config(build_app(self.core, self.metrics, cfg.router.max_request_bytes), log_level="warning", lifespan="off")
         self.http = uvicorn.Server(http)
-        self._tasks.append(asyncio.create_task(self.http.serve()))
+        self._tasks.append(asyncio.create_task(self.http.serve(sockets=[sock])))
         while not self.http.started:
-            if self._tasks[-1].done():  # e.g. the port is taken
+            if self._tasks[-1].done():
                 self._tasks[-1].result()
-                raise RuntimeError(f"HTTP server on port {cfg.router.http_port} did not start")
+                raise RuntimeError(f"the HTTP server on {cfg.router.host}:{sock.getsockname()[1]} did not start")
             await asyncio.sleep(0.05)
-        endpoints = {"http": f"http://{cfg.router.host}:{cfg.router.http_port}"}
+        endpoints = {"http": f"http://{cfg.router.host}:{sock.getsockname()[1]}"}
         self.grpc = None
-        if cfg.router.grpc_port:
+        if cfg.router.grpc_port is not None:
             self.grpc = await start_grpc_server(self.core, cfg.router.grpc_port, cfg.router.host)
-            endpoints["grpc"] = f"{cfg.router.host}:{cfg.router.grpc_port}"
+            endpoints["grpc"] = f"{cfg.router.host}:{self.grpc.port}"
         return endpoints
 
     def _actor(self, name: str):
@@ -72,3 +74,4 @@ class Router:
         self.http.should_exit = True
         for t in self._tasks:
             t.cancel()
+

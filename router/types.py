@@ -19,6 +19,10 @@ class ServingError(RuntimeError):
     """The request failed inside the service (a replica died, a transfer failed)."""
 
 
+class ReplicaUnavailableError(ServingError):
+    """No live replica of a role can take the request (HTTP 503, gRPC UNAVAILABLE); the message names the role."""
+
+
 @dataclass
 class GenerateRequest:
     request_id: str

@@ -1,6 +1,5 @@
 """Start `pdserve up FILE` as a user would (a subprocess), wait until it serves, stop it with Ctrl-C."""
 
-import socket
 import time
 
 import httpx
@@ -9,16 +8,11 @@ import yaml
 from pdserve.benchmarks.up_process import ClusterStartError, UpProcess
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Cluster:
     def __init__(self, tmp_path, **sections):
-        self.http_port, self.grpc_port = free_port(), free_port()
-        cfg = {"router": {"host": "127.0.0.1", "http_port": self.http_port, "grpc_port": self.grpc_port}}
+        # Port 0: the router binds any free port and `pdserve up` prints it (no port picked here
+        # that another test could take first).
+        cfg = {"router": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0}}
         if "colocated" not in sections:  # a colocated cluster has no prefill or decode replicas to size
             cfg |= {"prefill": {"num_kv_blocks": 512}, "decode": {"num_kv_blocks": 512}}
         for key, value in sections.items():
@@ -27,13 +21,15 @@ class Cluster:
         self.path.write_text(yaml.safe_dump(cfg))
         self.up = UpProcess(self.path, tmp_path / "pdserve-up.log")
         self.proc = self.up.proc
-        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.url: str | None = None  # known once it serves
+        self.grpc_address: str | None = None
 
     def wait_ready(self, timeout: float = 240) -> None:
         try:
-            self.up.wait_healthy(self.url, timeout)
+            self.url = self.up.wait_healthy(None, timeout)
         except ClusterStartError as e:
             raise RuntimeError(f"{e}:\n{self.output()}") from e
+        self.grpc_address = self.up.endpoints().get("grpc")
 
     def output(self) -> str:
         """What `pdserve up` printed so far (also after stop)."""

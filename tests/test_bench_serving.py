@@ -15,7 +15,7 @@ import yaml
 
 from pdserve.benchmarks.load.records import RequestRecord, Slo, Stats, goodput, summarize
 from pdserve.benchmarks.load.sweep import poisson_gaps
-from serving_cluster import Cluster, free_port
+from serving_cluster import Cluster
 
 NO_SLO = ["--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000"]  # every request meets these
 
@@ -87,7 +87,10 @@ def test_the_commands_import_no_torch():
 
 
 def test_a_server_that_is_not_there_is_a_clear_error():
-    r = run("-m", "pdserve.cli", "bench", "--url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1")
+    with socket.socket() as s:  # bound and not listening: nothing answers there, and no test can take it
+        s.bind(("127.0.0.1", 0))
+        r = run("-m", "pdserve.cli", "bench", "--url", f"http://127.0.0.1:{s.getsockname()[1]}",
+                "--num-prompts", "1")
     assert r.returncode == 2
     assert "cannot reach" in r.stderr and "pdserve up" in r.stderr and "Traceback" not in r.stderr
 
@@ -96,9 +99,8 @@ def test_a_server_that_is_not_there_is_a_clear_error():
 
 
 def test_pd_goodput_measures_each_config_and_stops_its_cluster(tmp_path):
-    port = free_port()
     config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({"router": {"host": "127.0.0.1", "http_port": port, "grpc_port": 0},
+    config.write_text(yaml.safe_dump({"router": {"host": "127.0.0.1", "http_port": 0, "grpc_port": None},
                                       "prefill": {"num_kv_blocks": 512}, "decode": {"num_kv_blocks": 512}}))
     out = tmp_path / "out.json"
     r = run("-m", "pdserve.benchmarks.pd_goodput", str(config), "--rates", "2", "--num-prompts", "4",
@@ -110,7 +112,7 @@ def test_pd_goodput_measures_each_config_and_stops_its_cluster(tmp_path):
     [rate] = c["runs"]
     assert rate["rate"] == 2.0 and rate["completed"] == 4 and rate["slo_attainment"] == 1.0
     assert c["exit_code"] == 0 and c["stopped"] == "interrupted" and c["port_closed"]
-    assert not port_open(port)
+    assert not port_open(int(c["url"].rsplit(":", 1)[1]))
     assert "ready" in (tmp_path / "pdserve-up.tiny.log").read_text()
     assert "tiny" in r.stdout  # the table
 

@@ -1,4 +1,4 @@
-"""Expert parallelism (DESIGN §6): placement, each rank's weights, and N = 2 ranks in processes of
+"""Expert parallelism: placement, each rank's weights, and N = 2 ranks in processes of
 their own (gloo) generating exactly what one rank generates, on both exchange paths."""
 
 import errno

@@ -5,7 +5,6 @@ are plain synchronous gRPC clients.
 """
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -22,17 +21,11 @@ from router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
 from router.grpc_server import SERVICE_NAME, start_grpc_server
 from router.local_core import LocalCore
-from router.types import NoCapacityError, ServingError
+from router.types import NoCapacityError, ReplicaUnavailableError, ServingError
 
 PROMPT = "Once upon a time"
 NUM_BLOCKS = 256
 GREEDY = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LoopThread:
@@ -65,9 +58,8 @@ def served(loop):
     # Before LocalCore's thread starts stepping the engine: it is not thread-safe.
     reference = engine.generate([PROMPT], SamplingParams(**GREEDY))[0]
     core = LocalCore(engine, model_name="tiny-moe")
-    port = free_port()
-    server = loop.run(start_grpc_server(core, port, host="127.0.0.1"))
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    server = loop.run(start_grpc_server(core, 0, host="127.0.0.1"))  # any free port: server.port
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     yield engine, reference, pb_grpc.CompletionStub(channel), channel
     channel.close()
     loop.run(server.stop(None))
@@ -127,6 +119,10 @@ BAD = [
     (dict(top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
     (dict(stop=["ok", ""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
     (dict(model="gpt-4"), grpc.StatusCode.NOT_FOUND, "model"),
+    # The HTTP API's rules: max_tokens within the context, bounded stop strings.
+    (dict(max_tokens=5000), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    (dict(stop=["x"] * 1000), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+    (dict(stop=["x" * 100_000]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
 ]
 
 
@@ -204,12 +200,12 @@ class FailingCore:
 
 
 @pytest.mark.parametrize("error", [NoCapacityError("all decode replicas are full", retry_after_s=2.0),
-                                   ServingError("decode replica died")])
+                                   ServingError("decode replica died"),
+                                   ReplicaUnavailableError("no live decode replica: pdserve-decode-0 (its process died)")])
 def test_service_errors_are_unavailable(loop, error):
-    port = free_port()
-    server = loop.run(start_grpc_server(FailingCore(error), port, host="127.0.0.1"))
+    server = loop.run(start_grpc_server(FailingCore(error), 0, host="127.0.0.1"))
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             with pytest.raises(grpc.RpcError) as err:
                 pb_grpc.CompletionStub(channel).Complete(pb.CompletionRequest(prompt="hi"), timeout=10)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -218,5 +214,19 @@ def test_service_errors_are_unavailable(loop, error):
                 assert ("grpc-retry-pushback-ms", "2000") in err.value.trailing_metadata()
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        loop.run(server.stop(None))
+
+
+def test_an_unexpected_error_is_internal_and_names_no_class(loop):
+    """What a Ray actor death looked like before the router knew it: no Python internals reach the client."""
+    server = loop.run(start_grpc_server(FailingCore(KeyError("<class 'ray.exceptions.ActorDiedError'>")), 0,
+                                        host="127.0.0.1"))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.CompletionStub(channel).Complete(pb.CompletionRequest(prompt="hi"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INTERNAL
+            assert "class" not in err.value.details() and "Error" not in err.value.details()
     finally:
         loop.run(server.stop(None))

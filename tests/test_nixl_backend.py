@@ -170,7 +170,7 @@ def test_writes_land_at_mapped_blocks_and_nothing_else(pair):
         got = b.call("kv")
         # The whole tensor: the mapped blocks of this layer (K and V) changed, nothing else did.
         assert torch.equal(got, expected), f"mismatch after writing layer {layer} {src} -> {dst}"
-        # NIXL merged each run adjacent on both sides into one descriptor (DESIGN.md §5: UCX pays
+        # NIXL merged each run adjacent on both sides into one descriptor (UCX pays
         # per descriptor); K and V are listed back to back, so they merge where adjacent too.
         n_runs = len(runs(src, dst))
         kv_merge = src[-1] == SRC_BLOCKS - 1 and dst[-1] == DST_BLOCKS - 1 and src[0] == 0 and dst[0] == 0

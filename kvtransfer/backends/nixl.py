@@ -6,7 +6,7 @@ peer's) are prepared once: one descriptor per (layer, k/v, block), index
 picks indices. NIXL merges descriptors that are adjacent on both sides (`skip_desc_merge=False`),
 so a run of consecutive blocks moves as one descriptor: checked with NIXL's telemetry
 (`descCount` is 1 for a 4000-block run, 4000 with merging skipped; tests/test_nixl_backend.py
-asserts it), which matters because UCX pays per descriptor (DESIGN.md §5).
+asserts it), which matters because UCX pays per descriptor (docs/benchmarks.md, KV transfer).
 """
 
 import itertools

@@ -1,6 +1,6 @@
 """Decode throughput of expert-parallel replicas (EP = N) against one single-GPU replica and two
 independent single-GPU replicas, and the MoE exchange per layer against NCCL's all-to-all rate
-measured in the same run (DESIGN §6).
+measured in the same run.
 
     python -m pdserve.benchmarks.ep_decode [--ep-sizes 2 4] [--batches 64 128 256 512] [--json out.json]
     python -m pdserve.benchmarks.ep_decode --cpu     # dry run: tiny-moe, gloo, tiny batches

@@ -42,7 +42,7 @@ def log(msg: str) -> None:
 
 
 def endpoint(cfg: ClusterConfig) -> tuple[str, int]:
-    """(host, port) to reach the cluster's HTTP API from this machine."""
+    """(host, port) to reach the cluster's HTTP API from this machine; port 0: the one it will print."""
     host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "::", "") else cfg.router.host
     return host, cfg.router.http_port
 
@@ -94,9 +94,9 @@ class ConfigResult:
 
 def run_config(path: Path, cfg: ClusterConfig, a: argparse.Namespace, log_dir: Path) -> ConfigResult:
     host, port = endpoint(cfg)
-    url = f"http://{host}:{port}"
-    res = ConfigResult(path.stem, str(path), url, str(log_dir / f"pdserve-up.{path.stem}.log"))
-    if port_open(host, port):  # /health would answer from the wrong cluster
+    url = f"http://{host}:{port}" if port else None
+    res = ConfigResult(path.stem, str(path), url or "", str(log_dir / f"pdserve-up.{path.stem}.log"))
+    if port and port_open(host, port):  # /health would answer from the wrong cluster
         res.error = f"port {port} is already in use (another cluster? `pdserve down` stops it)"
         log(f"{res.name}: {res.error}")
         return res
@@ -104,7 +104,9 @@ def run_config(path: Path, cfg: ClusterConfig, a: argparse.Namespace, log_dir: P
     up = UpProcess(path, Path(res.log_path))
     try:
         t0 = time.monotonic()
-        up.wait_healthy(url, a.start_timeout, progress=lambda m: log(f"{res.name}: {m}"), every_s=WAIT_PROGRESS_S)
+        url = res.url = up.wait_healthy(url, a.start_timeout, progress=lambda m: log(f"{res.name}: {m}"),
+                                        every_s=WAIT_PROGRESS_S)
+        port = int(url.rsplit(":", 1)[1])
         log(f"{res.name}: serving at {url} after {time.monotonic() - t0:.0f} s")
         res.sweep = asyncio.run(run_sweep(
             url, a.rates, workload_of(a), slo_of(a), stop_below=a.stop_below,

@@ -40,25 +40,38 @@ class UpProcess:
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.output().splitlines()[-lines:])
 
-    def wait_healthy(self, url: str, timeout_s: float, progress: Callable[[str], None] | None = None,
-                     every_s: float = 15.0) -> None:
-        """Until GET url/health answers 200; `progress` hears the wait and the log's last line now and then."""
+    def endpoints(self) -> dict[str, str]:
+        """What `pdserve up` printed once serving: {"http": URL, "grpc": HOST:PORT}; empty before.
+        The way to learn the ports when cluster.yaml asks for any free one (port 0)."""
+        out = {}
+        for line in self.output().splitlines():
+            for kind in ("http", "grpc"):
+                if line.startswith(f"[pdserve] {kind}: "):
+                    out[kind] = line.split(": ", 1)[1].strip()
+        return out
+
+    def wait_healthy(self, url: str | None, timeout_s: float, progress: Callable[[str], None] | None = None,
+                     every_s: float = 15.0) -> str:
+        """Until GET url/health answers 200 (url None: the HTTP endpoint `pdserve up` prints); returns
+        the url. `progress` hears the wait and the log's last line now and then."""
         t0 = shown = time.monotonic()
         while True:
             if self.proc.poll() is not None:
                 raise ClusterStartError(f"`pdserve up` exited with {self.proc.returncode} before serving")
+            url = url or self.endpoints().get("http")
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return
+                if url and httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return url
             except httpx.HTTPError:
                 pass
             now = time.monotonic()
             if now - t0 > timeout_s:
-                raise ClusterStartError(f"`pdserve up` did not answer {url}/health in {timeout_s:.0f} s")
+                raise ClusterStartError(f"`pdserve up` did not answer {url or 'its HTTP endpoint'}/health "
+                                        f"in {timeout_s:.0f} s")
             if progress and now - shown >= every_s:
                 shown = now
                 last = self.tail(1).strip()
-                progress(f"waiting for {url}/health, {now - t0:.0f} s{f' — {last}' if last else ''}")
+                progress(f"waiting for {url or 'the router'}/health, {now - t0:.0f} s{f' — {last}' if last else ''}")
             time.sleep(0.5)
 
     def stop(self, timeout_s: float) -> tuple[int, str]:

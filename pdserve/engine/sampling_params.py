@@ -4,6 +4,12 @@ import math
 from dataclasses import dataclass, field
 
 
+# Stop strings are matched against the tail of the text after every token: each costs time per
+# token, and their length bounds how much text is held back from the stream. One rule for HTTP and gRPC.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+
+
 class InvalidRequestError(ValueError):
     """A request field a user set is out of range. ``param`` names the field."""
 
@@ -40,8 +46,12 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop", "must be non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise InvalidRequestError("stop", f"each stop string may have at most {MAX_STOP_CHARS} characters")
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,4 @@
-"""Expert-parallel dispatch and combine of a MoE layer's tokens over torch.distributed (DESIGN §6).
+"""Expert-parallel dispatch and combine of a MoE layer's tokens over torch.distributed.
 
 Each rank holds some of the experts (ExpertPlacement). For every MoE layer of every step, every
 rank of the group calls `forward` with its own tokens (possibly none) and gets back, per token,

@@ -1,4 +1,4 @@
-"""`pdserve bench`: Poisson load against a running pdserve's OpenAI HTTP API (DESIGN §7).
+"""`pdserve bench`: Poisson load against a running pdserve's OpenAI HTTP API.
 
     pdserve up &
     pdserve bench --rate 1 2 4 inf --num-prompts 200 --input-len 1024 --output-len 128 --json out.json

@@ -1,0 +1,54 @@
+"""The router's listening sockets: bound here, once, so that a taken port fails at once and names
+what holds it (uvicorn would log the error in a Ray worker's file and exit its task), and port 0
+takes a free port without a pick-then-bind race."""
+
+import socket
+
+import psutil
+
+
+class PortInUseError(RuntimeError):
+    """A configured port cannot be bound; the message names the key, the port and its holder."""
+
+
+def bind_listener(host: str, port: int, key: str) -> socket.socket:
+    """A TCP socket bound to host:port and listening; raises PortInUseError naming `key` (the
+    cluster.yaml key, e.g. router.http_port) when the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # Lets a restart bind while the previous server's connections sit in TIME_WAIT; a port that
+    # another process *listens* on still fails.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise PortInUseError(f"{key}: cannot listen on {host}:{port} ({e.strerror}); {holder(port)}. "
+                             f"Stop it, or set {key} to a free port (0 takes any)") from None
+    return sock
+
+
+def check_free(host: str, port: int, key: str) -> None:
+    """Raise PortInUseError now if host:port cannot be bound (before starting anything that will bind it)."""
+    if port:
+        bind_listener(host, port, key).close()
+
+
+def holder(port: int) -> str:
+    """Who listens on `port` on this host, as far as this process may see."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.AccessDenied, OSError):
+        return "another process holds it"
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
+            if c.pid is None:
+                return "another process holds it"
+            try:
+                proc = psutil.Process(c.pid)
+                command = " ".join(" ".join(proc.cmdline()).split())[:120]
+                return f"held by pid {c.pid} ({command or proc.name()})"
+            except psutil.Error:
+                return f"held by pid {c.pid}"
+    return "another process holds it"

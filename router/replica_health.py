@@ -1,0 +1,73 @@
+"""Which replicas a router may use, and which of its requests wait on each. A replica found down
+(its process died, its engine loop stopped, or it stopped answering) takes no new work, and the
+requests waiting on it end with an error at once instead of waiting forever. Bringing a replica
+back is the controller's job; this only stops the router from waiting on one that is gone."""
+
+import asyncio
+
+from ray.exceptions import ActorDiedError, RayTaskError
+
+from pdserve.messages import RequestDelta
+from router.types import ReplicaUnavailableError
+
+MISSED_LIMIT = 3  # stats polls in a row a replica may leave unanswered (timeouts) before it counts as down
+
+
+def down_reason(error: BaseException) -> str | None:
+    """Why a failed call to a replica means it is down, or None when it may only be slow."""
+    if isinstance(error, ActorDiedError):
+        return "its process died"
+    if isinstance(error, RayTaskError):  # a worker's stats() raises only when its engine loop stopped
+        return "its engine loop stopped"
+    return None
+
+
+class ReplicaHealth:
+    def __init__(self, roles: dict[str, str]):
+        """roles: replica name -> its role ("prefill", "decode", "colocated")."""
+        self.roles = roles
+        self.down: dict[str, str] = {}  # replica -> why it is down
+        self._missed: dict[str, int] = {n: 0 for n in roles}
+        self._waiting: dict[str, dict[str, asyncio.Queue]] = {n: {} for n in roles}  # replica -> its requests' queues
+
+    def live(self, names) -> list[str]:
+        """Those of `names` not known to be down."""
+        return [n for n in names if n not in self.down]
+
+    def unavailable(self, role: str) -> ReplicaUnavailableError:
+        """The error for a request that no replica of `role` can take."""
+        gone = [f"{n} ({why})" for n, why in self.down.items() if self.roles[n] == role]
+        detail = f": {', '.join(gone)}" if gone else ""
+        return ReplicaUnavailableError(f"no live {role} replica{detail}")
+
+    def wait_on(self, replica: str, request_id: str, queue: asyncio.Queue) -> None:
+        """The request cannot go on without `replica`: it hears at once if the replica goes down."""
+        self._waiting[replica][request_id] = queue
+
+    def done_with(self, replica: str, request_id: str) -> None:
+        self._waiting[replica].pop(request_id, None)
+
+    def answered(self, replica: str) -> bool:
+        """The replica answered a stats poll; True if it had been counted down (it is back)."""
+        self._missed[replica] = 0
+        return self.down.pop(replica, None) is not None
+
+    def failed(self, replica: str, error: BaseException) -> str | None:
+        """A call to the replica failed; returns why it is down if this made it so (newly)."""
+        why = down_reason(error)
+        if why is None:
+            self._missed[replica] += 1
+            if self._missed[replica] < MISSED_LIMIT:
+                return None
+            why = f"no answer to {MISSED_LIMIT} status polls in a row"
+        if replica in self.down:
+            return None
+        self.down[replica] = why
+        self._fail_waiting(replica, why)
+        return why
+
+    def _fail_waiting(self, replica: str, why: str) -> None:
+        message = f"the {self.roles[replica]} replica {replica} failed ({why}); the request was cut short"
+        for rid, queue in self._waiting[replica].items():
+            queue.put_nowait(RequestDelta(rid, "", [], "error", message))
+        self._waiting[replica].clear()
