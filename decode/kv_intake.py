@@ -1,6 +1,7 @@
 """Takes KV from prefill workers into a decode engine: reserve, wait for the data, start decoding."""
 
 from pdserve.engine.engine import Engine
+from pdserve.engine.sampler import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 
 from kvtransfer import DecodeConnector, ReserveHandle
@@ -39,7 +40,9 @@ class KVIntake:
         requests that failed (their KV will not come), aborted ones left out."""
         p = self.connector.poll()
         for f in p.done:
-            self.engine.start_decode(f.request_id, f.first_token)
+            lp = f.first_logprob
+            self.engine.start_decode(f.request_id, f.first_token,
+                                     None if lp is None else TokenLogprob(f.first_token, lp[0], lp[1]))
         for rid in p.settled:
             self.engine.release(rid)
             self._aborted.discard(rid)

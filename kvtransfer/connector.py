@@ -2,7 +2,8 @@
 
 Decode end: reserve(request, blocks) -> ReserveHandle; poll() -> DecodePoll (done, failed, settled);
 release() -> whether the blocks must wait to be settled.
-Prefill end: send_layer(...) / send_layers(...) (return at once), finish(request, first_token);
+Prefill end: send_layer(...) / send_layers(...) (return at once), finish(request, first_token,
+first_logprob);
 poll() -> (done, failed); release(). Blocks themselves belong to the engines: a connector says when they may be
 freed (done / failed), it never frees them.
 
@@ -27,10 +28,16 @@ from kvtransfer.metadata import KVAgentMetadata, check_peer
 RECENT_DONE = 4096  # delivered requests a prefill connector remembers, for late aborts
 
 
+# A token's logprob as the finish notice carries it: (logprob, [(token id, logprob), ...] of its
+# most likely alternatives, most likely first).
+FirstLogprob = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass
 class Finished:
     request_id: str
     first_token: int
+    first_logprob: FirstLogprob | None = None  # where the request asked for logprobs
 
 
 class _Base:
@@ -103,7 +110,9 @@ class DecodeConnector(_Base):
             if lease.closing:  # "finish" too: every write landed, none can follow
                 out.settled.append(n.request_id)
             elif n.kind == "finish":
-                out.done.append(Finished(n.request_id, n.first_token))
+                lp = n.first_logprob
+                out.done.append(Finished(n.request_id, n.first_token,
+                                         None if lp is None else (lp[0], [(i, v) for i, v in lp[1]])))
             else:  # the prefill end gave up, and its writes have stopped
                 out.failed.append(n.request_id)
                 out.settled.append(n.request_id)
@@ -247,10 +256,11 @@ class PrefillConnector(_Base):
                 t.tokens.append(token)  # the worker reads the list only after finish (or to drop it)
                 t.nbytes += nbytes
 
-    def finish(self, request_id: str, first_token: int) -> None:
-        """Every layer is queued: once all have landed, tell the decode worker (with the first token)."""
+    def finish(self, request_id: str, first_token: int, first_logprob: FirstLogprob | None = None) -> None:
+        """Every layer is queued: once all have landed, tell the decode worker (with the first token,
+        and its logprob where the request asked for logprobs)."""
         self._posting.pop(request_id, None)
-        self._ops.put(("finish", request_id, first_token))
+        self._ops.put(("finish", request_id, first_token, first_logprob))
 
     def poll(self) -> tuple[list[str], list[str]]:
         """Requests whose KV was delivered (source blocks may be freed), and ones that failed."""
@@ -374,11 +384,12 @@ class PrefillConnector(_Base):
                 self._notify(handle.engine_id, Notice("abort", rid, sender=self.meta.engine_id))
             self._fail(rid)
         elif kind == "finish":
-            _, rid, first = op
+            _, rid, first, logprob = op
             t = self._transfers.get(rid)
             if t is not None:
                 t.first_token = first
-                t.notice = Notice("finish", rid, first).pack()
+                wire = None if logprob is None else [logprob[0], [[i, v] for i, v in logprob[1]]]
+                t.notice = Notice("finish", rid, first, first_logprob=wire).pack()
                 if self._waits is not None:
                     t.state = "finishing"
                     self._waits.put((rid, t))

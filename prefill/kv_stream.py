@@ -45,7 +45,10 @@ class KVStreamer:
         outputs = self.engine.step()
         for out in outputs:
             if out.request_id in self.handles:
-                self.connector.finish(out.request_id, out.token_ids[0])
+                # The first token's logprob (where asked for) goes with it: the decode side streams it.
+                lp = out.logprobs[0] if out.logprobs else None
+                self.connector.finish(out.request_id, out.token_ids[0],
+                                      None if lp is None else (lp.logprob, lp.top))
         done, failed = self.connector.poll()
         for rid in done + failed:
             if self.handles.pop(rid, None) is not None:

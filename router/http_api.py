@@ -264,9 +264,10 @@ class ChatCompletionRequest(_SamplingRequest):
 # -- response bodies ----------------------------------------------------------------------------
 
 
-def _token(token_id: int) -> str:
-    # ServingCore has no per-token detokenizer, so tokens are named as vLLM's return_tokens_as_token_ids does.
-    return f"token_id:{token_id}"
+def _alternatives(t: TokenLogprob) -> list[tuple[str, float]]:
+    """A token's most likely alternatives as (text, logprob). Tokens are named by their text, as vLLM
+    does: the engine's detokenizer gives each its own (TokenLogprob.text, .top_texts)."""
+    return [(text, value) for text, (_, value) in zip(t.top_texts, t.top)]
 
 
 def _lp(value: float) -> float:
@@ -320,28 +321,41 @@ class _Shape:
 class _CompletionShape(_Shape):
     endpoint, object, chunk_object = COMPLETIONS, "text_completion", "text_completion"
 
+    def __init__(self, request_id: str, model: str, want_logprobs: bool, include_usage: bool):
+        super().__init__(request_id, model, want_logprobs, include_usage)
+        # Streaming: where the next token's text starts. Offsets follow the tokens' own texts, not the
+        # chunks' (text that may begin a stop string is held back from a chunk, never from its token).
+        self._next_offset = 0
+
     def _choice(self, deltas: list[Delta]) -> dict:
         logprobs, offset = None, 0
         if self.want_logprobs:
             logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             for d in deltas:
-                for key, values in self._logprobs(d.logprobs, offset).items():
+                part, offset = self._logprobs(d.logprobs, offset)
+                for key, values in part.items():
                     logprobs[key] += values
-                offset += len(d.text)
         text = "".join(d.text for d in deltas)
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": deltas[-1].finish_reason}
 
     def _choice_delta(self, delta: Delta, text_offset: int) -> dict:
-        logprobs = self._logprobs(delta.logprobs, text_offset) if self.want_logprobs else None
+        logprobs = None
+        if self.want_logprobs:
+            logprobs, self._next_offset = self._logprobs(delta.logprobs, self._next_offset)
         return {"index": 0, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
     @staticmethod
-    def _logprobs(lps: list[TokenLogprob], text_offset: int) -> dict:
-        # A delta's tokens all start where its text does: the core gives no per-token text split.
-        return {"tokens": [_token(t.token_id) for t in lps],
+    def _logprobs(lps: list[TokenLogprob], text_offset: int) -> tuple[dict, int]:
+        """The tokens' entries, each token's text_offset where its own text starts in the completion's
+        text (from `text_offset` on); and where the next token's text starts."""
+        offsets = []
+        for t in lps:
+            offsets.append(text_offset)
+            text_offset += len(t.text)
+        return {"tokens": [t.text for t in lps],
                 "token_logprobs": [_lp(t.logprob) for t in lps],
-                "top_logprobs": [{_token(i): _lp(v) for i, v in t.top} for t in lps],
-                "text_offset": [text_offset] * len(lps)}
+                "top_logprobs": [{text: _lp(v) for text, v in _alternatives(t)} for t in lps],
+                "text_offset": offsets}, text_offset
 
 
 class _ChatShape(_Shape):
@@ -366,9 +380,9 @@ class _ChatShape(_Shape):
 
     @staticmethod
     def _logprobs(lps: list[TokenLogprob]) -> dict:
-        def entry(token_id: int, value: float) -> dict:
-            return {"token": _token(token_id), "logprob": _lp(value), "bytes": None}
-        return {"content": [entry(t.token_id, t.logprob) | {"top_logprobs": [entry(i, v) for i, v in t.top]}
+        def entry(text: str, value: float) -> dict:  # the token's text and its UTF-8 bytes, as OpenAI
+            return {"token": text, "logprob": _lp(value), "bytes": list(text.encode("utf-8"))}
+        return {"content": [entry(t.text, t.logprob) | {"top_logprobs": [entry(*a) for a in _alternatives(t)]}
                             for t in lps]}
 
 

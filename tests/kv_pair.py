@@ -99,6 +99,7 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str) -> 
                                engine.layout, engine.fingerprint)
     intake = KVIntake(engine, connector)
     tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[list]] = {}  # per request: each output's logprob entries (TokenLogprob)
     failed: set[str] = set()
     while True:
         while not conn.poll(0.002):  # a live decode worker keeps polling: that moves the KV in
@@ -128,6 +129,7 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str) -> 
                     failed.update(intake.poll())
                     for out in engine.step():
                         tokens[out.request_id] += out.token_ids
+                        logprobs.setdefault(out.request_id, []).append(out.logprobs)
                         if out.finished:
                             finished.add(out.request_id)
                     if not engine.scheduler.has_work():
@@ -136,6 +138,9 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str) -> 
                            engine.pool.num_free_blocks, idle))
                 tokens.clear()
                 failed.clear()
+            elif cmd == "logprobs":  # each output's logprob entries, per request, since the last call
+                conn.send(dict(logprobs))
+                logprobs.clear()
             elif cmd == "exit":
                 connector.close()
                 conn.send(None)
@@ -188,3 +193,60 @@ def start_pair(backend: str, fragment: bool = False, prefill_seed: int = 0,
     p.call("add_peer", dmeta)
     d.call("add_peer", pmeta)
     return p, d
+
+
+class LoopbackBackend:
+    """Both ends of a KV transfer in one process: a write copies blocks between the two engines'
+    caches, a notice goes into the peer's inbox as bytes (packed and unpacked as on any wire)."""
+
+    _ends: dict = {}
+
+    def __init__(self, meta, kv_cache):
+        self.meta, self.kv = meta, kv_cache
+        self.inbox: list[bytes] = []
+        LoopbackBackend._ends[meta.engine_id] = self
+
+    def add_peer(self, peer) -> None:
+        pass
+
+    def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        LoopbackBackend._ends[peer_id].kv[layer, :, dst_blocks] = self.kv[layer, :, src_blocks]
+
+    @staticmethod
+    def state(token) -> str:
+        return "done"
+
+    @staticmethod
+    def release(token) -> None:
+        pass
+
+    def notify(self, peer_id: str, payload: bytes) -> None:
+        LoopbackBackend._ends[peer_id].inbox.append(bytes(payload))
+
+    def notifications(self) -> list[bytes]:
+        out, self.inbox = self.inbox, []
+        return out
+
+    def progress(self) -> None:
+        pass
+
+    def close(self) -> None:
+        LoopbackBackend._ends.pop(self.meta.engine_id, None)
+
+
+def loopback_pair(prefill_engine, decode_engine):
+    """A prefill engine streaming into a decode engine of this process, through the real connectors
+    (KVStreamer -> PrefillConnector -> notices -> DecodeConnector -> KVIntake) over LoopbackBackend."""
+    from decode.kv_intake import KVIntake
+    from kvtransfer import DecodeConnector, KVAgentMetadata, PrefillConnector
+    from prefill.kv_stream import KVStreamer
+
+    ends = []
+    for cls, engine in ((PrefillConnector, prefill_engine), (DecodeConnector, decode_engine)):
+        meta = KVAgentMetadata.for_cache(f"{cls.__name__}-{id(engine)}", "loopback", engine.kv_cache,
+                                         engine.layout, engine.fingerprint)
+        ends.append(cls(LoopbackBackend(meta, engine.kv_cache), meta))
+    p, d = ends
+    p.add_peer(d.metadata())
+    d.add_peer(p.metadata())
+    return KVStreamer(prefill_engine, p), KVIntake(decode_engine, d)

@@ -1,6 +1,8 @@
 """Engine core on the tiny-moe preset: scheduling variants must not change greedy output, and
 every workload returns the block pool to its idle count."""
 
+import time
+
 import pytest
 import torch
 
@@ -100,6 +102,68 @@ def test_disaggregated_seam_equals_colocated(reference):
         assert tokens == reference[i]
     assert prefill.pool.num_free_blocks == 256
     assert decode.pool.num_free_blocks == 256 - 37
+
+
+def close_logprobs(got, want) -> None:
+    """Logprob entries of one request, disaggregated and colocated: the same tokens and texts, values
+    close (batches differ, so rounding may too; near-tied alternatives may swap places)."""
+    assert [lp.token_id for lp in got] == [lp.token_id for lp in want]
+    assert [lp.text for lp in got] == [lp.text for lp in want]
+    for g, w in zip(got, want):
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert [v for _, v in g.top] == pytest.approx([v for _, v in w.top], abs=1e-4)
+        assert g.top[0][0] == w.top[0][0] == g.token_id  # greedy: the most likely token
+        names = {t: text for (t, _), text in zip(w.top, w.top_texts)}
+        assert all(names.get(t, text) == text for (t, _), text in zip(g.top, g.top_texts))
+
+
+def test_decode_engines_first_output_has_the_first_tokens_logprob():
+    """The first token is sampled by the prefill engine; its logprob goes with it in the finish
+    notice (through the real connectors, in one process) and the decode engine's first output
+    carries it: a request gets one entry per token, as from colocated generation."""
+    from kv_pair import loopback_pair
+
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3)
+    ps = prompts(4)
+    want = make_engine().generate(ps, params)
+    prefill, decode = make_engine(role="prefill"), make_engine(role="decode")
+    streamer, intake = loopback_pair(prefill, decode)
+    outputs: dict[str, list] = {f"r{i}": [] for i in range(len(ps))}
+    try:
+        for i, p in enumerate(ps):
+            streamer.add(f"r{i}", p, params, intake.reserve(f"r{i}", p, params))
+        deadline = time.monotonic() + 60
+        while not all(o and o[-1].finished for o in outputs.values()):
+            assert time.monotonic() < deadline, "the decode engine did not finish"
+            streamer.step()
+            assert intake.poll() == []
+            for out in decode.step():
+                outputs[out.request_id].append(out)
+    finally:
+        streamer.connector.close()
+        intake.connector.close()
+    for i, w in enumerate(want):
+        first = outputs[f"r{i}"][0]
+        assert first.token_ids == w.token_ids[:1] and [lp.token_id for lp in first.logprobs] == w.token_ids[:1]
+        got = [lp for o in outputs[f"r{i}"] for lp in o.logprobs]
+        close_logprobs(got, w.logprobs)
+        assert "".join(lp.text for lp in got) == w.text == "".join(o.text for o in outputs[f"r{i}"])
+    assert prefill.pool.num_free_blocks == decode.pool.num_free_blocks == 256
+
+
+def test_logprob_entries_name_each_token_by_its_own_text():
+    """Each entry's text is what its token added to the output: they join to the text; the token
+    among its alternatives has the same name, the others are decoded alone."""
+    engine = make_engine()
+    for n in (1, 2, 5, 24):
+        c = engine.generate(prompts(3), SamplingParams(max_tokens=n, temperature=0, logprobs=2))
+        for x in c:
+            assert len(x.logprobs) == len(x.token_ids)
+            assert "".join(lp.text for lp in x.logprobs) == x.text
+            for lp in x.logprobs:
+                assert len(lp.top_texts) == len(lp.top) == 2
+                for (t, _), text in zip(lp.top, lp.top_texts):
+                    assert text == (lp.text if t == lp.token_id else engine.tokenizer.decode([t], False))
 
 
 def test_decode_reservation_refused_when_full_and_released_on_abort():

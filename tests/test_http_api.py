@@ -52,6 +52,7 @@ def _expected(engine: Engine) -> dict:
     chat_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(CHAT), add_special_tokens=False)
     return {
         "plain": engine.generate([PROMPT], greedy(12))[0],
+        "logprobs": engine.generate([PROMPT], greedy(12, logprobs=2))[0],
         "stop": engine.generate([STOP_PROMPT], greedy(24, stop=["?"]))[0],
         "chat": engine.generate([chat_ids], greedy(10))[0],
         "many": engine.generate(MANY, greedy(8)),
@@ -157,12 +158,41 @@ def test_stop_string(served):
     assert r.usage.completion_tokens == len(want.token_ids)
 
 
+LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def completion_logprobs(r) -> tuple[str, dict]:
+    """(text, logprobs) of a completion, or of a completion's stream of chunks joined."""
+    if not isinstance(r, list):
+        return r.choices[0].text, r.choices[0].logprobs.model_dump()
+    lps = [c.choices[0].logprobs.model_dump() for c in r if c.choices and c.choices[0].logprobs]
+    text = "".join(c.choices[0].text for c in r if c.choices)
+    return text, {k: [v for lp in lps for v in lp[k]] for k in LOGPROB_KEYS}
+
+
+def check_completion_logprobs(text: str, lp: dict, n: int, top: int) -> None:
+    """n entries; tokens named by their own text, whose offsets walk the completion's text."""
+    assert [len(lp[k]) for k in LOGPROB_KEYS] == [n] * 4, lp
+    assert "".join(lp["tokens"]) == text
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n)]
+    assert all(v <= 0 for v in lp["token_logprobs"]) and all(len(alt) == top for alt in lp["top_logprobs"])
+    assert not any(t.startswith("token_id:") for t in lp["tokens"] + [a for alt in lp["top_logprobs"] for a in alt])
+
+
 def test_logprobs(served):
-    want = served.expected["plain"].token_ids[:4]
-    r = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
-    lp = r.choices[0].logprobs
-    assert lp.tokens == [f"token_id:{t}" for t in want]
-    assert all(v <= 0 for v in lp.token_logprobs) and all(len(top) == 2 for top in lp.top_logprobs)
+    want = served.expected["logprobs"]
+    r = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2)
+    text, lp = completion_logprobs(r)
+    check_completion_logprobs(text, lp, 12, 2)
+    assert text == want.text and lp["tokens"] == [t.text for t in want.logprobs]
+    assert lp["token_logprobs"] == pytest.approx([t.logprob for t in want.logprobs], abs=1e-4)
+    # Greedy: each token is its own most likely alternative, under the same name.
+    assert all(max(alt, key=alt.get) == tok for tok, alt in zip(lp["tokens"], lp["top_logprobs"]))
+    chunks = list(served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                                   logprobs=2, stream=True))
+    s_text, s_lp = completion_logprobs(chunks)
+    assert s_text == text and s_lp["tokens"] == lp["tokens"] and s_lp["text_offset"] == lp["text_offset"]
+    assert s_lp["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-4)
 
 
 def test_seeded_sampling_is_reproducible(served):
@@ -202,8 +232,12 @@ def test_chat_logprobs(served):
     r = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
                                               logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
-    assert [c.token for c in content] == [f"token_id:{t}" for t in served.expected["chat"].token_ids[:3]]
+    assert len(content) == 3
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    assert all(bytes(c.bytes) == c.token.encode() for c in content)
     assert all(len(c.top_logprobs) == 3 for c in content)
+    assert all(bytes(a.bytes) == a.token.encode() and not a.token.startswith("token_id:")
+               for c in content for a in c.top_logprobs)
 
 
 # -- the other endpoints ------------------------------------------------------------------------

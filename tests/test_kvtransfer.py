@@ -8,10 +8,12 @@ import os
 import signal
 import time
 
+import msgpack
 import pytest
 import torch
 
 from kv_pair import Worker, _decode_main, _prefill_main, start_pair
+from kvtransfer.messages import Notice
 from kvtransfer.metadata import KVAgentMetadata
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
@@ -58,6 +60,52 @@ def test_disaggregated_greedy_equals_colocated(backend, fragment, colocated):
     finally:
         p.stop()
         d.stop()
+
+
+def test_finish_notice_carries_the_first_tokens_logprob_only_where_asked():
+    lp = [-0.25, [[7, -0.25], [300, -1.5]]]
+    n = Notice("finish", "r", 7, sender="p", first_logprob=lp)
+    assert Notice.unpack(n.pack()) == n
+    plain = Notice("finish", "r", 7, sender="p")  # no logprobs asked for: the notice as it always was
+    assert msgpack.unpackb(plain.pack()) == {"kind": "finish", "request_id": "r", "first_token": 7, "sender": "p"}
+    assert Notice.unpack(plain.pack()) == plain
+
+
+LOGPROBS = dict(GREEDY, logprobs=2)
+
+
+@pytest.mark.parametrize("backend", FAULT_BACKENDS)
+def test_decode_side_streams_the_first_tokens_logprob(backend):
+    """The first token is sampled on the prefill side; its logprob crosses in the finish notice, so
+    the decode side's first output has its entry, and every request has one per token."""
+    ps = prompts()[:4]
+    p, d = start_pair(backend)
+    try:
+        for i, prompt in enumerate(ps):
+            handle = d.call("reserve", f"r{i}", prompt, LOGPROBS, 30.0, None)
+            p.call("prefill", f"r{i}", prompt, LOGPROBS, handle)
+        presults, _, _ = p.call("run", 60)
+        dresults, dfree, didle = d.call("run", 60)
+        outputs = d.call("logprobs")
+        assert presults == {f"r{i}": True for i in range(len(ps))} and dfree == didle
+    finally:
+        p.stop()
+        d.stop()
+    if backend == "cuda_ipc":  # on GPUs: not the CPU reference's numbers
+        want = [None] * len(ps)
+    else:
+        engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=160))
+        want = engine.generate(ps, SamplingParams(**LOGPROBS))
+    for i, w in enumerate(want):
+        tokens, outs = dresults[f"r{i}"], outputs[f"r{i}"]
+        assert [lp.token_id for lp in outs[0]] == tokens[:1]  # the first output: the prefill side's token
+        got = [lp for out in outs for lp in out]
+        assert [lp.token_id for lp in got] == tokens and len(tokens) == GREEDY["max_tokens"]
+        assert all(len(lp.top) == 2 and lp.top[0][0] == lp.token_id for lp in got)
+        if w is not None:
+            assert tokens == w.token_ids
+            assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-4)
+            assert [lp.text for lp in got] == [lp.text for lp in w.logprobs]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -99,6 +99,53 @@ def test_completion_and_chat_equal_generate(cluster, reference):
     assert all(s["used"] == 0 for s in cluster.wait_idle().values())
 
 
+LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def completion_logprobs(oa: openai.OpenAI, stream: bool, **kw) -> tuple[str, dict]:
+    """(text, logprobs) of a completion, a stream's chunks joined."""
+    r = oa.completions.create(model="tiny-moe", temperature=0, stream=stream, **kw)
+    if not stream:
+        return r.choices[0].text, r.choices[0].logprobs.model_dump()
+    chunks = [ch.choices[0] for ch in r if ch.choices]
+    lps = [c.logprobs.model_dump() for c in chunks if c.logprobs]
+    return "".join(c.text for c in chunks), {k: [v for lp in lps for v in lp[k]] for k in LOGPROB_KEYS}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_one_entry_per_token_named_by_its_text(cluster, reference, stream):
+    """The first token is sampled where the prompt is computed (the prefill replica): its logprob
+    goes with it to the decode replica, so N tokens get N entries. Each token is named by its own
+    text, and its text_offset is where that text starts in the completion's."""
+    oa = client(cluster)
+    prompt = "The quick brown fox"
+    for n in (1, 2, 5):
+        want = reference.generate([prompt], SamplingParams(max_tokens=n, temperature=0, logprobs=1))[0]
+        text, lp = completion_logprobs(oa, stream, prompt=prompt, max_tokens=n, logprobs=1)
+        assert text == want.text and len(want.token_ids) == n
+        assert [len(lp[k]) for k in LOGPROB_KEYS] == [n] * 4, lp
+        assert "".join(lp["tokens"]) == text and lp["tokens"] == [t.text for t in want.logprobs]
+        assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(n)]
+        assert lp["token_logprobs"] == pytest.approx([t.logprob for t in want.logprobs], abs=1e-3)
+        assert [list(alt) for alt in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]  # greedy: its own best
+        assert not any(t.startswith("token_id:") for t in lp["tokens"])
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    chat_ids = reference.tokenizer.encode(reference.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    want = reference.generate([chat_ids], SamplingParams(max_tokens=3, temperature=0, logprobs=2))[0]
+    r = oa.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=3, temperature=0, logprobs=True,
+                                   top_logprobs=2, stream=stream)
+    if stream:
+        chunks = [ch.choices[0] for ch in r if ch.choices]
+        content = [c for ch in chunks if ch.logprobs for c in ch.logprobs.content]
+        text = "".join(ch.delta.content or "" for ch in chunks)
+    else:
+        content, text = r.choices[0].logprobs.content, r.choices[0].message.content
+    assert len(want.token_ids) == len(content) == 3 and text == want.text
+    assert [c.token for c in content] == [t.text for t in want.logprobs] and "".join(c.token for c in content) == text
+    assert all(bytes(c.bytes) == c.token.encode() and len(c.top_logprobs) == 2 for c in content)
+    assert [c.logprob for c in content] == pytest.approx([t.logprob for t in want.logprobs], abs=1e-3)
+
+
 def test_grpc_gives_the_http_output(cluster):
     oa = client(cluster)
     prompt = PROMPTS[0]

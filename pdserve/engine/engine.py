@@ -59,6 +59,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, TextStream] = {}
         self._ready: list[RequestOutput] = []  # outputs produced outside a step (start_decode)
+        self._pieces: dict[int, str] = {}  # token id -> its text decoded alone (logprobs' alternatives)
         self._reserved: set[str] = set()  # decode role: reserved, waiting for their KV
         self.overlap = self._wants_overlap()
         self._inflight: Launched | None = None  # overlap: the step queued last, not yet handed out
@@ -247,13 +248,15 @@ class Engine:
         stream = self._streams[seq.request_id]
         reason = None
         if (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            reason, text = FinishReason.STOP, stream.flush()  # the stop token's own text is not shown
+            reason, text = FinishReason.STOP, stream.push_stop_token()  # its own text is not shown
         else:
             text, hit = stream.push(token)
             if hit:
                 reason = FinishReason.STOP
             elif at + 1 - seq.num_prompt_tokens >= p.max_tokens or at + 1 >= self.max_model_len:
                 reason, text = FinishReason.LENGTH, text + stream.flush()
+        if logprob is not None:
+            self._name_tokens(logprob, stream.token_text)
         out = RequestOutput(seq.request_id, [token], text, [logprob] if logprob else [],
                             num_prompt_tokens=seq.num_prompt_tokens,
                             num_cached_tokens=seq.num_cached_tokens)
@@ -268,6 +271,19 @@ class Engine:
             else:
                 self._finish(seq)
         return out
+
+    def _name_tokens(self, logprob: TokenLogprob, text: str) -> None:
+        """A logprob entry's texts: the token's own (what it added to the output), and each
+        alternative's decoded alone (special tokens by name, as vLLM does); the token itself
+        among the alternatives reads as `text`, so that it can be looked up there."""
+        logprob.text = text
+        logprob.top_texts = [text if i == logprob.token_id else self._piece(i) for i, _ in logprob.top]
+
+    def _piece(self, token_id: int) -> str:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return piece
 
     def _finish(self, seq: Sequence) -> None:
         while seq.token_ids[-1] == PENDING:  # a step queued after the last token (overlap)

@@ -43,12 +43,24 @@ class TextStream:
     def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str]):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop = StopChecker(stops)
+        # The text the latest token added (flushed text included), before stop strings cut it: the
+        # token's own text, in logprobs.
+        self.token_text = ""
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Text safe to show after this token, and whether a stop string was hit."""
-        return self.stop.feed(self.detok.push([token_id]))
+        self.token_text = self.detok.push([token_id])
+        return self.stop.feed(self.token_text)
+
+    def push_stop_token(self) -> str:
+        """A stop token (eos, a stop id) ends generation: its own text is not shown, what is still
+        held back is (as the stop token's text)."""
+        self.token_text = ""
+        return self.flush()
 
     def flush(self) -> str:
         """Everything still held back, at the end of generation."""
-        text, hit = self.stop.feed(self.detok.flush())
+        rest = self.detok.flush()
+        self.token_text += rest
+        text, hit = self.stop.feed(rest)
         return text if hit else text + self.stop.flush()
