@@ -17,9 +17,12 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.sampler import TokenLogprob
-from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, InvalidRequestError, SamplingParams
+from router import limits
+from router.http_limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from router.metrics import Metrics, RequestTimer
-from router.types import Delta, GenerateRequest, NoCapacityError, ServingCore, ServingError
+from router.types import (Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingCore,
+                          ServingError)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,8 @@ def _as_api_error(exc: Exception) -> ApiError:
         retry = str(max(1, math.ceil(exc.retry_after_s)))
         return ApiError(503, f"no capacity: {exc}; retry after {retry} s", code="no_capacity",
                         headers={"Retry-After": retry})
+    if isinstance(exc, ReplicaUnavailableError):
+        return ApiError(503, str(exc), code="replica_unavailable")
     if isinstance(exc, ServingError):
         return ApiError(503, f"the request failed inside the service: {exc}", code="service_error")
     return ApiError(500, "internal server error", code="internal_error")
@@ -111,13 +116,13 @@ class _SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: Annotated[str, Field(min_length=1)]
     max_tokens: int | None = None
     temperature: FiniteFloat | None = None
     top_p: FiniteFloat | None = None
     top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # vLLM extension; 0 or -1 = off
     seed: Annotated[int, Field(ge=-2**63, le=2**64 - 1)] | None = None  # the range torch generators take
-    stop: list[str] | None = None
+    stop: Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
@@ -131,6 +136,13 @@ class _SamplingRequest(BaseModel):
     @classmethod
     def _stop_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_lengths(cls, v: Any) -> Any:
+        if v and any(len(s) > MAX_STOP_CHARS for s in v):
+            raise ValueError(f"each stop string may have at most {MAX_STOP_CHARS} characters")
+        return v
 
     @field_validator("stream_options")
     @classmethod
@@ -178,7 +190,10 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    # A string, or token ids; a batch of one of either is taken too (`_one_prompt`).
+    prompt: Annotated[str | list[int], Field(json_schema_extra={"anyOf": [  # what `_one_prompt` checks
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "integer", "minimum": 0},
+                                             "minItems": 1}]})]
     logprobs: int | None = None  # completions style: how many alternatives per token (0..20)
     echo: bool | None = False
     best_of: int | None = None
@@ -214,7 +229,7 @@ class CompletionRequest(_SamplingRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None = None
+    content: str | None = None  # null only for an assistant's turn (OpenAI sends it with tool calls)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -225,6 +240,17 @@ class ChatMessage(BaseModel):
             raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts; '
                              "only text is supported")
         return "\n".join(p["text"] for p in v)
+
+    @field_validator("content")
+    @classmethod
+    def _text_unless_assistant(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and info.data.get("role") != "assistant":
+            raise ValueError("must be a string (only an assistant message may have null content)")
+        return v
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: content always a string."""
+        return {"role": self.role, "content": self.content or ""}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -501,58 +527,48 @@ def _tokenize(core: ServingCore, text: str, param: str, add_special_tokens: bool
                        code="invalid_value") from e
 
 
-def _max_tokens(requested: int | None, param: str, default: int | None, prompt_tokens: int,
-                max_model_len: int) -> int:
-    """How many tokens to generate: the request's own limit, or the default capped by the context."""
-    room = max_model_len - prompt_tokens  # < 1 means the prompt itself is too long: the core reports that
-    if requested is None:
-        return max(1, min(default, room) if default else room)
-    if requested < 1:
-        raise ApiError(400, f"{param}: must be an integer >= 1, got {requested}", param=param, code="invalid_value")
-    if 1 <= room < requested:
-        raise ApiError(400, f"{param} is {requested}, but the prompt is {prompt_tokens} tokens and the model's "
-                            f"context is {max_model_len}: at most {room} tokens can be generated",
-                       param=param, code="invalid_value")
-    return requested
-
-
 # -- the app ------------------------------------------------------------------------------------
 
 
-def build_app(core: ServingCore, metrics: Metrics | None = None) -> FastAPI:
+def build_app(core: ServingCore, metrics: Metrics | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The OpenAI-compatible FastAPI app serving `core`."""
     metrics = metrics or Metrics()
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggregated prefill/decode service")
     app.state.core, app.state.metrics = core, metrics
+    created = int(time.time())  # /v1/models: when this server started serving the model
     _add_error_handlers(app, metrics)
+    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, on_refused=lambda path, status: (
+        metrics.count_request(path, status) if path in _GENERATION_ENDPOINTS else None))
+    _document_errors(app)
 
     def check_model(model: str) -> None:
         if model != core.model_name:
             raise ApiError(404, f"model {model!r} does not exist; this server serves {core.model_name!r}",
                            param="model", code="model_not_found")
 
-    @app.post(COMPLETIONS)
+    @app.post(COMPLETIONS, responses=_GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         prompt_ids = _tokenize(core, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
-        max_tokens = _max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
+        max_tokens = limits.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
         params = body.sampling_params(max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         shape = _CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
         return await _serve(request, core, metrics, shape, GenerateRequest(rid, prompt_ids, params), bool(body.stream))
 
-    @app.post(CHAT)
+    @app.post(CHAT, responses=_GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         try:
-            text = core.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages])
+            text = core.apply_chat_template([m.for_template() for m in body.messages])
         except ValueError as e:  # no chat template, or the template rejects these messages
             raise ApiError(400, str(e), param="messages", code="invalid_value") from e
         prompt_ids = _tokenize(core, text, "messages", add_special_tokens=False)  # the template has its BOS
         requested, param = ((body.max_completion_tokens, "max_completion_tokens")
                             if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
         # No default cap, as OpenAI and vLLM: generate until a stop or the end of the context.
-        max_tokens = _max_tokens(requested, param, None, len(prompt_ids), core.max_model_len)
+        max_tokens = limits.max_tokens(requested, param, None, len(prompt_ids), core.max_model_len)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -561,12 +577,12 @@ def build_app(core: ServingCore, metrics: Metrics | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [_model_card(core)]}
+        return {"object": "list", "data": [_model_card(core, created)]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses={404: {"model": ErrorBody, "description": "no such model"}})
     async def get_model(model: str) -> dict:
         check_model(model)
-        return _model_card(core)
+        return _model_card(core, created)
 
     @app.get("/health")
     async def health() -> Response:
@@ -582,9 +598,47 @@ def build_app(core: ServingCore, metrics: Metrics | None = None) -> FastAPI:
     return app
 
 
-def _model_card(core: ServingCore) -> dict:
-    return {"id": core.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+def _model_card(core: ServingCore, created: int) -> dict:
+    return {"id": core.model_name, "object": "model", "created": created, "owned_by": "pdserve",
             "root": core.model_name, "max_model_len": core.max_model_len}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error's body, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+_GENERATION_ERRORS: dict = {
+    400: {"model": ErrorBody, "description": "a field is missing or wrong; `param` names it"},
+    404: {"model": ErrorBody, "description": "the model is not served here"},
+    413: {"model": ErrorBody, "description": "the body is over router.max_request_bytes"},
+    415: {"model": ErrorBody, "description": "the body is not JSON"},
+    503: {"model": ErrorBody, "description": "no replica can take the request now (Retry-After when full)"},
+}
+
+
+def _document_errors(app: FastAPI) -> None:
+    """The OpenAPI schema says what the server answers: its 400s, not FastAPI's default 422."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        schema = default()  # built once and cached by FastAPI; stripping it again is a no-op
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi
 
 
 def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:

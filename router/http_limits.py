@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # router.max_request_bytes; a 128k-token prompt is ~0.5-1 MB of text
+DRAIN_FACTOR = 16  # how much of a refused body is read (and dropped) before answering, in limits
 
 
 class RequestLimits:
@@ -25,19 +26,22 @@ class RequestLimits:
                                       "request body as JSON with Content-Type: application/json", "content-type")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return await self._refuse(scope, send, 413, self._too_large(int(length)), "body")
+            if await self._drain(receive):
+                await self._refuse(scope, send, 413, self._too_large(int(length)), "body")
+            return
         # Read the body here, counting, so that a chunked body with no length stops at the limit too.
-        chunks, size = [], 0
-        while True:
+        chunks, size, more = [], 0, True
+        while more:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
+            more = message.get("more_body", False)
             if size > self.max_body_bytes:
-                return await self._refuse(scope, send, 413, self._too_large(size, at_least=True), "body")
-            if not message.get("more_body", False):
-                break
+                if not more or await self._drain(receive):
+                    await self._refuse(scope, send, 413, self._too_large(size, at_least=True), "body")
+                return
         body, replayed = b"".join(chunks), False
 
         async def replay():
@@ -48,6 +52,20 @@ class RequestLimits:
             return await receive()  # after the body: the disconnect, when it comes
 
         await self.app(scope, replay, send)
+
+    async def _drain(self, receive) -> bool:
+        """Read the rest of a refused body without keeping it, so that the client, still sending,
+        reads the 413 rather than a reset connection; False if the client left. A body past
+        DRAIN_FACTOR times the limit is not waited for: the connection closes after the 413."""
+        seen = 0
+        while seen <= DRAIN_FACTOR * self.max_body_bytes:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return False
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        return True
 
     def _too_large(self, size: int, at_least: bool = False) -> str:
         return (f"request body is {'over ' if at_least else ''}{size} bytes; at most {self.max_body_bytes} are "

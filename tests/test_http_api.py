@@ -317,6 +317,14 @@ BAD = [
     ("/v1/chat/completions", OK_CHAT | {"n": 3}, 400, "n"),
     ("/v1/chat/completions", OK_CHAT | {"top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function"}]}, 400, "tools"),
+    # Inputs that would cost the server too much, refused before any work.
+    ("/v1/completions", OK | {"stop": ["x"] * 100_000}, 400, "stop"),
+    ("/v1/completions", OK | {"stop": "x" * 1_000_000}, 400, "stop"),
+    ("/v1/chat/completions", OK_CHAT | {"stop": ["ab"] * 65}, 400, "stop"),
+    # What the OpenAPI schema says: a model and a prompt are non-empty.
+    ("/v1/completions", OK | {"model": ""}, 400, "model"),
+    # Only an assistant's message may have null content; a user's is a 400, not a template error.
+    ("/v1/chat/completions", OK_CHAT | {"messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
 ]
 
 
@@ -331,6 +339,54 @@ def test_bad_request(served, path, body, status, param):
         assert param in error["message"] or status == 404
     if status == 404:
         assert error["code"] == "model_not_found"
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(served):
+    big = OK | {"prompt": "x" * (5 * 1024 * 1024)}
+    counted = {"endpoint": "/v1/completions", "status": "413"}
+    before = sample(served, "pdserve_requests_total", counted)
+    r = post(served, "/v1/completions", big)  # with Content-Length
+    assert r.status_code == 413 and "max_request_bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 1 << 16):
+            yield data[i:i + (1 << 16)]
+    r = httpx.post(served.url + "/v1/completions", content=chunks(), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert sample(served, "pdserve_requests_total", counted) == before + 2
+    assert post(served, "/v1/completions", OK).status_code == 200
+
+
+def test_a_body_that_is_not_json_is_415_naming_the_header(served):
+    r = httpx.post(served.url + "/v1/completions", content=json.dumps(OK), timeout=30,
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and "Content-Type" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "content-type"
+
+
+def test_an_assistant_turn_may_have_null_content(served):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "again"}]
+    r = post(served, "/v1/chat/completions", OK_CHAT | {"messages": messages})
+    assert r.status_code == 200, r.text
+
+
+def test_models_says_when_it_was_created(served):
+    [card] = httpx.get(served.url + "/v1/models").json()["data"]
+    assert 0 < card["created"] <= time.time()
+    assert httpx.get(served.url + f"/v1/models/{MODEL}").json()["created"] == card["created"]
+
+
+def test_openapi_documents_what_the_server_answers(served):
+    schema = httpx.get(served.url + "/openapi.json").json()
+    assert "422" not in json.dumps(schema["paths"])
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert {"400", "404", "413", "415", "503"} <= set(schema["paths"][path]["post"]["responses"])
+    props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert props["model"]["minLength"] == 1
+    assert all(branch.get("minLength", branch.get("minItems")) == 1 for branch in props["prompt"]["anyOf"])
 
 
 def test_openai_client_raises_bad_request(served):

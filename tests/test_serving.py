@@ -54,7 +54,7 @@ def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, section
 
 
 # The client tests below run against one prefill and one decode replica, again against an
-# expert-parallel decode replica (2 ranks: DESIGN §6), and again against one colocated replica (the
+# expert-parallel decode replica (2 ranks), and again against one colocated replica (the
 # baseline: both phases in one engine); all must look the same from outside. The expert-parallel
 # threshold is low so that busy steps take the all-to-all exchange and quiet ones the all-gather one.
 # The last two overlap their steps (on by default on GPUs only), which nothing outside may notice.
@@ -150,7 +150,7 @@ def test_grpc_gives_the_http_output(cluster):
     oa = client(cluster)
     prompt = PROMPTS[0]
     http_text = oa.completions.create(model="tiny-moe", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
-    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
         stub = completion_pb2_grpc.CompletionStub(channel)
         req = completion_pb2.CompletionRequest(prompt=prompt, max_tokens=24, temperature=0.0)
         assert stub.Complete(req, timeout=60).text == http_text
