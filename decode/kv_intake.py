@@ -1,10 +1,10 @@
 """Takes KV from prefill workers into a decode engine: reserve, wait for the data, start decoding."""
 
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampler import TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import TokenLogprob
+from pdserve.protocol import SamplingParams
 
-from kvtransfer import DecodeConnector, ReserveHandle
+from pdserve.kvtransfer import DecodeConnector, ReserveHandle
 
 
 class KVIntake:

@@ -6,15 +6,15 @@ then it owns its requests and their KV, and steps in lockstep with the other ran
 
 import torch
 
-from decode.ep_group import IDLE, RUNNING, WAITING_FOR_KV, EPGroup, EPRank
-from decode.kv_intake import KVIntake
+from pdserve.decode.ep_group import IDLE, RUNNING, WAITING_FOR_KV, EPGroup, EPRank
+from pdserve.decode.kv_intake import KVIntake
 from pdserve.config import EngineConfig
-from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from pdserve.engine_loop import IDLE_S
+from pdserve.protocol import InvalidRequestError, SamplingParams
+from pdserve.worker.engine_loop import IDLE_S
 from pdserve.messages import Refusal, ReplicaStats, ReserveResult
 from pdserve.models import resolve_model_args
-from pdserve.replica import Replica, assigned_device
-from pdserve.router_streams import RouterStreams
+from pdserve.worker.replica import Replica, assigned_device
+from pdserve.worker.router_streams import RouterStreams
 
 # An idle expert-parallel group naps less: a reservation wakes only its own rank, and the step
 # waits for the others to wake on their own.

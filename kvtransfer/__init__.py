@@ -1,8 +1,8 @@
 """KV transfer: the connector API (handshake, decode end, prefill end) and its backends (NIXL, TCP, CUDA IPC)."""
 
-from kvtransfer.connector import DecodeConnector, Finished, PrefillConnector
-from kvtransfer.metadata import HandshakeError, KVAgentMetadata
-from kvtransfer.messages import ReserveHandle
+from pdserve.kvtransfer.connector import DecodeConnector, Finished, PrefillConnector
+from pdserve.kvtransfer.metadata import HandshakeError, KVAgentMetadata
+from pdserve.kvtransfer.messages import ReserveHandle
 
 __all__ = ["DecodeConnector", "Finished", "HandshakeError", "KVAgentMetadata", "PrefillConnector",
            "ReserveHandle", "make_connector"]
@@ -10,7 +10,7 @@ __all__ = ["DecodeConnector", "Finished", "HandshakeError", "KVAgentMetadata", "
 
 def make_connector(role: str, backend: str, engine_id: str, kv_cache, layout, fingerprint: str, **kw):
     """A connector of `role` ('prefill' or 'decode') over `backend` ('nixl', 'tcp' or 'cuda_ipc')."""
-    from kvtransfer.backends import make_backend
+    from pdserve.kvtransfer.backends import make_backend
 
     meta = KVAgentMetadata.for_cache(engine_id, backend, kv_cache, layout, fingerprint)
     be = make_backend(backend, meta, kv_cache, **kw)

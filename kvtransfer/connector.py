@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtransfer.messages import Notice, ReserveHandle
-from kvtransfer.metadata import KVAgentMetadata, check_peer
+from pdserve.kvtransfer.messages import Notice, ReserveHandle
+from pdserve.kvtransfer.metadata import KVAgentMetadata, check_peer
 
 RECENT_DONE = 4096  # delivered requests a prefill connector remembers, for late aborts
 

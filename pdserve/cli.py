@@ -13,7 +13,7 @@ def _log(msg: str) -> None:
 def _generate(args: argparse.Namespace) -> int:
     # Imported here so `pdserve --help` stays fast (torch takes seconds to import).
     from pdserve.engine.engine import Engine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or [])
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu")
     g.set_defaults(func=_generate)
 
-    from pdserve import cluster_cli
+    from pdserve.control import commands as cluster_cli
 
     u = sub.add_parser("up", help="start the cluster (no file: tiny-moe on CPU, 1 prefill + 1 decode, HTTP :8000)")
     u.add_argument("config", nargs="?", help="cluster.yaml")

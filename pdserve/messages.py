@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.protocol import InvalidRequestError
 
 
 @dataclass

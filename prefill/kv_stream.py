@@ -7,10 +7,10 @@ one block could land out of order.
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq
 
-from kvtransfer import PrefillConnector, ReserveHandle
+from pdserve.kvtransfer import PrefillConnector, ReserveHandle
 
 
 class KVStreamer:

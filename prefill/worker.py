@@ -1,11 +1,11 @@
 """The prefill worker (a Ray actor): the engine in its prefill role, streaming KV to decode workers."""
 
-from kvtransfer import ReserveHandle
+from pdserve.kvtransfer import ReserveHandle
 from pdserve.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine_loop import IDLE_S
-from pdserve.replica import Replica
-from prefill.kv_stream import KVStreamer
+from pdserve.protocol import SamplingParams
+from pdserve.worker.engine_loop import IDLE_S
+from pdserve.worker.replica import Replica
+from pdserve.prefill.kv_stream import KVStreamer
 
 RECENT_TRANSFERS = 1024  # transfer records kept for readers of stats()
 

@@ -11,12 +11,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from router.grpc_gen.pdserve.v1 import completion_pb2 as pb
-from router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
-from router import limits
-from router.listen import PortInUseError, holder
-from router.types import Delta, GenerateRequest, NoCapacityError, ServingCore, ServingError
+from pdserve.protocol import InvalidRequestError, SamplingParams
+from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
+from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
+from pdserve.router import limits
+from pdserve.router.listen import PortInUseError, holder
+from pdserve.router.types import Delta, GenerateRequest, NoCapacityError, ServingCore, ServingError
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Completion"].full_name  # "pdserve.v1.Completion"

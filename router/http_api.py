@@ -16,12 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.engine.sampler import TokenLogprob
-from pdserve.engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, InvalidRequestError, SamplingParams
-from router import limits
-from router.http_limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
-from router.metrics import Metrics, RequestTimer
-from router.types import (Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingCore,
+from pdserve.protocol import TokenLogprob
+from pdserve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, InvalidRequestError, SamplingParams
+from pdserve.router import limits
+from pdserve.router.http_limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
+from pdserve.router.metrics import Metrics, RequestTimer
+from pdserve.router.types import (Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingCore,
                           ServingError)
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Request rules both front ends (HTTP and gRPC) apply the same way, before a request reaches a replica."""
 
-from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.protocol import InvalidRequestError
 
 
 def max_tokens(requested: int | None, param: str, default: int | None, prompt_tokens: int,

@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 
 from ray.exceptions import ActorDiedError
 
-from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.protocol import InvalidRequestError
 from pdserve.messages import Refusal, ReplicaStats, RequestDelta
 
-from router.decode_replica import DecodeReplica
-from router.replica_health import ReplicaHealth
-from router.types import Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingError
+from pdserve.router.decode_replica import DecodeReplica
+from pdserve.router.replica_health import ReplicaHealth
+from pdserve.router.types import Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingError
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import asyncio
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from pdserve.messages import RequestDelta
-from router.types import ReplicaUnavailableError
+from pdserve.router.types import ReplicaUnavailableError
 
 MISSED_LIMIT = 3  # stats polls in a row a replica may leave unanswered (timeouts) before it counts as down
 

@@ -10,12 +10,12 @@ from pdserve.models import resolve_model_args
 from pdserve.tokenizer import load_tokenizer
 from pdserve.messages import RequestDelta
 
-from router.decode_replica import DecodeReplica
-from router.grpc_server import start_grpc_server
-from router.http_api import build_app
-from router.listen import bind_listener
-from router.metrics import Metrics
-from router.ray_core import RayCore
+from pdserve.router.decode_replica import DecodeReplica
+from pdserve.router.grpc_server import start_grpc_server
+from pdserve.router.http_api import build_app
+from pdserve.router.listen import bind_listener
+from pdserve.router.metrics import Metrics
+from pdserve.router.ray_core import RayCore
 
 
 class Router:

@@ -4,7 +4,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 
 class NoCapacityError(RuntimeError):

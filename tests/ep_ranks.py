@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 
 @dataclass
@@ -47,7 +47,7 @@ def run_ranks(model: str, runs: list[Run], size: int = 2, replicated: tuple[int,
     `gpus`: rank r on cuda:r over NCCL (CUDA graphs of the decode step on), else CPU over gloo.
     The rendezvous store lives here, bound to port 0 and held until every rank is done;
     `before_start(host, port)` is called with its address before the ranks start."""
-    from decode.ep_group import rendezvous_store
+    from pdserve.decode.ep_group import rendezvous_store
 
     store = rendezvous_store("127.0.0.1")
     if before_start is not None:
@@ -78,7 +78,7 @@ def _rank_main(rank: int, size: int, store_port: int, model: str, runs: list[Run
                gpus: bool, results) -> None:
     torch.set_num_threads(1)  # two ranks share the test machine's cores
     try:
-        from decode.ep_group import EPGroup, EPRank
+        from pdserve.decode.ep_group import EPGroup, EPRank
         from pdserve.engine.engine import Engine
         from pdserve.models import resolve_model_args
 
@@ -104,7 +104,7 @@ def _rank_main(rank: int, size: int, store_port: int, model: str, runs: list[Run
 
 
 def _generate(group, engine, requests: list[Request], tag: str) -> list[list[int]]:
-    from decode.ep_group import IDLE, RUNNING
+    from pdserve.decode.ep_group import IDLE, RUNNING
 
     tokens: dict[str, list[int]] = {}
     step = 0

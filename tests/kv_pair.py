@@ -10,7 +10,7 @@ import time
 import traceback
 
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 NUM_BLOCKS = 160
 
@@ -38,8 +38,8 @@ def _engine(role: str, seed: int, fragment: bool, device: str = "cpu"):
 
 
 def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str) -> None:
-    from kvtransfer import ReserveHandle, make_connector
-    from prefill.kv_stream import KVStreamer
+    from pdserve.kvtransfer import ReserveHandle, make_connector
+    from pdserve.prefill.kv_stream import KVStreamer
 
     engine = _engine("prefill", seed, fragment, device)
     idle = engine.pool.num_free_blocks
@@ -90,8 +90,8 @@ def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str) ->
 
 
 def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str) -> None:
-    from decode.kv_intake import KVIntake
-    from kvtransfer import make_connector
+    from pdserve.decode.kv_intake import KVIntake
+    from pdserve.kvtransfer import make_connector
 
     engine = _engine("decode", seed, fragment, device)
     idle = engine.pool.num_free_blocks
@@ -237,9 +237,9 @@ class LoopbackBackend:
 def loopback_pair(prefill_engine, decode_engine):
     """A prefill engine streaming into a decode engine of this process, through the real connectors
     (KVStreamer -> PrefillConnector -> notices -> DecodeConnector -> KVIntake) over LoopbackBackend."""
-    from decode.kv_intake import KVIntake
-    from kvtransfer import DecodeConnector, KVAgentMetadata, PrefillConnector
-    from prefill.kv_stream import KVStreamer
+    from pdserve.decode.kv_intake import KVIntake
+    from pdserve.kvtransfer import DecodeConnector, KVAgentMetadata, PrefillConnector
+    from pdserve.prefill.kv_stream import KVStreamer
 
     ends = []
     for cls, engine in ((PrefillConnector, prefill_engine), (DecodeConnector, decode_engine)):

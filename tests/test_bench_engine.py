@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pdserve.benchmarks.bench_engine import ModelCost
-from pdserve.models import load_model, resolve_model_args
+from pdserve.models import resolve_model_args
+from pdserve.models.loader import load_model
 
 PREFILL_KEYS = {"tokens", "ms", "tok_s", "TFLOP_s", "MFU_pct", "TFLOP"}
 DECODE_KEYS = {"batch", "context", "step_ms", "tok_s", "experts_per_layer", "experts_uniform", "weights_GB",

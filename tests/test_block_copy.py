@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 CHECK = r"""
 import torch
-from kvtransfer.backends.block_copy import copy_blocks
+from pdserve.kvtransfer.backends.block_copy import copy_blocks
 
 g = torch.Generator().manual_seed(0)
 for dtype, shape in [(torch.bfloat16, (4, 2, 12, 4, 2, 8)), (torch.float32, (3, 2, 9, 2, 3, 4)),

@@ -13,7 +13,7 @@ def pdserve(*args: str) -> subprocess.CompletedProcess:
 def test_generate_prints_the_engines_greedy_text():
     from pdserve.config import EngineConfig, ModelConfig
     from pdserve.engine.engine import Engine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol import SamplingParams
 
     r = pdserve("generate", "--model", "tiny-moe", "--max-tokens", "12", "--temperature", "0", "Hello there")
     assert r.returncode == 0, r.stderr

@@ -8,7 +8,7 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.protocol import InvalidRequestError, SamplingParams
 from pdserve.engine.sequence import FinishReason
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

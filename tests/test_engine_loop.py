@@ -5,7 +5,7 @@ not when the loop happens to nap (with a plain lock, the loop won every time).""
 import threading
 import time
 
-from pdserve.engine_loop import EngineLoop
+from pdserve.worker.engine_loop import EngineLoop
 
 
 def test_a_call_gets_the_lock_at_the_next_step_boundary():

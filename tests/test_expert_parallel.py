@@ -9,18 +9,19 @@ from datetime import timedelta
 import pytest
 import torch
 
-from decode.ep_group import rendezvous_store
+from pdserve.decode.ep_group import rendezvous_store
 from ep_ranks import Request, Run, engine_config, run_ranks
 from hf_checkpoints import build_checkpoint, write_tokenizer
 from pdserve.config import ClusterConfig, ConfigError, check_model_fit
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 from pdserve.messages import ReplicaStats
-from pdserve.models import load_model, resolve_model_args
+from pdserve.models import resolve_model_args
+from pdserve.models.loader import load_model
 from pdserve.ops.ep_exchange import EPExchange
 from pdserve.ops.moe import TorchMoE, route
 from pdserve.ops.expert_placement import ExpertPlacement
-from router.decode_replica import DecodeReplica
+from pdserve.router.decode_replica import DecodeReplica
 
 ALL_GATHER, ALL_TO_ALL, MIXED = 10**9, 0, 12  # thresholds; MIXED switches path from step to step
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from router.grpc_gen.pdserve.v1 import completion_pb2, completion_pb2_grpc
+from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2, completion_pb2_grpc
 from serving_cluster import Cluster
 
 LONG = {"model": "tiny-moe", "prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0,

@@ -8,7 +8,7 @@ import torch
 from hf_checkpoints import FAMILIES, build_checkpoint, write_tokenizer
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 NEW_TOKENS = 32
 PROMPT_LENS = [3, 16, 29, 50]

@@ -13,7 +13,7 @@ import torch
 from hf_checkpoints import build_checkpoint, write_tokenizer
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 

@@ -468,7 +468,7 @@ def test_silu_and_mul(tokens, dtype):
 def test_model_forward_matches_torch_backends():
     """tiny-moe with the Triton backends (attention, MoE, norms and RoPE) against the torch ones: a
     prefill step, then a decode step."""
-    from pdserve.models import load_model
+    from pdserve.models.loader import load_model
     from pdserve.ops.attention import TorchAttention as TA
     from pdserve.ops.moe import TorchMoE as TM
     from pdserve.ops.norms import TorchNorms

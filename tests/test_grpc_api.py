@@ -16,12 +16,12 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
-from router.grpc_gen.pdserve.v1 import completion_pb2 as pb
-from router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
-from router.grpc_server import SERVICE_NAME, start_grpc_server
-from router.local_core import LocalCore
-from router.types import NoCapacityError, ReplicaUnavailableError, ServingError
+from pdserve.protocol import SamplingParams
+from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
+from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
+from pdserve.router.grpc_server import SERVICE_NAME, start_grpc_server
+from local_core import LocalCore
+from pdserve.router.types import NoCapacityError, ReplicaUnavailableError, ServingError
 
 PROMPT = "Once upon a time"
 NUM_BLOCKS = 256

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import grpc_tools
 
-from router.grpc_gen.generate import GEN_ROOT, generate
+from pdserve.router.grpc_gen.generate import GEN_ROOT, generate
 
-REGENERATE = "python -m router.grpc_gen.generate"
+REGENERATE = "python -m pdserve.router.grpc_gen.generate"
 
 
 def test_generated_code_is_not_stale(tmp_path: Path):
@@ -24,7 +24,7 @@ def test_generated_code_is_not_stale(tmp_path: Path):
 
 def test_generated_code_leaves_pdserve_alone():
     # A fresh interpreter: here `pdserve` is already imported, which would hide a shadowing import.
-    code = ("import router.grpc_gen.pdserve.v1.completion_pb2_grpc, pdserve.engine.sampling_params, sys;"
+    code = ("import pdserve.router.grpc_gen.pdserve.v1.completion_pb2_grpc, pdserve.protocol, sys;"
             "assert 'pdserve.v1' not in sys.modules;"
             "print(sys.modules['pdserve'].__file__)")
     root = GEN_ROOT.parents[1]

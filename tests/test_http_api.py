@@ -20,11 +20,11 @@ except ImportError:
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import Completion
-from pdserve.engine.sampling_params import SamplingParams
-from router.http_api import build_app
-from router.local_core import LocalCore
-from router.metrics import Metrics
-from router.types import Delta, NoCapacityError, ServingError
+from pdserve.protocol import SamplingParams
+from pdserve.router.http_api import build_app
+from local_core import LocalCore
+from pdserve.router.metrics import Metrics
+from pdserve.router.types import Delta, NoCapacityError, ServingError
 
 MODEL = "tiny-moe"
 PROMPT = "Once upon a time"

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from kv_pair import Worker, _decode_main, _prefill_main, start_pair
-from kvtransfer.messages import Notice
-from kvtransfer.metadata import KVAgentMetadata
+from pdserve.kvtransfer.messages import Notice
+from pdserve.kvtransfer.metadata import KVAgentMetadata
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 BACKENDS = ["tcp", "nixl"]
 # The fault contract also holds for the same-host GPU backend, where two GPUs are present (its

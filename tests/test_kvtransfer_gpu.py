@@ -8,7 +8,7 @@ import torch
 
 from kv_pair import engine_config, start_pair
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
@@ -43,7 +43,7 @@ def test_gpu_disaggregated_greedy_equals_colocated(backend, fragment):
 
 def test_block_copy_kernel_between_gpus():
     """The cuda_ipc copy kernel, GPU0 -> GPU1 over the peer mapping, random blocks, all layers."""
-    from kvtransfer.backends.block_copy import copy_blocks
+    from pdserve.kvtransfer.backends.block_copy import copy_blocks
 
     torch.cuda.set_device(0)
     src = torch.randn(6, 2, 40, 16, 4, 128, dtype=torch.bfloat16, device="cuda:0")
@@ -61,7 +61,7 @@ def test_block_copy_compiled_launch_between_gpus():
     """BlockCopy's later calls launch the compiled kernel directly (no JIT): every call of one
     instance — other blocks, other layers, odd counts, a side stream, ids off the 16-byte
     alignment (back through the JIT) — copies exactly what indexing would."""
-    from kvtransfer.backends.block_copy import BlockCopy
+    from pdserve.kvtransfer.backends.block_copy import BlockCopy
 
     torch.cuda.set_device(0)
     src = torch.randn(6, 2, 40, 16, 4, 128, dtype=torch.bfloat16, device="cuda:0")
@@ -92,7 +92,7 @@ def test_block_copy_reads_ids_from_pinned_memory():
     nothing uploaded), refilled between posts: each copy moves the blocks its ids name at its
     launch, whether through the JIT (first call) or the compiled kernel's launcher, with a count
     shorter than the slot (`n`)."""
-    from kvtransfer.backends.block_copy import BlockCopy
+    from pdserve.kvtransfer.backends.block_copy import BlockCopy
 
     torch.cuda.set_device(0)
     src = torch.randn(6, 2, 40, 16, 4, 128, dtype=torch.bfloat16, device="cuda:0")

@@ -8,15 +8,8 @@ import transformers
 
 from hf_checkpoints import FAMILIES, LLAMA3_ROPE, build_checkpoint, write_old_layout
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.models import (
-    MODEL_CLASSES,
-    PRESETS,
-    SUPPORTED_ARCHITECTURES,
-    ModelArgs,
-    load_model,
-    model_fingerprint,
-    resolve_model_args,
-)
+from pdserve.models import PRESETS, SUPPORTED_ARCHITECTURES, ModelArgs, resolve_model_args
+from pdserve.models.loader import MODEL_CLASSES, load_model, model_fingerprint
 from pdserve.models.layers import RotaryEmbedding
 
 BLOCK = 16

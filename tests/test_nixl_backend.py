@@ -13,8 +13,8 @@ import uuid
 import pytest
 import torch
 
-from kvtransfer.blocks import runs
-from kvtransfer.metadata import KVAgentMetadata
+from pdserve.kvtransfer.blocks import runs
+from pdserve.kvtransfer.metadata import KVAgentMetadata
 from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
@@ -45,7 +45,7 @@ def _wait(backend, token, timeout: float = 5.0) -> str:
 
 def _node(conn, engine_id: str, source: bool) -> None:
     """Child process: one NixlBackend, serving the parent's commands until 'close'."""
-    from kvtransfer.backends.nixl import NixlBackend
+    from pdserve.kvtransfer.backends.nixl import NixlBackend
 
     layout = _layout(SRC_BLOCKS if source else DST_BLOCKS)
     kv = _source_kv() if source else allocate_kv_cache(layout, torch.device("cpu"))

@@ -3,7 +3,7 @@ and a sender that never blocks on a receiver that does not poll."""
 
 import time
 
-from kvtransfer.backends.notices import NoticeInbox, NoticeOutbox, frame
+from pdserve.kvtransfer.backends.notices import NoticeInbox, NoticeOutbox, frame
 
 
 def drain_until(inbox: NoticeInbox, count: int, timeout: float = 5) -> list[bytes]:

@@ -10,7 +10,7 @@ import ray
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import FinishReason
-from pdserve.router_streams import RouterStreams
+from pdserve.worker.router_streams import RouterStreams
 
 NAMESPACE = "test-router-streams"
 

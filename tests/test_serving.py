@@ -14,8 +14,8 @@ import pytest
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
-from router.grpc_gen.pdserve.v1 import completion_pb2, completion_pb2_grpc
+from pdserve.protocol import SamplingParams
+from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2, completion_pb2_grpc
 from serving_cluster import Cluster
 
 PROMPTS = ["Once upon a time", "The quick brown fox jumps over the lazy dog. " * 3, "x", "Hello, world! " * 20]

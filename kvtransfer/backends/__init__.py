@@ -15,12 +15,12 @@ Every backend offers:
 def make_backend(name: str, meta, kv_cache, **kw):
     """Create backend `name` for this KV allocation; fills meta's backend-specific fields."""
     if name == "nixl":
-        from kvtransfer.backends.nixl import NixlBackend
+        from pdserve.kvtransfer.backends.nixl import NixlBackend
         return NixlBackend(meta, kv_cache, **kw)
     if name == "tcp":
-        from kvtransfer.backends.tcp import TcpBackend
+        from pdserve.kvtransfer.backends.tcp import TcpBackend
         return TcpBackend(meta, kv_cache, **kw)
     if name == "cuda_ipc":
-        from kvtransfer.backends.cuda_ipc import CudaIpcBackend
+        from pdserve.kvtransfer.backends.cuda_ipc import CudaIpcBackend
         return CudaIpcBackend(meta, kv_cache, **kw)
     raise ValueError(f"kv_transfer.backend: must be 'nixl', 'tcp' or 'cuda_ipc', got {name!r}")

@@ -17,9 +17,9 @@ import struct
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from kvtransfer.backends.block_copy import BlockCopy
-from kvtransfer.backends.notices import NoticeInbox, NoticeOutbox
-from kvtransfer.metadata import KVAgentMetadata
+from pdserve.kvtransfer.backends.block_copy import BlockCopy
+from pdserve.kvtransfer.backends.notices import NoticeInbox, NoticeOutbox
+from pdserve.kvtransfer.metadata import KVAgentMetadata
 
 _STORAGE_DEVICE = 6  # position of the storage's device index in reduce_tensor's rebuild arguments
 _RING = 8  # staging slots for block ids (pinned host memory, read by the copy kernel)

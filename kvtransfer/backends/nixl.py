@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer.metadata import KVAgentMetadata
+from pdserve.kvtransfer.metadata import KVAgentMetadata
 
 log = logging.getLogger(__name__)
 

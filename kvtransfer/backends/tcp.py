@@ -12,8 +12,8 @@ import threading
 import msgpack
 import torch
 
-from kvtransfer.blocks import runs
-from kvtransfer.metadata import KVAgentMetadata
+from pdserve.kvtransfer.blocks import runs
+from pdserve.kvtransfer.metadata import KVAgentMetadata
 
 _LEN = struct.Struct(">I")
 

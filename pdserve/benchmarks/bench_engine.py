@@ -292,7 +292,7 @@ def _engine_backends(engine) -> dict[str, str]:
 def bench_engine_prefill(a, cfg: EngineConfig, cost: ModelCost, matmul_rate: float, errors: list) -> dict:
     """Prefill of one prompt per size, the whole prompt in one step; median of reps after a warm-up."""
     from pdserve.engine.engine import Engine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol import SamplingParams
 
     engine = Engine(cfg, log=log)
     device, rows = engine.device, []
@@ -349,7 +349,7 @@ def bench_engine_decode(a, cfg: EngineConfig, cost: ModelCost, copy_rate: float,
 
 
 def _decode_batch(a, engine, cost: ModelCost, batch: int, copy_rate: float) -> dict[str, Any]:
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol import SamplingParams
 
     steps = _COUNT_STEPS + _WARMUP_STEPS + a.decode_steps
     params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)

@@ -16,7 +16,7 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 
 def hf_twin(engine: Engine):

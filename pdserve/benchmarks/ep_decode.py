@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 SETUPS = ("single", "pair", "ep")  # one GPU | two independent GPUs | one EP replica per --ep-sizes
 # The EP replica decodes once with each exchange path forced (decode.ep_threshold 0 or "never").
@@ -74,7 +74,7 @@ def _engine(opts, device: torch.device, ep=None):
 
 def _decode_rate(engine, group, batch: int, opts) -> dict:
     """Tokens per second of `batch` requests decoding together on this worker."""
-    from decode.ep_group import RUNNING
+    from pdserve.decode.ep_group import RUNNING
 
     from pdserve.benchmarks.bench_engine import experts_hit_per_layer
 
@@ -178,7 +178,7 @@ def _worker(rank: int, setup: str, opts, store_port: int, results) -> None:
             torch.cuda.set_device(device)
         group = None
         if setup.startswith("ep"):
-            from decode.ep_group import EPGroup, EPRank
+            from pdserve.decode.ep_group import EPGroup, EPRank
             from pdserve.models import resolve_model_args
 
             # Created on the all-gather path: the engine captures its graphs below this threshold.
@@ -205,7 +205,7 @@ def _worker(rank: int, setup: str, opts, store_port: int, results) -> None:
 
 def _run(setup: str, opts) -> list[list[dict]]:
     """Each worker's rows for one setup; the workers of a setup run at the same time."""
-    from decode.ep_group import rendezvous_store
+    from pdserve.decode.ep_group import rendezvous_store
 
     n = _size(setup)
     store = rendezvous_store("127.0.0.1")  # the workers' rendezvous, held here (port 0) until they are done

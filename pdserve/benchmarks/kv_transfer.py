@@ -22,7 +22,8 @@ import time
 import torch
 
 from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
-from pdserve.models import model_fingerprint, resolve_model_args
+from pdserve.models import resolve_model_args
+from pdserve.models.loader import model_fingerprint
 
 PRESET = "qwen3-30b-a3b"
 BLOCK = 16
@@ -46,7 +47,7 @@ def blocks_for(n_blocks: int, pattern: str, offset: int = 0) -> list[int]:
 
 
 def _decode_main(conn, backend: str, num_blocks: int, device: str, preset: str, kw: dict) -> None:
-    from kvtransfer import make_connector
+    from pdserve.kvtransfer import make_connector
 
     global PRESET
     PRESET = preset  # a spawned child does not see the parent's assignment
@@ -112,7 +113,7 @@ def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KV
     posting's launch latency and the copies); `waited_ms`, from the first post until the
     completion thread's wait for the copy returned (its excess over `stream_ms` is the detection
     lag); `notify_us`, the finish notice's send."""
-    from kvtransfer import ReserveHandle
+    from pdserve.kvtransfer import ReserveHandle
 
     n_blocks = -(-n_tokens // BLOCK)
     handle = ReserveHandle.unpack(decode_call(decode, "reserve", rid, blocks_for(n_blocks, pattern, 1)))
@@ -313,7 +314,7 @@ def main() -> None:
     args = ap.parse_args()
     dev0, dev1 = ("cpu", "cpu") if args.cpu else ("cuda:0", "cuda:1")
     PRESET = args.model
-    from kvtransfer import make_connector
+    from pdserve.kvtransfer import make_connector
 
     # Scattered allocations need twice the blocks of the request; +8 for the offsets.
     num_blocks = 2 * -(-max(args.sizes + [args.ttft]) // BLOCK) + 8
@@ -379,7 +380,7 @@ def part2_with_engine(args, decode, device: str) -> dict:
     from pdserve.config import EngineConfig, ModelConfig
     from pdserve.engine.engine import Engine
 
-    from kvtransfer import make_connector
+    from pdserve.kvtransfer import make_connector
 
     n = args.ttft
     cfg = EngineConfig(model=ModelConfig(path=PRESET, load_format="dummy", dtype="bfloat16"), role="prefill", device=device,
@@ -396,10 +397,10 @@ def part2_with_engine(args, decode, device: str) -> dict:
 
 
 def part2_run(args, decode, engine, conn) -> dict:
-    from pdserve.engine.sampling_params import SamplingParams
-    from prefill.kv_stream import KVStreamer
+    from pdserve.protocol import SamplingParams
+    from pdserve.prefill.kv_stream import KVStreamer
 
-    from kvtransfer import ReserveHandle
+    from pdserve.kvtransfer import ReserveHandle
 
     n = args.ttft
     prompt = torch.randint(0, min(engine.args.vocab_size, 150000), (n,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from kvtransfer.backends.block_copy import copy_blocks
+from pdserve.kvtransfer.backends.block_copy import copy_blocks
 
 
 def main() -> None:

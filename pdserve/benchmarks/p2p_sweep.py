@@ -9,7 +9,7 @@ import statistics
 
 import torch
 
-from kvtransfer.backends.block_copy import copy_blocks
+from pdserve.kvtransfer.backends.block_copy import copy_blocks
 
 
 def timed(fn, reps: int = 15) -> float:

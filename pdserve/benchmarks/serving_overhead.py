@@ -15,7 +15,6 @@ import asyncio
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import time
 
@@ -23,7 +22,7 @@ import httpx
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 
 def pct(xs: list[float], p: float) -> float:

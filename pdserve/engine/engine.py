@@ -16,11 +16,11 @@ from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache, num_blocks_for
 from pdserve.engine.model_runner import PENDING, Launched, ModelRunner
 from pdserve.engine.outputs import Completion, RequestOutput, TextStream
-from pdserve.engine.sampler import TokenLogprob
-from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.protocol import TokenLogprob
+from pdserve.protocol import InvalidRequestError, SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
-from pdserve.models import load_model, model_fingerprint
+from pdserve.models.loader import load_model, model_fingerprint
 from pdserve.ops.backends import make_backends
 from pdserve.tokenizer import load_tokenizer
 

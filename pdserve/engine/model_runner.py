@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.sampler import Sampled, Sampler, TokenLogprob
+from pdserve.engine.sampler import Sampled, Sampler
+from pdserve.protocol import TokenLogprob
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.sequence import Sequence
 

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from pdserve.engine.sampler import TokenLogprob
+from pdserve.protocol import TokenLogprob
 from pdserve.engine.sequence import FinishReason
 
 

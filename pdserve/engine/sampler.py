@@ -1,24 +1,10 @@
 """Turns the logits of the sequences that reached their last token into next tokens."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the most likely alternatives, most likely first
-    # Filled by the engine as it detokenizes (Engine._emit). `text`: what this token added to the
-    # request's text, before stop strings cut it — "" for a stop token, or for one whose bytes the
-    # detokenizer holds back (an incomplete character: a later token's text has them) — so that a
-    # request's texts join to its text. `top_texts`: each alternative decoded alone (as vLLM names
-    # tokens), except this token itself, which reads as `text`.
-    text: str = ""
-    top_texts: list[str] = field(default_factory=list)
+from pdserve.protocol import SamplingParams, TokenLogprob
 
 
 class Sampler:

@@ -1,9 +1,14 @@
 """ModelArgs: everything the engine needs about a model's shape, parsed from a HF config.json."""
 
+import json
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+from pdserve.models.presets import PRESETS
+
+if TYPE_CHECKING:  # the router reads model shapes and must not import torch
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
@@ -58,7 +63,7 @@ class ModelArgs:
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
-    def num_kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+    def num_kv_bytes_per_token(self, dtype: "torch.dtype") -> int:
         """Bytes of K and V one token occupies over all layers."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
 
@@ -182,3 +187,28 @@ def _parse_moe(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     out["decoder_sparse_step"] = cfg.get("decoder_sparse_step") or 1
     out["mlp_only_layers"] = list(cfg.get("mlp_only_layers") or [])
     return out
+
+
+def resolve_model_args(path_or_preset: str) -> ModelArgs:
+    """ModelArgs of a preset, or of a directory's config.json (eos ids merged from generation_config.json)."""
+    if path_or_preset in PRESETS:
+        return ModelArgs.from_hf_config(PRESETS[path_or_preset])
+    model_dir = Path(path_or_preset)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model {path_or_preset!r} is neither a preset ({', '.join(PRESETS)}) "
+                                f"nor a directory")
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: a model directory holds config.json and *.safetensors")
+    try:
+        args = ModelArgs.from_hf_config(json.loads(config_path.read_text()))
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from e
+    # Chat models often stop on more ids than config.json names (Qwen3: <|im_end|> and <|endoftext|>).
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        for t in [] if eos is None else [eos] if isinstance(eos, int) else eos:
+            if t not in args.eos_token_ids:
+                args.eos_token_ids.append(t)
+    return args

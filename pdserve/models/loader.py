@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pdserve.models.args import SUPPORTED_ARCHITECTURES, ModelArgs
+from pdserve.models.args import SUPPORTED_ARCHITECTURES, ModelArgs, resolve_model_args
 from pdserve.models.decoder import DecoderLM
 from pdserve.models.layers import RMSNorm, SparseMoE
 from pdserve.models.llama import LlamaForCausalLM
@@ -33,31 +33,6 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
 
 LOAD_FORMATS = ("auto", "dummy")
-
-
-def resolve_model_args(path_or_preset: str) -> ModelArgs:
-    """ModelArgs of a preset, or of a directory's config.json (eos ids merged from generation_config.json)."""
-    if path_or_preset in PRESETS:
-        return ModelArgs.from_hf_config(PRESETS[path_or_preset])
-    model_dir = Path(path_or_preset)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"model {path_or_preset!r} is neither a preset ({', '.join(PRESETS)}) "
-                                f"nor a directory")
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found: a model directory holds config.json and *.safetensors")
-    try:
-        args = ModelArgs.from_hf_config(json.loads(config_path.read_text()))
-    except ValueError as e:
-        raise ValueError(f"{config_path}: {e}") from e
-    # Chat models often stop on more ids than config.json names (Qwen3: <|im_end|> and <|endoftext|>).
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        for t in [] if eos is None else [eos] if isinstance(eos, int) else eos:
-            if t not in args.eos_token_ids:
-                args.eos_token_ids.append(t)
-    return args
 
 
 def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto",

@@ -1,1 +1,1 @@
-"""Python code generated from proto/ (do not edit; regenerate: python -m router.grpc_gen.generate)."""
+"""Python code generated from proto/ (do not edit; regenerate: python -m pdserve.router.grpc_gen.generate)."""

@@ -1,4 +1,4 @@
-"""Regenerate router/grpc_gen/pdserve/ from proto/: python -m router.grpc_gen.generate"""
+"""Regenerate router/grpc_gen/pdserve/ from proto/: python -m pdserve.router.grpc_gen.generate"""
 
 import importlib.resources
 import re

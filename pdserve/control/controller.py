@@ -36,9 +36,9 @@ class Controller:
 
     def start(self) -> dict[str, str]:
         """Start replicas and router; returns the endpoints once every replica is ready."""
-        from pdserve.colocated_worker import ColocatedWorker
-        from prefill.worker import PrefillWorker
-        from router.server import Router
+        from pdserve.worker.colocated import ColocatedWorker
+        from pdserve.prefill.worker import PrefillWorker
+        from pdserve.router.server import Router
 
         cfg = self.config
         n = cfg.prefill.replicas + cfg.decode.replicas * cfg.decode.ep_size + cfg.colocated.replicas  # processes
@@ -78,7 +78,7 @@ class Controller:
         worker takes the GPU Ray assigned it by index (Replica)."""
         if self.config.kv_transfer.backend != "cuda_ipc":
             return {}
-        from pdserve.replica import ALL_GPUS_VISIBLE
+        from pdserve.worker.replica import ALL_GPUS_VISIBLE
 
         return {"runtime_env": {"env_vars": {ALL_GPUS_VISIBLE: "1"}}}
 
@@ -94,8 +94,8 @@ class Controller:
 
     def _start_decode(self, name: str, threads: int) -> dict[str, ray.actor.ActorHandle]:
         """One decode replica: its worker, or the ranks of its expert-parallel group (by name)."""
-        from decode.ep_group import EPRank, rendezvous_store
-        from decode.worker import DecodeWorker
+        from pdserve.decode.ep_group import EPRank, rendezvous_store
+        from pdserve.decode.worker import DecodeWorker
 
         cfg, d = self.config, self.config.decode
         args = (cfg.engine_config("decode"), cfg.kv_transfer.backend, cfg.kv_transfer.lease_s, NAMESPACE, threads)
@@ -130,7 +130,7 @@ class Controller:
     def status(self) -> dict:
         """state ("starting", "running", "degraded": some replica is down, "stopping", "stopped"),
         progress lines, endpoints, and each replica's stats or why it is down ("down: ...")."""
-        from router.replica_health import down_reason
+        from pdserve.router.replica_health import down_reason
 
         replicas: dict[str, ReplicaStats | str] = {}
         single = {**self.prefill, **self.colocated}  # replicas of one worker each

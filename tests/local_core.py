@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 
-from router.types import Delta, GenerateRequest
+from pdserve.router.types import Delta, GenerateRequest
 
 
 class LocalCore:

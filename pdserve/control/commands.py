@@ -18,7 +18,7 @@ def _connect(address: str | None) -> None:
         _use_token_if_present()
     import ray
 
-    from pdserve.controller import NAMESPACE
+    from pdserve.control.controller import NAMESPACE
 
     ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, logging_level="WARNING",
              log_to_driver=False, configure_logging=True)
@@ -38,7 +38,7 @@ def up(path: str | None) -> int:
     cfg = load_cluster_config(path)
     _check_model(cfg)
     if cfg.ray.address == "local":  # the router will listen on this host: a taken port fails now, not after loading
-        from router.listen import check_free
+        from pdserve.router.listen import check_free
 
         check_free(cfg.router.host, cfg.router.http_port, "router.http_port")
         if cfg.router.grpc_port is not None:
@@ -47,7 +47,7 @@ def up(path: str | None) -> int:
     _connect(None if cfg.ray.address == "local" else cfg.ray.address)  # before Ray's import: see _connect
     import ray
 
-    from pdserve.controller import CONTROLLER, Controller
+    from pdserve.control.controller import CONTROLLER, Controller
 
     # Named so `pdserve down --address` reaches this cluster where a host runs several: with no
     # address, Ray picks the cluster started last on the host.
@@ -160,7 +160,7 @@ def down(address: str) -> int:
         return 1
     import ray
 
-    from pdserve.controller import CONTROLLER, NAMESPACE
+    from pdserve.control.controller import CONTROLLER, NAMESPACE
 
     try:
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
@@ -180,7 +180,7 @@ def status(address: str) -> int:
         _connect(address)  # first: it readies the environment Ray reads once, on import
         import ray
 
-        from pdserve.controller import CONTROLLER, NAMESPACE
+        from pdserve.control.controller import CONTROLLER, NAMESPACE
 
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
     except (ConnectionError, ValueError):

@@ -3,11 +3,11 @@ prefill), the baseline every disaggregated figure is compared with. A request go
 in whole; new tokens go back to each router once per step, as from a decode worker."""
 
 from pdserve.config import EngineConfig
-from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from pdserve.engine_loop import IDLE_S
+from pdserve.protocol import InvalidRequestError, SamplingParams
+from pdserve.worker.engine_loop import IDLE_S
 from pdserve.messages import Refusal
-from pdserve.replica import Replica
-from pdserve.router_streams import RouterStreams
+from pdserve.worker.replica import Replica
+from pdserve.worker.router_streams import RouterStreams
 
 
 class ColocatedWorker(Replica):

@@ -1,4 +1,6 @@
-"""What a request asks of the sampler; validated where a user can reach it."""
+"""What a request asks for and gets back, shared by the engine, the workers and the router (which
+never imports torch: nothing here does): sampling options, validated where a user can reach them,
+and the logprob of a sampled token."""
 
 import math
 from dataclasses import dataclass, field
@@ -56,3 +58,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives, most likely first
+    # Filled by the engine as it detokenizes (Engine._emit). `text`: what this token added to the
+    # request's text, before stop strings cut it — "" for a stop token, or for one whose bytes the
+    # detokenizer holds back (an incomplete character: a later token's text has them) — so that a
+    # request's texts join to its text. `top_texts`: each alternative decoded alone (as vLLM names
+    # tokens), except this token itself, which reads as `text`.
+    text: str = ""
+    top_texts: list[str] = field(default_factory=list)

@@ -5,10 +5,10 @@ import os
 import ray
 import torch
 
-from kvtransfer import make_connector
+from pdserve.kvtransfer import make_connector
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine_loop import EngineLoop
+from pdserve.worker.engine_loop import EngineLoop
 from pdserve.messages import ReplicaStats
 
 
