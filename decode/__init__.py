@@ -1,1 +1,2 @@
-"""The decode worker: the engine core in its decode role, receiving KV and mega-batching (serving path, not built yet)."""
+"""The decode worker (installed as pdserve.decode): the engine core in its decode role, receiving KV and
+mega-batching, alone or as a rank of an expert-parallel group."""

@@ -1,1 +1,2 @@
-"""The prefill worker: the engine core in its prefill role, pushing KV through kvtransfer (serving path, not built yet)."""
+"""The prefill worker (installed as pdserve.prefill): the engine core in its prefill role, pushing KV
+through pdserve.kvtransfer layer by layer."""

@@ -1,1 +1,1 @@
-"""HTTP and gRPC front ends, routing policies, the request lifecycle (not built yet)."""
+"""The router (installed as pdserve.router): HTTP and gRPC front ends, routing, the request lifecycle."""

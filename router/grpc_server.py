@@ -2,7 +2,6 @@
 
 import asyncio
 import logging
-import math
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -67,9 +66,6 @@ class CompletionServicer(pb_grpc.CompletionServicer):
                 f"model: {request.model!r} is not served here; this service serves {self.core.model_name!r}")
         if not request.prompt:
             raise InvalidRequestError("prompt", "must not be empty")
-        # SamplingParams' range checks let NaN and inf through (every comparison with NaN is False).
-        if request.HasField("temperature") and not math.isfinite(request.temperature):
-            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {request.temperature}")
         prompt_ids = self.core.tokenize(request.prompt)
         # The HTTP API's rule: checked here, in front of a replica pick and a KV reservation.
         max_tokens = limits.max_tokens(request.max_tokens or None, "max_tokens", DEFAULT_MAX_TOKENS,

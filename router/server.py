@@ -11,7 +11,6 @@ from pdserve.tokenizer import load_tokenizer
 from pdserve.messages import RequestDelta
 
 from pdserve.router.decode_replica import DecodeReplica
-from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_api import build_app
 from pdserve.router.listen import bind_listener
 from pdserve.router.metrics import Metrics
@@ -57,6 +56,8 @@ class Router:
         endpoints = {"http": f"http://{cfg.router.host}:{sock.getsockname()[1]}"}
         self.grpc = None
         if cfg.router.grpc_port is not None:
+            from pdserve.router.grpc_server import start_grpc_server  # the `grpc` extra: only where asked for
+
             self.grpc = await start_grpc_server(self.core, cfg.router.grpc_port, cfg.router.host)
             endpoints["grpc"] = f"{cfg.router.host}:{self.grpc.port}"
         return endpoints

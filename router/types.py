@@ -8,7 +8,8 @@ from pdserve.protocol import SamplingParams
 
 
 class NoCapacityError(RuntimeError):
-    """Every decode replica is full: the client should retry later (HTTP 429/503, gRPC UNAVAILABLE)."""
+    """Every decode replica is full: the client should retry later (HTTP 503 with Retry-After, gRPC
+    UNAVAILABLE with retry pushback)."""
 
     def __init__(self, message: str, retry_after_s: float = 1.0):
         super().__init__(message)

@@ -15,7 +15,7 @@ column says so). `--batches` are per GPU: the single replica and
 each independent replica decode B requests, each EP rank B requests (N·B in the replica). Every
 request has `--context` tokens of context and never finishes during the measurement. Shape:
 qwen3-30b-a3b (dummy bf16 weights) on GPUs. Needs max(2, N) GPUs (the single replica uses the first).
-Decode steps replay CUDA graphs up to batch 256 per GPU (--graph-max-batch) unless --no-graphs:
+Decode steps replay CUDA graphs up to batch --graph-max-batch per GPU (512, the engine default) unless --no-graphs:
 single-GPU replicas always, EP ranks on the all-gather path (the graphs hold the exchange); the all-to-all path is eager.
 Scaling: `epN_<path>_vs_linear` is the EP replica's tokens/s over N times the single GPU's.
 """

@@ -37,6 +37,7 @@ def _use_token_if_present() -> None:
 def up(path: str | None) -> int:
     cfg = load_cluster_config(path)
     _check_model(cfg)
+    _check_extras(cfg)
     if cfg.ray.address == "local":  # the router will listen on this host: a taken port fails now, not after loading
         from pdserve.router.listen import check_free
 
@@ -111,6 +112,18 @@ def _check_model(cfg: ClusterConfig) -> None:
     except (ValueError, FileNotFoundError) as e:
         raise ValueError(f"model.path: {e}") from None
     check_model_fit(cfg, args)
+
+
+def _check_extras(cfg: ClusterConfig) -> None:
+    """Fail before anything starts when the file asks for a part whose optional packages are missing."""
+    import importlib.util
+
+    if cfg.kv_transfer.backend == "nixl" and cfg.prefill.replicas and importlib.util.find_spec("nixl") is None:
+        raise ValueError("kv_transfer.backend: 'nixl' needs the nixl package: pip install 'pdserve[nixl]', "
+                         "or set kv_transfer.backend: tcp")
+    if cfg.router.grpc_port is not None and importlib.util.find_spec("grpc_health") is None:
+        raise ValueError("router.grpc_port: the gRPC front end needs the grpc packages: pip install "
+                         "'pdserve[grpc]', or set router.grpc_port: null")
 
 
 def _wait_started(controller) -> dict[str, str]:

@@ -75,6 +75,6 @@ class EngineLoop:
                 if nap is not None:
                     self._wake.wait(nap)
                     self._wake.clear()
-        except BaseException as e:  # the worker reports itself unhealthy; the controller replaces it
+        except BaseException as e:  # the worker's stats() raises from now on: routers count it down
             log.exception("engine loop died")
             self.error = e

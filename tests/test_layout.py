@@ -1,0 +1,34 @@
+"""The installed layout: the repository's top-level folders live inside the pdserve namespace, and
+the router's process runs without torch (it only routes, tokenizes and streams)."""
+
+import subprocess
+import sys
+
+# Every module the Router actor loads (pdserve.router.server and what it imports, gRPC included).
+ROUTER_MODULES = ["pdserve.router.server", "pdserve.router.ray_core", "pdserve.router.http_api",
+                  "pdserve.router.grpc_server", "pdserve.router.metrics", "pdserve.router.replica_health",
+                  "pdserve.router.decode_replica", "pdserve.config", "pdserve.tokenizer", "pdserve.models",
+                  "pdserve.messages", "pdserve.protocol"]
+
+
+def python(code: str, cwd) -> subprocess.CompletedProcess:
+    # Not from the repository's root: there the folders would import as plain directories.
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_top_level_folders_import_only_inside_pdserve(tmp_path):
+    for name in ("router", "prefill", "decode", "kvtransfer"):
+        r = python(f"import {name}", tmp_path)
+        assert r.returncode != 0 and "No module named" in r.stderr, f"`import {name}` worked"
+    r = python("import pdserve.router.server, pdserve.prefill.worker, pdserve.decode.worker, pdserve.kvtransfer; "
+               "print(pdserve.kvtransfer.__file__)", tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("kvtransfer/__init__.py")
+
+
+def test_the_router_imports_no_torch(tmp_path):
+    code = "; ".join(f"import {m}" for m in ROUTER_MODULES)
+    r = python(f"import sys; {code}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:5])",
+               tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", f"the router's modules import torch: {r.stdout}"
