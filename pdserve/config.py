@@ -37,7 +37,7 @@ class EngineConfig(_Strict):
     # The largest decode batch captured (larger ones run eagerly); capture goes up to
     # min(max_num_seqs, this). Each bucket's graph holds its activations and decode attention's
     # split-K buffers, so larger captures cost memory; an eager step at 512 ran 2.5x slower than
-    # its graph for an EP rank (docs/benchmarks.md), hence 512.
+    # its graph for an EP rank (docs/benchmarks-history.md), hence 512.
     cuda_graph_max_batch: int = Field(default=512, ge=1)
     # Queue step N+1 on the device before handing out step N's tokens (default: on a GPU).
     overlap_scheduling: bool | None = None
@@ -99,7 +99,7 @@ class DecodeConfig(_Strict):
     ep_threshold: int = Field(default=1024, ge=0)  # tokens per rank from which MoE layers exchange by
     # all-to-all; below it by all-gather / reduce-scatter, replayed from CUDA graphs up to batch 256
     # (0: always all-to-all). On 2-4 H200s the all-gather path led at every batch measured, 64-512
-    # per rank, graphed or eager (docs/benchmarks.md): all-to-all is for batches beyond those.
+    # per rank, graphed or eager (docs/benchmarks-history.md): all-to-all is for batches beyond those.
     ep_replicated_experts: list[int] = Field(default_factory=list)  # hot experts copied to every rank
     max_num_seqs: int = Field(default=256, ge=1)
     cuda_graphs: bool = True

@@ -2,7 +2,7 @@
 allocation and copies into it over NVLink; notices go over a Unix socket.
 
 Why besides NIXL: on one host, NIXL/UCX's cuda_ipc path pays about a millisecond per request
-and reaches 60-70 % of the peer-copy rate (docs/benchmarks.md); here a request's blocks move in
+and reaches 60-70 % of the peer-copy rate (docs/benchmarks-history.md); here a request's blocks move in
 one copy kernel per post (kvtransfer/backends/block_copy.py), whatever their fragmentation.
 
 Posting is *inline*: `write_range` runs on the caller's (the engine's) thread and only enqueues

@@ -47,7 +47,7 @@ def _regions(meta: KVAgentMetadata, dev: int) -> list[tuple[int, int, int, str]]
     """The KV allocation as registered memory: one region per layer (its K and V blocks).
 
     Measured on two H200s, per-layer regions and one region for the whole 12.9 GB allocation move
-    KV equally fast (docs/benchmarks.md); per layer keeps each region within what a peer maps.
+    KV equally fast (docs/benchmarks-history.md); per layer keeps each region within what a peer maps.
     """
     size = 2 * meta.num_blocks * meta.bytes_per_block
     return [(meta.base_addr + layer * size, size, dev, "") for layer in range(meta.num_layers)]

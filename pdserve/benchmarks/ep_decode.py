@@ -9,7 +9,7 @@ Every worker is an engine in the decode role fed through `reserve` + `start_deco
 the KV cache is filled with random values, which cost the same to read, and every request gets
 random prompt and first-token ids, so that the requests' hidden states differ and the routers
 spread them over the experts as a real batch does). `--kv zeros` keeps the cache zeroed, with the
-same first token for every request, as the first runs did (docs/benchmarks.md): every request
+same first token for every request, as the first runs did (docs/benchmarks-history.md): every request
 then computes the same hidden state and all pick the same 8 experts per layer (the `experts_hit`
 column says so). `--batches` are per GPU: the single replica and
 each independent replica decode B requests, each EP rank B requests (N·B in the replica). Every

@@ -22,7 +22,7 @@ class TritonAttention:
     """Paged attention with Triton kernels; `decode_splits` fixes the split count (CUDA graphs)."""
 
     # The model computes q, k and v with one GEMM (Attention.fuse_qkv): a batch-1 decode step on
-    # an H200 went from 744 kernels / 3.94 ms GPU time to 648 / 3.47 ms (docs/benchmarks.md). k and
+    # an H200 went from 744 kernels / 3.94 ms GPU time to 648 / 3.47 ms (docs/benchmarks-history.md). k and
     # v arrive as strided views; every kernel here takes strides.
     fuse_qkv = True
 

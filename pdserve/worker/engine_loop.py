@@ -3,7 +3,7 @@
 The engine is not thread-safe: actor methods and the loop take turns through `lock`, a FIFO
 (`TurnLock`): a busy loop takes it again right after each step, and with a plain Lock it would
 win every time — an actor call (a new request, a reservation) then waited until the loop napped,
-hundreds of milliseconds under load (docs/benchmarks.md, goodput). `step` returns None when it
+hundreds of milliseconds under load (docs/benchmarks-history.md, goodput). `step` returns None when it
 has more to do right away, else how long the loop may nap (woken early by `wake()`): short while
 transfers are in flight, long when idle — an idle worker must not burn a core polling.
 """
