@@ -49,15 +49,17 @@ class Tokenizer:
         """Text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat, rendered with the model's Jinja template."""
+    def apply_chat_template(self, messages: list[dict], /, tools: list[dict] | None = None, **template_kwargs) -> str:
+        """The prompt text for a chat (ending in the assistant's turn), rendered with the model's Jinja
+        template as transformers' `apply_chat_template` does: `tools` and every extra keyword (e.g. Qwen3's
+        `enable_thinking=False`) become template variables; a keyword pdserve sets itself raises ValueError."""
         if self.chat_template is None:
             raise ValueError(
                 "this model has no chat template (none in tokenizer_config.json or chat_template.jinja); "
                 "use /v1/completions with a plain prompt instead"
             )
         special = {"bos_token": self.bos_token, "eos_token": self.eos_token}
-        return render_chat_template(self.chat_template, messages, add_generation_prompt, special)
+        return render_chat_template(self.chat_template, messages, True, special, tools, template_kwargs)
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -145,10 +147,11 @@ class ByteTokenizer:
         parts.append(run.decode("utf-8", errors="replace"))
         return "".join(parts)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat, in ChatML."""
+    def apply_chat_template(self, messages: list[dict], /, tools: list[dict] | None = None, **template_kwargs) -> str:
+        """The prompt text for a chat, in ChatML (ending in the assistant's turn); the same arguments as
+        `Tokenizer.apply_chat_template` (this template ignores tools and extra variables)."""
         special = {"bos_token": self.bos_token, "eos_token": self.eos_token}
-        return render_chat_template(self.chat_template, messages, add_generation_prompt, special)
+        return render_chat_template(self.chat_template, messages, True, special, tools, template_kwargs)
 
     def _special_name(self, token_id: int) -> str:
         # A preset model's vocabulary may be larger than ours; its extra ids still need a printable name.
@@ -168,14 +171,35 @@ def load_tokenizer(path_or_preset: str, eos_token_ids: list[int] | None = None) 
     return Tokenizer(path_or_preset, eos_token_ids)
 
 
+# Template variables and globals pdserve sets itself: a chat_template_kwargs key may not replace them.
+_RESERVED_TEMPLATE_VARS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+     "raise_exception", "strftime_now"}
+)
+
+
 def render_chat_template(
-    template: str, messages: list[dict], add_generation_prompt: bool, special_tokens: dict[str, str | None]
+    template: str,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    special_tokens: dict[str, str | None],
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> str:
-    """Render a chat template the way transformers' `apply_chat_template` does."""
+    """Render a chat template the way transformers' `apply_chat_template` does: `tools` (None when absent)
+    and `template_kwargs` become template variables."""
+    template_kwargs = template_kwargs or {}
+    for key in template_kwargs:
+        if key in _RESERVED_TEMPLATE_VARS or key in special_tokens:
+            raise ValueError(
+                f"chat_template_kwargs: {key!r} is set by pdserve; the keys it sets itself are "
+                f"{sorted(_RESERVED_TEMPLATE_VARS | special_tokens.keys())}"
+            )
     try:
         return _compile_template(template).render(
+            **template_kwargs,
             messages=[_plain_message(m) for m in messages],
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **{k: v for k, v in special_tokens.items() if v is not None},

@@ -10,7 +10,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer, StopChecker, find_stop
-from pdserve.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from pdserve.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, render_chat_template
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 after training
 
@@ -238,10 +238,56 @@ def test_chat_template_matches_transformers(request, fixture):
     model_dir = request.getfixturevalue(fixture)
     tok, hf = load_tokenizer(model_dir), _oracle(model_dir)
     chats = CHATS if fixture == "qwen_dir" else [CHATS[0], CHATS[1], CHATS[1][:1] + [{"role": "ignored"}]]
+    special = {"bos_token": tok.bos_token, "eos_token": tok.eos_token}
     for chat in chats:
-        for gen in (True, False):
-            expected = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
-            assert tok.apply_chat_template(chat, add_generation_prompt=gen) == expected
+        expected = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert tok.apply_chat_template(chat) == expected
+        expected = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+        assert render_chat_template(tok.chat_template, chat, False, special) == expected
+
+
+# Qwen3's switch: an empty think block when thinking is off; tools listed in a system turn.
+THINKING_TEMPLATE = """{%- if tools %}
+{{- '<|im_start|>system\n# Tools\n' }}
+{%- for tool in tools %}{{- tool | tojson }}{{- '\n' }}{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}"""
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_chat_template_variables_match_transformers(tmp_path, trained):
+    config = {"eos_token": "<|im_end|>", "chat_template": THINKING_TEMPLATE}
+    model_dir = _write_model_dir(tmp_path, trained, config)
+    tok, hf = load_tokenizer(model_dir), _oracle(model_dir)
+    chat = CHATS[0]
+    rendered = set()
+    for kwargs in ({}, {"tools": TOOLS}, {"enable_thinking": False}, {"enable_thinking": True},
+                   {"tools": TOOLS, "enable_thinking": False, "unused_variable": 1}):
+        expected = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **kwargs)
+        assert tok.apply_chat_template(chat, **kwargs) == expected, kwargs
+        rendered.add(expected)
+    assert len(rendered) == 4  # tools and enable_thinking each change the prompt (enable_thinking=True is the default)
+    assert "<think>" in tok.apply_chat_template(chat, enable_thinking=False)
+    assert "get_weather" in tok.apply_chat_template(chat, tools=TOOLS)
+    assert tok.apply_chat_template(chat, tools=None) == tok.apply_chat_template(chat)
+
+
+@pytest.mark.parametrize("key", ["messages", "add_generation_prompt", "bos_token", "eos_token", "documents",
+                                 "raise_exception"])
+def test_chat_template_reserved_variables(qwen_dir, key):
+    chat = CHATS[0]
+    for tok in (load_tokenizer(qwen_dir), ByteTokenizer()):
+        with pytest.raises(ValueError, match=rf"chat_template_kwargs: '{key}' is set by pdserve"):
+            tok.apply_chat_template(chat, **{key: "x"})
 
 
 def test_chat_content_parts_are_joined(qwen_dir):
@@ -296,8 +342,10 @@ def test_byte_tokenizer_chat_template():
     tok = ByteTokenizer()
     chat = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi 😀"}]
     expected = "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nhi 😀<|im_end|>\n"
-    assert tok.apply_chat_template(chat, add_generation_prompt=False) == expected
+    assert render_chat_template(tok.chat_template, chat, False, {}) == expected
     assert tok.apply_chat_template(chat) == expected + "<|im_start|>assistant\n"
+    # The same signature as Tokenizer's: ChatML uses neither tools nor extra variables.
+    assert tok.apply_chat_template(chat, tools=TOOLS, enable_thinking=False) == tok.apply_chat_template(chat)
     ids = tok.encode(tok.apply_chat_template(chat), add_special_tokens=False)
     assert ids.count(258) == 3 and ids.count(259) == 2
 
