@@ -51,7 +51,13 @@ class ServingCore(Protocol):
         """Token ids of text; False for text a chat template rendered (it carries its own BOS)."""
         ...
 
-    def apply_chat_template(self, messages: list[dict]) -> str: ...
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> str:
+        """The prompt text of a chat, rendered by the model's template as HF's `apply_chat_template` does:
+        `tools` (OpenAI tool definitions) as its `tools` variable, each key of `template_kwargs` as a variable
+        of its own. Raises ValueError when there is no template, a key would replace a variable the renderer
+        sets itself (messages, add_generation_prompt, bos_token, ...), or the template rejects its input."""
+        ...
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         """Stream the request's output; closing the iterator early (aclose) aborts the request

@@ -27,8 +27,9 @@ class LocalCore:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, tools=tools, **(template_kwargs or {}))
 
     def ready(self) -> bool:
         return self._thread.is_alive()

@@ -316,7 +316,22 @@ BAD = [
     ("/v1/chat/completions", OK_CHAT | {"temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", OK_CHAT | {"n": 3}, 400, "n"),
     ("/v1/chat/completions", OK_CHAT | {"top_logprobs": 2}, 400, "top_logprobs"),
-    ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function"}]}, 400, "tools"),
+    # Tools reach the template, but must be OpenAI function definitions; no call can be forced, since pdserve
+    # does not parse tool calls out of the output.
+    ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function"}]}, 400, "tools.0.function"),
+    ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "code", "function": {"name": "f"}}]}, 400, "tools.0.type"),
+    ("/v1/chat/completions", OK_CHAT | {"tools": {"type": "function"}}, 400, "tools"),
+    ("/v1/chat/completions", OK_CHAT | {"tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", OK_CHAT | {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+     400, "tool_choice"),
+    # chat_template_kwargs: a JSON object whose keys do not replace the variables pdserve sets.
+    ("/v1/chat/completions", OK_CHAT | {"chat_template_kwargs": "enable_thinking"}, 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", OK_CHAT | {"chat_template_kwargs": [["enable_thinking", False]]},
+     400, "chat_template_kwargs"),
+    ("/v1/chat/completions", OK_CHAT | {"chat_template_kwargs": {"add_generation_prompt": False}},
+     400, "chat_template_kwargs"),
+    ("/v1/chat/completions", OK_CHAT | {"chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", OK_CHAT | {"chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs"),
     # Inputs that would cost the server too much, refused before any work.
     ("/v1/completions", OK | {"stop": ["x"] * 100_000}, 400, "stop"),
     ("/v1/completions", OK | {"stop": "x" * 1_000_000}, 400, "stop"),
@@ -402,11 +417,80 @@ def test_unknown_route_is_openai_shaped(served):
 
 
 def test_no_chat_template_is_400(served, monkeypatch):
-    def no_template(messages):
+    def no_template(messages, tools=None, template_kwargs=None):
         raise ValueError("this model has no chat template")
     monkeypatch.setattr(served.core, "apply_chat_template", no_template)
     r = post(served, "/v1/chat/completions", OK_CHAT)
     assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+
+
+# What Qwen3's template does with tools and enable_thinking, in a few lines: the byte tokenizer's own ChatML
+# template reads neither. It also refuses what Qwen3 would choke on, so that each kind of template error shows.
+TOOLS_TEMPLATE = (
+    "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('a chat must not open with the assistant') }}"
+    "{% endif %}"
+    "{% if enable_thinking is defined and enable_thinking is not boolean %}"
+    "{{ raise_exception('enable_thinking must be true or false') }}{% endif %}"
+    "{% for tool in tools or [] %}{% if tool['function']['description'] is not defined %}"
+    "{{ raise_exception('every tool needs a description') }}{% endif %}{% endfor %}"
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+
+
+def test_chat_template_kwargs_and_tools_reach_the_template(served, monkeypatch):
+    monkeypatch.setattr(served.engine.tokenizer, "chat_template", TOOLS_TEMPLATE)
+    core = served.core
+    plain = core.apply_chat_template(CHAT)
+    no_thinking = core.apply_chat_template(CHAT, template_kwargs={"enable_thinking": False})
+    with_tools = core.apply_chat_template(CHAT, tools=[WEATHER])
+    assert no_thinking == plain + "<think>\n\n</think>\n\n"
+    assert with_tools.endswith(plain) and json.dumps(WEATHER) in with_tools  # the definition as the client sent it
+
+    def prompt_tokens(text: str) -> int:
+        return len(core.tokenize(text, add_special_tokens=False))
+
+    def served_prompt_tokens(**kw) -> int:
+        r = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, temperature=0, **kw)
+        assert r.choices[0].message.tool_calls is None  # not parsed: the model's text is the content
+        return r.usage.prompt_tokens
+
+    assert served_prompt_tokens() == prompt_tokens(plain)
+    assert served_prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}}) == \
+        prompt_tokens(no_thinking) > prompt_tokens(plain)
+    assert served_prompt_tokens(tools=[WEATHER], tool_choice="auto") == prompt_tokens(with_tools)
+    both = core.apply_chat_template(CHAT, tools=[WEATHER], template_kwargs={"enable_thinking": False})
+    assert served_prompt_tokens(tools=[WEATHER], extra_body={"chat_template_kwargs": {"enable_thinking": False}}) \
+        == prompt_tokens(both)
+
+
+NO_DESCRIPTION = {"type": "function", "function": {"name": "f"}}
+THINKING = {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("extra,messages,param,says", [
+    ({"chat_template_kwargs": {"enable_thinking": "yes"}}, CHAT, "chat_template_kwargs", "enable_thinking"),
+    ({"chat_template_kwargs": {"enable_thinking": "yes"}, "tools": [WEATHER]}, CHAT, "chat_template_kwargs",
+     "enable_thinking"),
+    ({"chat_template_kwargs": THINKING, "tools": [NO_DESCRIPTION]}, CHAT, "tools", "description"),
+    ({"tools": [NO_DESCRIPTION]}, CHAT, "tools", "description"),
+    ({"chat_template_kwargs": THINKING, "tools": [WEATHER]}, [{"role": "assistant", "content": "Hello"}],
+     "messages", "assistant"),
+])
+def test_a_template_error_names_the_field_it_is_about(served, monkeypatch, extra, messages, param, says):
+    monkeypatch.setattr(served.engine.tokenizer, "chat_template", TOOLS_TEMPLATE)
+    r = post(served, "/v1/chat/completions", OK_CHAT | {"messages": messages} | extra)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: ") and says in error["message"]
+    assert not error["message"].startswith(f"{param}: {param}:")  # named once
 
 
 @pytest.mark.parametrize("error,code", [(NoCapacityError("all decode replicas full", retry_after_s=2.5), "no_capacity"),

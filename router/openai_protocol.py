@@ -1,0 +1,255 @@
+"""The OpenAI API's request side as pdserve accepts it: the endpoints, the request bodies with their
+validators, and the error body every failure answers with.
+
+Validation here is what the body alone decides (types, ranges, fields pdserve does not support); what
+needs the model (token counts against the context, the chat template) is checked while serving."""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from pdserve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+GENERATION_ENDPOINTS = (COMPLETIONS, CHAT)
+
+# Python's JSON parser accepts NaN and Infinity; the sampler must never see them.
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _only(value: Any, allowed: tuple, what: str) -> Any:
+    if value not in allowed:
+        raise ValueError(f"is not supported; only {what} is accepted")
+    return value
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool | None = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields both generation endpoints take. Unknown fields (e.g. `user`) are ignored, as OpenAI does;
+    known-but-unsupported ones are accepted only at their no-op value, since silently ignoring, say, a
+    penalty would return output the caller did not ask for."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Annotated[str, Field(min_length=1)]
+    max_tokens: int | None = None
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # vLLM extension; 0 or -1 = off
+    seed: Annotated[int, Field(ge=-2**63, le=2**64 - 1)] | None = None  # the range torch generators take
+    stop: Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    ignore_eos: bool | None = False  # vLLM extension
+    frequency_penalty: FiniteFloat | None = 0.0
+    presence_penalty: FiniteFloat | None = 0.0
+    repetition_penalty: FiniteFloat | None = 1.0  # vLLM extension
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_lengths(cls, v: Any) -> Any:
+        if v and any(len(s) > MAX_STOP_CHARS for s in v):
+            raise ValueError(f"each stop string may have at most {MAX_STOP_CHARS} characters")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _needs_stream(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("is only allowed when stream is true")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: Any) -> Any:
+        return _only(v, (None, 1), "n=1")
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, v: Any) -> Any:
+        return _only(v, (None, 0), "0")
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, v: Any) -> Any:
+        return _only(v, (None, 1), "1")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: Any) -> Any:
+        return _only(v, (None, {}), "an empty map")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; SamplingParams checks the ranges (InvalidRequestError names the field)."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),  # vLLM clients send -1 for "off"
+            seed=self.seed,
+            stop=list(self.stop or []),
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    # A string, or token ids; a batch of one of either is taken too (`_one_prompt`).
+    prompt: Annotated[str | list[int], Field(json_schema_extra={"anyOf": [  # what `_one_prompt` checks
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "integer", "minimum": 0},
+                                             "minItems": 1}]})]
+    logprobs: int | None = None  # completions style: how many alternatives per token (0..20)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]  # a batch of one
+        if isinstance(v, str) and v:
+            return v
+        if isinstance(v, list) and v and all(type(t) is int and t >= 0 for t in v):
+            return v
+        raise ValueError("must be a non-empty string, a list of one string, or a non-empty list of token ids")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: Any) -> Any:
+        return _only(v, (None, False), "false")
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, v: Any) -> Any:
+        return _only(v, (None, 1), "1")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: Any) -> Any:
+        return _only(v, (None, ""), "no suffix")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None  # null only for an assistant's turn (OpenAI sends it with tool calls)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
+            raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts; '
+                             "only text is supported")
+        return "\n".join(p["text"] for p in v)
+
+    @field_validator("content")
+    @classmethod
+    def _text_unless_assistant(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and info.data.get("role") != "assistant":
+            raise ValueError("must be a string (only an assistant message may have null content)")
+        return v
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: content always a string."""
+        return {"role": self.role, "content": self.content or ""}
+
+
+class FunctionDefinition(BaseModel):
+    # Fields a template may read besides these (e.g. `strict`) reach it as sent.
+    model_config = ConfigDict(extra="allow")
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+
+
+class ChatTool(BaseModel):
+    """One OpenAI tool definition: `{"type": "function", "function": {"name": ..., ...}}`."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def for_template(self) -> dict:
+        """The definition as the client sent it, as HF's `apply_chat_template(tools=...)` takes it."""
+        return self.model_dump(exclude_unset=True)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Rendered into the prompt by the chat template (its `tools` variable), so that the model can answer with
+    # a call in its own format. pdserve does not parse tool calls out of the output: the model's raw text comes
+    # back as the message's content, and `tool_calls` is never set.
+    tools: list[ChatTool] | None = None
+    # Without a tool-call parser only "none" and "auto" can be honoured: "required" or a named function
+    # promises a call in `tool_calls`, which pdserve never returns.
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extension: extra variables for the chat template, e.g. Qwen3's {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs: true")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_forced_tool_call(cls, v: Any) -> Any:
+        if v not in (None, "none", "auto"):
+            raise ValueError('is not supported; only "none" or "auto" is accepted: pdserve does not parse tool '
+                             "calls out of the output, the model's text comes back as content")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _tools_have_their_own_field(cls, v: Any) -> Any:
+        # The template's `tools` variable is the request's `tools` field; the other variables the renderer
+        # sets itself (messages, add_generation_prompt, ...) are refused by the tokenizer, which owns them.
+        if v and "tools" in v:
+            raise ValueError("may not set 'tools'; send the tool definitions in the request's tools field")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        return _only(v, (None, {"type": "text"}), '{"type": "text"}')
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.for_template() for t in self.tools] if self.tools else None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error's body, in OpenAI's shape."""
+
+    error: ErrorDetail

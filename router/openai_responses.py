@@ -1,0 +1,139 @@
+"""The OpenAI API's response side: how each generation endpoint words its response, its stream chunks
+(server-sent events) and its logprobs, from the core's deltas."""
+
+import json
+import time
+from typing import Any
+
+from pdserve.protocol import TokenLogprob
+from pdserve.router.openai_protocol import CHAT, COMPLETIONS
+from pdserve.router.types import Delta
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value
+
+
+def _alternatives(t: TokenLogprob) -> list[tuple[str, float]]:
+    """A token's most likely alternatives as (text, logprob). Tokens are named by their text, as vLLM
+    does: the engine's detokenizer gives each its own (TokenLogprob.text, .top_texts)."""
+    return [(text, value) for text, (_, value) in zip(t.top_texts, t.top)]
+
+
+def _lp(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+def token_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse_event(payload: dict | str) -> str:
+    """One server-sent event: a chunk as JSON, or the literal `[DONE]` that ends a stream."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class ResponseShape:
+    """How one endpoint words its response, its stream chunks and its logprobs."""
+
+    endpoint = ""
+    object = ""
+    chunk_object = ""
+
+    def __init__(self, request_id: str, model: str, want_logprobs: bool, include_usage: bool):
+        self.id, self.model = request_id, model
+        self.want_logprobs, self.include_usage = want_logprobs, include_usage
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def response(self, deltas: list[Delta], usage: dict) -> dict:
+        return self._envelope(self.object, [self._choice(deltas)], usage=usage)
+
+    def opening_chunks(self) -> list[dict]:
+        return []
+
+    def chunk(self, delta: Delta, text_offset: int) -> dict | None:
+        """The stream chunk for one delta, or None when it has nothing to show."""
+        if not delta.text and delta.finish_reason is None and not (self.want_logprobs and delta.logprobs):
+            return None
+        extra = {"usage": None} if self.include_usage else {}
+        return self._envelope(self.chunk_object, [self._choice_delta(delta, text_offset)], **extra)
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._envelope(self.chunk_object, [], usage=usage)
+
+    def _choice(self, deltas: list[Delta]) -> dict:
+        raise NotImplementedError
+
+    def _choice_delta(self, delta: Delta, text_offset: int) -> dict:
+        raise NotImplementedError
+
+
+class CompletionShape(ResponseShape):
+    endpoint, object, chunk_object = COMPLETIONS, "text_completion", "text_completion"
+
+    def __init__(self, request_id: str, model: str, want_logprobs: bool, include_usage: bool):
+        super().__init__(request_id, model, want_logprobs, include_usage)
+        # Streaming: where the next token's text starts. Offsets follow the tokens' own texts, not the
+        # chunks' (text that may begin a stop string is held back from a chunk, never from its token).
+        self._next_offset = 0
+
+    def _choice(self, deltas: list[Delta]) -> dict:
+        logprobs, offset = None, 0
+        if self.want_logprobs:
+            logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for d in deltas:
+                part, offset = self._logprobs(d.logprobs, offset)
+                for key, values in part.items():
+                    logprobs[key] += values
+        text = "".join(d.text for d in deltas)
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": deltas[-1].finish_reason}
+
+    def _choice_delta(self, delta: Delta, text_offset: int) -> dict:
+        logprobs = None
+        if self.want_logprobs:
+            logprobs, self._next_offset = self._logprobs(delta.logprobs, self._next_offset)
+        return {"index": 0, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+
+    @staticmethod
+    def _logprobs(lps: list[TokenLogprob], text_offset: int) -> tuple[dict, int]:
+        """The tokens' entries, each token's text_offset where its own text starts in the completion's
+        text (from `text_offset` on); and where the next token's text starts."""
+        offsets = []
+        for t in lps:
+            offsets.append(text_offset)
+            text_offset += len(t.text)
+        return {"tokens": [t.text for t in lps],
+                "token_logprobs": [_lp(t.logprob) for t in lps],
+                "top_logprobs": [{text: _lp(v) for text, v in _alternatives(t)} for t in lps],
+                "text_offset": offsets}, text_offset
+
+
+class ChatShape(ResponseShape):
+    endpoint, object, chunk_object = CHAT, "chat.completion", "chat.completion.chunk"
+
+    def opening_chunks(self) -> list[dict]:
+        # OpenAI sends the role alone first; clients key the assistant message on it.
+        extra = {"usage": None} if self.include_usage else {}
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [self._envelope(self.chunk_object, [first], **extra)]
+
+    def _choice(self, deltas: list[Delta]) -> dict:
+        text = "".join(d.text for d in deltas)
+        logprobs = self._logprobs([t for d in deltas for t in d.logprobs]) if self.want_logprobs else None
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": deltas[-1].finish_reason}
+
+    def _choice_delta(self, delta: Delta, text_offset: int) -> dict:
+        logprobs = self._logprobs(delta.logprobs) if self.want_logprobs else None
+        return {"index": 0, "delta": {"content": delta.text} if delta.text else {}, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}
+
+    @staticmethod
+    def _logprobs(lps: list[TokenLogprob]) -> dict:
+        def entry(text: str, value: float) -> dict:  # the token's text and its UTF-8 bytes, as OpenAI
+            return {"token": text, "logprob": _lp(value), "bytes": list(text.encode("utf-8"))}
+        return {"content": [entry(t.text, t.logprob) | {"top_logprobs": [entry(*a) for a in _alternatives(t)]}
+                            for t in lps]}
