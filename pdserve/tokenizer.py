@@ -1,5 +1,6 @@
 """Text <-> token ids and chat templates: HF `tokenizer.json` models and a byte-level tokenizer for presets."""
 
+import codecs
 import json
 import os
 import re
@@ -40,6 +41,11 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers.Tokenizer` behind this one (what `tokenizers.decoders.DecodeStream` steps with)."""
+        return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special-token strings in it become their ids."""
@@ -103,7 +109,13 @@ BYTE_CHAT_TEMPLATE = (
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255 plus four ChatML special tokens, for presets that ship no tokenizer files."""
+    """UTF-8 bytes as ids 0..255 plus four ChatML special tokens, for presets that ship no tokenizer files.
+
+    Decoding always gives printable text: a random-weight preset emits arbitrary bytes, which as
+    UTF-8 would be mostly U+FFFD and control characters. Valid UTF-8 that reads as text (printable
+    characters, tab, newline and other whitespace) decodes as itself, so encoding such text and
+    decoding it gives it back; every other byte (invalid or incomplete UTF-8, control and other
+    unprintable characters) becomes its stand-in of GPT-2's byte-level alphabet (`BYTE_CHARS`)."""
 
     SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")  # ids 256..259
     _SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
@@ -130,22 +142,13 @@ class ByteTokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; invalid UTF-8 becomes U+FFFD, special ids their names unless skipped.
+        """Printable text of `ids` (see the class), special ids their names unless skipped.
 
         A preset model's vocabulary is larger than ours: an id past the special tokens is ordinary
         output this tokenizer cannot spell, written `<|token_N|>` whether specials are skipped or
         not, so that a dummy model's output streams token by token instead of as nothing."""
-        parts: list[str] = []
-        run = bytearray()  # consecutive bytes decode together so multi-byte characters survive
-        for i in ids:
-            if i < 256:
-                run.append(i)
-            elif not skip_special_tokens or i >= 256 + len(self.SPECIAL_TOKENS):
-                parts.append(run.decode("utf-8", errors="replace"))
-                run.clear()
-                parts.append(self._special_name(i))
-        parts.append(run.decode("utf-8", errors="replace"))
-        return "".join(parts)
+        stream = ByteDecodeStream(self, skip_special_tokens)
+        return "".join([stream.step(i) or "" for i in ids]) + stream.flush()
 
     def apply_chat_template(self, messages: list[dict], /, tools: list[dict] | None = None, **template_kwargs) -> str:
         """The prompt text for a chat, in ChatML (ending in the assistant's turn); the same arguments as
@@ -153,10 +156,94 @@ class ByteTokenizer:
         special = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         return render_chat_template(self.chat_template, messages, True, special, tools, template_kwargs)
 
-    def _special_name(self, token_id: int) -> str:
+    def is_skipped(self, token_id: int, skip_special_tokens: bool) -> bool:
+        """Whether `decode` leaves `token_id` out (one of our special tokens, when they are skipped)."""
+        return skip_special_tokens and 256 <= token_id < 256 + len(self.SPECIAL_TOKENS)
+
+    def special_name(self, token_id: int) -> str:
         # A preset model's vocabulary may be larger than ours; its extra ids still need a printable name.
         k = token_id - 256
         return self.SPECIAL_TOKENS[k] if k < len(self.SPECIAL_TOKENS) else f"<|token_{token_id}|>"
+
+
+class ByteDecodeStream:
+    """`ByteTokenizer`'s incremental decoder, as `tokenizers.decoders.DecodeStream` is an HF tokenizer's:
+    `step(token_id)` returns the text that id completes, or None while it only began a character;
+    `flush()` returns what is still held back once the ids end. Steps and flush join to `decode`."""
+
+    def __init__(self, tokenizer: ByteTokenizer, skip_special_tokens: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._held = bytearray()  # the start of a character whose remaining bytes may still come
+
+    def step(self, token_id: int) -> str | None:
+        if token_id < 256:
+            self._held.append(token_id)
+            text, used = printable_utf8(self._held, final=False)
+            del self._held[:used]
+            return text or None
+        if self._tok.is_skipped(token_id, self._skip):
+            return None  # left out: the bytes around it still join into characters
+        return self.flush() + self._tok.special_name(token_id)
+
+    def flush(self) -> str:
+        text, _ = printable_utf8(self._held, final=True)
+        self._held.clear()
+        return text
+
+
+def _bytes_to_unicode() -> list[str]:
+    # GPT-2's table: printable Latin-1 bytes stand for themselves, the others for code points from 256 on.
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return [chars[b] for b in range(256)]
+
+
+BYTE_CHARS: list[str] = _bytes_to_unicode()  # every byte's printable stand-in
+# Bytes a UTF-8 character of that length starts with (0: none, a continuation or an invalid byte).
+_UTF8_LENGTH = [1] * 0x80 + [0] * 0x42 + [2] * 0x1E + [3] * 0x10 + [4] * 0x05 + [0] * 0x0B
+
+
+def _readable(ch: str) -> bool:
+    # Printable, or whitespace that is not a control character (tab, newline and carriage return are kept).
+    return ch.isprintable() or ch in "\t\n\r" or (ch.isspace() and ch >= "\xa0")
+
+
+def _utf8_prefix(data: bytes) -> bool:
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def printable_utf8(data: bytes | bytearray, final: bool = True) -> tuple[str, int]:
+    """The printable text of `data` and how many of its bytes that text covers: readable UTF-8
+    characters as themselves, any other byte as its `BYTE_CHARS` stand-in. Unless `final`, an
+    incomplete character at the end is left out (not covered) while its remaining bytes may still come."""
+    out: list[str] = []
+    i = 0
+    while i < len(data):
+        length = _UTF8_LENGTH[data[i]]
+        chunk = bytes(data[i : i + length])
+        if len(chunk) < length and not final and _utf8_prefix(chunk):
+            break
+        try:
+            ch = chunk.decode("utf-8") if length and len(chunk) == length else None
+        except UnicodeDecodeError:
+            ch = None
+        if ch is None:  # invalid here: this byte alone
+            out.append(BYTE_CHARS[data[i]])
+            i += 1
+        else:
+            out.append(ch if _readable(ch) else "".join(BYTE_CHARS[b] for b in chunk))
+            i += length
+    return "".join(out), i
 
 
 def load_tokenizer(path_or_preset: str, eos_token_ids: list[int] | None = None) -> Tokenizer | ByteTokenizer:

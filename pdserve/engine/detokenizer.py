@@ -1,6 +1,8 @@
 """Streaming token ids -> text, and stop strings that may span tokens."""
 
-from pdserve.tokenizer import ByteTokenizer, Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from pdserve.tokenizer import ByteDecodeStream, ByteTokenizer, Tokenizer
 
 # Prompt tokens kept as decode context: enough for tokenizers whose decoders look at neighbours
 # (e.g. SentencePiece dropping a leading space), few enough that each decode stays cheap.
@@ -8,10 +10,11 @@ PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    """Turns a sequence's output ids into text a few tokens at a time, never emitting half a character.
+    """Turns a sequence's output ids into text token by token, never emitting half a character.
 
-    Each step decodes only the window `ids[prefix_offset:]` and subtracts the text of
-    `ids[prefix_offset:read_offset]` (already emitted), so a token costs O(window), not O(output).
+    An HF tokenizer streams through `tokenizers`' own `DecodeStream`, primed with the prompt's last
+    tokens; the byte-level preset tokenizer through `ByteDecodeStream`. Both hold back an
+    incomplete character until the token that completes it, or `flush()` at the end.
     """
 
     def __init__(
@@ -20,11 +23,11 @@ class IncrementalDetokenizer:
         prompt_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
     ):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = list((prompt_ids or [])[-PROMPT_CONTEXT_TOKENS:])
-        self._prefix_offset = 0  # start of the decode window
-        self._read_offset = len(self._ids)  # ids before this are already visible as text
+        if isinstance(tokenizer, ByteTokenizer):  # bytes need no context
+            self._stream: ByteDecodeStream | _HFDecodeStream = ByteDecodeStream(tokenizer, skip_special_tokens)
+        else:
+            context = list((prompt_ids or [])[-PROMPT_CONTEXT_TOKENS:])
+            self._stream = _HFDecodeStream(tokenizer, context, skip_special_tokens)
         self._chunks: list[str] = []
 
     @property
@@ -36,29 +39,43 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: list[int]) -> str:
         """Append sampled ids; return the text they make visible (possibly empty)."""
-        self._ids.extend(token_ids)
-        prefix_text, new_text = self._decode_window()
-        # A trailing U+FFFD is usually a multi-byte character cut between tokens: wait for the rest.
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        return self._emit(new_text[len(prefix_text) :])
+        return self._emit("".join([self._stream.step(t) or "" for t in token_ids]))
 
     def flush(self) -> str:
         """The text still held back when generation ends (e.g. a truly incomplete character)."""
-        prefix_text, new_text = self._decode_window()
-        return self._emit(new_text[len(prefix_text) :]) if len(new_text) > len(prefix_text) else ""
-
-    def _decode_window(self) -> tuple[str, str]:
-        decode = self.tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
-        new_text = decode(self._ids[self._prefix_offset :], self.skip_special_tokens)
-        return prefix_text, new_text
+        return self._emit(self._stream.flush())
 
     def _emit(self, delta: str) -> str:
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self._chunks.append(delta)
+        if delta:
+            self._chunks.append(delta)
         return delta
+
+
+class _HFDecodeStream:
+    """`DecodeStream` plus the `flush()` it lacks: it holds back text ending in U+FFFD (a character
+    cut between tokens) for good when the ids end there, so the held ids are decoded here then."""
+
+    def __init__(self, tokenizer: Tokenizer, context: list[int], skip_special_tokens: bool):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._context = context  # the latest ids whose text was emitted, as decode context for flush
+        self._held: list[int] = []  # ids since then
+
+    def step(self, token_id: int) -> str | None:
+        text = self._stream.step(self._tok.backend, token_id)
+        self._held.append(token_id)
+        if text is not None:
+            self._context, self._held = (self._context + self._held)[-PROMPT_CONTEXT_TOKENS:], []
+        return text
+
+    def flush(self) -> str:
+        if not self._held:
+            return ""
+        prefix = self._tok.decode(self._context, self._skip)
+        text = self._tok.decode(self._context + self._held, self._skip)
+        self._context, self._held = (self._context + self._held)[-PROMPT_CONTEXT_TOKENS:], []
+        return text[len(prefix) :] if len(text) > len(prefix) else ""
 
 
 def find_stop(text: str, stops: list[str], start: int) -> int | None:
