@@ -1,11 +1,12 @@
 """KV transfer: the connector API (handshake, decode end, prefill end) and its backends (NIXL, TCP, CUDA IPC)."""
 
-from pdserve.kvtransfer.connector import DecodeConnector, Finished, PrefillConnector
-from pdserve.kvtransfer.metadata import HandshakeError, KVAgentMetadata
+from pdserve.kvtransfer.decode_end import DecodeConnector, DecodePoll, Finished
 from pdserve.kvtransfer.messages import ReserveHandle
+from pdserve.kvtransfer.metadata import HandshakeError, KVAgentMetadata
+from pdserve.kvtransfer.prefill_end import PrefillConnector
 
-__all__ = ["DecodeConnector", "Finished", "HandshakeError", "KVAgentMetadata", "PrefillConnector",
-           "ReserveHandle", "make_connector"]
+__all__ = ["DecodeConnector", "DecodePoll", "Finished", "HandshakeError", "KVAgentMetadata",
+           "PrefillConnector", "ReserveHandle", "make_connector"]
 
 
 def make_connector(role: str, backend: str, engine_id: str, kv_cache, layout, fingerprint: str, **kw):

@@ -59,3 +59,10 @@ def check_peer(local: KVAgentMetadata, remote: KVAgentMetadata) -> None:
            for f in fields if getattr(local, f) != getattr(remote, f)]
     if bad:
         raise HandshakeError("KV handshake refused — " + "; ".join(bad))
+
+
+def accept_peer(local: KVAgentMetadata, data: bytes) -> KVAgentMetadata:
+    """A peer's published metadata (msgpack), refused with HandshakeError where it does not match ours."""
+    peer = KVAgentMetadata.unpack(data)
+    check_peer(local, peer)
+    return peer

@@ -1,0 +1,123 @@
+"""The decode end of a KV transfer: leases on reserved blocks, and the notices that end them.
+
+reserve(request, blocks) -> ReserveHandle; poll() -> DecodePoll (done, failed, settled); release()
+-> whether the blocks must wait to be settled. The blocks belong to the engine: the connector says
+when they may be freed, it never frees them.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+from pdserve.kvtransfer.messages import FirstLogprob, Notice, NoticeKind, ReserveHandle
+from pdserve.kvtransfer.metadata import KVAgentMetadata, accept_peer
+
+
+@dataclass
+class Finished:
+    request_id: str
+    first_token: int
+    first_logprob: FirstLogprob | None = None  # where the request asked for logprobs
+
+
+@dataclass
+class DecodePoll:
+    """What a decode end's poll() found. `failed` is for whoever waits on the request; `settled`
+    is for the block pool: a lease that ended without its KV (aborted, expired, refused) keeps its
+    blocks until no write of the prefill end can land in them any more."""
+
+    done: list[Finished] = field(default_factory=list)  # KV arrived: decode may start
+    failed: list[str] = field(default_factory=list)  # the transfer failed (prefill abort, lease ran out)
+    settled: list[str] = field(default_factory=list)  # blocks of ended leases that may be reused now
+
+
+@dataclass
+class _Lease:
+    handle: ReserveHandle
+    prefill_id: str | None
+    closing: bool = False  # ended without its KV: waiting until the prefill end's writes have stopped
+
+
+class DecodeConnector:
+    """Blocks of a lease that ends without its KV are freed only once the prefill end has answered
+    the abort (its answer follows any write it posted) or, where it stays silent, `settle_s` after
+    the lease's deadline (by which a live prefill end stopped writing on its own). Freed earlier, a
+    late write would land in blocks that another request owns by then."""
+
+    def __init__(self, backend, meta: KVAgentMetadata, settle_s: float = 5.0):
+        self.backend = backend
+        self.meta = meta
+        self.peers: dict[str, KVAgentMetadata] = {}
+        self.settle_s = settle_s
+        self._leases: dict[str, _Lease] = {}
+
+    def metadata(self) -> bytes:
+        """What this end publishes for the handshake (msgpack)."""
+        return self.meta.pack()
+
+    def add_peer(self, data: bytes) -> str:
+        """Handshake with a prefill worker; raises HandshakeError on any mismatch."""
+        peer = accept_peer(self.meta, data)
+        self.backend.add_peer(peer)
+        self.peers[peer.engine_id] = peer
+        return peer.engine_id
+
+    def reserve(self, request_id: str, block_ids: list[int], lease_s: float,
+                prefill_id: str | None = None) -> ReserveHandle:
+        """Open a lease on blocks the engine reserved; the handle goes to the prefill worker."""
+        handle = ReserveHandle(request_id, self.meta.engine_id, list(block_ids), time.time() + lease_s)
+        self._leases[request_id] = _Lease(handle, prefill_id)
+        return handle
+
+    def poll(self) -> DecodePoll:
+        """Requests whose KV has fully arrived, ones that failed, and ones whose blocks may be reused."""
+        out = DecodePoll()
+        for payload in self.backend.notifications():
+            n = Notice.unpack(payload)
+            lease = self._leases.pop(n.request_id, None)
+            if lease is None:
+                continue  # a late notice of a lease settled already
+            if lease.closing:  # a finish too: every write landed, none can follow
+                out.settled.append(n.request_id)
+            elif n.kind is NoticeKind.FINISH:
+                out.done.append(Finished(n.request_id, n.first_token, n.logprob()))
+            else:  # the prefill end gave up, and its writes have stopped
+                out.failed.append(n.request_id)
+                out.settled.append(n.request_id)
+        now = time.time()
+        for rid, lease in list(self._leases.items()):
+            if lease.closing and lease.handle.deadline + self.settle_s < now:
+                del self._leases[rid]  # a silent or dead prefill end
+                out.settled.append(rid)
+            elif not lease.closing and lease.handle.deadline < now:
+                self._close(rid, lease)
+                out.failed.append(rid)
+        return out
+
+    def progress(self) -> None:
+        """Let the transport move data into our blocks; call it while waiting (poll() does too)."""
+        self.backend.progress()
+
+    def release(self, request_id: str) -> bool:
+        """End a lease before its KV arrived: the prefill worker is told to stop. True when the blocks
+        must wait for poll() to report the request settled; False when they are free to go now."""
+        lease = self._leases.get(request_id)
+        if lease is None:
+            return False
+        if not lease.closing:
+            self._close(request_id, lease)
+        return True
+
+    def busy(self) -> bool:
+        """Leases open or closing: poll() has something to wait for."""
+        return bool(self._leases)
+
+    def _close(self, rid: str, lease: _Lease) -> None:
+        lease.closing = True
+        if lease.prefill_id in self.peers:
+            try:
+                self.backend.notify(lease.prefill_id, Notice.abort(rid, self.meta.engine_id).pack())
+            except Exception:  # a dead peer cannot be told: the blocks wait out the lease
+                pass
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,156 @@
+"""How the prefill end's posts reach the backend, so that the engine's step never waits on the network.
+
+PostThread: every backend call of the prefill end happens on it, except for the two below. It waits
+for a layer's CUDA event and folds the queued layers of a request into one backend post.
+InlinePoster: a backend that only enqueues device work (cuda_ipc) posts on the engine's thread.
+CompletionThread: for a backend that can block until a post is done, it does, and sends the finish
+notice at once rather than at the next poll.
+"""
+
+import queue
+import threading
+import time
+
+from pdserve.kvtransfer.messages import ReserveHandle
+from pdserve.kvtransfer.ops import Call, Op, Opened, PostFailed, PostLayers, Settled
+from pdserve.kvtransfer.transfers import Transfer, Transfers
+
+
+def fold(ops: list[Op]) -> list[Op]:
+    """Fold consecutive queued layers of one request into one post (one backend request)."""
+    out: list[Op] = []
+    for op in ops:
+        prev = out[-1] if out else None
+        if isinstance(op, PostLayers) and isinstance(prev, PostLayers) and prev.request_id == op.request_id:
+            out[-1] = prev.then(op)
+        else:
+            out.append(op)
+    return out
+
+
+class PostThread:
+    def __init__(self, backend, transfers: Transfers, name: str):
+        self.backend = backend
+        self.transfers = transfers
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, op: Op) -> None:
+        self._ops.put(op)
+
+    def call(self, fn):
+        """Run fn on this thread and wait for it."""
+        op = Call(fn)
+        self._ops.put(op)
+        return op.wait()
+
+    def stop(self) -> None:
+        """Leave the loop at its next turn (join() waits for that)."""
+        self._closed = True
+
+    def join(self) -> None:
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._closed:
+            ops = []
+            # A short wait where completion is polled here, a long one where nothing is in flight.
+            polling = self.transfers.polling()
+            try:
+                ops.append(self._ops.get(timeout=0.0005 if polling else 0.05))
+                while True:
+                    ops.append(self._ops.get_nowait())
+            except queue.Empty:
+                pass
+            for op in fold(ops):
+                match op:
+                    case Call():
+                        op.run()
+                    case PostLayers():
+                        self._post(op)
+                    case _:
+                        self.transfers.apply(op)
+            self.transfers.progress()
+
+    def _post(self, op: PostLayers) -> None:
+        t = self.transfers.for_post(op)
+        if t is None:
+            return
+        if op.ready is not None:
+            op.ready.synchronize()
+        t.nbytes += op.nbytes
+        try:
+            if hasattr(self.backend, "write_layers"):
+                t.tokens.append(self.backend.write_layers(op.handle.engine_id, op.parts))
+            else:
+                t.tokens += [self.backend.write(op.handle.engine_id, *p) for p in op.parts]
+        except Exception:  # a bad handle or a broken peer fails this request, not the thread
+            self.transfers.fail(op.request_id)
+
+
+class InlinePoster:
+    """Posts on the engine's thread; the posting thread hears of a request once (its first post), not
+    per layer: a hand-off per layer would ping-pong the GIL between the two threads."""
+
+    def __init__(self, backend, transfers: Transfers, post: PostThread):
+        self.backend = backend
+        self.transfers = transfers
+        self.post_thread = post
+        self._posting: dict[str, Transfer] = {}  # requests not finished yet
+
+    def post(self, rid: str, first_layer: int, num_layers: int, src: list[int], dst: list[int],
+             handle: ReserveHandle, nbytes: int) -> None:
+        t = self._posting.get(rid)
+        # Under the lock: once the posting thread marks the transfer failed, no copy of it is posted,
+        # so the copies it waits for before answering an abort are all there are.
+        with self.transfers.lock:
+            if self.transfers.refuses(rid, t):
+                return
+            started = time.monotonic()  # the transfer's clock starts before its first post's host work
+            try:
+                token = self.backend.write_range(handle.engine_id, first_layer, num_layers, src, dst)
+            except Exception:  # a bad handle or a peer gone fails this request, not the engine
+                self.post_thread.put(PostFailed(rid, handle))
+                return
+            if t is None:
+                t = self._posting[rid] = Transfer(handle, [token], nbytes=nbytes, started=started)
+                self.transfers.opening(rid)
+                self.post_thread.put(Opened(rid, t))
+            else:
+                t.tokens.append(token)  # the posting thread reads the list only after finish (or to drop it)
+                t.nbytes += nbytes
+
+    def forget(self, rid: str) -> None:
+        """The request is finished or released: no more posts of it."""
+        self._posting.pop(rid, None)
+
+
+class CompletionThread:
+    """Waits for each finished request's copies, then tells the decode side."""
+
+    def __init__(self, backend, transfers: Transfers, post: PostThread, waits: queue.SimpleQueue, name: str):
+        self.backend = backend
+        self.transfers = transfers
+        self.post_thread = post
+        self._waits = waits  # (request_id, Transfer), put by Transfers on finish; None ends the thread
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._waits.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            item = self._waits.get()
+            if item is None:
+                return
+            rid, t = item
+            try:
+                ok = all([self.backend.wait(tok) for tok in t.tokens])
+            except Exception:
+                ok = False
+            if self.transfers.complete(rid, t, ok):
+                self.post_thread.put(Settled(rid, t))

@@ -1,0 +1,115 @@
+"""The prefill end of a KV transfer: the engine's thread queues layers and finishes requests here.
+
+send_layer(...) / send_layers(...) (return at once), finish(request, first_token, first_logprob);
+poll() -> (done, failed); release(). The blocks belong to the engine: the connector says when they
+may be freed (done / failed), it never frees them. Posting is poster.py's, the requests' bookkeeping
+transfers.py's.
+"""
+
+import queue
+import time
+
+import torch
+
+from pdserve.kvtransfer.messages import FirstLogprob, ReserveHandle
+from pdserve.kvtransfer.metadata import KVAgentMetadata, accept_peer
+from pdserve.kvtransfer.ops import Finish, PostLayers, Release
+from pdserve.kvtransfer.poster import CompletionThread, InlinePoster, PostThread
+from pdserve.kvtransfer.transfers import Outcomes, Transfers
+
+
+class PrefillConnector:
+    def __init__(self, backend, meta: KVAgentMetadata):
+        self.backend = backend
+        self.meta = meta
+        self.peers: dict[str, KVAgentMetadata] = {}
+        self._outcomes = Outcomes()
+        # A backend that can block until a post is done gets a completion thread, so delivery is
+        # noticed at once rather than at the next poll.
+        waits = queue.SimpleQueue() if hasattr(backend, "wait") else None
+        self._transfers = Transfers(backend, meta.engine_id, self._outcomes, waits)
+        self._post = PostThread(backend, self._transfers, name=f"kv-post-{meta.engine_id}")
+        # A backend that posts on the caller's thread (device-ordered, never blocking) skips the
+        # hand-off to the posting thread.
+        self._inline = None
+        if getattr(backend, "inline", False):
+            self._inline = InlinePoster(backend, self._transfers, self._post)
+        self._completion = None
+        if waits is not None:
+            self._completion = CompletionThread(backend, self._transfers, self._post, waits,
+                                                name=f"kv-done-{meta.engine_id}")
+
+    def metadata(self) -> bytes:
+        """What this end publishes for the handshake (msgpack)."""
+        return self.meta.pack()
+
+    def add_peer(self, data: bytes) -> str:
+        """Handshake with a decode worker; raises HandshakeError on any mismatch."""
+        peer = accept_peer(self.meta, data)
+        self._post.call(lambda: self.backend.add_peer(peer))
+        self.peers[peer.engine_id] = peer
+        return peer.engine_id
+
+    def send_layer(self, request_id: str, layer: int, src_blocks: list[int], handle: ReserveHandle,
+                   first: int = 0) -> None:
+        """Queue one layer's KV of the request's blocks [first, first + len(src_blocks)) for writing
+        into the same positions of the handle's blocks; returns at once."""
+        self.send_layers(request_id, layer, 1, src_blocks, handle, first)
+
+    def send_layers(self, request_id: str, first_layer: int, num_layers: int, src_blocks: list[int],
+                    handle: ReserveHandle, first: int = 0) -> None:
+        """send_layer for the layers [first_layer, first_layer + num_layers) at once: KV that is
+        complete already (a whole request, a cached prefix) moves as one post."""
+        dst = handle.block_ids[first:first + len(src_blocks)]
+        assert len(dst) == len(src_blocks), "more blocks than the decode side reserved"
+        src = list(src_blocks)
+        nbytes = 2 * len(src) * num_layers * self.meta.bytes_per_block
+        if self._inline is not None:
+            self._inline.post(request_id, first_layer, num_layers, src, dst, handle, nbytes)
+            return
+        ready = None
+        if self.meta.device.startswith("cuda"):
+            # The layer's KV is written by kernels still in flight: post only once they finish.
+            ready = torch.cuda.Event()
+            ready.record()
+        parts = [(layer, src, dst) for layer in range(first_layer, first_layer + num_layers)]
+        self._post.put(PostLayers(request_id, parts, handle, ready, nbytes, time.monotonic()))
+
+    def finish(self, request_id: str, first_token: int, first_logprob: FirstLogprob | None = None) -> None:
+        """Every layer is queued: once all have landed, tell the decode worker (with the first token,
+        and its logprob where the request asked for logprobs)."""
+        self._forget(request_id)
+        self._post.put(Finish(request_id, first_token, first_logprob))
+
+    def poll(self) -> tuple[list[str], list[str]]:
+        """Requests whose KV was delivered (source blocks may be freed), and ones that failed."""
+        return self._outcomes.take()
+
+    def delivered(self) -> list[tuple[int, float]]:
+        """(KV bytes, seconds from first post to delivered) of each request delivered since the last call."""
+        return self._outcomes.take_delivered()
+
+    def wait(self, timeout: float) -> None:
+        """Block (GIL released) until poll() has something or timeout seconds pass.
+
+        A caller with nothing else to do waits here instead of spinning on poll(): a spinning
+        thread holds the GIL, and the posting thread would get it only every switch interval (5 ms).
+        """
+        self._outcomes.wait(timeout)
+
+    def release(self, request_id: str, handle: ReserveHandle | None = None) -> None:
+        """Abort a transfer from this side; the decode worker is told (pass the handle in case
+        no layer was sent yet)."""
+        self._forget(request_id)
+        self._post.put(Release(request_id, handle))
+
+    def close(self) -> None:
+        self._post.stop()
+        if self._completion is not None:
+            self._completion.close()
+        self._post.join()
+        self.backend.close()
+
+    def _forget(self, request_id: str) -> None:
+        if self._inline is not None:
+            self._inline.forget(request_id)
