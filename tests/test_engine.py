@@ -266,3 +266,15 @@ def test_overlapped_steps_hand_out_tokens_one_call_later(overlap, reference):
         tokens += [t for o in engine.step() for t in o.token_ids]
     assert tokens == reference[4]
     assert engine.pool.num_free_blocks == 256
+
+
+def test_a_stop_string_at_the_very_end_stops_even_in_held_back_text():
+    """The detokenizer holds back the bytes of an unfinished character until the request ends; a
+    stop string that ends with them is found in that last flush, and the request ends by stop."""
+    engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=64))
+    params = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    ref = engine.generate(["Once upon a time"], SamplingParams(**params))[0]
+    stop = ref.text[-3:]
+    out = engine.generate(["Once upon a time"], SamplingParams(**params, stop=[stop]))[0]
+    assert out.finish_reason == FinishReason.STOP
+    assert out.text == ref.text[:ref.text.index(stop)]

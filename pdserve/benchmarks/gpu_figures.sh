@@ -15,9 +15,6 @@ out=${1:?usage: gpu_figures.sh OUT_DIR [PART ...]}
 shift
 parts=${*:-tests engine ep kv}
 mkdir -p "$out"
-# router/, prefill/, decode/ and kvtransfer/ import as pdserve.* only once installed (pyproject's
-# package-dir): on a machine that runs the working tree as it is, install it in place first.
-python -c "import pdserve.kvtransfer" 2>/dev/null || python -m pip install -q --no-deps --no-build-isolation -e .
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 echo "[gpu-figures] $(date -u +%FT%TZ) $gpus GPU(s); parts: $parts"
 

@@ -254,7 +254,8 @@ class Engine:
             if hit:
                 reason = FinishReason.STOP
             elif at + 1 - seq.num_prompt_tokens >= p.max_tokens or at + 1 >= self.max_model_len:
-                reason, text = FinishReason.LENGTH, text + stream.flush()
+                rest, hit = stream.flush()
+                reason, text = FinishReason.STOP if hit else FinishReason.LENGTH, text + rest
         if logprob is not None:
             self._name_tokens(logprob, stream.token_text)
         out = RequestOutput(seq.request_id, [token], text, [logprob] if logprob else [],

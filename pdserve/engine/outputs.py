@@ -56,11 +56,13 @@ class TextStream:
         """A stop token (eos, a stop id) ends generation: its own text is not shown, what is still
         held back is (as the stop token's text)."""
         self.token_text = ""
-        return self.flush()
+        return self.flush()[0]
 
-    def flush(self) -> str:
-        """Everything still held back, at the end of generation."""
+    def flush(self) -> tuple[str, bool]:
+        """Everything still held back, at the end of generation, and whether a stop string was hit
+        in it: the detokenizer holds back the bytes of an unfinished character, which a stop
+        string may end with."""
         rest = self.detok.flush()
         self.token_text += rest
         text, hit = self.stop.feed(rest)
-        return text if hit else text + self.stop.flush()
+        return (text, True) if hit else (text + self.stop.flush(), False)
