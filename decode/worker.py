@@ -13,12 +13,14 @@ from pdserve.protocol import InvalidRequestError, SamplingParams
 from pdserve.worker.engine_loop import IDLE_S
 from pdserve.messages import Refusal, ReplicaStats, ReserveResult
 from pdserve.models import resolve_model_args
+from pdserve.worker.inbox import Abort, Reserve
 from pdserve.worker.replica import Replica, assigned_device
 from pdserve.worker.router_streams import RouterStreams
 
 # An idle expert-parallel group naps less: a reservation wakes only its own rank, and the step
 # waits for the others to wake on their own.
 EP_IDLE_S = 0.02
+RESERVE_TIMEOUT_S = 60.0  # a loop that reaches no step boundary for this long is stuck
 KV_POLL_S = 0.002
 
 
@@ -39,21 +41,35 @@ class DecodeWorker(Replica):
 
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_id: str,
                 router: str) -> ReserveResult:
-        """Blocks for the prompt's KV under a lease; handle None when this replica is full."""
-        with self.loop.lock:
-            try:
-                handle = self.intake.reserve(request_id, prompt_ids, params, prefill_id)
-            except InvalidRequestError as e:
-                return ReserveResult(None, Refusal.of(e))
-            if handle is not None:
-                self.streams.add(request_id, router)
-        self.loop.wake()
-        return ReserveResult(handle.pack() if handle else None)
+        """Blocks for the prompt's KV under a lease; handle None when this replica is full. The
+        block pool answers at the next step boundary: the call waits for that, not for other calls."""
+        refused = self._refusal(prompt_ids)
+        if refused is not None:
+            return ReserveResult(None, refused)
+        item = Reserve(request_id, prompt_ids, params, prefill_id, router)
+        self.loop.submit(item)
+        try:
+            return item.answer.result(timeout=RESERVE_TIMEOUT_S)
+        except TimeoutError:
+            raise RuntimeError(f"{self.name}: the engine loop took no work for {RESERVE_TIMEOUT_S} s "
+                               f"(alive: {self.loop.alive()})") from None
 
     def abort(self, request_id: str) -> None:
-        with self.loop.lock:
-            if self.streams.drop(request_id):
-                self.intake.abort(request_id)
+        self.loop.submit(Abort(request_id))
+
+    def _take(self, item) -> None:
+        match item:
+            case Reserve():
+                try:
+                    handle = self.intake.reserve(item.request_id, item.prompt_ids, item.params, item.prefill_id)
+                except InvalidRequestError as e:  # what only the engine knows, e.g. an id in use
+                    item.answer.set_result(ReserveResult(None, Refusal.of(e)))
+                    return
+                if handle is not None:
+                    self.streams.add(item.request_id, item.router)
+                item.answer.set_result(ReserveResult(handle.pack() if handle else None))
+            case Abort() if self.streams.drop(item.request_id):
+                self.intake.abort(item.request_id)
                 self.aborted += 1
 
     def stats(self) -> ReplicaStats:

@@ -2,8 +2,10 @@
 
 from pdserve.kvtransfer import ReserveHandle
 from pdserve.config import EngineConfig
-from pdserve.protocol import SamplingParams
+from pdserve.messages import Refusal
+from pdserve.protocol import InvalidRequestError, SamplingParams
 from pdserve.worker.engine_loop import IDLE_S
+from pdserve.worker.inbox import Abort, Prefill
 from pdserve.worker.replica import Replica
 from pdserve.prefill.kv_stream import KVStreamer
 
@@ -20,16 +22,27 @@ class PrefillWorker(Replica):
         self._transfers_total = 0
         self._start_loop()
 
-    def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, handle: bytes) -> None:
-        """Prefill a request into the decode blocks its handle names; returns at once."""
-        with self.loop.lock:
-            self.streamer.add(request_id, prompt_ids, params, ReserveHandle.unpack(handle))
-        self.loop.wake()
+    def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                handle: bytes) -> Refusal | None:
+        """Prefill a request into the decode blocks its handle names; returns at once, without
+        waiting for a step (None, or why this replica can never run it)."""
+        refused = self._refusal(prompt_ids)
+        if refused is None:
+            self.loop.submit(Prefill(request_id, prompt_ids, params, ReserveHandle.unpack(handle)))
+        return refused
 
     def abort(self, request_id: str) -> None:
-        with self.loop.lock:
-            if request_id in self.streamer.handles:
-                self.streamer.abort(request_id)
+        self.loop.submit(Abort(request_id))
+
+    def _take(self, item) -> None:
+        match item:
+            case Prefill():
+                try:
+                    self.streamer.add(item.request_id, item.prompt_ids, item.params, item.handle)
+                except InvalidRequestError:  # what only the engine knows, e.g. an id in use:
+                    self.connector.release(item.request_id, item.handle)  # the decode side fails it
+            case Abort() if item.request_id in self.streamer.handles:
+                self.streamer.abort(item.request_id)
                 self.aborted += 1
 
     def stats(self):

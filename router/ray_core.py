@@ -106,8 +106,8 @@ class RayCore:
         holders |= {d_name: self.decode[d_name].ranks[d_rank], p_name: self.prefill[p_name]}
         for name in (d_name, p_name):
             self.health.wait_on(name, request.request_id, queue)
-        await self._call(p_name, self.prefill[p_name].prefill.remote(request.request_id, request.prompt_ids,
-                                                                      request.params, handle))
+        _raise_refused(await self._call(p_name, self.prefill[p_name].prefill.remote(
+            request.request_id, request.prompt_ids, request.params, handle)))
         self._phase("dispatch", t1)
 
     async def _start_colocated(self, request: GenerateRequest, queue: asyncio.Queue, placed: list[str],

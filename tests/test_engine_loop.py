@@ -1,6 +1,7 @@
-"""The engine loop lets actor calls in between its steps: a worker whose loop always has more to
-do (a busy decode batch) must still take a new request or reservation at the next step boundary,
-not when the loop happens to nap (with a plain lock, the loop won every time)."""
+"""The engine loop takes work between its steps: items submitted to its inbox in the order they
+came, on its own thread, before the next step (a napping loop wakes for them); and calls that must
+touch the engine otherwise (a KV handshake) get the lock at the next step boundary, not when the
+loop happens to nap (with a plain lock, the loop won every time)."""
 
 import threading
 import time
@@ -17,7 +18,7 @@ def test_a_call_gets_the_lock_at_the_next_step_boundary():
         time.sleep(0.002)  # the GIL is free meanwhile, as during a GPU step
         return None
 
-    loop = EngineLoop(step, "busy-loop")
+    loop = EngineLoop(step, lambda item: None, "busy-loop")
     try:
         while steps < 3:
             time.sleep(0.001)
@@ -34,7 +35,7 @@ def test_a_call_gets_the_lock_at_the_next_step_boundary():
 
 
 def test_lock_is_exclusive_and_first_come_first_served():
-    loop = EngineLoop(lambda: 1.0, "idle-loop")  # naps: the lock is free
+    loop = EngineLoop(lambda: 1.0, lambda item: None, "idle-loop")  # naps: the lock is free
     inside, order = [], []
     try:
         loop.lock.acquire()  # hold it while three callers line up
@@ -60,5 +61,32 @@ def test_lock_is_exclusive_and_first_come_first_served():
         for t in threads:
             t.join(timeout=5)
         assert order == [0, 1, 2]
+    finally:
+        loop.stop()
+
+
+def test_submitted_work_is_taken_in_order_on_the_loops_thread_before_the_next_step():
+    taken, steps = [], []
+
+    def take(item):
+        taken.append((item, threading.current_thread().name))
+
+    def step():
+        steps.append(len(taken))
+        return 10.0  # a long nap: only new work ends it early
+
+    loop = EngineLoop(step, take, "inbox-loop")
+    try:
+        while not steps:
+            time.sleep(0.001)
+        t0 = time.monotonic()
+        for i in range(5):
+            loop.submit(i)
+        while len(steps) < 2:
+            assert time.monotonic() - t0 < 2, "the napping loop did not wake for new work"
+            time.sleep(0.001)
+        assert [i for i, _ in taken] == [0, 1, 2, 3, 4]
+        assert {name for _, name in taken} == {"inbox-loop"}
+        assert steps[1] == 5  # all five were taken before the step that followed
     finally:
         loop.stop()

@@ -19,6 +19,10 @@ from pdserve.messages import ReplicaStats
 
 NAMESPACE = "pdserve"
 CONTROLLER = "pdserve-controller"
+# Threads of a worker actor. Calls that bring work return at once; a reservation waits for the next
+# step boundary, so a burst of them holds a thread each until then: many, not the 8 that capped
+# hand-offs at 8 per step.
+WORKER_CONCURRENCY = 256
 
 
 class Controller:
@@ -46,14 +50,15 @@ class Controller:
         for i in range(cfg.prefill.replicas):
             name = f"pdserve-prefill-{i}"
             self.prefill[name] = ray.remote(PrefillWorker).options(
-                name=name, num_cpus=0, num_gpus=cfg.prefill.gpus, max_concurrency=8, **self._kv_env()).remote(
+                name=name, num_cpus=0, num_gpus=cfg.prefill.gpus, max_concurrency=WORKER_CONCURRENCY,
+                **self._kv_env()).remote(
                 name, cfg.engine_config("prefill"), cfg.kv_transfer.backend, threads)
         for i in range(cfg.decode.replicas):
             self.decode[f"pdserve-decode-{i}"] = self._start_decode(f"pdserve-decode-{i}", threads)
         for i in range(cfg.colocated.replicas):
             name = f"pdserve-colocated-{i}"
             self.colocated[name] = ray.remote(ColocatedWorker).options(
-                name=name, num_cpus=0, num_gpus=cfg.colocated.gpus, max_concurrency=8).remote(
+                name=name, num_cpus=0, num_gpus=cfg.colocated.gpus, max_concurrency=WORKER_CONCURRENCY).remote(
                 name, cfg.engine_config("colocated"), NAMESPACE, threads)
         self._note(f"loading {cfg.model.path} on {n} workers")
         pending = {w.ready.remote(): name for name, w in self._workers().items()}
@@ -99,7 +104,7 @@ class Controller:
 
         cfg, d = self.config, self.config.decode
         args = (cfg.engine_config("decode"), cfg.kv_transfer.backend, cfg.kv_transfer.lease_s, NAMESPACE, threads)
-        opts = dict(num_cpus=0, num_gpus=d.gpus, max_concurrency=8, **self._kv_env())
+        opts = dict(num_cpus=0, num_gpus=d.gpus, max_concurrency=WORKER_CONCURRENCY, **self._kv_env())
         if d.ep_size == 1:
             return {name: ray.remote(DecodeWorker).options(name=name, **opts).remote(name, *args)}
         # One node, one bundle per rank. A bundle may not be empty: on CPU it holds a sliver of a core.

@@ -110,6 +110,15 @@ class Engine:
         if request_id in self.seqs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         ids = self.tokenize(prompt)
+        self.check_request(ids)
+        seq = Sequence(request_id, ids, len(ids), params, arrival=time.monotonic())
+        self.seqs[request_id] = seq
+        self._streams[request_id] = TextStream(self.tokenizer, ids, params.stop)
+        return seq
+
+    def check_request(self, ids: list[int]) -> None:
+        """Raise InvalidRequestError if a prompt can never run here. Reads no state that steps
+        change: callable from any thread, before the request is handed to the engine's."""
         if not ids:
             raise InvalidRequestError("prompt", "must not be empty")
         if any(not 0 <= t < self.args.vocab_size for t in ids):
@@ -122,10 +131,6 @@ class Engine:
         if blocks > self.pool.num_blocks:
             raise InvalidRequestError(
                 "prompt", f"needs {blocks} KV blocks; this replica's cache has {self.pool.num_blocks}")
-        seq = Sequence(request_id, ids, len(ids), params, arrival=time.monotonic())
-        self.seqs[request_id] = seq
-        self._streams[request_id] = TextStream(self.tokenizer, ids, params.stop)
-        return seq
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Queue a request (colocated and prefill roles)."""

@@ -6,6 +6,7 @@ from pdserve.config import EngineConfig
 from pdserve.protocol import InvalidRequestError, SamplingParams
 from pdserve.worker.engine_loop import IDLE_S
 from pdserve.messages import Refusal
+from pdserve.worker.inbox import Abort, Generate
 from pdserve.worker.replica import Replica
 from pdserve.worker.router_streams import RouterStreams
 
@@ -20,22 +21,27 @@ class ColocatedWorker(Replica):
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  router: str) -> Refusal | None:
-        """Queue a request whose output streams to `router`; returns at once. The engine queues
-        what its KV cache cannot take yet, so a replica is never full: only a request that is
-        unacceptable in itself is refused."""
-        with self.loop.lock:
-            try:
-                self.engine.add_request(request_id, prompt_ids, params)
-            except InvalidRequestError as e:
-                return Refusal.of(e)
-            self.streams.add(request_id, router)
-        self.loop.wake()
-        return None
+        """Queue a request whose output streams to `router`; returns at once, without waiting for
+        a step. The engine queues what its KV cache cannot take yet, so a replica is never full:
+        only a request that is unacceptable in itself is refused."""
+        refused = self._refusal(prompt_ids)
+        if refused is None:
+            self.loop.submit(Generate(request_id, prompt_ids, params, router))
+        return refused
 
     def abort(self, request_id: str) -> None:
-        with self.loop.lock:
-            if self.streams.drop(request_id):
-                self.engine.abort(request_id)
+        self.loop.submit(Abort(request_id))
+
+    def _take(self, item) -> None:
+        match item:
+            case Generate():
+                self.streams.add(item.request_id, item.router)
+                try:
+                    self.engine.add_request(item.request_id, item.prompt_ids, item.params)
+                except InvalidRequestError as e:  # what only the engine knows, e.g. an id in use
+                    self.streams.fail(item.request_id, str(e))
+            case Abort() if self.streams.drop(item.request_id):
+                self.engine.abort(item.request_id)
                 self.aborted += 1
 
     def _step(self) -> float | None:

@@ -1,15 +1,19 @@
-"""Runs an engine's steps on a thread of its own inside a worker process.
+"""Runs an engine's steps on a thread of its own inside a worker process, and takes the work that
+actor calls bring through an inbox.
 
-The engine is not thread-safe: actor methods and the loop take turns through `lock`, a FIFO
-(`TurnLock`): a busy loop takes it again right after each step, and with a plain Lock it would
-win every time — an actor call (a new request, a reservation) then waited until the loop napped,
-hundreds of milliseconds under load (docs/benchmarks-history.md, goodput). `step` returns None when it
-has more to do right away, else how long the loop may nap (woken early by `wake()`): short while
-transfers are in flight, long when idle — an idle worker must not burn a core polling.
+Admission never waits for a step: an actor call that brings work (a request, a reservation, an
+abort) puts a typed item into the inbox and returns; the loop takes every item between two steps,
+in the order they came. A call that needs an answer from the engine (a reservation's block ids)
+waits for that boundary only, never behind other calls. The engine is not thread-safe, so only the
+loop's thread touches it; the few calls that must reach it otherwise (a KV handshake) take turns
+with the steps through `lock`, a FIFO (`TurnLock`). `step` returns None when it has more to do
+right away, else how long the loop may nap (cut short by new work): short while transfers are in
+flight, long when idle — an idle worker must not burn a core polling.
 """
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -47,14 +51,22 @@ class TurnLock:
 
 
 class EngineLoop:
-    def __init__(self, step: Callable[[], float | None], name: str):
+    def __init__(self, step: Callable[[], float | None], take: Callable[[object], None], name: str):
+        """step(): one engine step -> nap; take(item): apply one inbox item, on the loop's thread."""
         self.lock = TurnLock()
         self._step = step
+        self._take = take
+        self._inbox: deque = deque()  # appends and pops are atomic: no lock between callers and the loop
         self._wake = threading.Event()
         self._stopped = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def submit(self, item: object) -> None:
+        """Hand work to the loop; it is taken before the next step. Returns at once."""
+        self._inbox.append(item)
+        self._wake.set()
 
     def wake(self) -> None:
         self._wake.set()
@@ -71,10 +83,13 @@ class EngineLoop:
         try:
             while not self._stopped:
                 with self.lock:
+                    while self._inbox:
+                        self._take(self._inbox.popleft())
                     nap = self._step()
                 if nap is not None:
-                    self._wake.wait(nap)
                     self._wake.clear()
+                    if not self._inbox:  # (checked after the clear: a submit in between still wakes us)
+                        self._wake.wait(nap)
         except BaseException as e:  # the worker's stats() raises from now on: routers count it down
             log.exception("engine loop died")
             self.error = e

@@ -9,7 +9,8 @@ from pdserve.kvtransfer import make_connector
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.worker.engine_loop import EngineLoop
-from pdserve.messages import ReplicaStats
+from pdserve.messages import Refusal, ReplicaStats
+from pdserve.protocol import InvalidRequestError
 
 
 # Set (by the controller, for cuda_ipc) in a worker's environment: Ray leaves every GPU visible.
@@ -46,10 +47,23 @@ class Replica:
         self.aborted = 0
 
     def _start_loop(self) -> None:
-        self.loop = EngineLoop(self._step, f"{self.name}-engine")
+        self.loop = EngineLoop(self._step, self._take, f"{self.name}-engine")
 
     def _step(self) -> float | None:
         raise NotImplementedError
+
+    def _take(self, item) -> None:
+        """Apply one inbox item (pdserve/worker/inbox.py) on the loop's thread."""
+        raise NotImplementedError
+
+    def _refusal(self, prompt_ids: list[int]) -> Refusal | None:
+        """A prompt this replica can never run, as the router's 400; checked on the caller's
+        thread, so that a call that brings work can answer at once."""
+        try:
+            self.engine.check_request(prompt_ids)
+        except InvalidRequestError as e:
+            return Refusal.of(e)
+        return None
 
     def ready(self) -> bool:
         return self.loop.alive()

@@ -1,0 +1,65 @@
+"""Admission never waits for a step: a worker's call that brings work returns while its engine is
+inside a long step (the step is held open here), and the work runs once the step ends."""
+
+import threading
+import time
+
+import pytest
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.protocol import SamplingParams
+from pdserve.worker.colocated import ColocatedWorker
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0)
+
+
+@pytest.fixture
+def held():
+    """A colocated worker (in this process) whose engine is inside a step until `release` is set."""
+    worker = ColocatedWorker("admission-test", EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=64),
+                             namespace="unused")
+    worker.streams.flush_nap = lambda nap: nap  # no router here to send tokens to
+    inside, release = threading.Event(), threading.Event()
+    real_step = worker.engine.step
+
+    def long_step():
+        inside.set()
+        release.wait(30)
+        return real_step()
+
+    worker.engine.step = long_step
+    worker.engine.has_unfinished = lambda: True  # the loop steps at once
+    assert inside.wait(10), "the loop did not start a step"
+    yield worker, release
+    release.set()
+    worker.loop.stop()
+
+
+def timed(call) -> float:
+    t0 = time.monotonic()
+    done = threading.Thread(target=call, daemon=True)
+    done.start()
+    done.join(timeout=5)
+    assert not done.is_alive(), "the call waited for the step"
+    return time.monotonic() - t0
+
+
+def test_work_handed_in_during_a_long_step_returns_at_once_and_runs_after_it(held):
+    worker, release = held
+    refusals = []
+    assert timed(lambda: refusals.append(worker.generate("r1", [1, 2, 3], PARAMS, "router"))) < 0.5
+    assert refusals == [None]
+    assert timed(lambda: worker.abort("nobody")) < 0.5
+    assert "r1" not in worker.engine.seqs  # not yet: the engine is inside its step
+    release.set()
+    deadline = time.monotonic() + 10
+    while "r1" not in worker.engine.seqs and worker.engine.pool.num_free_blocks == 64:
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.01)
+
+
+def test_a_request_that_can_never_run_is_refused_by_the_call_itself(held):
+    worker, _ = held
+    refused = []
+    assert timed(lambda: refused.append(worker.generate("r2", [1] * 5000, PARAMS, "router"))) < 0.5
+    assert refused[0] is not None and refused[0].param == "prompt"
