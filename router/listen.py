@@ -4,8 +4,6 @@ takes a free port without a pick-then-bind race."""
 
 import socket
 
-import psutil
-
 
 class PortInUseError(RuntimeError):
     """A configured port cannot be bound; the message names the key, the port and its holder."""
@@ -38,8 +36,12 @@ def check_free(host: str, port: int, key: str) -> None:
 def holder(port: int) -> str:
     """Who listens on `port` on this host, as far as this process may see."""
     try:
+        import psutil  # only on this error path: a machine without it still serves
+    except ImportError:
+        return "another process holds it"
+    try:
         conns = psutil.net_connections(kind="tcp")
-    except (psutil.AccessDenied, OSError):
+    except (psutil.Error, OSError):  # e.g. AccessDenied: not ours to see
         return "another process holds it"
     for c in conns:
         if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
