@@ -4,14 +4,16 @@ reservations, their KV through kvtransfer; new tokens go back to each router onc
 A worker is a whole decode replica, or one rank of an expert-parallel one (decode/ep_group.py):
 then it owns its requests and their KV, and steps in lockstep with the other ranks."""
 
+import time
+
 import torch
 
 from pdserve.decode.ep_group import IDLE, RUNNING, WAITING_FOR_KV, EPGroup, EPRank
 from pdserve.decode.kv_intake import KVIntake
 from pdserve.config import EngineConfig
-from pdserve.protocol import InvalidRequestError, SamplingParams
+from pdserve.protocol import InvalidRequestError
 from pdserve.worker.engine_loop import IDLE_S
-from pdserve.messages import Refusal, ReplicaStats, ReserveResult
+from pdserve.messages import NewRequest, Refusal, ReplicaStats, ReserveResult
 from pdserve.models import resolve_model_args
 from pdserve.worker.inbox import Abort, Reserve
 from pdserve.worker.replica import Replica, assigned_device
@@ -39,23 +41,23 @@ class DecodeWorker(Replica):
         self.streams = RouterStreams(namespace)  # every reservation, from reserve until finished
         self._start_loop()
 
-    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_id: str,
-                router: str) -> ReserveResult:
-        """Blocks for the prompt's KV under a lease; handle None when this replica is full. The
+    def reserve(self, requests: list[NewRequest], router: str) -> list[ReserveResult]:
+        """Blocks for each prompt's KV under a lease; a handle None where this replica is full. The
         block pool answers at the next step boundary: the call waits for that, not for other calls."""
-        refused = self._refusal(prompt_ids)
-        if refused is not None:
-            return ReserveResult(None, refused)
-        item = Reserve(request_id, prompt_ids, params, prefill_id, router)
-        self.loop.submit(item)
+        items: list[Reserve | ReserveResult] = []
+        for r in requests:
+            refused = self._refusal(r.prompt_ids)
+            items.append(ReserveResult(None, refused) if refused else
+                         Reserve(r.request_id, r.prompt_ids, r.params, r.prefill_id, router))
+            if isinstance(items[-1], Reserve):
+                self.loop.submit(items[-1])
+        deadline = time.monotonic() + RESERVE_TIMEOUT_S
         try:
-            return item.answer.result(timeout=RESERVE_TIMEOUT_S)
+            return [i.answer.result(timeout=max(0.0, deadline - time.monotonic())) if isinstance(i, Reserve) else i
+                    for i in items]
         except TimeoutError:
             raise RuntimeError(f"{self.name}: the engine loop took no work for {RESERVE_TIMEOUT_S} s "
                                f"(alive: {self.loop.alive()})") from None
-
-    def abort(self, request_id: str) -> None:
-        self.loop.submit(Abort(request_id))
 
     def _take(self, item) -> None:
         match item:

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from pdserve.protocol import InvalidRequestError
+from pdserve.protocol import InvalidRequestError, SamplingParams
 
 
 @dataclass
@@ -19,6 +19,18 @@ class Refusal:
 
     def error(self) -> InvalidRequestError:
         return InvalidRequestError(self.param, self.message)
+
+
+@dataclass
+class NewRequest:
+    """A request handed to a worker. Calls carry lists of them: a router sends everything that
+    arrived in one turn of its event loop as one message."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    handle: bytes | None = None  # to a prefill worker: where its KV goes (a packed kvtransfer.ReserveHandle)
+    prefill_id: str = ""  # to a decode worker: the prefill replica that will send the KV
 
 
 @dataclass

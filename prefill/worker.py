@@ -2,8 +2,8 @@
 
 from pdserve.kvtransfer import ReserveHandle
 from pdserve.config import EngineConfig
-from pdserve.messages import Refusal
-from pdserve.protocol import InvalidRequestError, SamplingParams
+from pdserve.messages import NewRequest, Refusal
+from pdserve.protocol import InvalidRequestError
 from pdserve.worker.engine_loop import IDLE_S
 from pdserve.worker.inbox import Abort, Prefill
 from pdserve.worker.replica import Replica
@@ -22,17 +22,15 @@ class PrefillWorker(Replica):
         self._transfers_total = 0
         self._start_loop()
 
-    def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                handle: bytes) -> Refusal | None:
-        """Prefill a request into the decode blocks its handle names; returns at once, without
-        waiting for a step (None, or why this replica can never run it)."""
-        refused = self._refusal(prompt_ids)
-        if refused is None:
-            self.loop.submit(Prefill(request_id, prompt_ids, params, ReserveHandle.unpack(handle)))
-        return refused
-
-    def abort(self, request_id: str) -> None:
-        self.loop.submit(Abort(request_id))
+    def prefill(self, requests: list[NewRequest]) -> list[Refusal | None]:
+        """Prefill requests into the decode blocks their handles name; returns at once, without
+        waiting for a step (per request None, or why this replica can never run it)."""
+        answers = []
+        for r in requests:
+            answers.append(self._refusal(r.prompt_ids))
+            if answers[-1] is None:
+                self.loop.submit(Prefill(r.request_id, r.prompt_ids, r.params, ReserveHandle.unpack(r.handle)))
+        return answers
 
     def _take(self, item) -> None:
         match item:

@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 from ray.exceptions import ActorDiedError
 
 from pdserve.protocol import InvalidRequestError
-from pdserve.messages import Refusal, ReplicaStats, RequestDelta
+from pdserve.messages import NewRequest, Refusal, ReplicaStats, RequestDelta
 
 from pdserve.router.decode_replica import DecodeReplica
+from pdserve.router.handoff import HandOff
 from pdserve.router.replica_health import ReplicaHealth
 from pdserve.router.types import Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingError
 
@@ -38,6 +39,14 @@ class RayCore:
         self._rr = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}
         self._loads: dict[str, int] = {n: 0 for n in [*prefill, *decode, *colocated]}  # requests we placed there
+        # One hand-off per worker and kind of call: a turn's requests go out in one Ray call.
+        self._prefill = {n: HandOff(w.prefill.remote) for n, w in prefill.items()}
+        self._generate = {n: HandOff(lambda items, w=w: w.generate.remote(items, name)) for n, w in colocated.items()}
+        self._reserve = {rank: HandOff(lambda items, w=w: w.reserve.remote(items, name))
+                         for d in decode.values() for rank, w in d.ranks.items()}
+        self._abort = {n: HandOff(w.abort.remote, answered=False)
+                       for n, w in [*prefill.items(), *colocated.items(),
+                                    *((r, w) for d in decode.values() for r, w in d.ranks.items())]}
         self.health = ReplicaHealth({**{n: "prefill" for n in prefill}, **{n: "decode" for n in decode},
                                      **{n: "colocated" for n in colocated}})
 
@@ -67,7 +76,7 @@ class RayCore:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         placed: list[str] = []  # replicas whose count of our requests in flight this one raised
-        holders: dict[str, object] = {}  # replica -> worker holding the request: told to abort it if unfinished
+        holders: dict[str, str] = {}  # replica -> its worker (rank) holding the request: aborted there if unfinished
         finished = False
         try:
             start = self._start_colocated if self.colocated else self._start_disaggregated
@@ -92,10 +101,10 @@ class RayCore:
                 self.health.done_with(name, rid)
             if not finished:  # the client left, or it failed: stop it everywhere
                 for worker in (w for n, w in holders.items() if n not in self.health.down):
-                    worker.abort.remote(rid)
+                    self._abort[worker](rid)
 
     async def _start_disaggregated(self, request: GenerateRequest, queue: asyncio.Queue, placed: list[str],
-                                   holders: dict[str, object]) -> None:
+                                   holders: dict[str, str]) -> None:
         """Reserve KV on a decode replica, then have a prefill replica stream the prompt's KV there."""
         p_name = self._pick(self.prefill, "prefill")
         self._place(p_name, placed)
@@ -103,26 +112,25 @@ class RayCore:
         d_name, d_rank, handle = await self._reserve(request, p_name)
         t1 = self._phase("reserve", t0)
         self._place(d_name, placed)
-        holders |= {d_name: self.decode[d_name].ranks[d_rank], p_name: self.prefill[p_name]}
+        holders |= {d_name: d_rank, p_name: p_name}
         for name in (d_name, p_name):
             self.health.wait_on(name, request.request_id, queue)
-        _raise_refused(await self._call(p_name, self.prefill[p_name].prefill.remote(
-            request.request_id, request.prompt_ids, request.params, handle)))
+        _raise_refused(await self._call(p_name, self._prefill[p_name](
+            NewRequest(request.request_id, request.prompt_ids, request.params, handle=handle))))
         self._phase("dispatch", t1)
 
     async def _start_colocated(self, request: GenerateRequest, queue: asyncio.Queue, placed: list[str],
-                               holders: dict[str, object]) -> None:
+                               holders: dict[str, str]) -> None:
         """Hand the whole request to the least-loaded colocated replica. Not by free KV blocks as
         for decode: a colocated replica never refuses (it queues), so a burst routed by stats up to
         0.5 s old would all land on one replica; the requests in flight from us are exact."""
         name = self._pick(self.colocated, "colocated")
         self._place(name, placed)
-        worker = self.colocated[name]
-        holders[name] = worker  # before the call: a client leaving during it must still stop the request
+        holders[name] = name  # before the call: a client leaving during it must still stop the request
         self.health.wait_on(name, request.request_id, queue)
         t0 = time.perf_counter()
-        _raise_refused(await self._call(name, worker.generate.remote(request.request_id, request.prompt_ids,
-                                                                     request.params, self.name)))
+        _raise_refused(await self._call(name, self._generate[name](
+            NewRequest(request.request_id, request.prompt_ids, request.params))))
         self._phase("dispatch", t0)
 
     async def _call(self, replica: str, ref):
@@ -149,8 +157,8 @@ class RayCore:
             replica = self.decode[d_name]
             for rank in replica.rank_order():
                 try:
-                    res = await self._call(d_name, replica.ranks[rank].reserve.remote(
-                        request.request_id, request.prompt_ids, request.params, p_name, self.name))
+                    res = await self._call(d_name, self._reserve[rank](
+                        NewRequest(request.request_id, request.prompt_ids, request.params, prefill_id=p_name)))
                 except ReplicaUnavailableError:
                     break  # this replica is down: try the next one
                 _raise_refused(res.refused)

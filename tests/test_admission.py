@@ -7,6 +7,7 @@ import time
 import pytest
 
 from pdserve.config import EngineConfig, ModelConfig
+from pdserve.messages import NewRequest
 from pdserve.protocol import SamplingParams
 from pdserve.worker.colocated import ColocatedWorker
 
@@ -47,9 +48,9 @@ def timed(call) -> float:
 def test_work_handed_in_during_a_long_step_returns_at_once_and_runs_after_it(held):
     worker, release = held
     refusals = []
-    assert timed(lambda: refusals.append(worker.generate("r1", [1, 2, 3], PARAMS, "router"))) < 0.5
-    assert refusals == [None]
-    assert timed(lambda: worker.abort("nobody")) < 0.5
+    assert timed(lambda: refusals.append(worker.generate([NewRequest("r1", [1, 2, 3], PARAMS)], "router"))) < 0.5
+    assert refusals == [[None]]
+    assert timed(lambda: worker.abort(["nobody"])) < 0.5
     assert "r1" not in worker.engine.seqs  # not yet: the engine is inside its step
     release.set()
     deadline = time.monotonic() + 10
@@ -61,5 +62,7 @@ def test_work_handed_in_during_a_long_step_returns_at_once_and_runs_after_it(hel
 def test_a_request_that_can_never_run_is_refused_by_the_call_itself(held):
     worker, _ = held
     refused = []
-    assert timed(lambda: refused.append(worker.generate("r2", [1] * 5000, PARAMS, "router"))) < 0.5
-    assert refused[0] is not None and refused[0].param == "prompt"
+    batch = [NewRequest("r2", [1] * 5000, PARAMS), NewRequest("r3", [1, 2], PARAMS)]
+    assert timed(lambda: refused.append(worker.generate(batch, "router"))) < 0.5
+    [[too_long, fine]] = refused
+    assert too_long is not None and too_long.param == "prompt" and fine is None

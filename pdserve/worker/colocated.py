@@ -3,9 +3,9 @@ prefill), the baseline every disaggregated figure is compared with. A request go
 in whole; new tokens go back to each router once per step, as from a decode worker."""
 
 from pdserve.config import EngineConfig
-from pdserve.protocol import InvalidRequestError, SamplingParams
+from pdserve.protocol import InvalidRequestError
 from pdserve.worker.engine_loop import IDLE_S
-from pdserve.messages import Refusal
+from pdserve.messages import NewRequest, Refusal
 from pdserve.worker.inbox import Abort, Generate
 from pdserve.worker.replica import Replica
 from pdserve.worker.router_streams import RouterStreams
@@ -19,18 +19,16 @@ class ColocatedWorker(Replica):
         self.streams = RouterStreams(namespace)
         self._start_loop()
 
-    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 router: str) -> Refusal | None:
-        """Queue a request whose output streams to `router`; returns at once, without waiting for
+    def generate(self, requests: list[NewRequest], router: str) -> list[Refusal | None]:
+        """Queue requests whose output streams to `router`; returns at once, without waiting for
         a step. The engine queues what its KV cache cannot take yet, so a replica is never full:
-        only a request that is unacceptable in itself is refused."""
-        refused = self._refusal(prompt_ids)
-        if refused is None:
-            self.loop.submit(Generate(request_id, prompt_ids, params, router))
-        return refused
-
-    def abort(self, request_id: str) -> None:
-        self.loop.submit(Abort(request_id))
+        only a request that is unacceptable in itself is refused (its entry)."""
+        answers = []
+        for r in requests:
+            answers.append(self._refusal(r.prompt_ids))
+            if answers[-1] is None:
+                self.loop.submit(Generate(r.request_id, r.prompt_ids, r.params, router))
+        return answers
 
     def _take(self, item) -> None:
         match item:

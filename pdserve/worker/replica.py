@@ -9,6 +9,7 @@ from pdserve.kvtransfer import make_connector
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.inbox import Abort
 from pdserve.messages import Refusal, ReplicaStats
 from pdserve.protocol import InvalidRequestError
 
@@ -55,6 +56,11 @@ class Replica:
     def _take(self, item) -> None:
         """Apply one inbox item (pdserve/worker/inbox.py) on the loop's thread."""
         raise NotImplementedError
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests here (their clients left, or they failed elsewhere); returns at once."""
+        for rid in request_ids:
+            self.loop.submit(Abort(rid))
 
     def _refusal(self, prompt_ids: list[int]) -> Refusal | None:
         """A prompt this replica can never run, as the router's 400; checked on the caller's
