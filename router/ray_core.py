@@ -40,11 +40,12 @@ class RayCore:
         self._queues: dict[str, asyncio.Queue] = {}
         self._loads: dict[str, int] = {n: 0 for n in [*prefill, *decode, *colocated]}  # requests we placed there
         # One hand-off per worker and kind of call: a turn's requests go out in one Ray call.
-        self._prefill = {n: HandOff(w.prefill.remote) for n, w in prefill.items()}
-        self._generate = {n: HandOff(lambda items, w=w: w.generate.remote(items, name)) for n, w in colocated.items()}
-        self._reserve = {rank: HandOff(lambda items, w=w: w.reserve.remote(items, name))
+        self._send_prefill = {n: HandOff(w.prefill.remote) for n, w in prefill.items()}
+        self._send_generate = {n: HandOff(lambda items, w=w: w.generate.remote(items, name))
+                               for n, w in colocated.items()}
+        self._send_reserve = {rank: HandOff(lambda items, w=w: w.reserve.remote(items, name))
                          for d in decode.values() for rank, w in d.ranks.items()}
-        self._abort = {n: HandOff(w.abort.remote, answered=False)
+        self._send_abort = {n: HandOff(w.abort.remote, answered=False)
                        for n, w in [*prefill.items(), *colocated.items(),
                                     *((r, w) for d in decode.values() for r, w in d.ranks.items())]}
         self.health = ReplicaHealth({**{n: "prefill" for n in prefill}, **{n: "decode" for n in decode},
@@ -101,7 +102,7 @@ class RayCore:
                 self.health.done_with(name, rid)
             if not finished:  # the client left, or it failed: stop it everywhere
                 for worker in (w for n, w in holders.items() if n not in self.health.down):
-                    self._abort[worker](rid)
+                    self._send_abort[worker](rid)
 
     async def _start_disaggregated(self, request: GenerateRequest, queue: asyncio.Queue, placed: list[str],
                                    holders: dict[str, str]) -> None:
@@ -115,7 +116,7 @@ class RayCore:
         holders |= {d_name: d_rank, p_name: p_name}
         for name in (d_name, p_name):
             self.health.wait_on(name, request.request_id, queue)
-        _raise_refused(await self._call(p_name, self._prefill[p_name](
+        _raise_refused(await self._call(p_name, self._send_prefill[p_name](
             NewRequest(request.request_id, request.prompt_ids, request.params, handle=handle))))
         self._phase("dispatch", t1)
 
@@ -129,7 +130,7 @@ class RayCore:
         holders[name] = name  # before the call: a client leaving during it must still stop the request
         self.health.wait_on(name, request.request_id, queue)
         t0 = time.perf_counter()
-        _raise_refused(await self._call(name, self._generate[name](
+        _raise_refused(await self._call(name, self._send_generate[name](
             NewRequest(request.request_id, request.prompt_ids, request.params))))
         self._phase("dispatch", t0)
 
@@ -157,7 +158,7 @@ class RayCore:
             replica = self.decode[d_name]
             for rank in replica.rank_order():
                 try:
-                    res = await self._call(d_name, self._reserve[rank](
+                    res = await self._call(d_name, self._send_reserve[rank](
                         NewRequest(request.request_id, request.prompt_ids, request.params, prefill_id=p_name)))
                 except ReplicaUnavailableError:
                     break  # this replica is down: try the next one
