@@ -425,6 +425,23 @@ def test_detokenizer_hf_split_character_and_flush(qwen_dir):
     assert detok.text == "€\ufffd"
 
 
+def test_detokenizer_goes_on_where_decode_stream_refuses(qwen_dir):
+    """DecodeStream raises for a decoder that rewrites text it already gave; the detokenizer then
+    falls back to decoding its window, and the text still joins to the whole decode."""
+    tok = load_tokenizer(qwen_dir)
+    ids = tok.encode("Hello there, general Kenobi", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push([ids[0]])]
+
+    class Refusing:
+        def step(self, tokenizer, token_id):
+            raise Exception("Invalid prefix encountered")
+
+    detok._stream._stream = Refusing()  # the next step refuses, as DecodeStream does for such decoders
+    pieces += [detok.push([t]) for t in ids[1:]] + [detok.flush()]
+    assert "".join(pieces) == tok.decode(ids) == detok.text
+
+
 def test_detokenizer_keeps_leading_space_after_prompt(tmp_path):
     """SentencePiece-style decoders drop the leading space of a sequence's first word; decoded after
     the prompt's last tokens, the first output token keeps it (as the text continues the prompt)."""

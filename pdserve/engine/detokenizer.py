@@ -63,18 +63,26 @@ class _HFDecodeStream:
         self._held: list[int] = []  # ids since then
 
     def step(self, token_id: int) -> str | None:
-        text = self._stream.step(self._tok.backend, token_id)
         self._held.append(token_id)
+        try:
+            text = self._stream.step(self._tok.backend, token_id)
+        except Exception:  # DecodeStream refuses a decoder that rewrites text it gave already: the
+            text = self._window() or None  # plain window difference then, and a fresh stream after it
+            ids = (self._context + self._held)[-PROMPT_CONTEXT_TOKENS:]
+            self._stream = DecodeStream(ids=ids, skip_special_tokens=self._skip)
         if text is not None:
             self._context, self._held = (self._context + self._held)[-PROMPT_CONTEXT_TOKENS:], []
         return text
 
     def flush(self) -> str:
-        if not self._held:
-            return ""
+        text = self._window() if self._held else ""
+        self._context, self._held = (self._context + self._held)[-PROMPT_CONTEXT_TOKENS:], []
+        return text
+
+    def _window(self) -> str:
+        """The text the held ids add after the context's."""
         prefix = self._tok.decode(self._context, self._skip)
         text = self._tok.decode(self._context + self._held, self._skip)
-        self._context, self._held = (self._context + self._held)[-PROMPT_CONTEXT_TOKENS:], []
         return text[len(prefix) :] if len(text) > len(prefix) else ""
 
 
