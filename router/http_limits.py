@@ -22,8 +22,10 @@ class RequestLimits:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media and media != "application/json" and not media.endswith("+json"):
-            return await self._refuse(scope, send, 415, f"Content-Type {media!r} is not supported; send the "
-                                      "request body as JSON with Content-Type: application/json", "content-type")
+            if await self._drain(receive):
+                await self._refuse(scope, send, 415, f"Content-Type {media!r} is not supported; send the "
+                                   "request body as JSON with Content-Type: application/json", "content-type")
+            return
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             if await self._drain(receive):
@@ -55,7 +57,8 @@ class RequestLimits:
 
     async def _drain(self, receive) -> bool:
         """Read the rest of a refused body without keeping it, so that the client, still sending,
-        reads the 413 rather than a reset connection; False if the client left. A body past
+        reads the answer rather than a reset connection (a socket closed with unread data resets);
+        False if the client left. A body past
         DRAIN_FACTOR times the limit is not waited for: the connection closes after the 413."""
         seen = 0
         while seen <= DRAIN_FACTOR * self.max_body_bytes:
