@@ -36,11 +36,13 @@ class HandOff:
 async def _answer(ref, futures: list[asyncio.Future]) -> None:
     try:
         answers = await ref
+        if len(answers) != len(futures):
+            raise RuntimeError(f"a worker answered {len(answers)} of {len(futures)} requests")
     except Exception as e:  # the worker died, or the call failed: every request of the batch hears it
         for f in futures:
             if not f.done():
                 f.set_exception(e)
         return
-    for f, answer in zip(futures, answers, strict=True):
+    for f, answer in zip(futures, answers):
         if not f.done():  # (a request whose client left meanwhile)
             f.set_result(answer)
