@@ -74,6 +74,10 @@ class RouterConfig(_Strict):
     http_port: int = Field(default=8000, ge=0, le=65535)
     grpc_port: int | None = Field(default=50051, ge=0, le=65535)
     policy: Literal["kv-aware", "round-robin"] = "kv-aware"
+    # Router processes, all on the controller's node, serving the same HTTP and gRPC ports
+    # (SO_REUSEPORT: the kernel spreads connections over them). Each also has a port of its own
+    # for its /metrics (`pdserve status` lists them).
+    replicas: int = Field(default=1, ge=1, le=64)
     # Larger request bodies get 413 before they are read in full or tokenized.
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
 

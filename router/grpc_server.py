@@ -14,7 +14,7 @@ from pdserve.protocol import InvalidRequestError, SamplingParams
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
 from pdserve.router import limits
-from pdserve.router.listen import PortInUseError, holder
+from pdserve.router.listen import PortInUseError, check_free, holder
 from pdserve.router.types import Delta, GenerateRequest, NoCapacityError, ServingCore, ServingError
 
 log = logging.getLogger(__name__)
@@ -132,12 +132,16 @@ async def _track_health(core: ServingCore, server: grpc.aio.Server, servicer: he
         await _set_health(core, servicer)
 
 
-async def start_grpc_server(core: ServingCore, port: int, host: str = "0.0.0.0") -> grpc.aio.Server:
+async def start_grpc_server(core: ServingCore, port: int, host: str = "0.0.0.0", shared: bool = False,
+                            first: bool = True) -> grpc.aio.Server:
     """Start serving pdserve.v1.Completion, health and reflection on host:port (0: any free port,
-    then `server.port` says which); the caller stops it. Raises PortInUseError when it is taken."""
-    # No SO_REUSEPORT: a port already taken (say, by a stale router) fails here instead of
-    # silently splitting the connections between the two servers.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    then `server.port` says which); the caller stops it. Raises PortInUseError when it is taken.
+    shared: one of several routers on this port (SO_REUSEPORT); the first checks it is free."""
+    if shared and first:
+        check_free(host, port, "router.grpc_port")  # see listen.claim_shared
+    # SO_REUSEPORT only where routers share the port: else a port already taken (say, by a stale
+    # router) fails here instead of silently splitting the connections between the two servers.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", int(shared))])
     pb_grpc.add_CompletionServicer_to_server(CompletionServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -9,14 +9,22 @@ class PortInUseError(RuntimeError):
     """A configured port cannot be bound; the message names the key, the port and its holder."""
 
 
-def bind_listener(host: str, port: int, key: str) -> socket.socket:
+def bind_listener(host: str, port: int, key: str, shared: bool = False) -> socket.socket:
     """A TCP socket bound to host:port and listening; raises PortInUseError naming `key` (the
-    cluster.yaml key, e.g. router.http_port) when the address is taken."""
+    cluster.yaml key, e.g. router.http_port) when the address is taken.
+
+    shared: the port is served by several routers of this cluster (router.replicas > 1), each
+    binding it with SO_REUSEPORT; the kernel spreads new connections over them, and a router that
+    dies simply drops out. Only sockets that all ask for it share a port: one held without it (an
+    unrelated server) still fails the bind. The first router checks the port is free first
+    (`claim_shared`), so that a stale router of another cluster cannot silently split the traffic."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     # Lets a restart bind while the previous server's connections sit in TIME_WAIT; a port that
     # another process *listens* on still fails.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
         sock.listen(2048)
@@ -25,6 +33,14 @@ def bind_listener(host: str, port: int, key: str) -> socket.socket:
         raise PortInUseError(f"{key}: cannot listen on {host}:{port} ({e.strerror}); {holder(port)}. "
                              f"Stop it, or set {key} to a free port (0 takes any)") from None
     return sock
+
+
+def claim_shared(host: str, port: int, key: str) -> socket.socket:
+    """The first of several routers' sockets on a shared port: the port must be free of any
+    listener (checked with a plain bind, which fails against a SO_REUSEPORT listener too), then
+    bound for sharing. Port 0 takes a free port; the other routers bind the one it got."""
+    check_free(host, port, key)
+    return bind_listener(host, port, key, shared=True)
 
 
 def check_free(host: str, port: int, key: str) -> None:

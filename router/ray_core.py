@@ -62,6 +62,10 @@ class RayCore:
         live = {s.role for s in self.stats.values()}
         return "colocated" in live or {"prefill", "decode"} <= live
 
+    def in_flight(self) -> int:
+        """Requests this router streams now."""
+        return len(self._queues)
+
     def deliver(self, deltas: list[RequestDelta]) -> None:
         """A decode (or colocated) replica's output of one step, for the requests this router streams."""
         for d in deltas:

@@ -1,5 +1,6 @@
 """Start `pdserve up FILE` as a user would (a subprocess), wait until it serves, stop it with Ctrl-C."""
 
+import os
 import time
 
 import httpx
@@ -13,6 +14,9 @@ class Cluster:
         # Port 0: the router binds any free port and `pdserve up` prints it (no port picked here
         # that another test could take first).
         cfg = {"router": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0}}
+        # PDSERVE_TEST_ROUTERS=3 runs every serving test through three routers on one port.
+        if routers := os.environ.get("PDSERVE_TEST_ROUTERS"):
+            cfg["router"]["replicas"] = int(routers)
         if "colocated" not in sections:  # a colocated cluster has no prefill or decode replicas to size
             cfg |= {"prefill": {"num_kv_blocks": 512}, "decode": {"num_kv_blocks": 512}}
         for key, value in sections.items():
@@ -30,6 +34,15 @@ class Cluster:
         except ClusterStartError as e:
             raise RuntimeError(f"{e}:\n{self.output()}") from e
         self.grpc_address = self.up.endpoints().get("grpc")
+
+    def router_urls(self) -> dict[str, str]:
+        """Each router's own HTTP address (router.replicas > 1), from `pdserve up`'s output."""
+        out = {}
+        for line in self.output().splitlines():
+            if ": own http " in line:
+                name, rest = line.split(": own http ", 1)
+                out[name.rsplit(" ", 1)[1]] = rest.split()[0]
+        return out
 
     def output(self) -> str:
         """What `pdserve up` printed so far (also after stop)."""

@@ -64,3 +64,9 @@ def test_cuda_ipc_needs_gpu_replicas(tmp_path):
         load(tmp_path, {"kv_transfer": {"backend": "cuda_ipc"}, "prefill": {"gpus": 1}})
     cfg = load(tmp_path, {"kv_transfer": {"backend": "cuda_ipc"}, "prefill": {"gpus": 1}, "decode": {"gpus": 1}})
     assert cfg.kv_transfer.backend == "cuda_ipc"
+
+
+def test_router_replicas_is_at_least_one(tmp_path):
+    assert load(tmp_path, {"router": {"replicas": 3}}).router.replicas == 3
+    with pytest.raises(ConfigError, match=r"router\.replicas: 0 is not allowed"):
+        load(tmp_path, {"router": {"replicas": 0}})

@@ -75,7 +75,7 @@ def up(path: str | None) -> int:
             # "stopping": a `pdserve down` is at work; killing the controller now would cut it short.
             if s["state"] not in ("running", "degraded", "stopping"):
                 break
-            down = _show_down(s["replicas"], down)
+            down = _show_down({**s["replicas"], **s.get("routers", {})}, down)
             time.sleep(1)
     except KeyboardInterrupt:
         _log("stopping")
@@ -89,7 +89,10 @@ def _show_down(replicas: dict, before: dict[str, str]) -> dict[str, str]:
     """Tell the operator which replicas went down (and came back) since the last look."""
     now = {name: r for name, r in replicas.items() if isinstance(r, str)}
     for name, why in now.items():
-        if name not in before:
+        if name not in before and name.startswith("pdserve-router-"):
+            _log(f"{name} is {why}; its streams ended, and the other routers serve its port "
+                 f"(none left: nothing serves). Restart the cluster to bring it back")
+        elif name not in before:
             _log(f"replica {name} is {why}; requests on it ended with an error, and its role serves "
                  f"with the replicas left (none left: 503). Restart the cluster to bring it back")
     for name in before.keys() - now.keys():
@@ -210,4 +213,10 @@ def status(address: str) -> int:
             group = f" ({r.ranks} expert-parallel ranks)" if r.ranks > 1 else f" (pid {r.pid})"
             print(f"{name}{group}: running {r.running}, waiting {r.waiting}, KV blocks used "
                   f"{r.total_blocks - r.free_blocks}/{r.total_blocks}")
+    for name, r in s.get("routers", {}).items():
+        if isinstance(r, str):
+            print(f"{name}: {r}")
+        else:
+            own = f", own {r['endpoints']['own']}" if "own" in r["endpoints"] else ""
+            print(f"{name} (pid {r['pid']}): streaming {r['in_flight']}{own}")
     return 0

@@ -1,7 +1,7 @@
 """The controller: a named, detached Ray actor that owns the cluster's desired state.
 
-It starts the replicas and the router, introduces every prefill replica to every decode rank
-(the KV handshake), reports status, and stops everything on `shutdown`. A decode replica is one
+It starts the replicas and the routers (router.replicas of them, sharing one port), introduces
+every prefill replica to every decode rank (the KV handshake), reports status, and stops everything on `shutdown`. A decode replica is one
 DecodeWorker, or with `decode.ep_size` N > 1 an expert-parallel group of N, placed together in a
 placement group (one bundle, i.e. one GPU, per rank). A colocated cluster has ColocatedWorkers
 only (one engine doing both phases), and no handshake: no KV moves between them.
@@ -12,7 +12,7 @@ import time
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from pdserve.config import ClusterConfig
 from pdserve.messages import ReplicaStats
@@ -36,13 +36,12 @@ class Controller:
         self.colocated: dict[str, ray.actor.ActorHandle] = {}
         self._placement_groups: list = []
         self._ep_stores: dict = {}  # decode replica -> its expert-parallel group's rendezvous TCPStore, held for its life
-        self.router = None
+        self.routers: dict[str, ray.actor.ActorHandle] = {}  # router.replicas of them, one port
 
     def start(self) -> dict[str, str]:
-        """Start replicas and router; returns the endpoints once every replica is ready."""
+        """Start replicas and routers; returns the endpoints once every replica is ready."""
         from pdserve.worker.colocated import ColocatedWorker
         from pdserve.prefill.worker import PrefillWorker
-        from pdserve.router.server import Router
 
         cfg = self.config
         n = cfg.prefill.replicas + cfg.decode.replicas * cfg.decode.ep_size + cfg.colocated.replicas  # processes
@@ -69,13 +68,33 @@ class Controller:
                 self._note(f"{pending.pop(ref)} ready ({n - len(pending)}/{n})")
         if self.prefill:
             self._handshake()
-        self.router = ray.remote(Router).options(name="pdserve-router-0", num_cpus=0).remote(
-            "pdserve-router-0", cfg, list(self.prefill), {d: list(r) for d, r in self.decode.items()},
-            list(self.colocated), NAMESPACE)
-        self.endpoints = ray.get(self.router.start.remote())
+        self._start_routers()
         self.state = "running"
-        self._note("router listening: " + ", ".join(f"{k} {v}" for k, v in self.endpoints.items()))
         return self.endpoints
+
+    def _start_routers(self) -> None:
+        """router.replicas routers on this node, serving one HTTP and one gRPC port. The first
+        claims the configured ports (0: any), the others bind the ports it got (SO_REUSEPORT)."""
+        from pdserve.router.server import Router
+
+        cfg = self.config
+        # On this node: processes can share a port only on one host (and `pdserve up` checked
+        # the ports free here when it started Ray).
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        names = [f"pdserve-router-{i}" for i in range(cfg.router.replicas)]
+        shared = len(names) > 1
+        for name in names:
+            self.routers[name] = ray.remote(Router).options(name=name, num_cpus=0, scheduling_strategy=here).remote(
+                name, cfg, list(self.prefill), {d: list(r) for d, r in self.decode.items()},
+                list(self.colocated), NAMESPACE)
+        first = ray.get(self.routers[names[0]].start.remote(shared))
+        ports = {k: int(first[k].rsplit(":", 1)[1]) for k in ("http", "grpc") if k in first}
+        rest = ray.get([self.routers[n].start.remote(shared, ports["http"], ports.get("grpc")) for n in names[1:]])
+        self.endpoints = {k: v for k, v in first.items() if k != "own"}
+        self._note("router listening: " + ", ".join(f"{k} {v}" for k, v in self.endpoints.items()))
+        if shared:
+            for name, ends in zip(names, [first, *rest]):
+                self._note(f"{name}: own http {ends['own']} (its /metrics and /health)")
 
     def _kv_env(self) -> dict:
         """Actor options for a KV worker. cuda_ipc opens the peer's GPU memory in the prefill worker,
@@ -145,22 +164,24 @@ class Controller:
                 replicas[name] = parts[0] if len(parts) == 1 else ReplicaStats.combine(name, parts)
             except Exception as e:
                 replicas[name] = f"down: {down_reason(e) or 'no answer in 5 s'}"
+        routers: dict[str, dict | str] = {}
+        for name, h in self.routers.items():
+            try:
+                routers[name] = ray.get(h.info.remote(), timeout=5)
+            except Exception as e:
+                routers[name] = f"down: {down_reason(e) or 'no answer in 5 s'}"
         state = self.state
-        if state == "running" and any(isinstance(r, str) for r in replicas.values()):
+        if state == "running" and any(isinstance(r, str) for r in [*replicas.values(), *routers.values()]):
             state = "degraded"
         return {"state": state, "progress": list(self.progress), "endpoints": self.endpoints,
-                "replicas": replicas}
+                "replicas": replicas, "routers": routers}
 
     def shutdown(self) -> None:
         self.state = "stopping"
-        if self.router is not None:
-            try:
-                ray.get(self.router.stop.remote(), timeout=10)
-            except Exception:
-                pass
-        for h in [self.router, *self._workers().values()]:
-            if h is not None:
-                ray.kill(h)
+        stops = [h.stop.remote() for h in self.routers.values()]
+        ray.wait(stops, num_returns=len(stops), timeout=10)  # a dead router's fails at once; killed below
+        for h in [*self.routers.values(), *self._workers().values()]:
+            ray.kill(h)
         for pg in self._placement_groups:
             remove_placement_group(pg)
         self._ep_stores.clear()  # closes the rendezvous ports
