@@ -5,6 +5,9 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A request's phases before its first token: fine below 10 ms, where a hand-off's cost shows (p99 read off them).
+_PHASE_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+                  0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
@@ -52,7 +55,7 @@ class Metrics:
                                "its first token, as the router sees it: reserve (decode KV blocks), "
                                "dispatch (handed to the prefill or colocated replica), first_token "
                                "(from then on until its first token reached the router)", ["phase"],
-                               buckets=_LATENCY_BUCKETS, registry=r)
+                               buckets=_PHASE_BUCKETS, registry=r)
         # Labelled by expert but summed over MoE layers: replicas x experts series, not x layers too.
         self.expert_tokens = Counter("pdserve_expert_tokens", "Tokens routed to each expert at an expert-parallel "
                                      "decode replica, summed over MoE layers", ["replica", "expert"], registry=r)

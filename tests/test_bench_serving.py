@@ -156,6 +156,7 @@ def test_bench_measures_every_request_at_each_rate(cluster, tmp_path):
         phases = x["server_ms"]
         assert {"reserve", "dispatch", "first_token"} <= phases.keys(), phases
         assert 0 < phases["reserve"] + phases["dispatch"] + phases["first_token"] < x["ttft_ms"]["mean"]
+        assert phases["dispatch"] <= phases["dispatch p99<="] * 1.0001, phases  # a mean is below the p99's bound
     starts = [req["start_s"] for req in res["runs"][0]["requests"]]
     assert starts == sorted(starts) and starts[-1] > 0.1  # Poisson arrivals, spread over about 1.5 s
     assert res["goodput"] == "inf"  # every rate passed: the highest one
@@ -174,3 +175,16 @@ def test_bad_requests_say_what_to_do(cluster):
     assert r.returncode == 2 and "it serves tiny-moe" in r.stderr
     r = run("-m", "pdserve.cli", "bench", "--url", cluster.url, "--input-len", "4096", "--num-prompts", "1")
     assert r.returncode == 2 and "exceed the context" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_p99_of_a_phase_is_the_bound_of_the_bucket_holding_it():
+    from pdserve.benchmarks.load.server_metrics import means_ms, parse
+    from pdserve.router.metrics import Metrics
+
+    m = Metrics()
+    before = parse(m.render().decode())
+    for _ in range(99):
+        m.observe_phase("dispatch", 0.0008)  # the 1 ms bucket
+    m.observe_phase("dispatch", 0.04)  # the 50 ms bucket: the 100th of 100 is above the p99
+    out = means_ms(before, parse(m.render().decode()))
+    assert out["dispatch p99<="] == 1.0 and out["dispatch"] == pytest.approx((99 * 0.8 + 40) / 100, abs=0.01)

@@ -1,19 +1,22 @@
 """What the server says about a run: its router's timing histograms (/metrics) before and after
-it, as the mean of each phase over the run's requests.
+it, as the mean and the 99th percentile of each phase over the run's requests.
 
 The client sees one TTFT; the router splits it (`pdserve_request_phase_seconds`): reserve (KV
 blocks on a decode replica), dispatch (handing the prompt to a prefill or colocated replica),
 first_token (from then until the first token reached the router: queueing and prefill there, the
 KV transfer, the decode replica's first step); and `pdserve_kv_transfer_seconds` times the KV
-transfers alone. A server without /metrics gives nothing, and the run goes on.
+transfers alone. The percentile is read off the histogram's buckets: "p99 ≤ X" is the upper
+bound of the bucket holding it. A server without /metrics gives nothing, and the run goes on.
 """
+
+import math
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 _HISTOGRAMS = {"pdserve_request_phase_seconds", "pdserve_kv_transfer_seconds"}
 
-Scrape = dict[str, tuple[float, float]]  # phase (or "kv_transfer") -> (sum of seconds, count)
+Scrape = dict[str, dict]  # phase (or "kv_transfer") -> {"sum": s, "count": n, "buckets": {le: cumulative n}}
 
 
 async def scrape(client: httpx.AsyncClient, url: str) -> Scrape | None:
@@ -23,27 +26,41 @@ async def scrape(client: httpx.AsyncClient, url: str) -> Scrape | None:
         return None
     if r.status_code != 200:
         return None
+    return parse(r.text)
+
+
+def parse(text: str) -> Scrape:
+    """The phase and transfer histograms of a /metrics text."""
     out: Scrape = {}
-    for family in text_string_to_metric_families(r.text):
+    for family in text_string_to_metric_families(text):
         if family.name not in _HISTOGRAMS:
             continue
         for s in family.samples:
-            key = s.labels.get("phase", "kv_transfer")
-            total, count = out.get(key, (0.0, 0.0))
+            entry = out.setdefault(s.labels.get("phase", "kv_transfer"), {"sum": 0.0, "count": 0.0, "buckets": {}})
             if s.name.endswith("_sum"):
-                out[key] = (s.value, count)
+                entry["sum"] = s.value
             elif s.name.endswith("_count"):
-                out[key] = (total, s.value)
+                entry["count"] = s.value
+            elif s.name.endswith("_bucket"):
+                entry["buckets"][float(s.labels["le"])] = s.value
     return out
 
 
 def means_ms(before: Scrape | None, after: Scrape | None) -> dict[str, float]:
-    """Mean milliseconds of each phase over what the server recorded between two scrapes."""
+    """Milliseconds of each phase over what the server recorded between two scrapes: the mean
+    (key: the phase) and the 99th percentile's bucket bound (key: "<phase> p99<=")."""
     if before is None or after is None:
         return {}
-    means = {}
-    for key, (total, count) in after.items():
-        total0, count0 = before.get(key, (0.0, 0.0))
-        if count > count0:
-            means[key] = round((total - total0) / (count - count0) * 1e3, 2)
-    return means
+    out = {}
+    for key, now in after.items():
+        then = before.get(key, {"sum": 0.0, "count": 0.0, "buckets": {}})
+        n = now["count"] - then["count"]
+        if n <= 0:
+            continue
+        out[key] = round((now["sum"] - then["sum"]) / n * 1e3, 2)
+        for le in sorted(now["buckets"]):
+            if now["buckets"][le] - then["buckets"].get(le, 0.0) >= 0.99 * n:
+                if not math.isinf(le):
+                    out[f"{key} p99<="] = round(le * 1e3, 3)
+                break
+    return out
