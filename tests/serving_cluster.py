@@ -5,6 +5,7 @@ import time
 
 import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.benchmarks.up_process import ClusterStartError, UpProcess
 
@@ -52,9 +53,33 @@ class Cluster:
         """Ctrl-C, as a user stops it; returns the exit code."""
         return self.up.stop(timeout)[0]
 
+    def metrics(self) -> str:
+        """The cluster's /metrics text. With several routers each counts what it served: their
+        counters and histograms add up; a gauge (a replica's load, as every router polls it) is the
+        highest of theirs. A dead router's figures are gone with it."""
+        urls = list(self.router_urls().values()) or [self.url]
+        if len(urls) == 1:
+            return httpx.get(f"{urls[0]}/metrics", timeout=10).text
+        values: dict[str, float] = {}
+        for url in urls:
+            try:
+                text = httpx.get(f"{url}/metrics", timeout=10).text
+            except httpx.ConnectError:  # a router that was killed (test_routers)
+                continue
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+                    key = f"{sample.name}{{{labels}}}" if labels else sample.name
+                    before = values.get(key)
+                    if before is None:
+                        values[key] = sample.value
+                    else:
+                        values[key] = max(before, sample.value) if family.type == "gauge" else before + sample.value
+        return "\n".join(f"{k} {v}" for k, v in values.items()) + "\n"
+
     def replica_stats(self) -> dict[str, dict]:
         """Per-replica KV block usage, as /metrics reports it."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = self.metrics()
         out: dict[str, dict] = {}
         for line in text.splitlines():
             for name in ("pdserve_kv_blocks_used", "pdserve_kv_blocks_total"):

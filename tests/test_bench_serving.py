@@ -188,3 +188,4 @@ def test_the_p99_of_a_phase_is_the_bound_of_the_bucket_holding_it():
     m.observe_phase("dispatch", 0.04)  # the 50 ms bucket: the 100th of 100 is above the p99
     out = means_ms(before, parse(m.render().decode()))
     assert out["dispatch p99<="] == 1.0 and out["dispatch"] == pytest.approx((99 * 0.8 + 40) / 100, abs=0.01)
+    assert means_ms(parse(m.render().decode()), before) == {}  # not the same router twice: no figures

@@ -55,7 +55,7 @@ def pid_of(cluster: Cluster, replica: str) -> int:
 
 
 def metric(cluster: Cluster, name: str, replica: str) -> float | None:
-    for line in httpx.get(f"{cluster.url}/metrics", timeout=10).text.splitlines():
+    for line in cluster.metrics().splitlines():
         if line.startswith(name + "{") and f'replica="{replica}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return None

@@ -176,7 +176,7 @@ def test_64_concurrent_streams_each_get_their_own_text(cluster, reference):
     assert asyncio.run(all_of_them()) == expected
     stats = cluster.wait_idle()
     assert set(stats) == cluster.replicas and all(s["used"] == 0 for s in stats.values()), stats
-    metrics = httpx.get(f"{cluster.url}/metrics").text
+    metrics = cluster.metrics()
     if cluster.role == "colocated":  # both phases in one engine: no KV moves
         assert metric(metrics, "pdserve_kv_bytes_moved_total") == 0
     else:
@@ -190,7 +190,7 @@ def test_64_concurrent_streams_each_get_their_own_text(cluster, reference):
 
 
 def test_client_disconnect_aborts_everywhere(cluster):
-    before = httpx.get(f"{cluster.url}/metrics").text
+    before = cluster.metrics()
     with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=60,
                       json={"model": "tiny-moe", "prompt": "Never ending story", "max_tokens": 4000,
                             "temperature": 0, "stream": True, "ignore_eos": True}) as r:
@@ -202,7 +202,7 @@ def test_client_disconnect_aborts_everywhere(cluster):
     role = cluster.role  # the replica that was generating
     deadline = time.time() + 10
     while time.time() < deadline:  # workers report their abort counts every half second
-        after = httpx.get(f"{cluster.url}/metrics").text
+        after = cluster.metrics()
         if aborted(after, role) > aborted(before, role):
             break
         time.sleep(0.3)
@@ -257,7 +257,7 @@ def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(cluster, body, stat
 def test_expert_parallel_replica_counts_tokens_per_expert(cluster):
     if cluster.ep_size == 1:
         pytest.skip("expert load is counted where experts are sharded")
-    lines = [line for line in httpx.get(f"{cluster.url}/metrics").text.splitlines()
+    lines = [line for line in cluster.metrics().splitlines()
              if line.startswith('pdserve_expert_tokens_total{') and 'replica="pdserve-decode-0"' in line]
     experts = {line.split('expert="', 1)[1].split('"', 1)[0] for line in lines}
     assert experts == {str(e) for e in range(8)}  # tiny-moe: every expert got tokens by now

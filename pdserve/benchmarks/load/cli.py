@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the pdserve HTTP endpoint (default: %(default)s)")
     p.add_argument("--model", help="default: the first model /v1/models lists")
+    p.add_argument("--metrics-url", nargs="+", metavar="URL",
+                   help="whose /metrics split TTFT into the router's phases (default: --url). With "
+                        "router.replicas > 1 give every router's own address (`pdserve status` lists them): "
+                        "through the shared port each scrape reaches whichever router the kernel picks")
     add_load_args(p)
     return p
 
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         sweep = asyncio.run(run_sweep(a.url, a.rates, workload_of(a), slo_of(a), a.model, a.stop_below,
-                                      on_run=save))
+                                      on_run=save, metrics_urls=a.metrics_url))
     except BenchError as e:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2

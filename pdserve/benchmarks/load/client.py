@@ -21,9 +21,12 @@ class Server:
     url: str
     model: str
     max_model_len: int | None
+    metrics_urls: tuple[str, ...] = ()  # whose /metrics time the run's phases: the url, or each router's own
 
 
-async def connect(client: httpx.AsyncClient, url: str, model: str | None) -> Server:
+async def connect(client: httpx.AsyncClient, url: str, model: str | None,
+                  metrics_urls: list[str] | None = None) -> Server:
+
     """Check that pdserve serves at `url` and is ready; the model to ask for (default: its first)."""
     try:
         health = await client.get(f"{url}/health", timeout=10)
@@ -41,7 +44,8 @@ async def connect(client: httpx.AsyncClient, url: str, model: str | None) -> Ser
     elif model not in served:
         raise BenchError(f"--model {model!r} is not served at {url}; it serves {', '.join(served)} "
                          f"(leave out --model to use the first)")
-    return Server(url, model, served[model].get("max_model_len"))
+    return Server(url, model, served[model].get("max_model_len"),
+                  tuple(u.rstrip("/") for u in metrics_urls) if metrics_urls else (url,))
 
 
 def request_body(server: Server, prompt: list[int], output_len: int) -> dict[str, Any]:

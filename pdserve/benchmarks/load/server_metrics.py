@@ -19,7 +19,24 @@ _HISTOGRAMS = {"pdserve_request_phase_seconds", "pdserve_kv_transfer_seconds"}
 Scrape = dict[str, dict]  # phase (or "kv_transfer") -> {"sum": s, "count": n, "buckets": {le: cumulative n}}
 
 
-async def scrape(client: httpx.AsyncClient, url: str) -> Scrape | None:
+async def scrape(client: httpx.AsyncClient, urls: list[str]) -> Scrape | None:
+    """The histograms of every router named (several routers of one cluster: each its own address,
+    as `pdserve status` lists them), added up; None if one does not answer."""
+    out: Scrape = {}
+    for url in urls:
+        one = await _scrape_one(client, url)
+        if one is None:
+            return None
+        for key, h in one.items():
+            entry = out.setdefault(key, {"sum": 0.0, "count": 0.0, "buckets": {}})
+            entry["sum"] += h["sum"]
+            entry["count"] += h["count"]
+            for le, n in h["buckets"].items():
+                entry["buckets"][le] = entry["buckets"].get(le, 0.0) + n
+    return out
+
+
+async def _scrape_one(client: httpx.AsyncClient, url: str) -> Scrape | None:
     try:
         r = await client.get(f"{url}/metrics", timeout=10)
     except httpx.HTTPError:
@@ -50,6 +67,9 @@ def means_ms(before: Scrape | None, after: Scrape | None) -> dict[str, float]:
     """Milliseconds of each phase over what the server recorded between two scrapes: the mean
     (key: the phase) and the 99th percentile's bucket bound (key: "<phase> p99<=")."""
     if before is None or after is None:
+        return {}
+    # A count that went down: the two scrapes reached different routers (a shared port): no figures.
+    if any(after.get(k, {}).get("count", 0.0) < h["count"] for k, h in before.items()):
         return {}
     out = {}
     for key, now in after.items():

@@ -55,7 +55,7 @@ async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workl
     limit = asyncio.Semaphore(workload.max_concurrency) if workload.max_concurrency else None
     label = rate_label(rate)
     log(f"rate {label} req/s: {n} requests")
-    before = await scrape(client, server.url)
+    before = await scrape(client, server.metrics_urls)
     t0 = time.perf_counter()
     progress = asyncio.create_task(_report_progress(label, records, t0, log))
 
@@ -80,7 +80,7 @@ async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workl
     if summary.errors:
         text, count = next(iter(summary.errors.items()))
         log(f"rate {label} req/s: {summary.failed} failed, e.g. ({count}x) {text}")
-    server_ms = means_ms(before, await scrape(client, server.url))
+    server_ms = means_ms(before, await scrape(client, server.metrics_urls))
     if server_ms:
         log(f"rate {label} req/s: the router's means (ms): "
             + ", ".join(f"{k} {v:g}" for k, v in server_ms.items()))
@@ -148,7 +148,7 @@ def check_fits(server: Server, workload: Workload) -> None:
 
 async def run_sweep(url: str, rates: list[float], workload: Workload, slo: Slo, model: str | None = None,
                     stop_below: float | None = None, log: Callable[[str], None] = log,
-                    on_run: Callable[[Sweep], None] | None = None) -> Sweep:
+                    on_run: Callable[[Sweep], None] | None = None, metrics_urls: list[str] | None = None) -> Sweep:
     """One run per rate, in order; `on_run` sees the sweep after each (to save what is measured so far).
     With `stop_below`, a rate whose attainment falls under it ends the sweep: higher rates only do worse."""
     # One generator for the whole sweep: no prompt repeats, so the prefix cache cannot help a later rate.
@@ -157,7 +157,7 @@ async def run_sweep(url: str, rates: list[float], workload: Workload, slo: Slo, 
     # No pool limit: a request queued in the client's pool would count the wait as server latency.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        server = await connect(client, url.rstrip("/"), model)
+        server = await connect(client, url.rstrip("/"), model, metrics_urls)
         check_fits(server, workload)
         if workload.warmup:
             await warm_up(client, server, workload, log)

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Issue 18's figures in one machine session on one GPU, each against a reference from the same run:
+#  1. the engine alone (`pdserve bench-engine`): decode tok/s at batch 64/128/256/512 (context 384, the
+#     mean of the served workload below) and the prefill of one 4096-token prompt;
+#  2. one colocated qwen3-30b-a3b replica (dummy bf16, max_num_seqs 512) through `pdserve up` with
+#     ROUTERS routers (default 1): `pdserve bench --rate inf --max-concurrency C --input-len 256
+#     --output-len 256` at C = 64, 128, 256, 512 (router dispatch mean and p99, TTFT, delivered tok/s,
+#     and the routers' CPU seconds from /proc: streamed tokens per router CPU-second);
+#  3. a lone 4096-token prompt's TTFT through the same cluster, 20 times one at a time.
+# A table last. Run from the checkout's root:  bash pdserve/benchmarks/control_plane.sh
+set -u
+[ -f .device/setup.sh ] && source .device/setup.sh  # GPU machines: the packages their image lacks
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+ROUTERS=${ROUTERS:-1}
+nvidia-smi --query-gpu=name --format=csv,noheader
+timeout 300 python -m pdserve.cli bench-engine --model qwen3-30b-a3b --device cuda --load-format dummy \
+  --prefill-sizes 4096 --decode-batches 64 128 256 512 --context 384 --no-hf --json $OUT/engine.json \
+  > $OUT/engine.log 2>&1
+echo "bench-engine exit $?"
+cat > /tmp/coloc.yaml <<YAML
+model: {path: qwen3-30b-a3b, load_format: dummy, dtype: bfloat16}
+router: {host: 127.0.0.1, http_port: 8000, grpc_port: null, replicas: $ROUTERS}
+colocated: {replicas: 1, gpus: 1, max_num_seqs: 512, max_batch_tokens: 16384, chunk_size: 8192}
+YAML
+python -m pdserve.cli up /tmp/coloc.yaml > $OUT/up.log 2>&1 &
+pid=$!; t0=$SECONDS
+until curl -sf http://127.0.0.1:8000/health > /dev/null; do
+  sleep 1; [ $((SECONDS - t0)) -gt 240 ] && { echo "no health"; tail -20 $OUT/up.log; break; }
+done
+echo "ready after $((SECONDS - t0)) s"
+router_cpu() {  # CPU seconds of every router process so far
+  python - <<'PY'
+import os, subprocess
+pids = subprocess.run(["pgrep", "-f", "ray::Router"], capture_output=True, text=True).stdout.split()
+total = 0.0
+for p in pids:
+    try:
+        f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+        total += (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        pass
+print(total)
+PY
+}
+for C in 64 128 256 512; do
+  c0=$(router_cpu)
+  timeout 180 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate inf --max-concurrency $C \
+    --num-prompts $((2 * C)) --input-len 256 --output-len 256 --warmup 16 --json $OUT/bench_$C.json \
+    > $OUT/bench_$C.log 2>&1
+  echo "C=$C exit $? router_cpu_s $(python -c "print($(router_cpu) - $c0)")" | tee -a $OUT/cpu.txt
+done
+timeout 150 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --max-concurrency 1 --num-prompts 20 \
+  --input-len 4096 --output-len 2 --warmup 4 --json $OUT/lone.json > $OUT/lone.log 2>&1
+echo "lone exit $?"
+kill -INT $pid; wait $pid
+OUT=$OUT python - <<'PY'
+import json, os
+out = os.environ["OUT"]
+eng = json.load(open(f"{out}/engine.json"))
+print(json.dumps({k: v for k, v in eng.items() if k not in ("hf",)}, default=str)[:1500])
+cpu = {int(l.split()[0][2:]): float(l.split()[-1]) for l in open(f"{out}/cpu.txt")}
+print(f"{'C':>4} {'dispatch mean':>13} {'p99<=':>6} {'first_tok':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
+      f"{'out tok/s':>10} {'router CPU s':>12} {'tok/router CPU-s':>16} {'ok':>5}")
+for c in (64, 128, 256, 512):
+    try:
+        r = json.load(open(f"{out}/bench_{c}.json"))["runs"][0]
+    except Exception as e:
+        print(c, "no result", e); continue
+    ph = r.get("server_ms") or {}
+    toks = r["output_throughput"] * r["duration_s"] if "duration_s" in r else float("nan")
+    print(f"{c:>4} {ph.get('dispatch', float('nan')):>13} {ph.get('dispatch p99<=', float('nan')):>6} "
+          f"{ph.get('first_token', float('nan')):>9} {r['ttft_ms']['p50']!s:>9} {r['ttft_ms']['p90']!s:>9} "
+          f"{r['output_throughput']!s:>10} {cpu.get(c, 0):>12.1f} {toks / cpu[c] if cpu.get(c) else float('nan'):>16.0f} "
+          f"{r['completed']:>5}")
+lone = json.load(open(f"{out}/lone.json"))["runs"][0]
+print("lone 4k: TTFT p50", lone["ttft_ms"]["p50"], "p90", lone["ttft_ms"]["p90"], "server_ms", lone.get("server_ms"))
+PY
