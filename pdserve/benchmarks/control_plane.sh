@@ -2,6 +2,7 @@
 # Issue 18's figures in one machine session on one GPU, each against a reference from the same run:
 #  1. the engine alone (`pdserve bench-engine`): decode tok/s at batch 64/128/256/512 (context 384, the
 #     mean of the served workload below) and the prefill of one 4096-token prompt;
+#     and the engine's own first-token time for a lone 4096-token prompt (lone_prompt.py);
 #  2. one colocated qwen3-30b-a3b replica (dummy bf16, max_num_seqs 512) through `pdserve up` with
 #     ROUTERS routers (default 1): `pdserve bench --rate inf --max-concurrency C --input-len 256
 #     --output-len 256` at C = 64, 128, 256, 512 (router dispatch mean and p99, TTFT, delivered tok/s,
@@ -22,6 +23,9 @@ model: {path: qwen3-30b-a3b, load_format: dummy, dtype: bfloat16}
 router: {host: 127.0.0.1, http_port: 8000, grpc_port: null, replicas: $ROUTERS}
 colocated: {replicas: 1, gpus: 1, max_num_seqs: 512, max_batch_tokens: 16384, chunk_size: 8192}
 YAML
+timeout 200 python -m pdserve.benchmarks.lone_prompt /tmp/coloc.yaml --prompt-len 4096 --reps 10 \
+  --json $OUT/engine_lone.json > $OUT/engine_lone.log 2>&1
+echo "lone_prompt exit $?"
 python -m pdserve.cli up /tmp/coloc.yaml > $OUT/up.log 2>&1 &
 pid=$!; t0=$SECONDS
 until curl -sf http://127.0.0.1:8000/health > /dev/null; do
@@ -74,4 +78,8 @@ for c in (64, 128, 256, 512):
           f"{r['completed']:>5}")
 lone = json.load(open(f"{out}/lone.json"))["runs"][0]
 print("lone 4k: TTFT p50", lone["ttft_ms"]["p50"], "p90", lone["ttft_ms"]["p90"], "server_ms", lone.get("server_ms"))
+try:
+    print("engine alone, lone 4k first token:", json.load(open(f"{out}/engine_lone.json")))
+except Exception as e:
+    print("no engine lone figure", e)
 PY

@@ -1,0 +1,68 @@
+"""The engine's own time to a first token for a lone prompt: the reference that a served lone
+prompt's TTFT is put against (the serving path's share is the difference).
+
+    python -m pdserve.benchmarks.lone_prompt cluster.yaml --prompt-len 4096 --reps 10
+
+Builds the engine a colocated replica of cluster.yaml runs (same settings, in this process), then
+for each overlap setting times `add_request` until the step that hands out the first token,
+`--reps` times one prompt at a time (distinct random prompts: no prefix-cache hits). Overlapped
+(a GPU's default), the first token is handed out only once the next step is queued: that step's
+host work is part of the engine's own first-token time. `bench-engine`'s prefill figure is the
+prefill step alone.
+"""
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from pdserve.config import load_cluster_config
+from pdserve.engine.engine import Engine
+from pdserve.protocol import SamplingParams
+
+
+def first_token_ms(engine: Engine, ids: list[int], rid: str) -> float:
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    engine.add_request(rid, ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    while not any(o.request_id == rid for o in engine.step()):
+        pass
+    ms = (time.perf_counter() - t0) * 1e3
+    while engine.has_unfinished():  # let it finish: the next prompt starts on an idle engine
+        engine.step()
+    return ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config")
+    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    cfg = load_cluster_config(a.config)
+    base = cfg.engine_config("colocated")
+    rng = random.Random(0)
+    out = {}
+    for overlap in (True, False):
+        engine = Engine(base.model_copy(update={"overlap_scheduling": overlap}))
+        vocab = engine.args.vocab_size
+        times = [first_token_ms(engine, [rng.randrange(3, vocab) for _ in range(a.prompt_len)], f"r{i}")
+                 for i in range(a.reps + 2)][2:]  # two warm-ups
+        out[f"overlap_{'on' if overlap else 'off'}_ms"] = {"p50": round(statistics.median(times), 2),
+                                                          "min": round(min(times), 2)}
+        print(overlap, out, flush=True)
+        del engine
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    print(json.dumps(out))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"prompt_len": a.prompt_len, **out}, f)
+
+
+if __name__ == "__main__":
+    main()
