@@ -38,7 +38,8 @@ class DecodeWorker(Replica):
         super().__init__(name, engine_config, kv_backend, cpu_threads, ep=self.ep.exchange if self.ep else None)
         self._naps = {RUNNING: None, WAITING_FOR_KV: KV_POLL_S, IDLE: EP_IDLE_S if self.ep else IDLE_S}
         self.intake = KVIntake(self.engine, self.connector, lease_s)
-        self.streams = RouterStreams(namespace)  # every reservation, from reserve until finished
+        # Every reservation, from reserve until finished; a dead router's are aborted here.
+        self.streams = RouterStreams(namespace, orphaned=self.abort)
         self._start_loop()
 
     def reserve(self, requests: list[NewRequest], router: str) -> list[ReserveResult]:

@@ -64,3 +64,30 @@ def test_tokens_reach_the_router_in_order_and_nothing_is_left_behind(router):
     assert tokens == {"a": list(range(steps)), "b": list(range(steps))}
     assert calls < steps  # a router taking its time gets fewer, larger messages
     assert len(streams) == 0  # both finished: no longer streaming from here
+
+
+def test_a_dead_routers_requests_are_orphaned_once_and_stream_no_more(router):
+    doomed = SlowRouter.options(name="router-doomed", namespace=NAMESPACE).remote()
+    orphaned: list[list[str]] = []
+    streams = RouterStreams(NAMESPACE, orphaned=orphaned.append)
+    streams.add("x", "router-doomed")
+    streams.add("y", "router-doomed")
+    streams.add("z", "router-0")
+    streams.output(RequestOutput("x", [1], "a"))
+    streams.flush()
+    ray.get(doomed.seen.remote())
+    ray.kill(doomed)
+    deadline = time.monotonic() + 30
+    while not orphaned:  # its next message finds it dead
+        assert time.monotonic() < deadline, "the dead router was never noticed"
+        streams.output(RequestOutput("x", [2], "b"))
+        streams.output(RequestOutput("z", [2], "b"))
+        streams.flush()
+        time.sleep(0.01)
+    assert orphaned == [["x", "y"]]  # the live router's request is not among them
+    for rid in ("x", "y"):  # the worker aborts them: they stream no more
+        assert streams.drop(rid)
+    streams.output(RequestOutput("z", [3], "c", finished=True, finish_reason=FinishReason.LENGTH))
+    while streams.flush():
+        time.sleep(0.001)
+    assert orphaned == [["x", "y"]] and len(streams) == 0

@@ -86,7 +86,21 @@ def test_96_streams_through_the_port_give_their_texts_alone_and_load_every_route
 def test_killing_one_router_leaves_the_others_serving(cluster):
     own = cluster.router_urls()
     line = next(ln for ln in status(cluster).splitlines() if ln.startswith("pdserve-router-1 (pid "))
-    os.kill(int(line.split("(pid ", 1)[1].split(")", 1)[0]), signal.SIGKILL)
+    # A long stream on the router to be killed (its own address): it must end, and the decode
+    # replica must stop generating it (nobody is left to stream to) rather than run its 3500 tokens.
+    long = {"model": MODEL, "prompt": "Once", "max_tokens": 3500, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{own['pdserve-router-1']}/v1/completions", json=long, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(ln for ln in lines if ln.startswith("data: "))  # it streams
+        os.kill(int(line.split("(pid ", 1)[1].split(")", 1)[0]), signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(httpx.HTTPError):
+            for _ in lines:
+                pass
+        assert time.monotonic() - t0 < 15
+    stats = cluster.wait_idle(timeout=10)
+    assert stats and all(s["used"] == 0 for s in stats.values()), stats  # its KV blocks came back
     deadline = time.monotonic() + 30
     while "pdserve-router-1: down: its process died" not in (text := status(cluster)):
         assert time.monotonic() < deadline, text
@@ -100,4 +114,4 @@ def test_killing_one_router_leaves_the_others_serving(cluster):
         assert httpx.get(f"{own[name]}/health", timeout=10).status_code == 200
     assert "pdserve-router-1 is down" in cluster.output()
     stats = cluster.wait_idle()
-    assert stats and all(s["used"] == 0 for s in stats.values()), stats  # no KV block left held
+    assert stats and all(s["used"] == 0 for s in stats.values()), stats

@@ -16,7 +16,7 @@ class ColocatedWorker(Replica):
 
     def __init__(self, name: str, engine_config: EngineConfig, namespace: str, cpu_threads: int = 1):
         super().__init__(name, engine_config, None, cpu_threads)  # no KV connector: its KV never leaves
-        self.streams = RouterStreams(namespace)
+        self.streams = RouterStreams(namespace, orphaned=self.abort)  # a dead router's requests stop
         self._start_loop()
 
     def generate(self, requests: list[NewRequest], router: str) -> list[Refusal | None]:

@@ -7,8 +7,10 @@ flight could land swapped and put a request's tokens out of order; and a router 
 gets fewer, larger messages instead of a growing queue."""
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import ray
+from ray.exceptions import RayActorError
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.messages import RequestDelta
@@ -17,8 +19,12 @@ HELD_S = 0.001  # a worker's nap while a router still takes its previous message
 
 
 class RouterStreams:
-    def __init__(self, namespace: str):
+    def __init__(self, namespace: str, orphaned: Callable[[list[str]], None] = lambda ids: None):
+        """orphaned(request ids): a router died; its requests have nobody to stream to, and the
+        worker stops them (the engine frees their KV blocks)."""
         self.namespace = namespace  # where the routers' named actors live
+        self._orphaned = orphaned
+        self._dead: set[str] = set()  # routers found dead: their requests' output goes nowhere
         self._owner: dict[str, str] = {}  # request id -> the router streaming it
         self._routers: dict[str, ray.actor.ActorHandle] = {}  # looked up once per router
         self._pending: dict[str, list[RequestDelta]] = defaultdict(list)  # not sent yet, per router
@@ -38,13 +44,13 @@ class RouterStreams:
     def fail(self, request_id: str, error: str) -> None:
         """The request failed here: its router hears why, and it streams no more."""
         router = self._owner.pop(request_id, None)
-        if router is not None:
+        if router is not None and router not in self._dead:
             self._pending[router].append(RequestDelta(request_id, "", [], "error", error))
 
     def output(self, out: RequestOutput) -> None:
         """One step's output of a request; it streams no more once finished."""
         router = self._owner.get(out.request_id)
-        if router is None:  # aborted meanwhile
+        if router is None or router in self._dead:  # aborted meanwhile; or its router died
             return
         reason = out.finish_reason.value if out.finish_reason else None
         self._pending[router].append(RequestDelta(out.request_id, out.text, out.token_ids, reason,
@@ -61,8 +67,25 @@ class RouterStreams:
                 ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
                 if not ready:
                     continue
+                if self._died(router, ref):
+                    continue
             self._inflight[router] = self._router(router).deliver.remote(self._pending.pop(router))
         return bool(self._pending)
+
+    def _died(self, router: str, ref: ray.ObjectRef) -> bool:
+        """Whether the router's last message found it dead; if so its requests are orphaned."""
+        try:
+            ray.get(ref, timeout=0)
+            return False
+        except RayActorError:
+            pass
+        except Exception:  # its deliver raised: a bug there, not a death; the stream goes on
+            return False
+        self._dead.add(router)
+        del self._inflight[router]
+        self._pending.pop(router, None)
+        self._orphaned([rid for rid, r in self._owner.items() if r == router])
+        return True
 
     def flush_nap(self, nap: float | None) -> float | None:
         """flush(), then the worker's nap: `nap`, but no longer than HELD_S while deltas wait for a
