@@ -14,24 +14,31 @@ set -u
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 ROUTERS=${ROUTERS:-1}
 nvidia-smi --query-gpu=name --format=csv,noheader
+if [ -z "${SKIP_ENGINE:-}" ]; then  # SKIP_ENGINE=1: the served figures only (an engine run of this session exists)
 timeout 300 python -m pdserve.cli bench-engine --model qwen3-30b-a3b --device cuda --load-format dummy \
   --prefill-sizes 4096 --decode-batches 64 128 256 512 --context 384 --no-hf --json $OUT/engine.json \
   > $OUT/engine.log 2>&1
 echo "bench-engine exit $?"
+fi
 cat > /tmp/coloc.yaml <<YAML
 model: {path: qwen3-30b-a3b, load_format: dummy, dtype: bfloat16}
 router: {host: 127.0.0.1, http_port: 8000, grpc_port: null, replicas: $ROUTERS}
 colocated: {replicas: 1, gpus: 1, max_num_seqs: 512, max_batch_tokens: 16384, chunk_size: 8192}
 YAML
+if [ -z "${SKIP_ENGINE:-}" ]; then
 timeout 200 python -m pdserve.benchmarks.lone_prompt /tmp/coloc.yaml --prompt-len 4096 --reps 10 \
   --json $OUT/engine_lone.json > $OUT/engine_lone.log 2>&1
 echo "lone_prompt exit $?"
+fi
 python -m pdserve.cli up /tmp/coloc.yaml > $OUT/up.log 2>&1 &
 pid=$!; t0=$SECONDS
-until curl -sf http://127.0.0.1:8000/health > /dev/null; do
+until grep -q "ready; Ctrl-C" $OUT/up.log; do  # every router listening
   sleep 1; [ $((SECONDS - t0)) -gt 240 ] && { echo "no health"; tail -20 $OUT/up.log; break; }
 done
 echo "ready after $((SECONDS - t0)) s"
+# Several routers: the phases come from each one's own /metrics, added up.
+OWN=$(grep -o "own http [^ ]*" $OUT/up.log | awk '{print $3}' | tr '\n' ' ')
+METRICS=${OWN:+--metrics-url $OWN}
 router_cpu() {  # CPU seconds of every router process so far
   python - <<'PY'
 import os, subprocess
@@ -49,21 +56,27 @@ PY
 for C in 64 128 256 512; do
   c0=$(router_cpu)
   timeout 180 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate inf --max-concurrency $C \
-    --num-prompts $((2 * C)) --input-len 256 --output-len 256 --warmup 16 --json $OUT/bench_$C.json \
+    --num-prompts $((2 * C)) --input-len 256 --output-len 256 --warmup 16 $METRICS --json $OUT/bench_$C.json \
     > $OUT/bench_$C.log 2>&1
   echo "C=$C exit $? router_cpu_s $(python -c "print($(router_cpu) - $c0)")" | tee -a $OUT/cpu.txt
 done
 timeout 150 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --max-concurrency 1 --num-prompts 20 \
-  --input-len 4096 --output-len 2 --warmup 4 --json $OUT/lone.json > $OUT/lone.log 2>&1
+  --input-len 4096 --output-len 2 --warmup 4 $METRICS --json $OUT/lone.json > $OUT/lone.log 2>&1
 echo "lone exit $?"
 kill -INT $pid; wait $pid
 OUT=$OUT python - <<'PY'
 import json, os
 out = os.environ["OUT"]
-eng = json.load(open(f"{out}/engine.json"))
-print(json.dumps({k: v for k, v in eng.items() if k not in ("hf",)}, default=str)[:1500])
+try:
+    eng = json.load(open(f"{out}/engine.json"))
+    decode = {r["batch"]: r["tok_s"] for r in eng["engine_decode"]["rows"]}
+    print("engine alone: prefill 4096", [r["ms"] for r in eng["engine_prefill"]["rows"]], "ms; decode tok/s", decode)
+except Exception as e:
+    decode = {}
+    print("no engine figures here", e)
 cpu = {int(l.split()[0][2:]): float(l.split()[-1]) for l in open(f"{out}/cpu.txt")}
-print(f"{'C':>4} {'dispatch mean':>13} {'p99<=':>6} {'first_tok':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
+print(f"routers: {os.environ.get('ROUTERS', '1')}")
+print(f"{'C':>4} {'% engine':>8} {'dispatch mean':>13} {'p99<=':>6} {'first_tok':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
       f"{'out tok/s':>10} {'router CPU s':>12} {'tok/router CPU-s':>16} {'ok':>5}")
 for c in (64, 128, 256, 512):
     try:
@@ -72,7 +85,8 @@ for c in (64, 128, 256, 512):
         print(c, "no result", e); continue
     ph = r.get("server_ms") or {}
     toks = r["output_throughput"] * r["duration_s"] if "duration_s" in r else float("nan")
-    print(f"{c:>4} {ph.get('dispatch', float('nan')):>13} {ph.get('dispatch p99<=', float('nan')):>6} "
+    pct = 100 * r["output_throughput"] / decode[c] if c in decode else float("nan")
+    print(f"{c:>4} {pct:>8.1f} {ph.get('dispatch', float('nan')):>13} {ph.get('dispatch p99<=', float('nan')):>6} "
           f"{ph.get('first_token', float('nan')):>9} {r['ttft_ms']['p50']!s:>9} {r['ttft_ms']['p90']!s:>9} "
           f"{r['output_throughput']!s:>10} {cpu.get(c, 0):>12.1f} {toks / cpu[c] if cpu.get(c) else float('nan'):>16.0f} "
           f"{r['completed']:>5}")
