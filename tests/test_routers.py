@@ -9,9 +9,12 @@ import subprocess
 import sys
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
+
+from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2, completion_pb2_grpc
 
 from serving_cluster import Cluster
 
@@ -81,6 +84,17 @@ def test_96_streams_through_the_port_give_their_texts_alone_and_load_every_route
     gained = {name: served(url) - before[name] for name, url in own.items()}
     assert sum(gained.values()) == 96, gained
     assert all(n > 0 for n in gained.values()), gained  # 96 connections, 3 routers: each got some
+
+
+def test_grpc_through_the_shared_port_gives_the_texts_of_http(cluster):
+    expected = alone(cluster.url)
+    # A channel is one connection: one channel per call, so that the calls spread over the routers.
+    for prompt in PROMPTS * 3:
+        with grpc.insecure_channel(cluster.grpc_address) as channel:
+            stub = completion_pb2_grpc.CompletionStub(channel)
+            r = stub.Complete(completion_pb2.CompletionRequest(prompt=prompt, max_tokens=12, temperature=0.0),
+                              timeout=60)
+            assert r.text == expected[prompt]
 
 
 def test_killing_one_router_leaves_the_others_serving(cluster):
