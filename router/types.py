@@ -31,7 +31,7 @@ class GenerateRequest:
     params: SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """New output of one request: text and tokens since the last delta, and how it ended if it did."""
 
@@ -39,6 +39,10 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     logprobs: list = field(default_factory=list)
+    # The core holds the request's next delta already. A front end may hold this one's output back
+    # and write both in one send: a router behind its workers then pays one write per wake of a
+    # stream, not one per token.
+    more: bool = False
 
 
 class ServingCore(Protocol):
@@ -68,3 +72,4 @@ class ServingCore(Protocol):
     def ready(self) -> bool:
         """True when every role the cluster has (prefill and decode, or colocated) has a live replica."""
         ...
+
