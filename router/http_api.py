@@ -25,7 +25,7 @@ from pdserve.router.openai_protocol import (CHAT, COMPLETIONS, GENERATION_ENDPOI
 from pdserve.router.openai_responses import (DONE_EVENT, ChatShape, CompletionShape, ResponseShape, sse_event,
                                              token_usage)
 from pdserve.router.types import (Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingCore,
-                                  ServingError)
+                                  ServingError, off_loop)
 
 log = logging.getLogger(__name__)
 
@@ -233,22 +233,22 @@ async def _serve(request: Request, core: ServingCore, metrics: Metrics, shape: R
     return _EventStream(wakes, result, shape, timer, len(req.prompt_ids))
 
 
-def _tokenize(core: ServingCore, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+async def _tokenize(core: ServingCore, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
     try:
-        return core.tokenize(text, add_special_tokens=add_special_tokens)
+        return await off_loop(core.tokenize, text, add_special_tokens=add_special_tokens)
     except UnicodeError as e:  # JSON may carry lone UTF-16 surrogates (\ud800); no UTF-8 tokenizer takes them
         raise ApiError(400, f"{param}: text is not valid Unicode ({e.reason})", param=param,
                        code="invalid_value") from e
 
 
-def _chat_prompt(core: ServingCore, body: ChatCompletionRequest) -> str:
+async def _chat_prompt(core: ServingCore, body: ChatCompletionRequest) -> str:
     """The chat rendered by the model's template, with the request's tools and template variables."""
     messages = [m.for_template() for m in body.messages]
     tools, template_kwargs = body.template_tools(), body.chat_template_kwargs
     try:
-        return core.apply_chat_template(messages, tools=tools, template_kwargs=template_kwargs)
+        return await off_loop(core.apply_chat_template, messages, tools=tools, template_kwargs=template_kwargs)
     except ValueError as e:  # no chat template, a reserved variable, or the template rejects its input
-        param = _template_culprit(core, messages, tools, template_kwargs)
+        param = await off_loop(_template_culprit, core, messages, tools, template_kwargs)
         message = str(e) if str(e).startswith(f"{param}:") else f"{param}: {e}"  # the tokenizer may name it
         raise ApiError(400, message, param=param, code="invalid_value") from e
 
@@ -256,7 +256,8 @@ def _chat_prompt(core: ServingCore, body: ChatCompletionRequest) -> str:
 def _template_culprit(core: ServingCore, messages: list[dict], tools: list[dict] | None,
                       template_kwargs: dict | None) -> str:
     """Which field a chat template's error is about. A template says only what went wrong, so render again
-    without the request's extras: the one whose removal makes it render is at fault, else the messages."""
+    without the request's extras: the one whose removal makes it render is at fault, else the messages.
+    Blocking, as each render is: called off the loop."""
     def renders(**kw) -> bool:
         try:
             core.apply_chat_template(messages, **kw)
@@ -293,7 +294,7 @@ def build_app(core: ServingCore, metrics: Metrics | None = None,
     @app.post(COMPLETIONS, responses=_GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt_ids = _tokenize(core, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
+        prompt_ids = await _tokenize(core, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
         max_tokens = limits.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
         params = body.sampling_params(max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -303,8 +304,8 @@ def build_app(core: ServingCore, metrics: Metrics | None = None,
     @app.post(CHAT, responses=_GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        text = _chat_prompt(core, body)
-        prompt_ids = _tokenize(core, text, "messages", add_special_tokens=False)  # the template has its BOS
+        text = await _chat_prompt(core, body)
+        prompt_ids = await _tokenize(core, text, "messages", add_special_tokens=False)  # the template has its BOS
         requested, param = ((body.max_completion_tokens, "max_completion_tokens")
                             if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
         # No default cap, as OpenAI and vLLM: generate until a stop or the end of the context.

@@ -1,8 +1,11 @@
 """What the front ends (HTTP, gRPC) and the request lifecycle exchange."""
 
-from collections.abc import AsyncIterator
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from pdserve.protocol import SamplingParams
 
@@ -51,6 +54,9 @@ class ServingCore(Protocol):
     model_name: str  # the one model this service serves (its id in /v1/models)
     max_model_len: int
 
+    # tokenize and apply_chat_template block for as long as the text takes: front ends call them
+    # through `off_loop`.
+
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; False for text a chat template rendered (it carries its own BOS)."""
         ...
@@ -73,3 +79,16 @@ class ServingCore(Protocol):
         """True when every role the cluster has (prefill and decode, or colocated) has a live replica."""
         ...
 
+
+T = TypeVar("T")
+
+# Tokenizing a long prompt or rendering a chat template holds a thread for milliseconds (seconds
+# for a long prompt): never the event loop's, which writes every other request's stream. Two
+# threads: the loop still gets its share of the GIL while both run pure-Python templates, and a
+# burst of chats waits here rather than in the loop.
+_TOKENIZE_THREADS = ThreadPoolExecutor(2, thread_name_prefix="pdserve-tokenize")
+
+
+async def off_loop(fn: Callable[..., T], *args, **kwargs) -> T:
+    """fn(*args, **kwargs) on a tokenizing thread, awaited."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_THREADS, functools.partial(fn, *args, **kwargs))
