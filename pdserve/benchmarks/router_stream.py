@@ -50,13 +50,18 @@ class SyntheticWorker:
     """What the router calls on a colocated replica (ready, stats, generate, abort), with a "step"
     that gives every live request its next token at once: no model, only the worker's streaming."""
 
-    def __init__(self, name: str, namespace: str, max_ahead: int):
+    def __init__(self, name: str, namespace: str, max_ahead: int, step_s: float):
         self.name = name
         self.streams = RouterStreams(namespace)
         self.live: dict[str, list[int]] = {}  # request id -> [tokens made, tokens wanted]
         self.aborted = 0
-        self.max_ahead = max_ahead  # steps a worker may run while its router has not taken the last message
+        # As fast as it can (step_s 0), a step costs the source ~1 us a request, a real engine's
+        # thousands of times more: it would finish every request before the router sent their
+        # first tokens. So it stops `max_ahead` steps ahead of a router that has not taken its last
+        # message. With step_s > 0 it steps at that pace, as an engine does, whatever the router does.
+        self.max_ahead, self.step_s = max_ahead, step_s
         self._held_steps = 0
+        self._next_step = 0.0
         self.loop = EngineLoop(self._step, self._take, f"{name}-engine")
 
     def ready(self) -> bool:
@@ -87,9 +92,14 @@ class SyntheticWorker:
     def _step(self) -> float | None:
         if not self.live:
             return self.streams.flush_nap(IDLE_S)
-        if self._held_steps >= self.max_ahead:  # far enough ahead: wait for the router to take some
-            self._held_steps = self._held_steps if self.streams.flush() else 0
-            return HELD_S
+        now = time.monotonic()
+        if now < self._next_step:  # paced: not yet
+            return self.streams.flush_nap(self._next_step - now)
+        if not self.step_s and self._held_steps >= self.max_ahead:
+            if self.streams.flush():
+                return HELD_S  # far enough ahead: until the router takes its message
+            self._held_steps = 0
+        self._next_step = now + self.step_s
         done = []
         for rid, state in self.live.items():
             n = state[0]
@@ -113,7 +123,7 @@ _END = b"\n\r\n0\r\n\r\n"  # the last event's chunk, then the chunked body's ter
 
 async def _one_connection(host: str, port: int, request: bytes, deadline: float, counts: list[int]) -> None:
     """Requests one after another on one keep-alive connection until `deadline`; counts[0] += tokens,
-    counts[1] += requests, counts[2] += failures."""
+    counts[1] += requests, counts[2] += failures, counts[3] += events (every `data:` line)."""
     reader, writer = await asyncio.open_connection(host, port)
     try:
         while time.monotonic() < deadline:
@@ -124,6 +134,7 @@ async def _one_connection(host: str, port: int, request: bytes, deadline: float,
                 if not data:
                     raise ConnectionError("the router closed the connection mid-response")
                 ok = data.startswith(b"HTTP/1.1 200") if ok is None else ok
+                counts[3] += data.count(b"data: ")
                 tail = (tail + data)[-4096:]  # the usage chunk and the end are in the last bytes
             if not ok or b'"error"' in tail:
                 counts[2] += 1
@@ -141,11 +152,12 @@ async def _drive(url: str, streams: int, max_tokens: int, seconds: float) -> dic
                        "stream_options": {"include_usage": True}}).encode()
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-    counts = [0, 0, 0]
+    counts = [0, 0, 0, 0]
     t0 = time.monotonic()
     await asyncio.gather(*(_one_connection(host, int(port), request, t0 + seconds, counts)
                            for _ in range(streams)))
-    return {"tokens": counts[0], "requests": counts[1], "failed": counts[2], "wall_s": time.monotonic() - t0}
+    return {"tokens": counts[0], "requests": counts[1], "failed": counts[2], "events": counts[3],
+            "wall_s": time.monotonic() - t0}
 
 
 def _client(url: str, streams: int, max_tokens: int, seconds: float, out) -> None:
@@ -174,14 +186,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start(max_ahead: int) -> tuple[list, str, int]:
+def start(max_ahead: int, step_s: float) -> tuple[list, str, int]:
     """A local Ray, the synthetic worker and the real router over it -> (their handles, the URL, the
     router's pid). Ray ends an actor once its creator's handles are gone: keep them."""
     from pdserve.router.server import Router  # the router's process imports it too: here only for the class
 
     ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     worker = ray.remote(SyntheticWorker).options(name=WORKER, num_cpus=0, max_concurrency=4).remote(
-        WORKER, NAMESPACE, max_ahead)
+        WORKER, NAMESPACE, max_ahead, step_s)
     assert ray.get(worker.ready.remote()), "the synthetic worker's loop did not start"
     cfg = ClusterConfig(model=ModelConfig(path="tiny-moe"), colocated=ColocatedConfig(replicas=1),
                         router=RouterConfig(host="127.0.0.1", http_port=0, grpc_port=None))
@@ -202,6 +214,8 @@ def measure(url: str, pid: int, streams: int, max_tokens: int, seconds: float) -
     cpu = cpu_seconds(pid) - cpu0
     return {"streams": streams, "max_tokens": max_tokens, "requests": res["requests"], "failed": res["failed"],
             "tokens": res["tokens"], "wall_s": round(res["wall_s"], 2),
+            # Events with output (not the usage chunk, not [DONE]): how many tokens one carried.
+            "tokens_per_event": round(res["tokens"] / max(1, res["events"] - 2 * res["requests"]), 2),
             "tokens_per_s": round(res["tokens"] / res["wall_s"]),
             "router_cpu_pct": round(100 * cpu / res["wall_s"], 1),
             "tokens_per_router_cpu_s": round(res["tokens"] / cpu) if cpu else None}
@@ -214,10 +228,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=15.0, help="length of each measured run")
     ap.add_argument("--max-ahead", type=int, default=64,
                     help="steps the source runs ahead of a router that has not taken its last message")
+    ap.add_argument("--step-ms", type=float, default=0.0,
+                    help="a step every this many ms, like an engine, whatever the router does (0: as fast as it can)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args()
     try:
-        actors, url, pid = start(args.max_ahead)
+        actors, url, pid = start(args.max_ahead, args.step_ms / 1000)
         rows = [measure(url, pid, c, args.max_tokens, args.seconds) for c in args.streams]
     finally:
         ray.shutdown()
@@ -225,10 +241,11 @@ def main() -> None:
         print(json.dumps({"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(), "rows": rows},
                          indent=2))
         return
-    print(f"{'streams':>8} {'tokens/s':>10} {'router CPU %':>13} {'tokens/router CPU-s':>20} {'failed':>7}")
+    print(f"{'streams':>8} {'tokens/s':>10} {'router CPU %':>13} {'tokens/router CPU-s':>20} {'tokens/event':>13} "
+          f"{'failed':>7}")
     for r in rows:
         print(f"{r['streams']:>8} {r['tokens_per_s']:>10} {r['router_cpu_pct']:>13} "
-              f"{r['tokens_per_router_cpu_s']:>20} {r['failed']:>7}")
+              f"{r['tokens_per_router_cpu_s']:>20} {r['tokens_per_event']:>13} {r['failed']:>7}")
 
 
 if __name__ == "__main__":
