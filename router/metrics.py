@@ -133,9 +133,9 @@ class RequestTimer:
             self.metrics.ttft.observe(now - self.start)
         else:
             # One observation per wake, not per token: the wake's gap spread evenly over its tokens
-            # (their mean ITL). A wake carries one token per decode step while the router keeps up;
+            # (their mean ITL). While the router keeps up a wake carries one decode step's token;
             # a router behind its workers wakes once for several, and the histogram then counts
-            # wakes (an observation per token cost the router more than the rest of the token).
+            # wakes, not tokens.
             self.metrics.itl.observe((now - self.last) / n)
         self.last = now
         self.num_tokens += n

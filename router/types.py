@@ -49,13 +49,11 @@ class Delta:
 
 
 class ServingCore(Protocol):
-    """What a front end needs from the router."""
+    """What a front end needs from the router. tokenize and apply_chat_template block for as long
+    as their text takes: front ends call them through `off_loop`."""
 
     model_name: str  # the one model this service serves (its id in /v1/models)
     max_model_len: int
-
-    # tokenize and apply_chat_template block for as long as the text takes: front ends call them
-    # through `off_loop`.
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; False for text a chat template rendered (it carries its own BOS)."""
