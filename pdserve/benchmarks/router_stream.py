@@ -2,6 +2,7 @@
 
     python -m pdserve.benchmarks.router_stream                 # --streams 128 512
     python -m pdserve.benchmarks.router_stream --streams 512 --max-tokens 512 --json
+    python -m pdserve.benchmarks.router_stream --step-ms 10    # the source paced as a 10 ms decode step
 
 The token source is synthetic on purpose. A real engine on this host would run out of CPU long
 before the router does, and the figure would be the engine's; here one Ray actor, registered as a
@@ -16,7 +17,10 @@ prompt, ignore_eos, include_usage), each connection starting its next request as
 ends, and counts tokens from each stream's usage chunk. The router's CPU time comes from
 /proc/<pid>/stat over the measured run, so the figure is the router process's own, whatever else
 shares the host. A router behind its source gets fewer, larger messages (RouterStreams holds what
-a router has not taken yet): at its ceiling each stream wakes with several tokens.
+a router has not taken yet, one delta per request): at its ceiling each stream wakes with several
+tokens, and the `tokens/event` column says how many. With --step-ms the source steps at an
+engine's pace instead; where the router keeps up, an event carries one token and the figure is the
+router's cost per write.
 """
 
 import argparse
