@@ -15,7 +15,7 @@ from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
 from pdserve.router import limits
 from pdserve.router.listen import PortInUseError, check_free, holder
-from pdserve.router.types import Delta, GenerateRequest, NoCapacityError, ServingCore, ServingError
+from pdserve.router.types import GenerateRequest, NoCapacityError, ServingCore, ServingError, off_loop
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Completion"].full_name  # "pdserve.v1.Completion"
@@ -36,7 +36,7 @@ class CompletionServicer(pb_grpc.CompletionServicer):
                        ) -> pb.CompletionResponse:
         """Generate to the end; one response."""
         async with _errors_as_status(context):
-            req = self._generate_request(request)
+            req = await self._generate_request(request)
             text, token_ids, finish_reason = [], [], ""
             async with aclosing(self.core.generate(req)) as deltas:
                 async for delta in deltas:
@@ -48,25 +48,31 @@ class CompletionServicer(pb_grpc.CompletionServicer):
 
     async def CompleteStream(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext
                              ) -> None:
-        """Stream one chunk per delta; usage on the last."""
+        """Stream one chunk per wake: a delta, with those the core already held after it (Delta.more)
+        joined into it; usage on the last."""
         # context.write rather than an async-generator handler: a client's cancel then lands on an
         # await inside the `aclosing` block, so the core's generator (and the request) is closed
         # right away instead of whenever the handler generator is garbage-collected.
         async with _errors_as_status(context):
-            req = self._generate_request(request)
-            num_tokens = 0
+            req = await self._generate_request(request)
+            num_tokens, text, token_ids = 0, [], []
             async with aclosing(self.core.generate(req)) as deltas:
                 async for delta in deltas:
                     num_tokens += len(delta.token_ids)
-                    await context.write(self._chunk(req, delta, num_tokens))
+                    text.append(delta.text)
+                    token_ids += delta.token_ids
+                    if delta.more and delta.finish_reason is None:
+                        continue
+                    await context.write(self._chunk(req, "".join(text), token_ids, delta.finish_reason, num_tokens))
+                    text, token_ids = [], []
 
-    def _generate_request(self, request: pb.CompletionRequest) -> GenerateRequest:
+    async def _generate_request(self, request: pb.CompletionRequest) -> GenerateRequest:
         if request.model and request.model != self.core.model_name:
             raise ModelNotFoundError(
                 f"model: {request.model!r} is not served here; this service serves {self.core.model_name!r}")
         if not request.prompt:
             raise InvalidRequestError("prompt", "must not be empty")
-        prompt_ids = self.core.tokenize(request.prompt)
+        prompt_ids = await off_loop(self.core.tokenize, request.prompt)
         # The HTTP API's rule: checked here, in front of a replica pick and a KV reservation.
         max_tokens = limits.max_tokens(request.max_tokens or None, "max_tokens", DEFAULT_MAX_TOKENS,
                                        len(prompt_ids), self.core.max_model_len)
@@ -82,10 +88,10 @@ class CompletionServicer(pb_grpc.CompletionServicer):
         return GenerateRequest(f"grpc-{uuid.uuid4().hex}", prompt_ids, params)
 
     @staticmethod
-    def _chunk(req: GenerateRequest, delta: Delta, num_tokens: int) -> pb.CompletionChunk:
-        chunk = pb.CompletionChunk(id=req.request_id, text=delta.text, token_ids=delta.token_ids,
-                                   finish_reason=delta.finish_reason or "")
-        if delta.finish_reason is not None:
+    def _chunk(req: GenerateRequest, text: str, token_ids: list[int], finish_reason: str | None,
+               num_tokens: int) -> pb.CompletionChunk:
+        chunk = pb.CompletionChunk(id=req.request_id, text=text, token_ids=token_ids, finish_reason=finish_reason or "")
+        if finish_reason is not None:
             chunk.usage.CopyFrom(_usage(req, num_tokens))
         return chunk
 

@@ -12,9 +12,9 @@ from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Send
 
 from pdserve.protocol import InvalidRequestError
 from pdserve.router import limits
@@ -22,9 +22,10 @@ from pdserve.router.http_limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from pdserve.router.metrics import Metrics, RequestTimer
 from pdserve.router.openai_protocol import (CHAT, COMPLETIONS, GENERATION_ENDPOINTS, ChatCompletionRequest,
                                             CompletionRequest, ErrorBody)
-from pdserve.router.openai_responses import ChatShape, CompletionShape, ResponseShape, sse_event, token_usage
+from pdserve.router.openai_responses import (DONE_EVENT, ChatShape, CompletionShape, ResponseShape, sse_event,
+                                             token_usage)
 from pdserve.router.types import (Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingCore,
-                                  ServingError)
+                                  ServingError, off_loop)
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +98,16 @@ class _ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
-async def _wait_for_disconnect(request: Request) -> None:
+async def _wait_for_disconnect(receive: Receive) -> None:
     # Once the body is read, the server's receive() returns only when the client goes away.
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     """Await `work`; if the client disconnects first, cancel it (which aborts the request) and raise _ClientGone."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
     gone = False
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -121,94 +122,133 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def _next_delta(deltas: AsyncIterator[Delta], timer: RequestTimer) -> Delta:
-    async for delta in deltas:
-        timer.tokens(len(delta.token_ids))
-        return delta
-    raise ServingError("the request's output ended before it finished")
+class _Wakes:
+    """A request's deltas a wake at a time: the next delta and those the core already holds after
+    it (Delta.more), what one write can carry. The metrics timer counts tokens by wake."""
 
+    def __init__(self, deltas: AsyncIterator[Delta], timer: RequestTimer):
+        self.deltas, self.timer = deltas, timer
+        self._error: Exception | None = None  # raised by the core behind deltas this wake still returns
 
-async def _collect(deltas: AsyncIterator[Delta], timer: RequestTimer) -> list[Delta]:
-    out = [await _next_delta(deltas, timer)]
-    while out[-1].finish_reason is None:
-        out.append(await _next_delta(deltas, timer))
-    return out
-
-
-async def _stream_events(deltas, first: Delta, shape: ResponseShape, timer: RequestTimer,
-                         prompt_tokens: int) -> AsyncIterator[str]:
-    """SSE events of a started request; however it ends, the core's stream is closed (aborting it if unfinished)."""
-    try:
-        for chunk in shape.opening_chunks():
-            yield sse_event(chunk)
-        delta, offset, num_tokens = first, 0, 0
-        while True:
-            num_tokens += len(delta.token_ids)
-            if (chunk := shape.chunk(delta, offset)) is not None:
-                yield sse_event(chunk)
-            offset += len(delta.text)
-            if delta.finish_reason is not None:
+    async def next(self) -> list[Delta]:
+        if self._error is not None:
+            raise self._error
+        wake: list[Delta] = []
+        while not wake or (wake[-1].more and wake[-1].finish_reason is None):
+            try:
+                wake.append(await anext(self.deltas))
+            except StopAsyncIteration:
+                self._error = ServingError("the request's output ended before it finished")
+            except Exception as e:
+                self._error = e
+            if self._error is not None:
+                if not wake:  # else the tokens before the failure are shown first; the next call raises
+                    raise self._error
                 break
-            delta = await _next_delta(deltas, timer)
-        if shape.include_usage:
-            yield sse_event(shape.usage_chunk(token_usage(prompt_tokens, num_tokens)))
-        yield sse_event("[DONE]")
-        timer.finished(200)
-    except (ServingError, NoCapacityError, InvalidRequestError) as e:
-        # The 200 and its headers are already sent: report the failure in the stream, as vLLM does.
-        error = _as_api_error(e)
-        yield sse_event(error.body())
-        yield sse_event("[DONE]")
-        timer.finished(error.status)
-    finally:
-        await deltas.aclose()
-        if not timer.done:  # cancelled or closed mid-stream: the client went away
-            timer.aborted()
+        self.timer.tokens(sum(len(d.token_ids) for d in wake))
+        return wake
+
+    async def all(self) -> list[Delta]:
+        out = await self.next()
+        while out[-1].finish_reason is None:
+            out += await self.next()
+        return out
+
+    async def aclose(self) -> None:
+        await self.deltas.aclose()
+
+
+class _EventStream(Response):
+    """A started request's server-sent events, written by one coroutine that awaits the core's
+    deltas and sends each wake's events in one body write (Starlette's StreamingResponse pays a
+    write per event, and tasks and a thread hop per response). However it ends, the core's stream
+    is closed, which aborts the request if it is unfinished: at once when the client leaves."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, wakes: _Wakes, first: list[Delta], shape: ResponseShape, timer: RequestTimer,
+                 prompt_tokens: int):
+        self.status_code, self.background = 200, None
+        self.init_headers({"Cache-Control": "no-cache"})
+        self.wakes, self.first, self.shape, self.timer, self.prompt_tokens = wakes, first, shape, timer, prompt_tokens
+
+    async def __call__(self, scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            await _unless_disconnected(receive, self._write(send))
+        except _ClientGone:
+            pass  # _write's cleanup aborted the request and counted it
+
+    async def _write(self, send: Send) -> None:
+        shape, timer = self.shape, self.timer
+        events = [sse_event(chunk) for chunk in shape.opening_chunks()]
+        wake, num_tokens = self.first, 0
+        try:
+            while True:
+                for delta in wake:
+                    num_tokens += len(delta.token_ids)
+                    if (event := shape.event(delta)) is not None:
+                        events.append(event)
+                if wake[-1].finish_reason is not None:
+                    break
+                if events:
+                    await send({"type": "http.response.body", "body": "".join(events).encode(), "more_body": True})
+                    events = []
+                wake = await self.wakes.next()
+            if shape.include_usage:
+                events.append(sse_event(shape.usage_chunk(token_usage(self.prompt_tokens, num_tokens))))
+            events.append(DONE_EVENT)
+            timer.finished(200)
+        except (ServingError, NoCapacityError, InvalidRequestError) as e:
+            # The 200 and its headers are already sent: report the failure in the stream, as vLLM does.
+            error = _as_api_error(e)
+            events += [sse_event(error.body()), DONE_EVENT]
+            timer.finished(error.status)
+        finally:
+            await self.wakes.aclose()
+            if not timer.done:  # cancelled mid-stream: the client went away
+                timer.aborted()
+        await send({"type": "http.response.body", "body": "".join(events).encode(), "more_body": False})
 
 
 async def _serve(request: Request, core: ServingCore, metrics: Metrics, shape: ResponseShape,
                  req: GenerateRequest, stream: bool) -> Response:
     timer = metrics.request_started(shape.endpoint, len(req.prompt_ids))
-    deltas = core.generate(req)
+    wakes = _Wakes(core.generate(req), timer)
     try:
         # Streaming waits for the first delta too, so that a refused request still gets a proper 4xx/503.
-        work = _next_delta(deltas, timer) if stream else _collect(deltas, timer)
-        result = await _unless_disconnected(request, work)
+        result = await _unless_disconnected(request.receive, wakes.next() if stream else wakes.all())
     except _ClientGone:
-        await deltas.aclose()
+        await wakes.aclose()
         timer.aborted()
         return Response(status_code=499)
     except BaseException:
-        await deltas.aclose()
+        await wakes.aclose()
         raise
     if not stream:
-        await deltas.aclose()
+        await wakes.aclose()
         timer.finished(200)
         num_tokens = sum(len(d.token_ids) for d in result)
         return JSONResponse(shape.response(result, token_usage(len(req.prompt_ids), num_tokens)))
-    events = _stream_events(deltas, result, shape, timer, len(req.prompt_ids))
-    # Starlette cancels the response when the client disconnects; closing the generator afterwards runs its
-    # cleanup (the abort) at once, even when the cancel caught it between two chunks.
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                             background=BackgroundTask(events.aclose))
+    return _EventStream(wakes, result, shape, timer, len(req.prompt_ids))
 
 
-def _tokenize(core: ServingCore, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+async def _tokenize(core: ServingCore, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
     try:
-        return core.tokenize(text, add_special_tokens=add_special_tokens)
+        return await off_loop(core.tokenize, text, add_special_tokens=add_special_tokens)
     except UnicodeError as e:  # JSON may carry lone UTF-16 surrogates (\ud800); no UTF-8 tokenizer takes them
         raise ApiError(400, f"{param}: text is not valid Unicode ({e.reason})", param=param,
                        code="invalid_value") from e
 
 
-def _chat_prompt(core: ServingCore, body: ChatCompletionRequest) -> str:
+async def _chat_prompt(core: ServingCore, body: ChatCompletionRequest) -> str:
     """The chat rendered by the model's template, with the request's tools and template variables."""
     messages = [m.for_template() for m in body.messages]
     tools, template_kwargs = body.template_tools(), body.chat_template_kwargs
     try:
-        return core.apply_chat_template(messages, tools=tools, template_kwargs=template_kwargs)
+        return await off_loop(core.apply_chat_template, messages, tools=tools, template_kwargs=template_kwargs)
     except ValueError as e:  # no chat template, a reserved variable, or the template rejects its input
-        param = _template_culprit(core, messages, tools, template_kwargs)
+        param = await off_loop(_template_culprit, core, messages, tools, template_kwargs)
         message = str(e) if str(e).startswith(f"{param}:") else f"{param}: {e}"  # the tokenizer may name it
         raise ApiError(400, message, param=param, code="invalid_value") from e
 
@@ -216,7 +256,8 @@ def _chat_prompt(core: ServingCore, body: ChatCompletionRequest) -> str:
 def _template_culprit(core: ServingCore, messages: list[dict], tools: list[dict] | None,
                       template_kwargs: dict | None) -> str:
     """Which field a chat template's error is about. A template says only what went wrong, so render again
-    without the request's extras: the one whose removal makes it render is at fault, else the messages."""
+    without the request's extras: the one whose removal makes it render is at fault, else the messages.
+    Blocking, as each render is: called off the loop."""
     def renders(**kw) -> bool:
         try:
             core.apply_chat_template(messages, **kw)
@@ -253,7 +294,7 @@ def build_app(core: ServingCore, metrics: Metrics | None = None,
     @app.post(COMPLETIONS, responses=_GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt_ids = _tokenize(core, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
+        prompt_ids = await _tokenize(core, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
         max_tokens = limits.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
         params = body.sampling_params(max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -263,8 +304,8 @@ def build_app(core: ServingCore, metrics: Metrics | None = None,
     @app.post(CHAT, responses=_GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        text = _chat_prompt(core, body)
-        prompt_ids = _tokenize(core, text, "messages", add_special_tokens=False)  # the template has its BOS
+        text = await _chat_prompt(core, body)
+        prompt_ids = await _tokenize(core, text, "messages", add_special_tokens=False)  # the template has its BOS
         requested, param = ((body.max_completion_tokens, "max_completion_tokens")
                             if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
         # No default cap, as OpenAI and vLLM: generate until a stop or the end of the context.

@@ -127,16 +127,19 @@ class RequestTimer:
         self.done = False
 
     def tokens(self, n: int) -> None:
-        """`n` new tokens arrived now: the first gives TTFT, later ones an inter-token latency each."""
+        """`n` new tokens arrived now, in one wake of the request's stream: the first gives TTFT,
+        later wakes an inter-token latency each."""
         if n <= 0:
             return
         now = time.monotonic()
         if self.last is None:
             self.metrics.ttft.observe(now - self.start)
         else:
-            # Tokens batched into one message arrived together: spread the gap evenly over them.
-            for _ in range(n):
-                self.metrics.itl.observe((now - self.last) / n)
+            # One observation per wake, not per token: the wake's gap spread evenly over its tokens
+            # (their mean ITL). While the router keeps up a wake carries one decode step's token;
+            # a router behind its workers wakes once for several, and the histogram then counts
+            # wakes, not tokens.
+            self.metrics.itl.observe((now - self.last) / n)
         self.last = now
         self.num_tokens += n
 

@@ -3,6 +3,7 @@
 
 import json
 import time
+from json.encoder import encode_basestring_ascii  # what json.dumps does to a str: the same bytes, without its wrapper
 from typing import Any
 
 from pdserve.protocol import TokenLogprob
@@ -32,6 +33,10 @@ def sse_event(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+DONE_EVENT = sse_event("[DONE]")
+_TEXT_SLOT = "\x00pdserve-text\x00"  # stands for a chunk's text while its event's template is cut out
+
+
 class ResponseShape:
     """How one endpoint words its response, its stream chunks and its logprobs."""
 
@@ -43,6 +48,25 @@ class ResponseShape:
         self.id, self.model = request_id, model
         self.want_logprobs, self.include_usage = want_logprobs, include_usage
         self.created = int(time.time())
+        self._text_event: tuple[str, str] | None = None  # a text-only chunk's event around its JSON text
+
+    def event(self, delta: Delta) -> str | None:
+        """The stream event (`data: ...` and its blank line) for one delta, or None when it has nothing
+        to show. Most deltas of a stream are text only: their event is a per-request template around
+        the text's JSON, the bytes json.dumps would give for the whole chunk."""
+        if delta.finish_reason is None and not self.want_logprobs:
+            if not delta.text:
+                return None
+            if self._text_event is None:
+                self._text_event = self._cut_template()
+            head, tail = self._text_event
+            return head + encode_basestring_ascii(delta.text) + tail
+        chunk = self.chunk(delta)
+        return None if chunk is None else sse_event(chunk)
+
+    def _cut_template(self) -> tuple[str, str]:
+        head, tail = sse_event(self.chunk(Delta(_TEXT_SLOT, []))).split(json.dumps(_TEXT_SLOT))
+        return head, tail
 
     def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -54,12 +78,12 @@ class ResponseShape:
     def opening_chunks(self) -> list[dict]:
         return []
 
-    def chunk(self, delta: Delta, text_offset: int) -> dict | None:
+    def chunk(self, delta: Delta) -> dict | None:
         """The stream chunk for one delta, or None when it has nothing to show."""
         if not delta.text and delta.finish_reason is None and not (self.want_logprobs and delta.logprobs):
             return None
         extra = {"usage": None} if self.include_usage else {}
-        return self._envelope(self.chunk_object, [self._choice_delta(delta, text_offset)], **extra)
+        return self._envelope(self.chunk_object, [self._choice_delta(delta)], **extra)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._envelope(self.chunk_object, [], usage=usage)
@@ -67,7 +91,7 @@ class ResponseShape:
     def _choice(self, deltas: list[Delta]) -> dict:
         raise NotImplementedError
 
-    def _choice_delta(self, delta: Delta, text_offset: int) -> dict:
+    def _choice_delta(self, delta: Delta) -> dict:
         raise NotImplementedError
 
 
@@ -91,7 +115,7 @@ class CompletionShape(ResponseShape):
         text = "".join(d.text for d in deltas)
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": deltas[-1].finish_reason}
 
-    def _choice_delta(self, delta: Delta, text_offset: int) -> dict:
+    def _choice_delta(self, delta: Delta) -> dict:
         logprobs = None
         if self.want_logprobs:
             logprobs, self._next_offset = self._logprobs(delta.logprobs, self._next_offset)
@@ -126,7 +150,7 @@ class ChatShape(ResponseShape):
         return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": deltas[-1].finish_reason}
 
-    def _choice_delta(self, delta: Delta, text_offset: int) -> dict:
+    def _choice_delta(self, delta: Delta) -> dict:
         logprobs = self._logprobs(delta.logprobs) if self.want_logprobs else None
         return {"index": 0, "delta": {"content": delta.text} if delta.text else {}, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}

@@ -97,7 +97,7 @@ class RayCore:
                 if d.finish_reason == "error":  # left unfinished: the live holders drop it too
                     raise ServingError(d.error or "the request failed")
                 finished = d.finish_reason is not None
-                yield Delta(d.text, d.token_ids, d.finish_reason, d.logprobs)
+                yield Delta(d.text, d.token_ids, d.finish_reason, d.logprobs, more=not queue.empty())
         finally:
             self._queues.pop(rid, None)
             for name in placed:

@@ -1,8 +1,11 @@
 """What the front ends (HTTP, gRPC) and the request lifecycle exchange."""
 
-from collections.abc import AsyncIterator
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from pdserve.protocol import SamplingParams
 
@@ -31,7 +34,7 @@ class GenerateRequest:
     params: SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """New output of one request: text and tokens since the last delta, and how it ended if it did."""
 
@@ -39,10 +42,15 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     logprobs: list = field(default_factory=list)
+    # The core holds the request's next delta already. A front end may hold this one's output back
+    # and write both in one send: a router behind its workers then pays one write per wake of a
+    # stream, not one per token.
+    more: bool = False
 
 
 class ServingCore(Protocol):
-    """What a front end needs from the router."""
+    """What a front end needs from the router. tokenize and apply_chat_template block for as long
+    as their text takes: front ends call them through `off_loop`."""
 
     model_name: str  # the one model this service serves (its id in /v1/models)
     max_model_len: int
@@ -68,3 +76,17 @@ class ServingCore(Protocol):
     def ready(self) -> bool:
         """True when every role the cluster has (prefill and decode, or colocated) has a live replica."""
         ...
+
+
+T = TypeVar("T")
+
+# Tokenizing a long prompt or rendering a chat template holds a thread for milliseconds (seconds
+# for a long prompt): never the event loop's, which writes every other request's stream. Two
+# threads: the loop still gets its share of the GIL while both run pure-Python templates, and a
+# burst of chats waits here rather than in the loop.
+_TOKENIZE_THREADS = ThreadPoolExecutor(2, thread_name_prefix="pdserve-tokenize")
+
+
+async def off_loop(fn: Callable[..., T], *args, **kwargs) -> T:
+    """fn(*args, **kwargs) on a tokenizing thread, awaited."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_THREADS, functools.partial(fn, *args, **kwargs))

@@ -4,7 +4,9 @@ belongs to, and their new output, sent as `Router.deliver` messages — never on
 Each router has at most one message from a worker in flight; what the steps produce meanwhile goes
 into the next one. Ray does not keep the order of an async actor's calls, so two messages in
 flight could land swapped and put a request's tokens out of order; and a router that falls behind
-gets fewer, larger messages instead of a growing queue."""
+gets fewer, larger messages instead of a growing queue. In a message a request has one delta, its
+steps' output joined (text, token ids, logprobs): a router that keeps up gets one delta per step,
+one that falls behind does no more work per message for the steps it missed."""
 
 from collections import defaultdict
 from collections.abc import Callable
@@ -28,6 +30,9 @@ class RouterStreams:
         self._owner: dict[str, str] = {}  # request id -> the router streaming it
         self._routers: dict[str, ray.actor.ActorHandle] = {}  # looked up once per router
         self._pending: dict[str, list[RequestDelta]] = defaultdict(list)  # not sent yet, per router
+        # Per router: the request id -> where in its pending list the request's delta is, while
+        # later steps may still join it.
+        self._open: dict[str, dict[str, int]] = defaultdict(dict)
         self._inflight: dict[str, ray.ObjectRef] = {}  # the message each router is taking
 
     def __len__(self) -> int:
@@ -45,6 +50,7 @@ class RouterStreams:
         """The request failed here: its router hears why, and it streams no more."""
         router = self._owner.pop(request_id, None)
         if router is not None and router not in self._dead:
+            self._open[router].pop(request_id, None)  # its output so far goes first, on its own
             self._pending[router].append(RequestDelta(request_id, "", [], "error", error))
 
     def output(self, out: RequestOutput) -> None:
@@ -53,8 +59,19 @@ class RouterStreams:
         if router is None or router in self._dead:  # aborted meanwhile; or its router died
             return
         reason = out.finish_reason.value if out.finish_reason else None
-        self._pending[router].append(RequestDelta(out.request_id, out.text, out.token_ids, reason,
-                                                  logprobs=out.logprobs))
+        pending, open_ = self._pending[router], self._open[router]
+        i = open_.get(out.request_id)
+        if i is None:
+            open_[out.request_id] = len(pending)
+            # Token ids copied: later steps extend them. Logprobs only when there are some: the
+            # default's one shared list pickles once per message.
+            pending.append(RequestDelta(out.request_id, out.text, list(out.token_ids), reason, None, out.logprobs)
+                           if out.logprobs else RequestDelta(out.request_id, out.text, list(out.token_ids), reason))
+        else:
+            d = pending[i]
+            d.token_ids.extend(out.token_ids)
+            logprobs = d.logprobs + out.logprobs if out.logprobs else d.logprobs
+            pending[i] = RequestDelta(out.request_id, d.text + out.text, d.token_ids, reason, None, logprobs)
         if out.finished:
             del self._owner[out.request_id]
 
@@ -70,6 +87,7 @@ class RouterStreams:
                 if self._died(router, ref):
                     continue
             self._inflight[router] = self._router(router).deliver.remote(self._pending.pop(router))
+            self._open.pop(router, None)
         return bool(self._pending)
 
     def _died(self, router: str, ref: ray.ObjectRef) -> bool:
@@ -84,6 +102,7 @@ class RouterStreams:
         self._dead.add(router)
         del self._inflight[router]
         self._pending.pop(router, None)
+        self._open.pop(router, None)
         self._orphaned([rid for rid, r in self._owner.items() if r == router])
         return True
 

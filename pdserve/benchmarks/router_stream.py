@@ -1,0 +1,256 @@
+"""The router's own ceiling: streamed tokens per router CPU-second, at C concurrent streams.
+
+    python -m pdserve.benchmarks.router_stream                 # --streams 128 512
+    python -m pdserve.benchmarks.router_stream --streams 512 --max-tokens 512 --json
+    python -m pdserve.benchmarks.router_stream --step-ms 10    # the source paced as a 10 ms decode step
+
+The token source is synthetic on purpose. A real engine on this host would run out of CPU long
+before the router does, and the figure would be the engine's; here one Ray actor, registered as a
+colocated replica, makes one token per live request per step as fast as it can and streams them
+through the real `RouterStreams` (pdserve/worker/router_streams.py), so everything from the
+worker's `Router.deliver` call to the client's socket is the real path: Ray, the router actor
+(pdserve.router.server.Router over RayCore), the OpenAI front end, uvicorn. The end-to-end
+figure, with the real engine behind the router, is the serving benchmarks' (docs/benchmarks.md).
+
+A client in a process of its own keeps C streaming /v1/completions requests open (token-id
+prompt, ignore_eos, include_usage), each connection starting its next request as soon as one
+ends, and counts tokens from each stream's usage chunk. The router's CPU time comes from
+/proc/<pid>/stat over the measured run, so the figure is the router process's own, whatever else
+shares the host. A router behind its source gets fewer, larger messages (RouterStreams holds what
+a router has not taken yet, one delta per request): at its ceiling each stream wakes with several
+tokens, and the `tokens/event` column says how many. With --step-ms the source steps at an
+engine's pace instead; where the router keeps up, an event carries one token and the figure is the
+router's cost per write.
+"""
+
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing
+import os
+import re
+import time
+
+import ray
+
+from pdserve.config import ClusterConfig, ColocatedConfig, ModelConfig, RouterConfig
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sequence import FinishReason
+from pdserve.messages import NewRequest, Refusal, ReplicaStats
+from pdserve.worker.engine_loop import IDLE_S, EngineLoop
+from pdserve.worker.inbox import Abort, Generate
+from pdserve.worker.router_streams import HELD_S, RouterStreams
+
+NAMESPACE = "pdserve-router-stream-bench"
+ROUTER = "pdserve-router-0"
+WORKER = "pdserve-colocated-0"
+# Token texts as a byte-level or BPE tokenizer would give them: mostly short words, now and then a
+# character JSON must escape.
+WORDS = [" the", " of", " stream", " and", "\n", " token", ",", " router", " \"a\"", " é"]
+
+
+class SyntheticWorker:
+    """What the router calls on a colocated replica (ready, stats, generate, abort), with a "step"
+    that gives every live request its next token at once: no model, only the worker's streaming."""
+
+    def __init__(self, name: str, namespace: str, max_ahead: int, step_s: float):
+        self.name = name
+        self.streams = RouterStreams(namespace)
+        self.live: dict[str, list[int]] = {}  # request id -> [tokens made, tokens wanted]
+        self.aborted = 0
+        # As fast as it can (step_s 0), a step costs the source ~1 us a request, a real engine's
+        # thousands of times more: it would finish every request before the router sent their
+        # first tokens. So it stops `max_ahead` steps ahead of a router that has not taken its last
+        # message. With step_s > 0 it steps at that pace, as an engine does, whatever the router does.
+        self.max_ahead, self.step_s = max_ahead, step_s
+        self._held_steps = 0
+        self._next_step = 0.0
+        self.loop = EngineLoop(self._step, self._take, f"{name}-engine")
+
+    def ready(self) -> bool:
+        return self.loop.alive()
+
+    def stats(self) -> ReplicaStats:
+        return ReplicaStats(self.name, "colocated", len(self.live), 0, 1 << 20, 1 << 20, self.aborted,
+                            pid=os.getpid())
+
+    def generate(self, requests: list[NewRequest], router: str) -> list[Refusal | None]:
+        for r in requests:
+            self.loop.submit(Generate(r.request_id, r.prompt_ids, r.params, router))
+        return [None] * len(requests)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.loop.submit(Abort(rid))
+
+    def _take(self, item) -> None:
+        match item:
+            case Generate():
+                self.streams.add(item.request_id, item.router)
+                self.live[item.request_id] = [0, item.params.max_tokens]
+            case Abort() if self.streams.drop(item.request_id):
+                self.live.pop(item.request_id, None)
+                self.aborted += 1
+
+    def _step(self) -> float | None:
+        if not self.live:
+            return self.streams.flush_nap(IDLE_S)
+        now = time.monotonic()
+        if now < self._next_step:  # paced: not yet
+            return self.streams.flush_nap(self._next_step - now)
+        if not self.step_s and self._held_steps >= self.max_ahead:
+            if self.streams.flush():
+                return HELD_S  # far enough ahead: until the router takes its message
+            self._held_steps = 0
+        self._next_step = now + self.step_s
+        done = []
+        for rid, state in self.live.items():
+            n = state[0]
+            state[0] = n + 1
+            last = state[0] >= state[1]
+            self.streams.output(RequestOutput(rid, [n % 256], WORDS[n % len(WORDS)], finished=last,
+                                              finish_reason=FinishReason.LENGTH if last else None))
+            if last:
+                done.append(rid)
+        for rid in done:
+            del self.live[rid]
+        self._held_steps = self._held_steps + 1 if self.streams.flush() else 0
+        return None
+
+
+# -- the client (a process of its own) ------------------------------------------------------------
+
+_USAGE = re.compile(rb'"completion_tokens": ?(\d+)')
+_END = b"\n\r\n0\r\n\r\n"  # the last event's chunk, then the chunked body's terminator
+
+
+async def _one_connection(host: str, port: int, request: bytes, deadline: float, counts: list[int]) -> None:
+    """Requests one after another on one keep-alive connection until `deadline`; counts[0] += tokens,
+    counts[1] += requests, counts[2] += failures, counts[3] += events (every `data:` line)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        while time.monotonic() < deadline:
+            writer.write(request)
+            tail, ok = b"", None
+            while not tail.endswith(_END):
+                data = await reader.read(1 << 16)
+                if not data:
+                    raise ConnectionError("the router closed the connection mid-response")
+                ok = data.startswith(b"HTTP/1.1 200") if ok is None else ok
+                counts[3] += data.count(b"data: ")
+                tail = (tail + data)[-4096:]  # the usage chunk and the end are in the last bytes
+            if not ok or b'"error"' in tail:
+                counts[2] += 1
+            match = _USAGE.findall(tail)
+            counts[0] += int(match[-1]) if match else 0
+            counts[1] += 1
+    finally:
+        writer.close()
+
+
+async def _drive(url: str, streams: int, max_tokens: int, seconds: float) -> dict:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "tiny-moe", "prompt": list(range(1, 17)), "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    counts = [0, 0, 0, 0]
+    t0 = time.monotonic()
+    await asyncio.gather(*(_one_connection(host, int(port), request, t0 + seconds, counts)
+                           for _ in range(streams)))
+    return {"tokens": counts[0], "requests": counts[1], "failed": counts[2], "events": counts[3],
+            "wall_s": time.monotonic() - t0}
+
+
+def _client(url: str, streams: int, max_tokens: int, seconds: float, out) -> None:
+    out.send(asyncio.run(_drive(url, streams, max_tokens, seconds)))
+
+
+def drive(url: str, streams: int, max_tokens: int, seconds: float) -> dict:
+    """Run the client in a process of its own (the router's host has few cores: it must not share
+    this one's GIL); returns its counts."""
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_client, args=(url, streams, max_tokens, seconds, send), daemon=True)
+    proc.start()
+    result = recv.recv()
+    proc.join()
+    return result
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start(max_ahead: int, step_s: float) -> tuple[list, str, int]:
+    """A local Ray, the synthetic worker and the real router over it -> (their handles, the URL, the
+    router's pid). Ray ends an actor once its creator's handles are gone: keep them."""
+    from pdserve.router.server import Router  # the router's process imports it too: here only for the class
+
+    ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    worker = ray.remote(SyntheticWorker).options(name=WORKER, num_cpus=0, max_concurrency=4).remote(
+        WORKER, NAMESPACE, max_ahead, step_s)
+    assert ray.get(worker.ready.remote()), "the synthetic worker's loop did not start"
+    cfg = ClusterConfig(model=ModelConfig(path="tiny-moe"), colocated=ColocatedConfig(replicas=1),
+                        router=RouterConfig(host="127.0.0.1", http_port=0, grpc_port=None))
+    router = ray.remote(Router).options(name=ROUTER, num_cpus=0).remote(ROUTER, cfg, [], {}, [WORKER], NAMESPACE)
+    url = ray.get(router.start.remote())["http"]
+    pid = ray.get(router.__ray_call__.remote(lambda _: os.getpid()))
+    deadline = time.monotonic() + 30
+    while not ray.get(router.__ray_call__.remote(lambda r: r.core.ready())):  # the first stats poll
+        assert time.monotonic() < deadline, "the router never saw the synthetic worker"
+        time.sleep(0.1)
+    return [worker, router], url, pid
+
+
+def measure(url: str, pid: int, streams: int, max_tokens: int, seconds: float) -> dict:
+    drive(url, streams, 16, 1.0)  # warm up: connections, the router's first requests
+    cpu0 = cpu_seconds(pid)
+    res = drive(url, streams, max_tokens, seconds)
+    cpu = cpu_seconds(pid) - cpu0
+    return {"streams": streams, "max_tokens": max_tokens, "requests": res["requests"], "failed": res["failed"],
+            "tokens": res["tokens"], "wall_s": round(res["wall_s"], 2),
+            # Events with output (not the usage chunk, not [DONE]): how many tokens one carried.
+            "tokens_per_event": round(res["tokens"] / max(1, res["events"] - 2 * res["requests"]), 2),
+            "tokens_per_s": round(res["tokens"] / res["wall_s"]),
+            "router_cpu_pct": round(100 * cpu / res["wall_s"], 1),
+            "tokens_per_router_cpu_s": round(res["tokens"] / cpu) if cpu else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, nargs="+", default=[128, 512], help="concurrent streams, one run each")
+    ap.add_argument("--max-tokens", type=int, default=256, help="tokens per request")
+    ap.add_argument("--seconds", type=float, default=15.0, help="length of each measured run")
+    ap.add_argument("--max-ahead", type=int, default=64,
+                    help="steps the source runs ahead of a router that has not taken its last message")
+    ap.add_argument("--step-ms", type=float, default=0.0,
+                    help="a step every this many ms, like an engine, whatever the router does (0: as fast as it can)")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = ap.parse_args()
+    try:
+        actors, url, pid = start(args.max_ahead, args.step_ms / 1000)
+        rows = [measure(url, pid, c, args.max_tokens, args.seconds) for c in args.streams]
+    finally:
+        ray.shutdown()
+    if args.json:
+        print(json.dumps({"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(), "rows": rows},
+                         indent=2))
+        return
+    print(f"{'streams':>8} {'tokens/s':>10} {'router CPU %':>13} {'tokens/router CPU-s':>20} {'tokens/event':>13} "
+          f"{'failed':>7}")
+    for r in rows:
+        print(f"{r['streams']:>8} {r['tokens_per_s']:>10} {r['router_cpu_pct']:>13} "
+              f"{r['tokens_per_router_cpu_s']:>20} {r['tokens_per_event']:>13} {r['failed']:>7}")
+
+
+if __name__ == "__main__":
+    main()
