@@ -52,7 +52,7 @@ class RequestDelta(NamedTuple):
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why it failed, when finish_reason == "error"
-    logprobs: list = []  # TokenLogprob per token when asked for; never appended to in place (a shared default)
+    logprobs: list | tuple = ()  # TokenLogprob per token when asked for; () pickles as one byte, builds nothing
 
 
 @dataclass

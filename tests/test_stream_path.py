@@ -4,6 +4,7 @@ taken, and tokenizing or templating never stalls the event loop that writes ever
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import socket
 import threading
@@ -263,7 +264,7 @@ def test_a_slow_tokenizer_does_not_stall_the_streams(server):
         t.join(timeout=30)
     assert sorted(a.status_code for a in answers) == [200, 200]
     assert len(core.tokenized_on) == 3 and thread.ident not in core.tokenized_on  # prompt, chat template, its text
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     assert max(gaps) < 0.5, f"the stream stalled {max(gaps):.2f} s while a prompt was tokenized"
 
 

@@ -237,7 +237,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args()
     try:
-        actors, url, pid = start(args.max_ahead, args.step_ms / 1000)
+        _actors, url, pid = start(args.max_ahead, args.step_ms / 1000)  # (held: the actors live while it runs)
         rows = [measure(url, pid, c, args.max_tokens, args.seconds) for c in args.streams]
     finally:
         ray.shutdown()

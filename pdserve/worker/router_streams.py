@@ -63,14 +63,13 @@ class RouterStreams:
         i = open_.get(out.request_id)
         if i is None:
             open_[out.request_id] = len(pending)
-            # Token ids copied: later steps extend them. Logprobs only when there are some: the
-            # default's one shared list pickles once per message.
-            pending.append(RequestDelta(out.request_id, out.text, list(out.token_ids), reason, None, out.logprobs)
-                           if out.logprobs else RequestDelta(out.request_id, out.text, list(out.token_ids), reason))
+            # Token ids copied: later steps extend them.
+            pending.append(RequestDelta(out.request_id, out.text, list(out.token_ids), reason, None,
+                                        out.logprobs or ()))
         else:
             d = pending[i]
             d.token_ids.extend(out.token_ids)
-            logprobs = d.logprobs + out.logprobs if out.logprobs else d.logprobs
+            logprobs = [*d.logprobs, *out.logprobs] if out.logprobs else d.logprobs
             pending[i] = RequestDelta(out.request_id, d.text + out.text, d.token_ids, reason, None, logprobs)
         if out.finished:
             del self._owner[out.request_id]
