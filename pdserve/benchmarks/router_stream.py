@@ -3,6 +3,7 @@
     python -m pdserve.benchmarks.router_stream                 # --streams 128 512
     python -m pdserve.benchmarks.router_stream --streams 512 --max-tokens 512 --json
     python -m pdserve.benchmarks.router_stream --step-ms 10    # the source paced as a 10 ms decode step
+    python -m pdserve.benchmarks.router_stream --routers 1 2 4 --workers 4 --clients 4   # router.replicas 1, 2, 4
 
 The token source is synthetic on purpose. A real engine on this host would run out of CPU long
 before the router does, and the figure would be the engine's; here one Ray actor, registered as a
@@ -43,8 +44,6 @@ from pdserve.worker.inbox import Abort, Generate
 from pdserve.worker.router_streams import HELD_S, RouterStreams
 
 NAMESPACE = "pdserve-router-stream-bench"
-ROUTER = "pdserve-router-0"
-WORKER = "pdserve-colocated-0"
 # Token texts as a byte-level or BPE tokenizer would give them: mostly short words, now and then a
 # character JSON must escape.
 WORDS = [" the", " of", " stream", " and", "\n", " token", ",", " router", " \"a\"", " é"]
@@ -168,16 +167,22 @@ def _client(url: str, streams: int, max_tokens: int, seconds: float, out) -> Non
     out.send(asyncio.run(_drive(url, streams, max_tokens, seconds)))
 
 
-def drive(url: str, streams: int, max_tokens: int, seconds: float) -> dict:
-    """Run the client in a process of its own (the router's host has few cores: it must not share
-    this one's GIL); returns its counts."""
+def drive(url: str, streams: int, max_tokens: int, seconds: float, clients: int = 1) -> dict:
+    """Run the client in processes of their own (the router's host has few cores: they must not
+    share this one's GIL), the streams split over `clients` of them; returns their counts, added."""
     ctx = multiprocessing.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_client, args=(url, streams, max_tokens, seconds, send), daemon=True)
-    proc.start()
-    result = recv.recv()
-    proc.join()
-    return result
+    pipes, procs = [], []
+    for i in range(clients):
+        recv, send = ctx.Pipe(duplex=False)
+        share = streams // clients + (i < streams % clients)
+        procs.append(ctx.Process(target=_client, args=(url, share, max_tokens, seconds, send), daemon=True))
+        pipes.append(recv)
+        procs[-1].start()
+    results = [r.recv() for r in pipes]
+    for p in procs:
+        p.join()
+    total = {k: sum(r[k] for r in results) for k in ("tokens", "requests", "failed", "events")}
+    return total | {"wall_s": max(r["wall_s"] for r in results)}
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -190,33 +195,38 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start(max_ahead: int, step_s: float) -> tuple[list, str, int]:
-    """A local Ray, the synthetic worker and the real router over it -> (their handles, the URL, the
-    router's pid). Ray ends an actor once its creator's handles are gone: keep them."""
+def start(max_ahead: int, step_s: float, routers: int = 1, workers: int = 1) -> tuple[list, str, list[int]]:
+    """A local Ray, `workers` synthetic workers and `routers` real routers over them, sharing one
+    port as `router.replicas` makes them -> (their handles, the URL, the routers' pids). Ray ends an
+    actor once its creator's handles are gone: keep them."""
     from pdserve.router.server import Router  # the router's process imports it too: here only for the class
 
     ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-    worker = ray.remote(SyntheticWorker).options(name=WORKER, num_cpus=0, max_concurrency=4).remote(
-        WORKER, NAMESPACE, max_ahead, step_s)
-    assert ray.get(worker.ready.remote()), "the synthetic worker's loop did not start"
-    cfg = ClusterConfig(model=ModelConfig(path="tiny-moe"), colocated=ColocatedConfig(replicas=1),
-                        router=RouterConfig(host="127.0.0.1", http_port=0, grpc_port=None))
-    router = ray.remote(Router).options(name=ROUTER, num_cpus=0).remote(ROUTER, cfg, [], {}, [WORKER], NAMESPACE)
-    url = ray.get(router.start.remote())["http"]
-    pid = ray.get(router.__ray_call__.remote(lambda _: os.getpid()))
+    names = [f"pdserve-colocated-{i}" for i in range(workers)]
+    pool = [ray.remote(SyntheticWorker).options(name=n, num_cpus=0, max_concurrency=4).remote(
+        n, NAMESPACE, max_ahead, step_s) for n in names]
+    assert all(ray.get([w.ready.remote() for w in pool])), "a synthetic worker's loop did not start"
+    cfg = ClusterConfig(model=ModelConfig(path="tiny-moe"), colocated=ColocatedConfig(replicas=workers),
+                        router=RouterConfig(host="127.0.0.1", http_port=0, grpc_port=None, replicas=routers))
+    handles = [ray.remote(Router).options(name=f"pdserve-router-{i}", num_cpus=0).remote(
+        f"pdserve-router-{i}", cfg, [], {}, names, NAMESPACE) for i in range(routers)]
+    shared = routers > 1  # as the controller starts them: the first claims a port, the others join it
+    url = ray.get(handles[0].start.remote(shared))["http"]
+    ray.get([h.start.remote(shared, int(url.rsplit(":", 1)[1])) for h in handles[1:]])
+    pids = [ray.get(h.info.remote())["pid"] for h in handles]
     deadline = time.monotonic() + 30
-    while not ray.get(router.__ray_call__.remote(lambda r: r.core.ready())):  # the first stats poll
-        assert time.monotonic() < deadline, "the router never saw the synthetic worker"
+    while not all(ray.get([h.__ray_call__.remote(lambda r: r.core.ready()) for h in handles])):  # first polls
+        assert time.monotonic() < deadline, "a router never saw the synthetic worker"
         time.sleep(0.1)
-    return [worker, router], url, pid
+    return [*pool, *handles], url, pids
 
 
-def measure(url: str, pid: int, streams: int, max_tokens: int, seconds: float) -> dict:
-    drive(url, streams, 16, 1.0)  # warm up: connections, the router's first requests
-    cpu0 = cpu_seconds(pid)
-    res = drive(url, streams, max_tokens, seconds)
-    cpu = cpu_seconds(pid) - cpu0
-    return {"streams": streams, "max_tokens": max_tokens, "requests": res["requests"], "failed": res["failed"],
+def measure(url: str, pids: list[int], streams: int, max_tokens: int, seconds: float, clients: int) -> dict:
+    drive(url, streams, 16, 1.0, clients)  # warm up: connections, the routers' first requests
+    cpu0 = sum(map(cpu_seconds, pids))
+    res = drive(url, streams, max_tokens, seconds, clients)
+    cpu = sum(map(cpu_seconds, pids)) - cpu0  # every router's
+    return {"routers": len(pids), "streams": streams, "max_tokens": max_tokens, "requests": res["requests"], "failed": res["failed"],
             "tokens": res["tokens"], "wall_s": round(res["wall_s"], 2),
             # Events with output (not the usage chunk, not [DONE]): how many tokens one carried.
             "tokens_per_event": round(res["tokens"] / max(1, res["events"] - 2 * res["requests"]), 2),
@@ -234,21 +244,29 @@ def main() -> None:
                     help="steps the source runs ahead of a router that has not taken its last message")
     ap.add_argument("--step-ms", type=float, default=0.0,
                     help="a step every this many ms, like an engine, whatever the router does (0: as fast as it can)")
+    ap.add_argument("--routers", type=int, nargs="+", default=[1],
+                    help="routers sharing the port (router.replicas), one run of every --streams each")
+    ap.add_argument("--workers", type=int, default=1, help="synthetic workers (colocated replicas) behind the routers")
+    ap.add_argument("--clients", type=int, default=1,
+                    help="client processes the streams are split over (several routers outrun one client)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args()
-    try:
-        _actors, url, pid = start(args.max_ahead, args.step_ms / 1000)  # (held: the actors live while it runs)
-        rows = [measure(url, pid, c, args.max_tokens, args.seconds) for c in args.streams]
-    finally:
-        ray.shutdown()
+    rows = []
+    for n in args.routers:
+        try:
+            # (the actors are held: they live while it runs)
+            _actors, url, pids = start(args.max_ahead, args.step_ms / 1000, n, args.workers)
+            rows += [measure(url, pids, c, args.max_tokens, args.seconds, args.clients) for c in args.streams]
+        finally:
+            ray.shutdown()
     if args.json:
         print(json.dumps({"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(), "rows": rows},
                          indent=2))
         return
-    print(f"{'streams':>8} {'tokens/s':>10} {'router CPU %':>13} {'tokens/router CPU-s':>20} {'tokens/event':>13} "
+    print(f"{'routers':>7} {'streams':>8} {'tokens/s':>10} {'router CPU %':>13} {'tokens/router CPU-s':>20} {'tokens/event':>13} "
           f"{'failed':>7}")
     for r in rows:
-        print(f"{r['streams']:>8} {r['tokens_per_s']:>10} {r['router_cpu_pct']:>13} "
+        print(f"{r['routers']:>7} {r['streams']:>8} {r['tokens_per_s']:>10} {r['router_cpu_pct']:>13} "
               f"{r['tokens_per_router_cpu_s']:>20} {r['tokens_per_event']:>13} {r['failed']:>7}")
 
 
