@@ -3,9 +3,10 @@
 Per request, on the client's clock:
   TTFT  send -> the first chunk carrying output (text or the finish)
   ITL   the gaps between successive output chunks (vLLM's convention). pdserve streams a chunk
-        per decode step, i.e. per token, but a token that completes no character (part of a UTF-8
-        sequence, a special token) has no chunk of its own and rides in the next one, whose gap
-        then spans several tokens (often so with the random weights of the presets).
+        per decode step, i.e. per token, while the router keeps up (a router behind its workers
+        gets their steps joined: one chunk of several tokens); and a token that completes no
+        character (part of a UTF-8 sequence, a special token) has no chunk of its own and rides in
+        the next one, whose gap then spans several tokens (often so with the presets' random weights).
   TPOT  (e2e - TTFT) / (output tokens - 1), the output tokens counted by the usage that ends the
         stream (stream_options.include_usage): exact whatever the chunking
   e2e   send -> [DONE]
