@@ -2,7 +2,8 @@
 # Issue 18's figures in one machine session on one GPU, each against a reference from the same run:
 #  1. the engine alone (`pdserve bench-engine`): decode tok/s at batch 64/128/256/512 (context 384, the
 #     mean of the served workload below) and the prefill of one 4096-token prompt;
-#     and the engine's own first-token time for a lone 4096-token prompt (lone_prompt.py);
+#     the engine's own first-token time for a lone 4096-token prompt (lone_prompt.py), and the
+#     engine in-process on the bench's own workload below (engine_workload.py: prefill included);
 #  2. one colocated qwen3-30b-a3b replica (dummy bf16, max_num_seqs 512) through `pdserve up` with
 #     ROUTERS routers (default 1): `pdserve bench --rate inf --max-concurrency C --input-len 256
 #     --output-len 256` at C = 64, 128, 256, 512 (router dispatch mean and p99, TTFT, delivered tok/s,
@@ -29,6 +30,9 @@ if [ -z "${SKIP_ENGINE:-}" ]; then
 timeout 200 python -m pdserve.benchmarks.lone_prompt /tmp/coloc.yaml --prompt-len 4096 --reps 10 \
   --json $OUT/engine_lone.json > $OUT/engine_lone.log 2>&1
 echo "lone_prompt exit $?"
+timeout 300 python -m pdserve.benchmarks.engine_workload /tmp/coloc.yaml --concurrency 64 128 256 512 \
+  --json $OUT/engine_workload.json > $OUT/engine_workload.log 2>&1
+echo "engine_workload exit $?"
 fi
 python -m pdserve.cli up /tmp/coloc.yaml > $OUT/up.log 2>&1 &
 pid=$!; t0=$SECONDS
@@ -74,9 +78,16 @@ try:
 except Exception as e:
     decode = {}
     print("no engine figures here", e)
+try:
+    same = {r["concurrency"]: r["output_tok_s"]
+            for r in json.load(open(f"{out}/engine_workload.json"))["rows"]}
+    print("engine alone on the same workload, output tok/s:", same)
+except Exception as e:
+    same = {}
+    print("no engine workload figures here", e)
 cpu = {int(l.split()[0][2:]): float(l.split()[-1]) for l in open(f"{out}/cpu.txt")}
 print(f"routers: {os.environ.get('ROUTERS', '1')}")
-print(f"{'C':>4} {'% engine':>8} {'dispatch mean':>13} {'p99<=':>6} {'first_tok':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
+print(f"{'C':>4} {'% decode':>8} {'% same work':>11} {'dispatch mean':>13} {'p99<=':>6} {'first_tok':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
       f"{'out tok/s':>10} {'router CPU s':>12} {'tok/router CPU-s':>16} {'ok':>5}")
 for c in (64, 128, 256, 512):
     try:
@@ -86,7 +97,8 @@ for c in (64, 128, 256, 512):
     ph = r.get("server_ms") or {}
     toks = r["output_throughput"] * r["duration_s"] if "duration_s" in r else float("nan")
     pct = 100 * r["output_throughput"] / decode[c] if c in decode else float("nan")
-    print(f"{c:>4} {pct:>8.1f} {ph.get('dispatch', float('nan')):>13} {ph.get('dispatch p99<=', float('nan')):>6} "
+    pct_same = 100 * r["output_throughput"] / same[c] if c in same else float("nan")
+    print(f"{c:>4} {pct:>8.1f} {pct_same:>11.1f} {ph.get('dispatch', float('nan')):>13} {ph.get('dispatch p99<=', float('nan')):>6} "
           f"{ph.get('first_token', float('nan')):>9} {r['ttft_ms']['p50']!s:>9} {r['ttft_ms']['p90']!s:>9} "
           f"{r['output_throughput']!s:>10} {cpu.get(c, 0):>12.1f} {toks / cpu[c] if cpu.get(c) else float('nan'):>16.0f} "
           f"{r['completed']:>5}")
