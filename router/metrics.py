@@ -22,9 +22,14 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, router: str = "") -> None:
+        """router: the name of the router whose metrics these are (several may share a port)."""
         self.registry = CollectorRegistry()
         r = self.registry
+        if router:
+            # Which router answered a scrape: through a shared port any of them may (see pdserve bench).
+            Gauge("pdserve_router_info", "The router serving this /metrics", ["router"], registry=r).labels(
+                router=router).set(1)
         self.requests = Counter("pdserve_requests", "Requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
         self.aborts = Counter("pdserve_requests_aborted", "Requests aborted before they finished, by who saw it",

@@ -57,7 +57,7 @@ class Router:
         prefill = {n: self._actor(n) for n in prefill_names}
         decode = {d: DecodeReplica(d, {r: self._actor(r) for r in rs}) for d, rs in ranks.items()}
         colocated = {n: self._actor(n) for n in colocated_names}
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.name)
         self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, prefill, decode, colocated,
                             cfg.router.policy, self.metrics)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))

@@ -132,8 +132,10 @@ def cluster(tmp_path_factory):
 
 def bench(cluster: Cluster, tmp_path, *args: str) -> tuple[dict, subprocess.CompletedProcess]:
     out = tmp_path / "out.json"
+    own = list(cluster.router_urls().values())  # several routers: each one's phases, added up
     r = run("-m", "pdserve.cli", "bench", "--url", cluster.url, "--num-prompts", "6", "--input-len", "32",
-            "--output-len", "8", "--json", str(out), "--save-requests", *args)
+            "--output-len", "8", "--json", str(out), "--save-requests", *(["--metrics-url", *own] if own else []),
+            *args)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(out.read_text()), r
 
@@ -181,11 +183,14 @@ def test_the_p99_of_a_phase_is_the_bound_of_the_bucket_holding_it():
     from pdserve.benchmarks.load.server_metrics import means_ms, parse
     from pdserve.router.metrics import Metrics
 
-    m = Metrics()
+    m, other = Metrics("pdserve-router-0"), Metrics("pdserve-router-1")
     before = parse(m.render().decode())
     for _ in range(99):
         m.observe_phase("dispatch", 0.0008)  # the 1 ms bucket
     m.observe_phase("dispatch", 0.04)  # the 50 ms bucket: the 100th of 100 is above the p99
     out = means_ms(before, parse(m.render().decode()))
     assert out["dispatch p99<="] == 1.0 and out["dispatch"] == pytest.approx((99 * 0.8 + 40) / 100, abs=0.01)
-    assert means_ms(parse(m.render().decode()), before) == {}  # not the same router twice: no figures
+    assert means_ms(parse(m.render().decode()), before) == {}  # counts went down: not the same router
+    for _ in range(200):
+        other.observe_phase("dispatch", 0.001)
+    assert means_ms(before, parse(other.render().decode())) == {}  # another router answered the second scrape

@@ -15,6 +15,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 _HISTOGRAMS = {"pdserve_request_phase_seconds", "pdserve_kv_transfer_seconds"}
+_ROUTERS = "routers"  # the Scrape's entry naming the routers scraped (pdserve_router_info), not a phase
 
 Scrape = dict[str, dict]  # phase (or "kv_transfer") -> {"sum": s, "count": n, "buckets": {le: cumulative n}}
 
@@ -22,11 +23,12 @@ Scrape = dict[str, dict]  # phase (or "kv_transfer") -> {"sum": s, "count": n, "
 async def scrape(client: httpx.AsyncClient, urls: list[str]) -> Scrape | None:
     """The histograms of every router named (several routers of one cluster: each its own address,
     as `pdserve status` lists them), added up; None if one does not answer."""
-    out: Scrape = {}
+    out: Scrape = {_ROUTERS: {"names": []}}
     for url in urls:
         one = await _scrape_one(client, url)
         if one is None:
             return None
+        out[_ROUTERS]["names"] += one.pop(_ROUTERS)["names"]
         for key, h in one.items():
             entry = out.setdefault(key, {"sum": 0.0, "count": 0.0, "buckets": {}})
             entry["sum"] += h["sum"]
@@ -48,8 +50,10 @@ async def _scrape_one(client: httpx.AsyncClient, url: str) -> Scrape | None:
 
 def parse(text: str) -> Scrape:
     """The phase and transfer histograms of a /metrics text."""
-    out: Scrape = {}
+    out: Scrape = {_ROUTERS: {"names": []}}
     for family in text_string_to_metric_families(text):
+        if family.name == "pdserve_router_info":
+            out[_ROUTERS]["names"] += [s.labels["router"] for s in family.samples]
         if family.name not in _HISTOGRAMS:
             continue
         for s in family.samples:
@@ -68,11 +72,14 @@ def means_ms(before: Scrape | None, after: Scrape | None) -> dict[str, float]:
     (key: the phase) and the 99th percentile's bucket bound (key: "<phase> p99<=")."""
     if before is None or after is None:
         return {}
-    # A count that went down: the two scrapes reached different routers (a shared port): no figures.
-    if any(after.get(k, {}).get("count", 0.0) < h["count"] for k, h in before.items()):
+    # The two scrapes reached different routers (through a shared port): no figures, rather than wrong ones.
+    if before.get(_ROUTERS) != after.get(_ROUTERS) or any(
+            after.get(k, {}).get("count", 0.0) < h.get("count", 0.0) for k, h in before.items() if k != _ROUTERS):
         return {}
     out = {}
     for key, now in after.items():
+        if key == _ROUTERS:
+            continue
         then = before.get(key, {"sum": 0.0, "count": 0.0, "buckets": {}})
         n = now["count"] - then["count"]
         if n <= 0:
