@@ -99,7 +99,9 @@ def test_a_killed_decode_replica_ends_its_streams_and_every_answer_names_it(clus
     r = httpx.post(f"{cluster.url}/v1/completions", json=LONG | {"stream": False, "max_tokens": 4}, timeout=30)
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "replica_unavailable" and "decode" in r.json()["error"]["message"]
-    assert httpx.get(f"{cluster.url}/health", timeout=10).status_code == 503
+    # Every router learns of the death by its own call or its next stats poll (every 0.5 s): with
+    # several routers on the port, /health may reach one that has not polled yet.
+    until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).status_code == 503, timeout_s=5)
     with grpc.insecure_channel(cluster.grpc_address) as channel:
         with pytest.raises(grpc.RpcError) as err:
             completion_pb2_grpc.CompletionStub(channel).Complete(
