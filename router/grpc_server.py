@@ -57,14 +57,20 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             req = await self._generate_request(request)
             num_tokens, text, token_ids = 0, [], []
             async with aclosing(self.core.generate(req)) as deltas:
-                async for delta in deltas:
-                    num_tokens += len(delta.token_ids)
-                    text.append(delta.text)
-                    token_ids += delta.token_ids
-                    if delta.more and delta.finish_reason is None:
-                        continue
-                    await context.write(self._chunk(req, "".join(text), token_ids, delta.finish_reason, num_tokens))
-                    text, token_ids = [], []
+                try:
+                    async for delta in deltas:
+                        num_tokens += len(delta.token_ids)
+                        text.append(delta.text)
+                        token_ids += delta.token_ids
+                        if delta.more and delta.finish_reason is None:
+                            continue
+                        await context.write(self._chunk(req, "".join(text), token_ids, delta.finish_reason,
+                                                        num_tokens))
+                        text, token_ids = [], []
+                except Exception:
+                    if token_ids:  # what was held for the next write goes out before the error status
+                        await context.write(self._chunk(req, "".join(text), token_ids, None, num_tokens))
+                    raise
 
     async def _generate_request(self, request: pb.CompletionRequest) -> GenerateRequest:
         if request.model and request.model != self.core.model_name:

@@ -268,21 +268,39 @@ def test_a_slow_tokenizer_does_not_stall_the_streams(server):
     assert max(gaps) < 0.5, f"the stream stalled {max(gaps):.2f} s while a prompt was tokenized"
 
 
-def test_grpc_tokenizes_off_the_loop_and_streams_a_chunk_per_wake():
-    core = ScriptedCore(text_wakes("ab", "cde", "f"))
+def grpc_stream(core: ScriptedCore) -> tuple[list, grpc.RpcError | None, int]:
+    """CompleteStream over a real gRPC server on a loop thread: the chunks, the error that ended
+    it, and the loop thread's id."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     server = asyncio.run_coroutine_threadsafe(start_grpc_server(core, 0, host="127.0.0.1"), loop).result(30)
+    chunks, error = [], None
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            chunks = list(pb_grpc.CompletionStub(channel).CompleteStream(pb.CompletionRequest(prompt="hi"),
-                                                                         timeout=30))
-        assert [c.text for c in chunks] == ["ab", "cde", "f"]
-        assert [list(c.token_ids) for c in chunks] == [[97, 98], [99, 100, 101], [102]]
-        assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 6
-        assert core.tokenized_on and thread.ident not in core.tokenized_on
+            try:
+                for c in pb_grpc.CompletionStub(channel).CompleteStream(pb.CompletionRequest(prompt="hi"), timeout=30):
+                    chunks.append(c)
+            except grpc.RpcError as e:
+                error = e
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
+    return chunks, error, thread.ident
+
+
+def test_grpc_sends_the_tokens_held_before_a_failure_then_its_status():
+    chunks, error, _ = grpc_stream(ScriptedCore([[Delta("x", [1]), Delta("y", [2]), ServingError("decode died")]]))
+    assert [c.text for c in chunks] == ["xy"] and list(chunks[0].token_ids) == [1, 2]
+    assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_grpc_tokenizes_off_the_loop_and_streams_a_chunk_per_wake():
+    core = ScriptedCore(text_wakes("ab", "cde", "f"))
+    chunks, error, loop_thread = grpc_stream(core)
+    assert error is None
+    assert [c.text for c in chunks] == ["ab", "cde", "f"]
+    assert [list(c.token_ids) for c in chunks] == [[97, 98], [99, 100, 101], [102]]
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 6
+    assert core.tokenized_on and loop_thread not in core.tokenized_on

@@ -23,6 +23,7 @@ CONTROLLER = "pdserve-controller"
 # step boundary, so a burst of them holds a thread each until then: many, not the 8 that capped
 # hand-offs at 8 per step.
 WORKER_CONCURRENCY = 256
+ROUTER_START_S = 120  # a router binds its ports and loads the tokenizer: seconds, never minutes
 
 
 class Controller:
@@ -87,9 +88,14 @@ class Controller:
             self.routers[name] = ray.remote(Router).options(name=name, num_cpus=0, scheduling_strategy=here).remote(
                 name, cfg, list(self.prefill), {d: list(r) for d, r in self.decode.items()},
                 list(self.colocated), NAMESPACE)
-        first = ray.get(self.routers[names[0]].start.remote(shared))
-        ports = {k: int(first[k].rsplit(":", 1)[1]) for k in ("http", "grpc") if k in first}
-        rest = ray.get([self.routers[n].start.remote(shared, ports["http"], ports.get("grpc")) for n in names[1:]])
+        try:
+            first = ray.get(self.routers[names[0]].start.remote(shared), timeout=ROUTER_START_S)
+            ports = {k: int(first[k].rsplit(":", 1)[1]) for k in ("http", "grpc") if k in first}
+            rest = ray.get([self.routers[n].start.remote(shared, ports["http"], ports.get("grpc"))
+                            for n in names[1:]], timeout=ROUTER_START_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"a router did not listen within {ROUTER_START_S} s; its log (Ray's session "
+                               f"logs, worker-*.err) says why") from None
         self.endpoints = {k: v for k, v in first.items() if k != "own"}
         self._note("router listening: " + ", ".join(f"{k} {v}" for k, v in self.endpoints.items()))
         if shared:
