@@ -13,7 +13,7 @@ from pdserve.decode.kv_intake import KVIntake
 from pdserve.config import EngineConfig
 from pdserve.protocol import InvalidRequestError
 from pdserve.worker.engine_loop import IDLE_S
-from pdserve.messages import NewRequest, Refusal, ReplicaStats, ReserveResult
+from pdserve.messages import LOST, NewRequest, Refusal, ReplicaStats, ReserveResult
 from pdserve.models import resolve_model_args
 from pdserve.worker.inbox import Abort, Reserve
 from pdserve.worker.replica import Replica, assigned_device
@@ -82,13 +82,16 @@ class DecodeWorker(Replica):
                 s.expert_tokens, s.expert_tokens_step = self.ep.exchange.expert_load()
         return s
 
+    def _held(self) -> int:
+        return len(self.streams) + int(self.intake.busy())
+
     def _step(self) -> float | None:
         leases = bool(self.streams) or self.intake.busy()
         if self.ep is None and not leases:
             return self.streams.flush_nap(IDLE_S)  # the last tokens may still wait for a router
         # Only with leases: an idle rank of a group steps without touching the connector.
         for rid in self.intake.poll() if leases else []:  # their KV never came: the router hears it failed
-            self.streams.fail(rid, "the KV transfer from the prefill replica failed")
+            self.streams.fail(rid, "the KV transfer from the prefill replica failed", LOST)
         if self.ep is None:
             outputs = self.engine.step()
             busy = self._busy()

@@ -78,6 +78,11 @@ class RouterConfig(_Strict):
     # (SO_REUSEPORT: the kernel spreads connections over them). Each also has a port of its own
     # for its /metrics (`pdserve status` lists them).
     replicas: int = Field(default=1, ge=1, le=64)
+    # A request whose replica is lost (died, or was cut off at a drain's end) moves to a live one, its
+    # prompt and the tokens already streamed prefilled again; at most this many times, and each time
+    # waiting at most migration_wait_s for a live replica (a replacement starting). 0: never moves.
+    migration_limit: int = Field(default=3, ge=0)
+    migration_wait_s: float = Field(default=60.0, gt=0)
     # Larger request bodies get 413 before they are read in full or tokenized.
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
 

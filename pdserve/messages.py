@@ -32,6 +32,7 @@ class NewRequest:
     params: SamplingParams
     handle: bytes | None = None  # to a prefill worker: where its KV goes (a packed kvtransfer.ReserveHandle)
     prefill_id: str = ""  # to a decode worker: the prefill replica that will send the KV
+    output_ids: list[int] = field(default_factory=list)  # tokens it generated before (a moved request)
 
 
 @dataclass
@@ -42,6 +43,11 @@ class ReserveResult:
     refused: Refusal | None = None
 
 
+# A RequestDelta's finish_reason when the replica serving the request was lost (its process died, a
+# KV transfer from a dead prefill replica never came): the request is not over, the router moves it.
+LOST = "lost"
+
+
 class RequestDelta(NamedTuple):
     """New output of one request: one decode step's, or those of the steps a router had not taken
     yet, joined. A tuple: a router takes thousands a second, and a dataclass cost it several times
@@ -50,7 +56,7 @@ class RequestDelta(NamedTuple):
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | LOST
     error: str | None = None  # why it failed, when finish_reason == "error"
     logprobs: list | tuple = ()  # TokenLogprob per token when asked for; () pickles as one byte, builds nothing
 
@@ -74,6 +80,7 @@ class ReplicaStats:
     expert_tokens_step: list[int] = field(default_factory=list)
     ranks: int = 1  # processes of the replica (an expert-parallel group has ep_size)
     pid: int = 0  # the worker's process (rank 0's for an expert-parallel group)
+    held: int = 0  # requests the worker holds anything for (queued, running, streaming, KV in flight): 0 = drained
 
     @classmethod
     def combine(cls, name: str, ranks: list["ReplicaStats"]) -> "ReplicaStats":
@@ -85,5 +92,19 @@ class ReplicaStats:
             return [sum(c) for c in zip(*(getattr(r, f) for r in ranks))]
 
         return cls(name, ranks[0].role, total("running"), total("waiting"), total("free_blocks"),
-                   total("total_blocks"), total("aborted"), expert_tokens=per_expert("expert_tokens"),
+                   total("total_blocks"), total("aborted"), held=total("held"), expert_tokens=per_expert("expert_tokens"),
                    expert_tokens_step=per_expert("expert_tokens_step"), ranks=len(ranks), pid=ranks[0].pid)
+
+
+@dataclass
+class ReplicaChange:
+    """The controller tells the routers what a replica is now: `serving` (started, or replaced by
+    a fresh incarnation: new workers, new KV handshakes), `draining` (finishes what it holds, takes
+    nothing new), `gone` (removed by a scale-down; its workers are stopped next). A router starts
+    from the list of every replica's latest change and applies each later one."""
+
+    role: str  # "prefill" | "decode" | "colocated"
+    replica: str  # the replica's name, the same in every incarnation (pdserve-decode-0)
+    ranks: dict[str, object]  # its workers now: actor name (unique per incarnation) -> actor handle
+    state: str = "serving"  # "serving" | "draining" | "gone"
+    restarts: int = 0  # incarnations replaced since the cluster started

@@ -51,6 +51,9 @@ class PrefillWorker(Replica):
         s.transfers, s.transfers_total = list(self._transfers), self._transfers_total
         return s
 
+    def _held(self) -> int:
+        return len(self.streamer.handles)  # until their KV is delivered (or failed)
+
     def _step(self) -> float | None:
         if not (self.streamer.busy() or self.engine.has_unfinished()):
             return IDLE_S

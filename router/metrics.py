@@ -61,6 +61,13 @@ class Metrics:
                                "dispatch (handed to the prefill or colocated replica), first_token "
                                "(from then on until its first token reached the router)", ["phase"],
                                buckets=_PHASE_BUCKETS, registry=r)
+        self.restarts = Counter("pdserve_replica_restarts", "Times the controller replaced a replica that died "
+                                "(or hung) with a fresh one", ["role", "replica"], registry=r)
+        self.placed = Counter("pdserve_replica_requests", "Requests this router handed to each replica (a "
+                              "request that moved counts once on each replica it went to)", ["role", "replica"],
+                              registry=r)
+        self.migrations = Counter("pdserve_request_migrations", "Requests moved to another replica after the one "
+                                  "serving them was lost, by the role that was lost", ["role"], registry=r)
         # Labelled by expert but summed over MoE layers: replicas x experts series, not x layers too.
         self.expert_tokens = Counter("pdserve_expert_tokens", "Tokens routed to each expert at an expert-parallel "
                                      "decode replica, summed over MoE layers", ["replica", "expert"], registry=r)
@@ -99,6 +106,23 @@ class Metrics:
                 gauge.remove(*labels)
             except KeyError:  # never reported: nothing to drop
                 pass
+
+    def count_restarts(self, role: str, replica: str, n: int) -> None:
+        self.restarts.labels(role=role, replica=replica).inc(n)
+
+    def count_placed(self, role: str, replica: str) -> None:
+        self.placed.labels(role=role, replica=replica).inc()
+
+    def count_migration(self, role: str) -> None:
+        self.migrations.labels(role=role).inc()
+
+    def forget_replica(self, role: str, replica: str) -> None:
+        """A replica scaled away: every series of it goes (not shown as down: it left on purpose)."""
+        self.remove_replica(role, replica)
+        try:
+            self.replica_up.remove(role, replica)
+        except KeyError:
+            pass
 
     def count_expert_tokens(self, replica: str, new: list[int]) -> None:
         """Tokens routed to each expert since the last report (index = expert id)."""

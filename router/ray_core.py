@@ -1,17 +1,26 @@
 """The request lifecycle across replicas: reserve on a decode replica, prefill on a
 prefill replica that streams the KV there, then relay the decode replica's per-step deltas. In a
-colocated cluster one replica does both phases: hand it the request, relay its deltas."""
+colocated cluster one replica does both phases: hand it the request, relay its deltas.
+
+The router owns a request's life: when a replica serving it is lost (its process died, its KV
+never came, it was cut off at the end of a drain) the request *moves* — its prompt and every token
+already streamed are prefilled again on a live replica (waiting for one, e.g. the replacement the
+controller starts), and the stream goes on from the next token: no gap, no repeated token, and
+greedy output as if nothing happened. Each move is an *attempt* with an id of its own, so nothing
+left of an earlier one (a late delta, a settling reservation) can mix with it.
+"""
 
 import asyncio
 import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from ray.exceptions import ActorDiedError
 
 from pdserve.protocol import InvalidRequestError
-from pdserve.messages import NewRequest, Refusal, ReplicaStats, RequestDelta
+from pdserve.messages import LOST, NewRequest, Refusal, ReplicaChange, ReplicaStats, RequestDelta
 
 from pdserve.router.decode_replica import DecodeReplica
 from pdserve.router.handoff import HandOff
@@ -19,37 +28,98 @@ from pdserve.router.replica_health import ReplicaHealth
 from pdserve.router.types import Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingError
 
 log = logging.getLogger(__name__)
+LIVE_POLL_S = 0.1  # how often a moving request looks for a live replica
+
+
+@dataclass
+class _Attempt:
+    """One try at serving a request on some replicas."""
+
+    request_id: str  # the id the workers know it by: the request's, then "<id>~<n>" for the n-th move
+    move: int = 0  # 0: the request's first attempt
+    streaming: bool = False  # its first delta came (its prefill replica's part is done)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    placed: list[str] = field(default_factory=list)  # replicas whose count of our requests it raised
+    holders: dict[str, str] = field(default_factory=dict)  # replica -> its worker holding it (aborted there if unfinished)
 
 
 class RayCore:
-    def __init__(self, name: str, model_name: str, max_model_len: int, tokenizer,
-                 prefill: dict[str, object], decode: dict[str, DecodeReplica], colocated: dict[str, object],
-                 policy: str, metrics=None):
-        """Replicas by name: prefill and decode ones (disaggregated), or colocated ones only."""
+    def __init__(self, name: str, model_name: str, max_model_len: int, tokenizer, replicas: list[ReplicaChange],
+                 policy: str, metrics=None, migration_limit: int = 3, migration_wait_s: float = 60.0):
+        """replicas: every replica as the controller last described it; later changes come by `apply`."""
         self.name = name  # this router's actor name: where decode replicas send deltas
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
-        self.prefill = prefill  # replica name -> actor handle
-        self.decode = decode  # replica name -> its rank(s)
-        self.colocated = colocated  # replica name -> actor handle
+        self.prefill: dict[str, object] = {}  # replica name -> actor handle
+        self.decode: dict[str, DecodeReplica] = {}  # replica name -> its rank(s)
+        self.colocated: dict[str, object] = {}  # replica name -> actor handle
+        self._workers: dict[str, dict[str, object]] = {}  # replica -> its workers (actor name -> handle)
         self.policy = policy
         self.metrics = metrics
+        self.migration_limit = migration_limit
+        self.migration_wait_s = migration_wait_s
+        self.draining = False  # shutting down: no new requests
         self.stats: dict[str, ReplicaStats] = {}
         self._rr = itertools.count()
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._loads: dict[str, int] = {n: 0 for n in [*prefill, *decode, *colocated]}  # requests we placed there
+        self._queues: dict[str, asyncio.Queue] = {}  # attempt id -> its deltas
+        self._loads: dict[str, int] = {}  # replica -> requests we placed there, in flight
+        self._restarts: dict[str, int] = {}  # replica -> restarts counted in /metrics
         # One hand-off per worker and kind of call: a turn's requests go out in one Ray call.
-        self._send_prefill = {n: HandOff(w.prefill.remote) for n, w in prefill.items()}
-        self._send_generate = {n: HandOff(lambda items, w=w: w.generate.remote(items, name))
-                               for n, w in colocated.items()}
-        self._send_reserve = {rank: HandOff(lambda items, w=w: w.reserve.remote(items, name))
-                         for d in decode.values() for rank, w in d.ranks.items()}
-        self._send_abort = {n: HandOff(w.abort.remote, answered=False)
-                       for n, w in [*prefill.items(), *colocated.items(),
-                                    *((r, w) for d in decode.values() for r, w in d.ranks.items())]}
-        self.health = ReplicaHealth({**{n: "prefill" for n in prefill}, **{n: "decode" for n in decode},
-                                     **{n: "colocated" for n in colocated}})
+        self._send: dict[str, HandOff] = {}  # worker -> its calls that bring work
+        self._send_abort: dict[str, HandOff] = {}
+        self.health = ReplicaHealth()
+        for change in replicas:
+            self.apply(change)
+
+    # -- the replica set, as the controller says ---------------------------------------------------
+
+    def apply(self, change: ReplicaChange) -> None:
+        """A replica started, was replaced, drains or is gone (from the controller)."""
+        name, role = change.replica, change.role
+        if change.state == "gone":
+            self._drop_workers(name)
+            for d in (self.prefill, self.decode, self.colocated, self._workers, self.stats):
+                d.pop(name, None)
+            self.health.leave(name)
+            if self.metrics:
+                self.metrics.forget_replica(role, name)
+            return
+        fresh = self._workers.get(name) != change.ranks
+        if fresh:
+            self._drop_workers(name)
+            self._workers[name] = dict(change.ranks)
+            self.stats.pop(name, None)  # a new incarnation counts from 0
+            worker, handle = next(iter(change.ranks.items()))  # (prefill and colocated: one worker)
+            if role == "prefill":
+                self.prefill[name] = handle
+                self._send[worker] = HandOff(handle.prefill.remote)
+            elif role == "colocated":
+                self.colocated[name] = handle
+                self._send[worker] = HandOff(lambda items, w=handle: w.generate.remote(items, self.name))
+            else:
+                self.decode[name] = DecodeReplica(name, dict(change.ranks))
+                for rank, w in change.ranks.items():
+                    self._send[rank] = HandOff(lambda items, w=w: w.reserve.remote(items, self.name))
+            for worker, w in change.ranks.items():
+                self._send_abort[worker] = HandOff(w.abort.remote, answered=False)
+            self._loads.setdefault(name, 0)
+        self.health.join(name, role, fresh, draining=change.state == "draining")
+        seen = self._restarts.get(name, 0)
+        if self.metrics and change.restarts > seen:
+            self.metrics.count_restarts(role, name, change.restarts - seen)
+        self._restarts[name] = max(seen, change.restarts)
+
+    def _drop_workers(self, replica: str) -> None:
+        for worker in self._workers.get(replica, {}):
+            self._send.pop(worker, None)
+            self._send_abort.pop(worker, None)
+
+    def placed(self, replica: str) -> int:
+        """Requests of this router on the replica now (a drain waits for 0)."""
+        return self._loads.get(replica, 0)
+
+    # -- what the front ends ask ------------------------------------------------------------------
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -59,6 +129,8 @@ class RayCore:
         return self.tokenizer.apply_chat_template(messages, tools=tools, **(template_kwargs or {}))
 
     def ready(self) -> bool:
+        if self.draining:
+            return False
         live = {s.role for s in self.stats.values()}
         return "colocated" in live or {"prefill", "decode"} <= live
 
@@ -74,79 +146,140 @@ class RayCore:
                 q.put_nowait(d)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
-        rid = request.request_id
         if len(request.prompt_ids) >= self.max_model_len:
             raise InvalidRequestError("prompt", f"is {len(request.prompt_ids)} tokens; the model's context is "
                                                 f"{self.max_model_len} tokens")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
-        placed: list[str] = []  # replicas whose count of our requests in flight this one raised
-        holders: dict[str, str] = {}  # replica -> its worker (rank) holding the request: aborted there if unfinished
+        if self.draining:
+            raise ReplicaUnavailableError("the service is shutting down; retry on another instance")
+        run = _Attempt(request.request_id)
+        sent: list[int] = []  # token ids the client has (a move prefills them again)
         finished = False
         try:
-            start = self._start_colocated if self.colocated else self._start_disaggregated
-            await start(request, queue, placed, holders)
-            dispatched, first = time.perf_counter(), True
+            run = await self._start(request, run, sent)
+            dispatched = time.perf_counter()
             while not finished:
-                d: RequestDelta = await queue.get()
-                if first:
-                    self._phase("first_token", dispatched)
-                    for name in self.prefill.keys() & holders.keys():  # its part is done
-                        self.health.done_with(name, rid)
-                    first = False
+                d: RequestDelta = await run.queue.get()
+                if d.finish_reason == LOST:
+                    run = await self._move(request, run, sent, _Lost(d.error or "a replica serving the "
+                                                                     "request was lost", self._lost_role(run)))
+                    continue
+                if not run.streaming:
+                    if run.move == 0:
+                        self._phase("first_token", dispatched)
+                    for name in self.prefill.keys() & run.holders.keys():  # its part is done
+                        self.health.done_with(name, run.request_id)
+                    run.streaming = True
                 if d.finish_reason == "error":  # left unfinished: the live holders drop it too
                     raise ServingError(d.error or "the request failed")
                 finished = d.finish_reason is not None
-                yield Delta(d.text, d.token_ids, d.finish_reason, d.logprobs, more=not queue.empty())
+                sent.extend(d.token_ids)
+                yield Delta(d.text, d.token_ids, d.finish_reason, d.logprobs, more=not run.queue.empty())
         finally:
-            self._queues.pop(rid, None)
-            for name in placed:
-                self._loads[name] -= 1
-            for name in holders:
-                self.health.done_with(name, rid)
-            if not finished:  # the client left, or it failed: stop it everywhere
-                for worker in (w for n, w in holders.items() if n not in self.health.down):
-                    self._send_abort[worker](rid)
+            self._end(run, finished)
 
-    async def _start_disaggregated(self, request: GenerateRequest, queue: asyncio.Queue, placed: list[str],
-                                   holders: dict[str, str]) -> None:
+    # -- attempts -----------------------------------------------------------------------------------
+
+    async def _start(self, request: GenerateRequest, run: _Attempt, sent: list[int]) -> _Attempt:
+        """Hand the attempt to replicas; returns the attempt under way. A replica lost under the
+        hand-off makes the request move (a fresh request finding no live replica of a role is
+        answered at once instead: 503)."""
+        self._queues[run.request_id] = run.queue
+        try:
+            start = self._start_colocated if self.colocated or not self.decode else self._start_disaggregated
+            await start(request, run, sent)
+            return run
+        except _Lost as lost:
+            return await self._move(request, run, sent, lost)
+
+    async def _move(self, request: GenerateRequest, run: _Attempt, sent: list[int], lost: "_Lost") -> _Attempt:
+        """The attempt's replica was lost: another attempt from the tokens streamed so far, once
+        a replica of each role it needs is live; at most migration_limit of them."""
+        self._end(run, False)
+        if run.move >= self.migration_limit:
+            raise ServingError(f"{lost}; the request moved {run.move} times and is given up" if run.move
+                               else f"{lost}; the request was cut short (router.migration_limit is 0)")
+        self._count_migration(lost.role)
+        await self._wait_live(lost)
+        return await self._start(request, _Attempt(f"{request.request_id}~{run.move + 1}", run.move + 1), sent)
+
+    def _lost_role(self, run: _Attempt) -> str:
+        """The role of the replica an attempt lost (one of its holders that is down)."""
+        return next((self.health.roles[n] for n in run.holders if n in self.health.down), "decode")
+
+    def _end(self, run: _Attempt, finished: bool) -> None:
+        """The attempt is over: counts and waits dropped; unless it finished, every live holder stops it."""
+        self._queues.pop(run.request_id, None)
+        for name in run.placed:
+            if name in self._loads:
+                self._loads[name] -= 1
+        run.placed.clear()
+        for name in run.holders:
+            self.health.done_with(name, run.request_id)
+        if not finished:  # the client left, it failed, or it moves: stop it everywhere
+            for name, worker in run.holders.items():
+                if name not in self.health.down and worker in self._send_abort:
+                    self._send_abort[worker](run.request_id)
+        run.holders.clear()
+
+    async def _wait_live(self, lost: "_Lost") -> None:
+        """Until every role the request needs has a live replica (the controller's replacement), at
+        most migration_wait_s; then the request ends with an error naming what was lost."""
+        roles = ["colocated"] if self.colocated or not self.decode else ["prefill", "decode"]
+        deadline = time.monotonic() + self.migration_wait_s
+        while not all(self.health.live(self._replicas_of(r)) for r in roles):
+            if time.monotonic() > deadline or self.draining:
+                raise ServingError(f"{lost}; no live replica took it over within {self.migration_wait_s:g} s")
+            await asyncio.sleep(LIVE_POLL_S)
+
+    def _replicas_of(self, role: str) -> dict:
+        return {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[role]
+
+    def _count_migration(self, role: str) -> None:
+        log.info("a request moves: its %s replica was lost", role)
+        if self.metrics:
+            self.metrics.count_migration(role)
+
+    async def _start_disaggregated(self, request: GenerateRequest, run: _Attempt, sent: list[int]) -> None:
         """Reserve KV on a decode replica, then have a prefill replica stream the prompt's KV there."""
-        p_name = self._pick(self.prefill, "prefill")
-        self._place(p_name, placed)
+        p_name = self._pick(self.prefill, "prefill", moving=run.move > 0)
+        self._place(p_name, run.placed)
+        p_worker = next(iter(self._workers[p_name]))
         t0 = time.perf_counter()
-        d_name, d_rank, handle = await self._reserve(request, p_name)
+        d_name, d_rank, handle = await self._reserve(request, run, sent, p_worker)
         t1 = self._phase("reserve", t0)
-        self._place(d_name, placed)
-        holders |= {d_name: d_rank, p_name: p_name}
+        self._place(d_name, run.placed)
+        run.holders |= {d_name: d_rank, p_name: p_worker}
         for name in (d_name, p_name):
-            self.health.wait_on(name, request.request_id, queue)
-        _raise_refused(await self._call(p_name, self._send_prefill[p_name](
-            NewRequest(request.request_id, request.prompt_ids, request.params, handle=handle))))
+            self.health.wait_on(name, run.request_id, run.queue)
+        _raise_refused(await self._call(p_name, p_worker, self._send[p_worker](
+            NewRequest(run.request_id, request.prompt_ids, request.params, handle=handle, output_ids=sent))))
         self._phase("dispatch", t1)
 
-    async def _start_colocated(self, request: GenerateRequest, queue: asyncio.Queue, placed: list[str],
-                               holders: dict[str, str]) -> None:
+    async def _start_colocated(self, request: GenerateRequest, run: _Attempt, sent: list[int]) -> None:
         """Hand the whole request to the least-loaded colocated replica. Not by free KV blocks as
         for decode: a colocated replica never refuses (it queues), so a burst routed by stats up to
         0.5 s old would all land on one replica; the requests in flight from us are exact."""
-        name = self._pick(self.colocated, "colocated")
-        self._place(name, placed)
-        holders[name] = name  # before the call: a client leaving during it must still stop the request
-        self.health.wait_on(name, request.request_id, queue)
+        name = self._pick(self.colocated, "colocated", moving=run.move > 0)
+        self._place(name, run.placed)
+        worker = next(iter(self._workers[name]))
+        run.holders[name] = worker  # before the call: a client leaving during it must still stop the request
+        self.health.wait_on(name, run.request_id, run.queue)
         t0 = time.perf_counter()
-        _raise_refused(await self._call(name, self._send_generate[name](
-            NewRequest(request.request_id, request.prompt_ids, request.params))))
+        _raise_refused(await self._call(name, worker, self._send[worker](
+            NewRequest(run.request_id, request.prompt_ids, request.params, output_ids=sent))))
         self._phase("dispatch", t0)
 
-    async def _call(self, replica: str, ref):
-        """Await a call to a replica; one whose process died meanwhile is counted down, and the
-        request gets the 503 naming its role (ReplicaUnavailableError)."""
+    async def _call(self, replica: str, worker: str, ref):
+        """Await a call to a replica's worker; one whose process died meanwhile is counted down
+        (unless a replacement took its place meanwhile), and the attempt is lost (it moves)."""
         try:
             return await ref
         except ActorDiedError as e:
-            if self.health.failed(replica, e):
+            if worker in self._workers.get(replica, {}) and self.health.failed(replica, e):
                 self._count_down(replica)
-            raise self.health.unavailable(self.health.roles[replica]) from None
+            role = self.health.roles.get(replica, "replica")
+            raise _Lost(f"the {role} replica {replica} was lost ({self.health.down.get(replica, 'its process died')})",
+                        role) from None
 
     def _phase(self, phase: str, since: float) -> float:
         """Record that a request spent the time from `since` until now in `phase`; returns now."""
@@ -155,31 +288,44 @@ class RayCore:
             self.metrics.observe_phase(phase, now - since)
         return now
 
-    async def _reserve(self, request: GenerateRequest, p_name: str) -> tuple[str, str, bytes]:
+    async def _reserve(self, request: GenerateRequest, run: _Attempt, sent: list[int],
+                       p_worker: str) -> tuple[str, str, bytes]:
         """Reserve KV blocks on a decode replica's rank, best candidates first -> (replica, rank,
         handle); raises when all are full or down. The handle names the rank: the KV goes there."""
         for d_name in self._order(self.decode):
             replica = self.decode[d_name]
             for rank in replica.rank_order():
+                # Held from the call on: a client that leaves while the reservation is answered
+                # still has it aborted on the rank (not left to its lease).
+                run.holders[d_name] = rank
                 try:
-                    res = await self._call(d_name, self._send_reserve[rank](
-                        NewRequest(request.request_id, request.prompt_ids, request.params, prefill_id=p_name)))
-                except ReplicaUnavailableError:
+                    res = await self._call(d_name, rank, self._send[rank](
+                        NewRequest(run.request_id, request.prompt_ids, request.params, prefill_id=p_worker,
+                                   output_ids=sent)))
+                except _Lost:
+                    run.holders.pop(d_name, None)
                     break  # this replica is down: try the next one
                 _raise_refused(res.refused)
                 if res.handle is not None:
                     return d_name, rank, res.handle
+                run.holders.pop(d_name, None)
         if not self.health.live(self.decode):
+            if run.move > 0:
+                raise _Lost("no live decode replica", "decode")
             raise self.health.unavailable("decode")
         raise NoCapacityError("every decode replica is full; retry later")
 
     def _place(self, name: str, placed: list[str]) -> None:
         self._loads[name] += 1
         placed.append(name)
+        if self.metrics:
+            self.metrics.count_placed(self.health.roles[name], name)
 
-    def _pick(self, replicas: dict, role: str) -> str:
+    def _pick(self, replicas: dict, role: str, moving: bool = False) -> str:
         names = self.health.live(replicas)
         if not names:
+            if moving:  # a request already under way waits for a replacement; a new one hears 503 now
+                raise _Lost(f"no live {role} replica", role)
             raise self.health.unavailable(role)
         if self.policy == "round-robin":
             return names[next(self._rr) % len(names)]
@@ -194,21 +340,30 @@ class RayCore:
         # kv-aware: most free KV blocks first (as last reported), then fewest requests from us.
         return sorted(names, key=lambda n: (-getattr(self.stats.get(n), "free_blocks", 0), self._loads[n]))
 
+    # -- replica stats and health -----------------------------------------------------------------
+
     async def refresh_stats(self, interval_s: float = 0.5) -> None:
         """Keep replica stats (routing, /health, /metrics) and health fresh; runs for the router's life."""
-        single = {**self.prefill, **self.colocated}  # replicas of one worker each
         while True:
-            for name in [*single, *self.decode]:
+            for name in list(self._workers):
+                workers = self._workers.get(name)
+                if workers is None:  # gone meanwhile
+                    continue
                 try:
-                    if name in single:
-                        s: ReplicaStats = await asyncio.wait_for(single[name].stats.remote(), timeout=5)
+                    if name in self.decode:
+                        s: ReplicaStats = await self.decode[name].fetch_stats(timeout_s=5)
                     else:
-                        s = await self.decode[name].fetch_stats(timeout_s=5)
+                        s = await asyncio.wait_for(next(iter(workers.values())).stats.remote(), timeout=5)
                 except Exception as e:
+                    if self._workers.get(name) is not workers:  # replaced or gone while we asked
+                        continue
                     self.stats.pop(name, None)  # not live: not routed to, /health counts it out
                     if self.health.failed(name, e):
                         self._count_down(name)
                     continue
+                if self._workers.get(name) is not workers:
+                    continue
+                s.name = name  # (a worker's own name carries its incarnation; /metrics labels the replica)
                 if self.health.answered(name):
                     log.warning("%s replica %s answers again", s.role, name)
                 self._record(s, self.stats.get(name))
@@ -239,6 +394,15 @@ class RayCore:
             role = self.health.roles[name]
             self.metrics.set_replica_up(role, name, False)
             self.metrics.remove_replica(role, name)
+
+
+class _Lost(ServingError):
+    """An attempt cannot go on: a replica it needs was lost. The request moves (or, past the
+    migration limit or the wait, ends with this error)."""
+
+    def __init__(self, message: str, role: str):
+        super().__init__(message)
+        self.role = role
 
 
 def _raise_refused(refused: Refusal | None) -> None:

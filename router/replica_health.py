@@ -1,13 +1,14 @@
 """Which replicas a router may use, and which of its requests wait on each. A replica found down
 (its process died, its engine loop stopped, or it stopped answering) takes no new work, and the
-requests waiting on it end with an error at once instead of waiting forever. Bringing a replica
-back is the controller's job; this only stops the router from waiting on one that is gone."""
+requests waiting on it hear at once that it is lost (the router then moves them to a live replica:
+ray_core.py) instead of waiting forever. A draining replica takes no new work but keeps what it
+holds. Bringing a replica back is the controller's job: it tells the router (`join`)."""
 
 import asyncio
 
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from pdserve.messages import RequestDelta
+from pdserve.messages import LOST, RequestDelta
 from pdserve.router.types import ReplicaUnavailableError
 
 MISSED_LIMIT = 3  # stats polls in a row a replica may leave unanswered (timeouts) before it counts as down
@@ -23,16 +24,36 @@ def down_reason(error: BaseException) -> str | None:
 
 
 class ReplicaHealth:
-    def __init__(self, roles: dict[str, str]):
-        """roles: replica name -> its role ("prefill", "decode", "colocated")."""
-        self.roles = roles
+    def __init__(self):
+        self.roles: dict[str, str] = {}  # replica name -> its role ("prefill", "decode", "colocated")
         self.down: dict[str, str] = {}  # replica -> why it is down
-        self._missed: dict[str, int] = {n: 0 for n in roles}
-        self._waiting: dict[str, dict[str, asyncio.Queue]] = {n: {} for n in roles}  # replica -> its requests' queues
+        self.draining: set[str] = set()
+        self._missed: dict[str, int] = {}
+        self._waiting: dict[str, dict[str, asyncio.Queue]] = {}  # replica -> its requests' queues
+
+    def join(self, replica: str, role: str, fresh: bool, draining: bool = False) -> None:
+        """The controller says the replica serves (or drains). fresh: a new incarnation, whose
+        predecessor's requests are lost if nobody said so yet (the controller may see a death first)."""
+        if fresh and self._waiting.get(replica):
+            self._fail_waiting(replica, "it was replaced")
+        self.roles[replica] = role
+        self._waiting.setdefault(replica, {})
+        if fresh:
+            self.down.pop(replica, None)
+            self._missed[replica] = 0
+        (self.draining.add if draining else self.draining.discard)(replica)
+
+    def leave(self, replica: str) -> None:
+        """A drained replica is gone; a request still on it is lost (and moves)."""
+        if self._waiting.get(replica):
+            self._fail_waiting(replica, "it was stopped")
+        for d in (self.roles, self.down, self._missed, self._waiting):
+            d.pop(replica, None)
+        self.draining.discard(replica)
 
     def live(self, names) -> list[str]:
-        """Those of `names` not known to be down."""
-        return [n for n in names if n not in self.down]
+        """Those of `names` that take new work: not down, not draining."""
+        return [n for n in names if n not in self.down and n not in self.draining]
 
     def unavailable(self, role: str) -> ReplicaUnavailableError:
         """The error for a request that no replica of `role` can take."""
@@ -45,7 +66,7 @@ class ReplicaHealth:
         self._waiting[replica][request_id] = queue
 
     def done_with(self, replica: str, request_id: str) -> None:
-        self._waiting[replica].pop(request_id, None)
+        self._waiting.get(replica, {}).pop(request_id, None)
 
     def answered(self, replica: str) -> bool:
         """The replica answered a stats poll; True if it had been counted down (it is back)."""
@@ -54,6 +75,8 @@ class ReplicaHealth:
 
     def failed(self, replica: str, error: BaseException) -> str | None:
         """A call to the replica failed; returns why it is down if this made it so (newly)."""
+        if replica not in self.roles:  # removed meanwhile (scaled down)
+            return None
         why = down_reason(error)
         if why is None:
             self._missed[replica] += 1
@@ -67,7 +90,7 @@ class ReplicaHealth:
         return why
 
     def _fail_waiting(self, replica: str, why: str) -> None:
-        message = f"the {self.roles[replica]} replica {replica} failed ({why}); the request was cut short"
+        message = f"the {self.roles[replica]} replica {replica} was lost ({why})"
         for rid, queue in self._waiting[replica].items():
-            queue.put_nowait(RequestDelta(rid, "", [], "error", message))
+            queue.put_nowait(RequestDelta(rid, "", [], LOST, message))
         self._waiting[replica].clear()

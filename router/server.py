@@ -3,15 +3,13 @@
 import asyncio
 import os
 
-import ray
 import uvicorn
 
 from pdserve.config import ClusterConfig
 from pdserve.models import resolve_model_args
 from pdserve.tokenizer import load_tokenizer
-from pdserve.messages import RequestDelta
+from pdserve.messages import ReplicaChange, RequestDelta
 
-from pdserve.router.decode_replica import DecodeReplica
 from pdserve.router.http_api import build_app
 from pdserve.router.listen import bind_listener, claim_shared
 from pdserve.router.metrics import Metrics
@@ -19,13 +17,12 @@ from pdserve.router.ray_core import RayCore
 
 
 class Router:
-    def __init__(self, name: str, config: ClusterConfig, prefill: list[str], decode: dict[str, list[str]],
-                 colocated: list[str], namespace: str):
-        """decode: each decode replica's ranks (actor names): itself, or its expert-parallel group.
-        A cluster has prefill and decode replicas, or colocated ones only."""
+    def __init__(self, name: str, config: ClusterConfig, replicas: list[ReplicaChange], namespace: str):
+        """replicas: every replica as it is now (prefill and decode ones, or colocated ones only);
+        the controller sends each later change (`apply`)."""
         self.name = name
         self.config = config
-        self.replica_names = (prefill, decode, colocated)
+        self.replicas = replicas
         self.namespace = namespace
         self.core: RayCore | None = None
         self._tasks: list[asyncio.Task] = []
@@ -36,14 +33,16 @@ class Router:
         """Serve HTTP (and gRPC); returns the endpoints once both listen.
 
         shared: one of several routers serving the same ports (router.replicas > 1). The first is
-        started with no ports and claims the configured ones; the others are given the ports it
-        got. Each shared router also listens on a port of its own ("own" endpoint): the same API,
-        reached on this router only, which is how its /metrics and /health are read."""
+        started with no ports and claims the configured ones; the others (and any router that
+        replaces one) are given the ports it got. Each shared router also listens on a port of its
+        own ("own" endpoint): the same API, reached on this router only, which is how its /metrics
+        and /health are read."""
         cfg = self.config
         host = cfg.router.host
         # Bound first and here, not by uvicorn: a taken port raises at once, naming it (PortInUseError).
         if not shared:
-            sockets = [bind_listener(host, cfg.router.http_port, "router.http_port")]
+            port = cfg.router.http_port if http_port is None else http_port
+            sockets = [bind_listener(host, port, "router.http_port")]
         elif http_port is None:
             sockets = [claim_shared(host, cfg.router.http_port, "router.http_port")]
         else:
@@ -53,13 +52,9 @@ class Router:
         args = resolve_model_args(cfg.model.path)
         tokenizer = load_tokenizer(cfg.model.path, eos_token_ids=args.eos_token_ids)
         max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
-        prefill_names, ranks, colocated_names = self.replica_names
-        prefill = {n: self._actor(n) for n in prefill_names}
-        decode = {d: DecodeReplica(d, {r: self._actor(r) for r in rs}) for d, rs in ranks.items()}
-        colocated = {n: self._actor(n) for n in colocated_names}
         self.metrics = Metrics(self.name)
-        self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, prefill, decode, colocated,
-                            cfg.router.policy, self.metrics)
+        self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, self.replicas, cfg.router.policy,
+                            self.metrics, cfg.router.migration_limit, cfg.router.migration_wait_s)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
         http = uvicorn.Config(build_app(self.core, self.metrics, cfg.router.max_request_bytes), log_level="warning", lifespan="off")
         self.http = uvicorn.Server(http)
@@ -87,8 +82,21 @@ class Router:
         return {"name": self.name, "pid": os.getpid(), "endpoints": dict(self.endpoints),
                 "in_flight": self.core.in_flight() if self.core else 0}
 
-    def _actor(self, name: str):
-        return ray.get_actor(name, namespace=self.namespace)
+    def apply(self, change: ReplicaChange) -> None:
+        """A replica started, was replaced, drains or is gone (the controller's word)."""
+        if self.core is None:  # not started yet: it starts from the set as changed
+            self.replicas = [r for r in self.replicas if r.replica != change.replica] + [change]
+        else:
+            self.core.apply(change)
+
+    def placed(self, replica: str) -> int:
+        """This router's requests on the replica now (a drain waits for none)."""
+        return self.core.placed(replica) if self.core else 0
+
+    def drain(self) -> None:
+        """The cluster shuts down: no new requests (503, /health 503); those in flight go on."""
+        if self.core is not None:
+            self.core.draining = True
 
     async def deliver(self, deltas: list[RequestDelta]) -> None:
         """One decode (or colocated) step's output for requests this router streams."""

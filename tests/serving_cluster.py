@@ -1,6 +1,8 @@
 """Start `pdserve up FILE` as a user would (a subprocess), wait until it serves, stop it with Ctrl-C."""
 
 import os
+import subprocess
+import sys
 import time
 
 import httpx
@@ -44,6 +46,26 @@ class Cluster:
                 name, rest = line.split(": own http ", 1)
                 out[name.rsplit(" ", 1)[1]] = rest.split()[0]
         return out
+
+    def status(self) -> str:
+        """`pdserve status` of this cluster, as an operator reads it."""
+        r = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--address", self.up.ray_address()],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    def pid(self, name: str) -> int:
+        """The process of a replica (or router) as `pdserve status` shows it: `name (pid N)`."""
+        text = self.status()
+        for line in text.splitlines():
+            if line.startswith(f"{name} (pid "):
+                return int(line.split("(pid ", 1)[1].split(")", 1)[0])
+        raise AssertionError(f"{name} not in `pdserve status`:\n{text}")
+
+    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """`pdserve ARGS --address <this cluster>`."""
+        return subprocess.run([sys.executable, "-m", "pdserve.cli", *args, "--address", self.up.ray_address()],
+                              capture_output=True, text=True, timeout=timeout)
 
     def output(self) -> str:
         """What `pdserve up` printed so far (also after stop)."""
@@ -96,3 +118,12 @@ class Cluster:
             if stats and all(s.get("used") == 0 for s in stats.values()) or time.time() > deadline:
                 return stats
             time.sleep(0.3)
+
+
+def until(check, timeout_s: float = 20, what: str = "the condition"):
+    """Poll `check` until it returns something true (returned), at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.3)
+    return result

@@ -38,7 +38,7 @@ import ray
 from pdserve.config import ClusterConfig, ColocatedConfig, ModelConfig, RouterConfig
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import FinishReason
-from pdserve.messages import NewRequest, Refusal, ReplicaStats
+from pdserve.messages import NewRequest, Refusal, ReplicaChange, ReplicaStats
 from pdserve.worker.engine_loop import IDLE_S, EngineLoop
 from pdserve.worker.inbox import Abort, Generate
 from pdserve.worker.router_streams import HELD_S, RouterStreams
@@ -208,8 +208,9 @@ def start(max_ahead: int, step_s: float, routers: int = 1, workers: int = 1) -> 
     assert all(ray.get([w.ready.remote() for w in pool])), "a synthetic worker's loop did not start"
     cfg = ClusterConfig(model=ModelConfig(path="tiny-moe"), colocated=ColocatedConfig(replicas=workers),
                         router=RouterConfig(host="127.0.0.1", http_port=0, grpc_port=None, replicas=routers))
+    colocated = [ReplicaChange("colocated", n, {n: w}) for n, w in zip(names, pool)]
     handles = [ray.remote(Router).options(name=f"pdserve-router-{i}", num_cpus=0).remote(
-        f"pdserve-router-{i}", cfg, [], {}, names, NAMESPACE) for i in range(routers)]
+        f"pdserve-router-{i}", cfg, colocated, NAMESPACE) for i in range(routers)]
     shared = routers > 1  # as the controller starts them: the first claims a port, the others join it
     url = ray.get(handles[0].start.remote(shared))["http"]
     ray.get([h.start.remote(shared, int(url.rsplit(":", 1)[1])) for h in handles[1:]])

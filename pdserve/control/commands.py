@@ -66,16 +66,19 @@ def up(path: str | None) -> int:
         for kind, url in endpoints.items():
             _log(f"{kind}: {url}")
         _log("ready; Ctrl-C stops everything")
-        down: dict[str, str] = {}
+        shown = len(ray.get(controller.status.remote(), timeout=30)["progress"])
         while True:  # until Ctrl-C, or `pdserve down` from elsewhere
             try:
                 s = ray.get(controller.status.remote(), timeout=30)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 break
-            # "stopping": a `pdserve down` is at work; killing the controller now would cut it short.
-            if s["state"] not in ("running", "degraded", "stopping"):
+            # What the controller did since (a replica down and replaced, a scale, a drain).
+            for line in s["progress"][shown:]:
+                _log(line)
+            shown = len(s["progress"])
+            # "draining", "stopping": a `pdserve down` is at work; killing the controller now would cut it short.
+            if s["state"] not in ("running", "degraded", "draining", "stopping"):
                 break
-            down = _show_down({**s["replicas"], **s.get("routers", {})}, down)
             time.sleep(1)
     except KeyboardInterrupt:
         _log("stopping")
@@ -83,21 +86,6 @@ def up(path: str | None) -> int:
         _stop(controller)
         ray.shutdown()
     return 0
-
-
-def _show_down(replicas: dict, before: dict[str, str]) -> dict[str, str]:
-    """Tell the operator which replicas went down (and came back) since the last look."""
-    now = {name: r for name, r in replicas.items() if isinstance(r, str)}
-    for name, why in now.items():
-        if name not in before and name.startswith("pdserve-router-"):
-            _log(f"{name} is {why}; its streams ended, and the other routers serve its port "
-                 f"(none left: nothing serves). Restart the cluster to bring it back")
-        elif name not in before:
-            _log(f"replica {name} is {why}; requests on it ended with an error, and its role serves "
-                 f"with the replicas left (none left: 503). Restart the cluster to bring it back")
-    for name in before.keys() - now.keys():
-        _log(f"replica {name} answers again")
-    return now
 
 
 def _interrupt(signum, frame) -> None:
@@ -168,23 +156,68 @@ def _stop(controller) -> None:
         pass
 
 
-def down(address: str) -> int:
+def _controller(address: str):
+    """The running cluster's controller; exits (1) saying so when there is none."""
     try:
         _connect(address)  # first: it readies the environment Ray reads once, on import
     except ConnectionError:
-        print("pdserve: no Ray cluster is running here (nothing to stop)", file=sys.stderr)
-        return 1
+        raise SystemExit(_fail("no Ray cluster is running here")) from None
     import ray
 
     from pdserve.control.controller import CONTROLLER, NAMESPACE
 
     try:
-        controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+        return ray.get_actor(CONTROLLER, namespace=NAMESPACE)
     except ValueError:
-        print("pdserve: no pdserve cluster is running (nothing to stop)", file=sys.stderr)
-        return 1
+        raise SystemExit(_fail("no pdserve cluster is running")) from None
+
+
+def _fail(message: str) -> int:
+    print(f"pdserve: {message}", file=sys.stderr)
+    return 1
+
+
+def scale(address: str, counts: dict[str, int], grace_s: float) -> int:
+    """Replicas per role on a running cluster: new ones start and join, removed ones drain."""
+    if not counts:
+        raise ValueError("scale: name at least one of --prefill, --decode, --colocated")
+    controller = _controller(address)  # first: it readies the environment Ray reads once, on import
+    import ray
+
+    s = ray.get(controller.status.remote(), timeout=30)
+    roles = {n.rsplit("-", 1)[0].removeprefix("pdserve-") for n in s["replicas"]}
+    for role, n in counts.items():
+        if role not in roles:
+            have = " and ".join(sorted(roles))
+            raise ValueError(f"--{role}: this cluster has {have} replicas; a {role} replica cannot join it")
+        if n < 1:
+            raise ValueError(f"--{role}: {n}; a role the cluster has needs at least 1 replica")
+    shown = len(s["progress"])
+    done = controller.scale.remote(counts, grace_s)
+    while True:
+        ready, _ = ray.wait([done], timeout=0.5)
+        for line in ray.get(controller.status.remote(), timeout=30)["progress"][shown:]:
+            _log(line)
+            shown += 1
+        if ready:
+            try:
+                result = ray.get(done)
+            except ray.exceptions.RayTaskError as e:
+                raise RuntimeError(f"scale failed: {_cause(e)}") from None
+            _log(f"scaled: started {', '.join(result['started']) or 'none'}; removed "
+                 f"{', '.join(result['removed']) or 'none'}")
+            return 0
+
+
+def down(address: str, grace_s: float = 30.0) -> int:
+    """Stop the cluster; with grace_s, the requests in flight finish first (no new ones are taken)."""
+    controller = _controller(address)  # first: it readies the environment Ray reads once, on import
+    import ray
+
+    if grace_s > 0:
+        _log(f"draining: no new requests; those in flight finish (at most {grace_s:g} s)")
     try:
-        ray.get(controller.shutdown.remote(), timeout=60)
+        ray.get(controller.shutdown.remote(grace_s), timeout=grace_s + 60)
     except ray.exceptions.RayActorError:
         pass  # the `pdserve up` that started it removed it as it stopped: it is gone either way
     _log("stopped")
@@ -192,31 +225,30 @@ def down(address: str) -> int:
 
 
 def status(address: str) -> int:
-    try:
-        _connect(address)  # first: it readies the environment Ray reads once, on import
-        import ray
+    controller = _controller(address)  # first: it readies the environment Ray reads once, on import
+    import ray
 
-        from pdserve.control.controller import CONTROLLER, NAMESPACE
-
-        controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-    except (ConnectionError, ValueError):
-        print("pdserve: no pdserve cluster is running", file=sys.stderr)
-        return 1
     s = ray.get(controller.status.remote(), timeout=30)
+    restarts = s.get("restarts", {})
+
+    def restarted(name: str) -> str:
+        n = restarts.get(name, 0)
+        return f", restarted {n}x" if n else ""
+
     print(f"state: {s['state']}")
     for kind, url in s["endpoints"].items():
         print(f"{kind}: {url}")
     for name, r in s["replicas"].items():
         if isinstance(r, str):
-            print(f"{name}: {r}")
+            print(f"{name}: {r}{restarted(name)}")
         else:
             group = f" ({r.ranks} expert-parallel ranks)" if r.ranks > 1 else f" (pid {r.pid})"
             print(f"{name}{group}: running {r.running}, waiting {r.waiting}, KV blocks used "
-                  f"{r.total_blocks - r.free_blocks}/{r.total_blocks}")
+                  f"{r.total_blocks - r.free_blocks}/{r.total_blocks}{restarted(name)}")
     for name, r in s.get("routers", {}).items():
         if isinstance(r, str):
             print(f"{name}: {r}")
         else:
             own = f", own {r['endpoints']['own']}" if "own" in r["endpoints"] else ""
-            print(f"{name} (pid {r['pid']}): streaming {r['in_flight']}{own}")
+            print(f"{name} (pid {r['pid']}): streaming {r['in_flight']}{own}{restarted(name)}")
     return 0

@@ -1,29 +1,37 @@
-"""The controller: a named, detached Ray actor that owns the cluster's desired state.
+"""The controller: a named, detached Ray actor that owns the cluster's desired state and every
+replica's life.
 
 It starts the replicas and the routers (router.replicas of them, sharing one port), introduces
-every prefill replica to every decode rank (the KV handshake), reports status, and stops everything on `shutdown`. A decode replica is one
-DecodeWorker, or with `decode.ep_size` N > 1 an expert-parallel group of N, placed together in a
-placement group (one bundle, i.e. one GPU, per rank). A colocated cluster has ColocatedWorkers
-only (one engine doing both phases), and no handshake: no KV moves between them.
+every prefill replica to every decode rank (the KV handshake), and then watches them all
+(`health.py`): a replica or router that died, whose engine loop stopped or that stopped answering
+is replaced by a fresh incarnation (new workers, new KV handshakes with its peers), and the routers
+are told (`ReplicaChange`). `scale` starts replicas or drains them (no new work; they finish what
+they hold, then stop); `shutdown(grace)` drains the routers first. A decode replica is one
+DecodeWorker, or with `decode.ep_size` N > 1 an expert-parallel group of N (one dead rank takes
+its group down with it: the group is replaced whole). A colocated cluster has ColocatedWorkers
+only, and no handshake: no KV moves between them.
 """
 
 import os
+import threading
 import time
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.config import ClusterConfig
-from pdserve.messages import ReplicaStats
+from pdserve.control.health import PROBE_INTERVAL_S, Heartbeats
+from pdserve.control.launcher import NAMESPACE, Incarnation, Launcher, worker_name
+from pdserve.messages import ReplicaChange, ReplicaStats
 
-NAMESPACE = "pdserve"
 CONTROLLER = "pdserve-controller"
-# Threads of a worker actor. Calls that bring work return at once; a reservation waits for the next
-# step boundary, so a burst of them holds a thread each until then: many, not the 8 that capped
-# hand-offs at 8 per step.
-WORKER_CONCURRENCY = 256
 ROUTER_START_S = 120  # a router binds its ports and loads the tokenizer: seconds, never minutes
+REPLICA_START_S = 900  # loading a model onto a GPU: minutes at most
+TELL_S = 10  # a router takes a ReplicaChange at once; one that does not is dead or hung (the watch sees it)
+RETRY_S = (2.0, 60.0)  # a replacement that failed to start is tried again after this, doubling to the max
+DRAIN_POLL_S = 0.5
+
+__all__ = ["CONTROLLER", "NAMESPACE", "Controller"]
 
 
 class Controller:
@@ -32,166 +40,346 @@ class Controller:
         self.state = "starting"
         self.progress: list[str] = []
         self.endpoints: dict[str, str] = {}
-        self.prefill: dict[str, ray.actor.ActorHandle] = {}
-        self.decode: dict[str, dict[str, ray.actor.ActorHandle]] = {}  # replica -> its ranks
-        self.colocated: dict[str, ray.actor.ActorHandle] = {}
-        self._placement_groups: list = []
-        self._ep_stores: dict = {}  # decode replica -> its expert-parallel group's rendezvous TCPStore, held for its life
-        self.routers: dict[str, ray.actor.ActorHandle] = {}  # router.replicas of them, one port
+        self.replicas: dict[str, Incarnation] = {}  # replica name -> its live incarnation
+        self.routers: dict[str, dict] = {}  # router slot (pdserve-router-i) -> {generation, name, handle, ends}
+        self._restarting: dict[str, str] = {}  # replica or router -> why it is being replaced
+        self._retry_at: dict[str, tuple[float, float]] = {}  # -> (when to try again, backoff)
+        self._life = threading.RLock()  # one change of the replica set at a time (watch, scale, shutdown)
+        self._beats = Heartbeats()
+        self._watching = threading.Event()
+        cfg = config
+        n = cfg.prefill.replicas + cfg.decode.replicas * cfg.decode.ep_size + cfg.colocated.replicas  # processes
+        self.launcher = Launcher(config, max(1, (os.cpu_count() or 1) // max(1, n)))
+        self._ports: dict[str, int] = {}
+
+    # -- starting --------------------------------------------------------------------------------
 
     def start(self) -> dict[str, str]:
         """Start replicas and routers; returns the endpoints once every replica is ready."""
-        from pdserve.worker.colocated import ColocatedWorker
-        from pdserve.prefill.worker import PrefillWorker
-
         cfg = self.config
-        n = cfg.prefill.replicas + cfg.decode.replicas * cfg.decode.ep_size + cfg.colocated.replicas  # processes
-        threads = max(1, (os.cpu_count() or 1) // n)
-        for i in range(cfg.prefill.replicas):
-            name = f"pdserve-prefill-{i}"
-            self.prefill[name] = ray.remote(PrefillWorker).options(
-                name=name, num_cpus=0, num_gpus=cfg.prefill.gpus, max_concurrency=WORKER_CONCURRENCY,
-                **self._kv_env()).remote(
-                name, cfg.engine_config("prefill"), cfg.kv_transfer.backend, threads)
-        for i in range(cfg.decode.replicas):
-            self.decode[f"pdserve-decode-{i}"] = self._start_decode(f"pdserve-decode-{i}", threads)
-        for i in range(cfg.colocated.replicas):
-            name = f"pdserve-colocated-{i}"
-            self.colocated[name] = ray.remote(ColocatedWorker).options(
-                name=name, num_cpus=0, num_gpus=cfg.colocated.gpus, max_concurrency=WORKER_CONCURRENCY).remote(
-                name, cfg.engine_config("colocated"), NAMESPACE, threads)
+        wanted = [("prefill", i) for i in range(cfg.prefill.replicas)] + \
+                 [("decode", i) for i in range(cfg.decode.replicas)] + \
+                 [("colocated", i) for i in range(cfg.colocated.replicas)]
+        incs = []
+        for role, i in wanted:  # in the set at once: a start that fails midway still stops them all
+            incs.append(self.launcher.start(role, f"pdserve-{role}-{i}", 0))
+            self.replicas[incs[-1].replica] = incs[-1]
+        n = sum(len(inc.ranks) for inc in incs)
         self._note(f"loading {cfg.model.path} on {n} workers")
-        pending = {w.ready.remote(): name for name, w in self._workers().items()}
-        while pending:
-            done, _ = ray.wait(list(pending), timeout=1.0)
-            for ref in done:
-                ray.get(ref)  # raises the replica's own error (bad model, out of memory, ...)
-                self._note(f"{pending.pop(ref)} ready ({n - len(pending)}/{n})")
-        if self.prefill:
-            self._handshake()
+        self._wait_ready(incs, show=True)
+        if cfg.prefill.replicas:
+            self._handshake([i for i in incs if i.role == "prefill"], self._ranks("decode"))
+            self._note(f"KV handshake done ({cfg.kv_transfer.backend})")
         self._start_routers()
         self.state = "running"
+        self._watching.set()
+        threading.Thread(target=self._watch, name="pdserve-watch", daemon=True).start()
         return self.endpoints
+
+    def _wait_ready(self, incs: list[Incarnation], show: bool = False) -> None:
+        """Until every worker of `incs` is ready; raises the first one's own error (bad model, out of
+        memory), or after REPLICA_START_S."""
+        pending = {w.ready.remote(): name for inc in incs for name, w in inc.ranks.items()}
+        total, deadline = len(pending), time.monotonic() + REPLICA_START_S
+        while pending:
+            if self.state in ("stopping", "stopped"):
+                raise RuntimeError("the cluster is stopping")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{', '.join(pending.values())} not ready within {REPLICA_START_S} s")
+            done, _ = ray.wait(list(pending), timeout=1.0)
+            for ref in done:
+                name = pending.pop(ref)
+                ray.get(ref)
+                if show:
+                    self._note(f"{name} ready ({total - len(pending)}/{total})")
+
+    def _handshake(self, incs: list[Incarnation], peers: dict[str, ray.actor.ActorHandle]) -> None:
+        """Introduce each worker of `incs` to each of `peers` (workers of the other KV role), and back."""
+        mine = {n: h for inc in incs for n, h in inc.ranks.items()}
+        metas = {n: ray.get(h.metadata.remote(), timeout=60) for n, h in {**mine, **peers}.items()}
+        for a, ah in mine.items():
+            for b, bh in peers.items():
+                ray.get([ah.add_peer.remote(metas[b]), bh.add_peer.remote(metas[a])], timeout=60)
+
+    def _ranks(self, role: str, states=("serving", "draining")) -> dict[str, ray.actor.ActorHandle]:
+        return {n: h for inc in list(self.replicas.values()) if inc.role == role and inc.state in states
+                for n, h in inc.ranks.items()}
 
     def _start_routers(self) -> None:
         """router.replicas routers on this node, serving one HTTP and one gRPC port. The first
         claims the configured ports (0: any), the others bind the ports it got (SO_REUSEPORT)."""
-        from pdserve.router.server import Router
-
-        cfg = self.config
-        # On this node: processes can share a port only on one host (and `pdserve up` checked
-        # the ports free here when it started Ray).
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        names = [f"pdserve-router-{i}" for i in range(cfg.router.replicas)]
-        shared = len(names) > 1
-        for name in names:
-            self.routers[name] = ray.remote(Router).options(name=name, num_cpus=0, scheduling_strategy=here).remote(
-                name, cfg, list(self.prefill), {d: list(r) for d, r in self.decode.items()},
-                list(self.colocated), NAMESPACE)
-        try:
-            first = ray.get(self.routers[names[0]].start.remote(shared), timeout=ROUTER_START_S)
-            ports = {k: int(first[k].rsplit(":", 1)[1]) for k in ("http", "grpc") if k in first}
-            rest = ray.get([self.routers[n].start.remote(shared, ports["http"], ports.get("grpc"))
-                            for n in names[1:]], timeout=ROUTER_START_S)
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"a router did not listen within {ROUTER_START_S} s; its log (Ray's session "
-                               f"logs, worker-*.err) says why") from None
+        slots = [f"pdserve-router-{i}" for i in range(self.config.router.replicas)]
+        first = self._start_router(slots[0], 0)
+        self._ports = {k: int(first[k].rsplit(":", 1)[1]) for k in ("http", "grpc") if k in first}
+        for slot in slots[1:]:
+            self._start_router(slot, 0)
         self.endpoints = {k: v for k, v in first.items() if k != "own"}
         self._note("router listening: " + ", ".join(f"{k} {v}" for k, v in self.endpoints.items()))
-        if shared:
-            for name, ends in zip(names, [first, *rest]):
-                self._note(f"{name}: own http {ends['own']} (its /metrics and /health)")
+        if len(slots) > 1:
+            for slot in slots:
+                r = self.routers[slot]
+                self._note(f"{r['name']}: own http {r['ends']['own']} (its /metrics and /health)")
 
-    def _kv_env(self) -> dict:
-        """Actor options for a KV worker. cuda_ipc opens the peer's GPU memory in the prefill worker,
-        which must therefore see that GPU: Ray is told to leave CUDA_VISIBLE_DEVICES alone, and the
-        worker takes the GPU Ray assigned it by index (Replica)."""
-        if self.config.kv_transfer.backend != "cuda_ipc":
-            return {}
-        from pdserve.worker.replica import ALL_GPUS_VISIBLE
+    def _start_router(self, slot: str, generation: int) -> dict[str, str]:
+        """Start one router (on this node: processes share a port only on one host, and `pdserve
+        up` checked the ports free here) with every replica as it is now; returns its endpoints."""
+        from pdserve.router.server import Router
 
-        return {"runtime_env": {"env_vars": {ALL_GPUS_VISIBLE: "1"}}}
+        shared = self.config.router.replicas > 1
+        name = worker_name(slot, generation)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        handle = ray.remote(Router).options(name=name, num_cpus=0, scheduling_strategy=here).remote(
+            name, self.config, [inc.change() for inc in self.replicas.values()], NAMESPACE)
+        try:
+            ends = ray.get(handle.start.remote(shared, self._ports.get("http"), self._ports.get("grpc")),
+                           timeout=ROUTER_START_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(handle)
+            raise RuntimeError(f"{name} did not listen within {ROUTER_START_S} s; its log (Ray's session "
+                               f"logs, worker-*.err) says why") from None
+        self.routers[slot] = {"generation": generation, "name": name, "handle": handle, "ends": ends}
+        return ends
 
-    def _handshake(self) -> None:
-        """Introduce every prefill replica to every decode rank, and back."""
-        ranks = self._decode_ranks()
-        metas = {name: ray.get(w.metadata.remote()) for name, w in {**self.prefill, **ranks}.items()}
-        # Each decode rank has a KV connector of its own: a request's KV goes to the rank owning it.
-        for p, pw in self.prefill.items():
-            for d, dw in ranks.items():
-                ray.get([pw.add_peer.remote(metas[d]), dw.add_peer.remote(metas[p])])
-        self._note(f"KV handshake done ({self.config.kv_transfer.backend})")
+    # -- watching and replacing ------------------------------------------------------------------
 
-    def _start_decode(self, name: str, threads: int) -> dict[str, ray.actor.ActorHandle]:
-        """One decode replica: its worker, or the ranks of its expert-parallel group (by name)."""
-        from pdserve.decode.ep_group import EPRank, rendezvous_store
-        from pdserve.decode.worker import DecodeWorker
+    def _watch(self) -> None:
+        """Heartbeats to every worker and router; the dead are replaced."""
+        while self._watching.is_set():
+            t0 = time.monotonic()
+            with self._life:
+                targets = {r: [w.stats.remote() for w in inc.ranks.values()] for r, inc in self.replicas.items()}
+                targets |= {slot: [r["handle"].info.remote()] for slot, r in self.routers.items()}
+            _, dead = self._beats.probe(targets)
+            for name, why in dead.items():
+                self._restarting.setdefault(name, why)
+            for name, why in list(self._restarting.items()):
+                if not self._watching.is_set():
+                    return
+                if time.monotonic() >= self._retry_at.get(name, (0.0, 0.0))[0]:
+                    self._replace(name, why)
+            time.sleep(max(0.0, PROBE_INTERVAL_S - (time.monotonic() - t0)))
 
-        cfg, d = self.config, self.config.decode
-        args = (cfg.engine_config("decode"), cfg.kv_transfer.backend, cfg.kv_transfer.lease_s, NAMESPACE, threads)
-        opts = dict(num_cpus=0, num_gpus=d.gpus, max_concurrency=WORKER_CONCURRENCY, **self._kv_env())
-        if d.ep_size == 1:
-            return {name: ray.remote(DecodeWorker).options(name=name, **opts).remote(name, *args)}
-        # One node, one bundle per rank. A bundle may not be empty: on CPU it holds a sliver of a core.
-        bundle = {"CPU": 0.001, **({"GPU": d.gpus} if d.gpus else {})}
-        pg = placement_group([bundle] * d.ep_size, strategy="STRICT_PACK", name=name)
-        self._placement_groups.append(pg)
-        if not pg.wait(timeout_seconds=120):
-            raise RuntimeError(f"{name}: decode.ep_size {d.ep_size} needs {d.ep_size} x {bundle} on one node; "
-                               f"the Ray cluster could not place them")
-        # The rendezvous is a store served from here (this node's IP, a port bound now and never let
-        # go), held for the group's life; every rank, wherever it runs, joins it as a client.
-        store = rendezvous_store()
-        self._ep_stores[name] = store
-        ranks = {}
-        for r in range(d.ep_size):
-            rank = EPRank(r, d.ep_size, store.host, store.port, d.ep_threshold, list(d.ep_replicated_experts))
-            ranks[f"{name}-rank{r}"] = ray.remote(DecodeWorker).options(
-                name=f"{name}-rank{r}", scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r), **opts
-            ).remote(f"{name}-rank{r}", *args, ep=rank)
-        return ranks
+    def _replace(self, name: str, why: str) -> None:
+        """A fresh incarnation of a dead replica (or router); on failure, tried again later."""
+        with self._life:
+            if not self._watching.is_set():
+                return
+            try:
+                if name in self.routers:
+                    self._replace_router(name, why)
+                elif name in self.replicas:
+                    self._replace_replica(name, why)
+            except Exception as e:
+                _, backoff = self._retry_at.get(name, (0.0, RETRY_S[0] / 2))
+                backoff = min(RETRY_S[1], backoff * 2)
+                self._retry_at[name] = (time.monotonic() + backoff, backoff)
+                self._note(f"{name}: its replacement failed ({_cause(e)}); trying again in {backoff:.0f} s")
+                return
+            self._restarting.pop(name, None)
+            self._retry_at.pop(name, None)
+            self._beats.forget(name)
 
-    def _decode_ranks(self) -> dict[str, ray.actor.ActorHandle]:
-        return {r: h for ranks in self.decode.values() for r, h in ranks.items()}
+    def _replace_replica(self, replica: str, why: str) -> None:
+        old = self.replicas[replica]
+        if old.state == "draining":  # it was leaving anyway: what it held migrates (the routers' job)
+            self._note(f"{replica} ({why}) was draining: removed")
+            self._remove(old)
+            return
+        self._note(f"{replica} is down ({why}); starting a replacement")
+        Launcher.stop(old)
+        new = self.launcher.start(old.role, replica, old.generation + 1)
+        new.restarts = old.restarts + 1
+        try:
+            self._wait_ready([new])
+            if new.role != "colocated":
+                self._handshake([new], self._ranks("decode" if new.role == "prefill" else "prefill"))
+        except Exception:
+            Launcher.stop(new)
+            raise
+        self.replicas[replica] = new
+        self._tell(new.change())
+        self._note(f"{replica} replaced ({', '.join(new.ranks)}); serving again")
 
-    def _workers(self) -> dict[str, ray.actor.ActorHandle]:
-        return {**self.prefill, **self._decode_ranks(), **self.colocated}
+    def _replace_router(self, slot: str, why: str) -> None:
+        old = self.routers[slot]
+        self._note(f"{old['name']} is down ({why}); starting a replacement")
+        try:
+            ray.kill(old["handle"], no_restart=True)
+        except Exception:
+            pass
+        ends = self._start_router(slot, old["generation"] + 1)
+        self.routers[slot]["restarts"] = old.get("restarts", 0) + 1
+        own = f" (own http {ends['own']})" if "own" in ends else ""
+        self._note(f"{self.routers[slot]['name']} replaced{own}; serving again")
+
+    def _tell(self, change: ReplicaChange) -> None:
+        """Every router applies the change (a dead one is the watch's: its replacement starts from
+        the replica set as it is)."""
+        refs = [r["handle"].apply.remote(change) for r in self.routers.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=TELL_S)
+
+    # -- scaling ---------------------------------------------------------------------------------
+
+    def scale(self, counts: dict[str, int], grace_s: float) -> dict[str, list[str]]:
+        """Replicas per role as asked: new ones start, handshake and join the routers; removed ones
+        (the newest first) drain — no new work, what they hold finishes, at most grace_s — then
+        stop. Returns the replicas started and removed."""
+        with self._life:
+            if self.state not in ("running", "degraded"):
+                raise RuntimeError(f"the cluster is {self.state}")
+            started, removed = [], []
+            for role, want in counts.items():
+                have = sorted((inc for inc in self.replicas.values() if inc.role == role and inc.state == "serving"),
+                              key=lambda inc: _index(inc.replica))
+                for inc in have[want:][::-1]:
+                    removed.append(inc)
+                taken = {_index(inc.replica) for inc in self.replicas.values() if inc.role == role}
+                free = (i for i in range(1 << 20) if i not in taken)
+                for _ in range(max(0, want - len(have))):
+                    started.append(self.launcher.start(role, f"pdserve-{role}-{next(free)}", 0))
+            if started:
+                self._note(f"scale: starting {', '.join(i.replica for i in started)}")
+                try:
+                    self._wait_ready(started)
+                    for inc in started:
+                        if inc.role != "colocated":
+                            peer = "decode" if inc.role == "prefill" else "prefill"
+                            self._handshake([inc], self._ranks(peer, ("serving",)))
+                except Exception:
+                    for inc in started:
+                        Launcher.stop(inc)
+                    raise
+                for inc in started:
+                    self.replicas[inc.replica] = inc
+                    self._tell(inc.change())
+                    self._note(f"scale: {inc.replica} serving")
+            for inc in removed:
+                inc.state = "draining"
+                self._tell(inc.change())
+                self._note(f"scale: draining {inc.replica}")
+        self._drain(removed, grace_s)  # (not holding _life: a dead replica meanwhile is still replaced)
+        with self._life:
+            for inc in removed:
+                self._remove(inc)
+        return {"started": [i.replica for i in started], "removed": [i.replica for i in removed]}
+
+    def _drain(self, incs: list[Incarnation], grace_s: float) -> None:
+        """Until the draining replicas hold no request (their workers and every router say so),
+        or grace_s passed: what is left is then cut off (and migrates, as from a dead replica)."""
+        deadline = time.monotonic() + grace_s
+        left = {inc.replica: inc for inc in incs}
+        quiet: dict[str, int] = {}
+        while left and time.monotonic() < deadline:
+            for name, inc in list(left.items()):
+                try:
+                    held = sum(s.held for s in ray.get([w.stats.remote() for w in inc.ranks.values()], timeout=5))
+                    held += sum(ray.get([r["handle"].placed.remote(name) for r in self.routers.values()], timeout=5))
+                except Exception:  # dead (the watch replaces nothing draining) or slow: look again
+                    held = -1
+                # Twice in a row: a request handed over just before the routers heard of the drain
+                # may still be on its way to the worker.
+                quiet[name] = quiet.get(name, 0) + 1 if held == 0 else 0
+                if quiet[name] >= 2:
+                    del left[name]
+                    self._note(f"{name} drained")
+            time.sleep(DRAIN_POLL_S)
+        for name in left:
+            self._note(f"{name}: not drained within {grace_s:g} s; stopping it (its requests move elsewhere)")
+
+    def _remove(self, inc: Incarnation) -> None:
+        if self.replicas.get(inc.replica) is not inc:  # removed already (it died while draining)
+            return
+        inc.state = "gone"
+        self._tell(inc.change())
+        Launcher.stop(inc)
+        self.replicas.pop(inc.replica, None)
+        self._restarting.pop(inc.replica, None)
+        self._beats.forget(inc.replica)
+        self._note(f"{inc.replica} stopped")
+
+    # -- status and shutdown ---------------------------------------------------------------------
 
     def status(self) -> dict:
-        """state ("starting", "running", "degraded": some replica is down, "stopping", "stopped"),
-        progress lines, endpoints, and each replica's stats or why it is down ("down: ...")."""
+        """state ("starting", "running", "degraded": some replica or router is down, "draining",
+        "stopping", "stopped"), progress lines, endpoints, each replica's stats or why it is down
+        ("down: ..."), each router's info, and restarts per replica and router."""
         from pdserve.router.replica_health import down_reason
 
         replicas: dict[str, ReplicaStats | str] = {}
-        single = {**self.prefill, **self.colocated}  # replicas of one worker each
-        for name, ranks in [*((n, {n: w}) for n, w in single.items()), *self.decode.items()]:
+        restarts: dict[str, int] = {}
+        for name, inc in list(self.replicas.items()):
+            restarts[name] = inc.restarts
+            if name in self._restarting:
+                replicas[name] = f"down: {self._restarting[name]}; a replacement is starting"
+                continue
             try:
-                parts = ray.get([w.stats.remote() for w in ranks.values()], timeout=5)
-                replicas[name] = parts[0] if len(parts) == 1 else ReplicaStats.combine(name, parts)
+                parts = ray.get([w.stats.remote() for w in inc.ranks.values()], timeout=5)
+                s = parts[0] if len(parts) == 1 else ReplicaStats.combine(name, parts)
+                replicas[name] = "draining" if inc.state == "draining" else s
             except Exception as e:
                 replicas[name] = f"down: {down_reason(e) or 'no answer in 5 s'}"
         routers: dict[str, dict | str] = {}
-        for name, h in self.routers.items():
+        for slot, r in list(self.routers.items()):  # by slot, as replicas by replica: the same in every incarnation
+            restarts[slot] = r.get("restarts", 0)
+            if slot in self._restarting:
+                routers[slot] = f"down: {self._restarting[slot]}; a replacement is starting"
+                continue
             try:
-                routers[name] = ray.get(h.info.remote(), timeout=5)
+                routers[slot] = ray.get(r["handle"].info.remote(), timeout=5)
             except Exception as e:
-                routers[name] = f"down: {down_reason(e) or 'no answer in 5 s'}"
+                routers[slot] = f"down: {down_reason(e) or 'no answer in 5 s'}"
         state = self.state
-        if state == "running" and any(isinstance(r, str) for r in [*replicas.values(), *routers.values()]):
+        if state == "running" and any(isinstance(r, str) and r.startswith("down")
+                                      for r in [*replicas.values(), *routers.values()]):
             state = "degraded"
         return {"state": state, "progress": list(self.progress), "endpoints": self.endpoints,
-                "replicas": replicas, "routers": routers}
+                "replicas": replicas, "routers": routers, "restarts": restarts}
 
-    def shutdown(self) -> None:
-        self.state = "stopping"
-        stops = [h.stop.remote() for h in self.routers.values()]
-        ray.wait(stops, num_returns=len(stops), timeout=10)  # a dead router's fails at once; killed below
-        for h in [*self.routers.values(), *self._workers().values()]:
-            ray.kill(h)
-        for pg in self._placement_groups:
-            remove_placement_group(pg)
-        self._ep_stores.clear()  # closes the rendezvous ports
-        self.state = "stopped"
+    def shutdown(self, grace_s: float = 0.0) -> None:
+        """Stop everything. With grace_s: the routers first take no new requests (503, /health 503)
+        and the requests in flight finish, for at most grace_s."""
+        self._watching.clear()
+        if grace_s <= 0:
+            self.state = "stopping"  # a replacement or scale-up waiting for a model gives up now
+        with self._life:
+            if grace_s > 0 and self.routers:
+                self.state = "draining"
+                self._note(f"draining: no new requests; waiting up to {grace_s:g} s for those in flight")
+                handles = [r["handle"] for r in self.routers.values()]
+                ray.wait([h.drain.remote() for h in handles], num_returns=len(handles), timeout=TELL_S)
+                deadline = time.monotonic() + grace_s
+                while time.monotonic() < deadline:
+                    try:
+                        if not any(i["in_flight"] for i in ray.get([h.info.remote() for h in handles], timeout=5)):
+                            break
+                    except Exception:  # a dead router streams nothing; ask the rest again
+                        handles = [h for h in handles if _alive(h)]
+                    time.sleep(DRAIN_POLL_S)
+            self.state = "stopping"
+            stops = [r["handle"].stop.remote() for r in self.routers.values()]
+            ray.wait(stops, num_returns=len(stops), timeout=10)  # a dead router's fails at once; killed below
+            for r in self.routers.values():
+                ray.kill(r["handle"])
+            for inc in self.replicas.values():
+                Launcher.stop(inc)
+            self.state = "stopped"
 
     def _note(self, line: str) -> None:
         self.progress.append(f"{time.strftime('%H:%M:%S')} {line}")
+
+
+def _index(replica: str) -> int:
+    return int(replica.rsplit("-", 1)[1])
+
+
+def _alive(handle) -> bool:
+    try:
+        ray.get(handle.info.remote(), timeout=5)
+        return True
+    except Exception:
+        return False
+
+
+def _cause(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__

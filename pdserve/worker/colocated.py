@@ -42,6 +42,9 @@ class ColocatedWorker(Replica):
                 self.engine.abort(item.request_id)
                 self.aborted += 1
 
+    def _held(self) -> int:
+        return len(self.streams)
+
     def _step(self) -> float | None:
         if not self.engine.has_unfinished():
             return self.streams.flush_nap(IDLE_S)  # the last tokens may still wait for a router

@@ -51,8 +51,11 @@ class TurnLock:
 
 
 class EngineLoop:
-    def __init__(self, step: Callable[[], float | None], take: Callable[[object], None], name: str):
-        """step(): one engine step -> nap; take(item): apply one inbox item, on the loop's thread."""
+    def __init__(self, step: Callable[[], float | None], take: Callable[[object], None], name: str,
+                 on_death: Callable[[BaseException], None] = lambda error: None):
+        """step(): one engine step -> nap; take(item): apply one inbox item, on the loop's thread;
+        on_death(error): the loop died of `error` (called on its thread, after logging it)."""
+        self._on_death = on_death
         self.lock = TurnLock()
         self._step = step
         self._take = take
@@ -70,6 +73,10 @@ class EngineLoop:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def queued(self) -> int:
+        """Items in the inbox, not taken yet."""
+        return len(self._inbox)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -93,3 +100,4 @@ class EngineLoop:
         except BaseException as e:  # the worker's stats() raises from now on: routers count it down
             log.exception("engine loop died")
             self.error = e
+            self._on_death(e)

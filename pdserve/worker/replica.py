@@ -1,6 +1,8 @@
 """What every worker (prefill, decode, colocated) shares: one engine in a role, its KV connector, its loop."""
 
 import os
+import sys
+import time
 
 import ray
 import torch
@@ -9,10 +11,13 @@ from pdserve.kvtransfer import make_connector
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.worker.engine_loop import EngineLoop
-from pdserve.worker.inbox import Abort
-from pdserve.messages import Refusal, ReplicaStats
+from pdserve.worker.inbox import Abort, Reserve
+from pdserve.messages import Refusal, ReplicaStats, ReserveResult
 from pdserve.protocol import InvalidRequestError
 
+
+EARLY_ABORTS = 1024  # aborts remembered for requests not come yet, before old ones are forgotten
+EARLY_ABORT_S = 60.0  # a request handed over arrives within seconds of its abort: older ones never will
 
 # Set (by the controller, for cuda_ipc) in a worker's environment: Ray leaves every GPU visible.
 ALL_GPUS_VISIBLE = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -48,7 +53,39 @@ class Replica:
         self.aborted = 0
 
     def _start_loop(self) -> None:
-        self.loop = EngineLoop(self._step, self._take, f"{self.name}-engine")
+        self._early_aborts: dict[str, float] = {}  # request id -> when its abort came, before the request
+        self.loop = EngineLoop(self._step, self._admit, f"{self.name}-engine", on_death=self._engine_died)
+
+    def _admit(self, item) -> None:
+        """Take one inbox item. Ray runs a worker's calls on many threads, so a request's abort (its
+        client left while the request was being handed over) may reach the inbox before the
+        request: it is remembered a while, and the request is dropped when it comes, instead of
+        holding KV blocks for a client that is gone."""
+        rid = item.request_id
+        if isinstance(item, Abort):
+            if rid not in self.engine.seqs:
+                now = time.monotonic()
+                self._early_aborts[rid] = now
+                if len(self._early_aborts) > EARLY_ABORTS:  # forget the oldest: their requests never came
+                    for old in [r for r, t in self._early_aborts.items() if now - t > EARLY_ABORT_S]:
+                        del self._early_aborts[old]
+        elif self._early_aborts.pop(rid, None) is not None:
+            if isinstance(item, Reserve):
+                item.answer.set_result(ReserveResult(None, Refusal("request_id", "aborted before it was taken")))
+            return
+        self._take(item)
+
+    def _engine_died(self, error: BaseException) -> None:
+        """A worker whose engine loop died takes no more work: its process exits, so that every
+        caller (routers, the controller) finds it dead at once, and the controller replaces it. (A
+        worker built outside a Ray actor, in a test, keeps its process: stats() raises instead.)"""
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            sys.stderr.flush()
+            os._exit(70)
+
+    def _held(self) -> int:
+        """Requests the role holds outside the engine (streams to routers, KV in flight)."""
+        return 0
 
     def _step(self) -> float | None:
         raise NotImplementedError
@@ -88,4 +125,5 @@ class Replica:
             raise RuntimeError(f"{self.name}: the engine loop stopped: {self.loop.error!r}")
         e = self.engine
         return ReplicaStats(self.name, self.role, len(e.scheduler.running), len(e.scheduler.waiting),
-                            e.pool.num_free_blocks, e.pool.num_blocks, self.aborted, pid=os.getpid())
+                            e.pool.num_free_blocks, e.pool.num_blocks, self.aborted, pid=os.getpid(),
+                            held=len(e.seqs) + self.loop.queued() + self._held())

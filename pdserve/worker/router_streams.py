@@ -8,6 +8,7 @@ gets fewer, larger messages instead of a growing queue. In a message a request h
 steps' output joined (text, token ids, logprobs): a router that keeps up gets one delta per step,
 one that falls behind does no more work per message for the steps it missed."""
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -17,6 +18,7 @@ from ray.exceptions import RayActorError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.messages import RequestDelta
 
+log = logging.getLogger(__name__)
 HELD_S = 0.001  # a worker's nap while a router still takes its previous message and more waits
 
 
@@ -33,7 +35,7 @@ class RouterStreams:
         # Per router: the request id -> where in its pending list the request's delta is, while
         # later steps may still join it.
         self._open: dict[str, dict[str, int]] = defaultdict(dict)
-        self._inflight: dict[str, ray.ObjectRef] = {}  # the message each router is taking
+        self._inflight: dict[str, tuple[ray.ObjectRef, list[str]]] = {}  # the message each router is taking, its requests
 
     def __len__(self) -> int:
         """Requests streaming from here."""
@@ -46,12 +48,13 @@ class RouterStreams:
         """Stop streaming a request (its client left); False if it was not streaming from here."""
         return self._owner.pop(request_id, None) is not None
 
-    def fail(self, request_id: str, error: str) -> None:
-        """The request failed here: its router hears why, and it streams no more."""
+    def fail(self, request_id: str, error: str, reason: str = "error") -> None:
+        """The request failed here: its router hears why (reason LOST: it may move elsewhere), and
+        it streams no more."""
         router = self._owner.pop(request_id, None)
         if router is not None and router not in self._dead:
             self._open[router].pop(request_id, None)  # its output so far goes first, on its own
-            self._pending[router].append(RequestDelta(request_id, "", [], "error", error))
+            self._pending[router].append(RequestDelta(request_id, "", [], reason, error))
 
     def output(self, out: RequestOutput) -> None:
         """One step's output of a request; it streams no more once finished."""
@@ -78,25 +81,34 @@ class RouterStreams:
         """Send the pending deltas to each router that has taken its previous message; True while
         some are held back (the caller flushes again soon: `HELD_S`)."""
         for router in list(self._pending):
-            ref = self._inflight.get(router)
-            if ref is not None:
-                ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
+            sent = self._inflight.get(router)
+            if sent is not None:
+                ready, _ = ray.wait([sent[0]], timeout=0, fetch_local=False)
                 if not ready:
                     continue
-                if self._died(router, ref):
+                if self._died(router, *sent):
                     continue
-            self._inflight[router] = self._router(router).deliver.remote(self._pending.pop(router))
+            deltas = self._pending.pop(router)
+            self._inflight[router] = (self._router(router).deliver.remote(deltas), [d.request_id for d in deltas])
             self._open.pop(router, None)
         return bool(self._pending)
 
-    def _died(self, router: str, ref: ray.ObjectRef) -> bool:
+    def _died(self, router: str, ref: ray.ObjectRef, request_ids: list[str]) -> bool:
         """Whether the router's last message found it dead; if so its requests are orphaned."""
         try:
             ray.get(ref, timeout=0)
             return False
         except RayActorError:
             pass
-        except Exception:  # its deliver raised: a bug there, not a death; the stream goes on
+        except Exception as e:  # its deliver raised (a bug there, not a death): that message's
+            # output is lost, so its requests cannot go on correctly: each ends with the error
+            # rather than waiting for tokens that never come (and the router's abort stops it here).
+            log.error("router %s failed to take a message: %r", router, e)
+            for rid in dict.fromkeys(request_ids):
+                if self._owner.get(rid) == router:
+                    self._open[router].pop(rid, None)
+                    self._pending[router].append(RequestDelta(
+                        rid, "", [], "error", f"the router could not take this request's output ({type(e).__name__})"))
             return False
         self._dead.add(router)
         del self._inflight[router]

@@ -1,0 +1,262 @@
+"""Nothing lost when a process dies: real `pdserve up` clusters, real processes killed with SIGKILL
+under a load of concurrent greedy streams through the OpenAI client. Every stream must complete
+with the text it gives undisturbed, the dead are replaced, and every KV block comes back."""
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from serving_cluster import Cluster, until
+
+MODEL = "tiny-moe"
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
+
+
+def prompts(n: int, words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(words)) + f" #{i}" for i in range(n)]
+
+
+def undisturbed(url: str, texts: list[str], max_tokens: int) -> dict[str, str]:
+    """Each prompt's greedy text, one request at a time, before anything is killed."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120) as client:
+        return {p: client.completions.create(model=MODEL, prompt=p, max_tokens=max_tokens, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text for p in texts}
+
+
+class Load:
+    """Concurrent greedy streams; `progress` counts tokens streamed so far. A stream whose
+    connection breaks (its router was killed) is sent again, as a client does, and counted."""
+
+    def __init__(self, url: str, max_tokens: int):
+        self.url, self.max_tokens = url, max_tokens
+        self.progress = 0
+        self.resent = 0
+        self.streaming: set[str] = set()
+
+    async def run(self, texts: list[str]) -> dict[str, str]:
+        async with openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="-", max_retries=0, timeout=120) as client:
+            outs = await asyncio.gather(*(self._one(client, p) for p in texts))
+        return dict(zip(texts, outs))
+
+    async def _one(self, client, prompt: str) -> str:
+        for _ in range(3):
+            text = []
+            try:
+                stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=self.max_tokens,
+                                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
+                async for chunk in stream:
+                    text.append(chunk.choices[0].text)
+                    self.progress += 1
+                    self.streaming.add(prompt)
+                return "".join(text)
+            except (openai.APIConnectionError, httpx.TransportError):  # its router died under it: sent again
+                self.resent += 1
+        raise AssertionError(f"{prompt!r} failed three times")
+
+
+def killed(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def replaced(cluster: Cluster, name: str, times: int = 1) -> str:
+    """Until `pdserve status` shows the replica (or router) serving again, restarted `times`."""
+    def check():
+        s = cluster.status()
+        line = next((ln for ln in s.splitlines() if ln.startswith(f"{name} (pid ")), "")
+        return s if f"restarted {times}x" in line and "state: running" in s else None
+    return until(check, timeout_s=120, what=f"{name} replaced")
+
+
+def idle(cluster: Cluster) -> None:
+    stats = cluster.wait_idle(timeout=60)
+    assert stats and all(s["used"] == 0 for s in stats.values()), stats
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("recovery"), router={"replicas": 2})
+    try:
+        c.wait_ready()
+        yield c
+    finally:
+        assert c.stop() == 0, c.output()
+
+
+async def _under_load(load: Load, texts: list[str], kill, when) -> dict[str, str]:
+    task = asyncio.create_task(load.run(texts))
+    while not when() and not task.done():
+        await asyncio.sleep(0.02)
+    kill()
+    return await task
+
+
+def test_a_decode_a_prefill_and_a_router_killed_under_32_streams_lose_nothing(cluster):
+    # Decode: killed once every stream has its first tokens; each moves to the replacement.
+    texts = prompts(32, 6, seed=1)
+    expected = undisturbed(cluster.url, texts, 48)
+    load, pid = Load(cluster.url, 48), cluster.pid("pdserve-decode-0")
+    got = asyncio.run(_under_load(load, texts, lambda: killed(pid), lambda: len(load.streaming) == len(texts)))
+    assert got == expected
+    replaced(cluster, "pdserve-decode-0")
+    idle(cluster)
+
+    # Prefill: killed while long prompts are being prefilled (no stream has a token yet).
+    texts = prompts(32, 300, seed=2)
+    expected = undisturbed(cluster.url, texts, 8)
+    load, pid = Load(cluster.url, 8), cluster.pid("pdserve-prefill-0")
+    got = asyncio.run(_under_load(load, texts, lambda: killed(pid), lambda: True))
+    assert got == expected
+    assert load.progress == 32 * 8  # (no stream had started: each was prefilled again, none resent)
+    replaced(cluster, "pdserve-prefill-0")
+    idle(cluster)
+
+    # A router of the two: its clients' connections break and they send again; the other serves,
+    # and the controller starts a new one on the same port.
+    texts = prompts(32, 6, seed=3)
+    expected = undisturbed(cluster.url, texts, 48)
+    load, pid = Load(cluster.url, 48), cluster.pid("pdserve-router-1")
+    got = asyncio.run(_under_load(load, texts, lambda: killed(pid), lambda: load.progress > 100))
+    assert got == expected
+    replaced(cluster, "pdserve-router-1")
+    idle(cluster)
+    metrics = cluster.metrics()
+    assert 'pdserve_replica_restarts_total{replica="pdserve-decode-0",role="decode"} 1.0' in metrics, metrics
+    assert 'pdserve_replica_restarts_total{replica="pdserve-prefill-0",role="prefill"} 1.0' in metrics
+    out = cluster.output()
+    for name in ("pdserve-decode-0", "pdserve-prefill-0", "pdserve-router-1"):
+        assert f"{name} is down (its process died); starting a replacement" in out, out
+
+
+def test_scale_up_and_down_under_load_fails_nothing(cluster):
+    texts = prompts(8, 6, seed=4)
+    expected = undisturbed(cluster.url, texts, 24)
+    results: list[bool] = []
+    stop = False
+
+    async def load() -> None:
+        async def one(i: int) -> None:
+            while not stop:
+                got = await Load(cluster.url, 24).run([texts[i]])
+                results.append(got[texts[i]] == expected[texts[i]])
+        await asyncio.gather(*(one(i) for i in range(len(texts))))
+
+    async def scenario() -> tuple:
+        nonlocal stop
+        task = asyncio.create_task(load())
+        up = await asyncio.to_thread(cluster.cli, "scale", "--prefill", "2", "--decode", "2")
+        assert up.returncode == 0, up.stderr
+        await asyncio.sleep(3)  # the new replicas take their share
+        placed = _placed(cluster.metrics())
+        pids = [cluster.pid(n) for n in ("pdserve-prefill-1", "pdserve-decode-1")]
+        down = await asyncio.to_thread(cluster.cli, "scale", "--prefill", "1", "--decode", "1", "--grace", "60")
+        assert down.returncode == 0, down.stderr
+        await asyncio.sleep(1)
+        stop = True
+        await task
+        return up, down, placed, pids
+
+    up, down, placed, pids = asyncio.run(scenario())
+    assert "started pdserve-prefill-1, pdserve-decode-1" in up.stderr, up.stderr
+    assert "removed pdserve-prefill-1, pdserve-decode-1" in down.stderr, down.stderr
+    assert results and all(results), f"{results.count(False)} of {len(results)} requests failed or differed"
+    assert placed.get("pdserve-prefill-1", 0) > 0 and placed.get("pdserve-decode-1", 0) > 0, placed
+    assert not any(alive(p) for p in pids)  # the removed ones exited
+    status = cluster.status()
+    assert "pdserve-decode-1" not in status and "pdserve-prefill-1" not in status, status
+    idle(cluster)
+
+
+def _placed(metrics: str) -> dict[str, float]:
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith("pdserve_replica_requests_total{"):
+            out[line.split('replica="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_down_with_grace_lets_the_streams_in_flight_finish(tmp_path):
+    c = Cluster(tmp_path, colocated={"replicas": 1})
+    try:
+        c.wait_ready()
+        texts = prompts(6, 6, seed=5)
+        expected = undisturbed(c.url, texts, 400)
+
+        async def scenario():
+            load = Load(c.url, 400)
+            task = asyncio.create_task(load.run(texts))
+            while len(load.streaming) < len(texts):
+                await asyncio.sleep(0.02)
+            down = asyncio.create_task(asyncio.to_thread(c.cli, "down", "--grace", "60"))
+            async with httpx.AsyncClient(timeout=30) as client:  # draining: /health says so, new requests 503
+                while (await client.get(f"{c.url}/health")).status_code == 200:
+                    assert not task.done(), "the streams finished before the drain began: make them longer"
+                    await asyncio.sleep(0.1)
+                refused = await client.post(f"{c.url}/v1/completions",
+                                            json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            return await task, await down, refused
+
+        t0 = time.monotonic()
+        got, down, refused = asyncio.run(scenario())
+        assert got == expected  # every stream in flight finished, whole
+        assert down.returncode == 0 and time.monotonic() - t0 < 60, down.stderr
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"], refused.text
+        assert c.proc.wait(timeout=60) == 0  # `pdserve up` ends with the cluster
+    finally:
+        c.stop()
+
+
+def test_chaos_random_kills_of_workers_under_load_lose_and_leak_nothing(tmp_path):
+    """Bounded in time: ~40 s of load, a worker SIGKILLed every few seconds at random."""
+    c = Cluster(tmp_path, decode={"replicas": 2})
+    try:
+        c.wait_ready()
+        texts = prompts(12, 8, seed=6)
+        expected = undisturbed(c.url, texts, 40)
+        rng = random.Random(7)
+        results: list[bool] = []
+        kills: list[str] = []
+        deadline = time.monotonic() + 40
+
+        async def load() -> None:
+            async def one(i: int) -> None:
+                while time.monotonic() < deadline:
+                    got = await Load(c.url, 40).run([texts[i]])
+                    results.append(got[texts[i]] == expected[texts[i]])
+            await asyncio.gather(*(one(i) for i in range(len(texts))))
+
+        async def chaos() -> None:
+            while time.monotonic() < deadline - 8:
+                await asyncio.sleep(rng.uniform(3, 6))
+                s = await asyncio.to_thread(c.status)
+                victims = [ln.split(" (pid ")[0] for ln in s.splitlines()
+                           if ln.startswith(("pdserve-prefill", "pdserve-decode")) and " (pid " in ln]
+                if victims:
+                    v = rng.choice(victims)
+                    kills.append(v)
+                    killed(int(s.split(f"{v} (pid ", 1)[1].split(")", 1)[0]))
+
+        async def scenario():
+            await asyncio.gather(load(), chaos())
+
+        asyncio.run(scenario())
+        assert kills, "nothing was killed"
+        assert results and all(results), f"{results.count(False)} of {len(results)} requests failed or differed"
+        until(lambda: "state: running" in c.status(), timeout_s=120, what="every replica replaced")
+        idle(c)
+    finally:
+        c.stop()
