@@ -47,9 +47,9 @@ class DecodeWorker(Replica):
         block pool answers at the next step boundary: the call waits for that, not for other calls."""
         items: list[Reserve | ReserveResult] = []
         for r in requests:
-            refused = self._refusal(r.prompt_ids)
+            refused = self._refusal(r)
             items.append(ReserveResult(None, refused) if refused else
-                         Reserve(r.request_id, r.prompt_ids, r.params, r.prefill_id, router))
+                         Reserve(r.request_id, r.prompt_ids, r.params, r.prefill_id, router, r.output_ids))
             if isinstance(items[-1], Reserve):
                 self.loop.submit(items[-1])
         deadline = time.monotonic() + RESERVE_TIMEOUT_S
@@ -64,7 +64,8 @@ class DecodeWorker(Replica):
         match item:
             case Reserve():
                 try:
-                    handle = self.intake.reserve(item.request_id, item.prompt_ids, item.params, item.prefill_id)
+                    handle = self.intake.reserve(item.request_id, item.prompt_ids, item.params, item.prefill_id,
+                                                 item.output_ids)
                 except InvalidRequestError as e:  # what only the engine knows, e.g. an id in use
                     item.answer.set_result(ReserveResult(None, Refusal.of(e)))
                     return

@@ -32,7 +32,9 @@ class NewRequest:
     params: SamplingParams
     handle: bytes | None = None  # to a prefill worker: where its KV goes (a packed kvtransfer.ReserveHandle)
     prefill_id: str = ""  # to a decode worker: the prefill replica that will send the KV
-    output_ids: list[int] = field(default_factory=list)  # tokens it generated before (a moved request)
+    # Tokens this request generated already elsewhere (a migrated request): they follow the prompt,
+    # and generation goes on after them.
+    output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -27,16 +27,17 @@ class PrefillWorker(Replica):
         waiting for a step (per request None, or why this replica can never run it)."""
         answers = []
         for r in requests:
-            answers.append(self._refusal(r.prompt_ids))
+            answers.append(self._refusal(r))
             if answers[-1] is None:
-                self.loop.submit(Prefill(r.request_id, r.prompt_ids, r.params, ReserveHandle.unpack(r.handle)))
+                self.loop.submit(Prefill(r.request_id, r.prompt_ids, r.params, ReserveHandle.unpack(r.handle),
+                                         r.output_ids))
         return answers
 
     def _take(self, item) -> None:
         match item:
             case Prefill():
                 try:
-                    self.streamer.add(item.request_id, item.prompt_ids, item.params, item.handle)
+                    self.streamer.add(item.request_id, item.prompt_ids, item.params, item.handle, item.output_ids)
                 except InvalidRequestError:  # what only the engine knows, e.g. an id in use:
                     self.connector.release(item.request_id, item.handle)  # the decode side fails it
             case Abort() if item.request_id in self.streamer.handles:

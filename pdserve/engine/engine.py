@@ -106,36 +106,57 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                      output_ids: list[int]) -> Sequence:
         if request_id in self.seqs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         ids = self.tokenize(prompt)
-        self.check_request(ids)
-        seq = Sequence(request_id, ids, len(ids), params, arrival=time.monotonic())
+        output_ids = list(output_ids)
+        self.check_request(ids, params, output_ids)
+        # A resumed request's tokens so far follow its prompt: their KV is computed (or placed) with
+        # the prompt's, and max_tokens and the context count them, as in the undisturbed run.
+        seq = Sequence(request_id, ids + output_ids, len(ids), params, arrival=time.monotonic())
         self.seqs[request_id] = seq
-        self._streams[request_id] = TextStream(self.tokenizer, ids, params.stop)
+        self._streams[request_id] = TextStream(self.tokenizer, ids, params.stop, output_ids)
         return seq
 
-    def check_request(self, ids: list[int]) -> None:
-        """Raise InvalidRequestError if a prompt can never run here. Reads no state that steps
-        change: callable from any thread, before the request is handed to the engine's."""
+    def check_request(self, ids: list[int], params: SamplingParams, output_ids: list[int] = ()) -> None:
+        """Raise InvalidRequestError if a prompt (followed by the tokens a resumed request generated
+        already) can never run here. Reads no state that steps change: callable from any thread,
+        before the request is handed to the engine's."""
         if not ids:
             raise InvalidRequestError("prompt", "must not be empty")
-        if any(not 0 <= t < self.args.vocab_size for t in ids):
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {self.args.vocab_size})")
-        if len(ids) >= self.max_model_len:
+        for param, part in (("prompt", ids), ("output_ids", output_ids)):
+            if any(not 0 <= t < self.args.vocab_size for t in part):
+                raise InvalidRequestError(param, f"token ids must be in [0, {self.args.vocab_size})")
+        if len(output_ids) >= params.max_tokens:
             raise InvalidRequestError(
-                "prompt", f"is {len(ids)} tokens; the model's context is {self.max_model_len} tokens, "
-                          f"so a prompt may have at most {self.max_model_len - 1}")
-        blocks = -(-(len(ids) + 1) // self.config.block_size)
+                "output_ids", f"are {len(output_ids)} tokens, max_tokens is {params.max_tokens}: "
+                              f"nothing is left to generate")
+        self._check_fits("prompt", len(ids), "is", "a prompt")
+        if output_ids:
+            self._check_fits("output_ids", len(ids) + len(output_ids), "with the prompt make",
+                             "a prompt with its output_ids")
+
+    def _check_fits(self, param: str, n: int, counts: str, whole: str) -> None:
+        """`n` tokens, and the one generated next, must fit the context and the KV cache."""
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                param, f"{counts} {n} tokens; the model's context is {self.max_model_len} tokens, "
+                       f"so {whole} may have at most {self.max_model_len - 1}")
+        blocks = -(-(n + 1) // self.config.block_size)
         if blocks > self.pool.num_blocks:
             raise InvalidRequestError(
-                "prompt", f"needs {blocks} KV blocks; this replica's cache has {self.pool.num_blocks}")
+                param, f"{counts} {n} tokens, which need {blocks} KV blocks; this replica's cache has "
+                       f"{self.pool.num_blocks}")
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Queue a request (colocated and prefill roles)."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    output_ids: list[int] = ()) -> None:
+        """Queue a request (colocated and prefill roles). `output_ids`: the tokens it generated
+        already elsewhere (a migrated request): their KV is computed with the prompt's (as a
+        sequence preempted by recompute is), and the next token continues the stream after them."""
         assert self.config.role != "decode", "a decode engine takes requests through reserve()"
-        self.scheduler.add(self._new_sequence(request_id, prompt, params))
+        self.scheduler.add(self._new_sequence(request_id, prompt, params, output_ids))
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks; False if it is unknown (already done)."""
@@ -149,14 +170,16 @@ class Engine:
 
     # -- disaggregation seam ------------------------------------------------------------------
 
-    def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[int] | None:
-        """Decode role: blocks for the prompt's KV (same ids in every layer), or None if full."""
-        seq = self._new_sequence(request_id, prompt, params)
+    def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                output_ids: list[int] = ()) -> list[int] | None:
+        """Decode role: blocks for the KV of the prompt and of `output_ids` (a resumed request's
+        tokens so far; same ids in every layer), or None if full."""
+        seq = self._new_sequence(request_id, prompt, params, output_ids)
         busy = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._reserved)
         try:
             if busy >= self.config.max_num_seqs:
                 raise NoFreeBlocksError("no free sequence slot")
-            seq.block_ids = self.pool.allocate(-(-seq.num_prompt_tokens // self.config.block_size))
+            seq.block_ids = self.pool.allocate(-(-seq.num_tokens // self.config.block_size))
         except NoFreeBlocksError:
             self._forget(seq)
             return None
@@ -165,11 +188,12 @@ class Engine:
 
     def start_decode(self, request_id: str, first_token: int,
                      first_logprob: TokenLogprob | None = None) -> None:
-        """Decode role: the prompt's KV is in the reserved blocks; generate from `first_token` on."""
+        """Decode role: the KV of every token so far (the prompt's, a resumed request's output_ids')
+        is in the reserved blocks; generate from `first_token` on."""
         seq = self.seqs[request_id]
         assert seq.block_ids and seq.num_computed_tokens == 0, f"{request_id} was not reserved"
         self._reserved.discard(request_id)
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = seq.num_tokens
         self.scheduler.register_full_blocks(seq)
         out = self._append_token(seq, first_token, first_logprob)
         self._ready.append(out)

@@ -40,12 +40,20 @@ class Completion:
 class TextStream:
     """Turns a request's tokens into text deltas, stopping at (and cutting before) a stop string."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str]):
+    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str], output_ids: list[int] = ()):
+        """`output_ids`: tokens a resumed request generated already, whose text its client has. They
+        are pushed here and their text dropped, so that what is held back (the bytes of an unfinished
+        character, text that may begin a stop string) is what the undisturbed run held at that
+        point: the next token's text continues the client's, and a stop string across the seam is
+        found. (A stop string among them would have ended the request there; should one be found, the
+        next token ends it.)"""
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop = StopChecker(stops)
         # The text the latest token added (flushed text included), before stop strings cut it: the
         # token's own text, in logprobs.
         self.token_text = ""
+        for t in output_ids:
+            self.push(t)
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Text safe to show after this token, and whether a stop string was hit."""

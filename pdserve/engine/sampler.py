@@ -58,6 +58,11 @@ class Sampler:
             return None
         g = self._generators.get(request_id)
         if g is None:
+            # A resumed request (Engine.add_request / reserve with output_ids) starts here afresh:
+            # its draws are not those the undisturbed run made after that many tokens, so a seeded
+            # request migrated mid-stream goes on with other (still seeded, reproducible) tokens.
+            # Greedy requests draw nothing and resume exactly. (A preempted request keeps its
+            # generator: it is forgotten only when the request ends.)
             g = torch.Generator(device=self.device).manual_seed(seed)
             self._generators[request_id] = g
         return g

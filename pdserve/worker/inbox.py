@@ -15,6 +15,7 @@ class Generate:
     prompt_ids: list[int]
     params: SamplingParams
     router: str
+    output_ids: list[int] = field(default_factory=list)  # generated already (NewRequest.output_ids)
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Prefill:
     prompt_ids: list[int]
     params: SamplingParams
     handle: object  # kvtransfer.ReserveHandle
+    output_ids: list[int] = field(default_factory=list)  # their KV is computed and sent too
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Reserve:
     params: SamplingParams
     prefill_id: str
     router: str
+    output_ids: list[int] = field(default_factory=list)  # their KV comes with the prompt's
     answer: Future = field(default_factory=Future)
 
 

@@ -12,7 +12,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.inbox import Abort, Reserve
-from pdserve.messages import Refusal, ReplicaStats, ReserveResult
+from pdserve.messages import NewRequest, Refusal, ReplicaStats, ReserveResult
 from pdserve.protocol import InvalidRequestError
 
 
@@ -99,11 +99,12 @@ class Replica:
         for rid in request_ids:
             self.loop.submit(Abort(rid))
 
-    def _refusal(self, prompt_ids: list[int]) -> Refusal | None:
-        """A prompt this replica can never run, as the router's 400; checked on the caller's
-        thread, so that a call that brings work can answer at once."""
+    def _refusal(self, r: NewRequest) -> Refusal | None:
+        """A request this replica can never run (its prompt, with a resumed request's output_ids),
+        as the router's 400; checked on the caller's thread, so that a call that brings work can
+        answer at once."""
         try:
-            self.engine.check_request(prompt_ids)
+            self.engine.check_request(r.prompt_ids, r.params, r.output_ids)
         except InvalidRequestError as e:
             return Refusal.of(e)
         return None
