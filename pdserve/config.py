@@ -79,10 +79,11 @@ class RouterConfig(_Strict):
     # for its /metrics (`pdserve status` lists them).
     replicas: int = Field(default=1, ge=1, le=64)
     # A request whose replica is lost (died, or was cut off at a drain's end) moves to a live one, its
-    # prompt and the tokens already streamed prefilled again; at most this many times, and each time
-    # waiting at most migration_wait_s for a live replica (a replacement starting). 0: never moves.
+    # prompt and the tokens already streamed prefilled again; at most this many times. 0: never moves.
     migration_limit: int = Field(default=3, ge=0)
-    migration_wait_s: float = Field(default=60.0, gt=0)
+    # How long a request (new, or moving) waits for a live replica of a role that has none now (the
+    # controller is starting a replacement); then 503 naming the role (a moving request: an error event).
+    replica_wait_s: float = Field(default=30.0, ge=0)
     # Larger request bodies get 413 before they are read in full or tokenized.
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
 

@@ -28,7 +28,7 @@ from pdserve.router.replica_health import ReplicaHealth
 from pdserve.router.types import Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingError
 
 log = logging.getLogger(__name__)
-LIVE_POLL_S = 0.1  # how often a moving request looks for a live replica
+LIVE_POLL_S = 0.1  # how often a request waiting for a live replica looks
 
 
 @dataclass
@@ -38,6 +38,7 @@ class _Attempt:
     request_id: str  # the id the workers know it by: the request's, then "<id>~<n>" for the n-th move
     move: int = 0  # 0: the request's first attempt
     streaming: bool = False  # its first delta came (its prefill replica's part is done)
+    lost: "_Lost | None" = None  # why the attempt before this one ended
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     placed: list[str] = field(default_factory=list)  # replicas whose count of our requests it raised
     holders: dict[str, str] = field(default_factory=dict)  # replica -> its worker holding it (aborted there if unfinished)
@@ -45,7 +46,7 @@ class _Attempt:
 
 class RayCore:
     def __init__(self, name: str, model_name: str, max_model_len: int, tokenizer, replicas: list[ReplicaChange],
-                 policy: str, metrics=None, migration_limit: int = 3, migration_wait_s: float = 60.0):
+                 policy: str, metrics=None, migration_limit: int = 3, replica_wait_s: float = 30.0):
         """replicas: every replica as the controller last described it; later changes come by `apply`."""
         self.name = name  # this router's actor name: where decode replicas send deltas
         self.model_name = model_name
@@ -58,7 +59,7 @@ class RayCore:
         self.policy = policy
         self.metrics = metrics
         self.migration_limit = migration_limit
-        self.migration_wait_s = migration_wait_s
+        self.replica_wait_s = replica_wait_s
         self.draining = False  # shutting down: no new requests
         self.stats: dict[str, ReplicaStats] = {}
         self._rr = itertools.count()
@@ -180,11 +181,11 @@ class RayCore:
     # -- attempts -----------------------------------------------------------------------------------
 
     async def _start(self, request: GenerateRequest, run: _Attempt, sent: list[int]) -> _Attempt:
-        """Hand the attempt to replicas; returns the attempt under way. A replica lost under the
-        hand-off makes the request move (a fresh request finding no live replica of a role is
-        answered at once instead: 503)."""
+        """Hand the attempt to replicas (once each role it needs has a live one); returns the
+        attempt under way. A replica lost under the hand-off makes the request move."""
         self._queues[run.request_id] = run.queue
         try:
+            await self._wait_live(run)
             start = self._start_colocated if self.colocated or not self.decode else self._start_disaggregated
             await start(request, run, sent)
             return run
@@ -199,8 +200,8 @@ class RayCore:
             raise ServingError(f"{lost}; the request moved {run.move} times and is given up" if run.move
                                else f"{lost}; the request was cut short (router.migration_limit is 0)")
         self._count_migration(lost.role)
-        await self._wait_live(lost)
-        return await self._start(request, _Attempt(f"{request.request_id}~{run.move + 1}", run.move + 1), sent)
+        return await self._start(request, _Attempt(f"{request.request_id}~{run.move + 1}", run.move + 1, lost=lost),
+                                 sent)
 
     def _lost_role(self, run: _Attempt) -> str:
         """The role of the replica an attempt lost (one of its holders that is down)."""
@@ -221,14 +222,18 @@ class RayCore:
                     self._send_abort[worker](run.request_id)
         run.holders.clear()
 
-    async def _wait_live(self, lost: "_Lost") -> None:
-        """Until every role the request needs has a live replica (the controller's replacement), at
-        most migration_wait_s; then the request ends with an error naming what was lost."""
+    async def _wait_live(self, run: _Attempt) -> None:
+        """Until every role the request needs has a live replica (a replacement the controller
+        starts), at most replica_wait_s; then a new request gets the 503 naming the role, a moving
+        one an error naming what it lost."""
         roles = ["colocated"] if self.colocated or not self.decode else ["prefill", "decode"]
-        deadline = time.monotonic() + self.migration_wait_s
-        while not all(self.health.live(self._replicas_of(r)) for r in roles):
-            if time.monotonic() > deadline or self.draining:
-                raise ServingError(f"{lost}; no live replica took it over within {self.migration_wait_s:g} s")
+        deadline = time.monotonic() + self.replica_wait_s
+        while missing := [r for r in roles if not self.health.live(self._replicas_of(r))]:
+            if time.monotonic() >= deadline or self.draining:
+                if run.lost is None:
+                    raise self.health.unavailable(missing[0])
+                raise ServingError(f"{run.lost}; no live {missing[0]} replica took it over within "
+                                   f"{self.replica_wait_s:g} s")
             await asyncio.sleep(LIVE_POLL_S)
 
     def _replicas_of(self, role: str) -> dict:

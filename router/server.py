@@ -54,7 +54,7 @@ class Router:
         max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         self.metrics = Metrics(self.name)
         self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, self.replicas, cfg.router.policy,
-                            self.metrics, cfg.router.migration_limit, cfg.router.migration_wait_s)
+                            self.metrics, cfg.router.migration_limit, cfg.router.replica_wait_s)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
         http = uvicorn.Config(build_app(self.core, self.metrics, cfg.router.max_request_bytes), log_level="warning", lifespan="off")
         self.http = uvicorn.Server(http)

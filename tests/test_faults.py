@@ -54,8 +54,9 @@ def replaced(status: str, name: str, times: int = 1) -> str | None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     # migration_limit 0: a request on a replica that dies ends (with a clear error) instead of moving
-    # (test_recovery.py has the requests that move).
-    c = Cluster(tmp_path_factory.mktemp("faults"), router={"migration_limit": 0})
+    # (test_recovery.py has the requests that move); replica_wait_s 0.5: a new request waits that
+    # long for a replacement, then hears 503.
+    c = Cluster(tmp_path_factory.mktemp("faults"), router={"migration_limit": 0, "replica_wait_s": 0.5})
     try:
         c.wait_ready()
         yield c
@@ -79,7 +80,7 @@ def test_a_killed_decode_replica_ends_its_streams_naming_it_and_is_replaced(clus
     error = json.loads(last[-2].removeprefix("data: "))["error"]
     assert "decode" in error["message"] and "pdserve-decode-0" in error["message"], error
 
-    # Until its replacement serves, a new request is refused at once, naming the role.
+    # Until its replacement serves, a new request is refused (after replica_wait_s), naming the role.
     r = until(lambda: (r := httpx.post(f"{cluster.url}/v1/completions", json=LONG | {"stream": False, "max_tokens": 2},
                                        timeout=30)).status_code == 503 and r, timeout_s=20, what="a 503")
     assert r.json()["error"]["code"] == "replica_unavailable" and "decode" in r.json()["error"]["message"], r.text
