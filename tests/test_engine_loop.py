@@ -90,3 +90,18 @@ def test_submitted_work_is_taken_in_order_on_the_loops_thread_before_the_next_st
         assert steps[1] == 5  # all five were taken before the step that followed
     finally:
         loop.stop()
+
+
+def test_a_loop_that_dies_says_so_once_and_stops():
+    # A worker passes on_death = exit its process (the controller then replaces it); here, a record.
+    died = []
+
+    def step():
+        raise RuntimeError("a kernel failed")
+
+    loop = EngineLoop(step, lambda item: None, "dying-loop", on_death=died.append)
+    deadline = time.monotonic() + 5
+    while loop.alive():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert len(died) == 1 and isinstance(died[0], RuntimeError) and loop.error is died[0]
