@@ -125,7 +125,7 @@ def test_killing_one_router_leaves_the_others_serving(cluster):
     deadline = time.monotonic() + 60
     while True:
         text = status(cluster)
-        if "restarted 1x" in next(ln for ln in text.splitlines() if ln.startswith("pdserve-router-1 ")):
+        if "restarted 1x" in next((ln for ln in text.splitlines() if ln.startswith("pdserve-router-1 (pid")), ""):
             break
         assert time.monotonic() < deadline, text
         time.sleep(0.5)
