@@ -108,6 +108,9 @@ class InlinePoster:
         with self.transfers.lock:
             if self.transfers.refuses(rid, t):
                 return
+            if handle.deadline < time.monotonic():  # past our lease: the decode end frees the blocks soon
+                self.post_thread.put(PostFailed(rid, handle))
+                return
             started = time.monotonic()  # the transfer's clock starts before its first post's host work
             try:
                 token = self.backend.write_range(handle.engine_id, first_layer, num_layers, src, dst)

@@ -75,8 +75,11 @@ class Transfers:
             self.waits is None and any(t.state is State.OPEN for t in self._live.values()))
 
     def for_post(self, op: PostLayers) -> Transfer | None:
-        """The transfer op's layers join; None where the request was aborted."""
+        """The transfer op's layers join; None where the request was aborted or its lease is over."""
         if op.request_id in self._aborted:
+            return None
+        if op.handle.deadline < time.monotonic():  # past our lease: the decode end frees the blocks soon
+            self.apply(PostFailed(op.request_id, op.handle))
             return None
         t = self._live.get(op.request_id)
         if t is None:  # the clock runs from the caller's first post, hand-off included
@@ -134,7 +137,7 @@ class Transfers:
             n = Notice.unpack(payload)
             if n.kind is NoticeKind.ABORT:
                 self.fail(n.request_id, answer=n.sender)
-        now = time.time()
+        now = time.monotonic()
         for rid, t in list(self._draining.items()):
             if self._settled(t):
                 del self._draining[rid]

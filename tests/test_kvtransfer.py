@@ -12,8 +12,8 @@ import msgpack
 import pytest
 import torch
 
-from kv_pair import Worker, _decode_main, _prefill_main, start_pair
-from pdserve.kvtransfer.messages import Notice
+from kv_pair import Worker, _decode_main, _prefill_main, loopback_connectors, start_pair, tiny_kv
+from pdserve.kvtransfer.messages import Notice, ReserveHandle
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
@@ -245,3 +245,63 @@ def test_decode_abort_holds_blocks_until_the_prefill_side_stops_writing(backend)
 def dfree_after_reserve(d: Worker) -> int:
     return d.call("run", 0.01)[1]
 
+
+
+def test_a_handle_carries_the_leases_length_not_a_time_of_day():
+    """Hosts' clocks differ: what crosses is how long the lease lasts, and each end counts it from
+    when it made or received the handle."""
+    made = ReserveHandle("r", "decode-0", [3, 4], 30.0)
+    assert msgpack.unpackb(made.pack()) == {"request_id": "r", "engine_id": "decode-0", "block_ids": [3, 4],
+                                            "lease_s": 30.0}
+    time.sleep(0.05)  # on its way
+    got = ReserveHandle.unpack(made.pack())
+    assert got == made and got.deadline - made.deadline >= 0.05
+
+
+def test_each_end_counts_the_lease_on_its_own_clock(monkeypatch):
+    """The decode end's lease runs out by its clock, the prefill end's by its own, counted from when
+    the handle reached it; a prefill host whose wall clock is an hour ahead changes nothing."""
+    p, d = loopback_connectors(tiny_kv(), tiny_kv())
+    try:
+        lease_s, way_s = 1.0, 0.4
+        made_at = time.monotonic()
+        made = d.reserve("r", [0, 1], lease_s)  # no prefill id: no abort crosses, each end expires alone
+        wall = time.time
+        monkeypatch.setattr(time, "time", lambda: wall() + 3600)  # the prefill host's clock
+        time.sleep(way_s)
+        got_at = time.monotonic()
+        got = ReserveHandle.unpack(made.pack())
+        p.send_layer("r", 0, [0, 1], got)  # posted, never finished: the lease runs out
+        failed_at: dict[str, float] = {}
+        deadline = time.monotonic() + 10
+        while len(failed_at) < 2 and time.monotonic() < deadline:
+            if "r" in d.poll().failed:
+                failed_at["decode"] = time.monotonic()
+            if "r" in p.poll()[1]:
+                failed_at["prefill"] = time.monotonic()
+            time.sleep(0.005)
+        assert lease_s <= failed_at["prefill"] - got_at < lease_s + 1  # from when the handle came
+        assert lease_s <= failed_at["decode"] - made_at < lease_s + 1  # from when it was made
+    finally:
+        p.close()
+        d.close()
+
+
+def test_the_prefill_end_posts_nothing_past_its_lease():
+    """A request that reaches its first post after its lease ran out (a long queue) fails without
+    writing: the decode end frees those blocks soon after its own deadline."""
+    pkv, dkv = tiny_kv(), tiny_kv()
+    pkv[0].fill_(1.0)
+    p, d = loopback_connectors(pkv, dkv)
+    try:
+        got = ReserveHandle.unpack(d.reserve("r", [0, 1], 0.2).pack())
+        time.sleep(0.3)
+        p.send_layer("r", 0, [0, 1], got)
+        deadline = time.monotonic() + 5
+        while "r" not in p.poll()[1]:
+            assert time.monotonic() < deadline, "the request never failed"
+            time.sleep(0.005)
+        assert not dkv[0].any()  # nothing landed
+    finally:
+        p.close()
+        d.close()
