@@ -121,8 +121,12 @@ class DecodeConnector:
     def _close(self, rid: str, lease: _Lease) -> None:
         lease.closing = True
         if lease.prefill_id in self.peers:
+            # The prefill end may not have the handle yet. It answers at once then, and we reuse the
+            # blocks: it must refuse the request's posts until no handle of this lease can be posted
+            # to, which is the lease's time left plus the handle's way there (settle_s covers it).
+            refuse_s = max(lease.handle.deadline - time.monotonic(), 0.0) + self.settle_s
             try:
-                self.backend.notify(lease.prefill_id, Notice.abort(rid, self.meta.engine_id).pack())
+                self.backend.notify(lease.prefill_id, Notice.abort(rid, self.meta.engine_id, refuse_s).pack())
             except Exception:  # a dead peer cannot be told: the blocks wait out the lease
                 pass
 

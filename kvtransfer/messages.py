@@ -65,6 +65,10 @@ class Notice:
     # logprob], ...]] (its most likely alternatives, most likely first); None otherwise, and then
     # not on the wire at all.
     first_logprob: list | None = None
+    # An abort from the decode end: how long from its arrival the prefill end must refuse the
+    # request's posts, i.e. until no handle of its lease can be posted to any more. 0 (not on the
+    # wire) on every other notice.
+    refuse_s: float = 0.0
 
     def __post_init__(self):
         self.kind = NoticeKind(self.kind)
@@ -76,8 +80,8 @@ class Notice:
         return cls(NoticeKind.FINISH, request_id, first_token, first_logprob=wire)
 
     @classmethod
-    def abort(cls, request_id: str, sender: str) -> "Notice":
-        return cls(NoticeKind.ABORT, request_id, sender=sender)
+    def abort(cls, request_id: str, sender: str, refuse_s: float = 0.0) -> "Notice":
+        return cls(NoticeKind.ABORT, request_id, sender=sender, refuse_s=refuse_s)
 
     def logprob(self) -> FirstLogprob | None:
         """first_logprob as tuples, the form Finished carries."""
@@ -88,6 +92,8 @@ class Notice:
         d = asdict(self)
         if d["first_logprob"] is None:
             del d["first_logprob"]
+        if not d["refuse_s"]:
+            del d["refuse_s"]
         return msgpack.packb(d)
 
     @classmethod

@@ -290,9 +290,9 @@ def test_each_end_counts_the_lease_on_its_own_clock(monkeypatch):
 def test_the_prefill_end_posts_nothing_past_its_lease():
     """A request that reaches its first post after its lease ran out (a long queue) fails without
     writing: the decode end frees those blocks soon after its own deadline."""
-    pkv, dkv = tiny_kv(), tiny_kv()
-    pkv[0].fill_(1.0)
-    p, d = loopback_connectors(pkv, dkv)
+    prefill_end, decode_end = tiny_kv(), tiny_kv()
+    prefill_end[0].fill_(1.0)
+    p, d = loopback_connectors(prefill_end, decode_end)
     try:
         got = ReserveHandle.unpack(d.reserve("r", [0, 1], 0.2).pack())
         time.sleep(0.3)
@@ -301,7 +301,39 @@ def test_the_prefill_end_posts_nothing_past_its_lease():
         while "r" not in p.poll()[1]:
             assert time.monotonic() < deadline, "the request never failed"
             time.sleep(0.005)
-        assert not dkv[0].any()  # nothing landed
+        assert not decode_end[0].any()  # nothing landed
+    finally:
+        p.close()
+        d.close()
+
+
+def test_aborts_of_requests_never_prefilled_are_forgotten_once_no_post_can_come():
+    """The decode end aborts requests whose prefill never reaches the prefill end (the client left
+    first). The prefill end answers at once and refuses their posts while a handle of theirs could
+    still come, then forgets them: the record does not grow with every such abort."""
+    prefill_end, decode_end = tiny_kv(), tiny_kv()
+    prefill_end[0].fill_(1.0)
+    p, d = loopback_connectors(prefill_end, decode_end)
+    d.settle_s = 0.3
+    lease_s, n = 0.5, 200
+    try:
+        handles = [d.reserve(f"r{i}", [i % 8], lease_s, p.meta.engine_id) for i in range(n)]
+        for i in range(n):
+            d.release(f"r{i}")
+        settled, deadline = set(), time.monotonic() + 10
+        while len(settled) < n:  # answered at once: the prefill end held no write of them
+            assert time.monotonic() < deadline, f"{n - len(settled)} aborts unanswered"
+            settled.update(d.poll().settled)
+            time.sleep(0.005)
+        late = ReserveHandle.unpack(handles[0].pack())  # one prefill comes after all, within the lease
+        p.send_layer("r0", 0, [0], late)
+        p.finish("r0", 7)
+        while "r0" not in p.poll()[1]:
+            assert time.monotonic() < deadline, "the late request never failed"
+            time.sleep(0.005)
+        assert not decode_end[0].any()  # refused: those blocks may be another request's by now
+        time.sleep(lease_s + d.settle_s + 0.2)
+        assert len(p._transfers._aborted) == 0
     finally:
         p.close()
         d.close()
