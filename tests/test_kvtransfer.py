@@ -6,13 +6,15 @@ a dead peer, an abort from either side, a lease running out — must leave both 
 
 import os
 import signal
+import threading
 import time
 
 import msgpack
 import pytest
 import torch
 
-from kv_pair import Worker, _decode_main, _prefill_main, loopback_connectors, start_pair, tiny_kv
+from kv_pair import (LoopbackBackend, Worker, _decode_main, _prefill_main, loopback_connectors, loopback_pair,
+                     start_pair, tiny_kv)
 from pdserve.kvtransfer.messages import Notice, ReserveHandle
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 from pdserve.config import EngineConfig, ModelConfig
@@ -337,3 +339,75 @@ def test_aborts_of_requests_never_prefilled_are_forgotten_once_no_post_can_come(
     finally:
         p.close()
         d.close()
+
+
+class GatedLoopback(LoopbackBackend):
+    """A slow network: a write reads its source blocks only once `gate` is open, as a posted NIXL
+    WRITE reads them whenever the transfer runs; until then the blocks it will read are `reading()`."""
+
+    def __init__(self, meta, kv_cache):
+        super().__init__(meta, kv_cache)
+        self.gate = threading.Event()
+        self._writes: list[list] = []  # [peer, layer, src, dst, copied]
+
+    def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> list:
+        w = [peer_id, layer, list(src_blocks), list(dst_blocks), False]
+        self._writes.append(w)
+        return w
+
+    def state(self, token) -> str:
+        if not token[4]:
+            if not self.gate.is_set():
+                return "pending"
+            super().write(*token[:4])
+            token[4] = True
+        return "done"
+
+    def reading(self) -> set[int]:
+        return {b for w in list(self._writes) if not w[4] for b in w[2]}
+
+
+def test_a_prefill_engine_short_of_blocks_never_hands_out_blocks_its_kv_writes_still_read():
+    """Two prompts that need more blocks than the prefill engine has, streamed while the network
+    holds every write: no block is handed out while a write that reads it is pending (preempting
+    the newer prompt would free blocks it posted), and the decode side decodes what colocated
+    generation does."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, 256, (80,), generator=g).tolist() for _ in range(2)]  # 5 blocks each
+    want = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=64)).generate(ps, params)
+    prefill = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), role="prefill", num_kv_blocks=8,
+                                  chunk_size=16, max_num_batched_tokens=32, enable_prefix_cache=False))
+    decode = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), role="decode", num_kv_blocks=64))
+    streamer, intake = loopback_pair(prefill, decode, prefill_backend=GatedLoopback)
+    p = streamer.connector
+    allocate = prefill.pool.allocate
+
+    def checked_allocate(n, after=None):
+        out = allocate(n, after)
+        p._post.call(lambda: None)  # every post queued so far has reached the backend
+        assert not set(out) & p.backend.reading(), "handed out blocks that pending KV writes read"
+        return out
+
+    prefill.pool.allocate = checked_allocate
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ps))}
+    try:
+        for i, prompt in enumerate(ps):
+            streamer.add(f"r{i}", prompt, params, intake.reserve(f"r{i}", prompt, params))
+        for _ in range(12):  # the network holds every write meanwhile
+            streamer.step()
+        assert p.backend.reading()
+        p.backend.gate.set()
+        deadline = time.monotonic() + 60
+        while len(outputs["r0"]) + len(outputs["r1"]) < 2 * params.max_tokens:
+            assert time.monotonic() < deadline, "the requests did not finish"
+            streamer.step()
+            assert intake.poll() == []
+            for out in decode.step():
+                outputs[out.request_id] += out.token_ids
+    finally:
+        p.close()
+        intake.connector.close()
+    assert [outputs[f"r{i}"] for i in range(len(ps))] == [w.token_ids for w in want]
+    assert prefill.scheduler.num_preemptions == 0  # the newer prompt waited for blocks instead
+    assert prefill.pool.num_free_blocks == 8 and decode.pool.num_free_blocks == 64
