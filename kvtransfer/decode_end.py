@@ -50,6 +50,10 @@ class DecodeConnector:
     is the margin that covers both (and the clocks' rate difference, parts per million of the
     lease)."""
 
+    # As PrefillConnector.error, always None: this end runs no thread of its own (its backend calls
+    # are poll()'s, on the engine's thread, where an exception stops the loop).
+    error: BaseException | None = None
+
     def __init__(self, backend, meta: KVAgentMetadata, settle_s: float = 5.0):
         self.backend = backend
         self.meta = meta

@@ -198,6 +198,18 @@ class Transfers:
         if self._stop(rid, t) and result:
             self.outcomes.put(rid, False)
 
+    def fail_all(self) -> None:
+        """The posting thread is dying: fail every request it holds, telling each decode end what
+        fail() would (where it is safe). The backend may be what broke: a request whose step raises
+        fails all the same, and its decode end waits out the lease."""
+        with self.lock:
+            held = [*self._live, *self._unopened]
+        for rid in held:
+            try:
+                self.fail(rid)
+            except Exception:
+                self.outcomes.put(rid, False)
+
     def _stop(self, rid: str, t: Transfer) -> bool:
         """Fail a live transfer, unless delivered already (a late abort: the completion thread
         settles it)."""

@@ -411,3 +411,107 @@ def test_a_prefill_engine_short_of_blocks_never_hands_out_blocks_its_kv_writes_s
     assert [outputs[f"r{i}"] for i in range(len(ps))] == [w.token_ids for w in want]
     assert prefill.scheduler.num_preemptions == 0  # the newer prompt waited for blocks instead
     assert prefill.pool.num_free_blocks == 8 and decode.pool.num_free_blocks == 64
+
+
+def raise_once(obj, method: str, error: BaseException) -> None:
+    """An injected fault: obj.method raises `error` the first time it is called, then works again."""
+    real, armed = getattr(obj, method), [True]
+
+    def faulty(*args, **kw):
+        if armed:
+            armed.clear()
+            raise error
+        return real(*args, **kw)
+
+    setattr(obj, method, faulty)
+
+
+def test_a_dead_posting_thread_fails_every_transfer_and_says_so(caplog):
+    """The backend raises where the posting thread polls a post: the thread dies, but not silently.
+    The transfer it held fails on both sides at once, one handed in later fails on the prefill side
+    at once and on the decode side when its lease runs out, and the connector says why."""
+    prefill = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), role="prefill", num_kv_blocks=64))
+    decode = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), role="decode", num_kv_blocks=64))
+    streamer, intake = loopback_pair(prefill, decode)
+    p, d = streamer.connector, intake.connector
+    intake.lease_s, d.settle_s = 2.0, 0.2
+    fault = RuntimeError("transport gone")
+    raise_once(p.backend, "state", fault)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = list(range(40))
+    failed = {"prefill": set(), "decode": set()}
+
+    def run_until(done, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, f"hung: {failed}"
+            failed["prefill"].update(streamer.step()[2])
+            failed["decode"].update(intake.poll())
+            time.sleep(0.002)
+
+    try:
+        streamer.add("held", prompt, params, intake.reserve("held", prompt, params))
+        run_until(lambda: "held" in failed["prefill"] and "held" in failed["decode"], 5)
+        assert p.error is fault
+        assert any(r.levelname == "ERROR" and "posting thread" in r.getMessage() for r in caplog.records)
+        streamer.add("later", prompt, params, intake.reserve("later", prompt, params))
+        run_until(lambda: "later" in failed["prefill"], 5)
+        run_until(lambda: "later" in failed["decode"] and not intake.busy(), 10)  # its lease, then settling
+    finally:
+        p.close()
+        d.close()
+    assert not streamer.busy()
+    assert prefill.pool.num_free_blocks == decode.pool.num_free_blocks == 64
+
+
+class WaitingLoopback(LoopbackBackend):
+    """A loopback backend that can block until a post is done: the connector runs a completion thread."""
+
+    @staticmethod
+    def wait(token) -> bool:
+        return True
+
+
+def test_a_dead_completion_thread_takes_the_posting_thread_with_it():
+    """A bug kills the completion thread while it holds a finished transfer: that transfer fails on
+    both sides, and the connector says why, rather than the transfer waiting out its lease."""
+    p, d = loopback_connectors(tiny_kv(), tiny_kv(), prefill_backend=WaitingLoopback)
+    try:
+        handle = d.reserve("r", [0], 30.0, p.meta.engine_id)
+        raise_once(p._transfers, "complete", RuntimeError("a bug"))
+        p.send_layer("r", 0, [0], handle)
+        p.finish("r", 7)
+        failed, deadline = {"prefill": False, "decode": False}, time.monotonic() + 5
+        while not all(failed.values()):
+            assert time.monotonic() < deadline, f"hung: {failed}"
+            failed["prefill"] |= "r" in p.poll()[1]
+            failed["decode"] |= "r" in d.poll().failed
+            time.sleep(0.005)
+        assert p.error is not None
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_prefill_worker_whose_posting_thread_died_reports_itself_down():
+    """Its stats() raise, which is how a router counts a replica down (and ends its requests)."""
+    from pdserve.prefill.worker import PrefillWorker
+
+    worker = PrefillWorker("prefill-hazard", EngineConfig(model=ModelConfig(path="tiny-moe"), role="prefill",
+                                                          num_kv_blocks=16), "tcp")
+    try:
+        assert worker.stats().free_blocks == 16
+        raise_once(worker.connector.backend, "notifications", RuntimeError("receiver broke"))
+        deadline = time.monotonic() + 5
+        while True:  # the posting thread polls notifications even when idle
+            try:
+                worker.stats()
+            except RuntimeError as e:
+                assert "KV connector failed" in str(e) and "receiver broke" in str(e)
+                break
+            assert time.monotonic() < deadline, "stats() never raised"
+            time.sleep(0.01)
+        assert worker.loop.alive()  # the engine is fine; its KV cannot leave
+    finally:
+        worker.loop.stop()
+        worker.connector.close()
