@@ -41,7 +41,18 @@ class DecodeConnector:
     """Blocks of a lease that ends without its KV are freed only once the prefill end has answered
     the abort (its answer follows any write it posted) or, where it stays silent, `settle_s` after
     the lease's deadline (by which a live prefill end stopped writing on its own). Freed earlier, a
-    late write would land in blocks that another request owns by then."""
+    late write would land in blocks that another request owns by then.
+
+    Each end counts the lease on its own clock (ReserveHandle): ours from when we made the handle,
+    the prefill end's from when the handle reached it, which is later by the handle's way through
+    the router (a Ray call or two: milliseconds). The prefill end posts nothing past its deadline,
+    so its last write lands by our deadline plus that way plus the write's own flight; `settle_s`
+    is the margin that covers both (and the clocks' rate difference, parts per million of the
+    lease)."""
+
+    # As PrefillConnector.error, always None: this end runs no thread of its own (its backend calls
+    # are poll()'s, on the engine's thread, where an exception stops the loop).
+    error: BaseException | None = None
 
     def __init__(self, backend, meta: KVAgentMetadata, settle_s: float = 5.0):
         self.backend = backend
@@ -64,7 +75,7 @@ class DecodeConnector:
     def reserve(self, request_id: str, block_ids: list[int], lease_s: float,
                 prefill_id: str | None = None) -> ReserveHandle:
         """Open a lease on blocks the engine reserved; the handle goes to the prefill worker."""
-        handle = ReserveHandle(request_id, self.meta.engine_id, list(block_ids), time.time() + lease_s)
+        handle = ReserveHandle(request_id, self.meta.engine_id, list(block_ids), lease_s)
         self._leases[request_id] = _Lease(handle, prefill_id)
         return handle
 
@@ -83,7 +94,7 @@ class DecodeConnector:
             else:  # the prefill end gave up, and its writes have stopped
                 out.failed.append(n.request_id)
                 out.settled.append(n.request_id)
-        now = time.time()
+        now = time.monotonic()
         for rid, lease in list(self._leases.items()):
             if lease.closing and lease.handle.deadline + self.settle_s < now:
                 del self._leases[rid]  # a silent or dead prefill end
@@ -114,8 +125,12 @@ class DecodeConnector:
     def _close(self, rid: str, lease: _Lease) -> None:
         lease.closing = True
         if lease.prefill_id in self.peers:
+            # The prefill end may not have the handle yet. It answers at once then, and we reuse the
+            # blocks: it must refuse the request's posts until no handle of this lease can be posted
+            # to, which is the lease's time left plus the handle's way there (settle_s covers it).
+            refuse_s = max(lease.handle.deadline - time.monotonic(), 0.0) + self.settle_s
             try:
-                self.backend.notify(lease.prefill_id, Notice.abort(rid, self.meta.engine_id).pack())
+                self.backend.notify(lease.prefill_id, Notice.abort(rid, self.meta.engine_id, refuse_s).pack())
             except Exception:  # a dead peer cannot be told: the blocks wait out the lease
                 pass
 

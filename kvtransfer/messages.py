@@ -1,6 +1,7 @@
 """Typed messages of the KV-transfer protocol (msgpack on the wire)."""
 
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
 import msgpack
@@ -12,18 +13,32 @@ FirstLogprob = tuple[float, list[tuple[int, float]]]
 
 @dataclass
 class ReserveHandle:
-    """Where a request's KV goes: the decode engine, its block ids, and the lease's end."""
+    """Where a request's KV goes: the decode engine, its block ids, and how long the lease lasts.
+
+    The lease crosses as a length, never as a time: the two ends run on different hosts, and a
+    wall-clock deadline made on one and read on the other is off by their clocks' skew. Each end
+    counts the length on its own monotonic clock from `start`, when it made (decode end) or received
+    (prefill end) the handle; `start` never leaves the process."""
 
     request_id: str
     engine_id: str  # the decode worker
     block_ids: list[int]  # the same ids in every layer
-    deadline: float  # unix time; after it the blocks are reclaimed on both sides
+    lease_s: float  # after it the blocks are reclaimed on both sides
+    start: float = field(default_factory=time.monotonic, compare=False)
+
+    @property
+    def deadline(self) -> float:
+        """The lease's end on this process's monotonic clock."""
+        return self.start + self.lease_s
 
     def pack(self) -> bytes:
-        return msgpack.packb(asdict(self))
+        return msgpack.packb({"request_id": self.request_id, "engine_id": self.engine_id,
+                              "block_ids": self.block_ids, "lease_s": self.lease_s})
 
     @classmethod
     def unpack(cls, data: bytes) -> "ReserveHandle":
+        """The handle as received: its lease counts from now (PrefillWorker.prefill unpacks it on
+        the call's arrival)."""
         return cls(**msgpack.unpackb(data))
 
 
@@ -50,6 +65,10 @@ class Notice:
     # logprob], ...]] (its most likely alternatives, most likely first); None otherwise, and then
     # not on the wire at all.
     first_logprob: list | None = None
+    # An abort from the decode end: how long from its arrival the prefill end must refuse the
+    # request's posts, i.e. until no handle of its lease can be posted to any more. 0 (not on the
+    # wire) on every other notice.
+    refuse_s: float = 0.0
 
     def __post_init__(self):
         self.kind = NoticeKind(self.kind)
@@ -61,8 +80,8 @@ class Notice:
         return cls(NoticeKind.FINISH, request_id, first_token, first_logprob=wire)
 
     @classmethod
-    def abort(cls, request_id: str, sender: str) -> "Notice":
-        return cls(NoticeKind.ABORT, request_id, sender=sender)
+    def abort(cls, request_id: str, sender: str, refuse_s: float = 0.0) -> "Notice":
+        return cls(NoticeKind.ABORT, request_id, sender=sender, refuse_s=refuse_s)
 
     def logprob(self) -> FirstLogprob | None:
         """first_logprob as tuples, the form Finished carries."""
@@ -73,6 +92,8 @@ class Notice:
         d = asdict(self)
         if d["first_logprob"] is None:
             del d["first_logprob"]
+        if not d["refuse_s"]:
+            del d["refuse_s"]
         return msgpack.packb(d)
 
     @classmethod

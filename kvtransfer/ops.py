@@ -120,4 +120,12 @@ class Call:
         return self.result
 
 
-Op = PostLayers | Opened | PostFailed | Finish | Release | Settled | Call
+@dataclass
+class Died:
+    """The completion thread died of `error`: the posting thread dies with it (no finished transfer
+    would complete any more)."""
+
+    error: BaseException
+
+
+Op = PostLayers | Opened | PostFailed | Finish | Release | Settled | Call | Died

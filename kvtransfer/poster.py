@@ -5,15 +5,24 @@ for a layer's CUDA event and folds the queued layers of a request into one backe
 InlinePoster: a backend that only enqueues device work (cuda_ipc) posts on the engine's thread.
 CompletionThread: for a backend that can block until a post is done, it does, and sends the finish
 notice at once rather than at the next poll.
+
+Either thread dying (an exception from a backend call it makes outside a request's own guard, or a
+bug) is loud and bounded: it is logged, every transfer the prefill end holds fails, so does every
+op handed in later, and `error` says why (the worker's stats() raise on it: the router counts the
+replica down). A silent death would leave every transfer hanging.
 """
 
+import logging
 import queue
 import threading
 import time
+from collections import deque
 
 from pdserve.kvtransfer.messages import ReserveHandle
-from pdserve.kvtransfer.ops import Call, Op, Opened, PostFailed, PostLayers, Settled
+from pdserve.kvtransfer.ops import Call, Died, Op, Opened, PostFailed, PostLayers, Settled
 from pdserve.kvtransfer.transfers import Transfer, Transfers
+
+log = logging.getLogger(__name__)
 
 
 def fold(ops: list[Op]) -> list[Op]:
@@ -33,12 +42,18 @@ class PostThread:
         self.backend = backend
         self.transfers = transfers
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._todo: deque[Op] = deque()  # taken from the queue, not applied yet
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.error: BaseException | None = None  # why the thread died
+        self._thread = threading.Thread(target=self._guarded, name=name, daemon=True)
         self._thread.start()
 
     def put(self, op: Op) -> None:
         self._ops.put(op)
+        # Dead: nobody takes it. Queued before looking, so that _die (which looks after setting
+        # error) or we refuse it, whichever comes last.
+        if self.error is not None:
+            self._refuse_queued()
 
     def call(self, fn):
         """Run fn on this thread and wait for it."""
@@ -64,15 +79,54 @@ class PostThread:
                     ops.append(self._ops.get_nowait())
             except queue.Empty:
                 pass
-            for op in fold(ops):
+            self._todo.extend(fold(ops))
+            while self._todo:
+                op = self._todo.popleft()
                 match op:
                     case Call():
                         op.run()
                     case PostLayers():
                         self._post(op)
+                    case Died():
+                        raise RuntimeError("the KV completion thread died") from op.error
                     case _:
                         self.transfers.apply(op)
             self.transfers.progress()
+
+    def _guarded(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        self.error = error
+        log.error("KV posting thread %s died: every transfer fails from now on", self._thread.name,
+                  exc_info=error)
+        try:
+            self.transfers.fail_all()
+        finally:
+            self._refuse(self._todo)
+            self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        while True:
+            try:
+                self._refuse([self._ops.get_nowait()])
+            except queue.Empty:
+                return
+
+    def _refuse(self, ops) -> None:
+        """Ops the dead thread will never apply: each request fails, each call raises."""
+        for op in ops:
+            match op:
+                case Call():
+                    op.error = RuntimeError(f"the KV posting thread died: {self.error!r}")
+                    op.done.set()
+                case Settled() | Died():
+                    pass  # its result was given already / the thread is dead already
+                case _:
+                    self.transfers.outcomes.put(op.request_id, False)
 
     def _post(self, op: PostLayers) -> None:
         t = self.transfers.for_post(op)
@@ -108,6 +162,9 @@ class InlinePoster:
         with self.transfers.lock:
             if self.transfers.refuses(rid, t):
                 return
+            if handle.deadline < time.monotonic():  # past our lease: the decode end frees the blocks soon
+                self.post_thread.put(PostFailed(rid, handle))
+                return
             started = time.monotonic()  # the transfer's clock starts before its first post's host work
             try:
                 token = self.backend.write_range(handle.engine_id, first_layer, num_layers, src, dst)
@@ -135,7 +192,8 @@ class CompletionThread:
         self.transfers = transfers
         self.post_thread = post
         self._waits = waits  # (request_id, Transfer), put by Transfers on finish; None ends the thread
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.error: BaseException | None = None  # why the thread died
+        self._thread = threading.Thread(target=self._guarded, name=name, daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -154,3 +212,11 @@ class CompletionThread:
                 ok = False
             if self.transfers.complete(rid, t, ok):
                 self.post_thread.put(Settled(rid, t))
+
+    def _guarded(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # the posting thread fails the transfers, ours included
+            self.error = e
+            log.error("KV completion thread %s died", self._thread.name, exc_info=e)
+            self.post_thread.put(Died(e))

@@ -39,6 +39,12 @@ class PrefillConnector:
             self._completion = CompletionThread(backend, self._transfers, self._post, waits,
                                                 name=f"kv-done-{meta.engine_id}")
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why this end can move no KV any more (its posting or completion thread died), else None:
+        every transfer fails then, and the worker reports itself down."""
+        return self._post.error or (self._completion.error if self._completion is not None else None)
+
     def metadata(self) -> bytes:
         """What this end publishes for the handshake (msgpack)."""
         return self.meta.pack()

@@ -62,7 +62,9 @@ class Transfers:
         # Failed transfers whose writes may still land (a copy NIXL could not cancel, a queued device
         # copy): the decode end hears "abort" only once they cannot, as it then reuses the blocks.
         self._draining: dict[str, Transfer] = {}
-        self._aborted: set[str] = set()  # aborted before we heard of them
+        # Aborted before we heard of them -> until when (monotonic) a handle of theirs could still
+        # be posted to, after which their posts are refused by the lease anyway; oldest first.
+        self._aborted: OrderedDict[str, float] = OrderedDict()
         self._unopened: set[str] = set()  # posted inline, the Opened op not applied yet
         # Requests delivered lately: an abort the decode end sent before it read our finish notice
         # comes after the transfer is gone, and is no failure.
@@ -75,8 +77,11 @@ class Transfers:
             self.waits is None and any(t.state is State.OPEN for t in self._live.values()))
 
     def for_post(self, op: PostLayers) -> Transfer | None:
-        """The transfer op's layers join; None where the request was aborted."""
+        """The transfer op's layers join; None where the request was aborted or its lease is over."""
         if op.request_id in self._aborted:
+            return None
+        if op.handle.deadline < time.monotonic():  # past our lease: the decode end frees the blocks soon
+            self.apply(PostFailed(op.request_id, op.handle))
             return None
         t = self._live.get(op.request_id)
         if t is None:  # the clock runs from the caller's first post, hand-off included
@@ -98,13 +103,13 @@ class Transfers:
                 with self.lock:
                     self._unopened.discard(rid)
                     self._live[rid] = t
-                if rid in self._aborted:  # the decode end aborted it already: answer once its copies are done
-                    self._aborted.discard(rid)
+                # The decode end aborted it already: answer once its copies are done.
+                if self._aborted.pop(rid, None) is not None:
                     self.fail(rid, result=False)
             case PostFailed(rid, handle):
                 if rid not in self._live and rid not in self._aborted:  # nothing was posted
                     self._abort(handle.engine_id, rid)
-                self.fail(rid)
+                self.fail(rid, until=handle.deadline)
             case Finish(rid, first_token, first_logprob):
                 t = self._live.get(rid)
                 if t is not None:
@@ -112,29 +117,34 @@ class Transfers:
                     if self.waits is not None:
                         t.state = State.FINISHING
                         self.waits.put((rid, t))
-                elif rid in self._aborted:  # aborted by the peer before we started: fail it again
-                    self._aborted.discard(rid)
-                    self.outcomes.put(rid, False)
+                elif self._aborted.pop(rid, None) is not None:  # aborted by the peer before we started
+                    self.outcomes.put(rid, False)  # fail it again
             case Settled(rid, t):
                 if self._live.get(rid) is t:
                     del self._live[rid]
                     self._drop(t)
             case Release(rid, handle):
                 t = self._live.get(rid)
-                self._aborted.discard(rid)
+                self._aborted.pop(rid, None)
                 if t is not None:
                     self._stop(rid, t)
                 elif handle is not None:  # nothing was posted
                     self._abort(handle.engine_id, rid)
 
     def progress(self) -> None:
-        """Take the decode ends' aborts, answer drained ones, fail expired transfers and (where no
-        completion thread waits) deliver complete ones."""
+        """Take the decode ends' aborts, forget those whose leases are over, answer drained ones, fail
+        expired transfers and (where no completion thread waits) deliver complete ones."""
+        now = time.monotonic()
         for payload in self.backend.notifications():
             n = Notice.unpack(payload)
             if n.kind is NoticeKind.ABORT:
-                self.fail(n.request_id, answer=n.sender)
-        now = time.time()
+                self.fail(n.request_id, answer=n.sender, until=now + n.refuse_s)
+        while self._aborted:  # an entry waits behind an older one at most that one's time
+            rid, until = next(iter(self._aborted.items()))
+            if until > now:
+                break
+            with self.lock:
+                del self._aborted[rid]
         for rid, t in list(self._draining.items()):
             if self._settled(t):
                 del self._draining[rid]
@@ -168,15 +178,17 @@ class Transfers:
             self.outcomes.put(rid, False)
         return True
 
-    def fail(self, rid: str, answer: str | None = None, result: bool = True) -> None:
+    def fail(self, rid: str, answer: str | None = None, result: bool = True, until: float = 0.0) -> None:
         """Stop a transfer and tell the decode end once none of its writes can land any more.
-        `answer`: the decode end that aborted it, answered even where we never heard of the request."""
+        `answer`: the decode end that aborted it, answered even where we never heard of the request.
+        `until`: for a request we hold no transfer of, when (monotonic) its lease can no longer be
+        posted to: its posts are refused until then."""
         t = self._live.get(rid)
         if t is None:
             with self.lock:
                 late = rid in self._recent_done  # delivered: every write landed, the result was given
-                if not late:
-                    self._aborted.add(rid)  # the layers may still be queued: drop them when they come
+                if not late:  # the layers may still be queued, or the handle still on its way: drop them
+                    self._aborted[rid] = max(until, self._aborted.pop(rid, until))
                 unopened = rid in self._unopened  # posted inline already: answered once Opened comes
             if not late:
                 self.outcomes.put(rid, False)
@@ -185,6 +197,18 @@ class Transfers:
             return
         if self._stop(rid, t) and result:
             self.outcomes.put(rid, False)
+
+    def fail_all(self) -> None:
+        """The posting thread is dying: fail every request it holds, telling each decode end what
+        fail() would (where it is safe). The backend may be what broke: a request whose step raises
+        fails all the same, and its decode end waits out the lease."""
+        with self.lock:
+            held = [*self._live, *self._unopened]
+        for rid in held:
+            try:
+                self.fail(rid)
+            except Exception:
+                self.outcomes.put(rid, False)
 
     def _stop(self, rid: str, t: Transfer) -> bool:
         """Fail a live transfer, unless delivered already (a late abort: the completion thread

@@ -234,19 +234,39 @@ class LoopbackBackend:
         LoopbackBackend._ends.pop(self.meta.engine_id, None)
 
 
-def loopback_pair(prefill_engine, decode_engine):
-    """A prefill engine streaming into a decode engine of this process, through the real connectors
-    (KVStreamer -> PrefillConnector -> notices -> DecodeConnector -> KVIntake) over LoopbackBackend."""
-    from pdserve.decode.kv_intake import KVIntake
+def loopback_connectors(prefill, decode, prefill_backend=LoopbackBackend):
+    """A PrefillConnector and a DecodeConnector of this process, joined over LoopbackBackend (the
+    prefill end's over `prefill_backend`); `prefill`, `decode`: each end's (KV cache, KVLayout,
+    model fingerprint)."""
     from pdserve.kvtransfer import DecodeConnector, KVAgentMetadata, PrefillConnector
-    from pdserve.prefill.kv_stream import KVStreamer
 
     ends = []
-    for cls, engine in ((PrefillConnector, prefill_engine), (DecodeConnector, decode_engine)):
-        meta = KVAgentMetadata.for_cache(f"{cls.__name__}-{id(engine)}", "loopback", engine.kv_cache,
-                                         engine.layout, engine.fingerprint)
-        ends.append(cls(LoopbackBackend(meta, engine.kv_cache), meta))
+    for cls, backend, (kv, layout, fingerprint) in ((PrefillConnector, prefill_backend, prefill),
+                                                     (DecodeConnector, LoopbackBackend, decode)):
+        meta = KVAgentMetadata.for_cache(f"{cls.__name__}-{id(kv)}", "loopback", kv, layout, fingerprint)
+        ends.append(cls(backend(meta, kv), meta))
     p, d = ends
     p.add_peer(d.metadata())
     d.add_peer(p.metadata())
+    return p, d
+
+
+def tiny_kv(num_blocks: int = 8):
+    """A small KV cache without an engine, for tests of the connectors alone: (cache, layout, fingerprint)."""
+    import torch
+
+    from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
+
+    layout = KVLayout(2, num_blocks, 4, 2, 8, torch.float32)
+    return allocate_kv_cache(layout, torch.device("cpu")), layout, "tiny"
+
+
+def loopback_pair(prefill_engine, decode_engine, prefill_backend=LoopbackBackend):
+    """A prefill engine streaming into a decode engine of this process, through the real connectors
+    (KVStreamer -> PrefillConnector -> notices -> DecodeConnector -> KVIntake) over LoopbackBackend."""
+    from pdserve.decode.kv_intake import KVIntake
+    from pdserve.prefill.kv_stream import KVStreamer
+
+    p, d = loopback_connectors(*[(e.kv_cache, e.layout, e.fingerprint) for e in (prefill_engine, decode_engine)],
+                               prefill_backend=prefill_backend)
     return KVStreamer(prefill_engine, p), KVIntake(decode_engine, d)

@@ -1,6 +1,8 @@
 """The block pool: contiguous runs, ref counts, prefix cache with LRU eviction, no leaks."""
 
+import hashlib
 import random
+from array import array
 
 import pytest
 
@@ -77,6 +79,28 @@ def test_different_prefix_misses():
     pool.free(blocks)
     assert pool.lookup(b) == blocks[:1]
     pool.free(blocks[:1])
+
+
+def test_prefix_keys_are_sha256_digests_that_tell_apart_what_pythons_hash_confuses():
+    """Python's hash() of an int is the int modulo 2**61 - 1, so a key built from hash((parent,
+    tokens)) is the same for these two blocks; a sha256 over the token ids themselves is not, and a
+    prompt is never served another prompt's KV."""
+    a = [0] * 16
+    b = [2**61 - 1] + [0] * 15
+    assert hash((None, tuple(a))) == hash((None, tuple(b)))  # the old key: one entry for both
+    ka, kb = block_hashes(a + a, 16), block_hashes(b + a, 16)
+    assert ka[0] != kb[0] and ka[1] != kb[1]  # a child's key carries its parent's
+    first = hashlib.sha256(bytes(32) + array("q", a).tobytes()).digest()
+    assert ka == [first, hashlib.sha256(first + array("q", a).tobytes()).digest()]
+    assert block_hashes(list(a + a), 16) == ka  # equal prefixes: equal keys
+    pool = BlockPool(8)
+    blocks = pool.allocate(2)
+    for blk, h in zip(blocks, ka):
+        pool.register(blk, h)
+    pool.free(blocks)
+    assert pool.lookup(kb) == []
+    assert pool.lookup(ka) == blocks  # still there for the prompt that wrote it
+    pool.free(blocks)
 
 
 def test_eviction_is_lru_and_only_when_plain_blocks_run_out():

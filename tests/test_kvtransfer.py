@@ -6,14 +6,16 @@ a dead peer, an abort from either side, a lease running out — must leave both 
 
 import os
 import signal
+import threading
 import time
 
 import msgpack
 import pytest
 import torch
 
-from kv_pair import Worker, _decode_main, _prefill_main, start_pair
-from pdserve.kvtransfer.messages import Notice
+from kv_pair import (LoopbackBackend, Worker, _decode_main, _prefill_main, loopback_connectors, loopback_pair,
+                     start_pair, tiny_kv)
+from pdserve.kvtransfer.messages import Notice, ReserveHandle
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
@@ -245,3 +247,271 @@ def test_decode_abort_holds_blocks_until_the_prefill_side_stops_writing(backend)
 def dfree_after_reserve(d: Worker) -> int:
     return d.call("run", 0.01)[1]
 
+
+
+def test_a_handle_carries_the_leases_length_not_a_time_of_day():
+    """Hosts' clocks differ: what crosses is how long the lease lasts, and each end counts it from
+    when it made or received the handle."""
+    made = ReserveHandle("r", "decode-0", [3, 4], 30.0)
+    assert msgpack.unpackb(made.pack()) == {"request_id": "r", "engine_id": "decode-0", "block_ids": [3, 4],
+                                            "lease_s": 30.0}
+    time.sleep(0.05)  # on its way
+    got = ReserveHandle.unpack(made.pack())
+    assert got == made and got.deadline - made.deadline >= 0.05
+
+
+def test_each_end_counts_the_lease_on_its_own_clock(monkeypatch):
+    """The decode end's lease runs out by its clock, the prefill end's by its own, counted from when
+    the handle reached it; a prefill host whose wall clock is an hour ahead changes nothing."""
+    p, d = loopback_connectors(tiny_kv(), tiny_kv())
+    try:
+        lease_s, way_s = 1.0, 0.4
+        made_at = time.monotonic()
+        made = d.reserve("r", [0, 1], lease_s)  # no prefill id: no abort crosses, each end expires alone
+        wall = time.time
+        monkeypatch.setattr(time, "time", lambda: wall() + 3600)  # the prefill host's clock
+        time.sleep(way_s)
+        got_at = time.monotonic()
+        got = ReserveHandle.unpack(made.pack())
+        p.send_layer("r", 0, [0, 1], got)  # posted, never finished: the lease runs out
+        failed_at: dict[str, float] = {}
+        deadline = time.monotonic() + 10
+        while len(failed_at) < 2 and time.monotonic() < deadline:
+            if "r" in d.poll().failed:
+                failed_at["decode"] = time.monotonic()
+            if "r" in p.poll()[1]:
+                failed_at["prefill"] = time.monotonic()
+            time.sleep(0.005)
+        assert lease_s <= failed_at["prefill"] - got_at < lease_s + 1  # from when the handle came
+        assert lease_s <= failed_at["decode"] - made_at < lease_s + 1  # from when it was made
+    finally:
+        p.close()
+        d.close()
+
+
+def test_the_prefill_end_posts_nothing_past_its_lease():
+    """A request that reaches its first post after its lease ran out (a long queue) fails without
+    writing: the decode end frees those blocks soon after its own deadline."""
+    prefill_end, decode_end = tiny_kv(), tiny_kv()
+    prefill_end[0].fill_(1.0)
+    p, d = loopback_connectors(prefill_end, decode_end)
+    try:
+        got = ReserveHandle.unpack(d.reserve("r", [0, 1], 0.2).pack())
+        time.sleep(0.3)
+        p.send_layer("r", 0, [0, 1], got)
+        deadline = time.monotonic() + 5
+        while "r" not in p.poll()[1]:
+            assert time.monotonic() < deadline, "the request never failed"
+            time.sleep(0.005)
+        assert not decode_end[0].any()  # nothing landed
+    finally:
+        p.close()
+        d.close()
+
+
+def test_aborts_of_requests_never_prefilled_are_forgotten_once_no_post_can_come():
+    """The decode end aborts requests whose prefill never reaches the prefill end (the client left
+    first). The prefill end answers at once and refuses their posts while a handle of theirs could
+    still come, then forgets them: the record does not grow with every such abort."""
+    prefill_end, decode_end = tiny_kv(), tiny_kv()
+    prefill_end[0].fill_(1.0)
+    p, d = loopback_connectors(prefill_end, decode_end)
+    d.settle_s = 0.3
+    lease_s, n = 0.5, 200
+    try:
+        handles = [d.reserve(f"r{i}", [i % 8], lease_s, p.meta.engine_id) for i in range(n)]
+        for i in range(n):
+            d.release(f"r{i}")
+        settled, deadline = set(), time.monotonic() + 10
+        while len(settled) < n:  # answered at once: the prefill end held no write of them
+            assert time.monotonic() < deadline, f"{n - len(settled)} aborts unanswered"
+            settled.update(d.poll().settled)
+            time.sleep(0.005)
+        late = ReserveHandle.unpack(handles[0].pack())  # one prefill comes after all, within the lease
+        p.send_layer("r0", 0, [0], late)
+        p.finish("r0", 7)
+        while "r0" not in p.poll()[1]:
+            assert time.monotonic() < deadline, "the late request never failed"
+            time.sleep(0.005)
+        assert not decode_end[0].any()  # refused: those blocks may be another request's by now
+        time.sleep(lease_s + d.settle_s + 0.2)
+        assert len(p._transfers._aborted) == 0
+    finally:
+        p.close()
+        d.close()
+
+
+class GatedLoopback(LoopbackBackend):
+    """A slow network: a write reads its source blocks only once `gate` is open, as a posted NIXL
+    WRITE reads them whenever the transfer runs; until then the blocks it will read are `reading()`."""
+
+    def __init__(self, meta, kv_cache):
+        super().__init__(meta, kv_cache)
+        self.gate = threading.Event()
+        self._writes: list[list] = []  # [peer, layer, src, dst, copied]
+
+    def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> list:
+        w = [peer_id, layer, list(src_blocks), list(dst_blocks), False]
+        self._writes.append(w)
+        return w
+
+    def state(self, token) -> str:
+        if not token[4]:
+            if not self.gate.is_set():
+                return "pending"
+            super().write(*token[:4])
+            token[4] = True
+        return "done"
+
+    def reading(self) -> set[int]:
+        return {b for w in list(self._writes) if not w[4] for b in w[2]}
+
+
+def test_a_prefill_engine_short_of_blocks_never_hands_out_blocks_its_kv_writes_still_read():
+    """Two prompts that need more blocks than the prefill engine has, streamed while the network
+    holds every write: no block is handed out while a write that reads it is pending (preempting
+    the newer prompt would free blocks it posted), and the decode side decodes what colocated
+    generation does."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, 256, (80,), generator=g).tolist() for _ in range(2)]  # 5 blocks each
+    want = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=64)).generate(ps, params)
+    prefill = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), role="prefill", num_kv_blocks=8,
+                                  chunk_size=16, max_num_batched_tokens=32, enable_prefix_cache=False))
+    decode = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), role="decode", num_kv_blocks=64))
+    streamer, intake = loopback_pair(prefill, decode, prefill_backend=GatedLoopback)
+    p = streamer.connector
+    allocate = prefill.pool.allocate
+
+    def checked_allocate(n, after=None):
+        out = allocate(n, after)
+        p._post.call(lambda: None)  # every post queued so far has reached the backend
+        assert not set(out) & p.backend.reading(), "handed out blocks that pending KV writes read"
+        return out
+
+    prefill.pool.allocate = checked_allocate
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ps))}
+    try:
+        for i, prompt in enumerate(ps):
+            streamer.add(f"r{i}", prompt, params, intake.reserve(f"r{i}", prompt, params))
+        for _ in range(12):  # the network holds every write meanwhile
+            streamer.step()
+        assert p.backend.reading()
+        p.backend.gate.set()
+        deadline = time.monotonic() + 60
+        while len(outputs["r0"]) + len(outputs["r1"]) < 2 * params.max_tokens:
+            assert time.monotonic() < deadline, "the requests did not finish"
+            streamer.step()
+            assert intake.poll() == []
+            for out in decode.step():
+                outputs[out.request_id] += out.token_ids
+    finally:
+        p.close()
+        intake.connector.close()
+    assert [outputs[f"r{i}"] for i in range(len(ps))] == [w.token_ids for w in want]
+    assert prefill.scheduler.num_preemptions == 0  # the newer prompt waited for blocks instead
+    assert prefill.pool.num_free_blocks == 8 and decode.pool.num_free_blocks == 64
+
+
+def raise_once(obj, method: str, error: BaseException) -> None:
+    """An injected fault: obj.method raises `error` the first time it is called, then works again."""
+    real, armed = getattr(obj, method), [True]
+
+    def faulty(*args, **kw):
+        if armed:
+            armed.clear()
+            raise error
+        return real(*args, **kw)
+
+    setattr(obj, method, faulty)
+
+
+def test_a_dead_posting_thread_fails_every_transfer_and_says_so(caplog):
+    """The backend raises where the posting thread polls a post: the thread dies, but not silently.
+    The transfer it held fails on both sides at once, one handed in later fails on the prefill side
+    at once and on the decode side when its lease runs out, and the connector says why."""
+    prefill = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), role="prefill", num_kv_blocks=64))
+    decode = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), role="decode", num_kv_blocks=64))
+    streamer, intake = loopback_pair(prefill, decode)
+    p, d = streamer.connector, intake.connector
+    intake.lease_s, d.settle_s = 2.0, 0.2
+    fault = RuntimeError("transport gone")
+    raise_once(p.backend, "state", fault)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = list(range(40))
+    failed = {"prefill": set(), "decode": set()}
+
+    def run_until(done, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, f"hung: {failed}"
+            failed["prefill"].update(streamer.step()[2])
+            failed["decode"].update(intake.poll())
+            time.sleep(0.002)
+
+    try:
+        streamer.add("held", prompt, params, intake.reserve("held", prompt, params))
+        run_until(lambda: "held" in failed["prefill"] and "held" in failed["decode"], 5)
+        assert p.error is fault
+        assert any(r.levelname == "ERROR" and "posting thread" in r.getMessage() for r in caplog.records)
+        streamer.add("later", prompt, params, intake.reserve("later", prompt, params))
+        run_until(lambda: "later" in failed["prefill"], 5)
+        run_until(lambda: "later" in failed["decode"] and not intake.busy(), 10)  # its lease, then settling
+    finally:
+        p.close()
+        d.close()
+    assert not streamer.busy()
+    assert prefill.pool.num_free_blocks == decode.pool.num_free_blocks == 64
+
+
+class WaitingLoopback(LoopbackBackend):
+    """A loopback backend that can block until a post is done: the connector runs a completion thread."""
+
+    @staticmethod
+    def wait(token) -> bool:
+        return True
+
+
+def test_a_dead_completion_thread_takes_the_posting_thread_with_it():
+    """A bug kills the completion thread while it holds a finished transfer: that transfer fails on
+    both sides, and the connector says why, rather than the transfer waiting out its lease."""
+    p, d = loopback_connectors(tiny_kv(), tiny_kv(), prefill_backend=WaitingLoopback)
+    try:
+        handle = d.reserve("r", [0], 30.0, p.meta.engine_id)
+        raise_once(p._transfers, "complete", RuntimeError("a bug"))
+        p.send_layer("r", 0, [0], handle)
+        p.finish("r", 7)
+        failed, deadline = {"prefill": False, "decode": False}, time.monotonic() + 5
+        while not all(failed.values()):
+            assert time.monotonic() < deadline, f"hung: {failed}"
+            failed["prefill"] |= "r" in p.poll()[1]
+            failed["decode"] |= "r" in d.poll().failed
+            time.sleep(0.005)
+        assert p.error is not None
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_prefill_worker_whose_posting_thread_died_reports_itself_down():
+    """Its stats() raise, which is how a router counts a replica down (and ends its requests)."""
+    from pdserve.prefill.worker import PrefillWorker
+
+    worker = PrefillWorker("prefill-hazard", EngineConfig(model=ModelConfig(path="tiny-moe"), role="prefill",
+                                                          num_kv_blocks=16), "tcp")
+    try:
+        assert worker.stats().free_blocks == 16
+        raise_once(worker.connector.backend, "notifications", RuntimeError("receiver broke"))
+        deadline = time.monotonic() + 5
+        while True:  # the posting thread polls notifications even when idle
+            try:
+                worker.stats()
+            except RuntimeError as e:
+                assert "KV connector failed" in str(e) and "receiver broke" in str(e)
+                break
+            assert time.monotonic() < deadline, "stats() never raised"
+            time.sleep(0.01)
+        assert worker.loop.alive()  # the engine is fine; its KV cannot leave
+    finally:
+        worker.loop.stop()
+        worker.connector.close()

@@ -6,6 +6,8 @@ content is a full, hashed block of some prompt stays in the prefix cache after i
 leaves; such blocks are evicted least-recently-used first, only when no plain free block is left.
 """
 
+import hashlib
+from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
@@ -15,16 +17,25 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
-def hash_block(parent: int | None, tokens: Seq[int]) -> int:
-    """Hash of a full block given its parent's hash: equal hashes mean equal prefixes."""
-    return hash((parent, tuple(tokens)))
+ROOT = bytes(32)  # the parent key of a prompt's first block
 
 
-def block_hashes(token_ids: Seq[int], block_size: int, parent: int | None = None, start: int = 0) -> list[int]:
+def hash_block(parent: bytes | None, tokens: bytes) -> bytes:
+    """A full block's key: sha256 of its parent's key (ROOT for the first block) and its token ids
+    (int64, as block_hashes encodes them). Equal keys mean equal prefixes: a cryptographic hash
+    over an exact encoding, where Python's hash() of a tuple collides (hash(2**61 - 1) == hash(0))
+    and a crafted prompt could be served another's KV (vLLM's CVE-2025-25183)."""
+    return hashlib.sha256((parent or ROOT) + tokens).digest()
+
+
+def block_hashes(token_ids: Seq[int], block_size: int, parent: bytes | None = None, start: int = 0) -> list[bytes]:
     """Hash chain over the full blocks of token_ids, starting at block index `start`."""
+    # Encoded once, sliced per block: about 1 us per block of 16 tokens, half of it sha256.
+    ids = array("q", token_ids[start * block_size:len(token_ids) // block_size * block_size])
+    raw, step = ids.tobytes(), block_size * ids.itemsize
     out = []
-    for b in range(start, len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[b * block_size:(b + 1) * block_size])
+    for i in range(0, len(raw), step):
+        parent = hash_block(parent, raw[i:i + step])
         out.append(parent)
     return out
 
@@ -35,8 +46,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_cache = enable_prefix_cache
         self.ref_counts: list[int] = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block hash -> block id holding that content
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # block hash -> block id holding that content
         # Free blocks that hold no cached content, as runs: run i is [starts[i], starts[i] + lengths[i]).
         self._run_starts: list[int] = [0]
         self._run_lengths: list[int] = [num_blocks]
@@ -85,7 +96,7 @@ class BlockPool:
 
     # -- prefix cache -------------------------------------------------------------------------
 
-    def lookup(self, hashes: Seq[int]) -> list[int]:
+    def lookup(self, hashes: Seq[bytes]) -> list[int]:
         """Blocks holding the longest cached prefix of this hash chain; takes a reference to each."""
         if not self.enable_prefix_cache:
             return []
@@ -101,7 +112,7 @@ class BlockPool:
             self.ref_counts[b] += 1
         return hits
 
-    def register(self, block_id: int, block_hash: int) -> None:
+    def register(self, block_id: int, block_hash: bytes) -> None:
         """Record that block_id now holds the full block with this hash."""
         if not self.enable_prefix_cache or self.block_hash[block_id] is not None:
             return

@@ -49,7 +49,8 @@ class Engine:
         self.kv_cache = allocate_kv_cache(self.layout, self.device)
         self.pool = BlockPool(self.layout.num_blocks, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.chunk_size)
+                                   config.max_num_batched_tokens, config.chunk_size,
+                                   whole_prompt=config.role == "prefill")
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
         if self._wants_graphs(attn_backend, ep):
             from pdserve.engine.cuda_graphs import DecodeGraphs

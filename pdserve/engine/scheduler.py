@@ -4,6 +4,7 @@ Every running sequence asks for the tokens it has that have no KV yet: one for a
 sequence, a chunk for a prefilling one. Running sequences go first, oldest first; when blocks run
 out the newest running sequence is preempted (its blocks freed, recomputed later). Waiting
 sequences are admitted while budget, sequence slots and blocks last, reusing prefix-cached blocks.
+A prefill-role engine admits a prompt only with all of its blocks, so it never preempts.
 """
 
 from collections import deque
@@ -25,12 +26,17 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, chunk_size: int):
+                 max_num_batched_tokens: int, chunk_size: int, whole_prompt: bool = False):
         self.pool = pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_size = chunk_size
+        # The prefill role takes a prompt's blocks whole at admission, so a running sequence never
+        # grows and is never preempted: preempted, its blocks would go back to the pool (and be
+        # written by another request) while the KV writes it posted to a decode replica may still
+        # be reading them. Its blocks stay its own until the connector says those writes are over.
+        self.whole_prompt = whole_prompt
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -80,8 +86,9 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_computed_tokens == 0:
                 self._use_prefix_cache(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_size)
-            if not self._grow(seq, n):
+            rest = seq.num_tokens - seq.num_computed_tokens
+            n = min(rest, budget, self.chunk_size)
+            if not self._grow(seq, rest if self.whole_prompt else n):
                 self._drop_blocks(seq)
                 break
             self.waiting.popleft()

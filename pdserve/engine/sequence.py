@@ -30,7 +30,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in this sequence's blocks
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # hash chain of the full blocks so far
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks so far
     finish_reason: FinishReason | None = None
     logprobs: list[dict] = field(default_factory=list)
     num_preemptions: int = 0

@@ -124,6 +124,8 @@ class Replica:
     def stats(self) -> ReplicaStats:
         if not self.loop.alive():  # the router then counts this replica as down (/health 503)
             raise RuntimeError(f"{self.name}: the engine loop stopped: {self.loop.error!r}")
+        if self.connector is not None and self.connector.error is not None:  # down too: no KV moves
+            raise RuntimeError(f"{self.name}: the KV connector failed: {self.connector.error!r}")
         e = self.engine
         return ReplicaStats(self.name, self.role, len(e.scheduler.running), len(e.scheduler.waiting),
                             e.pool.num_free_blocks, e.pool.num_blocks, self.aborted, pid=os.getpid(),
