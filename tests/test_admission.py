@@ -66,3 +66,35 @@ def test_a_request_that_can_never_run_is_refused_by_the_call_itself(held):
     assert timed(lambda: refused.append(worker.generate(batch, "router"))) < 0.5
     [[too_long, fine]] = refused
     assert too_long is not None and too_long.param == "prompt" and fine is None
+
+
+def test_an_abort_that_overtakes_its_request_drops_the_request_when_it_comes(held):
+    # Ray runs a worker's calls on many threads: a client that left while its request was being
+    # handed over can have its abort arrive first. The request must not run for nobody.
+    worker, release = held
+    added, add = [], worker.engine.add_request
+    worker.engine.add_request = lambda rid, *args, **kw: (added.append(rid), add(rid, *args, **kw))
+    worker.abort(["r5"])
+    worker.generate([NewRequest("r5", [1, 2, 3], PARAMS), NewRequest("r7", [1, 2, 3], PARAMS)], "router")
+    release.set()
+    deadline = time.monotonic() + 10
+    while "r7" not in added:  # the request after it is taken: r5 was passed over
+        assert time.monotonic() < deadline, "the requests never reached the engine"
+        time.sleep(0.01)
+    assert added == ["r7"]
+
+
+def test_a_reservation_overtaken_by_its_abort_is_answered_and_holds_no_blocks():
+    from pdserve.decode.worker import DecodeWorker
+
+    cfg = EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=64, role="decode")
+    worker = DecodeWorker("reserve-abort-test", cfg, "nixl", lease_s=30, namespace="unused")
+    try:
+        worker.abort(["r7"])
+        t0 = time.monotonic()
+        [answer] = worker.reserve([NewRequest("r7", [1, 2, 3], PARAMS, prefill_id="p")], "router")
+        assert time.monotonic() - t0 < 5  # answered at the next boundary, not left to hang
+        assert answer.handle is None and answer.refused is not None
+        assert "r7" not in worker.engine.seqs and worker.engine.pool.num_free_blocks == 64
+    finally:
+        worker.loop.stop()
