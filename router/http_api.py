@@ -327,9 +327,13 @@ def build_app(core: ServingCore, metrics: Metrics | None = None,
 
     @app.get("/health")
     async def health() -> Response:
+        # 200 while every role serves; "degraded" names the replicas down or draining meanwhile
+        # (a replacement starting, a scale-down) so that a probe can tell, without failing it.
+        down = core.degraded()
         if core.ready():
-            return JSONResponse({"status": "ok"})
-        error = ApiError(503, "not ready: some role has no live replica", code="not_ready")
+            return JSONResponse({"status": "degraded", "replicas": down} if down else {"status": "ok"})
+        why = "; ".join(f"{n} {w}" for n, w in down.items()) or "some role has no live replica"
+        error = ApiError(503, f"not ready: {why}", code="not_ready")
         return JSONResponse(error.body(), status_code=503)
 
     @app.get("/metrics")

@@ -135,6 +135,13 @@ class RayCore:
         live = {s.role for s in self.stats.values()}
         return "colocated" in live or {"prefill", "decode"} <= live
 
+    def degraded(self) -> dict[str, str]:
+        out = {n: f"down: {why}" for n, why in self.health.down.items()}
+        out |= {n: "draining" for n in self.health.draining}
+        if self.draining:
+            out["router"] = "draining: the service is shutting down"
+        return out
+
     def in_flight(self) -> int:
         """Requests this router streams now."""
         return len(self._queues)

@@ -77,6 +77,10 @@ class ServingCore(Protocol):
         """True when every role the cluster has (prefill and decode, or colocated) has a live replica."""
         ...
 
+    def degraded(self) -> dict[str, str]:
+        """Replicas that are down or draining now, and why ("down: ...", "draining"); {} when all serve."""
+        ...
+
 
 T = TypeVar("T")
 

@@ -34,6 +34,9 @@ class LocalCore:
     def ready(self) -> bool:
         return self._thread.is_alive()
 
+    def degraded(self) -> dict[str, str]:
+        return {} if self._thread.is_alive() else {"engine": "down: its thread stopped"}
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:

@@ -194,6 +194,9 @@ class FailingCore:
     def ready(self) -> bool:
         return False
 
+    def degraded(self) -> dict[str, str]:
+        return {"pdserve-decode-0": "down: its process died"}
+
     async def generate(self, request):
         raise self.error
         yield

@@ -253,9 +253,14 @@ def test_models(served):
 def test_health(served, monkeypatch):
     r = httpx.get(served.url + "/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+    # Every role serves, but a replica is down (its replacement starting): still 200, named.
+    down = {"pdserve-decode-1": "down: its process died"}
+    monkeypatch.setattr(served.core, "degraded", lambda: down)
+    r = httpx.get(served.url + "/health")
+    assert r.status_code == 200 and r.json() == {"status": "degraded", "replicas": down}
     monkeypatch.setattr(served.core, "ready", lambda: False)
     r = httpx.get(served.url + "/health")
-    assert r.status_code == 503 and r.json()["error"]["message"]
+    assert r.status_code == 503 and "pdserve-decode-1 down: its process died" in r.json()["error"]["message"]
 
 
 def test_metrics(served):

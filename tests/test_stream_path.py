@@ -56,6 +56,9 @@ class ScriptedCore:
     def ready(self) -> bool:
         return True
 
+    def degraded(self) -> dict[str, str]:
+        return {}
+
     async def generate(self, request):
         finished = False
         try:
