@@ -91,3 +91,40 @@ def test_a_dead_routers_requests_are_orphaned_once_and_stream_no_more(router):
     while streams.flush():
         time.sleep(0.001)
     assert orphaned == [["x", "y"]] and len(streams) == 0
+
+
+@ray.remote
+class BrokenRouter:
+    """A router whose `deliver` raises once (a bug there, not a death), then records."""
+
+    def __init__(self):
+        self.deltas = []
+        self.calls = 0
+
+    async def deliver(self, deltas) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("a bug in deliver")
+        self.deltas.extend(deltas)
+
+    def seen(self) -> list:
+        return self.deltas
+
+
+def test_a_message_the_router_failed_to_take_ends_its_requests_with_an_error(router):
+    broken = BrokenRouter.options(name="router-broken", namespace=NAMESPACE).remote()
+    streams = RouterStreams(NAMESPACE)
+    streams.add("p", "router-broken")
+    streams.add("q", "router-broken")
+    streams.output(RequestOutput("p", [1], "a"))  # lost with the failed message
+    streams.flush()
+    deadline = time.monotonic() + 30
+    seen = []
+    while not seen:  # the next messages: p's error (its tokens were lost), q's output goes on
+        assert time.monotonic() < deadline, "the failed message was never answered"
+        streams.output(RequestOutput("q", [2], "b"))
+        streams.flush()
+        time.sleep(0.05)
+        seen = [d for d in ray.get(broken.seen.remote()) if d.request_id == "p"]
+    assert seen[0].finish_reason == "error" and "could not take" in seen[0].error, seen
+    assert all(d.finish_reason != "error" for d in ray.get(broken.seen.remote()) if d.request_id == "q")
