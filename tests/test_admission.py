@@ -88,7 +88,8 @@ def test_a_reservation_overtaken_by_its_abort_is_answered_and_holds_no_blocks():
     from pdserve.decode.worker import DecodeWorker
 
     cfg = EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=64, role="decode")
-    worker = DecodeWorker("reserve-abort-test", cfg, "nixl", lease_s=30, namespace="unused")
+    # TCP, not NIXL: NIXL is loaded in worker processes only (its import aborts in some test processes).
+    worker = DecodeWorker("reserve-abort-test", cfg, "tcp", lease_s=30, namespace="unused")
     try:
         worker.abort(["r7"])
         t0 = time.monotonic()
