@@ -105,7 +105,7 @@ def test_pd_goodput_measures_each_config_and_stops_its_cluster(tmp_path):
     out = tmp_path / "out.json"
     r = run("-m", "pdserve.benchmarks.pd_goodput", str(config), "--rates", "2", "--num-prompts", "4",
             "--input-len", "16", "--output-len", "4", *NO_SLO, "--log-dir", str(tmp_path), "--json", str(out),
-            "--start-timeout", "240", timeout=420)
+            "--start-timeout", "240", "--plot", str(tmp_path / "charts"), timeout=420)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     [c] = json.loads(out.read_text())["configs"]
     assert c["name"] == "tiny" and c["error"] is None and c["goodput"] == 2.0
@@ -115,6 +115,7 @@ def test_pd_goodput_measures_each_config_and_stops_its_cluster(tmp_path):
     assert not port_open(int(c["url"].rsplit(":", 1)[1]))
     assert "ready" in (tmp_path / "pdserve-up.tiny.log").read_text()
     assert "tiny" in r.stdout  # the table
+    assert sorted(p.name for p in (tmp_path / "charts").iterdir()) == ["goodput.png", "tpot.png", "ttft.png"]
 
 
 # -- `pdserve bench` against one shared cluster -------------------------------------------------------

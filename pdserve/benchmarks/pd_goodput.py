@@ -1,7 +1,7 @@
 """P:D configurations through `pdserve up`, compared by goodput on one workload.
 
     python -m pdserve.benchmarks.pd_goodput deploy/pd4/*.yaml --rates 1 2 4 8 --duration 20 \\
-        --input-len 4096 --output-len 256 --stop-below 0.5 --json out.json --log-dir out/
+        --input-len 4096 --output-len 256 --stop-below 0.5 --json out.json --log-dir out/ --plot out/
 
 For each cluster file in turn: start `pdserve up FILE` (a process group of its own, output to
 LOG_DIR/pdserve-up.NAME.log), wait for its /health (router.http_port of the file), run the
@@ -10,7 +10,9 @@ SIGUSR1 writes its threads' stacks to the log, then the group is killed), and go
 a cluster that does not start is reported with its log's tail and skipped. Goodput of a
 configuration = the highest rate at which >= --slo-attainment of the requests meet TTFT <=
 --slo-ttft-ms and TPOT <= --slo-tpot-ms (defaults: 90 %, 2 s, 50 ms). Every other option is
-`pdserve bench`'s (`pdserve bench --help` describes what is measured).
+`pdserve bench`'s (`pdserve bench --help` describes what is measured). --plot DIR draws every
+cluster file's curves on one set of charts (each named by its file); the saved JSON again, later:
+`python -m pdserve.benchmarks.load.plot out.json [other.json ...] --out DIR`.
 """
 
 import argparse
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.benchmarks.load import plot
 from pdserve.benchmarks.load.cli import add_load_args, args_json, check_load_args, fmt, slo_of, workload_of, write_json
 from pdserve.benchmarks.load.client import BenchError
 from pdserve.benchmarks.load.records import RateSummary, rate_json, rate_label
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     check_load_args(p, a)
     try:  # every file is checked before the first cluster starts
         configs = {path: load_cluster_config(str(path)) for path in a.configs}
-    except ConfigError as e:
+        compare = plot.load_compare(a.compare, a.plot)
+    except (ConfigError, plot.PlotError) as e:
         print(f"pd_goodput: error: {e}", file=sys.stderr)
         return 2
     log_dir = a.log_dir or Path(tempfile.mkdtemp(prefix="pd_goodput-"))
@@ -160,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results, a)
     if a.json:
         log(f"wrote {a.json}")
+    if a.plot:
+        try:
+            paths = plot.write_charts(plot.series_of({"configs": [r.to_json(False) for r in results]}, "--plot",
+                                                     "pd_goodput") + compare, a.plot)
+            log(f"wrote {', '.join(map(str, paths))}")
+        except plot.PlotError as e:
+            print(f"pd_goodput: error: {e}", file=sys.stderr)
+            return 2
     return 0 if all(r.error is None for r in results) else 1
 
 

@@ -2,6 +2,8 @@
 
     pdserve up &
     pdserve bench --rate 1 2 4 inf --num-prompts 200 --input-len 1024 --output-len 128 --json out.json
+    pdserve bench ... --label pd2-2 --plot charts/ [--compare earlier.json ...]   (PNG charts; matplotlib)
+    python -m pdserve.benchmarks.load.plot a.json b.json --out charts/             (charts of saved results)
     python -m pdserve.benchmarks.load ...          (the same command)
 
 Imports no torch: it runs on any client machine with httpx.
@@ -21,9 +23,10 @@ import datetime
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
-from pdserve.benchmarks.load import records
+from pdserve.benchmarks.load import plot, records
 from pdserve.benchmarks.load.client import BenchError
 from pdserve.benchmarks.load.records import Slo, Workload, rate_json, rate_label
 from pdserve.benchmarks.load.sweep import Sweep, log, run_sweep
@@ -61,6 +64,14 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="end the sweep after a rate whose attainment is under this (e.g. 0.5)")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--save-requests", action="store_true", help="also write each request's record to the JSON")
+    p.add_argument("--plot", metavar="DIR",
+                   help="after the sweep, write charts into DIR (created if missing): ttft.png, tpot.png (and "
+                        "ITL), goodput.png (and output tokens/s) against the rate, the SLO drawn; needs matplotlib "
+                        "(the plot extra)")
+    p.add_argument("--compare", nargs="+", metavar="FILE",
+                   help="with --plot: earlier results (the --json of pdserve bench or pd_goodput) drawn on the same "
+                        "charts, each named by its label. Saved results alone, without a cluster: "
+                        "python -m pdserve.benchmarks.load.plot FILE... --out DIR")
 
 
 def check_load_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -98,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whose /metrics split TTFT into the router's phases (default: --url). With "
                         "router.replicas > 1 give every router's own address (`pdserve status` lists them): "
                         "through the shared port each scrape reaches whichever router the kernel picks")
+    p.add_argument("--label", help="this run's name, written into the JSON and on the charts (default: the "
+                                   "--json file's name)")
     add_load_args(p)
     return p
 
@@ -117,9 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     check_load_args(p, a)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "args": args_json(a)}
+    try:  # a --compare file that cannot be drawn fails now, not after the sweep
+        compare = plot.load_compare(a.compare, a.plot)
+    except plot.PlotError as e:
+        print(f"pdserve bench: error: {e}", file=sys.stderr)
+        return 2
+
+    def result(sweep: Sweep, save_requests: bool) -> dict[str, Any]:
+        return {"meta": meta, "label": a.label, **sweep.to_json(save_requests)}
 
     def save(sweep: Sweep) -> None:
-        write_json(a.json, {"meta": meta, **sweep.to_json(a.save_requests)})
+        write_json(a.json, result(sweep, a.save_requests))
 
     try:
         sweep = asyncio.run(run_sweep(a.url, a.rates, workload_of(a), slo_of(a), a.model, a.stop_below,
@@ -130,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(sweep)
     if a.json:
         log(f"wrote {a.json}")
+    if a.plot:
+        name = Path(a.json).stem if a.json else "this run"
+        try:
+            paths = plot.write_charts(plot.series_of(result(sweep, False), "--plot", name) + compare, a.plot)
+        except plot.PlotError as e:
+            print(f"pdserve bench: error: {e}", file=sys.stderr)
+            return 2
+        log(f"wrote {', '.join(map(str, paths))}")
     # Nothing completed at all is a broken setup rather than a measurement.
     return 0 if any(r.summary.completed for r in sweep.runs) else 1
 
