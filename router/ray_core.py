@@ -198,6 +198,9 @@ class RayCore:
             return run
         except _Lost as lost:
             return await self._move(request, run, sent, lost)
+        except BaseException:  # refused, no replica in time, the client left: this attempt ends here
+            self._end(run, False)  # (the request's own `finally` holds an earlier attempt, if any)
+            raise
 
     async def _move(self, request: GenerateRequest, run: _Attempt, sent: list[int], lost: "_Lost") -> _Attempt:
         """The attempt's replica was lost: another attempt from the tokens streamed so far, once
