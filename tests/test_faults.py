@@ -115,3 +115,24 @@ def test_the_controller_kills_and_replaces_a_worker_whose_heartbeats_stop(cluste
     assert "state: running" in out, out
     r = httpx.post(f"{cluster.url}/v1/completions", json=LONG | {"stream": False, "max_tokens": 4}, timeout=30)
     assert r.status_code == 200, r.text
+
+
+def restarts(status: str, name: str) -> int:
+    line = next((ln for ln in status.splitlines() if ln.startswith(f"{name} (pid ")), "")
+    return int(line.split("restarted ", 1)[1].split("x", 1)[0]) if "restarted " in line else 0
+
+
+def test_a_prefill_killed_while_the_decode_is_replaced_leaves_both_replaced(cluster):
+    # The replacement of one must not wait on (or fail for) the other: each introduces itself to
+    # the live peers only, and the later one to the earlier.
+    before = cluster.status()
+    decode, prefill = cluster.pid("pdserve-decode-0"), cluster.pid("pdserve-prefill-0")
+    os.kill(decode, signal.SIGKILL)
+    time.sleep(1.5)  # the controller is starting the decode replacement now
+    os.kill(prefill, signal.SIGKILL)
+    want = {n: restarts(before, n) + 1 for n in ("pdserve-decode-0", "pdserve-prefill-0")}
+    until(lambda: all(restarts(s := cluster.status(), n) == k for n, k in want.items()) and "state: running" in s,
+          timeout_s=120, what="both replaced")
+    assert "replacement failed" not in cluster.output(), cluster.output()
+    r = httpx.post(f"{cluster.url}/v1/completions", json=LONG | {"stream": False, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200, r.text

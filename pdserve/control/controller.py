@@ -68,7 +68,7 @@ class Controller:
         self._note(f"loading {cfg.model.path} on {n} workers")
         self._wait_ready(incs, show=True)
         if cfg.prefill.replicas:
-            self._handshake([i for i in incs if i.role == "prefill"], self._ranks("decode"))
+            self._handshake([i for i in incs if i.role == "prefill"], "decode")
             self._note(f"KV handshake done ({cfg.kv_transfer.backend})")
         self._start_routers()
         self.state = "running"
@@ -93,17 +93,25 @@ class Controller:
                 if show:
                     self._note(f"{name} ready ({total - len(pending)}/{total})")
 
-    def _handshake(self, incs: list[Incarnation], peers: dict[str, ray.actor.ActorHandle]) -> None:
-        """Introduce each worker of `incs` to each of `peers` (workers of the other KV role), and back."""
+    def _handshake(self, incs: list[Incarnation], role: str, states=("serving", "draining")) -> None:
+        """Introduce each worker of `incs` to each live worker of the replicas of `role` (the other
+        KV role), and back. A peer that is dead (or dies meanwhile) is left out: it is being
+        replaced, and its replacement will introduce itself to these. A failure of `incs`' own
+        workers raises."""
         mine = {n: h for inc in incs for n, h in inc.ranks.items()}
-        metas = {n: ray.get(h.metadata.remote(), timeout=60) for n, h in {**mine, **peers}.items()}
-        for a, ah in mine.items():
-            for b, bh in peers.items():
-                ray.get([ah.add_peer.remote(metas[b]), bh.add_peer.remote(metas[a])], timeout=60)
-
-    def _ranks(self, role: str, states=("serving", "draining")) -> dict[str, ray.actor.ActorHandle]:
-        return {n: h for inc in list(self.replicas.values()) if inc.role == role and inc.state in states
-                for n, h in inc.ranks.items()}
+        metas = {n: ray.get(h.metadata.remote(), timeout=60) for n, h in mine.items()}
+        for inc in [i for i in list(self.replicas.values()) if i.role == role and i.state in states]:
+            if inc.replica in self._restarting:
+                continue
+            try:
+                theirs = {n: ray.get(h.metadata.remote(), timeout=60) for n, h in inc.ranks.items()}
+                for b, bh in inc.ranks.items():
+                    ray.get([bh.add_peer.remote(metas[a]) for a in mine], timeout=60)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                self._restarting.setdefault(inc.replica, f"it failed its KV handshake ({type(e).__name__})")
+                continue
+            for a, ah in mine.items():
+                ray.get([ah.add_peer.remote(theirs[b]) for b in inc.ranks], timeout=60)
 
     def _start_routers(self) -> None:
         """router.replicas routers on this node, serving one HTTP and one gRPC port. The first
@@ -192,7 +200,7 @@ class Controller:
         try:
             self._wait_ready([new])
             if new.role != "colocated":
-                self._handshake([new], self._ranks("decode" if new.role == "prefill" else "prefill"))
+                self._handshake([new], "decode" if new.role == "prefill" else "prefill")
         except Exception:
             Launcher.stop(new)
             raise
@@ -244,7 +252,7 @@ class Controller:
                     for inc in started:
                         if inc.role != "colocated":
                             peer = "decode" if inc.role == "prefill" else "prefill"
-                            self._handshake([inc], self._ranks(peer, ("serving",)))
+                            self._handshake([inc], peer, ("serving",))
                 except Exception:
                     for inc in started:
                         Launcher.stop(inc)
