@@ -61,8 +61,8 @@ class Metrics:
                                "dispatch (handed to the prefill or colocated replica), first_token "
                                "(from then on until its first token reached the router)", ["phase"],
                                buckets=_PHASE_BUCKETS, registry=r)
-        self.restarts = Counter("pdserve_replica_restarts", "Times the controller replaced a replica that died "
-                                "(or hung) with a fresh one", ["role", "replica"], registry=r)
+        self.restarts = Counter("pdserve_replica_restarts", "Times the controller replaced a replica (or a "
+                                "router, role router) that died or hung with a fresh one", ["role", "replica"], registry=r)
         self.placed = Counter("pdserve_replica_requests", "Requests this router handed to each replica (a "
                               "request that moved counts once on each replica it went to)", ["role", "replica"],
                               registry=r)

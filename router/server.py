@@ -25,6 +25,7 @@ class Router:
         self.replicas = replicas
         self.namespace = namespace
         self.core: RayCore | None = None
+        self._router_restarts: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
         self.endpoints: dict[str, str] = {}
 
@@ -88,6 +89,14 @@ class Router:
             self.replicas = [r for r in self.replicas if r.replica != change.replica] + [change]
         else:
             self.core.apply(change)
+
+    def routers_restarted(self, restarts: dict[str, int]) -> None:
+        """Restarts of each router (by slot, pdserve-router-i) so far, for /metrics (the controller's count)."""
+        for slot, n in restarts.items():
+            seen = self._router_restarts.get(slot, 0)
+            if n > seen:
+                self.metrics.count_restarts("router", slot, n - seen)
+                self._router_restarts[slot] = n
 
     def placed(self, replica: str) -> int:
         """This router's requests on the replica now (a drain waits for none)."""

@@ -139,6 +139,7 @@ def test_a_decode_a_prefill_and_a_router_killed_under_32_streams_lose_nothing(cl
     metrics = cluster.metrics()
     assert 'pdserve_replica_restarts_total{replica="pdserve-decode-0",role="decode"} 1.0' in metrics, metrics
     assert 'pdserve_replica_restarts_total{replica="pdserve-prefill-0",role="prefill"} 1.0' in metrics
+    assert 'pdserve_replica_restarts_total{replica="pdserve-router-1",role="router"} 1.0' in metrics, metrics
     out = cluster.output()
     for name in ("pdserve-decode-0", "pdserve-prefill-0", "pdserve-router-1"):
         assert f"{name} is down (its process died); starting a replacement" in out, out

@@ -217,6 +217,9 @@ class Controller:
             pass
         ends = self._start_router(slot, old["generation"] + 1)
         self.routers[slot]["restarts"] = old.get("restarts", 0) + 1
+        restarts = {s: r.get("restarts", 0) for s, r in self.routers.items()}  # for every router's /metrics
+        refs = [r["handle"].routers_restarted.remote(restarts) for r in self.routers.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=TELL_S)
         own = f" (own http {ends['own']})" if "own" in ends else ""
         self._note(f"{self.routers[slot]['name']} replaced{own}; serving again")
 
