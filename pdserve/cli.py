@@ -72,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  if (n := getattr(a, r)) is not None}, a.grace))
     st = sub.add_parser("status", help="replicas, their load and the endpoints")
     st.add_argument("--address", default="auto")
-    st.set_defaults(func=lambda a: cluster_cli.status(a.address))
+    st.add_argument("--watch", action="store_true",
+                    help="redraw until Ctrl-C, with TTFT/TPOT p50/p90 and requests/s over the last minute vs the slo")
+    st.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between redraws (--watch)")
+    st.set_defaults(func=lambda a: cluster_cli.status(a.address, a.watch, a.interval))
 
     # Its arguments are parsed by the benchmark itself (`pdserve bench-engine --help` lists them), so
     # that `pdserve --help` does not import torch. prefix_chars="\0": every word goes through as is.

@@ -224,9 +224,17 @@ def down(address: str, grace_s: float = 30.0) -> int:
     return 0
 
 
-def status(address: str) -> int:
+def status(address: str, watch: bool = False, interval: float = 2.0) -> int:
+    """Replicas, routers and endpoints once; with watch, a live view (pdserve/control/watch.py) until Ctrl-C."""
+    if watch and interval <= 0:
+        raise ValueError(f"--interval: {interval:g}; it must be above 0 seconds")
     controller = _controller(address)  # first: it readies the environment Ray reads once, on import
     import ray
+
+    if watch:
+        from pdserve.control import watch as live
+
+        return live.run(controller, interval)
 
     s = ray.get(controller.status.remote(), timeout=30)
     restarts = s.get("restarts", {})

@@ -313,7 +313,8 @@ class Controller:
     def status(self) -> dict:
         """state ("starting", "running", "degraded": some replica or router is down, "draining",
         "stopping", "stopped"), progress lines, endpoints, each replica's stats or why it is down
-        ("down: ..."), each router's info, and restarts per replica and router."""
+        ("down: ..."), each router's info, restarts per replica and router, and the config's slo
+        targets (ttft_ms, tpot_ms: what `pdserve status --watch` shows the latencies against)."""
         from pdserve.router.replica_health import down_reason
 
         replicas: dict[str, ReplicaStats | str] = {}
@@ -344,7 +345,8 @@ class Controller:
                                       for r in [*replicas.values(), *routers.values()]):
             state = "degraded"
         return {"state": state, "progress": list(self.progress), "endpoints": self.endpoints,
-                "replicas": replicas, "routers": routers, "restarts": restarts}
+                "replicas": replicas, "routers": routers, "restarts": restarts,
+                "slo": self.config.slo.model_dump()}
 
     def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop everything. With grace_s: the routers first take no new requests (503, /health 503)

@@ -1,0 +1,283 @@
+"""`pdserve status --watch`: the cluster's state, replicas and routers, and the service's latency over
+the last minute, redrawn until Ctrl-C.
+
+The latency comes from the routers' Prometheus histograms: each router's /metrics is scraped every
+interval, and the window is the difference between the newest scrape and the oldest one at most
+WINDOW_S old, summed over every router. Percentiles are read off the bucket counts by linear
+interpolation inside the bucket (as Prometheus' histogram_quantile does). The scraping and the math
+are plain functions (unit-tested without a cluster); the drawing (rich, imported only here) is apart.
+"""
+
+import math
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+WINDOW_S = 60.0
+TTFT = "pdserve_ttft_seconds"
+TPOT = "pdserve_inter_token_latency_seconds"
+REQUESTS = "pdserve_requests_total"
+
+
+# -- scraping -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    """One router's (or several routers' summed) cumulative figures: histogram name -> {upper bound:
+    cumulative count} (math.inf for +Inf), and requests answered in all."""
+
+    histograms: dict[str, dict[float, float]] = field(default_factory=dict)
+    requests: float = 0.0
+
+
+def parse_metrics(text: str) -> Snapshot:
+    """The figures `watch` uses, from a /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    snap = Snapshot()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in (TTFT + "_bucket", TPOT + "_bucket"):
+                buckets = snap.histograms.setdefault(s.name.removesuffix("_bucket"), {})
+                le = float(s.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + s.value
+            elif s.name == REQUESTS:
+                snap.requests += s.value
+    return snap
+
+
+def combine(snaps: list[Snapshot]) -> Snapshot:
+    """Several routers' figures as one: counts add up, bucket by bucket."""
+    out = Snapshot()
+    for snap in snaps:
+        out.requests += snap.requests
+        for name, buckets in snap.histograms.items():
+            mine = out.histograms.setdefault(name, {})
+            for le, n in buckets.items():
+                mine[le] = mine.get(le, 0.0) + n
+    return out
+
+
+def difference(new: Snapshot, old: Snapshot | None) -> Snapshot:
+    """What one router counted between two scrapes. With no earlier scrape (a router that appeared
+    meanwhile), or one it has counted below (it restarted, from zero), all it has counted since it started."""
+    if old is None or new.requests < old.requests or any(
+            n < old.histograms.get(name, {}).get(le, 0.0)
+            for name, buckets in new.histograms.items() for le, n in buckets.items()):
+        return new
+    return Snapshot({name: {le: n - old.histograms.get(name, {}).get(le, 0.0) for le, n in buckets.items()}
+                     for name, buckets in new.histograms.items()}, new.requests - old.requests)
+
+
+def percentile(buckets: dict[float, float], q: float) -> float | None:
+    """The q-quantile (0..1) of a histogram given as {upper bound: cumulative count}: linear inside
+    the bucket it falls in (from 0 in the first); in the +Inf bucket, the highest finite bound. None
+    when the histogram counted nothing."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lo, below = 0.0, 0.0
+    for le in bounds:
+        n = buckets[le]
+        if n >= rank and n > below:
+            if math.isinf(le):
+                return lo
+            return lo + (le - lo) * (rank - below) / (n - below)
+        lo, below = (le if not math.isinf(le) else lo), n
+    return lo
+
+
+@dataclass
+class Latency:
+    """The service over a window: TTFT and TPOT p50/p90 (seconds; None: nothing counted), requests/s."""
+
+    window_s: float
+    requests_per_s: float
+    ttft_p50: float | None
+    ttft_p90: float | None
+    tpot_p50: float | None
+    tpot_p90: float | None
+
+
+def latency(window: Snapshot, window_s: float) -> Latency:
+    ttft, tpot = window.histograms.get(TTFT, {}), window.histograms.get(TPOT, {})
+    return Latency(window_s, window.requests / window_s if window_s > 0 else 0.0,
+                   percentile(ttft, 0.5), percentile(ttft, 0.9), percentile(tpot, 0.5), percentile(tpot, 0.9))
+
+
+class Window:
+    """Scrapes of every router kept for WINDOW_S; `latency()` over the oldest of them to the newest."""
+
+    def __init__(self, window_s: float = WINDOW_S) -> None:
+        self.window_s = window_s
+        self.scrapes: deque[tuple[float, dict[str, Snapshot]]] = deque()
+
+    def add(self, t: float, by_router: dict[str, Snapshot]) -> None:
+        self.scrapes.append((t, by_router))
+        while len(self.scrapes) > 2 and t - self.scrapes[0][0] > self.window_s:
+            self.scrapes.popleft()
+
+    def latency(self) -> Latency | None:
+        """None until there are two scrapes to difference."""
+        if len(self.scrapes) < 2:
+            return None
+        (t0, old), (t1, new) = self.scrapes[0], self.scrapes[-1]
+        return latency(combine([difference(snap, old.get(url)) for url, snap in new.items()]), t1 - t0)
+
+
+def router_urls(status: dict) -> list[str]:
+    """Each router's own HTTP address (its /metrics counts what it served); with one router, the
+    service's "http" endpoint."""
+    urls = []
+    for r in status.get("routers", {}).values():
+        if isinstance(r, dict):
+            url = r["endpoints"].get("own") or r["endpoints"].get("http")
+            if url and url not in urls:
+                urls.append(url)
+    if not urls and "http" in status.get("endpoints", {}):
+        urls.append(status["endpoints"]["http"])
+    return urls
+
+
+def scrape(urls: list[str], timeout: float = 2.0) -> dict[str, Snapshot]:
+    """Each router's figures; one that does not answer is left out (it is down, and shown so)."""
+    import httpx
+
+    out = {}
+    for url in urls:
+        try:
+            out[url] = parse_metrics(httpx.get(f"{url}/metrics", timeout=timeout).text)
+        except (httpx.HTTPError, ValueError):
+            pass
+    return out
+
+
+# -- what is shown --------------------------------------------------------------------------------
+
+
+def slo_mark(p90_s: float | None, target_ms: float | None) -> str:
+    """"BREACH" when the p90 is above the target, "ok" below it, "" with no figure or no target."""
+    if p90_s is None or not target_ms:
+        return ""
+    return "BREACH" if p90_s * 1000 > target_ms else "ok"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f} ms"
+
+
+def view(status: dict, lat: Latency | None) -> dict:
+    """The figures to draw, as rows of strings: state, replicas, routers, latency."""
+    restarts = status.get("restarts", {})
+    replicas = []
+    for name, r in status["replicas"].items():
+        if isinstance(r, str):
+            role = name.removeprefix("pdserve-").rsplit("-", 1)[0]
+            replicas.append([role, name, r, str(restarts.get(name, 0)), "-", "-", "-"])
+        else:
+            replicas.append([r.role, name, "serving", str(restarts.get(name, 0)), str(r.running), str(r.waiting),
+                             f"{r.total_blocks - r.free_blocks}/{r.total_blocks}"])
+    routers = []
+    for name, r in status.get("routers", {}).items():
+        if isinstance(r, str):
+            routers.append([name, "-", r, "-", str(restarts.get(name, 0))])
+        else:
+            routers.append([name, str(r["pid"]), "serving", str(r["in_flight"]), str(restarts.get(name, 0))])
+    slo = status.get("slo") or {}
+    latency_rows = []
+    if lat is not None:
+        for what, p50, p90, target in (("TTFT", lat.ttft_p50, lat.ttft_p90, slo.get("ttft_ms")),
+                                       ("TPOT", lat.tpot_p50, lat.tpot_p90, slo.get("tpot_ms"))):
+            latency_rows.append([what, _ms(p50), _ms(p90), f"{target:g} ms" if target else "-",
+                                 slo_mark(p90, target)])
+    return {"state": status["state"], "replicas": replicas, "routers": routers, "latency": latency_rows,
+            "requests_per_s": None if lat is None else f"{lat.requests_per_s:.2f}",
+            "window_s": None if lat is None else f"{lat.window_s:.0f}"}
+
+
+REPLICA_COLUMNS = ["role", "replica", "health", "restarts", "running", "waiting", "KV blocks"]
+ROUTER_COLUMNS = ["router", "pid", "health", "streaming", "restarts"]
+LATENCY_COLUMNS = ["latency", "p50", "p90", "SLO", ""]
+
+
+def _latency_title(v: dict) -> str:
+    if v["window_s"] is None:
+        return "latency: collecting (a second scrape is needed)"
+    return f"latency over the last {v['window_s']} s: {v['requests_per_s']} requests/s"
+
+
+def render_text(v: dict) -> str:
+    """A plain snapshot (output that is not a terminal)."""
+    def table(columns, rows):
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+        return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *rows]]
+
+    lines = [f"state: {v['state']}  ({time.strftime('%H:%M:%S')})"]
+    lines += table(REPLICA_COLUMNS, v["replicas"])
+    if v["routers"]:
+        lines += table(ROUTER_COLUMNS, v["routers"])
+    lines.append(_latency_title(v))
+    if v["latency"]:
+        lines += table(LATENCY_COLUMNS, v["latency"])
+    return "\n".join(lines)
+
+
+def render_rich(v: dict):
+    """The same as tables for rich.live.Live."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    def table(title, columns, rows, style=None):
+        t = Table(title=title, title_justify="left")
+        for c in columns:
+            t.add_column(c)
+        for row in rows:
+            t.add_row(*[Text(cell, style=style(cell) if style else None) for cell in row])
+        return t
+
+    def health(cell):
+        return "red" if cell.startswith("down") or cell == "BREACH" else "yellow" if cell == "draining" else None
+
+    state_style = {"running": "green", "degraded": "red"}.get(v["state"], "yellow")
+    parts = [Text.assemble("state: ", (v["state"], state_style), f"  ({time.strftime('%H:%M:%S')})"),
+             table("replicas", REPLICA_COLUMNS, v["replicas"], health)]
+    if v["routers"]:
+        parts.append(table("routers", ROUTER_COLUMNS, v["routers"], health))
+    parts.append(table(_latency_title(v), LATENCY_COLUMNS, v["latency"], health) if v["latency"]
+                 else Text(_latency_title(v)))
+    return Group(*parts)
+
+
+# -- the loop -------------------------------------------------------------------------------------
+
+
+def run(controller, interval: float) -> int:
+    """Until Ctrl-C (exit 0): a redrawn view on a terminal, else one plain snapshot per interval."""
+    import ray
+
+    window = Window()
+
+    def tick():
+        s = ray.get(controller.status.remote(), timeout=30)
+        window.add(time.monotonic(), scrape(router_urls(s)))
+        return view(s, window.latency())
+
+    try:
+        if sys.stdout.isatty():
+            from rich.live import Live
+
+            with Live(render_rich(tick()), auto_refresh=False, screen=False) as live:
+                while True:
+                    time.sleep(interval)
+                    live.update(render_rich(tick()), refresh=True)
+        else:
+            while True:
+                print(render_text(tick()), end="\n\n", flush=True)
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,154 @@
+"""`pdserve status --watch`: the windowed latency math on known histograms (no cluster), and the live
+view against a real `pdserve up`, its output piped, stopped with Ctrl-C."""
+
+import math
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from prometheus_client import generate_latest
+
+from pdserve.control.watch import (TPOT, TTFT, Snapshot, Window, combine, difference, latency, parse_metrics,
+                                   percentile, render_text, router_urls, slo_mark, view)
+from pdserve.messages import ReplicaStats
+from pdserve.router.metrics import Metrics
+from serving_cluster import Cluster
+
+
+def test_percentile_interpolates_inside_the_bucket():
+    buckets = {0.1: 0, 0.2: 10, 0.5: 20, math.inf: 20}
+    assert percentile(buckets, 0.5) == 0.2
+    assert math.isclose(percentile(buckets, 0.9), 0.2 + 0.3 * 8 / 10)
+    assert percentile({0.1: 0, math.inf: 0}, 0.5) is None
+    # Beyond the last finite bound: that bound, as histogram_quantile says.
+    assert percentile({0.1: 1, 1.0: 1, math.inf: 10}, 0.9) == 1.0
+
+
+def test_the_window_is_the_difference_of_two_scrapes():
+    old = Snapshot({TTFT: {0.1: 5, 0.2: 5, 0.5: 10, math.inf: 10}}, requests=10)
+    new = Snapshot({TTFT: {0.1: 5, 0.2: 15, 0.5: 30, math.inf: 30}}, requests=40)
+    w = difference(new, old)
+    assert w.histograms[TTFT] == {0.1: 0, 0.2: 10, 0.5: 20, math.inf: 20} and w.requests == 30
+    lat = latency(w, 60.0)
+    assert lat.requests_per_s == 0.5
+    assert lat.ttft_p50 == 0.2 and math.isclose(lat.ttft_p90, 0.44)
+    assert lat.tpot_p50 is None
+    # A router that restarted counts from zero again: all it counted since is in the window.
+    assert difference(Snapshot({TTFT: {0.1: 1, math.inf: 1}}, 1), old).requests == 1
+
+
+def _router_metrics(ttfts, itls, requests):
+    m = Metrics("r")
+    for v in ttfts:
+        m.ttft.observe(v)
+    for v in itls:
+        m.itl.observe(v)
+    for _ in range(requests):
+        m.count_request("/v1/completions", 200)
+    return m
+
+
+def test_two_routers_add_up_over_the_window():
+    # The router's real metrics, through the text a scrape reads: the names watch.py reads are the router's.
+    a, b = _router_metrics([0.03] * 2, [0.004] * 10, 2), _router_metrics([0.03] * 2, [], 2)
+    w = Window(window_s=60)
+    w.add(0.0, {"http://a": parse_metrics(generate_latest(a.registry).decode()),
+                "http://b": parse_metrics(generate_latest(b.registry).decode())})
+    assert w.latency() is None  # one scrape: nothing to difference yet
+    for _ in range(10):  # 10 more requests at each router, TTFT in (0.025, 0.05]
+        a.ttft.observe(0.04), b.ttft.observe(0.04)
+        a.count_request("/v1/completions", 200), b.count_request("/v1/chat/completions", 200)
+    a.itl.observe(0.007)
+    w.add(10.0, {"http://a": parse_metrics(generate_latest(a.registry).decode()),
+                 "http://b": parse_metrics(generate_latest(b.registry).decode())})
+    lat = w.latency()
+    assert lat.window_s == 10 and lat.requests_per_s == 2.0  # 20 requests in 10 s
+    assert math.isclose(lat.ttft_p50, 0.025 + 0.025 * 10 / 20) and math.isclose(lat.ttft_p90, 0.025 + 0.025 * 18 / 20)
+    assert math.isclose(lat.tpot_p90, 0.005 + 0.005 * 0.9)  # the one inter-token latency in the window, in (0.005, 0.01]
+    # Summed bucket by bucket, as combine() does for the window.
+    both = combine([Snapshot({TPOT: {0.01: 1, math.inf: 1}}, 1), Snapshot({TPOT: {0.01: 2, math.inf: 3}}, 2)])
+    assert both.histograms[TPOT] == {0.01: 3, math.inf: 4} and both.requests == 3
+
+
+def test_the_window_keeps_at_most_a_minute():
+    w = Window(window_s=60)
+    for t in range(0, 100, 10):
+        w.add(float(t), {"u": Snapshot({}, requests=t)})
+    assert w.scrapes[0][0] == 30 and w.latency().window_s == 60 and w.latency().requests_per_s == 1.0
+
+
+def test_a_p90_above_the_slo_is_marked():
+    assert slo_mark(0.25, 200) == "BREACH"
+    assert slo_mark(0.15, 200) == "ok"
+    assert slo_mark(None, 200) == "" and slo_mark(0.25, None) == ""
+    status = {"state": "degraded", "slo": {"ttft_ms": 100, "tpot_ms": 50},
+              "replicas": {"pdserve-colocated-0": ReplicaStats("pdserve-colocated-0", "colocated", 2, 1, 30, 100, 0),
+                           "pdserve-colocated-1": "down: process died; a replacement is starting"},
+              "routers": {"pdserve-router-0": {"pid": 42, "in_flight": 3, "endpoints": {"http": "http://h:1"}}},
+              "restarts": {"pdserve-colocated-1": 2}, "endpoints": {"http": "http://h:1"}}
+    assert router_urls(status) == ["http://h:1"]
+    text = render_text(view(status, latency(Snapshot({TTFT: {0.1: 0, 0.25: 10, math.inf: 10},
+                                                      TPOT: {0.01: 10, math.inf: 10}}, 10), 5.0)))
+    lines = text.splitlines()
+    assert lines[0].startswith("state: degraded")
+    assert any(ln.split()[:7] == ["colocated", "pdserve-colocated-0", "serving", "0", "2", "1", "70/100"] for ln in lines)
+    assert any("pdserve-colocated-1" in ln and "down: process died" in ln and " 2 " in ln for ln in lines)
+    assert any(ln.split()[:4] == ["pdserve-router-0", "42", "serving", "3"] for ln in lines)
+    assert "2.00 requests/s" in text
+    ttft = next(ln for ln in lines if ln.startswith("TTFT"))
+    tpot = next(ln for ln in lines if ln.startswith("TPOT"))
+    assert ttft.endswith("BREACH") and "100 ms" in ttft  # p90 235 ms against 100 ms
+    assert tpot.endswith("ok") and "9.0 ms" in tpot  # p90 9 ms against 50 ms
+
+
+def test_watch_shows_replicas_and_latency_until_ctrl_c(tmp_path):
+    cluster = Cluster(tmp_path, colocated={"replicas": 1})
+    try:
+        cluster.wait_ready()
+        watch = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "status", "--watch", "--interval", "0.5",
+                                  "--address", cluster.up.ray_address()],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out: list[str] = []
+        reader = threading.Thread(target=lambda: out.extend(watch.stdout), daemon=True)
+        reader.start()
+        body = {"model": "tiny-moe", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:  # requests until a TTFT figure shows
+            assert httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=60).status_code == 200
+            if any(ln.startswith("TTFT") and ln.split()[1] != "-" for ln in list(out)):
+                break
+            time.sleep(0.3)
+        time.sleep(1)
+        watch.send_signal(signal.SIGINT)
+        rc = watch.wait(timeout=30)
+        reader.join(timeout=10)
+        err = watch.stderr.read()
+        text = "".join(out)
+        assert rc == 0, err
+        assert "Traceback" not in err, err
+        assert "state: running" in text, text
+        assert any(ln.split()[:3] == ["colocated", "pdserve-colocated-0", "serving"] for ln in text.splitlines()), text
+        ttft = [ln.split() for ln in text.splitlines() if ln.startswith("TTFT")]
+        assert any(f[1] != "-" and f[2] == "ms" for f in ttft), text  # a p50 figure, in ms
+        assert "requests/s" in text and "1000 ms" in text  # against the default slo.ttft_ms
+    finally:
+        assert cluster.stop() == 0, cluster.output()
+
+
+def test_the_terminal_view_draws_the_same_rows():
+    from rich.console import Console
+
+    from pdserve.control.watch import render_rich
+
+    status = {"state": "running", "slo": {"ttft_ms": 100, "tpot_ms": 50},
+              "replicas": {"pdserve-decode-0": ReplicaStats("pdserve-decode-0", "decode", 1, 0, 90, 100, 0),
+                           "pdserve-prefill-0": "draining"},
+              "routers": {}, "restarts": {}, "endpoints": {}}
+    console = Console(record=True, width=120, force_terminal=True)
+    console.print(render_rich(view(status, None)))
+    text = console.export_text()
+    assert "pdserve-decode-0" in text and "10/100" in text and "draining" in text and "collecting" in text
