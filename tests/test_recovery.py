@@ -61,6 +61,16 @@ class Load:
         raise AssertionError(f"{prompt!r} failed three times")
 
 
+async def repeated(url: str, expected: dict[str, str], max_tokens: int, going, results: list[bool]) -> None:
+    """Each prompt sent again and again, one stream each, while going(); each result's text
+    compared with its undisturbed one."""
+    async def one(prompt: str) -> None:
+        while going():
+            got = await Load(url, max_tokens).run([prompt])
+            results.append(got[prompt] == expected[prompt])
+    await asyncio.gather(*(one(p) for p in expected))
+
+
 def killed(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
@@ -151,16 +161,9 @@ def test_scale_up_and_down_under_load_fails_nothing(cluster):
     results: list[bool] = []
     stop = False
 
-    async def load() -> None:
-        async def one(i: int) -> None:
-            while not stop:
-                got = await Load(cluster.url, 24).run([texts[i]])
-                results.append(got[texts[i]] == expected[texts[i]])
-        await asyncio.gather(*(one(i) for i in range(len(texts))))
-
     async def scenario() -> tuple:
         nonlocal stop
-        task = asyncio.create_task(load())
+        task = asyncio.create_task(repeated(cluster.url, expected, 24, lambda: not stop, results))
         up = await asyncio.to_thread(cluster.cli, "scale", "--prefill", "2", "--decode", "2")
         assert up.returncode == 0, up.stderr
         await asyncio.sleep(3)  # the new replicas take their share
@@ -239,13 +242,6 @@ def test_chaos_random_kills_of_workers_under_load_lose_and_leak_nothing(tmp_path
         kills: list[str] = []
         deadline = time.monotonic() + 40
 
-        async def load() -> None:
-            async def one(i: int) -> None:
-                while time.monotonic() < deadline:
-                    got = await Load(c.url, 40).run([texts[i]])
-                    results.append(got[texts[i]] == expected[texts[i]])
-            await asyncio.gather(*(one(i) for i in range(len(texts))))
-
         async def chaos() -> None:
             while time.monotonic() < deadline - 8:
                 await asyncio.sleep(rng.uniform(3, 6))
@@ -258,7 +254,7 @@ def test_chaos_random_kills_of_workers_under_load_lose_and_leak_nothing(tmp_path
                     killed(int(s.split(f"{v} (pid ", 1)[1].split(")", 1)[0]))
 
         async def scenario():
-            await asyncio.gather(load(), chaos())
+            await asyncio.gather(repeated(c.url, expected, 40, lambda: time.monotonic() < deadline, results), chaos())
 
         asyncio.run(scenario())
         assert kills, "nothing was killed"

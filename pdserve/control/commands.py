@@ -194,15 +194,20 @@ def scale(address: str, counts: dict[str, int], grace_s: float) -> int:
             raise ValueError(f"--{role}: {n}; a role the cluster has needs at least 1 replica")
     shown = len(s["progress"])
     done = controller.scale.remote(counts, grace_s)
-    while True:
+    while True:  # (the controller bounds a scale: its replicas' start and the drain's --grace)
         ready, _ = ray.wait([done], timeout=0.5)
-        for line in ray.get(controller.status.remote(), timeout=30)["progress"][shown:]:
+        try:
+            lines = ray.get(controller.status.remote(), timeout=30)["progress"]
+        except ray.exceptions.RayError as e:
+            raise RuntimeError(f"the controller stopped answering ({_cause(e)}); `pdserve status` "
+                               f"shows what the cluster has now") from None
+        for line in lines[shown:]:
             _log(line)
             shown += 1
         if ready:
             try:
                 result = ray.get(done)
-            except ray.exceptions.RayTaskError as e:
+            except ray.exceptions.RayError as e:
                 raise RuntimeError(f"scale failed: {_cause(e)}") from None
             _log(f"scaled: started {', '.join(result['started']) or 'none'}; removed "
                  f"{', '.join(result['removed']) or 'none'}")
@@ -220,6 +225,9 @@ def down(address: str, grace_s: float = 30.0) -> int:
         ray.get(controller.shutdown.remote(grace_s), timeout=grace_s + 60)
     except ray.exceptions.RayActorError:
         pass  # the `pdserve up` that started it removed it as it stopped: it is gone either way
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"the cluster did not stop within {grace_s + 60:g} s; `pdserve status` shows what "
+                           f"is left, `ray stop` ends everything") from None
     _log("stopped")
     return 0
 
