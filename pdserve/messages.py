@@ -83,6 +83,8 @@ class ReplicaStats:
     ranks: int = 1  # processes of the replica (an expert-parallel group has ep_size)
     pid: int = 0  # the worker's process (rank 0's for an expert-parallel group)
     held: int = 0  # requests the worker holds anything for (queued, running, streaming, KV in flight): 0 = drained
+    # What its steps cost by size, and its prefix-cache lookups (engine/step_profile.py; cumulative).
+    profile: dict = field(default_factory=dict)
 
     @classmethod
     def combine(cls, name: str, ranks: list["ReplicaStats"]) -> "ReplicaStats":
@@ -95,7 +97,8 @@ class ReplicaStats:
 
         return cls(name, ranks[0].role, total("running"), total("waiting"), total("free_blocks"),
                    total("total_blocks"), total("aborted"), held=total("held"), expert_tokens=per_expert("expert_tokens"),
-                   expert_tokens_step=per_expert("expert_tokens_step"), ranks=len(ranks), pid=ranks[0].pid)
+                   expert_tokens_step=per_expert("expert_tokens_step"), ranks=len(ranks), pid=ranks[0].pid,
+                   profile=ranks[0].profile)  # the ranks step in lockstep: rank 0's steps are the group's
 
 
 @dataclass

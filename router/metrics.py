@@ -139,6 +139,26 @@ class Metrics:
         self.kv_bytes_moved.inc(nbytes)
         self.kv_transfer.observe(seconds)
 
+    def traffic(self) -> dict:
+        """The cumulative figures the planner reads off this router (`pdserve tune`): requests
+        arrived and their prompt tokens, requests finished and their generated tokens, and the TTFT
+        and inter-token histograms ({upper bound: cumulative count}, math.inf for +Inf)."""
+        out: dict = {}
+        for key, hist in (("prompt", self.prompt_tokens), ("generation", self.generation_tokens),
+                          ("ttft", self.ttft), ("itl", self.itl)):
+            buckets: dict[float, float] = {}
+            for family in hist.collect():
+                for s in family.samples:
+                    if s.name.endswith("_count"):
+                        out[f"{key}_count"] = s.value
+                    elif s.name.endswith("_sum"):
+                        out[f"{key}_sum"] = s.value
+                    elif s.name.endswith("_bucket"):
+                        buckets[float(s.labels["le"])] = s.value
+            if key in ("ttft", "itl"):
+                out[key] = buckets
+        return out
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)

@@ -79,9 +79,10 @@ class Router:
         return endpoints
 
     def info(self) -> dict:
-        """This router's process and own endpoints, and the requests it streams now."""
+        """This router's process and own endpoints, the requests it streams now, and its traffic so
+        far (Metrics.traffic: what the planner reads)."""
         return {"name": self.name, "pid": os.getpid(), "endpoints": dict(self.endpoints),
-                "in_flight": self.core.in_flight() if self.core else 0}
+                "in_flight": self.core.in_flight() if self.core else 0, "traffic": self.metrics.traffic()}
 
     def apply(self, change: ReplicaChange) -> None:
         """A replica started, was replaced, drains or is gone (the controller's word)."""

@@ -22,6 +22,7 @@ from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.models.loader import load_model, model_fingerprint
 from pdserve.ops.backends import make_backends
+from pdserve.engine.step_profile import StepProfile
 from pdserve.tokenizer import load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,9 +49,10 @@ class Engine:
                                self.args.num_kv_heads, self.args.head_dim, dtype)
         self.kv_cache = allocate_kv_cache(self.layout, self.device)
         self.pool = BlockPool(self.layout.num_blocks, config.enable_prefix_cache)
+        self.profile = StepProfile()  # what steps cost, by size (the planner reads it)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.chunk_size,
-                                   whole_prompt=config.role == "prefill")
+                                   whole_prompt=config.role == "prefill", profile=self.profile)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
         if self._wants_graphs(attn_backend, ep):
             from pdserve.engine.cuda_graphs import DecodeGraphs
@@ -222,14 +224,22 @@ class Engine:
         and hands out that one's tokens: the host's work of a step (scheduling, batch building,
         detokenizing, streaming) runs while the device computes the next. Its outputs thus come one
         call later, and a sequence that hit a stop token has one more token computed, then dropped."""
+        timer = self.profile.timer()
         outputs, self._ready = self._ready, []
         if scheduled is None:
             scheduled = self.scheduler.schedule()
+        # Sized before the launch moves num_computed_tokens on. Overlapped, the call's time is that
+        # of the step before (it waits for it) but in a steady batch the two are alike.
+        decoding = sum(1 for s in scheduled if s.seq.num_computed_tokens >= s.seq.num_tokens - 1)
+        prompt = sum(s.num_new_tokens for s in scheduled) - decoding
         launched = self._launch(scheduled) if scheduled else None
         if not self.overlap:
-            return outputs + (self._complete(launched) if launched else [])
-        prev, self._inflight = self._inflight, launched
-        return outputs + (self._complete(prev) if prev else [])
+            outputs += self._complete(launched) if launched else []
+        else:
+            prev, self._inflight = self._inflight, launched
+            outputs += self._complete(prev) if prev else []
+        timer.done(prompt, decoding)
+        return outputs
 
     def _launch(self, scheduled: list[ScheduledSeq]) -> Launched:
         hook = self.layer_hook

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes
 from pdserve.engine.sequence import Sequence, SeqStatus
+from pdserve.engine.step_profile import StepProfile
 
 
 @dataclass
@@ -26,8 +27,10 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, chunk_size: int, whole_prompt: bool = False):
+                 max_num_batched_tokens: int, chunk_size: int, whole_prompt: bool = False,
+                 profile: StepProfile | None = None):
         self.pool = pool
+        self.profile = profile or StepProfile()  # counts prefix-cache lookups and hits
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -94,6 +97,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            self.profile.prefix_queries += seq.num_tokens
+            self.profile.prefix_hits += seq.num_cached_tokens
             out.append(ScheduledSeq(seq, n))
             budget -= n
         return out

@@ -1,0 +1,59 @@
+"""What an engine's steps cost, by size: the measurements the planner (`pdserve tune`) sizes prefill
+and decode pools from.
+
+Every step is counted in one bucket of its size (powers of two): a step that computes prompt
+tokens under "prefill" by its number of new tokens, a step of generation only under "decode" by
+its batch (sequences). Each bucket holds [steps, size summed, seconds summed]: cumulative, so a
+reader differences two snapshots to get a window, and nothing is ever drained. Also counted: the
+prompt tokens looked up in the prefix cache and those found there (vLLM's prefix_cache_queries and
+prefix_cache_hits)."""
+
+import time
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+def bucket(n: int) -> int:
+    """The power of two at or above n (n >= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+class StepProfile:
+    def __init__(self) -> None:
+        self.phases: dict[str, dict[int, list[float]]] = {PREFILL: {}, DECODE: {}}
+        self.busy_s = 0.0  # seconds spent in steps
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found there
+
+    def record(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
+        """One step that computed `prefill_tokens` prompt tokens and one token for `decode_seqs`
+        generating sequences, in `seconds`."""
+        if prefill_tokens:  # a mixed step (colocated) counts as prefill: its prompt tokens dominate it
+            phase, size = PREFILL, prefill_tokens + decode_seqs
+        elif decode_seqs:
+            phase, size = DECODE, decode_seqs
+        else:
+            return
+        row = self.phases[phase].setdefault(bucket(size), [0, 0, 0.0])
+        row[0] += 1
+        row[1] += size
+        row[2] += seconds
+        self.busy_s += seconds
+
+    def timer(self) -> "_StepTimer":
+        return _StepTimer(self)
+
+    def snapshot(self) -> dict:
+        """A plain copy (pickles and JSON-encodes): {"prefill": {bucket: [steps, size, seconds]},
+        "decode": {...}, "busy_s", "prefix_queries", "prefix_hits"}."""
+        return {**{p: {b: list(row) for b, row in rows.items()} for p, rows in self.phases.items()},
+                "busy_s": self.busy_s, "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits}
+
+
+class _StepTimer:
+    def __init__(self, profile: StepProfile) -> None:
+        self.profile = profile
+        self.t0 = time.perf_counter()
+
+    def done(self, prefill_tokens: int, decode_seqs: int) -> None:
+        self.profile.record(prefill_tokens, decode_seqs, time.perf_counter() - self.t0)
