@@ -77,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between redraws (--watch)")
     st.set_defaults(func=lambda a: cluster_cli.status(a.address, a.watch, a.interval))
 
+    tu = sub.add_parser("tune", help="the prefill:decode split for the traffic the cluster measured (--apply, --watch, "
+                                     "--offline --profile FILE)", description=tune_doc(),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    from pdserve.control import tune
+
+    tune.add_args(tu)
+    tu.set_defaults(func=tune.main)
+
     # Its arguments are parsed by the benchmark itself (`pdserve bench-engine --help` lists them), so
     # that `pdserve --help` does not import torch. prefix_chars="\0": every word goes through as is.
     be = sub.add_parser("bench-engine", add_help=False, prefix_chars="\0",
@@ -88,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("args", nargs=argparse.REMAINDER)
     b.set_defaults(func=_bench)
     return parser
+
+
+def tune_doc() -> str:
+    from pdserve.control import planner, tune
+
+    return f"{tune.__doc__}\n{planner.__doc__}"
 
 
 def _bench_engine(args: argparse.Namespace) -> int:

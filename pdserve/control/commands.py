@@ -192,7 +192,14 @@ def scale(address: str, counts: dict[str, int], grace_s: float) -> int:
             raise ValueError(f"--{role}: this cluster has {have} replicas; a {role} replica cannot join it")
         if n < 1:
             raise ValueError(f"--{role}: {n}; a role the cluster has needs at least 1 replica")
-    shown = len(s["progress"])
+    return scale_with(controller, counts, grace_s)
+
+
+def scale_with(controller, counts: dict[str, int], grace_s: float) -> int:
+    """One `scale` call on the controller, its progress shown as it goes (also `pdserve tune --apply`)."""
+    import ray
+
+    shown = len(ray.get(controller.status.remote(), timeout=30)["progress"])
     done = controller.scale.remote(counts, grace_s)
     while True:  # (the controller bounds a scale: its replicas' start and the drain's --grace)
         ready, _ = ray.wait([done], timeout=0.5)

@@ -22,6 +22,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pdserve.config import ClusterConfig
 from pdserve.control.health import PROBE_INTERVAL_S, Heartbeats
 from pdserve.control.launcher import NAMESPACE, Incarnation, Launcher, worker_name
+from pdserve.control.load import LoadWindow
+from pdserve.control.planner import Limits, Measured
 from pdserve.messages import ReplicaChange, ReplicaStats
 
 CONTROLLER = "pdserve-controller"
@@ -47,6 +49,7 @@ class Controller:
         self._life = threading.RLock()  # one change of the replica set at a time (watch, scale, shutdown)
         self._beats = Heartbeats()
         self._watching = threading.Event()
+        self._load = LoadWindow()  # the heartbeats' answers, for the planner (`pdserve tune`)
         cfg = config
         n = cfg.prefill.replicas + cfg.decode.replicas * cfg.decode.ep_size + cfg.colocated.replicas  # processes
         self.launcher = Launcher(config, max(1, (os.cpu_count() or 1) // max(1, n)))
@@ -157,7 +160,9 @@ class Controller:
             with self._life:
                 targets = {r: [w.stats.remote() for w in inc.ranks.values()] for r, inc in self.replicas.items()}
                 targets |= {slot: [r["handle"].info.remote()] for slot, r in self.routers.items()}
-            _, dead = self._beats.probe(targets)
+            answers, dead = self._beats.probe(targets)
+            self._load.add(time.monotonic(), {n: a for n, a in answers.items() if n in self.replicas},
+                           {n: a[0] for n, a in answers.items() if n in self.routers})
             for name, why in dead.items():
                 self._restarting.setdefault(name, why)
             for name, why in list(self._restarting.items()):
@@ -347,6 +352,22 @@ class Controller:
         return {"state": state, "progress": list(self.progress), "endpoints": self.endpoints,
                 "replicas": replicas, "routers": routers, "restarts": restarts,
                 "slo": self.config.slo.model_dump()}
+
+    def load(self, window_s: float) -> Measured:
+        """What the cluster measured (load.py): traffic over the last window_s, step costs over
+        everything kept; the budget is the GPUs the cluster has (on CPU: the workers running now)."""
+        cfg = self.config
+        serving = [inc for inc in self.replicas.values() if inc.state == "serving"]
+        replicas = {role: sum(1 for inc in serving if inc.role == role) for role in ("prefill", "decode", "colocated")}
+        on_gpus = bool(cfg.prefill.gpus or cfg.decode.gpus or cfg.colocated.gpus)
+        ep = cfg.decode.ep_size
+        budget = int(ray.cluster_resources().get("GPU", 0)) if on_gpus else \
+            replicas["prefill"] + replicas["decode"] * ep + replicas["colocated"]
+        limits = Limits(cfg.prefill.max_batch_tokens, cfg.prefill.chunk_size, cfg.decode.max_num_seqs,
+                        self._load.decode_kv_blocks(), cfg.kv_transfer.block_size, ep)
+        m = self._load.measured(window_s, limits, cfg.slo.model_dump(), replicas, "cuda" if on_gpus else "cpu")
+        m.budget, m.unit = budget, "GPU" if on_gpus else "worker"
+        return m
 
     def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop everything. With grace_s: the routers first take no new requests (503, /health 503)
