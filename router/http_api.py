@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP front end over a ServingCore: the app and its routes (completions, chat completions,
-models, health, metrics), errors in OpenAI's shape, and each request's life (streaming, client disconnects).
-The request bodies are in openai_protocol.py, the response shapes in openai_responses.py."""
+models, health, metrics; the dashboard's are dashboard.py's), errors in OpenAI's shape, and each request's life
+(streaming, client disconnects). The request bodies are in openai_protocol.py, the response shapes in
+openai_responses.py."""
 
 import asyncio
 import logging
@@ -18,6 +19,7 @@ from starlette.types import Receive, Send
 
 from pdserve.protocol import InvalidRequestError
 from pdserve.router import limits
+from pdserve.router.dashboard import add_dashboard
 from pdserve.router.http_limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from pdserve.router.metrics import Metrics, RequestTimer
 from pdserve.router.openai_protocol import (CHAT, COMPLETIONS, GENERATION_ENDPOINTS, ChatCompletionRequest,
@@ -340,6 +342,7 @@ def build_app(core: ServingCore, metrics: Metrics | None = None,
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    add_dashboard(app, core, metrics)  # /dashboard: the live picture of `pdserve status --watch`, as charts
     return app
 
 

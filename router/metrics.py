@@ -24,6 +24,7 @@ class Metrics:
 
     def __init__(self, router: str = "") -> None:
         """router: the name of the router whose metrics these are (several may share a port)."""
+        self.router = router  # (the dashboard names the router that answered it)
         self.registry = CollectorRegistry()
         r = self.registry
         if router:
@@ -44,8 +45,8 @@ class Metrics:
                                        buckets=_TOKEN_BUCKETS, registry=r)
         self.generation_tokens = Histogram("pdserve_generation_tokens", "Tokens generated per finished request",
                                            buckets=_TOKEN_BUCKETS, registry=r)
-        self.queue_length = Gauge("pdserve_queue_length", "Requests waiting at a replica", ["role", "replica"],
-                                  registry=r)
+        self.queue_length = Gauge("pdserve_queue_length", "Requests at a replica, running or waiting",
+                                  ["role", "replica"], registry=r)
         self.replica_up = Gauge("pdserve_replica_up", "1 while a replica answers, 0 once the router counts it "
                                 "down (process died, engine loop stopped, or no answer)", ["role", "replica"],
                                 registry=r)
@@ -71,6 +72,12 @@ class Metrics:
         # Labelled by expert but summed over MoE layers: replicas x experts series, not x layers too.
         self.expert_tokens = Counter("pdserve_expert_tokens", "Tokens routed to each expert at an expert-parallel "
                                      "decode replica, summed over MoE layers", ["replica", "expert"], registry=r)
+        # In tokens, as vLLM's prefix_cache_queries / prefix_cache_hits: hits / queries is the share of
+        # prompt tokens a replica did not have to compute.
+        self.prefix_queries = Counter("pdserve_prefix_cache_queries", "Prompt tokens a replica looked up in its "
+                                      "prefix cache", ["replica"], registry=r)
+        self.prefix_hits = Counter("pdserve_prefix_cache_hits", "Prompt tokens a replica found in its prefix "
+                                   "cache (of those looked up)", ["replica"], registry=r)
 
     # -- front end ----------------------------------------------------------------------------
 
@@ -129,6 +136,13 @@ class Metrics:
         for expert, n in enumerate(new):
             if n > 0:  # (a restarted rank counts from 0 again: nothing to add)
                 self.expert_tokens.labels(replica=replica, expert=str(expert)).inc(n)
+
+    def count_prefix_cache(self, replica: str, queries: int, hits: int) -> None:
+        """Prompt tokens looked up in the replica's prefix cache since the last report, and found there."""
+        if queries > 0:  # (a restarted replica counts from 0 again: its first report is all new)
+            self.prefix_queries.labels(replica=replica).inc(queries)
+        if hits > 0:
+            self.prefix_hits.labels(replica=replica).inc(hits)
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """One request spent `seconds` in `phase` (reserve, dispatch, first_token)."""

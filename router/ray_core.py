@@ -120,6 +120,10 @@ class RayCore:
         """Requests of this router on the replica now (a drain waits for 0)."""
         return self._loads.get(replica, 0)
 
+    def restarts(self) -> dict[str, int]:
+        """Replacements of each replica so far, as the controller told (the dashboard's view without it)."""
+        return dict(self._restarts)
+
     # -- what the front ends ask ------------------------------------------------------------------
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -400,6 +404,11 @@ class RayCore:
         seen = before.expert_tokens if before else []
         self.metrics.count_expert_tokens(s.name, [n - (seen[e] if e < len(seen) else 0)
                                                   for e, n in enumerate(s.expert_tokens)])
+        # Cumulative since the replica started; `before` is None for a fresh incarnation (apply drops
+        # its predecessor's stats), so a replacement's counts are all new.
+        was = before.profile if before else {}
+        self.metrics.count_prefix_cache(s.name, s.profile.get("prefix_queries", 0) - was.get("prefix_queries", 0),
+                                        s.profile.get("prefix_hits", 0) - was.get("prefix_hits", 0))
 
     def _count_down(self, name: str) -> None:
         """A replica went down: /metrics shows it down and drops its load figures (no stale gauges)."""

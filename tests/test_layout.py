@@ -4,10 +4,12 @@ the router's process runs without torch (it only routes, tokenizes and streams).
 import subprocess
 import sys
 
-# Every module the Router actor loads (pdserve.router.server and what it imports, gRPC included).
+# Every module the Router actor loads (pdserve.router.server and what it imports, gRPC included; the
+# dashboard's watch.py figures, and the controller module it looks the controller's name up in).
 ROUTER_MODULES = ["pdserve.router.server", "pdserve.router.ray_core", "pdserve.router.http_api",
                   "pdserve.router.grpc_server", "pdserve.router.metrics", "pdserve.router.replica_health",
-                  "pdserve.router.decode_replica", "pdserve.config", "pdserve.tokenizer", "pdserve.models",
+                  "pdserve.router.decode_replica", "pdserve.router.dashboard", "pdserve.control.watch",
+                  "pdserve.control.controller", "pdserve.config", "pdserve.tokenizer", "pdserve.models",
                   "pdserve.messages", "pdserve.protocol"]
 
 

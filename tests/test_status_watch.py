@@ -12,7 +12,7 @@ import httpx
 from prometheus_client import generate_latest
 
 from pdserve.control.watch import (TPOT, TTFT, Snapshot, Window, combine, difference, latency, parse_metrics,
-                                   percentile, render_text, router_urls, slo_mark, view)
+                                   percentile, render_text, replica_snapshots, router_urls, slo_mark, view)
 from pdserve.messages import ReplicaStats
 from pdserve.router.metrics import Metrics
 from serving_cluster import Cluster
@@ -78,6 +78,25 @@ def test_the_window_keeps_at_most_a_minute():
     for t in range(0, 100, 10):
         w.add(float(t), {"u": Snapshot({}, requests=t)})
     assert w.scrapes[0][0] == 30 and w.latency().window_s == 60 and w.latency().requests_per_s == 1.0
+
+
+def test_the_prefix_hit_rate_is_over_the_window_and_survives_a_replacement():
+    def status(**profiles):
+        return {"replicas": {name: ReplicaStats(name, "prefill", 0, 0, 10, 10, 0, profile=p) for name, p in
+                             profiles.items()} | {"pdserve-prefill-9": "down: its process died"}}
+
+    w = Window(window_s=60)
+    w.add(0.0, replica_snapshots(status(a={"prefix_queries": 1000, "prefix_hits": 900})))
+    w.add(10.0, replica_snapshots(status(a={"prefix_queries": 1200, "prefix_hits": 950},
+                                         b={"prefix_queries": 100, "prefix_hits": 50})))
+    assert w.latency().prefix_hit_rate == (50 + 50) / (200 + 100)  # the window's lookups, not since the start
+    # a replaced (counts from 0 again): all it counted since is in the window
+    w.add(20.0, replica_snapshots(status(a={"prefix_queries": 100, "prefix_hits": 0},
+                                         b={"prefix_queries": 300, "prefix_hits": 150})))
+    assert w.latency().prefix_hit_rate == (0 + 150) / (100 + 300)
+    assert w.latency().requests_per_s == 0 and w.latency().ttft_p50 is None  # replicas add no requests
+    assert "prefix cache hit rate 38%" in render_text(view({"state": "running", "replicas": {}}, w.latency()))
+    assert Window().latency() is None and latency(Snapshot(), 1.0).prefix_hit_rate is None
 
 
 def test_a_p90_above_the_slo_is_marked():

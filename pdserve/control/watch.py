@@ -1,11 +1,14 @@
 """`pdserve status --watch`: the cluster's state, replicas and routers, and the service's latency over
-the last minute, redrawn until Ctrl-C.
+the last minute, redrawn until Ctrl-C. The router's /dashboard (router/dashboard.py) shows the same
+figures, computed by the same functions.
 
 The latency comes from the routers' Prometheus histograms: each router's /metrics is scraped every
 interval, and the window is the difference between the newest scrape and the oldest one at most
 WINDOW_S old, summed over every router. Percentiles are read off the bucket counts by linear
-interpolation inside the bucket (as Prometheus' histogram_quantile does). The scraping and the math
-are plain functions (unit-tested without a cluster); the drawing (rich, imported only here) is apart.
+interpolation inside the bucket (as Prometheus' histogram_quantile does). The prefix cache's hit
+rate over the window comes the same way from each replica's cumulative lookups (ReplicaStats.profile
+in the controller's status), a window source of its own per replica. The scraping and the math are
+plain functions (unit-tested without a cluster); the drawing (rich, imported only here) is apart.
 """
 
 import math
@@ -18,6 +21,8 @@ WINDOW_S = 60.0
 TTFT = "pdserve_ttft_seconds"
 TPOT = "pdserve_inter_token_latency_seconds"
 REQUESTS = "pdserve_requests_total"
+# A replica's cumulative prefix-cache figures (prompt tokens looked up, and found): ReplicaStats.profile's keys.
+PREFIX_QUERIES, PREFIX_HITS = "prefix_queries", "prefix_hits"
 
 
 # -- scraping -------------------------------------------------------------------------------------
@@ -26,10 +31,12 @@ REQUESTS = "pdserve_requests_total"
 @dataclass
 class Snapshot:
     """One router's (or several routers' summed) cumulative figures: histogram name -> {upper bound:
-    cumulative count} (math.inf for +Inf), and requests answered in all."""
+    cumulative count} (math.inf for +Inf), and requests answered in all; or one replica's cumulative
+    counters (PREFIX_QUERIES, PREFIX_HITS)."""
 
     histograms: dict[str, dict[float, float]] = field(default_factory=dict)
     requests: float = 0.0
+    counters: dict[str, float] = field(default_factory=dict)
 
 
 def parse_metrics(text: str) -> Snapshot:
@@ -53,6 +60,8 @@ def combine(snaps: list[Snapshot]) -> Snapshot:
     out = Snapshot()
     for snap in snaps:
         out.requests += snap.requests
+        for name, n in snap.counters.items():
+            out.counters[name] = out.counters.get(name, 0.0) + n
         for name, buckets in snap.histograms.items():
             mine = out.histograms.setdefault(name, {})
             for le, n in buckets.items():
@@ -61,14 +70,17 @@ def combine(snaps: list[Snapshot]) -> Snapshot:
 
 
 def difference(new: Snapshot, old: Snapshot | None) -> Snapshot:
-    """What one router counted between two scrapes. With no earlier scrape (a router that appeared
-    meanwhile), or one it has counted below (it restarted, from zero), all it has counted since it started."""
+    """What one router (or replica) counted between two scrapes. With no earlier scrape (a router that
+    appeared meanwhile), or one it has counted below (it restarted, from zero), all it has counted since
+    it started."""
     if old is None or new.requests < old.requests or any(
             n < old.histograms.get(name, {}).get(le, 0.0)
-            for name, buckets in new.histograms.items() for le, n in buckets.items()):
+            for name, buckets in new.histograms.items() for le, n in buckets.items()) or any(
+            n < old.counters.get(name, 0.0) for name, n in new.counters.items()):
         return new
     return Snapshot({name: {le: n - old.histograms.get(name, {}).get(le, 0.0) for le, n in buckets.items()}
-                     for name, buckets in new.histograms.items()}, new.requests - old.requests)
+                     for name, buckets in new.histograms.items()}, new.requests - old.requests,
+                    {name: n - old.counters.get(name, 0.0) for name, n in new.counters.items()})
 
 
 def percentile(buckets: dict[float, float], q: float) -> float | None:
@@ -93,7 +105,9 @@ def percentile(buckets: dict[float, float], q: float) -> float | None:
 
 @dataclass
 class Latency:
-    """The service over a window: TTFT and TPOT p50/p90 (seconds; None: nothing counted), requests/s."""
+    """The service over a window: TTFT and TPOT p50/p90 (seconds; None: nothing counted), requests/s,
+    and the share of prompt tokens looked up in the replicas' prefix caches that were found there
+    (None: no lookup in the window)."""
 
     window_s: float
     requests_per_s: float
@@ -101,16 +115,20 @@ class Latency:
     ttft_p90: float | None
     tpot_p50: float | None
     tpot_p90: float | None
+    prefix_hit_rate: float | None = None
 
 
 def latency(window: Snapshot, window_s: float) -> Latency:
     ttft, tpot = window.histograms.get(TTFT, {}), window.histograms.get(TPOT, {})
+    queries = window.counters.get(PREFIX_QUERIES, 0.0)
     return Latency(window_s, window.requests / window_s if window_s > 0 else 0.0,
-                   percentile(ttft, 0.5), percentile(ttft, 0.9), percentile(tpot, 0.5), percentile(tpot, 0.9))
+                   percentile(ttft, 0.5), percentile(ttft, 0.9), percentile(tpot, 0.5), percentile(tpot, 0.9),
+                   window.counters.get(PREFIX_HITS, 0.0) / queries if queries > 0 else None)
 
 
 class Window:
-    """Scrapes of every router kept for WINDOW_S; `latency()` over the oldest of them to the newest."""
+    """Scrapes of every router (and replica_snapshots) kept for WINDOW_S; `latency()` over the oldest
+    of them to the newest."""
 
     def __init__(self, window_s: float = WINDOW_S) -> None:
         self.window_s = window_s
@@ -143,6 +161,18 @@ def router_urls(status: dict) -> list[str]:
     return urls
 
 
+def replica_snapshots(status: dict) -> dict[str, Snapshot]:
+    """Each serving replica's prefix-cache counters, keyed apart from the routers' URLs ("replica:"
+    and its name) so that one Window differences both. A replica down or draining is left out; a
+    replaced one counts from zero again, which `difference` takes for a restart."""
+    out = {}
+    for name, r in status.get("replicas", {}).items():
+        if not isinstance(r, str):
+            out[f"replica:{name}"] = Snapshot(counters={k: float(r.profile.get(k, 0))
+                                                        for k in (PREFIX_QUERIES, PREFIX_HITS)})
+    return out
+
+
 def scrape(urls: list[str], timeout: float = 2.0) -> dict[str, Snapshot]:
     """Each router's figures; one that does not answer is left out (it is down, and shown so)."""
     import httpx
@@ -170,23 +200,61 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.1f} ms"
 
 
-def view(status: dict, lat: Latency | None) -> dict:
-    """The figures to draw, as rows of strings: state, replicas, routers, latency."""
+@dataclass
+class ReplicaRow:
+    """One replica as shown: health is "serving", "draining" or "down: why"; its load figures are
+    None when it is not serving (nothing to read)."""
+
+    role: str
+    name: str
+    health: str
+    restarts: int
+    running: int | None = None
+    waiting: int | None = None
+    kv_used: int | None = None
+    kv_total: int | None = None
+
+
+@dataclass
+class RouterRow:
+    """One router as shown (pid and streaming None when it is down)."""
+
+    name: str
+    health: str
+    restarts: int
+    pid: int | None = None
+    streaming: int | None = None
+
+
+def replica_rows(status: dict) -> list[ReplicaRow]:
+    """The controller's status (or a router's own view of the replicas, in the same shape) as rows."""
     restarts = status.get("restarts", {})
-    replicas = []
+    rows = []
     for name, r in status["replicas"].items():
         if isinstance(r, str):
             role = name.removeprefix("pdserve-").rsplit("-", 1)[0]
-            replicas.append([role, name, r, str(restarts.get(name, 0)), "-", "-", "-"])
+            rows.append(ReplicaRow(role, name, r, restarts.get(name, 0)))
         else:
-            replicas.append([r.role, name, "serving", str(restarts.get(name, 0)), str(r.running), str(r.waiting),
-                             f"{r.total_blocks - r.free_blocks}/{r.total_blocks}"])
-    routers = []
-    for name, r in status.get("routers", {}).items():
-        if isinstance(r, str):
-            routers.append([name, "-", r, "-", str(restarts.get(name, 0))])
-        else:
-            routers.append([name, str(r["pid"]), "serving", str(r["in_flight"]), str(restarts.get(name, 0))])
+            rows.append(ReplicaRow(r.role, name, "serving", restarts.get(name, 0), r.running, r.waiting,
+                                   r.total_blocks - r.free_blocks, r.total_blocks))
+    return rows
+
+
+def router_rows(status: dict) -> list[RouterRow]:
+    restarts = status.get("restarts", {})
+    return [RouterRow(name, r, restarts.get(name, 0)) if isinstance(r, str)
+            else RouterRow(name, "serving", restarts.get(name, 0), r["pid"], r["in_flight"])
+            for name, r in status.get("routers", {}).items()]
+
+
+def view(status: dict, lat: Latency | None) -> dict:
+    """The figures to draw, as rows of strings: state, replicas, routers, latency."""
+    def text(v) -> str:
+        return "-" if v is None else str(v)
+
+    replicas = [[r.role, r.name, r.health, str(r.restarts), text(r.running), text(r.waiting),
+                 "-" if r.kv_total is None else f"{r.kv_used}/{r.kv_total}"] for r in replica_rows(status)]
+    routers = [[r.name, text(r.pid), r.health, text(r.streaming), str(r.restarts)] for r in router_rows(status)]
     slo = status.get("slo") or {}
     latency_rows = []
     if lat is not None:
@@ -194,9 +262,10 @@ def view(status: dict, lat: Latency | None) -> dict:
                                        ("TPOT", lat.tpot_p50, lat.tpot_p90, slo.get("tpot_ms"))):
             latency_rows.append([what, _ms(p50), _ms(p90), f"{target:g} ms" if target else "-",
                                  slo_mark(p90, target)])
+    hit_rate = None if lat is None or lat.prefix_hit_rate is None else f"{lat.prefix_hit_rate:.0%}"
     return {"state": status["state"], "replicas": replicas, "routers": routers, "latency": latency_rows,
             "requests_per_s": None if lat is None else f"{lat.requests_per_s:.2f}",
-            "window_s": None if lat is None else f"{lat.window_s:.0f}"}
+            "window_s": None if lat is None else f"{lat.window_s:.0f}", "prefix_hit_rate": hit_rate}
 
 
 REPLICA_COLUMNS = ["role", "replica", "health", "restarts", "running", "waiting", "KV blocks"]
@@ -207,13 +276,14 @@ LATENCY_COLUMNS = ["latency", "p50", "p90", "SLO", ""]
 def _latency_title(v: dict) -> str:
     if v["window_s"] is None:
         return "latency: collecting (a second scrape is needed)"
-    return f"latency over the last {v['window_s']} s: {v['requests_per_s']} requests/s"
+    hits = f", prefix cache hit rate {v['prefix_hit_rate']}" if v.get("prefix_hit_rate") else ""
+    return f"latency over the last {v['window_s']} s: {v['requests_per_s']} requests/s{hits}"
 
 
 def render_text(v: dict) -> str:
     """A plain snapshot (output that is not a terminal)."""
     def table(columns, rows):
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+        widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]  # (rows may be none)
         return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *rows]]
 
     lines = [f"state: {v['state']}  ({time.strftime('%H:%M:%S')})"]
@@ -264,7 +334,7 @@ def run(controller, interval: float) -> int:
 
     def tick():
         s = ray.get(controller.status.remote(), timeout=30)
-        window.add(time.monotonic(), scrape(router_urls(s)))
+        window.add(time.monotonic(), scrape(router_urls(s)) | replica_snapshots(s))
         return view(s, window.latency())
 
     try:
