@@ -1,0 +1,159 @@
+"""The planner against fixed splits, on the same shifting workload: goodput (requests meeting both
+SLOs per second) of each fixed prefill:decode split and of a cluster that `pdserve tune --watch
+--apply` moves, and the planner's reaction time (from a shift to the new split serving).
+
+    python -m pdserve.benchmarks.tune_shift [--phase-s 60] [--splits 1:2 2:1] [--json out.json]
+
+Each cluster (tiny-moe on CPU by default; --cluster FILE for another, its prefill/decode replicas
+set per run) gets the same phases, in order, each `pdserve bench` for --phase-s seconds with the
+same seeds: decode-heavy (16-token prompts, 64-token outputs), prefill-heavy (1,000-token prompts,
+2-token outputs), decode-heavy again. The tuned cluster starts at the first --splits entry. The
+split serving is read from `pdserve status` every second. Prints a table and one JSON line.
+"""
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from pdserve.benchmarks.up_process import UpProcess
+
+PHASES = [("decode-heavy", {"input_len": 16, "output_len": 64, "rate": 6.0}),
+          ("prefill-heavy", {"input_len": 1000, "output_len": 2, "rate": 1.5}),
+          ("decode-heavy", {"input_len": 16, "output_len": 64, "rate": 6.0})]
+SLO = {"ttft_ms": 2000, "tpot_ms": 100}
+
+
+def log(msg: str) -> None:
+    print(f"[tune_shift] {msg}", file=sys.stderr, flush=True)
+
+
+def split_now(address: str) -> tuple[int, int] | None:
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--address", address],
+                         capture_output=True, text=True, timeout=60).stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith("pdserve-") and "running" in ln]
+    if not lines:
+        return None
+    return (sum(ln.startswith("pdserve-prefill-") for ln in lines), sum(ln.startswith("pdserve-decode-") for ln in lines))
+
+
+def run_cluster(name: str, base: dict, start: tuple[int, int], tuned: bool, phase_s: float, work: Path,
+                tune_args: list[str]) -> dict:
+    cfg = {**base, "router": {**base.get("router", {}), "http_port": 0, "grpc_port": None},
+           "prefill": {**base.get("prefill", {}), "replicas": start[0]},
+           "decode": {**base.get("decode", {}), "replicas": start[1]}, "slo": SLO}
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    up = UpProcess(path, work / f"{name}-up.log")
+    watcher = None
+    splits: list[tuple[float, tuple[int, int]]] = []
+    going = threading.Event()
+    try:
+        url = up.wait_healthy(None, 300, log)
+        address = up.ray_address()
+        log(f"{name}: serving at {url}")
+        if tuned:
+            watcher = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "tune", "--watch", "--apply",
+                                        *tune_args, "--address", address],
+                                       stdout=open(work / f"{name}-tune.log", "w"), stderr=subprocess.STDOUT)
+        going.set()
+
+        def poll():
+            while going.is_set():
+                s = split_now(address)
+                if s and (not splits or splits[-1][1] != s):
+                    splits.append((time.time(), s))
+                time.sleep(1.0)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        phases = []
+        for i, (kind, w) in enumerate(PHASES):
+            out = work / f"{name}-{i}.json"
+            t0 = time.time()
+            r = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "--url", url, "--rate", str(w["rate"]),
+                                "--duration", str(phase_s), "--input-len", str(w["input_len"]), "--output-len",
+                                str(w["output_len"]), "--warmup", "0", "--seed", str(i + 1), "--slo-ttft-ms",
+                                str(SLO["ttft_ms"]), "--slo-tpot-ms", str(SLO["tpot_ms"]), "--json", str(out)],
+                               capture_output=True, text=True, timeout=phase_s * 4 + 120)
+            if r.returncode != 0:
+                raise RuntimeError(f"{name} phase {i}: pdserve bench failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+            s = json.loads(out.read_text())["runs"][0]
+            phases.append({"phase": kind, "start": t0, "sent": s["sent"], "failed": s["failed"],
+                           "duration_s": s["duration_s"], "attainment": s["slo_attainment"], "good": s["good_rps"],
+                           "ttft_p90": s["ttft_ms"]["p90"], "tpot_p90": s["tpot_ms"]["p90"]})
+            log(f"{name} {kind}: {s['completed']}/{s['sent']} ok, SLO {100 * s['slo_attainment']:.0f} %, "
+                f"goodput {s['good_rps']:.2f} req/s, split {splits[-1][1] if splits else '?'}")
+        going.clear()
+        poller.join(5)
+        return {"name": name, "phases": phases, "splits": [(t, list(c)) for t, c in splits],
+                "reactions_s": reactions(phases, splits)}
+    finally:
+        going.clear()
+        if watcher is not None:
+            watcher.terminate()
+            watcher.wait(30)
+        up.stop(60)
+
+
+def reactions(phases: list[dict], splits: list[tuple[float, tuple[int, int]]]) -> list[float | None]:
+    """For each phase after the first: seconds from its start to the split changing (None: it did not)."""
+    out = []
+    for ph, nxt in zip(phases[1:], phases[2:] + [None]):
+        end = nxt["start"] if nxt else float("inf")
+        moved = [t for t, _ in splits[1:] if ph["start"] <= t < end]
+        out.append(round(moved[0] - ph["start"], 1) if moved else None)
+    return out
+
+
+def goodput(result: dict) -> float:
+    """Requests meeting both SLOs per second over every phase."""
+    good = sum(p["good"] * p["duration_s"] for p in result["phases"])
+    return good / sum(p["duration_s"] for p in result["phases"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phase-s", type=float, default=60.0)
+    p.add_argument("--splits", nargs="+", default=["1:2", "2:1"], help="fixed P:D splits to compare (default: 1:2 2:1)")
+    p.add_argument("--cluster", help="cluster.yaml to start from (default: tiny-moe on CPU, tcp KV)")
+    p.add_argument("--tune-args", default="--interval 3 --window 15 --confirm 2 --cooldown 10 --min-requests 8",
+                   help="what `pdserve tune --watch --apply` is given (default: %(default)s)")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    base = yaml.safe_load(Path(a.cluster).read_text()) if a.cluster else {"kv_transfer": {"backend": "tcp"}}
+    fixed = [tuple(int(x) for x in s.split(":")) for s in a.splits]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="pdserve-tune-shift-") as tmp:
+        work = Path(tmp)
+        for f in fixed:
+            results.append(run_cluster(f"fixed {f[0]}P+{f[1]}D".replace(" ", "-"), base, f, False, a.phase_s, work, []))
+        results.append(run_cluster("tuned", base, fixed[0], True, a.phase_s, work, a.tune_args.split()))
+    print(f"\nshifting workload, {a.phase_s:g} s per phase ({', '.join(k for k, _ in PHASES)}); SLO TTFT "
+          f"{SLO['ttft_ms']} ms, TPOT {SLO['tpot_ms']} ms; goodput = requests meeting both per second")
+    print(f"{'cluster':<14} " + " ".join(f"{f'{i + 1}:{k} good/s (SLO %)':>30}" for i, (k, _) in enumerate(PHASES))
+          + f" {'all good/s':>11} {'failed':>7} {'reaction s':>12}")
+    for r in results:
+        cells = " ".join(f"{'%.2f (%.0f %%)' % (ph['good'], 100 * ph['attainment']):>30}" for ph in r["phases"])
+        react = ", ".join("-" if x is None else f"{x:g}" for x in r["reactions_s"]) if r["name"] == "tuned" else ""
+        print(f"{r['name']:<14} {cells} {goodput(r):>11.2f} {sum(ph['failed'] for ph in r['phases']):>7} {react:>12}")
+    tuned = results[-1]
+    best_fixed = max(results[:-1], key=goodput)
+    print(f"tuned / best fixed ({best_fixed['name']}): {goodput(tuned) / goodput(best_fixed):.2f}x goodput")
+    summary = {"date": datetime.date.today().isoformat(), "phase_s": a.phase_s, "slo": SLO,
+               "results": [{**r, "goodput": goodput(r)} for r in results]}
+    print(json.dumps(summary))
+    if a.json:
+        Path(a.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
