@@ -209,6 +209,15 @@ def test_offline_tune_answers_from_a_profile(tmp_path):
     long_outputs = tune("--profile", str(path), "--rate", "20", "--input-len", "64", "--output-len", "512",
                         "--budget", "6")
     assert int(long_outputs.stdout.split("recommended: ", 1)[1].split(" prefill", 1)[0]) < int(recommended)
+    # Two profiles recorded at different EP sizes: the one that sustains more is named.
+    ep2 = measured(Traffic(rate=3, input_len=500, output_len=50), ep=2)
+    ep2.steps["decode"] = steps_of((DECODE_COST[0] / 4, DECODE_COST[1] / 4), [1, 8, 32, 128])  # 4x faster ranks
+    (tmp_path / "ep2.json").write_text(json.dumps(ep2.to_json()))
+    both = tune("--profile", str(path), str(tmp_path / "ep2.json"), "--rate", "20", "--input-len", "64",
+                "--output-len", "512", "--budget", "6")
+    assert both.returncode == 0, both.stderr
+    assert f"decode.ep_size 2 ({tmp_path / 'ep2.json'})" in both.stdout
+    assert both.stdout.split("decode.ep_size 2", 1)[1].splitlines()[0].endswith("<- recommended")
     missing = tune("--profile", str(path), "--rate", "2")
     assert missing.returncode == 2 and "--offline needs --input-len, --output-len" in missing.stderr
     bad = tune("--profile", str(path), "--rate", "-1", "--input-len", "5", "--output-len", "5")

@@ -25,7 +25,7 @@ KEEP_S = 600.0
 class LoadWindow:
     def __init__(self, keep_s: float = KEEP_S) -> None:
         self.keep_s = keep_s
-        # (time, {worker name: (role, ReplicaStats.profile, transfers, its KV blocks)}, {router key: traffic})
+        # (time, {worker name: (role, ReplicaStats.profile, transfers, its KV blocks, waiting)}, {router key: traffic})
         self.samples: deque[tuple[float, dict, dict]] = deque()
 
     def add(self, t: float, replicas: dict[str, list], routers: dict[str, dict]) -> None:
@@ -34,7 +34,7 @@ class LoadWindow:
         workers = {}
         for ranks in replicas.values():
             s = ranks[0]
-            workers[s.name] = (s.role, s.profile, list(s.transfers), s.total_blocks)
+            workers[s.name] = (s.role, s.profile, list(s.transfers), s.total_blocks, s.waiting)
         traffic = {f"{slot}:{info.get('pid')}": info["traffic"] for slot, info in routers.items() if "traffic" in info}
         self.samples.append((t, workers, traffic))
         while len(self.samples) > 2 and t - self.samples[0][0] > self.keep_s:
@@ -44,12 +44,17 @@ class LoadWindow:
                  device: str) -> Measured:
         now = self.samples[-1][0] if self.samples else time.monotonic()
         traffic, span = self._traffic(now - window_s)
-        steps, busy = self._steps()
+        steps, _ = self._steps(list(self.samples))
+        _, busy = self._steps(self._range(now - window_s))
+        last = self.samples[-1][1] if self.samples else {}
+        waiting: dict[str, int] = {}
+        for role, *_, queued in last.values():
+            waiting[role] = waiting.get(role, 0) + queued
         transfers = [x for w in (self.samples[-1][1] if self.samples else {}).values()
                      if w[0] == "prefill" for x in w[2]]
         kv_s = sum(s for _, s in transfers) / len(transfers) if transfers else None
         return Measured(window_s=span, steps=steps, busy_s=busy, traffic=traffic, kv_transfer_s=kv_s,
-                        limits=limits, slo=dict(slo), replicas=dict(replicas), device=device)
+                        limits=limits, slo=dict(slo), replicas=dict(replicas), device=device, waiting=waiting)
 
     def decode_kv_blocks(self) -> int:
         """KV blocks of one decode rank (the smallest, where they differ); 0 before any sample."""
@@ -61,11 +66,11 @@ class LoadWindow:
     def _range(self, since: float) -> list[tuple[float, dict, dict]]:
         return [s for s in self.samples if s[0] >= since] or list(self.samples)[-1:]
 
-    def _steps(self) -> tuple[dict[str, dict[int, list]], dict[str, float]]:
-        """Step buckets per phase and busy seconds per role over everything kept."""
+    def _steps(self, rows: list) -> tuple[dict[str, dict[int, list]], dict[str, float]]:
+        """Step buckets per phase and busy seconds per role over `rows` (samples)."""
         first: dict[str, dict] = {}
         last: dict[str, tuple[str, dict]] = {}
-        for _, workers, _ in self.samples:
+        for _, workers, _ in rows:
             for name, (role, profile, *_) in workers.items():
                 first.setdefault(name, profile)
                 last[name] = (role, profile)
@@ -73,7 +78,7 @@ class LoadWindow:
         busy: dict[str, float] = {}
         for name, (role, new) in last.items():
             old = first[name]
-            if old is new or not _grew(new, old):  # one sample, or it restarted: all it counted
+            if not _grew(new, old):  # it restarted: all it counted
                 old = {}
             for phase in phases:
                 phases[phase].append(_diff_buckets(new.get(phase, {}), old.get(phase, {})))

@@ -81,6 +81,7 @@ class Measured:
     device: str = "cpu"
     budget: int = 0
     unit: str = "worker"
+    waiting: dict[str, int] = field(default_factory=dict)  # requests queued per role at the latest heartbeat
 
     def to_json(self) -> dict:
         return {"kind": PROFILE_KIND, **asdict(self)}
@@ -95,7 +96,7 @@ class Measured:
                                                       for p, rows in d["steps"].items()},
                        busy_s=d["busy_s"], traffic=Traffic(**d["traffic"]), kv_transfer_s=d["kv_transfer_s"],
                        limits=Limits(**d["limits"]), slo=d["slo"], replicas=d["replicas"], device=d["device"],
-                       budget=d["budget"], unit=d["unit"])
+                       budget=d["budget"], unit=d["unit"], waiting=d.get("waiting", {}))
         except (KeyError, TypeError) as e:
             raise PlannerError(f"{source}: a pdserve profile missing or mangling {e}; record it again") from None
 
@@ -390,6 +391,10 @@ def render(p: Plan, m: Measured, offline: bool = False) -> str:
                      f"{t.input_len:,.0f} tokens, outputs {t.output_len:,.0f} tokens")
         lines.append(f"  measured TTFT p50 / p90 {seen(t.ttft_p50, t.ttft_p90)} (slo {slo['ttft_ms']:g} ms), "
                      f"TPOT p50 / p90 {seen(t.tpot_p50, t.tpot_p90)} (slo {slo['tpot_ms']:g} ms)")
+        busy = [f"{role} {n} replicas busy {100 * m.busy_s.get(role, 0.0) / (n * m.window_s):.0f} %, "
+                f"{m.waiting.get(role, 0)} queued" for role, n in m.replicas.items() if n and m.window_s > 0]
+        if busy:
+            lines.append(f"  measured load: {'; '.join(busy)}")
     pc, dc = p.costs["prefill"], p.costs["decode"]
     lines.append(f"step costs ({m.device}, {pc.steps:,} prefill and {dc.steps:,} decode steps):")
     lines.append(f"  prefill: {pc.fixed * 1000:.2f} ms + {pc.per_unit * 1e6:.1f} us/token; KV transfer "

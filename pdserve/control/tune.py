@@ -38,7 +38,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a removed replica may take to finish what it holds (default: %(default)s)")
     p.add_argument("--record", metavar="FILE", help="write what the cluster measured as a profile (for --offline)")
     p.add_argument("--offline", action="store_true", help="answer from --profile, without a cluster")
-    p.add_argument("--profile", metavar="FILE", help="--offline: a profile from `pdserve tune --record`")
+    p.add_argument("--profile", nargs="+", metavar="FILE",
+                   help="--offline: a profile from `pdserve tune --record`; several (recorded at different "
+                        "decode.ep_size) are compared, and the EP size that sustains the most is recommended")
     p.add_argument("--rate", type=float, help="--offline: requests/s")
     p.add_argument("--input-len", type=float, help="--offline: prompt tokens")
     p.add_argument("--output-len", type=float, help="--offline: output tokens")
@@ -91,14 +93,25 @@ def main(a: argparse.Namespace) -> int:
 
 
 def offline(a: argparse.Namespace) -> int:
-    m = Measured.load(a.profile)
-    if a.slo_ttft_ms:
-        m.slo["ttft_ms"] = a.slo_ttft_ms
-    if a.slo_tpot_ms:
-        m.slo["tpot_ms"] = a.slo_tpot_ms
-    m.replicas = {}  # no cluster now: nothing is "current"
-    p = plan(m, Traffic(a.rate, a.input_len, a.output_len), a.budget)
-    print(render(p, m, offline=True))
+    answers = []
+    budget = a.budget
+    for path in a.profile:
+        m = Measured.load(path)
+        if a.slo_ttft_ms:
+            m.slo["ttft_ms"] = a.slo_ttft_ms
+        if a.slo_tpot_ms:
+            m.slo["tpot_ms"] = a.slo_tpot_ms
+        m.replicas = {}  # no cluster now: nothing is "current"
+        budget = budget or m.budget  # several profiles: all split the same budget (the first's, or --budget)
+        answers.append((path, m, plan(m, Traffic(a.rate, a.input_len, a.output_len), budget)))
+    path, m, best = max(answers, key=lambda x: x[2].best.max_rate)
+    print(render(best, m, offline=True))
+    if len(answers) > 1:
+        print("EP size, each profile's best split of the same budget:")
+        for path_i, m_i, p_i in answers:
+            mark = "  <- recommended" if path_i == path else ""
+            print(f"  decode.ep_size {m_i.limits.ep_size} ({path_i}): {p_i.best.prefill.replicas}P+"
+                  f"{p_i.best.decode.replicas}D sustains {p_i.best.max_rate:.2f} req/s{mark}")
     return 0
 
 
