@@ -7,8 +7,9 @@ SLOs per second) of each fixed prefill:decode split and of a cluster that `pdser
 Each cluster (tiny-moe on CPU by default; --cluster FILE for another, its prefill/decode replicas
 set per run) gets the same phases, in order, each `pdserve bench` for --phase-s seconds with the
 same seeds: decode-heavy (16-token prompts, 64-token outputs), prefill-heavy (1,000-token prompts,
-2-token outputs), decode-heavy again. The tuned cluster starts at the first --splits entry. The
-split serving is read from `pdserve status` every second. Prints a table and one JSON line.
+2-token outputs), decode-heavy again. The tuned cluster starts at the first --splits entry. Its
+moves are read off the controller's steps that `pdserve up` prints ("scale: <replica> serving",
+to the second): nothing polls the cluster meanwhile. Prints a table and one JSON line.
 """
 
 import argparse
@@ -17,7 +18,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -35,13 +35,15 @@ def log(msg: str) -> None:
     print(f"[tune_shift] {msg}", file=sys.stderr, flush=True)
 
 
-def split_now(address: str) -> tuple[int, int] | None:
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--address", address],
-                         capture_output=True, text=True, timeout=60).stdout
-    lines = [ln for ln in out.splitlines() if ln.startswith("pdserve-") and "running" in ln]
-    if not lines:
-        return None
-    return (sum(ln.startswith("pdserve-prefill-") for ln in lines), sum(ln.startswith("pdserve-decode-") for ln in lines))
+def moves(up_log: str, day: datetime.date) -> list[float]:
+    """When each scale's new replica started serving (Unix seconds), from `pdserve up`'s output."""
+    out = []
+    for line in up_log.splitlines():
+        if line.startswith("[pdserve] ") and " scale: " in line and line.endswith(" serving"):
+            hms = line.split()[1]
+            t = datetime.datetime.combine(day, datetime.time.fromisoformat(hms))
+            out.append(t.timestamp())
+    return out
 
 
 def run_cluster(name: str, base: dict, start: tuple[int, int], tuned: bool, phase_s: float, work: Path,
@@ -53,8 +55,6 @@ def run_cluster(name: str, base: dict, start: tuple[int, int], tuned: bool, phas
     path.write_text(yaml.safe_dump(cfg))
     up = UpProcess(path, work / f"{name}-up.log")
     watcher = None
-    splits: list[tuple[float, tuple[int, int]]] = []
-    going = threading.Event()
     try:
         url = up.wait_healthy(None, 300, log)
         address = up.ray_address()
@@ -63,17 +63,6 @@ def run_cluster(name: str, base: dict, start: tuple[int, int], tuned: bool, phas
             watcher = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "tune", "--watch", "--apply",
                                         *tune_args, "--address", address],
                                        stdout=open(work / f"{name}-tune.log", "w"), stderr=subprocess.STDOUT)
-        going.set()
-
-        def poll():
-            while going.is_set():
-                s = split_now(address)
-                if s and (not splits or splits[-1][1] != s):
-                    splits.append((time.time(), s))
-                time.sleep(1.0)
-
-        poller = threading.Thread(target=poll, daemon=True)
-        poller.start()
         phases = []
         for i, (kind, w) in enumerate(PHASES):
             out = work / f"{name}-{i}.json"
@@ -90,25 +79,23 @@ def run_cluster(name: str, base: dict, start: tuple[int, int], tuned: bool, phas
                            "duration_s": s["duration_s"], "attainment": s["slo_attainment"], "good": s["good_rps"],
                            "ttft_p90": s["ttft_ms"]["p90"], "tpot_p90": s["tpot_ms"]["p90"]})
             log(f"{name} {kind}: {s['completed']}/{s['sent']} ok, SLO {100 * s['slo_attainment']:.0f} %, "
-                f"goodput {s['good_rps']:.2f} req/s, split {splits[-1][1] if splits else '?'}")
-        going.clear()
-        poller.join(5)
-        return {"name": name, "phases": phases, "splits": [(t, list(c)) for t, c in splits],
-                "reactions_s": reactions(phases, splits)}
+                f"goodput {s['good_rps']:.2f} req/s")
+        served = moves(up.output(), datetime.date.today())
+        return {"name": name, "phases": phases, "moves": served, "reactions_s": reactions(phases, served)}
     finally:
-        going.clear()
         if watcher is not None:
             watcher.terminate()
             watcher.wait(30)
         up.stop(60)
 
 
-def reactions(phases: list[dict], splits: list[tuple[float, tuple[int, int]]]) -> list[float | None]:
-    """For each phase after the first: seconds from its start to the split changing (None: it did not)."""
+def reactions(phases: list[dict], served: list[float]) -> list[float | None]:
+    """For each phase after the first: seconds from its start to the first new replica of a move
+    serving (None: the split did not change)."""
     out = []
     for ph, nxt in zip(phases[1:], phases[2:] + [None]):
         end = nxt["start"] if nxt else float("inf")
-        moved = [t for t, _ in splits[1:] if ph["start"] <= t < end]
+        moved = [t for t in served if ph["start"] <= t < end]
         out.append(round(moved[0] - ph["start"], 1) if moved else None)
     return out
 
