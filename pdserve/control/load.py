@@ -13,6 +13,7 @@ Counters are cumulative at their source; one that went down (a router or replica
 zero) counts from zero. A worker that appeared inside a window counts from its first sample."""
 
 import math
+import threading
 import time
 from collections import deque
 
@@ -27,6 +28,7 @@ class LoadWindow:
         self.keep_s = keep_s
         # (time, {worker name: (role, ReplicaStats.profile, transfers, its KV blocks, waiting)}, {router key: traffic})
         self.samples: deque[tuple[float, dict, dict]] = deque()
+        self._lock = threading.Lock()  # the watch thread adds while a `load` call (another thread) reads
 
     def add(self, t: float, replicas: dict[str, list], routers: dict[str, dict]) -> None:
         """replicas: replica name -> its ranks' ReplicaStats (rank 0 speaks for an EP group, which
@@ -36,35 +38,37 @@ class LoadWindow:
             s = ranks[0]
             workers[s.name] = (s.role, s.profile, list(s.transfers), s.total_blocks, s.waiting)
         traffic = {f"{slot}:{info.get('pid')}": info["traffic"] for slot, info in routers.items() if "traffic" in info}
-        self.samples.append((t, workers, traffic))
-        while len(self.samples) > 2 and t - self.samples[0][0] > self.keep_s:
-            self.samples.popleft()
+        with self._lock:
+            self.samples.append((t, workers, traffic))
+            while len(self.samples) > 2 and t - self.samples[0][0] > self.keep_s:
+                self.samples.popleft()
 
     def measured(self, window_s: float, limits: Limits, slo: dict, replicas: dict[str, int],
                  device: str) -> Measured:
-        now = self.samples[-1][0] if self.samples else time.monotonic()
-        traffic, span = self._traffic(now - window_s)
-        steps, _ = self._steps(list(self.samples))
-        _, busy = self._steps(self._range(now - window_s))
-        last = self.samples[-1][1] if self.samples else {}
+        with self._lock:
+            samples = list(self.samples)
+        now = samples[-1][0] if samples else time.monotonic()
+        recent = [s for s in samples if s[0] >= now - window_s] or samples[-1:]
+        traffic, span = self._traffic(recent)
+        steps, _ = self._steps(samples)
+        _, busy = self._steps(recent)
+        last = samples[-1][1] if samples else {}
         waiting: dict[str, int] = {}
         for role, *_, queued in last.values():
             waiting[role] = waiting.get(role, 0) + queued
-        transfers = [x for w in (self.samples[-1][1] if self.samples else {}).values()
-                     if w[0] == "prefill" for x in w[2]]
+        transfers = [x for w in last.values() if w[0] == "prefill" for x in w[2]]
         kv_s = sum(s for _, s in transfers) / len(transfers) if transfers else None
         return Measured(window_s=span, steps=steps, busy_s=busy, traffic=traffic, kv_transfer_s=kv_s,
                         limits=limits, slo=dict(slo), replicas=dict(replicas), device=device, waiting=waiting)
 
     def decode_kv_blocks(self) -> int:
         """KV blocks of one decode rank (the smallest, where they differ); 0 before any sample."""
-        blocks = [w[3] for w in (self.samples[-1][1] if self.samples else {}).values() if w[0] == "decode"]
+        with self._lock:
+            last = self.samples[-1][1] if self.samples else {}
+        blocks = [w[3] for w in last.values() if w[0] == "decode"]
         return min(blocks) if blocks else 0
 
     # -- differencing ----------------------------------------------------------------------------
-
-    def _range(self, since: float) -> list[tuple[float, dict, dict]]:
-        return [s for s in self.samples if s[0] >= since] or list(self.samples)[-1:]
 
     def _steps(self, rows: list) -> tuple[dict[str, dict[int, list]], dict[str, float]]:
         """Step buckets per phase and busy seconds per role over `rows` (samples)."""
@@ -85,8 +89,9 @@ class LoadWindow:
             busy[role] = busy.get(role, 0.0) + new.get("busy_s", 0.0) - old.get("busy_s", 0.0)
         return {phase: merge_steps(parts) for phase, parts in phases.items()}, busy
 
-    def _traffic(self, since: float) -> tuple[Traffic, float]:
-        rows = self._range(since)
+    def _traffic(self, rows: list) -> tuple[Traffic, float]:
+        if not rows:
+            return Traffic(0.0, 0.0, 0.0), 0.0
         t0, t1 = rows[0][0], rows[-1][0]
         first: dict[str, dict] = {}
         last: dict[str, dict] = {}
