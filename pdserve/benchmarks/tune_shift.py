@@ -25,9 +25,8 @@ import yaml
 
 from pdserve.benchmarks.up_process import UpProcess
 
-PHASES = [("decode-heavy", {"input_len": 16, "output_len": 64, "rate": 6.0}),
-          ("prefill-heavy", {"input_len": 1000, "output_len": 2, "rate": 1.5}),
-          ("decode-heavy", {"input_len": 16, "output_len": 64, "rate": 6.0})]
+DECODE_HEAVY = {"input_len": 16, "output_len": 64}
+PREFILL_HEAVY = {"input_len": 1000, "output_len": 2}
 SLO = {"ttft_ms": 2000, "tpot_ms": 100}
 
 
@@ -47,7 +46,7 @@ def moves(up_log: str, day: datetime.date) -> list[float]:
 
 
 def run_cluster(name: str, base: dict, start: tuple[int, int], tuned: bool, phase_s: float, work: Path,
-                tune_args: list[str]) -> dict:
+                tune_args: list[str], phases_: list) -> dict:
     cfg = {**base, "router": {**base.get("router", {}), "http_port": 0, "grpc_port": None},
            "prefill": {**base.get("prefill", {}), "replicas": start[0]},
            "decode": {**base.get("decode", {}), "replicas": start[1]}, "slo": SLO}
@@ -64,7 +63,7 @@ def run_cluster(name: str, base: dict, start: tuple[int, int], tuned: bool, phas
                                         *tune_args, "--address", address],
                                        stdout=open(work / f"{name}-tune.log", "w"), stderr=subprocess.STDOUT)
         phases = []
-        for i, (kind, w) in enumerate(PHASES):
+        for i, (kind, w) in enumerate(phases_):
             out = work / f"{name}-{i}.json"
             t0 = time.time()
             r = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "--url", url, "--rate", str(w["rate"]),
@@ -113,19 +112,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cluster", help="cluster.yaml to start from (default: tiny-moe on CPU, tcp KV)")
     p.add_argument("--tune-args", default="--interval 3 --window 15 --confirm 2 --cooldown 10 --min-requests 8",
                    help="what `pdserve tune --watch --apply` is given (default: %(default)s)")
+    p.add_argument("--decode-rate", type=float, default=9.0, help="decode-heavy phases' req/s (default: %(default)s)")
+    p.add_argument("--prefill-rate", type=float, default=4.0, help="prefill-heavy phase's req/s (default: %(default)s)")
     p.add_argument("--json")
     a = p.parse_args(argv)
+    phases = [("decode-heavy", {**DECODE_HEAVY, "rate": a.decode_rate}),
+              ("prefill-heavy", {**PREFILL_HEAVY, "rate": a.prefill_rate}),
+              ("decode-heavy", {**DECODE_HEAVY, "rate": a.decode_rate})]
     base = yaml.safe_load(Path(a.cluster).read_text()) if a.cluster else {"kv_transfer": {"backend": "tcp"}}
     fixed = [tuple(int(x) for x in s.split(":")) for s in a.splits]
     results = []
     with tempfile.TemporaryDirectory(prefix="pdserve-tune-shift-") as tmp:
         work = Path(tmp)
         for f in fixed:
-            results.append(run_cluster(f"fixed {f[0]}P+{f[1]}D".replace(" ", "-"), base, f, False, a.phase_s, work, []))
-        results.append(run_cluster("tuned", base, fixed[0], True, a.phase_s, work, a.tune_args.split()))
-    print(f"\nshifting workload, {a.phase_s:g} s per phase ({', '.join(k for k, _ in PHASES)}); SLO TTFT "
+            results.append(run_cluster(f"fixed {f[0]}P+{f[1]}D".replace(" ", "-"), base, f, False, a.phase_s, work, [], phases))
+        results.append(run_cluster("tuned", base, fixed[0], True, a.phase_s, work, a.tune_args.split(), phases))
+    shape = ", ".join("%s %g req/s" % (k, w["rate"]) for k, w in phases)
+    print(f"\nshifting workload, {a.phase_s:g} s per phase ({shape}); SLO TTFT "
           f"{SLO['ttft_ms']} ms, TPOT {SLO['tpot_ms']} ms; goodput = requests meeting both per second")
-    print(f"{'cluster':<14} " + " ".join(f"{f'{i + 1}:{k} good/s (SLO %)':>30}" for i, (k, _) in enumerate(PHASES))
+    print(f"{'cluster':<14} " + " ".join(f"{f'{i + 1}:{k} good/s (SLO %)':>30}" for i, (k, _) in enumerate(phases))
           + f" {'all good/s':>11} {'failed':>7} {'reaction s':>12}")
     for r in results:
         cells = " ".join(f"{'%.2f (%.0f %%)' % (ph['good'], 100 * ph['attainment']):>30}" for ph in r["phases"])
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     tuned = results[-1]
     best_fixed = max(results[:-1], key=goodput)
     print(f"tuned / best fixed ({best_fixed['name']}): {goodput(tuned) / goodput(best_fixed):.2f}x goodput")
-    summary = {"date": datetime.date.today().isoformat(), "phase_s": a.phase_s, "slo": SLO,
+    summary = {"date": datetime.date.today().isoformat(), "phase_s": a.phase_s, "slo": SLO, "phases": phases,
                "results": [{**r, "goodput": goodput(r)} for r in results]}
     print(json.dumps(summary))
     if a.json:

@@ -8,6 +8,7 @@ reader differences two snapshots to get a window, and nothing is ever drained. A
 prompt tokens looked up in the prefix cache and those found there (vLLM's prefix_cache_queries and
 prefix_cache_hits)."""
 
+import threading
 import time
 
 PREFILL, DECODE = "prefill", "decode"
@@ -24,6 +25,9 @@ class StepProfile:
         self.busy_s = 0.0  # seconds spent in steps
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found there
+        # The engine's thread records while a stats call (another thread) snapshots: a bucket added
+        # mid-copy would break the copy, and a failed stats call reads as a dead worker.
+        self._lock = threading.Lock()
 
     def record(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
         """One step that computed `prefill_tokens` prompt tokens and one token for `decode_seqs`
@@ -34,11 +38,12 @@ class StepProfile:
             phase, size = DECODE, decode_seqs
         else:
             return
-        row = self.phases[phase].setdefault(bucket(size), [0, 0, 0.0])
-        row[0] += 1
-        row[1] += size
-        row[2] += seconds
-        self.busy_s += seconds
+        with self._lock:
+            row = self.phases[phase].setdefault(bucket(size), [0, 0, 0.0])
+            row[0] += 1
+            row[1] += size
+            row[2] += seconds
+            self.busy_s += seconds
 
     def timer(self) -> "_StepTimer":
         return _StepTimer(self)
@@ -46,8 +51,9 @@ class StepProfile:
     def snapshot(self) -> dict:
         """A plain copy (pickles and JSON-encodes): {"prefill": {bucket: [steps, size, seconds]},
         "decode": {...}, "busy_s", "prefix_queries", "prefix_hits"}."""
-        return {**{p: {b: list(row) for b, row in rows.items()} for p, rows in self.phases.items()},
-                "busy_s": self.busy_s, "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits}
+        with self._lock:
+            return {**{p: {b: list(row) for b, row in rows.items()} for p, rows in self.phases.items()},
+                    "busy_s": self.busy_s, "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits}
 
 
 class _StepTimer:
