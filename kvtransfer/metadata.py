@@ -16,28 +16,28 @@ class KVAgentMetadata:
     backend: str  # "nixl" | "tcp" | "cuda_ipc"
     fingerprint: str  # model identity: architecture, shapes, weights, dtype
     dtype: str
-    layout: str  # dimension order of the allocation
+    layout: str  # dimension order of the allocation, naming what its planes hold (KVLayout.dims)
     num_layers: int
+    num_planes: int  # 2 (K, V) or 1 (MLA's latent)
     num_blocks: int
     block_size: int
     num_kv_heads: int
     head_dim: int
-    bytes_per_block: int  # one block of one layer's K (or V)
+    bytes_per_block: int  # one block of one layer's plane (K, V or latent)
     base_addr: int  # address of the allocation's first byte
     device: str  # "cpu" or "cuda:N"
     agent_metadata: bytes = b""  # NIXL: the agent's metadata blob; cuda_ipc: the allocation's IPC handle
     address: str = ""  # where notices (and TCP data) go: "host:port", or "unix:@name" on one host
-
-    LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
 
     @classmethod
     def for_cache(cls, engine_id: str, backend: str, kv_cache: torch.Tensor, layout, fingerprint: str
                   ) -> "KVAgentMetadata":
         """Describe an engine's KV allocation (`layout` is its pdserve.engine.kv_cache.KVLayout)."""
         assert kv_cache.is_contiguous() and tuple(kv_cache.shape) == layout.shape
-        return cls(engine_id, backend, fingerprint, str(layout.dtype).removeprefix("torch."), cls.LAYOUT,
-                   layout.num_layers, layout.num_blocks, layout.block_size, layout.num_kv_heads,
-                   layout.head_dim, layout.bytes_per_block, kv_cache.data_ptr(), str(kv_cache.device))
+        return cls(engine_id, backend, fingerprint, str(layout.dtype).removeprefix("torch."), layout.dims,
+                   layout.num_layers, layout.num_planes, layout.num_blocks, layout.block_size,
+                   layout.num_kv_heads, layout.head_dim, layout.bytes_per_block, kv_cache.data_ptr(),
+                   str(kv_cache.device))
 
     def pack(self) -> bytes:
         return msgpack.packb(asdict(self))
@@ -46,15 +46,16 @@ class KVAgentMetadata:
     def unpack(cls, data: bytes) -> "KVAgentMetadata":
         return cls(**msgpack.unpackb(data))
 
-    def offset(self, layer: int, kv: int, block: int) -> int:
-        """Byte offset of (layer, k or v, block) from base_addr."""
-        return ((layer * 2 + kv) * self.num_blocks + block) * self.bytes_per_block
+    def offset(self, layer: int, plane: int, block: int) -> int:
+        """Byte offset of (layer, plane — K or V, or the latent —, block) from base_addr."""
+        return ((layer * self.num_planes + plane) * self.num_blocks + block) * self.bytes_per_block
 
 
 def check_peer(local: KVAgentMetadata, remote: KVAgentMetadata) -> None:
-    """Refuse a peer whose KV blocks do not mean the same bytes as ours."""
-    fields = ["backend", "fingerprint", "dtype", "block_size", "layout", "num_layers", "num_kv_heads",
-              "head_dim", "bytes_per_block"]
+    """Refuse a peer whose KV blocks do not mean the same bytes as ours (the layout first: a latent
+    cache and a K/V cache never exchange blocks)."""
+    fields = ["backend", "layout", "fingerprint", "dtype", "block_size", "num_layers", "num_planes",
+              "num_kv_heads", "head_dim", "bytes_per_block"]
     bad = [f"{f}: ours {getattr(local, f)!r}, peer {remote.engine_id!r} has {getattr(remote, f)!r}"
            for f in fields if getattr(local, f) != getattr(remote, f)]
     if bad:

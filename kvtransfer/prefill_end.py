@@ -69,7 +69,7 @@ class PrefillConnector:
         dst = handle.block_ids[first:first + len(src_blocks)]
         assert len(dst) == len(src_blocks), "more blocks than the decode side reserved"
         src = list(src_blocks)
-        nbytes = 2 * len(src) * num_layers * self.meta.bytes_per_block
+        nbytes = self.meta.num_planes * len(src) * num_layers * self.meta.bytes_per_block
         if self._inline is not None:
             self._inline.post(request_id, first_layer, num_layers, src, dst, handle, nbytes)
             return

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="offline generation in one process, printed as it is produced")
     g.add_argument("prompt")
-    g.add_argument("--model", default="tiny-moe", help="a preset (tiny-moe, qwen3-30b-a3b) or an HF model directory")
+    g.add_argument("--model", default="tiny-moe", help="a preset (tiny-moe, qwen3-30b-a3b, deepseek-v2-lite) or an HF model directory")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)

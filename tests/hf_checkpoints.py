@@ -1,9 +1,11 @@
 """Tiny random HF checkpoints of every supported family, written with `save_pretrained`.
 
 Each one exercises a feature of its family: q/k/v (and o) bias, shared expert with its gate,
-dense layers among MoE ones, tied embeddings, llama3 RoPE scaling, a sharded index. Weights are
-float32 with a large init std (and random norms and biases, which HF would init to 1 and 0) so
-that a mistake in any of them shows in the logits.
+dense layers among MoE ones, tied embeddings, llama3 RoPE scaling, a sharded index; DeepSeek's
+Multi-head Latent Attention with q_lora_rank unset (V2, as V2-Lite) and set (V3), a dense first
+layer, shared experts, group-limited routing (V2) and noaux_tc with a correction bias (V3), YaRN
+with mscale. Weights are float32 with a large init std (and random norms, biases and routing
+biases, which HF would init to 1 and 0) so that a mistake in any of them shows in the logits.
 """
 
 import json
@@ -22,6 +24,15 @@ _COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attentio
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
+# DeepSeek's YaRN: mscale != mscale_all_dim makes the cos/sin factor differ from 1 (V2); both 1 as
+# in DeepSeek-V3's config leaves it 1 and scales the softmax alone.
+YARN_V2 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+YARN_V3 = {**YARN_V2, "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0}
+# MLA shapes: latent 32 + rope 8 cached per token and layer; q/k heads 16 + 8 wide, v heads 12.
+_MLA = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=12, moe_intermediate_size=24, first_k_dense_replace=1)
+
 # family -> (config class, model class, config kwargs, save_pretrained kwargs)
 FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
@@ -36,6 +47,16 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, rope_parameters=LLAMA3_ROPE), {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True), {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24), {}),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(_MLA, q_lora_rank=None, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+                         topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                         rope_parameters=YARN_V2),
+                    {}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(_MLA, q_lora_rank=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
+                         n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                         attention_bias=True, rope_parameters=YARN_V3),
+                    {}),
 }
 
 
@@ -57,6 +78,9 @@ def build_checkpoint(family: str, root: Path, seed: int = 0) -> Checkpoint:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # V3's routing bias (a saved buffer)
+                b.copy_(0.1 * torch.randn_like(b))
     path = root / family
     model.save_pretrained(path, **save_kwargs)
     return Checkpoint(path, model)

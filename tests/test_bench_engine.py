@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pdserve.benchmarks.bench_engine import ModelCost
-from pdserve.models import resolve_model_args
-from pdserve.models.loader import load_model
+from pdserve.models import ModelArgs, resolve_model_args
+from pdserve.models.loader import MODEL_CLASSES, load_model
 
 PREFILL_KEYS = {"tokens", "ms", "tok_s", "TFLOP_s", "MFU_pct", "TFLOP"}
 DECODE_KEYS = {"batch", "context", "step_ms", "tok_s", "experts_per_layer", "experts_uniform", "weights_GB",
@@ -58,6 +58,26 @@ def test_cpu_dry_run_reports_every_figure(tmp_path):
 def test_cost_model_counts_every_parameter():
     model, args = load_model("tiny-moe", torch.float32, "cpu")
     assert ModelCost(args, 4).total_params() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch,extra", [
+    ("DeepseekV2ForCausalLM", dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=2, topk_group=1)),
+    ("DeepseekV3ForCausalLM", dict(q_lora_rank=24, attention_bias=True, n_group=2, topk_group=1)),
+])
+def test_cost_model_counts_every_parameter_of_mla_models(arch, extra):
+    """Multi-head Latent Attention's projections and norms, ungated shared experts, V3's routing bias."""
+    cfg = dict(architectures=[arch], vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+               intermediate_size=48, max_position_embeddings=64, kv_lora_rank=16, qk_nope_head_dim=8,
+               qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4, n_shared_experts=2, num_experts_per_tok=2,
+               moe_intermediate_size=12, first_k_dense_replace=1, **extra)
+    args = ModelArgs.from_hf_config(cfg)
+    with torch.device("meta"):
+        model = MODEL_CLASSES[arch](args)
+    cost = ModelCost(args, 2)
+    assert cost.total_params() == sum(p.numel() for p in model.parameters())
+    assert cost.kv_bytes_per_token() == 3 * (16 + 4) * 2  # one latent per layer, no V
+    lite = ModelCost(resolve_model_args("deepseek-v2-lite"), 2)
+    assert 15.6e9 < lite.total_params() < 15.8e9  # DeepSeek's "15.7B"
 
 
 def test_cost_model_of_qwen3_30b_a3b():

@@ -45,3 +45,29 @@ def test_greedy_generation_equals_transformers(family, root):
     got = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
     assert [c.token_ids for c in got] == expected
     assert engine.pool.num_free_blocks == idle
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_latent_cache_reuse_and_preemption_keep_the_output(family, root):
+    """MLA's latent blocks serve the prefix cache and preemption by recompute as K/V blocks do:
+    prompts sharing a 48-token prefix, run again (their full blocks reused) and on a cache so small
+    that sequences are preempted, generate what a roomy engine does."""
+    ck = build_checkpoint(family, root / "reuse")
+    write_tokenizer(ck.path, ck.hf_model.config.vocab_size)
+    g = torch.Generator().manual_seed(11)
+    prefix = torch.randint(0, 128, (48,), generator=g).tolist()
+    prompts = [prefix + torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 20, 33)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+    def engine(**kw) -> Engine:
+        return Engine(EngineConfig(model=ModelConfig(path=str(ck.path), dtype="float32"), **kw))
+
+    want = [c.token_ids for c in engine(num_kv_blocks=64, enable_prefix_cache=False).generate(prompts, params)]
+    cached = engine(num_kv_blocks=64)
+    assert [c.token_ids for c in cached.generate(prompts[:1], params)] == want[:1]
+    again = cached.generate(prompts, params)
+    assert [c.token_ids for c in again] == want
+    assert [c.num_cached_tokens for c in again] == [48, 48, 48]  # 3 full blocks of the prefix
+    small = engine(num_kv_blocks=12, enable_prefix_cache=False)  # 3 sequences need 16 blocks at the end
+    assert [c.token_ids for c in small.generate(prompts, params)] == want
+    assert small.scheduler.num_preemptions > 0

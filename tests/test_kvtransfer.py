@@ -10,13 +10,16 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
+from hf_checkpoints import build_checkpoint, write_tokenizer
 from kv_pair import (LoopbackBackend, Worker, _decode_main, _prefill_main, loopback_connectors, loopback_pair,
                      start_pair, tiny_kv)
+from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.kvtransfer.messages import Notice, ReserveHandle
-from pdserve.kvtransfer.metadata import KVAgentMetadata
+from pdserve.kvtransfer.metadata import HandshakeError, KVAgentMetadata, accept_peer
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.protocol import SamplingParams
@@ -62,6 +65,78 @@ def test_disaggregated_greedy_equals_colocated(backend, fragment, colocated):
     finally:
         p.stop()
         d.stop()
+
+
+@pytest.fixture(scope="module")
+def mla_models(tmp_path_factory) -> dict[str, str]:
+    """The tiny DeepSeek-V2 and -V3 checkpoints of the HF parity tests, with a tokenizer."""
+    root = tmp_path_factory.mktemp("mla")
+    out = {}
+    for family in ("deepseek_v2", "deepseek_v3"):
+        ck = build_checkpoint(family, root)
+        write_tokenizer(ck.path, ck.hf_model.config.vocab_size)
+        out[family] = str(ck.path)
+    return out
+
+
+# Within the tiny checkpoints' 256 positions; ids within their 128-token vocabulary.
+MLA_PROMPT_LENS = [1, 15, 16, 17, 200]
+
+
+@pytest.mark.parametrize("backend,fragment", [("tcp", False), ("nixl", True)], ids=["tcp-fresh", "nixl-fragmented"])
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_mla_disaggregated_greedy_equals_colocated(family, backend, fragment, mla_models):
+    """Multi-head Latent Attention: the cache holds one latent plane (kv_lora_rank + qk_rope_head_dim
+    per token and layer, no V), and the backends move its blocks as they move K/V: the decode side
+    continues exactly as colocated generation does."""
+    path = mla_models[family]
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(0, 128, (n,), generator=g).tolist() for n in MLA_PROMPT_LENS]
+    engine = Engine(EngineConfig(model=ModelConfig(path=path), num_kv_blocks=160))
+    assert engine.layout.kind == "latent" and engine.kv_cache.shape[1] == 1
+    want = [c.token_ids for c in engine.generate(ps, SamplingParams(**GREEDY))]
+    p, d = start_pair(backend, fragment=fragment, model=path)
+    try:
+        presults, dresults, (pfree, pidle), (dfree, didle) = transfer_all(p, d, ps)
+        assert presults == {f"r{i}": True for i in range(len(ps))}
+        assert [dresults[f"r{i}"] for i in range(len(ps))] == want
+        assert pfree == pidle and dfree == didle
+    finally:
+        p.stop()
+        d.stop()
+
+
+def test_a_latent_cache_and_a_kv_cache_refuse_each_other_naming_the_layout():
+    """The handshake compares layouts first: a latent (MLA) cache never takes a K/V cache's blocks,
+    even where the two happen to be as many bytes."""
+    kv = tiny_kv()  # [2 layers, K/V, 8 blocks, 4 tokens, 2 heads, 8]: 64 bytes a plane's block
+    latent_layout = KVLayout(2, 8, 4, 1, 16, torch.float32, "latent")  # 64 bytes a block too
+    latent = (allocate_kv_cache(latent_layout, torch.device("cpu")), latent_layout, "tiny")
+    assert latent_layout.bytes_per_block == kv[1].bytes_per_block
+    ours, theirs = (KVAgentMetadata.for_cache(name, "tcp", *c) for name, c in (("mla", latent), ("gqa", kv)))
+    with pytest.raises(HandshakeError, match=r"layout: ours 'layers,latent,.*'gqa' has 'layers,kv,.*num_planes"):
+        accept_peer(ours, theirs.pack())  # what either connector's add_peer does first
+    with pytest.raises(HandshakeError, match=r"layout: ours 'layers,kv,.*'mla' has 'layers,latent,"):
+        accept_peer(theirs, ours.pack())
+
+
+@pytest.mark.parametrize("kind", ["kv", "latent"])
+def test_every_backend_addresses_a_block_where_the_layout_puts_it(kind):
+    """NIXL's descriptor rows, the handshake's offsets and the allocation agree for either layout:
+    row (layer * planes + plane) * blocks + block is that block's bytes."""
+    from pdserve.kvtransfer.backends.nixl import _descs, _indices
+
+    layout = KVLayout(3, 5, 4, *((2, 8) if kind == "kv" else (1, 24)), torch.float32, kind)
+    kv = allocate_kv_cache(layout, torch.device("cpu"))
+    meta = KVAgentMetadata.for_cache("e", "nixl", kv, layout, "f")
+    rows = _descs(meta.base_addr, meta.num_layers, meta.num_blocks, meta.bytes_per_block, 0, meta.num_planes)
+    assert len(rows) == 3 * layout.num_planes * 5 and rows[-1][0] + rows[-1][1] == kv.data_ptr() + kv.nbytes
+    blocks = np.array([4, 1])
+    for layer in range(3):
+        idx = _indices(layer, blocks, 5, meta.num_planes)
+        want = [meta.base_addr + meta.offset(layer, plane, b) for plane in range(layout.num_planes) for b in blocks]
+        assert rows[idx, 0].tolist() == want
+        assert want == [kv[layer, plane, b].data_ptr() for plane in range(layout.num_planes) for b in blocks]
 
 
 def test_finish_notice_carries_the_first_tokens_logprob_only_where_asked():

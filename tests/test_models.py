@@ -8,6 +8,7 @@ import transformers
 
 from hf_checkpoints import FAMILIES, LLAMA3_ROPE, build_checkpoint, write_old_layout
 from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.models import PRESETS, SUPPORTED_ARCHITECTURES, ModelArgs, resolve_model_args
 from pdserve.models.loader import MODEL_CLASSES, load_model, model_fingerprint
 from pdserve.models.layers import RotaryEmbedding
@@ -52,7 +53,7 @@ def make_batch(chunks: list[tuple[list[int], int]], kv_cache: torch.Tensor, laye
 
 
 def new_cache(args: ModelArgs) -> torch.Tensor:
-    return torch.zeros(args.num_layers, 2, NUM_BLOCKS, BLOCK, args.num_kv_heads, args.head_dim)
+    return allocate_kv_cache(KVLayout.for_model(args, NUM_BLOCKS, BLOCK, torch.float32), torch.device("cpu"))
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
@@ -103,7 +104,7 @@ def test_matches_transformers(family, checkpoints, prompts):
         assert_close(torch.cat([ours_a, ours_b]), ref)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"])
 def test_fused_expert_names(family, checkpoints):
     """transformers 5's in-memory names (fused gate_up_proj/down_proj, Mixtral's `mlp`) load too."""
     ck = checkpoints[family]
@@ -147,6 +148,73 @@ def test_family_args(checkpoints):
     mixtral = resolve_model_args(str(checkpoints["mixtral"].path))
     assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (6, 96, True)
     assert resolve_model_args(str(checkpoints["qwen2"].path)).tie_word_embeddings
+
+
+def test_deepseek_args(checkpoints):
+    v2 = resolve_model_args(str(checkpoints["deepseek_v2"].path))
+    assert v2.is_mla and v2.q_lora_rank is None and v2.rope_interleave
+    assert (v2.head_dim, v2.rotary_dim, v2.v_head_dim, v2.num_kv_heads) == (24, 8, 12, 4)
+    assert [v2.is_moe_layer(i) for i in range(3)] == [False, True, True]  # first_k_dense_replace 1
+    assert (v2.scoring_func, v2.topk_method, v2.n_group, v2.topk_group) == ("softmax", "group_limited_greedy", 4, 2)
+    assert (v2.shared_expert_intermediate_size, v2.shared_expert_gate, v2.routed_scaling_factor) == (48, False, 1.5)
+    assert v2.rope_scaling["rope_type"] == "yarn" and v2.rope_scaling["mscale_all_dim"] == 0.8
+    v3 = resolve_model_args(str(checkpoints["deepseek_v3"].path))
+    assert v3.q_lora_rank == 24 and v3.attention_bias and v3.norm_topk_prob
+    assert (v3.scoring_func, v3.topk_method, v3.num_experts_per_tok) == ("sigmoid", "noaux_tc", 3)
+    # transformers' V3 config writes no topk_method; a Hub V3 config says noaux_tc, and nothing else is taken
+    with pytest.raises(ValueError, match="topk_method 'greedy' is not supported for DeepseekV3ForCausalLM"):
+        ModelArgs.from_hf_config({**json.loads((checkpoints["deepseek_v3"].path / "config.json").read_text()),
+                                  "topk_method": "greedy"})
+    with pytest.raises(ValueError, match="n_group 3"):
+        ModelArgs.from_hf_config({**json.loads((checkpoints["deepseek_v2"].path / "config.json").read_text()),
+                                  "n_group": 3})
+
+
+def test_mla_caches_one_latent_per_token(checkpoints):
+    """The point of MLA: per token and layer the cache holds kv_lora_rank + qk_rope_head_dim values
+    (no V plane), fewer than a GQA model of the same width holds in K and V."""
+    mla = resolve_model_args(str(checkpoints["deepseek_v2"].path))
+    layout = KVLayout.for_model(mla, 8, BLOCK, torch.bfloat16)
+    assert (layout.kind, layout.num_planes) == ("latent", 1)
+    assert layout.shape == (3, 1, 8, BLOCK, 1, 32 + 8)
+    assert layout.bytes_per_token == (32 + 8) * 3 * 2 == mla.num_kv_bytes_per_token(torch.bfloat16)
+    assert layout.bytes_per_block == BLOCK * (32 + 8) * 2  # one layer's block: what every backend moves
+    gqa = resolve_model_args(str(checkpoints["llama"].path))  # hidden 64 too: 2 KV heads of 16
+    assert gqa.hidden_size == mla.hidden_size
+    gqa_layout = KVLayout.for_model(gqa, 8, BLOCK, torch.bfloat16)
+    assert (gqa_layout.kind, gqa_layout.num_planes) == ("kv", 2)
+    per_layer = {name: lay.bytes_per_token // lay.num_layers for name, lay in (("mla", layout), ("gqa", gqa_layout))}
+    assert per_layer == {"mla": 40 * 2, "gqa": 2 * 2 * 16 * 2}
+    # Full size: DeepSeek-V2-Lite against Qwen3-30B-A3B, both 2048 wide. Per layer and token MLA
+    # caches 576 values, Qwen3's GQA (4 KV heads of 128) 1024, and V2-Lite's 16 heads as plain
+    # MHA would cache 16 * (192 + 128) = 5120.
+    lite, qwen = resolve_model_args("deepseek-v2-lite"), resolve_model_args("qwen3-30b-a3b")
+    assert lite.hidden_size == qwen.hidden_size == 2048
+    assert lite.num_kv_bytes_per_token(torch.bfloat16) == 27 * 576 * 2 == 31104
+    assert qwen.num_kv_bytes_per_token(torch.bfloat16) == 48 * 1024 * 2
+    assert lite.num_heads * (lite.head_dim + lite.v_head_dim) == 5120
+
+
+def test_mla_refuses_backends_without_mla(checkpoints):
+    """The Triton kernels cannot attend over a latent cache yet: the model says so when it is built
+    rather than compute garbage."""
+    triton_attention = pytest.importorskip("pdserve.ops.triton_attention")
+    path = str(checkpoints["deepseek_v3"].path)
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM uses Multi-head Latent Attention.*TritonAttention"):
+        load_model(path, torch.float32, "cpu", attn_backend=triton_attention.TritonAttention())
+
+
+def test_deepseek_v3_skips_multi_token_prediction_layers(checkpoints):
+    """Hub V3 checkpoints carry the MTP module as a layer past the last (model.layers.61): not read."""
+    ck = checkpoints["deepseek_v3"]
+    ref, args = load_model(str(ck.path), torch.float32, "cpu")
+    extra = [(f"model.layers.{args.num_layers}.self_attn.kv_b_proj.weight", torch.zeros(1)),
+             (f"model.layers.{args.num_layers}.eh_proj.weight", torch.zeros(1))]
+    assert not any(ref.wants(n) for n, _ in extra)
+    model = MODEL_CLASSES[args.architecture](args)
+    model.load_weights([*ck.hf_model.state_dict().items(), *extra])
+    for (name, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_checkpoint_tensor_errors(checkpoints):
@@ -248,7 +316,7 @@ def test_bad_load_format():
 
 
 def test_presets():
-    assert set(PRESETS) == {"tiny-moe", "qwen3-30b-a3b"}
+    assert set(PRESETS) == {"tiny-moe", "qwen3-30b-a3b", "deepseek-v2-lite"}
     tiny = resolve_model_args("tiny-moe")
     assert (tiny.vocab_size, tiny.bos_token_id, tiny.eos_token_ids) == (512, 256, [257])
     big = resolve_model_args("qwen3-30b-a3b")
@@ -257,6 +325,13 @@ def test_presets():
         model = MODEL_CLASSES[big.architecture](big)
     assert 30.4e9 < sum(p.numel() for p in model.parameters()) < 30.6e9
     assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+    lite = resolve_model_args("deepseek-v2-lite")  # 15.7B parameters, as DeepSeek states
+    assert (lite.num_layers, lite.hidden_size, lite.num_heads, lite.kv_lora_rank, lite.q_lora_rank) == (27, 2048, 16, 512, None)
+    assert (lite.num_experts, lite.num_experts_per_tok, lite.shared_expert_intermediate_size) == (64, 6, 2 * 1408)
+    assert lite.eos_token_ids == [100001] and [lite.is_moe_layer(i) for i in range(2)] == [False, True]
+    with torch.device("meta"):
+        model = MODEL_CLASSES[lite.architecture](lite)
+    assert 15.6e9 < sum(p.numel() for p in model.parameters()) < 15.8e9
 
 
 def test_dummy_weights_are_seeded():

@@ -1,8 +1,9 @@
 """KV over NIXL (UCX): one-sided WRITEs straight into the peer's registered KV allocation.
 
 The whole allocation is registered once as one region, and both descriptor lists (ours and each
-peer's) are prepared once: one descriptor per (layer, k/v, block), index
-`(layer * 2 + kv) * num_blocks + block`, so that index order is address order. A write then only
+peer's) are prepared once: one descriptor per (layer, plane, block) — the planes are K and V, or
+MLA's one latent —, index `(layer * planes + plane) * num_blocks + block`, so that index order is
+address order. A write then only
 picks indices. NIXL merges descriptors that are adjacent on both sides (`skip_desc_merge=False`),
 so a run of consecutive blocks moves as one descriptor: checked with NIXL's telemetry
 (`descCount` is 1 for a 4000-block run, 4000 with merging skipped; tests/test_nixl_backend.py
@@ -30,10 +31,11 @@ def _mem(device: str) -> tuple[str, int]:
     return "DRAM", 0  # NIXL wants device id 0 for host memory
 
 
-def _descs(base: int, num_layers: int, num_blocks: int, bytes_per_block: int, dev: int) -> np.ndarray:
-    """Nx3 (address, length, device) rows, one per (layer, k/v, block), row i at offset i * bpb."""
-    # Row order equals KVAgentMetadata.offset's: (layer * 2 + kv) * num_blocks + block.
-    n = num_layers * 2 * num_blocks
+def _descs(base: int, num_layers: int, num_blocks: int, bytes_per_block: int, dev: int,
+           num_planes: int = 2) -> np.ndarray:
+    """Nx3 (address, length, device) rows, one per (layer, plane, block), row i at offset i * bpb."""
+    # Row order equals KVAgentMetadata.offset's: (layer * planes + plane) * num_blocks + block.
+    n = num_layers * num_planes * num_blocks
     if n >= 2**31:  # NIXL takes descriptor indices as int32
         raise ValueError(f"{n} KV descriptors exceed NIXL's int32 indices; use larger blocks")
     out = np.empty((n, 3), dtype=np.uint64)
@@ -44,19 +46,20 @@ def _descs(base: int, num_layers: int, num_blocks: int, bytes_per_block: int, de
 
 
 def _regions(meta: KVAgentMetadata, dev: int) -> list[tuple[int, int, int, str]]:
-    """The KV allocation as registered memory: one region per layer (its K and V blocks).
+    """The KV allocation as registered memory: one region per layer (its K and V, or latent, blocks).
 
     Measured on two H200s, per-layer regions and one region for the whole 12.9 GB allocation move
     KV equally fast (docs/benchmarks-history.md); per layer keeps each region within what a peer maps.
     """
-    size = 2 * meta.num_blocks * meta.bytes_per_block
+    size = meta.num_planes * meta.num_blocks * meta.bytes_per_block
     return [(meta.base_addr + layer * size, size, dev, "") for layer in range(meta.num_layers)]
 
 
-def _indices(layer: int, blocks: np.ndarray, num_blocks: int) -> np.ndarray:
-    """Descriptor indices of K then V of `layer` for these blocks (K's last and V's first may merge)."""
-    k = blocks + layer * 2 * num_blocks
-    return np.concatenate([k, k + num_blocks]).astype(np.int32)
+def _indices(layer: int, blocks: np.ndarray, num_blocks: int, num_planes: int = 2) -> np.ndarray:
+    """Descriptor indices of each plane of `layer` for these blocks, K then V (K's last and V's first
+    may merge), or the latent alone."""
+    first = blocks + layer * num_planes * num_blocks
+    return np.concatenate([first + p * num_blocks for p in range(num_planes)]).astype(np.int32)
 
 
 def _blocks(ids, num_blocks: int, side: str) -> np.ndarray:
@@ -112,7 +115,8 @@ class NixlBackend:
         try:
             self._local = self.agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT",
-                _descs(meta.base_addr, meta.num_layers, meta.num_blocks, meta.bytes_per_block, self._dev),
+                _descs(meta.base_addr, meta.num_layers, meta.num_blocks, meta.bytes_per_block, self._dev,
+                       meta.num_planes),
                 self._mem)
         except Exception:
             self.agent.deregister_memory(self._reg)
@@ -136,7 +140,8 @@ class NixlBackend:
         try:
             dlist = self.agent.prep_xfer_dlist(
                 peer.engine_id,
-                _descs(peer.base_addr, peer.num_layers, peer.num_blocks, peer.bytes_per_block, dev), mem)
+                _descs(peer.base_addr, peer.num_layers, peer.num_blocks, peer.bytes_per_block, dev,
+                       peer.num_planes), mem)
         except Exception:
             self.agent.remove_remote_agent(peer.engine_id)
             raise
@@ -156,7 +161,8 @@ class NixlBackend:
     # -- transfers ------------------------------------------------------------------------------
 
     def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> int:
-        """Post one WRITE of `layer`'s K and V from src_blocks into the peer's dst_blocks; returns a token."""
+        """Post one WRITE of `layer`'s planes (K and V, or the latent) from src_blocks into the peer's
+        dst_blocks; returns a token."""
         return self.write_layers(peer_id, [(layer, src_blocks, dst_blocks)])
 
     def write_layers(self, peer_id: str, parts: list[tuple[int, list[int], list[int]]]) -> int:
@@ -172,9 +178,10 @@ class NixlBackend:
         if peer is None:  # removed meanwhile: the request fails, the caller's thread goes on
             self._xfers[token] = _Xfer(peer_id, None, "failed")
             return token
-        src_idx = [_indices(layer, _blocks(s, self.meta.num_blocks, "source"), self.meta.num_blocks)
+        planes = self.meta.num_planes  # the handshake made sure the peer's is the same
+        src_idx = [_indices(layer, _blocks(s, self.meta.num_blocks, "source"), self.meta.num_blocks, planes)
                    for layer, s, _ in parts]
-        dst_idx = [_indices(layer, _blocks(d, peer.meta.num_blocks, "destination"), peer.meta.num_blocks)
+        dst_idx = [_indices(layer, _blocks(d, peer.meta.num_blocks, "destination"), peer.meta.num_blocks, planes)
                    for layer, _, d in parts]
         src, dst = np.concatenate(src_idx), np.concatenate(dst_idx)
         if src.size == 0:

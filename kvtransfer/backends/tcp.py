@@ -56,10 +56,10 @@ class TcpBackend:
             self._loop.call_soon_threadsafe(w.close)
 
     def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]):
-        """Post one layer's K and V for these blocks; the token is a concurrent Future."""
+        """Post one layer's planes (K and V, or MLA's latent) for these blocks; the token is a concurrent Future."""
         parts, spans = [], []
         for s, d, n in runs(src_blocks, dst_blocks):
-            parts.append(self.kv[layer, :, s:s + n])  # [2, n, block_size, kv_heads, head_dim]
+            parts.append(self.kv[layer, :, s:s + n])  # [planes, n, block_size, heads, dim]
             spans.append((d, n))
         # One copy into a host buffer: the bytes leave while the engine goes on computing.
         payload = torch.cat([p.flatten() for p in parts]).view(torch.uint8).cpu().numpy().tobytes()
@@ -121,11 +121,11 @@ class TcpBackend:
 
     def _place(self, header: dict, payload: bytes) -> None:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv.dtype)
-        shape = self.kv.shape[3:]  # block_size, kv_heads, head_dim
+        planes, shape = self.kv.shape[1], self.kv.shape[3:]  # block_size, heads, dim
         off = 0
         for d, n in header["runs"]:
-            size = 2 * n * shape.numel()
-            self.kv[header["layer"], :, d:d + n].copy_(data[off:off + size].view(2, n, *shape))
+            size = planes * n * shape.numel()
+            self.kv[header["layer"], :, d:d + n].copy_(data[off:off + size].view(planes, n, *shape))
             off += size
 
     def close(self) -> None:

@@ -79,6 +79,11 @@ class ModelCost:
 
     def _attention_params(self) -> int:
         a = self.args
+        if a.is_mla:  # q (direct or through q_lora_rank), kv_a to the latent, kv_b from it, o
+            h, heads, qk = a.hidden_size, a.num_heads, a.head_dim
+            q = h * heads * qk if a.q_lora_rank is None else a.q_lora_rank * (h + heads * qk)
+            return (q + h * (a.kv_lora_rank + a.qk_rope_head_dim)
+                    + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim) + heads * a.v_head_dim * h)
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         return a.hidden_size * (q + 2 * kv) + q * a.hidden_size
 
@@ -87,8 +92,8 @@ class ModelCost:
         a = self.args
         if not a.is_moe_layer(layer):
             return 3 * a.hidden_size * a.intermediate_size
-        shared = 3 * a.hidden_size * a.shared_expert_intermediate_size + a.hidden_size if (
-            a.shared_expert_intermediate_size) else 0
+        shared = 3 * a.hidden_size * a.shared_expert_intermediate_size + (
+            a.hidden_size if a.shared_expert_gate else 0) if a.shared_expert_intermediate_size else 0
         return a.hidden_size * a.num_experts + shared  # router (+ shared expert and its gate)
 
     def active_params_per_token(self) -> int:
@@ -102,9 +107,16 @@ class ModelCost:
         """Parameters every decode step reads whatever the routing: all but experts and embedding rows."""
         a = self.args
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        per_layer_small = (2 * a.hidden_size + (2 * a.head_dim if a.qk_norm else 0)
-                           + ((q + 2 * kv) if a.attention_bias else 0) + (a.hidden_size if a.o_proj_bias else 0))
-        layers = sum(self._attention_params() + self._mlp_params(i) + per_layer_small for i in range(a.num_layers))
+        if a.is_mla:  # layer norms, the latent norms; biases on q_a, kv_a and o
+            lora = a.q_lora_rank or 0
+            per_layer_small = 2 * a.hidden_size + a.kv_lora_rank + lora + (
+                lora + a.kv_lora_rank + a.qk_rope_head_dim + a.hidden_size if a.attention_bias else 0)
+        else:
+            per_layer_small = (2 * a.hidden_size + (2 * a.head_dim if a.qk_norm else 0)
+                               + ((q + 2 * kv) if a.attention_bias else 0) + (a.hidden_size if a.o_proj_bias else 0))
+        routing_bias = a.num_experts if a.topk_method == "noaux_tc" else 0  # DeepSeek-V3's e_score_correction_bias
+        layers = sum(self._attention_params() + self._mlp_params(i) + per_layer_small
+                     + (routing_bias if a.is_moe_layer(i) else 0) for i in range(a.num_layers))
         return layers + a.hidden_size + self.lm_head_params  # final norm, lm_head
 
     def total_params(self) -> int:
@@ -115,7 +127,8 @@ class ModelCost:
     def prefill_flops(self, tokens: int, sampled: int = 1) -> float:
         """One prompt of `tokens` from an empty cache; `sampled` rows go through lm_head."""
         a = self.args
-        attention = 2 * 2 * a.num_layers * a.num_heads * a.head_dim * tokens * tokens / 2  # causal
+        value_dim = a.v_head_dim if a.is_mla else a.head_dim  # MLA: q.k over head_dim, p.v over v_head_dim
+        attention = 2 * a.num_layers * a.num_heads * (a.head_dim + value_dim) * tokens * tokens / 2  # causal
         return 2.0 * self.active_params_per_token() * tokens + 2.0 * self.lm_head_params * sampled + attention
 
     def uniform_experts_hit(self, batch: int) -> float:
@@ -124,8 +137,10 @@ class ModelCost:
         return e * (1 - (1 - k / e) ** batch) if e else 0.0
 
     def kv_bytes_per_token(self) -> int:
+        """The cache's bytes per token over all layers: K and V, or MLA's latent (KVLayout)."""
         a = self.args
-        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.itemsize
+        _, planes, heads, dim = a.kv_cache_entry()
+        return planes * a.num_layers * heads * dim * self.itemsize
 
     def decode_bytes(self, batch: int, context: float, experts_hit: float) -> dict[str, float]:
         """Bytes one decode step must move: weights, the experts hit (per layer), the KV it attends over."""

@@ -45,8 +45,7 @@ class Engine:
         self.fingerprint = model_fingerprint(mc.path, self.args, dtype, mc.load_format, mc.seed)
         self.max_model_len = min(mc.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
-        self.layout = KVLayout(self.args.num_layers, self._num_blocks(dtype), config.block_size,
-                               self.args.num_kv_heads, self.args.head_dim, dtype)
+        self.layout = KVLayout.for_model(self.args, self._num_blocks(dtype), config.block_size, dtype)
         self.kv_cache = allocate_kv_cache(self.layout, self.device)
         self.pool = BlockPool(self.layout.num_blocks, config.enable_prefix_cache)
         self.profile = StepProfile()  # what steps cost, by size (the planner reads it)
@@ -99,8 +98,8 @@ class Engine:
             budget = int(free * 0.9)
         else:
             budget = int((gb or 0.25) * 2**30)
-        return num_blocks_for(budget, self.args.num_layers, self.config.block_size,
-                              self.args.num_kv_heads, self.args.head_dim, dtype)
+        _, planes, heads, dim = self.args.kv_cache_entry()
+        return num_blocks_for(budget, self.args.num_layers, self.config.block_size, heads, dim, dtype, planes)
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ class ForwardBatch:
     query_start: list[int]  # [num_seqs + 1], host-side so the reference path never syncs
     context_lens: list[int]  # [num_seqs], host-side
     logits_indices: torch.Tensor  # [num_sampled] rows of the hidden states that become logits
-    kv_cache: torch.Tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    kv_cache: torch.Tensor  # [layers, planes, num_blocks, block_size, heads, dim]: kv_cache.KVLayout
     # Called with the layer index once that layer's KV is in the cache: layer-wise KV streaming.
     layer_done: Callable[[int], None] | None = None
     # Device copies of the host lists for GPU kernels, which must not read host memory (CUDA graphs).

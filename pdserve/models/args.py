@@ -13,7 +13,10 @@ if TYPE_CHECKING:  # the router reads model shapes and must not import torch
 SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
     "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
 )
+# Multi-head Latent Attention families: the KV cache holds one latent vector per token and layer.
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # "dynamic" is left out on purpose: its frequencies depend on the length of the running sequence,
 # so a key cached early would not match one computed later. "longrope" is Phi-3 only.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -51,21 +54,65 @@ class ModelArgs:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: 0 means no shared expert
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE, DeepSeek: 0 means no shared expert
+    shared_expert_gate: bool = True  # Qwen2-MoE gates its shared expert (sigmoid); DeepSeek does not
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    first_k_dense_replace: int = 0  # DeepSeek: layers [0, k) are dense
+    # Routing beyond softmax + top-k (DeepSeek): scores by "softmax" or "sigmoid"; "greedy" top-k,
+    # "group_limited_greedy" (top-k within the topk_group best of n_group expert groups, a group
+    # scored by its best expert) or "noaux_tc" (the same with sigmoid scores plus a learned
+    # e_score_correction_bias for choosing, a group scored by its best two); the weights are then
+    # multiplied by routed_scaling_factor.
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Multi-head Latent Attention (DeepSeek-V2/V3), on when kv_lora_rank > 0: keys and values are
+    # up-projected from a per-token latent (kv_lora_rank) plus one shared RoPE key
+    # (qk_rope_head_dim), and those are what the KV cache holds. head_dim is then the q/k head
+    # width (qk_nope_head_dim + qk_rope_head_dim); values are v_head_dim wide.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None  # None: q projected directly (V2-Lite); else through a rank-r bottleneck
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE on (even, odd) pairs rather than on halves (DeepSeek)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str = "bfloat16"  # the checkpoint's dtype, informative only
 
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head Latent Attention: the KV cache holds latents, not keys and values."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """Width RoPE rotates: the head (MHA/GQA), or MLA's rope part of q and of the shared key."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` has routed experts (else a dense MLP), as transformers decides."""
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and layer_idx >= self.first_k_dense_replace
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
+    def kv_cache_entry(self) -> tuple[str, int, int, int]:
+        """What the KV cache holds per token and layer: (kind, planes, heads, dim).
+
+        ("kv", 2, kv_heads, head_dim): a K and a V plane. ("latent", 1, 1, kv_lora_rank +
+        qk_rope_head_dim): MLA's one plane, the normalised latent c_kv followed by the roped shared
+        key; no V. pdserve.engine.kv_cache.KVLayout is built from this."""
+        if self.is_mla:
+            return "latent", 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return "kv", 2, self.num_kv_heads, self.head_dim
+
     def num_kv_bytes_per_token(self, dtype: "torch.dtype") -> int:
-        """Bytes of K and V one token occupies over all layers."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """Bytes of KV cache one token occupies over all layers (K and V, or MLA's latent)."""
+        _, planes, heads, dim = self.kv_cache_entry()
+        return self.num_layers * planes * heads * dim * dtype.itemsize
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
@@ -84,6 +131,9 @@ class ModelArgs:
         max_pos = _need(cfg, "max_position_embeddings")
         # transformers' Qwen3 (dense) config defaults head_dim to 128; the others derive it.
         head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
+        mla = _parse_mla(cfg, arch)
+        if mla:  # DeepSeek configs set head_dim to the rope width; ours is the q/k head
+            head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
         rope_theta, rope_scaling = _parse_rope(cfg, arch, max_pos)
         window = _sliding_window(cfg, arch)
         if window is not None and window < max_pos:
@@ -97,6 +147,8 @@ class ModelArgs:
             qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
         elif arch == "MixtralForCausalLM":
             qkv_bias, o_bias = False, False
+        elif arch in MLA_ARCHITECTURES:  # `attention_bias` is on q_a_proj, kv_a_proj_with_mqa and o_proj
+            qkv_bias, o_bias = bias, bias
         else:
             qkv_bias, o_bias = bias, bias
 
@@ -107,7 +159,8 @@ class ModelArgs:
             hidden_size=hidden,
             num_layers=_need(cfg, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            # MLA: every head gets its own key and value, up-projected from the latent.
+            num_kv_heads=heads if mla else cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             intermediate_size=_need(cfg, "intermediate_size"),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -122,6 +175,7 @@ class ModelArgs:
             eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
             torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             **_parse_moe(cfg, arch),
+            **mla,
         )
 
 
@@ -129,6 +183,23 @@ def _need(cfg: dict[str, Any], key: str) -> Any:
     if cfg.get(key) is None:
         raise ValueError(f"config.json has no {key!r}")
     return cfg[key]
+
+
+def _parse_mla(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The MLA fields of ModelArgs (DeepSeek-V2/V3, transformers' defaults); empty for other families."""
+    if arch not in MLA_ARCHITECTURES:
+        return {}
+    v3 = arch == "DeepseekV3ForCausalLM"
+    out = {"kv_lora_rank": cfg.get("kv_lora_rank") or 512,
+           "q_lora_rank": cfg.get("q_lora_rank") if "q_lora_rank" in cfg else 1536,
+           "qk_nope_head_dim": cfg.get("qk_nope_head_dim") or 128,
+           "qk_rope_head_dim": cfg.get("qk_rope_head_dim") or 64,
+           "v_head_dim": cfg.get("v_head_dim") or 128,
+           # transformers' V2 rotates pairs (as complex numbers), always; V3 unless told otherwise.
+           "rope_interleave": bool(cfg.get("rope_interleave", True)) if v3 else True}
+    if out["qk_rope_head_dim"] % 2:
+        raise ValueError(f"config.json qk_rope_head_dim {out['qk_rope_head_dim']} must be even")
+    return out
 
 
 def _parse_rope(cfg: dict[str, Any], arch: str, max_pos: int) -> tuple[float, dict[str, Any] | None]:
@@ -179,6 +250,8 @@ def _parse_moe(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                 "num_experts_per_tok": cfg.get("num_experts_per_tok") or 2,
                 "moe_intermediate_size": _need(cfg, "intermediate_size"),
                 "norm_topk_prob": True}
+    if arch in MLA_ARCHITECTURES:
+        return _parse_deepseek_moe(cfg, arch)
     if arch not in _MOE_DEFAULTS:
         return {}
     out = {k: cfg[k] if cfg.get(k) is not None else v for k, v in _MOE_DEFAULTS[arch].items()}
@@ -187,6 +260,47 @@ def _parse_moe(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     out["decoder_sparse_step"] = cfg.get("decoder_sparse_step") or 1
     out["mlp_only_layers"] = list(cfg.get("mlp_only_layers") or [])
     return out
+
+
+_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"), "DeepseekV3ForCausalLM": ("noaux_tc",)}
+
+
+def _parse_deepseek_moe(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """DeepSeek's MoE: routed experts from layer first_k_dense_replace on, each with shared experts
+    (ungated, n_shared_experts times moe_intermediate_size wide) and grouped top-k routing."""
+    v3 = arch == "DeepseekV3ForCausalLM"
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if method not in _TOPK_METHODS[arch]:
+        raise ValueError(f"config.json topk_method {method!r} is not supported for {arch}; "
+                         f"allowed: {', '.join(_TOPK_METHODS[arch])}")
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    if scoring != ("sigmoid" if v3 else "softmax"):
+        raise ValueError(f"config.json scoring_func {scoring!r} is not supported for {arch}; "
+                         f"allowed: {'sigmoid' if v3 else 'softmax'!r}")
+    if (cfg.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"config.json moe_layer_freq {cfg['moe_layer_freq']} is not supported; allowed: 1")
+    experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or (256 if v3 else 64)
+    inter = cfg.get("moe_intermediate_size") or (2048 if v3 else 1407)
+    grouped = method != "greedy"
+    n_group = (cfg.get("n_group") or (8 if v3 else 1)) if grouped else 1
+    topk_group = (cfg.get("topk_group") or (4 if v3 else n_group)) if grouped else 1
+    if experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"config.json n_group {n_group} / topk_group {topk_group} do not fit "
+                         f"{experts} routed experts (n_group must divide them, 1 <= topk_group <= n_group)")
+    top_k = cfg.get("num_experts_per_tok") or (8 if v3 else 6)
+    if top_k > experts // n_group * topk_group:
+        raise ValueError(f"config.json num_experts_per_tok {top_k} exceeds the experts of "
+                         f"topk_group {topk_group} groups of {experts // n_group}")
+    first_dense = cfg.get("first_k_dense_replace")
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": inter,
+            # As DeepSeek's own code has it. (transformers 5's V2 ignores the flag and never
+            # renormalises; every public V2 checkpoint has it false, where the two agree.)
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", v3)),
+            "shared_expert_intermediate_size": inter * (cfg.get("n_shared_experts") or 0),
+            "shared_expert_gate": False,
+            "first_k_dense_replace": (3 if v3 else 0) if first_dense is None else first_dense,
+            "scoring_func": scoring, "topk_method": method, "n_group": n_group, "topk_group": topk_group,
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or (2.5 if v3 else 1.0))}
 
 
 def resolve_model_args(path_or_preset: str) -> ModelArgs:

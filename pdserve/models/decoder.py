@@ -1,8 +1,9 @@
 """The decoder-only transformer every family shares: layer loop, logits, checkpoint loading.
 
 A family file subclasses `DecoderLM` and changes only what differs: which MLP a layer gets
-(`make_mlp`) and how its checkpoint names tensors (`checkpoint_name`). Attention differences
-(biases, q/k norm) are flags in ModelArgs, read by `Attention`.
+(`make_mlp`), which attention (`make_attention`: Multi-head Latent Attention for DeepSeek) and how
+its checkpoint names tensors (`checkpoint_name`). Attention differences within MHA/GQA (biases,
+q/k norm) are flags in ModelArgs, read by `Attention`.
 """
 
 import re
@@ -31,10 +32,10 @@ class DecoderLayer(nn.Module):
     The residual stream travels beside the block's output instead of being added at its end: the
     next norm adds it (one fused kernel on the GPU path, `norms.add_rms_norm`)."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int, mlp: nn.Module, attn_backend, norms):
+    def __init__(self, args: ModelArgs, attn: nn.Module, mlp: nn.Module, norms):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, norms)
-        self.self_attn = Attention(args, layer_idx, attn_backend, norms)
+        self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, norms)
         self.mlp = mlp
 
@@ -61,13 +62,17 @@ class DecoderLM(nn.Module):
         self.norms = norms or TorchNorms()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, i, self.make_mlp(i), self.attn_backend, self.norms) for i in range(args.num_layers))
+            DecoderLayer(args, self.make_attention(i), self.make_mlp(i), self.norms) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, self.norms)
         # Tied: the embedding matrix is the head, and there is no second parameter to keep in sync.
         self.lm_head = (None if args.tie_word_embeddings
                         else nn.Linear(args.hidden_size, args.vocab_size, bias=False))
-        self.rotary_emb = RotaryEmbedding(args.head_dim, args.max_position_embeddings,
+        self.rotary_emb = RotaryEmbedding(args.rotary_dim, args.max_position_embeddings,
                                           args.rope_theta, args.rope_scaling)
+
+    def make_attention(self, layer_idx: int) -> nn.Module:
+        """The attention of layer `layer_idx`: MHA/GQA over a K/V cache here; MLA families override."""
+        return Attention(self.args, layer_idx, self.attn_backend, self.norms)
 
     def make_mlp(self, layer_idx: int) -> nn.Module:
         """The MLP of layer `layer_idx`: dense SwiGLU here; MoE families override."""
@@ -101,11 +106,16 @@ class DecoderLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for the batch's flattened tokens."""
         x = self.embed_tokens(batch.input_ids)
-        rope = self.norms.rope_inputs(self.rotary_emb, batch.positions, x.dtype)
+        rope = self.rope_inputs(batch.positions, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, batch)
         return self.norm(x, residual)[0]
+
+    def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype):
+        """What every layer's attention reads for RoPE, computed once per forward (the norms
+        backend's form: cos/sin tables for the reference, what its kernel takes on the GPU)."""
+        return self.norms.rope_inputs(self.rotary_emb, positions, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
@@ -115,9 +125,12 @@ class DecoderLM(nn.Module):
     # -- checkpoint loading ----------------------------------------------------------------------
 
     def wants(self, hf_name: str) -> bool:
-        """False for a checkpoint tensor of an expert another rank holds: it need not be read."""
+        """False for a checkpoint tensor of an expert another rank holds, or one the model skips: it
+        need not be read."""
         name = self.checkpoint_name(hf_name)
-        m = _EXPERT.fullmatch(name) if name else None
+        if name is None:
+            return False  # skipped anyway (load_weights): no need to read it
+        m = _EXPERT.fullmatch(name)
         if m is None:
             return True
         moe, expert = self._moe(m[1], hf_name), int(m[2])

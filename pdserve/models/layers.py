@@ -194,7 +194,8 @@ class GatedMLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Routed SwiGLU experts, optionally plus a gated shared expert (Qwen2-MoE).
+    """Routed SwiGLU experts, optionally plus a shared expert: sigmoid-gated (Qwen2-MoE) or not
+    (DeepSeek, whose `route` is its own: pdserve.models.deepseek).
 
     The experts' weights are stored fused, the layout the MoE backends take: w13 [E, 2I, H]
     (gate rows then up rows) and w2 [E, H, I].
@@ -213,7 +214,8 @@ class SparseMoE(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if args.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(h, args.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+            if args.shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
     def hold_experts(self, experts: list[int]) -> None:
         """Keep only these experts' weights (expert parallel); call before the weights are allocated."""
@@ -222,13 +224,21 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(self.w13.new_empty(len(experts), *self.w13.shape[1:]))
         self.w2 = nn.Parameter(self.w2.new_empty(len(experts), *self.w2.shape[1:]))
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> weights [T, k] float32, expert ids [T, k]: softmax, top-k, renormalised
+        where the family says (the backend's kernel on the GPU)."""
+        return self.backend.route(self.gate(x), self.top_k, self.renormalize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        weights, ids = self.backend.route(self.gate(x), self.top_k, self.renormalize)  # [T, k] float32, [T, k]
+        weights, ids = self.route(x)
         if self.exchange is None:
             out = self.backend.forward(x, self.w13, self.w2, weights, ids)
         else:  # the other experts live on other ranks
             out = self.exchange.forward(x, self.w13, self.w2, weights, ids, self.backend)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out

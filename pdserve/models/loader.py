@@ -13,6 +13,7 @@ from torch import nn
 
 from pdserve.models.args import SUPPORTED_ARCHITECTURES, ModelArgs, resolve_model_args
 from pdserve.models.decoder import DecoderLM
+from pdserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pdserve.models.layers import RMSNorm, SparseMoE
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.mixtral import MixtralForCausalLM
@@ -29,6 +30,8 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
 
@@ -105,7 +108,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
                 p.fill_(1.0)
             elif name == "bias":
                 p.zero_()
-            elif isinstance(module, SparseMoE) and len(module.experts) != module.num_experts:
+            elif (isinstance(module, SparseMoE) and name in ("w13", "w2")
+                  and len(module.experts) != module.num_experts):
                 # Expert parallel: draw every expert and keep ours, so that each rank's experts
                 # (and every tensor drawn after them) are exactly the single-rank model's.
                 full = p.new_empty(module.num_experts, *p.shape[1:]).normal_(0.0, 0.02, generator=gen)

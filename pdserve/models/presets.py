@@ -36,7 +36,27 @@ _QWEN3_30B_A3B: dict[str, Any] = {
     "bos_token_id": 151643, "eos_token_id": [151645, 151643], "torch_dtype": "bfloat16",
 }
 
+# deepseek-ai/DeepSeek-V2-Lite's config.json (its own, pre-transformers-5 layout): Multi-head Latent
+# Attention (no q_lora_rank; a 512 + 64 latent cached per token and layer), one dense layer, then
+# 64 routed experts (top-6, greedy) beside 2 shared ones; YaRN to 160k positions.
+_DEEPSEEK_V2_LITE: dict[str, Any] = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "vocab_size": 102400, "hidden_size": 2048, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 10944,
+    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "moe_intermediate_size": 1408,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+    "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
+    "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16",
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-moe": _TINY_MOE,
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "deepseek-v2-lite": _DEEPSEEK_V2_LITE,
 }

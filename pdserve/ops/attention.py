@@ -3,12 +3,22 @@
 It is the CPU path and the oracle for the GPU kernels. Decode rows (one query token) are batched
 into one padded SDPA call; prefill chunks run one sequence at a time with a causal mask offset by
 the cached prefix.
+
+Two kinds of cache (pdserve.engine.kv_cache): K/V planes (MHA, GQA: `forward`), and MLA's latent
+plane (`forward_mla`, DeepSeek-V2/V3). Both gather the context's cache entries the same way; an
+`expand` function turns them into keys and values — for K/V the planes themselves, for a latent
+the up-projection through the layer's kv_b_proj.
 """
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.engine.forward_batch import ForwardBatch
+
+# entries [planes, ..., L, heads, dim] gathered from the cache -> keys [..., L, h, Dk], values [..., L, h, Dv]
+Expand = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -18,32 +28,63 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
 
+def write_latent(kv_layer: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter latent [num_tokens, dim] into kv_layer [1, blocks, block_size, 1, dim] (MLA)."""
+    flat = kv_layer.flatten(1, 2)  # [1, blocks * block_size, 1, dim], a view
+    flat[0, :, 0].index_copy_(0, slot_mapping, latent.to(flat.dtype))
+
+
+def _planes(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return entries[0], entries[1]
+
+
 class TorchAttention:
     """Reference attention backend."""
+
+    # It computes Multi-head Latent Attention (`forward_mla`); the Triton kernels do not yet.
+    supports_mla = True
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D]."""
         kv_layer = batch.kv_cache[layer]
         write_kv(kv_layer, k, v, batch.slot_mapping)
-        out = torch.empty_like(q)
+        return self._attend(q, kv_layer, batch, scale, v.shape[-1], _planes)
+
+    def forward_mla(self, layer: int, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch,
+                    scale: float, attn) -> torch.Tensor:
+        """Multi-head Latent Attention. q [T, heads, qk_nope + qk_rope] (rope part rotated),
+        latent [T, kv_lora_rank + qk_rope] (normalised c_kv, then the rotated shared key) ->
+        [T, heads, v_head_dim]. `attn` is the layer (pdserve.models.mla.MLAttention): its
+        `expand_latent` up-projects cached latents to keys and values.
+
+        The straightforward form, not the absorbed one: every step up-projects the whole context's
+        latents (K and V per head, as transformers does) and runs ordinary attention over them.
+        Exact against the reference, and cheap enough on the CPU; the GPU kernels will fold
+        kv_b_proj into q and the output instead (attention over the latent itself)."""
+        kv_layer = batch.kv_cache[layer]
+        write_latent(kv_layer, latent, batch.slot_mapping)
+        return self._attend(q, kv_layer, batch, scale, attn.v_head_dim, attn.expand_latent)
+
+    def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, scale: float,
+                value_dim: int, expand: Expand) -> torch.Tensor:
+        out = q.new_empty(*q.shape[:2], value_dim)
         qlens = batch.query_lens
         decode_rows = [i for i, n in enumerate(qlens) if n == 1]
         if decode_rows:
-            self._decode(q, kv_layer, batch, decode_rows, scale, out)
+            self._decode(q, kv_layer, batch, decode_rows, scale, out, expand)
         for i, n in enumerate(qlens):
             if n > 1:
-                self._prefill(q, kv_layer, batch, i, scale, out)
+                self._prefill(q, kv_layer, batch, i, scale, out, expand)
         return out
 
-    def _decode(self, q, kv_layer, batch, rows, scale, out) -> None:
+    def _decode(self, q, kv_layer, batch, rows, scale, out, expand: Expand) -> None:
         bs = batch.block_size
         ctx = [batch.context_lens[i] for i in rows]
         max_blocks = (max(ctx) + bs - 1) // bs
         tables = batch.block_tables[rows, :max_blocks]  # [B, max_blocks]
         idx = torch.tensor([batch.query_start[i] for i in rows], device=q.device)
-        keys = kv_layer[0][tables].flatten(1, 2)  # [B, max_blocks * bs, kv_heads, D]
-        values = kv_layer[1][tables].flatten(1, 2)
+        keys, values = expand(kv_layer[:, tables].flatten(2, 3))  # [B, max_blocks * bs, kv_heads, D]
         lens = torch.tensor(ctx, device=q.device)
         mask = torch.arange(keys.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
         o = F.scaled_dot_product_attention(
@@ -52,13 +93,12 @@ class TorchAttention:
             attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
         out[idx] = o.squeeze(2).to(out.dtype)
 
-    def _prefill(self, q, kv_layer, batch, i, scale, out) -> None:
+    def _prefill(self, q, kv_layer, batch, i, scale, out, expand: Expand) -> None:
         bs = batch.block_size
         start, end = batch.query_start[i], batch.query_start[i + 1]
         n, ctx = end - start, batch.context_lens[i]
         table = batch.block_tables[i, : (ctx + bs - 1) // bs]
-        keys = kv_layer[0][table].flatten(0, 1)[:ctx]  # [ctx, kv_heads, D]
-        values = kv_layer[1][table].flatten(0, 1)[:ctx]
+        keys, values = expand(kv_layer[:, table].flatten(1, 2)[:, :ctx])  # [ctx, kv_heads, D]
         qi = q[start:end].transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, heads, n, D]
         ki = keys.transpose(0, 1).unsqueeze(0)
         vi = values.transpose(0, 1).unsqueeze(0)

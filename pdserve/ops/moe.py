@@ -13,6 +13,38 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
+def grouped_route(router_logits: torch.Tensor, top_k: int, *, scoring: str, method: str, n_group: int,
+                  topk_group: int, correction_bias: torch.Tensor | None, renormalize: bool,
+                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing, op for op as transformers' V2 / V3 routers. router_logits [T, E] float32
+    -> weights [T, k] float32, ids [T, k].
+
+    Scores are the softmax (V2) or the sigmoid (V3) of the logits. "greedy" takes the top k;
+    "group_limited_greedy" (V2) first keeps the topk_group of n_group expert groups whose best score
+    is highest; "noaux_tc" (V3) chooses on scores + correction_bias, a group rated by the sum of its
+    best two. The weights are the chosen experts' scores (without the bias), renormalised to sum to 1
+    if asked, times `scaling` (routed_scaling_factor). Plain torch on every device: the routing
+    kernel of the GPU MoE backend does softmax + top-k only."""
+    scores = router_logits.softmax(dim=-1) if scoring == "softmax" else router_logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias
+    if method != "greedy" and n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, n_group, e // n_group)
+        if method == "group_limited_greedy":
+            group_scores = grouped.max(dim=-1).values
+        else:  # noaux_tc
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        keep = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e).bool()
+        choice = choice.masked_fill(~keep, 0.0 if method == "group_limited_greedy" else float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 class TorchMoE:
     """Reference experts backend: loops over the experts that received tokens."""
 

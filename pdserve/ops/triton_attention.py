@@ -25,6 +25,9 @@ class TritonAttention:
     # an H200 went from 744 kernels / 3.94 ms GPU time to 648 / 3.47 ms (docs/benchmarks-history.md). k and
     # v arrive as strided views; every kernel here takes strides.
     fuse_qkv = True
+    # No Multi-head Latent Attention kernels yet: a DeepSeek model refuses this backend when it is
+    # built (pdserve.models.mla), rather than compute garbage over a latent cache.
+    supports_mla = False
 
     def __init__(self, decode_splits: int | None = None, fuse_kv_write: bool = True,
                  min_keys_per_split: int | None = None, fresh_sdpa: bool = True):

@@ -1,0 +1,86 @@
+"""DeepSeek-V2 / V2-Lite / V3: Multi-head Latent Attention (pdserve.models.mla) over a latent KV
+cache, dense first layers (first_k_dense_replace), then routed experts beside ungated shared
+experts, routed by grouped top-k (V2: softmax, greedy or group_limited_greedy; V3: sigmoid,
+noaux_tc with the learned e_score_correction_bias), weights times routed_scaling_factor. YaRN RoPE
+on the rope part of q and of the shared key, with mscale in the softmax scale.
+"""
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.models.args import ModelArgs
+from pdserve.models.decoder import DecoderLM
+from pdserve.models.layers import GatedMLP, SparseMoE
+from pdserve.models.mla import MLAttention
+from pdserve.ops.moe import grouped_route
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+# Hub and transformers names -> ours: the block's shared experts are one MLP `shared_expert` (as
+# Qwen2-MoE's, without its gate), the router's bias lives beside the experts.
+_RENAMES = [
+    (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),
+    (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.e_score_correction_bias"),
+]
+
+
+class DeepseekMoE(SparseMoE):
+    """Routed experts (the MoE backends') plus the shared experts, routed as DeepSeek does."""
+
+    def __init__(self, args: ModelArgs, backend):
+        super().__init__(args, backend, renormalize=args.norm_topk_prob)
+        self.scoring, self.topk_method = args.scoring_func, args.topk_method
+        self.n_group, self.topk_group = args.n_group, args.topk_group
+        self.routed_scaling_factor = args.routed_scaling_factor
+        self.e_score_correction_bias = None
+        if args.topk_method == "noaux_tc":  # float32 whatever the model's dtype, as transformers keeps it
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(args.num_experts, dtype=torch.float32))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The router's logits in float32 from float32 inputs, as transformers computes them.
+        logits = F.linear(x.float(), self.gate.weight.float())
+        return grouped_route(logits, self.top_k, scoring=self.scoring, method=self.topk_method,
+                             n_group=self.n_group, topk_group=self.topk_group,
+                             correction_bias=self.e_score_correction_bias, renormalize=self.renormalize,
+                             scaling=self.routed_scaling_factor)
+
+
+class DeepseekV2ForCausalLM(DecoderLM):
+    """MLA in every layer; layers [0, first_k_dense_replace) dense, the others DeepseekMoE."""
+
+    # transformers' V2 rotates q and k in float32 (as complex64) whatever the model's dtype.
+    rope_dtype: torch.dtype | None = torch.float32
+
+    def make_attention(self, layer_idx: int) -> nn.Module:
+        return MLAttention(self.args, layer_idx, self.attn_backend, self.norms)
+
+    def make_mlp(self, layer_idx: int) -> nn.Module:
+        args = self.args
+        if not args.is_moe_layer(layer_idx):
+            return GatedMLP(args.hidden_size, args.intermediate_size)
+        return DeepseekMoE(args, self.moe_backend)
+
+    def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, qk_rope_head_dim] (YaRN's attention factor folded in), whatever the norms
+        backend: MLA rotates only part of q and the shared key, in its own layer."""
+        return self.rotary_emb(positions, self.rope_dtype or dtype)
+
+    def checkpoint_name(self, hf_name: str) -> str | None:
+        name = super().checkpoint_name(hf_name)
+        if name is None:
+            return None
+        m = _LAYER.match(name)
+        if m and int(m[1]) >= self.args.num_layers:
+            return None  # V3's multi-token-prediction layer(s) past the last: not used to decode
+        for pattern, repl in _RENAMES:
+            name = pattern.sub(repl, name)
+        return name
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """V2's layers with sigmoid routing (noaux_tc); RoPE in the model's dtype, on pairs unless
+    rope_interleave is false."""
+
+    rope_dtype = None

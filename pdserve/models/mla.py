@@ -1,0 +1,116 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) over a latent KV cache.
+
+Per token the layer caches one vector: the normalised KV latent c_kv (kv_lora_rank wide) followed
+by the rotated key every head shares (qk_rope_head_dim) — `KVLayout` kind "latent". Keys and
+values are never cached: attention up-projects them from the latents through kv_b_proj
+(`expand_latent`), per head k = [W_uk c, k_rope] and v = W_uv c. Queries come straight from the
+hidden state (q_proj; V2-Lite) or through a rank-q_lora_rank bottleneck with its own RMSNorm
+(q_a_proj, q_a_layernorm, q_b_proj; V2, V3). The parameter names are transformers'.
+
+The attention itself is the backend's `forward_mla` (pdserve/ops/attention.py for the reference);
+a backend without it (the Triton kernels, for now) is refused when the model is built.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.models.args import ModelArgs
+from pdserve.models.layers import RMSNorm
+from pdserve.ops.norms import apply_rotary
+
+# transformers builds the two latent norms with RMSNorm's default eps, not config.rms_norm_eps.
+_LATENT_NORM_EPS = 1e-6
+
+
+def mla_softmax_scale(args: ModelArgs) -> float:
+    """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 where the rope scaling has
+    an mscale_all_dim (DeepSeek: the attention logits grow with the context extension)."""
+    scale = (args.qk_nope_head_dim + args.qk_rope_head_dim) ** -0.5
+    s = args.rope_scaling or {}
+    m_all = s.get("mscale_all_dim")
+    if s and m_all:
+        factor = s["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * m_all * math.log(factor) + 1.0
+        scale = scale * mscale * mscale
+    return scale
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek lays them out; x [T, h, r],
+    cos/sin [T, 1, r] in the usual cat(freqs, freqs) form. The result is de-interleaved (the
+    rotated even elements, then the odd ones), as transformers' V3 returns it: q and k are
+    permuted alike, so their dot product is the same. Computed in cos's dtype (float32 for V2,
+    whose transformers code rotates in complex64)."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    xf = x.to(cos.dtype)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+class MLAttention(nn.Module):
+    """Multi-head Latent Attention; the backend writes this step's latents and attends."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int, backend, norms):
+        super().__init__()
+        if not getattr(backend, "supports_mla", False):
+            raise ValueError(
+                f"{args.architecture} uses Multi-head Latent Attention over a latent KV cache, which the "
+                f"attention backend {type(backend).__name__} cannot compute (no MLA kernels yet); "
+                f"use attention_backend 'torch'")
+        self.layer_idx, self.backend = layer_idx, backend
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = args.num_heads, args.q_lora_rank, args.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
+        self.v_head_dim, self.rope_interleave = args.v_head_dim, args.rope_interleave
+        self.scale = mla_softmax_scale(args)
+        h, heads, qk = args.hidden_size, args.num_heads, args.qk_nope_head_dim + args.qk_rope_head_dim
+        bias = args.attention_bias
+        self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        if args.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, args.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, _LATENT_NORM_EPS, norms)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, args.kv_lora_rank + args.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, _LATENT_NORM_EPS, norms)
+        self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(heads * args.v_head_dim, h, bias=bias)
+
+    def _rope(self, x: torch.Tensor, rope) -> torch.Tensor:
+        cos, sin = rope
+        if self.rope_interleave:
+            return rotate_pairs(x, cos, sin)
+        return apply_rotary(x, cos.to(x.dtype), sin.to(x.dtype))
+
+    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `rope`: cos, sin [T, 1, qk_rope_head_dim]. Calls
+        batch.layer_done(layer) once the layer's latents are cached."""
+        t = x.shape[0]
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(t, self.num_heads, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_rope, k_rope = self._rope(q_rope, rope), self._rope(k_rope.unsqueeze(1), rope)  # [T, h, r], [T, 1, r]
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        latent = torch.cat([c_kv, k_rope[:, 0]], dim=-1)  # [T, kv_lora_rank + qk_rope_head_dim]: the cache entry
+        o = self.backend.forward_mla(self.layer_idx, q, latent, batch, self.scale, self)  # [T, heads, v_head_dim]
+        if batch.layer_done is not None:
+            batch.layer_done(self.layer_idx)
+        return self.o_proj(o.flatten(1))
+
+    def expand_latent(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache entries [1, ..., L, 1, kv_lora_rank + qk_rope_head_dim] -> keys [..., L, heads,
+        qk_nope + qk_rope] and values [..., L, heads, v_head_dim]: the latent up-projected by
+        kv_b_proj (one GEMM, as transformers computes it), the shared rope key beside every head's."""
+        latent = entries[0, ..., 0, :]
+        c_kv, k_rope = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        kv = F.linear(c_kv.to(self.kv_b_proj.weight.dtype), self.kv_b_proj.weight)
+        kv = kv.view(*kv.shape[:-1], self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], -1)
+        k_rope = k_rope.unsqueeze(-2).expand(*k_nope.shape[:-1], self.qk_rope_head_dim).to(k_nope.dtype)
+        return torch.cat([k_nope, k_rope], dim=-1), v
