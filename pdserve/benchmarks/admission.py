@@ -107,11 +107,22 @@ def serve(step_s: float, loop_kind: str) -> None:
         replica.core = core
         core.stats[replica.name] = await replica.stats.remote()  # live: what refresh_stats would find
         sock = bind_listener("127.0.0.1", 0, "router.http_port")
-        server = uvicorn.Server(uvicorn.Config(build_app(core, metrics), log_level="warning", lifespan="off"))
+        try:
+            from pdserve.router.server import http_config  # the router's own, where the tree has it
+        except ImportError:
+            def http_config(app):  # what Router.start built before it
+                return uvicorn.Config(app, log_level="warning", lifespan="off")
+        server = uvicorn.Server(http_config(build_app(core, metrics)))
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             await asyncio.sleep(0.01)
         _profile_on_signals(asyncio.get_running_loop())
+        try:
+            from pdserve.router.heap import settle  # what Router.start does last, where the tree has it
+        except ImportError:
+            pass
+        else:
+            settle()
         print(f"READY {sock.getsockname()[1]}", flush=True)
         await task
 
@@ -128,7 +139,7 @@ def _profile_on_signals(loop: asyncio.AbstractEventLoop) -> None:
 
     # CPU time, not wall: on a shared host a wall-clock profile charges other processes' turns to
     # whatever ran before them.
-    profiler = cProfile.Profile(time.thread_time_ns, 1e-9)
+    profiler = cProfile.Profile(time.thread_time_ns, 1e-9) if os.environ.get("ADMISSION_PROFILE_CPU") else cProfile.Profile()
     loop.add_signal_handler(signal.SIGUSR1, profiler.enable)
 
     def dump() -> None:
@@ -200,13 +211,20 @@ def cpu_ns(pid: int) -> tuple[int, int]:
     return total, main
 
 
+def user_sys_ticks(pid: int) -> tuple[int, int]:
+    """User and system (kernel) CPU time of a process so far, in clock ticks (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]), int(fields[12])
+
+
 def _pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
 async def _measure(port: int, pid: int, kind: str, streams: int, repeats: int, max_tokens: int, seed: int,
-                   profile: bool) -> dict:
+                   profile: bool, callgrind: "Callgrind | None") -> dict:
     conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(streams)]
     rng = random.Random(seed)
     try:
@@ -215,34 +233,69 @@ async def _measure(port: int, pid: int, kind: str, streams: int, repeats: int, m
         firsts, lasts, failed = [], [], 0
         if profile:
             os.kill(pid, signal.SIGUSR1)
-        cpu0 = cpu_ns(pid)
+        if callgrind:
+            callgrind.on(pid)
+        cpu0, ticks0 = cpu_ns(pid), user_sys_ticks(pid)
         for requests in bursts:
             await asyncio.sleep(0.05)  # the router idle again: every burst starts alike
             got, bad = await _burst(conns, requests)
             firsts += got
             lasts.append(max(got, default=float("nan")))
             failed += bad
-        cpu1 = cpu_ns(pid)
+        cpu1, ticks1 = cpu_ns(pid), user_sys_ticks(pid)
+        instructions = callgrind.off(pid) if callgrind else None
     finally:
         for _, writer in conns:
             writer.close()
     n = streams * repeats
     return {"kind": kind, "streams": streams, "requests": n, "failed": failed,
+            "router_kinstr_per_request": round(instructions / 1e3 / n) if instructions else None,
             "router_cpu_us_per_request": round((cpu1[0] - cpu0[0]) / 1e3 / n, 1),
             "loop_cpu_us_per_request": round((cpu1[1] - cpu0[1]) / 1e3 / n, 1),
+            # The kernel's share (the sockets' reads and writes): what no change to the router's code cuts.
+            "sys_pct": round(100 * (ticks1[1] - ticks0[1]) / max(1, sum(ticks1) - sum(ticks0))),
             "first_event_p50_ms": round(1e3 * _pct(firsts, 50), 1),
             "first_event_p99_ms": round(1e3 * _pct(firsts, 99), 1),
             "last_first_event_ms": round(1e3 * _pct(lasts, 50), 1)}  # the median burst's span
 
 
-def start_router(tree: str, step_ms: float, loop_kind: str, profile: str | None) -> tuple[subprocess.Popen, int]:
+class Callgrind:
+    """The router under valgrind's callgrind, instrumented only while measured: the instructions it
+    executes (every thread), a count that no other load on the host changes."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = Path(out_dir).resolve()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def command(self) -> list[str]:
+        return ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                f"--callgrind-out-file={self.out_dir}/callgrind.out.%p", f"--log-file={self.out_dir}/valgrind.%p.log"]
+
+    def on(self, pid: int) -> None:
+        subprocess.run(["callgrind_control", "-i", "on", str(pid)], check=True, capture_output=True)
+
+    def off(self, pid: int) -> int:
+        """Instructions since `on`: dumped (which zeroes the counts), then instrumentation off."""
+        before = set(self.out_dir.glob(f"callgrind.out.{pid}*"))
+        subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
+        subprocess.run(["callgrind_control", "-i", "off", str(pid)], check=True, capture_output=True)
+        [dump] = set(self.out_dir.glob(f"callgrind.out.{pid}*")) - before
+        for line in dump.read_text().splitlines():
+            if line.startswith("totals:"):  # (a later part's `summary:` line can wrap around)
+                return int(line.split()[1])
+        raise RuntimeError(f"no totals in {dump}")
+
+
+def start_router(tree: str, step_ms: float, loop_kind: str, profile: str | None,
+                 callgrind: Callgrind | None = None) -> tuple[subprocess.Popen, int]:
     """The router process serving from `tree` (a checkout: its pdserve and router/ are measured);
     this file runs there as a script, so an older checkout without it is measured all the same."""
     env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
     if profile:
         env["ADMISSION_PROFILE"] = profile
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", "--step-ms", str(step_ms),
-                             "--loop", loop_kind], env=env, stdout=subprocess.PIPE, text=True)
+    wrapper = callgrind.command() if callgrind else []
+    proc = subprocess.Popen([*wrapper, sys.executable, os.path.abspath(__file__), "--serve", "--step-ms",
+                             str(step_ms), "--loop", loop_kind], env=env, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line.startswith("READY "):
         proc.kill()
@@ -260,14 +313,15 @@ def stop_router(proc: subprocess.Popen) -> None:
 
 
 def run_tree(tree: str, args) -> list[dict]:
-    proc, port = start_router(tree, args.step_ms, args.loop, args.profile)
+    callgrind = Callgrind(args.callgrind) if args.callgrind else None
+    proc, port = start_router(tree, args.step_ms, args.loop, args.profile, callgrind)
     rows = []
     try:
         for kind in args.kinds:
             for streams in args.bursts:
                 profile = bool(args.profile) and (kind, streams) == (args.kinds[0], args.bursts[-1])
                 row = _run_loop(_measure(port, proc.pid, kind, streams, args.repeats, args.max_tokens,
-                                         args.seed, profile))
+                                         args.seed, profile, callgrind))
                 rows.append({"tree": tree} | row)
                 if profile:
                     os.kill(proc.pid, signal.SIGUSR2)
@@ -306,6 +360,9 @@ def main() -> None:
                     "this order (default: this one); give two for before/after in one run")
     ap.add_argument("--rounds", type=int, default=1, help="runs of every tree, interleaved")
     ap.add_argument("--profile", help="write a cProfile of the router over the first kind's largest burst here")
+    ap.add_argument("--callgrind", metavar="DIR", help="run the router under valgrind's callgrind (its files "
+                    "here) and count its instructions per request: the figure a shared host does not move "
+                    "(the timings are then valgrind's)")
     ap.add_argument("--json", help="write the rows here as JSON")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the router process
@@ -314,11 +371,15 @@ def main() -> None:
         return serve(args.step_ms / 1e3, args.loop)
     trees = args.tree or [_default_tree()]
     rows = [row for _ in range(args.rounds) for tree in trees for row in run_tree(tree, args)]
-    print(f"{'tree':<28} {'prompt':>6} {'burst':>6} {'router µs/req':>14} {'loop µs/req':>12} "
-          f"{'first event p50':>16} {'p99':>8} {'last':>8} {'failed':>7}")
+    counted = any(r["router_kinstr_per_request"] for r in rows)
+    print(f"{'tree':<28} {'prompt':>6} {'burst':>6} {'router µs/req':>14} {'loop µs/req':>12} {'sys %':>6} "
+          + (f"{'router kinstr/req':>18} " if counted else "")
+          + f"{'first event p50':>16} {'p99':>8} {'last':>8} {'failed':>7}")
     for r in rows:
         print(f"{r['tree'][-28:]:<28} {r['kind']:>6} {r['streams']:>6} {r['router_cpu_us_per_request']:>14} "
-              f"{r['loop_cpu_us_per_request']:>12} {r['first_event_p50_ms']:>13} ms {r['first_event_p99_ms']:>5} ms "
+              f"{r['loop_cpu_us_per_request']:>12} {r['sys_pct']:>6} "
+              + (f"{r['router_kinstr_per_request']:>18} " if counted else "")
+              + f"{r['first_event_p50_ms']:>13} ms {r['first_event_p99_ms']:>5} ms "
               f"{r['last_first_event_ms']:>5} ms {r['failed']:>7}")
     if args.json:
         meta = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(), "args": vars(args)}
