@@ -71,6 +71,11 @@ class Metrics:
         # Labelled by expert but summed over MoE layers: replicas x experts series, not x layers too.
         self.expert_tokens = Counter("pdserve_expert_tokens", "Tokens routed to each expert at an expert-parallel "
                                      "decode replica, summed over MoE layers", ["replica", "expert"], registry=r)
+        # The labelled series every request touches, looked up once: labels() costs more than the inc or
+        # observe itself. (None of them is ever removed, so a cached one is never stale.)
+        self._requests_by: dict[tuple[str, str], Counter] = {}
+        self._placed_by: dict[tuple[str, str], Counter] = {}
+        self._phase_by: dict[str, Histogram] = {}
 
     # -- front end ----------------------------------------------------------------------------
 
@@ -81,7 +86,10 @@ class Metrics:
 
     def count_request(self, endpoint: str, status: int | str) -> None:
         """Count a request that ended without a timer (rejected before generation)."""
-        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        key = (endpoint, str(status))
+        if (series := self._requests_by.get(key)) is None:
+            series = self._requests_by[key] = self.requests.labels(*key)
+        series.inc()
 
     # -- Ray side -----------------------------------------------------------------------------
 
@@ -111,7 +119,9 @@ class Metrics:
         self.restarts.labels(role=role, replica=replica).inc(n)
 
     def count_placed(self, role: str, replica: str) -> None:
-        self.placed.labels(role=role, replica=replica).inc()
+        if (series := self._placed_by.get((role, replica))) is None:
+            series = self._placed_by[role, replica] = self.placed.labels(role, replica)
+        series.inc()
 
     def count_migration(self, role: str) -> None:
         self.migrations.labels(role=role).inc()
@@ -132,7 +142,9 @@ class Metrics:
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """One request spent `seconds` in `phase` (reserve, dispatch, first_token)."""
-        self.phase.labels(phase=phase).observe(seconds)
+        if (series := self._phase_by.get(phase)) is None:
+            series = self._phase_by[phase] = self.phase.labels(phase)
+        series.observe(seconds)
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         """One request's KV moved from prefill to decode: `nbytes` bytes in `seconds`."""
