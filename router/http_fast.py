@@ -72,15 +72,22 @@ class FastDoor:
         await response(scope, receive, send)
 
     def _json_within_limit(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        json_type, length = False, None
+        """One JSON Content-Type and one Content-Length within the limit. (Twice the same header the
+        app's parts read differently: its limits the last, FastAPI the first. The app's to answer.)"""
+        content_type = length = None
         for name, value in headers:
             if name == b"content-type":
-                json_type = value.lower() in _JSON
+                if content_type is not None:
+                    return False
+                content_type = value
             elif name == b"content-length":
+                if length is not None:
+                    return False
                 length = value
             elif name == b"transfer-encoding":
                 return False
-        return json_type and length is not None and length.isdigit() and int(length) <= self.max_body_bytes
+        return (content_type is not None and content_type.lower() in _JSON and length is not None
+                and length.isdigit() and int(length) <= self.max_body_bytes)
 
 
 def _replay(read: list[Message], receive: Receive) -> Receive:

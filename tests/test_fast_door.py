@@ -137,7 +137,7 @@ def pair():
 _VARYING = re.compile(rb'"(id|created)": ?("[a-z]+-[0-9a-f]+"|\d+)')
 
 
-def exchange(url: str, path: str, body, headers: dict | None = None) -> tuple[int, dict, bytes]:
+def exchange(url: str, path: str, body, headers: dict | list | None = None) -> tuple[int, dict, bytes]:
     """POST -> (status, the headers that matter, the body with ids and timestamps blanked). A callable
     body is sent chunked (no Content-Length)."""
     content = body() if callable(body) else body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -190,6 +190,9 @@ def test_what_the_door_does_not_read_goes_to_the_app(pair):
     raw = json.dumps(body).encode()
     assert same_answers(pair, [("/v1/completions", raw)], headers={"content-type": "text/plain"}) == [(415, True)]
     assert same_answers(pair, [("/v1/completions", raw)], headers={}) == [(400, True)]  # no content type
+    twice = [("content-type", "text/plain"), ("content-type", "application/json")]  # read as JSON by one part only
+    assert same_answers(pair, [("/v1/completions", raw)], headers=twice)[0][1]
+    assert same_answers(pair, [("/v1/completions", raw)], headers=twice[::-1])[0][1]
     assert same_answers(pair, [("/v1/completions", OK | {"prompt": "x" * MAX_BODY})]) == [(413, True)]
     # No Content-Length: a chunked body, read by the app, which counts it against the limit.
     assert same_answers(pair, [("/v1/completions", lambda: iter([raw[:10], raw[10:]]))]) == [(200, True)]
