@@ -26,7 +26,7 @@ from pdserve.router.metrics import Metrics
 from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.types import Delta, NoCapacityError, ServingError
 from local_core import LocalCore
-from test_http_api import BAD, CHAT, MODEL, OK, OK_CHAT, PROMPT
+from test_http_api import BAD, MODEL, OK, OK_CHAT, PROMPT
 
 MAX_BODY = 3 << 19  # 1.5 MiB: the costliest bodies of BAD (1 MB) within it, one over it cheap to send
 

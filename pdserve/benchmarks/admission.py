@@ -4,7 +4,9 @@ waits for its first events, on CPU.
     python -m pdserve.benchmarks.admission                        # bursts of 256 and 512, both prompt kinds
     python -m pdserve.benchmarks.admission --bursts 512 --kinds ids --json out.json
     python -m pdserve.benchmarks.admission --tree /path/to/other/checkout --tree .   # A/B in one run
+    python -m pdserve.benchmarks.admission --callgrind /tmp/cg --repeats 2   # instructions (valgrind), not µs
     python -m pdserve.benchmarks.admission --profile /tmp/router.prof   # cProfile of the router's loop
+                                                  # (ADMISSION_PROFILE_CPU=1: by CPU time, not wall)
 
 With `--rate inf` and equal output lengths a whole batch of requests ends in one engine step and
 their successors reach the router as one burst; each is parsed, validated and handed off on the
@@ -21,8 +23,12 @@ The client, in this process, opens C keep-alive connections, then sends C stream
 ~256 characters, tokenized off the loop), reads each until its end, and repeats. The router's CPU
 comes from /proc/<pid>/task/*/schedstat (nanoseconds, every thread of the process; the loop
 thread's alone as `loop µs`) over the measured bursts, divided by the requests: the router
-process's own, whatever else shares the host. `first event p50/p99` is from the burst's send to
-each stream's first `data:` byte; `last` to the latest one's, the burst's dispatch span.
+process's own, whatever else shares the host; `sys %` is the kernel's share of it (/proc/<pid>/stat:
+the sockets' reads and writes). `first event p50/p99` is from the burst's send to each stream's
+first `data:` byte; `last` to the latest one's, the burst's dispatch span. On a shared host the
+CPU figures move by ±20 % from run to run: compare trees in one run (`--tree`, `--rounds`), or
+count instructions with `--callgrind`, which no other load moves (the router then runs ~50×
+slower under valgrind, and its timings are valgrind's).
 """
 
 import argparse
@@ -137,9 +143,10 @@ def serve(step_s: float, loop_kind: str) -> None:
 def _profile_on_signals(loop: asyncio.AbstractEventLoop) -> None:
     import cProfile
 
-    # CPU time, not wall: on a shared host a wall-clock profile charges other processes' turns to
+    # By CPU time if asked: on a shared host a wall-clock profile charges other processes' turns to
     # whatever ran before them.
-    profiler = cProfile.Profile(time.thread_time_ns, 1e-9) if os.environ.get("ADMISSION_PROFILE_CPU") else cProfile.Profile()
+    cpu = os.environ.get("ADMISSION_PROFILE_CPU")  # (the CPU clock costs more a call: small functions look dearer)
+    profiler = cProfile.Profile(time.thread_time_ns, 1e-9) if cpu else cProfile.Profile()
     loop.add_signal_handler(signal.SIGUSR1, profiler.enable)
 
     def dump() -> None:
