@@ -3,15 +3,15 @@ generation endpoints' requests itself when their body is a JSON object its model
 hands everything else to the app unchanged.
 
 On the router's one event loop, FastAPI's way in — its middleware stack, routing, dependency
-solving — cost a request more than the rest of its admission and its first event together, and a
-burst of hundreds, which arrives when a batch ends in one engine step, queued behind it (issue
+solving — cost a request about as much as all the rest of its admission and its first event, and
+a burst of hundreds, which arrives when a batch ends in one engine step, queued behind it (issue
 18). The body's validation itself is cheap (pydantic-core) and stays: the door validates with the
 endpoint's own model, so a request it takes is the very model the app would build. Past the door
 a request meets the app's code: the endpoint's handler (http_api.complete, chat_complete), its
 response, and for a failure the answer the app's error handlers give. What the door does not take
-— another method or path, a body of unknown length, over the limit or not JSON, a body its model
-refuses — the app gets with the body already read replayed, and answers as ever: every 4xx of a
-bad body is the app's."""
+— another method or path, a body of unknown length, over the limit or not JSON, a body its JSON
+parser or its model refuses — the app gets with the body already read replayed, and answers as
+ever: every 4xx of a bad body is the app's."""
 
 from collections.abc import Awaitable, Callable
 from typing import Any
