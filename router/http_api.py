@@ -1,15 +1,17 @@
 """OpenAI-compatible HTTP front end over a ServingCore: the app and its routes (completions, chat completions,
 models, health, metrics; the dashboard's are dashboard.py's), errors in OpenAI's shape, and each request's life
 (streaming, client disconnects). The request bodies are in openai_protocol.py, the response shapes in
-openai_responses.py."""
+openai_responses.py; the generation endpoints' requests are admitted past FastAPI by the app's fast door
+(http_fast.py) into the same handlers."""
 
 import asyncio
+import functools
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +22,7 @@ from starlette.types import Receive, Send
 from pdserve.protocol import InvalidRequestError
 from pdserve.router import limits
 from pdserve.router.dashboard import add_dashboard
+from pdserve.router.http_fast import FastDoor
 from pdserve.router.http_limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from pdserve.router.metrics import Metrics, RequestTimer
 from pdserve.router.openai_protocol import (CHAT, COMPLETIONS, GENERATION_ENDPOINTS, ChatCompletionRequest,
@@ -100,28 +103,44 @@ class _ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
-    # Once the body is read, the server's receive() returns only when the client goes away.
-    while (await receive())["type"] != "http.disconnect":
-        pass
+class _Presence:
+    """Whether a request's client is still there, watched once for the request's life: one task awaits
+    `receive` for the disconnect (once the body is read, the server's receive() returns only when the
+    client goes away). While the request's own task awaits work under `guard`, a disconnect cancels
+    that work where it waits — the core's stream then aborts the request — and the guard raises
+    _ClientGone. (Before, each wait ran its work in a task of its own beside a watcher task, under
+    asyncio.wait: four tasks for a streaming request's two waits, on the loop that admits the burst.)"""
 
+    def __init__(self, receive: Receive):
+        self.gone = False
+        self._guarded: asyncio.Task | None = None  # the request's task, while it awaits guarded work
+        self._watcher = asyncio.ensure_future(self._watch(receive))
 
-async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work`; if the client disconnects first, cancel it (which aborts the request) and raise _ClientGone."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-    gone = False
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            gone = True
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # let the core's generator run its cleanup
-    if gone:
-        raise _ClientGone()
-    return task.result()
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self._guarded is not None:
+            self._guarded.cancel()
+
+    async def guard(self, work: Coroutine[Any, Any, T]) -> T:
+        """Await `work` in this task; raises _ClientGone, with `work` cancelled, when the client leaves first."""
+        if self.gone:
+            work.close()
+            raise _ClientGone()
+        task = self._guarded = asyncio.current_task()
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if self.gone and task.uncancel() == 0:  # the watcher's cancel, and nobody else's
+                raise _ClientGone() from None
+            raise
+        finally:
+            self._guarded = None
+
+    def close(self) -> None:
+        """The response is over (or never comes): stop watching."""
+        self._watcher.cancel()
 
 
 class _Wakes:
@@ -160,6 +179,11 @@ class _Wakes:
         await self.deltas.aclose()
 
 
+# Every stream's headers, as Response.init_headers builds them for its media type: built once (a
+# tuple: nothing may change them in place).
+_EVENT_STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"content-type", b"text/event-stream; charset=utf-8"))
+
+
 class _EventStream(Response):
     """A started request's server-sent events, written by one coroutine that awaits the core's
     deltas and sends each wake's events in one body write (Starlette's StreamingResponse pays a
@@ -169,17 +193,20 @@ class _EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(self, wakes: _Wakes, first: list[Delta], shape: ResponseShape, timer: RequestTimer,
-                 prompt_tokens: int):
+                 prompt_tokens: int, presence: _Presence):
         self.status_code, self.background = 200, None
-        self.init_headers({"Cache-Control": "no-cache"})
+        self.raw_headers = _EVENT_STREAM_HEADERS
         self.wakes, self.first, self.shape, self.timer, self.prompt_tokens = wakes, first, shape, timer, prompt_tokens
+        self.presence = presence
 
     async def __call__(self, scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         try:
-            await _unless_disconnected(receive, self._write(send))
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await self.presence.guard(self._write(send))
         except _ClientGone:
             pass  # _write's cleanup aborted the request and counted it
+        finally:
+            self.presence.close()
 
     async def _write(self, send: Send) -> None:
         shape, timer = self.shape, self.timer
@@ -213,26 +240,30 @@ class _EventStream(Response):
         await send({"type": "http.response.body", "body": "".join(events).encode(), "more_body": False})
 
 
-async def _serve(request: Request, core: ServingCore, metrics: Metrics, shape: ResponseShape,
+async def _serve(receive: Receive, core: ServingCore, metrics: Metrics, shape: ResponseShape,
                  req: GenerateRequest, stream: bool) -> Response:
     timer = metrics.request_started(shape.endpoint, len(req.prompt_ids))
     wakes = _Wakes(core.generate(req), timer)
+    presence = _Presence(receive)
     try:
         # Streaming waits for the first delta too, so that a refused request still gets a proper 4xx/503.
-        result = await _unless_disconnected(request.receive, wakes.next() if stream else wakes.all())
+        result = await presence.guard(wakes.next() if stream else wakes.all())
     except _ClientGone:
+        presence.close()
         await wakes.aclose()
         timer.aborted()
         return Response(status_code=499)
     except BaseException:
+        presence.close()
         await wakes.aclose()
         raise
     if not stream:
+        presence.close()
         await wakes.aclose()
         timer.finished(200)
         num_tokens = sum(len(d.token_ids) for d in result)
         return JSONResponse(shape.response(result, token_usage(len(req.prompt_ids), num_tokens)))
-    return _EventStream(wakes, result, shape, timer, len(req.prompt_ids))
+    return _EventStream(wakes, result, shape, timer, len(req.prompt_ids), presence)
 
 
 async def _tokenize(core: ServingCore, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
@@ -273,13 +304,58 @@ def _template_culprit(core: ServingCore, messages: list[dict], tools: list[dict]
     return "messages"
 
 
+# -- the generation endpoints: a validated body to its response (the app's routes and its fast door) --
+
+
+def _check_model(core: ServingCore, model: str) -> None:
+    if model != core.model_name:
+        raise ApiError(404, f"model {model!r} does not exist; this server serves {core.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+async def complete(core: ServingCore, metrics: Metrics, body: CompletionRequest, receive: Receive) -> Response:
+    """POST /v1/completions; `receive` is the request's, its body read (it then tells of a disconnect)."""
+    _check_model(core, body.model)
+    prompt_ids = await _tokenize(core, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
+    max_tokens = limits.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
+    params = body.sampling_params(max_tokens, body.logprobs)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
+    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params), bool(body.stream))
+
+
+async def chat_complete(core: ServingCore, metrics: Metrics, body: ChatCompletionRequest,
+                        receive: Receive) -> Response:
+    """POST /v1/chat/completions, as `complete`."""
+    _check_model(core, body.model)
+    text = await _chat_prompt(core, body)
+    prompt_ids = await _tokenize(core, text, "messages", add_special_tokens=False)  # the template has its BOS
+    requested, param = ((body.max_completion_tokens, "max_completion_tokens")
+                        if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
+    # No default cap, as OpenAI and vLLM: generate until a stop or the end of the context.
+    max_tokens = limits.max_tokens(requested, param, None, len(prompt_ids), core.max_model_len)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = body.sampling_params(max_tokens, logprobs)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    shape = ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
+    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params), bool(body.stream))
+
+
 # -- the app ------------------------------------------------------------------------------------
 
 
 def build_app(core: ServingCore, metrics: Metrics | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The OpenAI-compatible FastAPI app serving `core`."""
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastDoor:
+    """The OpenAI-compatible app serving `core`: the FastAPI app (`.app`) behind its fast door
+    (http_fast.py), which admits the generation endpoints' everyday requests past FastAPI."""
     metrics = metrics or Metrics()
+    routes = {COMPLETIONS: (CompletionRequest, functools.partial(complete, core, metrics)),
+              CHAT: (ChatCompletionRequest, functools.partial(chat_complete, core, metrics))}
+    return FastDoor(_build_fastapi(core, metrics, max_body_bytes), routes,
+                    functools.partial(answer_error, metrics=metrics), max_body_bytes)
+
+
+def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int) -> FastAPI:
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggregated prefill/decode service")
     app.state.core, app.state.metrics = core, metrics
     created = int(time.time())  # /v1/models: when this server started serving the model
@@ -288,35 +364,13 @@ def build_app(core: ServingCore, metrics: Metrics | None = None,
         metrics.count_request(path, status) if path in GENERATION_ENDPOINTS else None))
     _document_errors(app)
 
-    def check_model(model: str) -> None:
-        if model != core.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {core.model_name!r}",
-                           param="model", code="model_not_found")
-
     @app.post(COMPLETIONS, responses=_GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        prompt_ids = await _tokenize(core, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
-        max_tokens = limits.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
-        params = body.sampling_params(max_tokens, body.logprobs)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
-        return await _serve(request, core, metrics, shape, GenerateRequest(rid, prompt_ids, params), bool(body.stream))
+        return await complete(core, metrics, body, request.receive)
 
     @app.post(CHAT, responses=_GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        text = await _chat_prompt(core, body)
-        prompt_ids = await _tokenize(core, text, "messages", add_special_tokens=False)  # the template has its BOS
-        requested, param = ((body.max_completion_tokens, "max_completion_tokens")
-                            if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
-        # No default cap, as OpenAI and vLLM: generate until a stop or the end of the context.
-        max_tokens = limits.max_tokens(requested, param, None, len(prompt_ids), core.max_model_len)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(max_tokens, logprobs)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        shape = ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
-        return await _serve(request, core, metrics, shape, GenerateRequest(rid, prompt_ids, params), bool(body.stream))
+        return await chat_complete(core, metrics, body, request.receive)
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -324,7 +378,7 @@ def build_app(core: ServingCore, metrics: Metrics | None = None,
 
     @app.get("/v1/models/{model:path}", responses={404: {"model": ErrorBody, "description": "no such model"}})
     async def get_model(model: str) -> dict:
-        check_model(model)
+        _check_model(core, model)
         return _model_card(core, created)
 
     @app.get("/health")
@@ -376,30 +430,43 @@ def _document_errors(app: FastAPI) -> None:
     app.openapi = openapi
 
 
+# The errors the app's handlers answer; any other is answered with a 500 and raised again for the server's log.
+_EXPECTED_ERRORS = (ApiError, InvalidRequestError, NoCapacityError, ServingError)
+
+
+def _error_response(path: str, error: ApiError, metrics: Metrics) -> JSONResponse:
+    """An error in OpenAI's shape; a generation endpoint's is counted by status."""
+    if path in GENERATION_ENDPOINTS:
+        metrics.count_request(path, error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def answer_error(path: str, exc: Exception, metrics: Metrics) -> tuple[JSONResponse, bool]:
+    """The answer to an error raised while serving a request, and whether it was unexpected (a 500,
+    logged here; the caller raises it again once answered, as Starlette's outermost middleware does)."""
+    error = _as_api_error(exc)
+    if error.status == 500:
+        log.error("unexpected error serving %s", path, exc_info=exc)
+    return _error_response(path, error, metrics), not isinstance(exc, _EXPECTED_ERRORS)
+
+
 def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     """Every error leaves in OpenAI's shape; generation endpoints count it by status."""
 
-    def respond(request: Request, error: ApiError) -> JSONResponse:
-        if request.url.path in GENERATION_ENDPOINTS:
-            metrics.count_request(request.url.path, error.status)
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return respond(request, _validation_error(exc))
+        return _error_response(request.url.path, _validation_error(exc), metrics)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        return respond(request, ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
+        return _error_response(request.url.path, ApiError(exc.status_code, str(exc.detail), code=code,
+                                                          headers=exc.headers), metrics)
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
-        error = _as_api_error(exc)
-        if error.status == 500:
-            log.error("unexpected error serving %s", request.url.path, exc_info=exc)
-        return respond(request, error)
+        return answer_error(request.url.path, exc, metrics)[0]
 
     # Starlette hands a bare Exception handler to its outermost middleware, which re-raises after answering;
     # the expected errors get handlers of their own.
-    for kind in (ApiError, InvalidRequestError, NoCapacityError, ServingError, Exception):
+    for kind in (*_EXPECTED_ERRORS, Exception):
         app.add_exception_handler(kind, on_error)

@@ -2,7 +2,9 @@
 
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+
+from pdserve.router.loop_metrics import LoopCounter, LoopHistogram  # written from the router's loop only
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # A request's phases before its first token: fine below 10 ms, where a hand-off's cost shows (p99 read off them).
@@ -31,19 +33,19 @@ class Metrics:
             # Which router answered a scrape: through a shared port any of them may (see pdserve bench).
             Gauge("pdserve_router_info", "The router serving this /metrics", ["router"], registry=r).labels(
                 router=router).set(1)
-        self.requests = Counter("pdserve_requests", "Requests answered, by endpoint and HTTP status",
+        self.requests = LoopCounter("pdserve_requests", "Requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
-        self.aborts = Counter("pdserve_requests_aborted", "Requests aborted before they finished, by who saw it",
+        self.aborts = LoopCounter("pdserve_requests_aborted", "Requests aborted before they finished, by who saw it",
                               ["role"], registry=r)
-        self.ttft = Histogram("pdserve_ttft_seconds", "Time from request arrival to its first token",
+        self.ttft = LoopHistogram("pdserve_ttft_seconds", "Time from request arrival to its first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive tokens of a request",
+        self.itl = LoopHistogram("pdserve_inter_token_latency_seconds", "Time between consecutive tokens of a request",
                              buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_e2e_latency_seconds", "Time from request arrival to its last token",
+        self.e2e = LoopHistogram("pdserve_e2e_latency_seconds", "Time from request arrival to its last token",
                              buckets=_E2E_BUCKETS, registry=r)
-        self.prompt_tokens = Histogram("pdserve_prompt_tokens", "Prompt length of each request, in tokens",
+        self.prompt_tokens = LoopHistogram("pdserve_prompt_tokens", "Prompt length of each request, in tokens",
                                        buckets=_TOKEN_BUCKETS, registry=r)
-        self.generation_tokens = Histogram("pdserve_generation_tokens", "Tokens generated per finished request",
+        self.generation_tokens = LoopHistogram("pdserve_generation_tokens", "Tokens generated per finished request",
                                            buckets=_TOKEN_BUCKETS, registry=r)
         self.queue_length = Gauge("pdserve_queue_length", "Requests at a replica, running or waiting",
                                   ["role", "replica"], registry=r)
@@ -53,31 +55,36 @@ class Metrics:
         self.kv_blocks_used = Gauge("pdserve_kv_blocks_used", "KV blocks in use at a replica", ["replica"],
                                     registry=r)
         self.kv_blocks_total = Gauge("pdserve_kv_blocks_total", "KV blocks a replica has", ["replica"], registry=r)
-        self.kv_bytes_moved = Counter("pdserve_kv_bytes_moved", "KV cache bytes sent from prefill to decode",
+        self.kv_bytes_moved = LoopCounter("pdserve_kv_bytes_moved", "KV cache bytes sent from prefill to decode",
                                       registry=r)
-        self.kv_transfer = Histogram("pdserve_kv_transfer_seconds", "Time to move one request's KV cache",
+        self.kv_transfer = LoopHistogram("pdserve_kv_transfer_seconds", "Time to move one request's KV cache",
                                      buckets=_TRANSFER_BUCKETS, registry=r)
-        self.phase = Histogram("pdserve_request_phase_seconds", "Time of each phase of a request on its way to "
+        self.phase = LoopHistogram("pdserve_request_phase_seconds", "Time of each phase of a request on its way to "
                                "its first token, as the router sees it: reserve (decode KV blocks), "
                                "dispatch (handed to the prefill or colocated replica), first_token "
                                "(from then on until its first token reached the router)", ["phase"],
                                buckets=_PHASE_BUCKETS, registry=r)
-        self.restarts = Counter("pdserve_replica_restarts", "Times the controller replaced a replica (or a "
+        self.restarts = LoopCounter("pdserve_replica_restarts", "Times the controller replaced a replica (or a "
                                 "router, role router) that died or hung with a fresh one", ["role", "replica"], registry=r)
-        self.placed = Counter("pdserve_replica_requests", "Requests this router handed to each replica (a "
+        self.placed = LoopCounter("pdserve_replica_requests", "Requests this router handed to each replica (a "
                               "request that moved counts once on each replica it went to)", ["role", "replica"],
                               registry=r)
-        self.migrations = Counter("pdserve_request_migrations", "Requests moved to another replica after the one "
+        self.migrations = LoopCounter("pdserve_request_migrations", "Requests moved to another replica after the one "
                                   "serving them was lost, by the role that was lost", ["role"], registry=r)
         # Labelled by expert but summed over MoE layers: replicas x experts series, not x layers too.
-        self.expert_tokens = Counter("pdserve_expert_tokens", "Tokens routed to each expert at an expert-parallel "
+        self.expert_tokens = LoopCounter("pdserve_expert_tokens", "Tokens routed to each expert at an expert-parallel "
                                      "decode replica, summed over MoE layers", ["replica", "expert"], registry=r)
         # In tokens, as vLLM's prefix_cache_queries / prefix_cache_hits: hits / queries is the share of
         # prompt tokens a replica did not have to compute.
-        self.prefix_queries = Counter("pdserve_prefix_cache_queries", "Prompt tokens a replica looked up in its "
+        self.prefix_queries = LoopCounter("pdserve_prefix_cache_queries", "Prompt tokens a replica looked up in its "
                                       "prefix cache", ["replica"], registry=r)
-        self.prefix_hits = Counter("pdserve_prefix_cache_hits", "Prompt tokens a replica found in its prefix "
+        self.prefix_hits = LoopCounter("pdserve_prefix_cache_hits", "Prompt tokens a replica found in its prefix "
                                    "cache (of those looked up)", ["replica"], registry=r)
+        # The labelled series every request touches, looked up once: labels() costs more than the inc or
+        # observe itself. (None of them is ever removed, so a cached one is never stale.)
+        self._requests_by: dict[tuple[str, str], LoopCounter] = {}
+        self._placed_by: dict[tuple[str, str], LoopCounter] = {}
+        self._phase_by: dict[str, LoopHistogram] = {}
 
     # -- front end ----------------------------------------------------------------------------
 
@@ -88,7 +95,10 @@ class Metrics:
 
     def count_request(self, endpoint: str, status: int | str) -> None:
         """Count a request that ended without a timer (rejected before generation)."""
-        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        key = (endpoint, str(status))
+        if (series := self._requests_by.get(key)) is None:
+            series = self._requests_by[key] = self.requests.labels(*key)
+        series.inc()
 
     # -- Ray side -----------------------------------------------------------------------------
 
@@ -118,7 +128,9 @@ class Metrics:
         self.restarts.labels(role=role, replica=replica).inc(n)
 
     def count_placed(self, role: str, replica: str) -> None:
-        self.placed.labels(role=role, replica=replica).inc()
+        if (series := self._placed_by.get((role, replica))) is None:
+            series = self._placed_by[role, replica] = self.placed.labels(role, replica)
+        series.inc()
 
     def count_migration(self, role: str) -> None:
         self.migrations.labels(role=role).inc()
@@ -146,7 +158,9 @@ class Metrics:
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """One request spent `seconds` in `phase` (reserve, dispatch, first_token)."""
-        self.phase.labels(phase=phase).observe(seconds)
+        if (series := self._phase_by.get(phase)) is None:
+            series = self._phase_by[phase] = self.phase.labels(phase)
+        series.observe(seconds)
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         """One request's KV moved from prefill to decode: `nbytes` bytes in `seconds`."""

@@ -10,10 +10,18 @@ from pdserve.models import resolve_model_args
 from pdserve.tokenizer import load_tokenizer
 from pdserve.messages import ReplicaChange, RequestDelta
 
+from pdserve.router import heap
 from pdserve.router.http_api import build_app
 from pdserve.router.listen import bind_listener, claim_shared
 from pdserve.router.metrics import Metrics
 from pdserve.router.ray_core import RayCore
+
+
+def http_config(app) -> uvicorn.Config:
+    """How a router serves its HTTP app: uvicorn (with httptools, its C parser), no lifespan, and no
+    access log: at log level warning uvicorn writes none, but without this it still gathers each
+    request's address and path for it."""
+    return uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
 
 
 class Router:
@@ -57,8 +65,7 @@ class Router:
         self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, self.replicas, cfg.router.policy,
                             self.metrics, cfg.router.migration_limit, cfg.router.replica_wait_s)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
-        http = uvicorn.Config(build_app(self.core, self.metrics, cfg.router.max_request_bytes), log_level="warning", lifespan="off")
-        self.http = uvicorn.Server(http)
+        self.http = uvicorn.Server(http_config(build_app(self.core, self.metrics, cfg.router.max_request_bytes)))
         self._tasks.append(asyncio.create_task(self.http.serve(sockets=sockets)))
         while not self.http.started:
             if self._tasks[-1].done():
@@ -76,6 +83,7 @@ class Router:
             self.grpc = await start_grpc_server(self.core, port, host, shared=shared, first=grpc_port is None)
             endpoints["grpc"] = f"{host}:{self.grpc.port}"
         self.endpoints = endpoints
+        heap.settle()  # everything built: the collector leaves it be (heap.py)
         return endpoints
 
     def info(self) -> dict:

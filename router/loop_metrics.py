@@ -1,0 +1,37 @@
+"""prometheus_client's Histogram and Counter, written without their locks: the router writes its
+metrics from its one event loop only (HTTP, gRPC and the Ray calls all run there), so no two
+writers ever race.
+
+A request is observed seven times (its prompt, phases, first token, inter-token gaps, end) and
+counted twice. prometheus_client takes a lock for each add, and finds a histogram's bucket with
+a Python loop over its bounds: on the loop that admits a burst, that was most of what the metrics
+cost a request. These add to the same values without the lock and find the bucket by bisection;
+everything else — children, collection, the exposition — is prometheus_client's own
+(tests/test_loop_metrics.py compares the two). Where values are not plain floats behind a mutex
+(prometheus_client's multiprocess mode) they add as prometheus_client does."""
+
+from bisect import bisect_left
+
+from prometheus_client import Counter, Histogram, values
+
+
+def _plain() -> bool:
+    return values.ValueClass is values.MutexValue
+
+
+class LoopHistogram(Histogram):
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        if exemplar or amount != amount or not _plain():  # (NaN falls in no bucket)
+            return super().observe(amount, exemplar)
+        self._raise_if_not_observable()
+        self._sum._value += amount
+        # The first bucket whose bound is >= amount, as Histogram.observe's loop finds it (the last is +Inf).
+        self._buckets[bisect_left(self._upper_bounds, amount)]._value += 1
+
+
+class LoopCounter(Counter):
+    def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
+        if exemplar or amount < 0 or not _plain():  # (a negative amount: Counter.inc's error)
+            return super().inc(amount, exemplar)
+        self._raise_if_not_observable()
+        self._value._value += amount
