@@ -29,6 +29,7 @@ from pdserve.router.types import Delta, GenerateRequest, NoCapacityError, Replic
 
 log = logging.getLogger(__name__)
 LIVE_POLL_S = 0.1  # how often a request waiting for a live replica looks
+MOVE_RETRY_S = 0.05  # how often a moving request whose decode replicas are all full asks again
 
 
 @dataclass
@@ -310,29 +311,37 @@ class RayCore:
     async def _reserve(self, request: GenerateRequest, run: _Attempt, sent: list[int],
                        p_worker: str) -> tuple[str, str, bytes]:
         """Reserve KV blocks on a decode replica's rank, best candidates first -> (replica, rank,
-        handle); raises when all are full or down. The handle names the rank: the KV goes there."""
-        for d_name in self._order(self.decode):
-            replica = self.decode[d_name]
-            for rank in replica.rank_order():
-                # Held from the call on: a client that leaves while the reservation is answered
-                # still has it aborted on the rank (not left to its lease).
-                run.holders[d_name] = rank
-                try:
-                    res = await self._call(d_name, rank, self._send[rank](
-                        NewRequest(run.request_id, request.prompt_ids, request.params, prefill_id=p_worker,
-                                   output_ids=sent)))
-                except _Lost:
+        handle); raises when all are full or down. The handle names the rank: the KV goes there.
+
+        A request that moves waits for room (up to router.replica_wait_s) rather than failing at once:
+        the blocks its lost attempt reserved are being freed by the abort sent as it ended, and that
+        abort may reach the decode worker after this reservation does."""
+        deadline = time.monotonic() + self.replica_wait_s
+        while True:
+            for d_name in self._order(self.decode):
+                replica = self.decode[d_name]
+                for rank in replica.rank_order():
+                    # Held from the call on: a client that leaves while the reservation is answered
+                    # still has it aborted on the rank (not left to its lease).
+                    run.holders[d_name] = rank
+                    try:
+                        res = await self._call(d_name, rank, self._send[rank](
+                            NewRequest(run.request_id, request.prompt_ids, request.params, prefill_id=p_worker,
+                                       output_ids=sent)))
+                    except _Lost:
+                        run.holders.pop(d_name, None)
+                        break  # this replica is down: try the next one
+                    _raise_refused(res.refused)
+                    if res.handle is not None:
+                        return d_name, rank, res.handle
                     run.holders.pop(d_name, None)
-                    break  # this replica is down: try the next one
-                _raise_refused(res.refused)
-                if res.handle is not None:
-                    return d_name, rank, res.handle
-                run.holders.pop(d_name, None)
-        if not self.health.live(self.decode):
-            if run.move > 0:
-                raise _Lost("no live decode replica", "decode")
-            raise self.health.unavailable("decode")
-        raise NoCapacityError("every decode replica is full; retry later")
+            if not self.health.live(self.decode):
+                if run.move > 0:
+                    raise _Lost("no live decode replica", "decode")
+                raise self.health.unavailable("decode")
+            if run.move == 0 or time.monotonic() >= deadline or self.draining:
+                raise NoCapacityError("every decode replica is full; retry later")
+            await asyncio.sleep(MOVE_RETRY_S)
 
     def _place(self, name: str, placed: list[str]) -> None:
         self._loads[name] += 1
