@@ -1,5 +1,6 @@
 """The handshake: what a worker publishes about its KV allocation, and the check a peer must pass."""
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import msgpack
@@ -44,7 +45,19 @@ class KVAgentMetadata:
 
     @classmethod
     def unpack(cls, data: bytes) -> "KVAgentMetadata":
-        return cls(**msgpack.unpackb(data))
+        """A peer's metadata; one from another pdserve version (fields missing or unknown) is refused
+        by name, as a mismatch is."""
+        fields = msgpack.unpackb(data)
+        names = set(cls.__dataclass_fields__)
+        required = {n for n, f in cls.__dataclass_fields__.items()
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing, unknown = sorted(required - set(fields)), sorted(set(fields) - names)
+        if missing or unknown:
+            peer = fields.get("engine_id", "?")
+            raise HandshakeError(f"KV handshake refused — peer {peer!r} speaks another pdserve version's "
+                                 f"metadata (missing: {', '.join(missing) or 'none'}; unknown: "
+                                 f"{', '.join(unknown) or 'none'}): run one pdserve version on every worker")
+        return cls(**fields)
 
     def offset(self, layer: int, plane: int, block: int) -> int:
         """Byte offset of (layer, plane — K or V, or the latent —, block) from base_addr."""

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import asdict
 
 import msgpack
 import numpy as np
@@ -118,6 +119,19 @@ def test_a_latent_cache_and_a_kv_cache_refuse_each_other_naming_the_layout():
         accept_peer(ours, theirs.pack())  # what either connector's add_peer does first
     with pytest.raises(HandshakeError, match=r"layout: ours 'layers,kv,.*'mla' has 'layers,latent,"):
         accept_peer(theirs, ours.pack())
+
+
+def test_a_peer_of_another_version_is_refused_by_name():
+    """Metadata with a field missing (a worker from before num_planes) or one unknown to us is a
+    named refusal, not a TypeError from the constructor."""
+    ours = KVAgentMetadata.for_cache("p", "tcp", *tiny_kv())
+    old = asdict(ours)
+    del old["num_planes"]
+    with pytest.raises(HandshakeError, match=r"peer 'p' speaks another pdserve version.*missing: num_planes; "
+                                             r"unknown: none\): run one pdserve version"):
+        accept_peer(ours, msgpack.packb(old))
+    with pytest.raises(HandshakeError, match=r"missing: none; unknown: kv_scale"):
+        accept_peer(ours, msgpack.packb({**asdict(ours), "kv_scale": 1.0}))
 
 
 @pytest.mark.parametrize("kind", ["kv", "latent"])
