@@ -77,3 +77,30 @@ class LocalCore:
         loop, queue = stream
         reason = out.finish_reason.value if out.finish_reason else None
         loop.call_soon_threadsafe(queue.put_nowait, Delta(out.text, out.token_ids, reason, out.logprobs))
+
+
+class Served:
+    """An ASGI app served by uvicorn on a thread, on a socket bound here to port 0 and handed over
+    (no port is picked and freed for another test to take). `url` once it listens; `stop()`."""
+
+    def __init__(self, app, timeout_s: float = 30.0):
+        import socket
+        import time
+
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()

@@ -3,7 +3,6 @@ itself knows), the prefix-cache counters, and the page in real headless Chromium
 by Playwright) against a cluster started through `pdserve up`, its charts updating under load."""
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -12,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
@@ -20,7 +18,7 @@ from pdserve.messages import ReplicaStats
 from pdserve.router.http_api import build_app
 from pdserve.router.metrics import Metrics
 from pdserve.router.ray_core import RayCore
-from local_core import LocalCore
+from local_core import LocalCore, Served
 from serving_cluster import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,22 +35,12 @@ SHARED_PREFIX = "The dashboard shows what the operators tune: " * 3
 def app_url():
     """The HTTP app over an engine in this process, as test_http_api.py serves it: no Ray, no controller."""
     core = LocalCore(Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=256)), "tiny-moe")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(core, Metrics(ROUTER)), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
+    served = Served(build_app(core, Metrics(ROUTER)))
     try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield served.url
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        served.stop()
         core.close()
-        sock.close()
 
 
 def stream_completion(url: str, prompt: str, max_tokens: int = 8) -> None:

@@ -8,14 +8,11 @@ import json
 import math
 import random
 import re
-import socket
 import struct
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from pydantic_core import from_json
 
 from pdserve.config import EngineConfig, ModelConfig
@@ -25,7 +22,7 @@ from pdserve.router.http_fast import FastDoor
 from pdserve.router.metrics import Metrics
 from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.types import Delta, NoCapacityError, ServingError
-from local_core import LocalCore
+from local_core import LocalCore, Served
 from test_http_api import BAD, MODEL, OK, OK_CHAT, PROMPT
 
 MAX_BODY = 3 << 19  # 1.5 MiB: the costliest bodies of BAD (1 MB) within it, one over it cheap to send
@@ -102,19 +99,6 @@ class Counting:
         await self.app(scope, receive, send)
 
 
-def serve(app) -> tuple[str, uvicorn.Server, threading.Thread, socket.socket]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread, sock
-
-
 @pytest.fixture(scope="module")
 def pair():
     """(door URL, app URL, the door's counter, core, the door's metrics, the app's metrics)."""
@@ -123,14 +107,12 @@ def pair():
     door = build_app(core, door_metrics, MAX_BODY)
     assert isinstance(door, FastDoor)
     counting = door.app = Counting(door.app)
-    servers = [serve(door), serve(build_app(core, app_metrics, MAX_BODY).app)]
+    servers = [Served(door), Served(build_app(core, app_metrics, MAX_BODY).app)]
     try:
-        yield servers[0][0], servers[1][0], counting, core, door_metrics, app_metrics
+        yield servers[0].url, servers[1].url, counting, core, door_metrics, app_metrics
     finally:
-        for _, server, thread, sock in servers:
-            server.should_exit = True
-            thread.join(timeout=10)
-            sock.close()
+        for served in servers:
+            served.stop()
         core.close()
 
 
