@@ -166,8 +166,15 @@ def test_scale_up_and_down_under_load_fails_nothing(cluster):
         task = asyncio.create_task(repeated(cluster.url, expected, 24, lambda: not stop, results))
         up = await asyncio.to_thread(cluster.cli, "scale", "--prefill", "2", "--decode", "2")
         assert up.returncode == 0, up.stderr
-        await asyncio.sleep(3)  # the new replicas take their share
-        placed = _placed(cluster.metrics())
+        # The new replicas take their share once the router has their first stats (kv-aware routing
+        # orders decode replicas by free KV blocks); polled, as a loaded CI machine may take seconds.
+        deadline = time.monotonic() + 30
+        while True:
+            placed = _placed(cluster.metrics())
+            if min(placed.get(n, 0) for n in ("pdserve-prefill-1", "pdserve-decode-1")) > 0 \
+                    or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
         pids = [cluster.pid(n) for n in ("pdserve-prefill-1", "pdserve-decode-1")]
         down = await asyncio.to_thread(cluster.cli, "scale", "--prefill", "1", "--decode", "1", "--grace", "60")
         assert down.returncode == 0, down.stderr
