@@ -10,7 +10,7 @@ from pdserve.models import resolve_model_args
 from pdserve.tokenizer import load_tokenizer
 from pdserve.messages import ReplicaChange, RequestDelta
 
-from pdserve.router import heap
+from pdserve import heap
 from pdserve.router.http_api import build_app
 from pdserve.router.listen import bind_listener, claim_shared
 from pdserve.router.metrics import Metrics

@@ -160,6 +160,7 @@ def test_bench_measures_every_request_at_each_rate(cluster, tmp_path):
         assert {"reserve", "dispatch", "first_token"} <= phases.keys(), phases
         assert 0 < phases["reserve"] + phases["dispatch"] + phases["first_token"] < x["ttft_ms"]["mean"]
         assert phases["dispatch"] <= phases["dispatch p99<="] * 1.0001, phases  # a mean is below the p99's bound
+        assert 0 < x["client_cpu"] < 1.5, x["client_cpu"]  # the client's own share of a core (one thread, mostly)
     starts = [req["start_s"] for req in res["runs"][0]["requests"]]
     assert starts == sorted(starts) and starts[-1] > 0.1  # Poisson arrivals, spread over about 1.5 s
     assert res["goodput"] == "inf"  # every rate passed: the highest one

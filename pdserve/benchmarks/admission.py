@@ -123,11 +123,14 @@ def serve(step_s: float, loop_kind: str) -> None:
         while not server.started:
             await asyncio.sleep(0.01)
         _profile_on_signals(asyncio.get_running_loop())
-        try:
-            from pdserve.router.heap import settle  # what Router.start does last, where the tree has it
+        try:  # what Router.start does last, where the tree has it (pdserve/heap.py; router/ before)
+            from pdserve.heap import settle
         except ImportError:
-            pass
-        else:
+            try:
+                from pdserve.router.heap import settle
+            except ImportError:
+                settle = None
+        if settle is not None:
             settle()
         print(f"READY {sock.getsockname()[1]}", flush=True)
         await task

@@ -53,8 +53,13 @@ def main() -> None:
         vocab = engine.args.vocab_size
         times = [first_token_ms(engine, [rng.randrange(3, vocab) for _ in range(a.prompt_len)], f"r{i}")
                  for i in range(a.reps + 2)][2:]  # two warm-ups
+        # The engine's own step figures (what a served worker reports in its stats' profile too):
+        # a served lone prompt's steps against these say whether the serving path slows the steps
+        # themselves or only adds time around them.
+        steps = {f"{phase}_{size}": round(1e3 * row[2] / row[0], 2)
+                 for phase in ("prefill", "decode") for size, row in engine.profile.snapshot()[phase].items()}
         out[f"overlap_{'on' if overlap else 'off'}_ms"] = {"p50": round(statistics.median(times), 2),
-                                                          "min": round(min(times), 2)}
+                                                          "min": round(min(times), 2), "step_mean_ms": steps}
         print(overlap, out, flush=True)
         del engine
         torch.cuda.empty_cache() if torch.cuda.is_available() else None

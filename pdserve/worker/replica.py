@@ -7,6 +7,7 @@ import time
 import ray
 import torch
 
+from pdserve import heap
 from pdserve.kvtransfer import make_connector
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
@@ -31,6 +32,11 @@ def assigned_device(device: str) -> str:
     return device
 
 
+def _in_actor() -> bool:
+    """Whether this process is a worker's own (a Ray actor), not a test or benchmark holding an engine."""
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
 class Replica:
     role: str  # "prefill" | "decode" | "colocated", set by the subclass
 
@@ -53,6 +59,9 @@ class Replica:
         self.aborted = 0
 
     def _start_loop(self) -> None:
+        """Called by the role's __init__ once it has built everything; the loop starts serving."""
+        if _in_actor():  # (a worker built in a test's own process leaves that process's collector be)
+            heap.settle()  # the engine, its KV cache and connector are built: no collection walks them (heap.py)
         self._early_aborts: dict[str, float] = {}  # request id -> when its abort came, before the request
         self.loop = EngineLoop(self._step, self._admit, f"{self.name}-engine", on_death=self._engine_died)
 
@@ -79,7 +88,7 @@ class Replica:
         """A worker whose engine loop died takes no more work: its process exits, so that every
         caller (routers, the controller) finds it dead at once, and the controller replaces it. (A
         worker built outside a Ray actor, in a test, keeps its process: stats() raises instead.)"""
-        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        if _in_actor():
             sys.stderr.flush()
             os._exit(70)
 

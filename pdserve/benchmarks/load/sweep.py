@@ -19,6 +19,7 @@ from pdserve.benchmarks.load.server_metrics import means_ms, scrape
 
 PROMPT_IDS = (3, 256)  # [low, high): below every vocabulary, clear of the usual specials 0..2
 PROGRESS_EVERY_S = 5.0
+CLIENT_BUSY = 0.85  # of one core: above it, a run's figures may be the client's own limit (said in the log)
 
 
 def log(msg: str) -> None:
@@ -44,6 +45,10 @@ class RateRun:
     summary: RateSummary
     records: list[RequestRecord]
     server_ms: dict[str, float] = field(default_factory=dict)  # mean of each phase, as the router timed it
+    # This client's own CPU over the run, as a share of one core: the client is one Python process
+    # on one event loop, and near a whole core its figures (throughput, and the times it stamps on
+    # arrivals) are its own limits, not the server's.
+    client_cpu: float = 0.0
 
 
 async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workload: Workload,
@@ -56,7 +61,7 @@ async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workl
     label = rate_label(rate)
     log(f"rate {label} req/s: {n} requests")
     before = await scrape(client, server.metrics_urls)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     progress = asyncio.create_task(_report_progress(label, records, t0, log))
 
     async def send(rec: RequestRecord, prompt: list[int]) -> None:
@@ -74,17 +79,23 @@ async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workl
         progress.cancel()
         for t in tasks:
             t.cancel()
-    summary = summarize(rate, records, time.perf_counter() - t0, slo)
+    wall = time.perf_counter() - t0
+    client_cpu = (time.process_time() - cpu0) / wall
+    summary = summarize(rate, records, wall, slo)
     log(f"rate {label} req/s: {summary.completed}/{summary.sent} completed in {summary.duration_s:.1f} s, "
         f"SLO attainment {100 * summary.slo_attainment:.1f} %")
     if summary.errors:
         text, count = next(iter(summary.errors.items()))
         log(f"rate {label} req/s: {summary.failed} failed, e.g. ({count}x) {text}")
+    if client_cpu >= CLIENT_BUSY:
+        log(f"rate {label} req/s: this client used {100 * client_cpu:.0f} % of a core: the figures may be its "
+            f"own limit, not the server's; run several `pdserve bench` processes, each with a share of "
+            f"--max-concurrency or of the rate, on other cores or machines")
     server_ms = means_ms(before, await scrape(client, server.metrics_urls))
     if server_ms:
         log(f"rate {label} req/s: the router's means (ms): "
             + ", ".join(f"{k} {v:g}" for k, v in server_ms.items()))
-    return RateRun(summary, records, server_ms)
+    return RateRun(summary, records, server_ms, round(client_cpu, 3))
 
 
 async def _report_progress(label: str, records: list[RequestRecord], t0: float, log: Callable[[str], None]) -> None:
@@ -116,6 +127,7 @@ class Sweep:
         for r in self.runs:
             runs.append(r.summary.to_json())
             runs[-1]["server_ms"] = r.server_ms
+            runs[-1]["client_cpu"] = r.client_cpu
             if save_requests:
                 runs[-1]["requests"] = [rec.to_json() for rec in r.records]
         return {"url": self.server.url, "model": self.server.model, "max_model_len": self.server.max_model_len,
