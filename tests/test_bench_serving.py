@@ -167,6 +167,21 @@ def test_bench_measures_every_request_at_each_rate(cluster, tmp_path):
     assert "goodput: inf" in r.stdout and "[bench] rate 4 req/s" in r.stderr
 
 
+def test_several_client_processes_send_one_run(cluster, tmp_path):
+    """--clients 3: the requests dealt over three processes, each keeping its share of the cap; the
+    parent's records are every request's, ordered as sent, and measured as one run."""
+    res, r = bench(cluster, tmp_path, "--rate", "inf", "--max-concurrency", "3", "--clients", "3", *NO_SLO)
+    [x] = res["runs"]
+    assert x["sent"] == x["completed"] == 6 and x["failed"] == 0, x["errors"]
+    assert [req["index"] for req in x["requests"]] == list(range(6))
+    assert all(req["ok"] and req["output_tokens"] == 8 and req["start_s"] >= 0 for req in x["requests"])
+    assert x["output_throughput"] == pytest.approx(8 * x["request_throughput"], rel=0.01)
+    assert 0 < x["client_cpu"] < 1.5 and res["workload"]["clients"] == 3
+    assert "from 3 client processes" in r.stderr
+    bad = run("-m", "pdserve.cli", "bench", "--url", cluster.url, "--clients", "4", "--max-concurrency", "2")
+    assert bad.returncode == 2 and "--max-concurrency 2 is below --clients 4" in bad.stderr, bad.stderr
+
+
 def test_an_impossible_slo_is_met_by_no_request(cluster, tmp_path):
     res, r = bench(cluster, tmp_path, "--rate", "4", "--slo-ttft-ms", "0.001")
     [x] = res["runs"]

@@ -7,13 +7,15 @@
 #  2. one colocated qwen3-30b-a3b replica (dummy bf16, max_num_seqs 512) through `pdserve up` with
 #     ROUTERS routers (default 1): `pdserve bench --rate inf --max-concurrency C --input-len 256
 #     --output-len 256` at C = 64, 128, 256, 512 (router dispatch mean and p99, TTFT, delivered tok/s,
-#     and the routers' CPU seconds from /proc: streamed tokens per router CPU-second);
+#     and the routers' CPU seconds from /proc: streamed tokens per router CPU-second), from CLIENTS
+#     client processes (default 4);
 #  3. a lone 4096-token prompt's TTFT through the same cluster, 20 times one at a time.
 # A table last. Run from the checkout's root:  bash pdserve/benchmarks/control_plane.sh
 set -u
 [ -f .device/setup.sh ] && source .device/setup.sh  # GPU machines: the packages their image lacks
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 ROUTERS=${ROUTERS:-1}
+CLIENTS=${CLIENTS:-4}  # bench client processes: one runs at a whole core from ~128 streams (its client_cpu)
 nvidia-smi --query-gpu=name --format=csv,noheader
 if [ -z "${SKIP_ENGINE:-}" ]; then  # SKIP_ENGINE=1: the served figures only (an engine run of this session exists)
 timeout 300 python -m pdserve.cli bench-engine --model qwen3-30b-a3b --device cuda --load-format dummy \
@@ -60,13 +62,15 @@ PY
 for C in 64 128 256 512; do
   c0=$(router_cpu)
   timeout 180 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate inf --max-concurrency $C \
-    --num-prompts $((2 * C)) --input-len 256 --output-len 256 --warmup 16 $METRICS --json $OUT/bench_$C.json \
+    --num-prompts $((2 * C)) --input-len 256 --output-len 256 --warmup 16 --clients $CLIENTS $METRICS --json $OUT/bench_$C.json \
     > $OUT/bench_$C.log 2>&1
   echo "C=$C exit $? router_cpu_s $(python -c "print($(router_cpu) - $c0)")" | tee -a $OUT/cpu.txt
 done
 timeout 150 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --max-concurrency 1 --num-prompts 20 \
   --input-len 4096 --output-len 2 --warmup 4 $METRICS --json $OUT/lone.json > $OUT/lone.log 2>&1
 echo "lone exit $?"
+# The served worker's step times (its stats' profile), against lone_prompt.py's in-process ones.
+timeout 60 python -m pdserve.cli tune --record $OUT/served_profile.json > /dev/null 2>&1
 kill -INT $pid; wait $pid
 OUT=$OUT python - <<'PY'
 import json, os
@@ -88,7 +92,7 @@ except Exception as e:
 cpu = {int(l.split()[0][2:]): float(l.split()[-1]) for l in open(f"{out}/cpu.txt")}
 print(f"routers: {os.environ.get('ROUTERS', '1')}")
 print(f"{'C':>4} {'% decode':>8} {'% same work':>11} {'dispatch mean':>13} {'p99<=':>6} {'first_tok':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
-      f"{'out tok/s':>10} {'router CPU s':>12} {'tok/router CPU-s':>16} {'ok':>5}")
+      f"{'out tok/s':>10} {'router CPU s':>12} {'tok/router CPU-s':>16} {'client CPU':>10} {'ok':>5}")
 for c in (64, 128, 256, 512):
     try:
         r = json.load(open(f"{out}/bench_{c}.json"))["runs"][0]
@@ -101,11 +105,17 @@ for c in (64, 128, 256, 512):
     print(f"{c:>4} {pct:>8.1f} {pct_same:>11.1f} {ph.get('dispatch', float('nan')):>13} {ph.get('dispatch p99<=', float('nan')):>6} "
           f"{ph.get('first_token', float('nan')):>9} {r['ttft_ms']['p50']!s:>9} {r['ttft_ms']['p90']!s:>9} "
           f"{r['output_throughput']!s:>10} {cpu.get(c, 0):>12.1f} {toks / cpu[c] if cpu.get(c) else float('nan'):>16.0f} "
-          f"{r['completed']:>5}")
+          f"{r.get('client_cpu', float('nan')):>10} {r['completed']:>5}")
 lone = json.load(open(f"{out}/lone.json"))["runs"][0]
 print("lone 4k: TTFT p50", lone["ttft_ms"]["p50"], "p90", lone["ttft_ms"]["p90"], "server_ms", lone.get("server_ms"))
 try:
     print("engine alone, lone 4k first token:", json.load(open(f"{out}/engine_lone.json")))
 except Exception as e:
     print("no engine lone figure", e)
+try:
+    steps = json.load(open(f"{out}/served_profile.json"))["steps"]
+    print("served worker, step means ms (steps):", {p: {b: (round(1e3 * r[2] / r[0], 2), r[0]) for b, r in v.items()}
+                                                    for p, v in steps.items()})
+except Exception as e:
+    print("no served profile", e)
 PY

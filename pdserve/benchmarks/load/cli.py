@@ -53,6 +53,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128, help="output tokens, exactly (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default: %(default)s)")
     p.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no cap)")
+    p.add_argument("--clients", type=int, default=1, metavar="N",
+                   help="client processes to send from (default: %(default)s); one runs at a whole core near a "
+                        "hundred fast streams, and the JSON's client_cpu says when it did")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=4,
                    help="requests sent at once before the first rate, not counted (default: %(default)s)")
@@ -83,6 +86,11 @@ def check_load_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         value = getattr(a, name)
         if value is not None and not value > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if a.clients < 1:
+        p.error(f"--clients must be >= 1, got {a.clients}")
+    if a.max_concurrency is not None and a.max_concurrency < a.clients:
+        p.error(f"--max-concurrency {a.max_concurrency} is below --clients {a.clients}: every client process "
+                f"needs at least one request in flight")
     if a.warmup < 0:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
     if not 0 < a.slo_attainment <= 1:
@@ -91,7 +99,7 @@ def check_load_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 def workload_of(a: argparse.Namespace) -> Workload:
     return Workload(a.input_len, a.output_len, a.num_prompts, a.duration, a.seed, a.max_concurrency,
-                    a.request_timeout, a.warmup)
+                    a.request_timeout, a.warmup, a.clients)
 
 
 def slo_of(a: argparse.Namespace) -> Slo:

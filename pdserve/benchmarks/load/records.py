@@ -32,6 +32,7 @@ class Workload:
     max_concurrency: int | None = None
     request_timeout_s: float = 600.0
     warmup: int = 4  # requests of this shape, all at once, before the first rate; not counted
+    clients: int = 1  # client processes a rate's requests are dealt over (clients.py)
 
     def num_requests(self, rate: float) -> int:
         if self.num_prompts is not None:

@@ -1,7 +1,7 @@
 """`pdserve bench`'s arrivals: the prompts, a warm-up, one run of Poisson arrivals per rate, the sweep."""
 
 import asyncio
-import contextlib
+import itertools
 import math
 import random
 import sys
@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from pdserve.benchmarks.load.client import BenchError, Server, connect, request_body, stream_request
+from pdserve.benchmarks.load.clients import Clients, client_limits, send_all
 from pdserve.benchmarks.load.records import (RateSummary, RequestRecord, Slo, Workload, goodput, rate_json,
                                              rate_label, summarize)
 from pdserve.benchmarks.load.server_metrics import means_ms, scrape
@@ -55,32 +56,30 @@ async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workl
                    rng: random.Random, slo: Slo, log: Callable[[str], None] = log) -> RateRun:
     n = workload.num_requests(rate)
     prompts = [random_prompt(rng, workload.input_len) for _ in range(n)]
-    gaps = poisson_gaps(rate, n, rng)
+    dues = list(itertools.accumulate(poisson_gaps(rate, n, rng)))
     records = [RequestRecord(i, workload.input_len) for i in range(n)]
-    limit = asyncio.Semaphore(workload.max_concurrency) if workload.max_concurrency else None
     label = rate_label(rate)
-    log(f"rate {label} req/s: {n} requests")
+    log(f"rate {label} req/s: {n} requests" + (f" from {workload.clients} client processes" if workload.clients > 1 else ""))
     before = await scrape(client, server.metrics_urls)
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    progress = asyncio.create_task(_report_progress(label, records, t0, log))
-
-    async def send(rec: RequestRecord, prompt: list[int]) -> None:
-        async with limit or contextlib.nullcontext():  # waiting for a slot is not part of the latency
-            await stream_request(client, server, request_body(server, prompt, workload.output_len), rec, t0)
-
-    tasks, due = [], 0.0
-    try:
-        for rec, prompt, gap in zip(records, prompts, gaps):
-            due += gap
-            await asyncio.sleep(max(0.0, t0 + due - time.perf_counter()))
-            tasks.append(asyncio.create_task(send(rec, prompt)))
-        await asyncio.gather(*tasks)
-    finally:
-        progress.cancel()
-        for t in tasks:
-            t.cancel()
-    wall = time.perf_counter() - t0
-    client_cpu = (time.process_time() - cpu0) / wall
+    if workload.clients > 1:
+        pool = Clients(workload.clients)
+        progress = asyncio.create_task(_report_progress(label, len(records), pool.progress, time.perf_counter(), log))
+        try:
+            t0, cpu = await pool.run(server, records, prompts, dues, workload.max_concurrency, workload.output_len,
+                                     workload.request_timeout_s)
+        finally:
+            progress.cancel()
+        wall = time.perf_counter() - t0
+        client_cpu = max(cpu) / wall  # the busiest process: the one whose limit would show
+    else:
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        progress = asyncio.create_task(_report_progress(label, len(records), lambda: _counts(records), t0, log))
+        try:
+            await send_all(client, server, records, prompts, dues, workload.max_concurrency, workload.output_len, t0)
+        finally:
+            progress.cancel()
+        wall = time.perf_counter() - t0
+        client_cpu = (time.process_time() - cpu0) / wall
     summary = summarize(rate, records, wall, slo)
     log(f"rate {label} req/s: {summary.completed}/{summary.sent} completed in {summary.duration_s:.1f} s, "
         f"SLO attainment {100 * summary.slo_attainment:.1f} %")
@@ -88,9 +87,8 @@ async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workl
         text, count = next(iter(summary.errors.items()))
         log(f"rate {label} req/s: {summary.failed} failed, e.g. ({count}x) {text}")
     if client_cpu >= CLIENT_BUSY:
-        log(f"rate {label} req/s: this client used {100 * client_cpu:.0f} % of a core: the figures may be its "
-            f"own limit, not the server's; run several `pdserve bench` processes, each with a share of "
-            f"--max-concurrency or of the rate, on other cores or machines")
+        log(f"rate {label} req/s: a client process used {100 * client_cpu:.0f} % of a core: the figures may be "
+            f"the client's own limit, not the server's; --clients N spreads the requests over N processes")
     server_ms = means_ms(before, await scrape(client, server.metrics_urls))
     if server_ms:
         log(f"rate {label} req/s: the router's means (ms): "
@@ -98,14 +96,17 @@ async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workl
     return RateRun(summary, records, server_ms, round(client_cpu, 3))
 
 
-async def _report_progress(label: str, records: list[RequestRecord], t0: float, log: Callable[[str], None]) -> None:
+def _counts(records: list[RequestRecord]) -> tuple[int, int, int]:
+    return (sum(r.start_s is not None for r in records), sum(r.ok for r in records),
+            sum(r.finished and not r.ok for r in records))
+
+
+async def _report_progress(label: str, n: int, counts: Callable[[], tuple[int, int, int]], t0: float,
+                           log: Callable[[str], None]) -> None:
     while True:
         await asyncio.sleep(PROGRESS_EVERY_S)
-        sent = sum(r.start_s is not None for r in records)
-        done = sum(r.ok for r in records)
-        failed = sum(r.finished and not r.ok for r in records)
-        log(f"rate {label} req/s: {time.perf_counter() - t0:.0f} s, sent {sent}/{len(records)}, "
-            f"done {done}, failed {failed}")
+        sent, done, failed = counts()
+        log(f"rate {label} req/s: {time.perf_counter() - t0:.0f} s, sent {sent}/{n}, done {done}, failed {failed}")
 
 
 # -- the sweep --------------------------------------------------------------------------------------
@@ -166,9 +167,7 @@ async def run_sweep(url: str, rates: list[float], workload: Workload, slo: Slo, 
     # One generator for the whole sweep: no prompt repeats, so the prefix cache cannot help a later rate.
     rng = random.Random(workload.seed)
     timeout = httpx.Timeout(workload.request_timeout_s, connect=30)
-    # No pool limit: a request queued in the client's pool would count the wait as server latency.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=client_limits()) as client:
         server = await connect(client, url.rstrip("/"), model, metrics_urls)
         check_fits(server, workload)
         if workload.warmup:
