@@ -41,6 +41,9 @@ class EngineConfig(_Strict):
     cuda_graph_max_batch: int = Field(default=512, ge=1)
     # Queue step N+1 on the device before handing out step N's tokens (default: on a GPU).
     overlap_scheduling: bool | None = None
+    # Run every kind of step once before the replica is ready (engine/warm_up.py; default: on a GPU,
+    # where kernels compile on first use; on CPU nothing does, and it would only cost time).
+    warm_up: bool | None = None
 
     @field_validator("device")
     @classmethod
@@ -98,6 +101,7 @@ class PrefillConfig(_Strict):
     max_batch_tokens: int = Field(default=8192, ge=1)
     chunk_size: int = Field(default=2048, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)
+    warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
 
 
 class DecodeConfig(_Strict):
@@ -115,6 +119,7 @@ class DecodeConfig(_Strict):
     cuda_graphs: bool = True
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     num_kv_blocks: int | None = Field(default=None, ge=1)
+    warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
 
 
 class ColocatedConfig(_Strict):
@@ -129,6 +134,7 @@ class ColocatedConfig(_Strict):
     num_kv_blocks: int | None = Field(default=None, ge=1)
     cuda_graphs: bool = True
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
+    warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
 
 
 class KVTransferConfig(_Strict):
@@ -200,7 +206,7 @@ class ClusterConfig(_Strict):
         r = getattr(self, role)
         # A colocated engine never moves KV, but shares the cluster's block size all the same.
         kw = dict(model=self.model, role=role, device="cuda" if r.gpus else "cpu",
-                  block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks)
+                  block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks, warm_up=r.warm_up)
         if role in ("prefill", "colocated"):  # the prompt phase
             kw.update(max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size)
         if role in ("decode", "colocated"):  # the generation phase

@@ -398,6 +398,10 @@ class Controller:
                 Launcher.stop(inc)
             self.state = "stopped"
 
+    def note(self, replica: str, line: str) -> None:
+        """A line of a replica's own progress while it starts (its warm-up), into `pdserve up`'s."""
+        self._note(f"{replica}: {line}")
+
     def _note(self, line: str) -> None:
         self.progress.append(f"{time.strftime('%H:%M:%S')} {line}")
 

@@ -1,8 +1,10 @@
 """What every worker (prefill, decode, colocated) shares: one engine in a role, its KV connector, its loop."""
 
+import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import ray
 import torch
@@ -11,11 +13,13 @@ from pdserve import heap
 from pdserve.kvtransfer import make_connector
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.warm_up import WarmUp, warm_up
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.inbox import Abort, Reserve
 from pdserve.messages import NewRequest, Refusal, ReplicaStats, ReserveResult
 from pdserve.protocol import InvalidRequestError
 
+log = logging.getLogger(__name__)
 
 EARLY_ABORTS = 1024  # aborts remembered for requests not come yet, before old ones are forgotten
 EARLY_ABORT_S = 60.0  # a request handed over arrives within seconds of its abort: older ones never will
@@ -35,6 +39,26 @@ def assigned_device(device: str) -> str:
 def _in_actor() -> bool:
     """Whether this process is a worker's own (a Ray actor), not a test or benchmark holding an engine."""
     return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
+def _progress(replica: str) -> Callable[[str], None]:
+    """Where a starting worker's progress lines go: the log, and the controller's progress (what
+    `pdserve up` prints) when there is one."""
+    controller = None
+    if _in_actor():
+        from pdserve.control.controller import CONTROLLER
+
+        try:
+            controller = ray.get_actor(CONTROLLER)
+        except ValueError:  # a worker started without a controller (a test's, a benchmark's)
+            pass
+
+    def say(line: str) -> None:
+        log.info("%s: %s", replica, line)
+        if controller is not None:
+            controller.note.remote(replica, line)  # not awaited: progress, not a step of the start
+
+    return say
 
 
 class Replica:
@@ -57,13 +81,25 @@ class Replica:
             self.connector = make_connector(self.role, kv_backend, name, self.engine.kv_cache, self.engine.layout,
                                             self.engine.fingerprint, **kw)
         self.aborted = 0
+        self._ep = ep
+        self.warmed: WarmUp | None = None  # what the warm-up ran, where it ran
 
     def _start_loop(self) -> None:
         """Called by the role's __init__ once it has built everything; the loop starts serving."""
+        self._warm_up()
         if _in_actor():  # (a worker built in a test's own process leaves that process's collector be)
             heap.settle()  # the engine, its KV cache and connector are built: no collection walks them (heap.py)
         self._early_aborts: dict[str, float] = {}  # request id -> when its abort came, before the request
         self.loop = EngineLoop(self._step, self._admit, f"{self.name}-engine", on_death=self._engine_died)
+
+    def _warm_up(self) -> None:
+        """Every kind of step once, before the loop starts and so before the worker is ready
+        (engine/warm_up.py): by default where kernels compile on first use (a GPU). Not for an
+        expert-parallel rank, whose steps are agreed with its group's."""
+        cfg = self.engine.config
+        want = cfg.warm_up if cfg.warm_up is not None else self.engine.device.type == "cuda"
+        if want and self._ep is None:
+            self.warmed = warm_up(self.engine, _progress(self.name))
 
     def _admit(self, item) -> None:
         """Take one inbox item. Ray runs a worker's calls on many threads, so a request's abort (its
