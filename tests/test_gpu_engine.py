@@ -3,6 +3,7 @@
 - float32 on the GPU (Triton kernels, CUDA graphs) equals the float32 CPU reference;
 - bf16 on the GPU agrees with the float32 CPU reference for the first 16 greedy tokens of 8
   prompts whose reference continuation has no near-tie (non-degenerate);
+- an FP8 KV cache on the GPU gives the CPU's FP8 output on prompts clear of near-ties;
 - decode steps replayed from CUDA graphs equal the same steps run eagerly, token for token, while
   the batch shrinks through the buckets (padded rows) and prefills mix with decodes.
 """
@@ -29,9 +30,9 @@ def prompts(n: int, seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def engine(path, device: str, dtype: str, **kw) -> Engine:
-    return Engine(EngineConfig(model=ModelConfig(path=str(path), dtype=dtype), device=device, num_kv_blocks=128,
-                               max_num_batched_tokens=64, chunk_size=32, **kw))
+def engine(path, device: str, dtype: str, kv_cache_dtype: str = "auto", **kw) -> Engine:
+    return Engine(EngineConfig(model=ModelConfig(path=str(path), dtype=dtype, kv_cache_dtype=kv_cache_dtype),
+                               device=device, num_kv_blocks=128, max_num_batched_tokens=64, chunk_size=32, **kw))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -55,6 +56,22 @@ def test_gpu_bf16_greedy_matches_cpu_float32(family, root):
     gpu = engine(path, "cuda:0", "bfloat16")
     got = [c.token_ids for c in gpu.generate(ps, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
     assert got == want
+
+
+def test_gpu_fp8_cache_greedy_matches_cpu(root):
+    """An FP8 KV cache on the GPU (Triton's write, decode with its fused write, prefill kernels;
+    the scales in CUDA graphs) against the CPU reference caching FP8: the same rounding of K/V, so
+    the same 16 tokens on prompts clear of near-ties (a K/V value the two sides compute a float32
+    ulp apart can still round to neighbouring FP8 values)."""
+    path = checkpoint("qwen3", root, sharp=True)
+    cpu = engine(path, "cpu", "float32", "fp8_e4m3")
+    ps, want = clear_prompts(cpu, prompts(48, seed=11), n=8, tokens=16, min_margin=0.2)
+    gpu = engine(path, "cuda:0", "float32", "fp8_e4m3")
+    assert gpu.runner.graphs is not None and gpu.kv_cache.dtype == torch.float8_e4m3fn
+    idle = gpu.pool.num_free_blocks
+    got = [c.token_ids for c in gpu.generate(ps, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
+    assert got == want
+    assert gpu.pool.num_free_blocks == idle
 
 
 def test_cuda_graphs_equal_eager(root):

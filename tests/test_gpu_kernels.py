@@ -597,9 +597,10 @@ def test_silu_and_mul(tokens, dtype):
 
 # -- a whole model ------------------------------------------------------------------------------------
 
-def test_model_forward_matches_torch_backends():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, FP8], ids=["float32-cache", "fp8-cache"])
+def test_model_forward_matches_torch_backends(kv_dtype):
     """tiny-moe with the Triton backends (attention, MoE, norms and RoPE) against the torch ones: a
-    prefill step, then a decode step."""
+    prefill step, then a decode step; over a float32 cache, or an FP8 one (scales 1, the engine's)."""
     from pdserve.models.loader import load_model
     from pdserve.ops.attention import TorchAttention as TA
     from pdserve.ops.moe import TorchMoE as TM
@@ -615,11 +616,12 @@ def test_model_forward_matches_torch_backends():
     case = random_paged_case(prompts, args.num_heads, args.num_kv_heads, args.head_dim, BLOCK, dtype, DEVICE, g)
     layers = args.num_layers
     cache_shape = (layers,) + tuple(case.batch.kv_cache.shape[1:])
-    caches = [torch.zeros(cache_shape, dtype=dtype, device=DEVICE) for _ in range(2)]
+    caches = [torch.zeros(cache_shape, dtype=kv_dtype, device=DEVICE) for _ in range(2)]
+    scales = ((1.0, 1.0),) * layers if kv_dtype == FP8 else ()
     tokens = torch.randint(0, 256, (sum(n for _, n in prompts),), generator=g, device=DEVICE)
 
     def step(batch: ForwardBatch, cache: torch.Tensor, ids: torch.Tensor, model) -> torch.Tensor:
-        b = ForwardBatch(**{**batch.__dict__, "kv_cache": cache, "input_ids": ids,
+        b = ForwardBatch(**{**batch.__dict__, "kv_cache": cache, "input_ids": ids, "kv_scales": scales,
                             "logits_indices": torch.arange(ids.numel(), device=DEVICE)})
         with torch.inference_mode():
             return model.compute_logits(model(b))

@@ -28,6 +28,7 @@ Measured in the same run (each model is freed before the next one is built):
 """
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -623,7 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     # HF first: a fault in an engine kernel can leave the CUDA context unusable, and the
     # baseline should survive it. The JSON is rewritten after every part, so a run cut short
     # keeps what it measured.
-    parts = [("hf", a.hf_prefill_sizes + a.hf_decode_batches, lambda: bench_hf(a, cost, dtype, ceilings, errors)),
+    hf_cost = dataclasses.replace(cost, kv_itemsize=None)  # HF caches in the model's dtype, whatever ours holds
+    parts = [("hf", a.hf_prefill_sizes + a.hf_decode_batches, lambda: bench_hf(a, hf_cost, dtype, ceilings, errors)),
              ("engine_prefill", a.prefill_sizes,
               lambda: bench_engine_prefill(a, prefill_cfg, cost, ceilings["matmul_TFLOP_s"] * 1e12, errors)),
              ("engine_decode", a.decode_batches,
