@@ -127,12 +127,12 @@ def _dequantized(cache: torch.Tensor, scales) -> torch.Tensor:
 
 # -- greedy output ------------------------------------------------------------------------------------------
 
-NEW_TOKENS = 32
+NEW_TOKENS = 16
 
 
 def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 3, 15, 16, 17, 29, 50, 200)]
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 50, 200)]
 
 
 def _engine(path: str, kv_cache_dtype: str, **kw) -> Engine:
@@ -152,7 +152,7 @@ class RoundedKVAttention(TorchAttention):
 
 @pytest.mark.parametrize("model", ["tiny-moe", "deepseek_v2"])
 def test_fp8_engine_equals_a_float32_engine_of_rounded_kv(model, deepseek):
-    """N = all 32 tokens, and every logprob bit for bit: the FP8 engine generates exactly what a
+    """N = every token, and every logprob bit for bit: the FP8 engine generates exactly what a
     float32 engine does whose attention rounds each K/V (DeepSeek: each latent) through FP8 before
     caching it — the FP8 cache, its scales and every path that reads it (prefill chunks after a
     prefix, decode rows, the prefix cache on a second run) add nothing but that rounding. Small
