@@ -16,7 +16,7 @@ class KVAgentMetadata:
     engine_id: str  # unique per worker; also the NIXL agent name
     backend: str  # "nixl" | "tcp" | "cuda_ipc"
     fingerprint: str  # model identity: architecture, shapes, weights, dtype
-    dtype: str
+    kv_cache_dtype: str  # what the cache stores: the model's dtype, or "float8_e4m3fn"
     layout: str  # dimension order of the allocation, naming what its planes hold (KVLayout.dims)
     num_layers: int
     num_planes: int  # 2 (K, V) or 1 (MLA's latent)
@@ -29,16 +29,19 @@ class KVAgentMetadata:
     device: str  # "cpu" or "cuda:N"
     agent_metadata: bytes = b""  # NIXL: the agent's metadata blob; cuda_ipc: the allocation's IPC handle
     address: str = ""  # where notices (and TCP data) go: "host:port", or "unix:@name" on one host
+    # An FP8 cache's scales, per layer and plane (KVLayout.scales): both ends must read the bytes alike.
+    kv_scales: list[list[float]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def for_cache(cls, engine_id: str, backend: str, kv_cache: torch.Tensor, layout, fingerprint: str
                   ) -> "KVAgentMetadata":
         """Describe an engine's KV allocation (`layout` is its pdserve.engine.kv_cache.KVLayout)."""
         assert kv_cache.is_contiguous() and tuple(kv_cache.shape) == layout.shape
+        assert kv_cache.dtype == layout.dtype
         return cls(engine_id, backend, fingerprint, str(layout.dtype).removeprefix("torch."), layout.dims,
                    layout.num_layers, layout.num_planes, layout.num_blocks, layout.block_size,
                    layout.num_kv_heads, layout.head_dim, layout.bytes_per_block, kv_cache.data_ptr(),
-                   str(kv_cache.device))
+                   str(kv_cache.device), kv_scales=[list(s) for s in layout.scales])
 
     def pack(self) -> bytes:
         return msgpack.packb(asdict(self))
@@ -67,8 +70,10 @@ class KVAgentMetadata:
 def check_peer(local: KVAgentMetadata, remote: KVAgentMetadata) -> None:
     """Refuse a peer whose KV blocks do not mean the same bytes as ours (the layout first: a latent
     cache and a K/V cache never exchange blocks)."""
-    fields = ["backend", "layout", "fingerprint", "dtype", "block_size", "num_layers", "num_planes",
-              "num_kv_heads", "head_dim", "bytes_per_block"]
+    fields = ["backend", "layout", "fingerprint", "kv_cache_dtype", "kv_scales", "block_size", "num_layers",
+              "num_planes", "num_kv_heads", "head_dim", "bytes_per_block"]
+    if local.kv_cache_dtype != remote.kv_cache_dtype:
+        fields.remove("kv_scales")  # scales of two dtypes: the dtype says it
     bad = [f"{f}: ours {getattr(local, f)!r}, peer {remote.engine_id!r} has {getattr(remote, f)!r}"
            for f in fields if getattr(local, f) != getattr(remote, f)]
     if bad:

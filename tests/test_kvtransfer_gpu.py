@@ -110,3 +110,25 @@ def test_block_copy_reads_ids_from_pinned_memory():
         want[first:first + count, :, d] = src[first:first + count, :, s].cpu()
         assert torch.equal(dst.cpu(), want), (first, count, n)
     assert copy._kernel is not None
+
+
+def test_gpu_fp8_cache_over_cuda_ipc_equals_colocated():
+    """An FP8 cache (kv_cache_dtype: fp8_e4m3) moved by cuda_ipc's copy kernel, which moves words
+    whatever they hold: the decode GPU continues as a colocated FP8 engine does; pools come back."""
+    engine = Engine(engine_config("colocated", 0, "cuda:0", kv_cache_dtype="fp8_e4m3"))
+    assert engine.kv_cache.dtype == torch.float8_e4m3fn
+    expected = [c.token_ids for c in engine.generate(prompts(), SamplingParams(**GREEDY))]
+    del engine
+    p, d = start_pair("cuda_ipc", devices=("cuda:0", "cuda:1"), kv_cache_dtype="fp8_e4m3")
+    try:
+        for i, prompt in enumerate(prompts()):
+            handle = d.call("reserve", f"r{i}", prompt, GREEDY, 30.0, None)
+            p.call("prefill", f"r{i}", prompt, GREEDY, handle)
+        presults, pfree, pidle = p.call("run", 60)
+        dresults, dfree, didle = d.call("run", 60)
+        assert presults == {f"r{i}": True for i in range(5)}
+        assert [dresults[f"r{i}"] for i in range(5)] == expected
+        assert pfree == pidle and dfree == didle
+    finally:
+        p.stop()
+        d.stop()

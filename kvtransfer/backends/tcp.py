@@ -62,7 +62,8 @@ class TcpBackend:
             parts.append(self.kv[layer, :, s:s + n])  # [planes, n, block_size, heads, dim]
             spans.append((d, n))
         # One copy into a host buffer: the bytes leave while the engine goes on computing.
-        payload = torch.cat([p.flatten() for p in parts]).view(torch.uint8).cpu().numpy().tobytes()
+        # As bytes: whatever the cache stores (FP8 too) moves as it is, through uint8 kernels only.
+        payload = torch.cat([p.flatten().view(torch.uint8) for p in parts]).cpu().numpy().tobytes()
         header = {"kind": "kv", "layer": layer, "runs": spans, "nbytes": len(payload)}
         return asyncio.run_coroutine_threadsafe(self._send(peer_id, header, payload), self._loop)
 

@@ -13,7 +13,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
-from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache, num_blocks_for
+from pdserve.engine.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache, num_blocks_for
 from pdserve.engine.model_runner import PENDING, Launched, ModelRunner
 from pdserve.engine.outputs import Completion, RequestOutput, TextStream
 from pdserve.protocol import TokenLogprob
@@ -45,19 +45,21 @@ class Engine:
         self.fingerprint = model_fingerprint(mc.path, self.args, dtype, mc.load_format, mc.seed)
         self.max_model_len = min(mc.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
-        self.layout = KVLayout.for_model(self.args, self._num_blocks(dtype), config.block_size, dtype)
+        kv_dtype = KV_CACHE_DTYPES.get(mc.kv_cache_dtype, dtype)  # "auto": the model's dtype
+        self.layout = KVLayout.for_model(self.args, self._num_blocks(kv_dtype), config.block_size, kv_dtype)
         self.kv_cache = allocate_kv_cache(self.layout, self.device)
         self.pool = BlockPool(self.layout.num_blocks, config.enable_prefix_cache)
         self.profile = StepProfile()  # what steps cost, by size (the planner reads it)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.chunk_size,
                                    whole_prompt=config.role == "prefill", profile=self.profile)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.layout.scales)
         if self._wants_graphs(attn_backend, ep):
             from pdserve.engine.cuda_graphs import DecodeGraphs
             self.runner.graphs = DecodeGraphs(
                 self.model, self.kv_cache, attn_backend, min(config.max_num_seqs, config.cuda_graph_max_batch),
-                -(-self.max_model_len // config.block_size), self.max_model_len, self.device, log, exchange=ep)
+                -(-self.max_model_len // config.block_size), self.max_model_len, self.device, log, exchange=ep,
+                kv_scales=self.layout.scales)
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, TextStream] = {}
         self._ready: list[RequestOutput] = []  # outputs produced outside a step (start_decode)
@@ -69,7 +71,7 @@ class Engine:
         self.layer_hook: Callable[[int, list[ScheduledSeq]], None] | None = None
         if log:
             log(f"KV cache: {self.layout.num_blocks} blocks of {config.block_size} tokens "
-                f"({self.layout.num_blocks * config.block_size} tokens)")
+                f"({self.layout.num_blocks * config.block_size} tokens, {str(kv_dtype).removeprefix('torch.')})")
 
     def _wants_graphs(self, attn_backend, ep) -> bool:
         """Decode steps replay CUDA graphs on a GPU with the Triton kernels (the torch reference

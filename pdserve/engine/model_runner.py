@@ -40,9 +40,10 @@ class Launched:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
-                 device: torch.device):
+                 device: torch.device, kv_scales: tuple[tuple[float, ...], ...] = ()):
         self.model = model
         self.kv_cache = kv_cache
+        self.kv_scales = kv_scales  # an FP8 cache's per-layer plane scales (KVLayout.scales)
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device)
@@ -91,7 +92,7 @@ class ModelRunner:
             input_ids=input_ids, positions=dev(positions), slot_mapping=dev(slots),
             block_tables=table_t.to(self.device, non_blocking=True), query_start=starts,
             context_lens=ctx_lens, logits_indices=dev(logit_rows), kv_cache=self.kv_cache,
-            context_lens_t=lens[: len(ctx_lens)], query_start_t=lens[len(ctx_lens):])
+            context_lens_t=lens[: len(ctx_lens)], query_start_t=lens[len(ctx_lens):], kv_scales=self.kv_scales)
 
     @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledSeq], prev: Launched | None = None,

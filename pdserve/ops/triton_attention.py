@@ -7,6 +7,10 @@ kernel over every row. The decode path reads only device tensors (`ForwardBatch.
 and sizes its grid from host-side numbers, so it never waits for the GPU and can be captured in a
 CUDA graph. On that path the decode kernel writes the step's K/V into the cache itself (one launch
 fewer; `fuse_kv_write=False` keeps the separate `write_kv_triton` launch).
+
+An FP8 cache (`ForwardBatch.kv_scales`): every kernel writes and reads it through the layer's
+(k_scale, v_scale); fresh prompts attend to their own K/V rounded through FP8 as the cache holds
+them, so a prompt's output does not depend on which path (fresh, chunked, cached prefix) ran it.
 """
 
 import torch
@@ -14,6 +18,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention
+from pdserve.ops.kv_quant import round_trip
 from pdserve.ops.kv_write import write_kv_triton
 from pdserve.ops.prefill_attention import paged_prefill_attention
 
@@ -39,11 +44,11 @@ class TritonAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D]."""
-        kv_layer = batch.kv_cache[layer]
+        kv_layer, scales = batch.kv_cache[layer], batch.layer_scales(layer)
         decode = q.shape[0] == batch.num_seqs  # every sequence brings exactly one token
         fused = decode and self.fuse_kv_write
         if not fused:
-            write_kv_triton(kv_layer, k, v, batch.slot_mapping)
+            write_kv_triton(kv_layer, k, v, batch.slot_mapping, scales)
         _ensure_device_metadata(batch, q.device)
         if decode:
             extra = {} if self.min_keys_per_split is None else {"min_keys_per_split": self.min_keys_per_split}
@@ -51,14 +56,16 @@ class TritonAttention:
                 batch.num_seqs, kv_layer.shape[3], max(batch.context_lens), q.device, **extra)
             new_kv = dict(k_new=k, v_new=v, slot_mapping=batch.slot_mapping) if fused else {}
             return paged_decode_attention(q, kv_layer, batch.block_tables, batch.context_lens_t, scale,
-                                          splits, block_n=32 if kv_layer.dtype == torch.float32 else 64,
-                                          **new_kv)
+                                          splits, block_n=32 if q.dtype == torch.float32 else 64,
+                                          kv_scales=scales, **new_kv)
         query_lens = batch.query_lens
         if self.fresh_sdpa and query_lens == batch.context_lens:
+            if scales:
+                k, v = round_trip(k, scales[0]), round_trip(v, scales[1])
             return _fresh_prompts(q, k, v, batch.query_start, scale)
         max_query_len = max(query_lens)
         return paged_prefill_attention(q, kv_layer, batch.block_tables, batch.context_lens_t,
-                                       batch.query_start_t, max_query_len, scale)
+                                       batch.query_start_t, max_query_len, scale, kv_scales=scales)
 
 
 def _fresh_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int],
