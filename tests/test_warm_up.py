@@ -96,3 +96,24 @@ def test_a_served_replica_is_ready_only_after_its_warm_up(tmp_path):
         assert "KV blocks used 0/256" in c.status()  # nothing of the warm-up holds a block
     finally:
         c.stop()
+
+
+def test_fresh_prompts_padded_to_few_lengths_attend_exactly():
+    """Fresh prompts' SDPA runs at lengths padded to FRESH_BUCKET (few plans to build before ready):
+    every real row equals attention over the prompt alone, GQA included."""
+    import torch
+    import torch.nn.functional as F
+
+    from pdserve.ops.triton_attention import FRESH_BUCKET, _fresh_prompts
+
+    torch.manual_seed(0)
+    lens = [1, 5, FRESH_BUCKET - 1, FRESH_BUCKET, FRESH_BUCKET + 1, 300]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    q, k, v = torch.randn(starts[-1], 8, 16), torch.randn(starts[-1], 2, 16), torch.randn(starts[-1], 2, 16)
+    got = _fresh_prompts(q, k, v, starts, 0.25)
+    for a, b in zip(starts, starts[1:]):
+        ref = F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
+                                             is_causal=True, scale=0.25, enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(got[a:b], ref, rtol=1e-5, atol=1e-6)

@@ -63,6 +63,7 @@ class WarmUp:
 
     shapes: set[tuple] = field(default_factory=set)
     steps: int = 0
+    attention_lengths: int = 0  # padded lengths the attention backend prepared (triton_attention.warm_up)
     seconds: float = 0.0
 
 
@@ -75,9 +76,19 @@ def warm_up(engine, log: Callable[[str], None] = lambda msg: None) -> WarmUp:
     for i, (what, run) in enumerate(phases, 1):
         log(f"warm-up {i}/{len(phases)}: {what}")
         run(_Stepper(engine, done))
+    attention = engine.model.attn_backend
+    if engine.config.role != "decode" and hasattr(attention, "warm_up"):  # its own per-length plans
+        log("warm-up: fresh prompts' attention at every padded length")
+        a = engine.args
+        done.attention_lengths = attention.warm_up(min(engine.max_model_len, engine.config.chunk_size,
+                                                       engine.config.max_num_batched_tokens),
+                                                   a.num_heads, a.num_kv_heads, a.head_dim,
+                                                   next(engine.model.parameters()).dtype, engine.device)
     _settle(engine)
     done.seconds = time.perf_counter() - t0
-    log(f"warm-up: {done.steps} steps of {len(done.shapes)} shapes in {done.seconds:.1f} s")
+    log(f"warm-up: {done.steps} steps of {len(done.shapes)} shapes"
+        + (f", attention at {done.attention_lengths} prompt lengths" if done.attention_lengths else "")
+        + f" in {done.seconds:.1f} s")
     return done
 
 
