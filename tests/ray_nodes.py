@@ -40,7 +40,8 @@ class LocalRayCluster:
     def start(self) -> "LocalRayCluster":
         head, *workers = self.nodes
         try:
-            self._ray_start(head, ["--head", "--port", "0", "--include-dashboard", "false"])
+            self._ray_start(head, ["--head", "--port", "0", "--include-dashboard", "false", "--system-config",
+                                   json.dumps({"health_check_period_ms": 500, "health_check_failure_threshold": 4})])
             self.address = (self.temp_dir / "ray_current_cluster").read_text().strip()
             for node in workers:
                 self._ray_start(node, ["--address", self.address])
@@ -81,6 +82,17 @@ class LocalRayCluster:
                 continue
         return list(mine.values())
 
+    def kill_node(self, ip: str) -> None:
+        """A node dies: SIGKILL to its raylet and everything under it (its workers, its agents)."""
+        victims = [p for p in self.processes()
+                   if any(f"node_ip_address={ip}" in part or f"node-ip-address={ip}" in part
+                          for part in _cmdline(p))]
+        for p in {q.pid: q for v in victims for q in [v, *v.children(recursive=True)]}.values():
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
     def stop(self, timeout_s: float = 15) -> None:
         """End this cluster's processes: SIGTERM, then SIGKILL to what is left after timeout_s."""
         procs = self.processes()
@@ -101,3 +113,10 @@ class LocalRayCluster:
                 except psutil.NoSuchProcess:
                     pass
             time.sleep(0.2)
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
