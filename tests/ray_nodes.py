@@ -11,6 +11,7 @@ retried by Ray itself (the dashboard).
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,7 +94,7 @@ class LocalRayCluster:
             except psutil.NoSuchProcess:
                 pass
 
-    def stop(self, timeout_s: float = 15) -> None:
+    def stop(self, timeout_s: float = 5) -> None:
         """End this cluster's processes: SIGTERM, then SIGKILL to what is left after timeout_s."""
         procs = self.processes()
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -113,6 +114,7 @@ class LocalRayCluster:
                 except psutil.NoSuchProcess:
                     pass
             time.sleep(0.2)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def _cmdline(p: psutil.Process) -> list[str]:

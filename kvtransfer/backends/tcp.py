@@ -171,7 +171,7 @@ class TcpBackend:
                 return True
         log.warning("KV over TCP: refused a connection from %s: %s", sender, why)
         self.refused.append((sender, why))
-        writer.write(_LEN.pack(len(h := msgpack.packb({"ok": False, "why": why}))) + h)
+        writer.write(frame({"ok": False, "why": why}, b""))
         await writer.drain()
         return False
 

@@ -209,6 +209,7 @@ class Controller:
             return
         self._note(f"{replica} is down ({why}); starting a replacement")
         Launcher.stop(old)
+        self._forget_pairs(old)
         others = [i for i in self.replicas.values() if i is not old]
         new = self.launcher.start(old.role, replica, old.generation + 1, others)
         new.restarts = old.restarts + 1
@@ -243,6 +244,11 @@ class Controller:
         the replica set as it is)."""
         refs = [r["handle"].apply.remote(change) for r in self.routers.values()]
         ray.wait(refs, num_returns=len(refs), timeout=TELL_S)
+
+    def _forget_pairs(self, inc: Incarnation) -> None:
+        """The KV handshakes' records of a stopped incarnation's workers."""
+        for key in [k for k in list(self.kv_pairs) if set(k) & set(inc.ranks)]:
+            self.kv_pairs.pop(key, None)
 
     # -- scaling ---------------------------------------------------------------------------------
 
@@ -319,6 +325,7 @@ class Controller:
         inc.state = "gone"
         self._tell(inc.change())
         Launcher.stop(inc)
+        self._forget_pairs(inc)
         self.replicas.pop(inc.replica, None)
         self._restarting.pop(inc.replica, None)
         self._beats.forget(inc.replica)
@@ -360,7 +367,7 @@ class Controller:
         if state == "running" and any(isinstance(r, str) and r.startswith("down")
                                       for r in [*replicas.values(), *routers.values()]):
             state = "degraded"
-        live = {w for inc in self.replicas.values() for w in inc.ranks}
+        live = {w for inc in list(self.replicas.values()) for w in inc.ranks}
         pairs = [{"worker": a, **rec} for (a, b), rec in list(self.kv_pairs.items()) if a in live and b in live]
         return {"state": state, "progress": list(self.progress), "endpoints": self.endpoints,
                 "replicas": replicas, "routers": routers, "restarts": restarts,
