@@ -41,6 +41,7 @@ class AutoBackend:
         from pdserve.kvtransfer.backends import make_backend
 
         self.meta = meta
+        self._device = kv_cache.device
         self.backends = {}
         try:
             for name in offer or available(kv_cache):
@@ -73,6 +74,9 @@ class AutoBackend:
     def write_layers(self, peer_id: str, parts: list[tuple[int, list[int], list[int]]]) -> _Token:
         name = self._route[peer_id]
         be = self.backends[name]
+        if name == "cuda_ipc":  # on the posting thread, whose current device need not be the cache's
+            with torch.cuda.device(self._device):
+                return _Token(name, [be.write_layers(peer_id, parts)])
         if hasattr(be, "write_layers"):
             return _Token(name, [be.write_layers(peer_id, parts)])
         return _Token(name, [be.write(peer_id, *p) for p in parts])
