@@ -95,6 +95,38 @@ class RouterConfig(_Strict):
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
 
 
+class PlacementConfig(_Strict):
+    """Where a role's replicas run on a Ray cluster of several nodes. A node qualifies when it has
+    every label in `labels` (`ray start --labels k=v`; KubeRay: the worker group's rayStartParams)
+    and offers the custom `resources` (`ray start --resources`); every worker (an EP rank each)
+    takes `resources` from it, so that a node offering {pd_prefill: 1} holds one prefill worker.
+    `strategy` places the role's replicas among the nodes that qualify: "spread" on the node with
+    the fewest of them, "pack" on the one with the most (fewest nodes used), "any" where Ray likes."""
+
+    labels: dict[str, str] = Field(default_factory=dict)
+    resources: dict[str, float] = Field(default_factory=dict)
+    strategy: Literal["any", "spread", "pack"] = "any"
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, v: dict[str, float]) -> dict[str, float]:
+        builtin = sorted(set(v) & {"CPU", "GPU", "memory", "object_store_memory"})
+        if builtin:
+            raise ValueError(f"{', '.join(builtin)} {'is' if len(builtin) == 1 else 'are'} Ray's own "
+                             f"(GPUs come from the section's gpus); name custom resources only")
+        bad = {k: a for k, a in v.items() if not a > 0}
+        if bad:
+            raise ValueError(f"amounts must be above 0, got {bad}")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        if any(not k or k.startswith("ray.io/") for k in v):
+            raise ValueError("label keys must be non-empty and not Ray's own (ray.io/...)")
+        return v
+
+
 # prefill.replicas and decode.replicas left out (None) are settled by ClusterConfig: 1 each in a
 # disaggregated cluster, 0 in a colocated one.
 
@@ -106,6 +138,7 @@ class PrefillConfig(_Strict):
     chunk_size: int = Field(default=2048, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)
     warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
+    placement: PlacementConfig = PlacementConfig()
 
 
 class DecodeConfig(_Strict):
@@ -119,11 +152,15 @@ class DecodeConfig(_Strict):
     # (0: always all-to-all). On 2-4 H200s the all-gather path led at every batch measured, 64-512
     # per rank, graphed or eager (docs/benchmarks-history.md): all-to-all is for batches beyond those.
     ep_replicated_experts: list[int] = Field(default_factory=list)  # hot experts copied to every rank
+    # The ranks of one EP replica share a node (their exchange is NVLink's), unless this is true:
+    # then they fill as few nodes as hold them (their exchange crosses the network).
+    ep_across_nodes: bool = False
     max_num_seqs: int = Field(default=256, ge=1)
     cuda_graphs: bool = True
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     num_kv_blocks: int | None = Field(default=None, ge=1)
     warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
+    placement: PlacementConfig = PlacementConfig()
 
 
 class ColocatedConfig(_Strict):
@@ -139,10 +176,13 @@ class ColocatedConfig(_Strict):
     cuda_graphs: bool = True
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
+    placement: PlacementConfig = PlacementConfig()
 
 
 class KVTransferConfig(_Strict):
-    backend: Literal["nixl", "tcp", "cuda_ipc"] = "nixl"
+    # auto: chosen per prefill/decode pair at the handshake — cuda_ipc when both are on GPUs of
+    # one host, else nixl, else tcp (kvtransfer/backends/auto.py).
+    backend: Literal["nixl", "tcp", "cuda_ipc", "auto"] = "nixl"
     block_size: int = Field(default=16, ge=1)
     lease_s: float = Field(default=30.0, gt=0)
 

@@ -15,8 +15,9 @@ RECENT_TRANSFERS = 1024  # transfer records kept for readers of stats()
 class PrefillWorker(Replica):
     role = "prefill"
 
-    def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, cpu_threads: int = 1):
-        super().__init__(name, engine_config, kv_backend, cpu_threads)
+    def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, cpu_threads: int = 1,
+                 cluster_token: str | None = None):
+        super().__init__(name, engine_config, kv_backend, cpu_threads, cluster_token=cluster_token)
         self.streamer = KVStreamer(self.engine, self.connector)
         self._transfers: list[tuple[int, float]] = []
         self._transfers_total = 0

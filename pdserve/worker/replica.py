@@ -65,10 +65,11 @@ class Replica:
     role: str  # "prefill" | "decode" | "colocated", set by the subclass
 
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str | None, cpu_threads: int,
-                 ep=None):
+                 ep=None, cluster_token: str | None = None):
         """`kv_backend` None: no KV connector. A colocated worker does both phases in its own
         engine, so its KV never leaves it; a connector would only register memory and open ports.
-        `ep`: an EPExchange when this worker is one rank of an expert-parallel decode replica."""
+        `ep`: an EPExchange when this worker is one rank of an expert-parallel decode replica.
+        `cluster_token`: the KV handshake and TCP connections take peers of this cluster only."""
         if engine_config.device == "cpu":
             torch.set_num_threads(cpu_threads)  # several workers share the host's cores
         engine_config = engine_config.model_copy(update={"device": assigned_device(engine_config.device)})
@@ -76,10 +77,11 @@ class Replica:
         self.engine = Engine(engine_config, ep=ep)
         self.connector = None
         if kv_backend is not None:
-            # Socket-based backends listen on this node's address, not loopback: peers may be elsewhere.
-            kw = {"host": ray.util.get_node_ip_address()} if kv_backend == "tcp" else {}
+            # The node's address, not loopback: socket backends listen there (peers may be on other
+            # hosts), and the handshake learns from it which pairs share a host.
             self.connector = make_connector(self.role, kv_backend, name, self.engine.kv_cache, self.engine.layout,
-                                            self.engine.fingerprint, **kw)
+                                            self.engine.fingerprint, host=ray.util.get_node_ip_address(),
+                                            cluster_token=cluster_token)
         self.aborted = 0
         self._ep = ep
         self.warmed: WarmUp | None = None  # what the warm-up ran, where it ran
@@ -161,10 +163,17 @@ class Replica:
         """The KV handshake this replica publishes."""
         return self.connector.metadata()
 
-    def add_peer(self, meta: bytes) -> str:
-        """Handshake with a replica of the other role; raises HandshakeError on a mismatch."""
+    def add_peer(self, meta: bytes) -> dict:
+        """Handshake with a replica of the other role; raises HandshakeError on a mismatch. Returns
+        the handshake's record: the peer, the backend the pair moves KV over, and why."""
         with self.loop.lock:  # the loop's step polls the connector, and NIXL's agent is not thread-safe
-            return self.connector.add_peer(meta)
+            peer = self.connector.add_peer(meta)
+            return self.connector.pairs[peer]
+
+    def node(self) -> dict:
+        """Where this worker runs: its Ray node's id and address."""
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address()}
 
     def stats(self) -> ReplicaStats:
         if not self.loop.alive():  # the router then counts this replica as down (/health 503)
