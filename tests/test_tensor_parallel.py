@@ -1,0 +1,97 @@
+"""Tensor parallelism: a model split over 2 ranks (gloo, 2 processes) computes what one rank does,
+for every family: the logits of a prompt (close: the all-reduce sums in another order) and the
+greedy tokens an engine generates from them (equal)."""
+
+import pytest
+import torch
+
+from hf_checkpoints import FAMILIES, checkpoint_path
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
+from pdserve.models.loader import load_model
+from pdserve.models.tensor_parallel import TensorParallel, check_tp_size
+from pdserve.protocol import SamplingParams
+from tp_ranks import run_ranks
+
+BLOCK, NUM_BLOCKS = 4, 16
+PROMPTS = [[3, 17, 42, 5, 99, 64, 7, 120, 31, 8, 77], [11, 2, 90, 45, 6]]
+MAX_TOKENS = 6
+
+
+def prompt_logits(path: str, load_format: str, tp: TensorParallel | None) -> tuple[torch.Tensor, int]:
+    """The logits of every position of PROMPTS[0], prefilled in one step, and how many weights
+    the model holds."""
+    model, args = load_model(path, torch.float32, "cpu", load_format=load_format, tp=tp)
+    cache = allocate_kv_cache(KVLayout.for_model(args, NUM_BLOCKS, BLOCK, torch.float32, tp=tp), torch.device("cpu"))
+    ids = PROMPTS[0]
+    n = len(ids)
+    batch = ForwardBatch(input_ids=torch.tensor(ids), positions=torch.arange(n), slot_mapping=torch.arange(n),
+                         block_tables=torch.arange(-(-n // BLOCK))[None], query_start=[0, n], context_lens=[n],
+                         logits_indices=torch.arange(n), kv_cache=cache)
+    with torch.inference_mode():
+        return model.compute_logits(model(batch)[batch.logits_indices]), sum(p.numel() for p in model.parameters())
+
+
+def greedy(path: str, tp: TensorParallel | None) -> list[list[int]]:
+    """Every rank runs the same requests through its own engine: the schedule is deterministic, so
+    the ranks take the same steps and their collectives pair up (the model-level check; a replica's
+    rank 0 schedules for all)."""
+    from pdserve.engine.engine import Engine
+
+    config = EngineConfig(model=ModelConfig(path=path, dtype="float32"), device="cpu", num_kv_blocks=NUM_BLOCKS,
+                          block_size=BLOCK, chunk_size=8, max_num_batched_tokens=16, enable_prefix_cache=False)
+    engine = Engine(config, tp=tp)
+    tokens = {f"r{i}": [] for i in range(len(PROMPTS))}
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            tokens[o.request_id] += o.token_ids
+    assert engine.pool.num_free_blocks == NUM_BLOCKS  # every block back
+    return [tokens[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+def _rank(tp: TensorParallel, jobs: list[tuple[str, str, bool]]) -> list:
+    # Plain lists: a tensor sent through a queue is shared memory the exiting rank takes with it.
+    out = []
+    for path, fmt, gen in jobs:
+        logits, weights = prompt_logits(path, fmt, tp)
+        out.append((logits.tolist(), weights, greedy(path, tp) if gen else None))
+    return out
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    paths = {family: str(checkpoint_path(family, root)) for family in FAMILIES}
+    # One KV head for two ranks: each rank holds a copy of it.
+    paths["llama_kv1"] = str(checkpoint_path("llama", root, num_key_value_heads=1))
+    return paths
+
+
+def test_tp2_equals_tp1_every_family(paths):
+    # Checkpoints for every family (tensors sliced as read), and dummy weights for two (drawn
+    # whole, then sliced): one spawn of two ranks does them all.
+    jobs = [(paths[f], "auto", True) for f in [*FAMILIES, "llama_kv1"]] + [(paths[f], "dummy", False) for f in ("qwen2_moe", "deepseek_v3")]
+    ranks = run_ranks(_rank, jobs)
+    for j, (path, fmt, gen) in enumerate(jobs):
+        ref, weights = prompt_logits(path, fmt, None)
+        for r, out in enumerate(ranks):
+            logits, rank_weights, tokens = torch.tensor(out[j][0]), out[j][1], out[j][2]
+            assert rank_weights < weights, f"{path}: rank {r} holds the whole model"
+            err = (logits - ref).abs().max().item()
+            assert err <= 1e-4 * ref.abs().max().item(), f"{path} {fmt} rank {r}: max abs error {err:.3g}"
+            if gen:
+                assert tokens == greedy(path, None), f"{path} rank {r}"
+
+
+@pytest.mark.parametrize("size,match", [(3, "tp_size 3 must divide the model's num_attention_heads"),
+                                        (0, "tp_size must be >= 1")])
+def test_tp_size_refused_by_name(paths, size, match):
+    from pdserve.models import resolve_model_args
+
+    with pytest.raises(ValueError, match=match):
+        check_tp_size(resolve_model_args(paths["llama"]), size)
