@@ -168,7 +168,10 @@ class ColocatedConfig(_Strict):
     baseline every disaggregated figure is compared with. No KV moves between them."""
 
     replicas: int = Field(default=0, ge=0)
-    gpus: int = Field(default=0, ge=0, le=1)  # per replica
+    gpus: int = Field(default=0, ge=0, le=1)  # per replica (per rank with tp_size > 1)
+    # Tensor parallelism: a replica is tp_size ranks, one process each (heads and MLP / expert
+    # width sharded, one all-reduce after attention and after the MLP); the CPU (gloo) for now.
+    tp_size: int = Field(default=1, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)
     max_batch_tokens: int = Field(default=8192, ge=1)
     chunk_size: int = Field(default=2048, ge=1)
@@ -263,6 +266,18 @@ def check_model_fit(cfg: ClusterConfig, args) -> None:
     """What cluster.yaml can only be checked against the model (its ModelArgs); raises ConfigError."""
     from pdserve.ops.expert_placement import allowed_ep_sizes
 
+    from pdserve.models.tensor_parallel import check_tp_size
+
+    c = cfg.colocated
+    if c.replicas and c.tp_size > 1:
+        try:
+            check_tp_size(args, c.tp_size, "colocated.tp_size")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if c.gpus:
+            raise ConfigError(f"colocated.tp_size: {c.tp_size} is not allowed with colocated.gpus: {c.gpus} — "
+                              f"tensor parallelism runs on the CPU only for now (the GPU kernels are "
+                              f"not checked sharded yet)")
     d, experts = cfg.decode, args.num_experts
     if d.ep_size > 1 and (not experts or experts % d.ep_size):
         allowed = ", ".join(map(str, allowed_ep_sizes(experts))) if experts else "1 (the model has no experts)"

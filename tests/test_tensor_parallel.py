@@ -95,3 +95,38 @@ def test_tp_size_refused_by_name(paths, size, match):
 
     with pytest.raises(ValueError, match=match):
         check_tp_size(resolve_model_args(paths["llama"]), size)
+
+
+def test_colocated_tp2_replica_serves_what_tp1_generates(tmp_path):
+    """`pdserve up` with one colocated replica of 2 tensor-parallel ranks (2 Ray actors, gloo): over
+    HTTP, greedy text equal to one unsharded engine's."""
+    import openai
+
+    from pdserve.engine.engine import Engine
+    from serving_cluster import Cluster
+
+    reference = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=512))
+    c = Cluster(tmp_path, colocated={"replicas": 1, "tp_size": 2, "num_kv_blocks": 512})
+    try:
+        c.wait_ready()
+        oa = openai.OpenAI(base_url=f"{c.url}/v1", api_key="unused", max_retries=0)
+        for prompt in ["Once upon a time", "The quick brown fox jumps over the lazy dog. " * 3, "x"]:
+            r = oa.completions.create(model="tiny-moe", prompt=prompt, max_tokens=12, temperature=0)
+            want = reference.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].text
+            assert r.choices[0].text == want, prompt
+        stats = c.wait_idle()
+        assert len(stats) == 1 and all(s["used"] == 0 for s in stats.values()), stats
+    finally:
+        assert c.stop() == 0, c.output()
+
+
+def test_tp_size_config_errors_name_the_key(tmp_path):
+    from pdserve.config import ClusterConfig, ConfigError, check_model_fit
+    from pdserve.models import resolve_model_args
+
+    args = resolve_model_args("tiny-moe")
+    with pytest.raises(ConfigError, match="colocated.tp_size 3 must divide the model's num_attention_heads"):
+        check_model_fit(ClusterConfig(colocated={"replicas": 1, "tp_size": 3}), args)
+    with pytest.raises(ConfigError, match="colocated.tp_size: 2 is not allowed with colocated.gpus: 1"):
+        check_model_fit(ClusterConfig(colocated={"replicas": 1, "tp_size": 2, "gpus": 1}), args)
+    check_model_fit(ClusterConfig(colocated={"replicas": 1, "tp_size": 2}), args)

@@ -1,0 +1,94 @@
+"""The ranks of a tensor-parallel replica and what passes between them each step.
+
+Rank 0 is the worker the routers know (colocated or prefill): it schedules, samples and answers.
+Before each forward it broadcasts the step's batch (`StepBatch`: token ids, positions, slots, block
+tables, lengths); every other rank (pdserve/worker/tp_follower.py) runs the same forward over its
+own heads' KV cache, and the layers' all-reduces pair up. Block ids are rank 0's: every rank's
+cache has the same blocks, and only rank 0's pool hands them out. The followers skip the logits
+(replicated: rank 0 has them whole).
+
+An idle rank 0 broadcasts an empty step now and then (`KEEPALIVE_S`), so that a follower's wait has
+a deadline (`TIMEOUT_S`) and a follower whose rank 0 died exits instead of waiting for ever.
+"""
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.models.tensor_parallel import TensorParallel
+
+KEEPALIVE_S = 1.0  # an idle rank 0 broadcasts an empty step at least this often
+TIMEOUT_S = 600.0  # any collective of the group, a follower's wait for the next step included
+
+
+@dataclass(frozen=True)
+class TPRank:
+    """Where a rank stands in its replica's group, and the group's rendezvous (a TCPStore)."""
+
+    rank: int
+    size: int
+    store_host: str
+    store_port: int
+
+
+@dataclass
+class StepBatch:
+    """What a follower needs to run rank 0's forward: host lists, pickled over gloo."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]
+    query_start: list[int]
+    context_lens: list[int]
+
+    @classmethod
+    def of(cls, b: ForwardBatch) -> "StepBatch":
+        return cls(b.input_ids.tolist(), b.positions.tolist(), b.slot_mapping.tolist(), b.block_tables.tolist(),
+                   list(b.query_start), list(b.context_lens))
+
+    def forward_batch(self, kv_cache: torch.Tensor, kv_scales=()) -> ForwardBatch:
+        long = dict(dtype=torch.long, device=kv_cache.device)
+        return ForwardBatch(
+            input_ids=torch.tensor(self.input_ids, **long), positions=torch.tensor(self.positions, **long),
+            slot_mapping=torch.tensor(self.slot_mapping, **long), block_tables=torch.tensor(self.block_tables, **long),
+            query_start=self.query_start, context_lens=self.context_lens,
+            logits_indices=torch.empty(0, **long), kv_cache=kv_cache, kv_scales=kv_scales)
+
+
+class TPGroup:
+    def __init__(self, me: TPRank, device: torch.device, timeout_s: float = TIMEOUT_S):
+        """Join the group: returns once every rank has joined. Gloo (the CPU; GPUs are refused by
+        the engine until the Triton path is checked sharded)."""
+        store = dist.TCPStore(me.store_host, me.store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=me.rank, world_size=me.size,
+                                timeout=timedelta(seconds=timeout_s))
+        self.rank, self.size = me.rank, me.size
+        self.tp = TensorParallel(me.rank, me.size)
+        self._sent = time.monotonic()
+
+    def send(self, batch: ForwardBatch) -> None:
+        """Rank 0, before its forward: the followers run the same one."""
+        self._broadcast(StepBatch.of(batch))
+
+    def keepalive(self) -> None:
+        """Rank 0, idle: an empty step now and then, so that the followers' waits end."""
+        if time.monotonic() - self._sent >= KEEPALIVE_S:
+            self._broadcast(None)
+
+    def receive(self) -> StepBatch | None:
+        """A follower: the next step's batch (None: rank 0 is idle). Raises past TIMEOUT_S."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _broadcast(self, msg: StepBatch | None) -> None:
+        dist.broadcast_object_list([msg], src=0)
+        self._sent = time.monotonic()
+
+    def close(self) -> None:
+        dist.destroy_process_group()
