@@ -130,3 +130,28 @@ def test_tp_size_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="colocated.tp_size: 2 is not allowed with colocated.gpus: 1"):
         check_model_fit(ClusterConfig(colocated={"replicas": 1, "tp_size": 2, "gpus": 1}), args)
     check_model_fit(ClusterConfig(colocated={"replicas": 1, "tp_size": 2}), args)
+
+
+@pytest.mark.parametrize("decode", [{}, {"ep_size": 2}], ids=["decode-tp1", "decode-ep2"])
+def test_tp2_prefill_feeds_any_decode_replica(tmp_path, decode):
+    """A TP = 2 prefill replica (its KV staged whole on rank 0) hands requests to a one-rank decode
+    replica and to an expert-parallel one over NIXL: greedy text equal to one colocated engine's,
+    every block back on every side."""
+    import openai
+
+    from pdserve.engine.engine import Engine
+    from serving_cluster import Cluster
+
+    reference = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=512))
+    c = Cluster(tmp_path, prefill={"replicas": 1, "tp_size": 2}, decode={"replicas": 1, **decode})
+    try:
+        c.wait_ready()
+        oa = openai.OpenAI(base_url=f"{c.url}/v1", api_key="unused", max_retries=0)
+        for prompt in ["Once upon a time", "The quick brown fox jumps over the lazy dog. " * 3, "x"]:
+            r = oa.completions.create(model="tiny-moe", prompt=prompt, max_tokens=12, temperature=0)
+            want = reference.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].text
+            assert r.choices[0].text == want, prompt
+        stats = c.wait_idle()
+        assert len(stats) == 2 and all(s["used"] == 0 for s in stats.values()), stats
+    finally:
+        assert c.stop() == 0, c.output()

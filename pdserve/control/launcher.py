@@ -87,10 +87,11 @@ class Launcher:
             return self._start_decode(inc, name, opts)
         in_pg = PlacementGroupSchedulingStrategy(pg, 0)
         if role == "prefill":
+            tp = self._start_followers(inc, name, opts, cfg.engine_config("prefill"), cfg.prefill.tp_size)
             inc.ranks[name] = ray.remote(PrefillWorker).options(
                 name=name, scheduling_strategy=in_pg, **opts, **self._kv_env()).remote(
                 name, cfg.engine_config("prefill"), cfg.kv_transfer.backend, self.cpu_threads,
-                cluster_token=self.cluster_token)
+                cluster_token=self.cluster_token, tp=tp)
         else:
             tp = self._start_followers(inc, name, opts, cfg.engine_config("colocated"), cfg.colocated.tp_size)
             inc.ranks[name] = ray.remote(ColocatedWorker).options(name=name, scheduling_strategy=in_pg, **opts).remote(

@@ -84,13 +84,16 @@ class Replica:
             assert tp.rank == 0, "a worker is rank 0 of its tensor-parallel replica; the others are followers"
             self.tp_group = TPGroup(tp, torch.device(engine_config.device))  # returns once every rank joined
         self.engine = Engine(engine_config, ep=ep, tp=self.tp_group.tp if self.tp_group else None)
+        kv_cache, layout = self.engine.kv_cache, self.engine.layout
         if self.tp_group is not None:
             self.engine.runner.on_batch = self.tp_group.send
+            if kv_backend is not None:  # a prefill replica's KV leaves whole from rank 0 (tp_group.py)
+                kv_cache, layout = self.tp_group.stage_kv(self.engine)
         self.connector = None
         if kv_backend is not None:
             # The node's address, not loopback: socket backends listen there (peers may be on other
             # hosts), and the handshake learns from it which pairs share a host.
-            self.connector = make_connector(self.role, kv_backend, name, self.engine.kv_cache, self.engine.layout,
+            self.connector = make_connector(self.role, kv_backend, name, kv_cache, layout,
                                             self.engine.fingerprint, host=ray.util.get_node_ip_address(),
                                             cluster_token=cluster_token)
         self.aborted = 0

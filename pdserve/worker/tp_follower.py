@@ -26,6 +26,8 @@ class TPFollower:
         self.name = name
         self.group = TPGroup(me, torch.device(engine_config.device))
         self.engine = Engine(engine_config, tp=self.group.tp)
+        if engine_config.role == "prefill":
+            self.group.stage_kv(self.engine)  # this rank's heads go to rank 0's staging cache each step
         self.steps = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"{name}-follow", daemon=True)
@@ -38,7 +40,9 @@ class TPFollower:
                 step = self.group.receive()
                 if step is None:
                     continue  # rank 0 is idle
-                self.engine.model(step.forward_batch(self.engine.kv_cache, self.engine.layout.scales))
+                batch = step.forward_batch(self.engine.kv_cache, self.engine.layout.scales)
+                self.group.follow(batch)
+                self.engine.model(batch)
                 self.steps += 1
         except BaseException as e:
             log.exception("%s: the follower loop died", self.name)

@@ -7,10 +7,18 @@ own heads' KV cache, and the layers' all-reduces pair up. Block ids are rank 0's
 cache has the same blocks, and only rank 0's pool hands them out. The followers skip the logits
 (replicated: rank 0 has them whole).
 
+A prefill replica's KV leaves from rank 0 alone, as a single-rank replica's would: rank 0 keeps a
+staging cache of every KV head (the layout an unsharded engine has), and after each layer's KV is
+written every rank gathers its heads of the step's slots there (`stage_kv`). Its KV connector
+registers and posts the staging cache, so a decode replica of any layout (one rank, expert
+parallel) pairs with it through the ordinary handshake. MLA's latent cache is whole on every rank:
+nothing to gather, rank 0 posts its own.
+
 An idle rank 0 broadcasts an empty step now and then (`KEEPALIVE_S`), so that a follower's wait has
 a deadline (`TIMEOUT_S`) and a follower whose rank 0 died exits instead of waiting for ever.
 """
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.models.tensor_parallel import TensorParallel
 
 KEEPALIVE_S = 1.0  # an idle rank 0 broadcasts an empty step at least this often
@@ -70,10 +79,55 @@ class TPGroup:
         self.rank, self.size = me.rank, me.size
         self.tp = TensorParallel(me.rank, me.size)
         self._sent = time.monotonic()
+        self.gathers = False  # every layer's KV of every step goes to rank 0's staging cache
+        self._kv_cache = self._staging = None
+        self._heads: list[range] = []  # the KV heads of each rank
+
+    def stage_kv(self, engine) -> tuple[torch.Tensor, object]:
+        """A prefill replica (every rank calls it): the cache and layout its KV leaves from — on rank
+        0 a staging cache of every KV head that each step fills (None elsewhere), or, for a latent
+        cache (whole on every rank), the engine's own."""
+        if engine.layout.kind != "kv":
+            return engine.kv_cache, engine.layout
+        args = engine.args
+        self.gathers, self._kv_cache = True, engine.kv_cache
+        self._heads = [TensorParallel(r, self.size).kv_heads(args.num_heads, args.num_kv_heads)
+                       for r in range(self.size)]
+        full = dataclasses.replace(engine.layout, num_kv_heads=args.num_kv_heads)
+        if self.rank == 0:
+            self._staging = allocate_kv_cache(full, engine.kv_cache.device)
+        return self._staging, full
 
     def send(self, batch: ForwardBatch) -> None:
         """Rank 0, before its forward: the followers run the same one."""
         self._broadcast(StepBatch.of(batch))
+        self.follow(batch)
+
+    def follow(self, batch: ForwardBatch) -> None:
+        """Every rank, before the forward: where KV is staged, each layer's is gathered once
+        written, before the layer's hook (rank 0's KV streaming) reads it."""
+        if not self.gathers:
+            return
+        inner, slots = batch.layer_done, batch.slot_mapping
+
+        def layer_done(layer: int) -> None:
+            self._gather(layer, slots)
+            if inner is not None:
+                inner(layer)
+
+        batch.layer_done = layer_done
+
+    def _gather(self, layer: int, slots: torch.Tensor) -> None:
+        # [planes, T, local heads, dim]: this rank's heads of the step's slots.
+        mine = self._kv_cache[layer].flatten(1, 2)[:, slots].contiguous()
+        if self.rank != 0:
+            dist.gather(mine, None, dst=0)
+            return
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.gather(mine, parts, dst=0)
+        staged = self._staging[layer].flatten(1, 2)  # a view: [planes, blocks * block_size, heads, dim]
+        for heads, part in zip(self._heads, parts):
+            staged[:, slots, heads.start:heads.stop] = part
 
     def keepalive(self) -> None:
         """Rank 0, idle: an empty step now and then, so that the followers' waits end."""
