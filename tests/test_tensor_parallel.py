@@ -1,6 +1,8 @@
 """Tensor parallelism: a model split over 2 ranks (gloo, 2 processes) computes what one rank does,
 for every family: the logits of a prompt (close: the all-reduce sums in another order) and the
-greedy tokens an engine generates from them (equal)."""
+greedy tokens an engine generates from them (equal). Then through `pdserve up`: a TP = 2 colocated
+replica, and a TP = 2 prefill replica feeding a one-rank and an expert-parallel decode replica,
+answer what one engine generates."""
 
 import pytest
 import torch
@@ -130,6 +132,10 @@ def test_tp_size_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="colocated.tp_size: 2 is not allowed with colocated.gpus: 1"):
         check_model_fit(ClusterConfig(colocated={"replicas": 1, "tp_size": 2, "gpus": 1}), args)
     check_model_fit(ClusterConfig(colocated={"replicas": 1, "tp_size": 2}), args)
+    with pytest.raises(ConfigError, match="prefill.tp_size 3 must divide the model's num_attention_heads"):
+        check_model_fit(ClusterConfig(prefill={"tp_size": 3}), args)
+    with pytest.raises(ConfigError, match="prefill.tp_size: 2 is not allowed with prefill.gpus: 1"):
+        check_model_fit(ClusterConfig(prefill={"tp_size": 2, "gpus": 1}), args)
 
 
 @pytest.mark.parametrize("decode", [{}, {"ep_size": 2}], ids=["decode-tp1", "decode-ep2"])
