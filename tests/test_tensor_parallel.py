@@ -65,6 +65,50 @@ def _rank(tp: TensorParallel, jobs: list[tuple[str, str, bool]]) -> list:
     return out
 
 
+def staged_kv(kv_cache_dtype: str, tp: TensorParallel | None) -> tuple[torch.Tensor, list[int]]:
+    """A prefill engine's KV of PROMPTS as a decode replica would receive it: rank 0's staging cache
+    (every rank gathers its heads there each layer), or one rank's own cache; and the blocks."""
+    from pdserve.engine.engine import Engine
+    from pdserve.worker.tp_group import TPGroup
+
+    config = EngineConfig(model=ModelConfig(path="tiny-moe", kv_cache_dtype=kv_cache_dtype), role="prefill",
+                          device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, enable_prefix_cache=False)
+    engine = Engine(config, tp=tp)
+    cache = engine.kv_cache
+    if tp is not None:
+        group = TPGroup(tp)
+        cache, layout = group.stage_kv(engine)
+        assert layout.num_kv_heads == engine.args.num_kv_heads != engine.layout.num_kv_heads
+        engine.runner.on_batch = group.follow  # (both ranks schedule alike here: no broadcast needed)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=1, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    blocks = [b for i in range(len(PROMPTS)) for b in engine.seqs[f"r{i}"].block_ids]
+    return (None if cache is None else cache[:, :, blocks].float()), blocks
+
+
+def _stage_rank(tp: TensorParallel, dtypes: list[str]) -> list:
+    out = []
+    for dtype in dtypes:
+        kv, blocks = staged_kv(dtype, tp)
+        out.append((None if kv is None else kv.tolist(), blocks))
+    return out
+
+
+def test_a_tp2_prefill_stages_every_head_on_rank_0(tmp_path):
+    dtypes = ["auto", "fp8_e4m3"]
+    ranks = run_ranks(_stage_rank, dtypes)
+    for j, dtype in enumerate(dtypes):
+        ref, blocks = staged_kv(dtype, None)
+        staged, rank_blocks = torch.tensor(ranks[0][j][0]), ranks[0][j][1]
+        assert rank_blocks == blocks and ranks[1][j][0] is None  # only rank 0 stages
+        # float32: the all-reduces' order only; FP8: a value on a rounding boundary may take the next step.
+        tol = (1e-4 if dtype == "auto" else 0.15) * ref.abs().max().item()
+        err = (staged - ref).abs().max().item()
+        assert err <= tol, f"{dtype}: max abs error {err:.3g}"
+
+
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")

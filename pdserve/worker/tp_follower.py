@@ -14,7 +14,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.worker.tp_group import TPGroup, TPRank
+from pdserve.worker.tp_group import TPRank, join_tp_group
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class TPFollower:
         if engine_config.device == "cpu":
             torch.set_num_threads(cpu_threads)
         self.name = name
-        self.group = TPGroup(me, torch.device(engine_config.device))
+        self.group = join_tp_group(me)
         self.engine = Engine(engine_config, tp=self.group.tp)
         if engine_config.role == "prefill":
             self.group.stage_kv(self.engine)  # this rank's heads go to rank 0's staging cache each step

@@ -69,15 +69,19 @@ class StepBatch:
             logits_indices=torch.empty(0, **long), kv_cache=kv_cache, kv_scales=kv_scales)
 
 
+def join_tp_group(me: TPRank, timeout_s: float = TIMEOUT_S) -> "TPGroup":
+    """Join the replica's group: returns once every rank has joined. Gloo (the CPU; GPUs are
+    refused by the engine until the Triton path is checked sharded)."""
+    store = dist.TCPStore(me.store_host, me.store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=me.rank, world_size=me.size, timeout=timedelta(seconds=timeout_s))
+    return TPGroup(TensorParallel(me.rank, me.size))
+
+
 class TPGroup:
-    def __init__(self, me: TPRank, device: torch.device, timeout_s: float = TIMEOUT_S):
-        """Join the group: returns once every rank has joined. Gloo (the CPU; GPUs are refused by
-        the engine until the Triton path is checked sharded)."""
-        store = dist.TCPStore(me.store_host, me.store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=me.rank, world_size=me.size,
-                                timeout=timedelta(seconds=timeout_s))
-        self.rank, self.size = me.rank, me.size
-        self.tp = TensorParallel(me.rank, me.size)
+    def __init__(self, tp: TensorParallel):
+        """Over the default process group, joined (join_tp_group)."""
+        self.rank, self.size = tp.rank, tp.size
+        self.tp = tp
         self._sent = time.monotonic()
         self.gathers = False  # every layer's KV of every step goes to rank 0's staging cache
         self._kv_cache = self._staging = None
@@ -118,14 +122,15 @@ class TPGroup:
         batch.layer_done = layer_done
 
     def _gather(self, layer: int, slots: torch.Tensor) -> None:
-        # [planes, T, local heads, dim]: this rank's heads of the step's slots.
-        mine = self._kv_cache[layer].flatten(1, 2)[:, slots].contiguous()
+        # [planes, T, local heads, dim]: this rank's heads of the step's slots, as bytes (gloo
+        # moves no FP8; the staging cache takes the bytes as they are).
+        mine = self._kv_cache[layer].flatten(1, 2)[:, slots].contiguous().view(torch.uint8)
         if self.rank != 0:
             dist.gather(mine, None, dst=0)
             return
         parts = [torch.empty_like(mine) for _ in range(self.size)]
         dist.gather(mine, parts, dst=0)
-        staged = self._staging[layer].flatten(1, 2)  # a view: [planes, blocks * block_size, heads, dim]
+        staged = self._staging[layer].flatten(1, 2).view(torch.uint8)  # a view: [planes, slots, heads, dim bytes]
         for heads, part in zip(self._heads, parts):
             staged[:, slots, heads.start:heads.stop] = part
 
