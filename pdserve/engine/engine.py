@@ -25,6 +25,7 @@ from pdserve.ops.backends import make_backends
 from pdserve.engine.step_profile import StepProfile
 from pdserve.tokenizer import load_tokenizer
 
+
 def _torch_backends(attn_backend, moe_backend) -> bool:
     from pdserve.ops.attention import TorchAttention
     from pdserve.ops.moe import TorchMoE
