@@ -47,9 +47,9 @@ class ColocatedWorker(Replica):
         return len(self.streams)
 
     def _step(self) -> float | None:
+        if self.tp_group is not None:
+            self.tp_group.keepalive()  # the followers' wait for a step has a deadline, steps or none
         if not self.engine.has_unfinished():
-            if self.tp_group is not None:
-                self.tp_group.keepalive()  # the followers' wait for a step has a deadline
             return self.streams.flush_nap(IDLE_S)  # the last tokens may still wait for a router
         for out in self.engine.step():
             self.streams.output(out)
