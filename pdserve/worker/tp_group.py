@@ -135,7 +135,8 @@ class TPGroup:
             staged[:, slots, heads.start:heads.stop] = part
 
     def keepalive(self) -> None:
-        """Rank 0, idle: an empty step now and then, so that the followers' waits end."""
+        """Rank 0, every loop turn: an empty step if none went out for KEEPALIVE_S, so that the
+        followers' waits end."""
         if time.monotonic() - self._sent >= KEEPALIVE_S:
             self._broadcast(None)
 
@@ -148,6 +149,3 @@ class TPGroup:
     def _broadcast(self, msg: StepBatch | None) -> None:
         dist.broadcast_object_list([msg], src=0)
         self._sent = time.monotonic()
-
-    def close(self) -> None:
-        dist.destroy_process_group()
