@@ -133,7 +133,10 @@ class PlacementConfig(_Strict):
 
 class PrefillConfig(_Strict):
     replicas: int | None = Field(default=None, ge=0)
-    gpus: int = Field(default=0, ge=0, le=1)  # per replica
+    gpus: int = Field(default=0, ge=0, le=1)  # per replica (per rank with tp_size > 1)
+    # Tensor parallelism, as colocated.tp_size; the KV leaves whole from rank 0, so any decode
+    # replica (one rank or expert parallel) takes it.
+    tp_size: int = Field(default=1, ge=1)
     max_batch_tokens: int = Field(default=8192, ge=1)
     chunk_size: int = Field(default=2048, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)
@@ -168,7 +171,10 @@ class ColocatedConfig(_Strict):
     baseline every disaggregated figure is compared with. No KV moves between them."""
 
     replicas: int = Field(default=0, ge=0)
-    gpus: int = Field(default=0, ge=0, le=1)  # per replica
+    gpus: int = Field(default=0, ge=0, le=1)  # per replica (per rank with tp_size > 1)
+    # Tensor parallelism: a replica is tp_size ranks, one process each (heads and MLP / expert
+    # width sharded, one all-reduce after attention and after the MLP); the CPU (gloo) for now.
+    tp_size: int = Field(default=1, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)
     max_batch_tokens: int = Field(default=8192, ge=1)
     chunk_size: int = Field(default=2048, ge=1)
@@ -263,6 +269,20 @@ def check_model_fit(cfg: ClusterConfig, args) -> None:
     """What cluster.yaml can only be checked against the model (its ModelArgs); raises ConfigError."""
     from pdserve.ops.expert_placement import allowed_ep_sizes
 
+    from pdserve.models.tensor_parallel import check_tp_size
+
+    for role in ("prefill", "colocated"):
+        c = getattr(cfg, role)
+        if not c.replicas or c.tp_size == 1:
+            continue
+        try:
+            check_tp_size(args, c.tp_size, f"{role}.tp_size")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if c.gpus:
+            raise ConfigError(f"{role}.tp_size: {c.tp_size} is not allowed with {role}.gpus: {c.gpus} — "
+                              f"tensor parallelism runs on the CPU only for now (the GPU kernels are "
+                              f"not checked sharded yet)")
     d, experts = cfg.decode, args.num_experts
     if d.ep_size > 1 and (not experts or experts % d.ep_size):
         allowed = ", ".join(map(str, allowed_ep_sizes(experts))) if experts else "1 (the model has no experts)"

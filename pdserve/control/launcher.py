@@ -34,7 +34,10 @@ class Incarnation:
     generation: int  # 0 for the first start, +1 for each replacement
     ranks: dict[str, ray.actor.ActorHandle]  # worker (actor) name -> handle
     placement_group: object = None
-    store: object = None  # an expert-parallel group's rendezvous TCPStore
+    store: object = None  # an expert-parallel or tensor-parallel group's rendezvous TCPStore
+    # A tensor-parallel replica's ranks > 0 (pdserve/worker/tp_follower.py): not workers the
+    # routers know (rank 0 in `ranks` is the replica), but stopped with it.
+    followers: dict[str, ray.actor.ActorHandle] = field(default_factory=dict)
     restarts: int = 0
     state: str = "serving"  # as the routers were last told (ReplicaChange.state)
     chosen_node: str | None = None  # the node placement chose (None: Ray's choice)
@@ -84,14 +87,34 @@ class Launcher:
             return self._start_decode(inc, name, opts)
         in_pg = PlacementGroupSchedulingStrategy(pg, 0)
         if role == "prefill":
+            tp = self._start_followers(inc, name, opts, cfg.engine_config("prefill"), cfg.prefill.tp_size)
             inc.ranks[name] = ray.remote(PrefillWorker).options(
                 name=name, scheduling_strategy=in_pg, **opts, **self._kv_env()).remote(
                 name, cfg.engine_config("prefill"), cfg.kv_transfer.backend, self.cpu_threads,
-                cluster_token=self.cluster_token)
+                cluster_token=self.cluster_token, tp=tp)
         else:
+            tp = self._start_followers(inc, name, opts, cfg.engine_config("colocated"), cfg.colocated.tp_size)
             inc.ranks[name] = ray.remote(ColocatedWorker).options(name=name, scheduling_strategy=in_pg, **opts).remote(
-                name, cfg.engine_config("colocated"), NAMESPACE, self.cpu_threads)
+                name, cfg.engine_config("colocated"), NAMESPACE, self.cpu_threads, tp=tp)
         return inc
+
+    def _start_followers(self, inc: Incarnation, name: str, opts: dict, engine_config, tp_size: int):
+        """A tensor-parallel replica's ranks 1 .. tp_size-1, in bundles 1 .. of its placement group,
+        and rank 0's TPRank (None for tp_size 1). The rendezvous store is served from here, held
+        for the group's life, as an expert-parallel group's."""
+        if tp_size == 1:
+            return None
+        from pdserve.decode.ep_group import rendezvous_store
+        from pdserve.worker.tp_follower import TPFollower
+        from pdserve.worker.tp_group import TPRank
+
+        inc.store = store = rendezvous_store()
+        for r in range(1, tp_size):
+            follower = f"{name}-tp{r}"
+            inc.followers[follower] = ray.remote(TPFollower).options(
+                name=follower, scheduling_strategy=PlacementGroupSchedulingStrategy(inc.placement_group, r),
+                **opts).remote(follower, engine_config, TPRank(r, tp_size, store.host, store.port), self.cpu_threads)
+        return TPRank(0, tp_size, store.host, store.port)
 
     def _kv_env(self) -> dict:
         """Actor options for a KV worker. cuda_ipc opens the peer's GPU memory in the prefill worker,
@@ -133,7 +156,7 @@ class Launcher:
     @staticmethod
     def stop(inc: Incarnation) -> None:
         """Kill the incarnation's workers (what they held is gone) and free their placement."""
-        for h in inc.ranks.values():
+        for h in [*inc.ranks.values(), *inc.followers.values()]:
             try:
                 ray.kill(h, no_restart=True)
             except Exception:  # already gone

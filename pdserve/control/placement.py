@@ -59,7 +59,7 @@ class Demand:
     def of(cls, cfg: ClusterConfig, role: str) -> "Demand":
         section = getattr(cfg, role)
         p = section.placement
-        ranks = cfg.decode.ep_size if role == "decode" else 1
+        ranks = cfg.decode.ep_size if role == "decode" else getattr(section, "tp_size", 1)
         bundle = {"CPU": CPU_SLIVER, **({"GPU": float(section.gpus)} if section.gpus else {}), **p.resources}
         one_node = not (role == "decode" and cfg.decode.ep_across_nodes)
         return cls(role, ranks, bundle, dict(p.labels), p.strategy, one_node)

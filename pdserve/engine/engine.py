@@ -25,12 +25,22 @@ from pdserve.ops.backends import make_backends
 from pdserve.engine.step_profile import StepProfile
 from pdserve.tokenizer import load_tokenizer
 
+
+def _torch_backends(attn_backend, moe_backend) -> bool:
+    from pdserve.ops.attention import TorchAttention
+    from pdserve.ops.moe import TorchMoE
+
+    return isinstance(attn_backend, TorchAttention) and isinstance(moe_backend, TorchMoE)
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None, ep=None):
-        """`ep`: an EPExchange when this engine is one rank of an expert-parallel group."""
+    def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None, ep=None, tp=None):
+        """`ep`: an EPExchange when this engine is one rank of an expert-parallel group; `tp`: a
+        TensorParallel (pdserve.models.tensor_parallel) when it is one rank of a tensor-parallel
+        replica, whose ranks run the same steps (rank 0 schedules, pdserve.worker.tp_group)."""
         self.config = config
         self.device = torch.device(config.device)
         mc = config.model
@@ -38,15 +48,21 @@ class Engine:
         if log:
             log(f"loading {mc.path} ({mc.load_format}, {str(dtype).removeprefix('torch.')}) on {self.device}")
         attn_backend, moe_backend, norms = make_backends(config.attention_backend, config.moe_backend, self.device)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        if self.tp is not None and not _torch_backends(attn_backend, moe_backend):
+            raise ValueError(f"tp_size {tp.size} runs on the torch backends only for now (the GPU kernels are "
+                             f"untested sharded): set attention_backend and moe_backend to 'torch'")
         self.model, self.args = load_model(mc.path, dtype=dtype, device=self.device,
                                            load_format=mc.load_format, attn_backend=attn_backend,
-                                           moe_backend=moe_backend, seed=mc.seed, ep=ep, norms=norms)
+                                           moe_backend=moe_backend, seed=mc.seed, ep=ep, norms=norms,
+                                           tp=self.tp)
         self.tokenizer = load_tokenizer(mc.path, eos_token_ids=self.args.eos_token_ids)
         self.fingerprint = model_fingerprint(mc.path, self.args, dtype, mc.load_format, mc.seed)
         self.max_model_len = min(mc.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
         kv_dtype = KV_CACHE_DTYPES.get(mc.kv_cache_dtype, dtype)  # "auto": the model's dtype
-        self.layout = KVLayout.for_model(self.args, self._num_blocks(kv_dtype), config.block_size, kv_dtype)
+        self.layout = KVLayout.for_model(self.args, self._num_blocks(kv_dtype), config.block_size, kv_dtype,
+                                         tp=self.tp)
         self.kv_cache = allocate_kv_cache(self.layout, self.device)
         self.pool = BlockPool(self.layout.num_blocks, config.enable_prefix_cache)
         self.profile = StepProfile()  # what steps cost, by size (the planner reads it)
@@ -100,7 +116,9 @@ class Engine:
             budget = int(free * 0.9)
         else:
             budget = int((gb or 0.25) * 2**30)
-        _, planes, heads, dim = self.args.kv_cache_entry()
+        kind, planes, heads, dim = self.args.kv_cache_entry()
+        if self.tp is not None and kind == "kv":
+            heads = len(self.tp.kv_heads(self.args.num_heads, heads))
         return num_blocks_for(budget, self.args.num_layers, self.config.block_size, heads, dim, dtype, planes)
 
     # -- requests -----------------------------------------------------------------------------

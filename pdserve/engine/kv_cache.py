@@ -58,9 +58,12 @@ class KVLayout:
 
     @classmethod
     def for_model(cls, args, num_blocks: int, block_size: int, dtype: torch.dtype,
-                  scales: tuple[tuple[float, ...], ...] = ()) -> "KVLayout":
-        """The layout a model's cache takes (`args`: its pdserve.models.ModelArgs)."""
+                  scales: tuple[tuple[float, ...], ...] = (), tp=None) -> "KVLayout":
+        """The layout a model's cache takes (`args`: its pdserve.models.ModelArgs); with `tp` (a
+        pdserve.models.tensor_parallel.TensorParallel) one rank's: the KV heads it holds."""
         kind, _, heads, dim = args.kv_cache_entry()
+        if tp is not None and kind == "kv":
+            heads = len(tp.kv_heads(args.num_heads, heads))
         return cls(args.num_layers, num_blocks, block_size, heads, dim, dtype, kind, scales)
 
     @property

@@ -48,6 +48,9 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(device)
         self.graphs = None  # DecodeGraphs, when the engine captured the decode step (CUDA)
+        # Called with each step's batch before its forward: rank 0 of a tensor-parallel replica
+        # hands it to the other ranks (pdserve/worker/tp_group.py), which run the same forward.
+        self.on_batch: Callable[[ForwardBatch], None] | None = None
 
     def prepare(self, scheduled: list[ScheduledSeq], prev: Launched | None = None) -> ForwardBatch:
         """The step's batch; a sequence whose last token is PENDING takes it from `prev`'s sampled
@@ -104,6 +107,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         batch = self.prepare(scheduled, prev)
         batch.layer_done = layer_done
+        if self.on_batch is not None:
+            self.on_batch(batch)
         if self.graphs is not None and layer_done is None and self.graphs.fits(batch):
             hidden = self.graphs.run(batch)
         else:

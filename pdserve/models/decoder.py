@@ -16,6 +16,7 @@ from torch import nn
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.models.args import ModelArgs
 from pdserve.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE
+from pdserve.models.tensor_parallel import TensorParallel, slice_full
 from pdserve.ops.attention import TorchAttention
 from pdserve.ops.moe import TorchMoE
 from pdserve.ops.norms import TorchNorms
@@ -57,6 +58,7 @@ class DecoderLM(nn.Module):
     def __init__(self, args: ModelArgs, attn_backend=None, moe_backend=None, norms=None):
         super().__init__()
         self.args = args
+        self.tp: TensorParallel | None = None  # set by shard_tensor_parallel
         self.attn_backend = attn_backend or TorchAttention()
         self.moe_backend = moe_backend or TorchMoE()
         self.norms = norms or TorchNorms()
@@ -87,6 +89,19 @@ class DecoderLM(nn.Module):
         for moe in self.moe_layers():
             moe.hold_experts(exchange.placement.local_experts)
             moe.exchange = exchange
+
+    def shard_tensor_parallel(self, tp: TensorParallel) -> None:
+        """Tensor parallel: keep this rank's heads and intermediate width in every layer (on the
+        meta device, before allocation); embedding, norms, routers and LM head stay whole."""
+        self.tp = tp
+        for layer in self.layers:
+            layer.self_attn.shard_tp(tp)
+            layer.mlp.shard_tp(tp)
+
+    def tp_shard_map(self) -> dict[str, tuple[int, torch.Tensor, int]]:
+        """Parameter name -> (dim, this rank's indices, whole length) for every sharded parameter."""
+        return {f"{prefix}.{name}" if prefix else name: shard
+                for prefix, module in self.named_modules() for name, shard in getattr(module, "tp_shards", {}).items()}
 
     def fuse_qkv(self) -> None:
         """Every attention layer's q/k/v projections as one GEMM (`Attention.fuse_qkv`)."""
@@ -149,6 +164,7 @@ class DecoderLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters, one at a time; every parameter must be covered."""
         params = dict(self.named_parameters())
+        shards = self.tp_shard_map()  # tensor parallel: each tensor is read whole, this rank's slice kept
         loaded: set[str] = set()  # parameter names, or `name[expert].part` for fused experts
         for hf_name, tensor in weights:
             name = self.checkpoint_name(hf_name)
@@ -159,7 +175,7 @@ class DecoderLM(nn.Module):
             elif m := _FUSED.fullmatch(name):
                 loaded.update(self._load_fused_experts(m[1], m[2], tensor, hf_name))
             elif name in params:
-                _copy(params[name], tensor, hf_name)
+                _copy(params[name], slice_full(tensor, shards.get(name)), hf_name)
                 loaded.update(_pieces(name, params[name]))
             else:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.args.architecture}")
@@ -188,6 +204,10 @@ class DecoderLM(nn.Module):
             return []  # another rank's expert (expert parallel)
         slot = moe.experts.index(expert)
         inter = moe.w2.shape[2]
+        if (shard := getattr(moe, "tp_shards", {}).get("w2")) is not None:
+            # Tensor parallel: this rank's share of the expert's intermediate width (w2's columns).
+            _, rows, full = shard
+            tensor = slice_full(tensor, (1, rows, full) if proj == "down_proj" else (0, rows, full))
         if proj == "down_proj":
             _copy(moe.w2[slot], tensor, hf_name)
             return [f"{prefix}.w2[{slot}].down"]
@@ -201,11 +221,16 @@ class DecoderLM(nn.Module):
         # ambiguous and read in transformers' orientation.
         moe = self._moe(prefix, hf_name)
         dst = moe.w13 if proj == "gate_up_proj" else moe.w2
-        full = (moe.num_experts, *dst.shape[1:])
+        full = [moe.num_experts, *dst.shape[1:]]
+        shard = getattr(moe, "tp_shards", {}).get("w13" if proj == "gate_up_proj" else "w2")
+        if shard is not None:  # tensor parallel: the file holds every rank's share
+            full[shard[0]] = shard[2]
+        full = tuple(full)
         if tensor.shape != full and tensor.dim() == 3 and tensor.transpose(1, 2).shape == full:
             tensor = tensor.transpose(1, 2)
         if tensor.shape == full and len(moe.experts) != moe.num_experts:
             tensor = tensor[moe.experts]  # expert parallel: this rank's experts (the file is read whole)
+        tensor = slice_full(tensor, shard)
         _copy(dst, tensor, hf_name)
         return _pieces(f"{prefix}.{'w13' if proj == 'gate_up_proj' else 'w2'}", dst)
 

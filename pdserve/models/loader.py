@@ -22,6 +22,7 @@ from pdserve.models.qwen2 import Qwen2ForCausalLM
 from pdserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from pdserve.models.qwen3 import Qwen3ForCausalLM
 from pdserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from pdserve.models.tensor_parallel import check_tp_size
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
@@ -39,13 +40,14 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto",
-               attn_backend=None, moe_backend=None, seed: int = 0, ep=None, norms=None
+               attn_backend=None, moe_backend=None, seed: int = 0, ep=None, norms=None, tp=None
                ) -> tuple[DecoderLM, ModelArgs]:
     """Build the model on `device` in `dtype`; weights from *.safetensors ("auto") or random ("dummy").
 
     Presets are always dummy. The model is built on the meta device and allocated once, directly
     in `dtype` on `device`; checkpoint tensors are streamed in one at a time. With `ep` (an
-    EPExchange) only this rank's experts are allocated and read.
+    EPExchange) only this rank's experts are allocated and read; with `tp` (a TensorParallel of
+    more than one rank) only this rank's slice of each sharded weight.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
@@ -57,6 +59,11 @@ def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | s
         model = MODEL_CLASSES[args.architecture](args, attn_backend, moe_backend, norms)
     if ep is not None:
         model.shard_experts(ep)
+    if tp is not None and tp.size > 1:
+        if ep is not None:
+            raise ValueError("tp_size > 1 and ep_size > 1 in one replica are not supported together")
+        check_tp_size(args, tp.size)
+        model.shard_tensor_parallel(tp)
     model.to_empty(device=device)
     model.rotary_emb.build_cache()  # to_empty left the RoPE tables uninitialised
     if dummy:
@@ -108,12 +115,24 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
                 p.fill_(1.0)
             elif name == "bias":
                 p.zero_()
-            elif (isinstance(module, SparseMoE) and name in ("w13", "w2")
-                  and len(module.experts) != module.num_experts):
-                # Expert parallel: draw every expert and keep ours, so that each rank's experts
-                # (and every tensor drawn after them) are exactly the single-rank model's.
-                full = p.new_empty(module.num_experts, *p.shape[1:]).normal_(0.0, 0.02, generator=gen)
-                p.copy_(full[module.experts])
+            elif name in getattr(module, "tp_shards", {}) or (
+                    isinstance(module, SparseMoE) and name in ("w13", "w2") and len(module.experts) != module.num_experts):
+                # Expert or tensor parallel: draw the whole tensor and keep our experts / our slice,
+                # so that each rank's weights (and every tensor drawn after them) are exactly the
+                # single-rank model's.
+                shape = list(p.shape)
+                ep = isinstance(module, SparseMoE) and name in ("w13", "w2")
+                if ep:
+                    shape[0] = module.num_experts
+                shard = getattr(module, "tp_shards", {}).get(name)
+                if shard is not None:
+                    shape[shard[0]] = shard[2]
+                full = p.new_empty(shape).normal_(0.0, 0.02, generator=gen)
+                if ep and len(module.experts) != module.num_experts:
+                    full = full[module.experts]
+                if shard is not None:
+                    full = full.index_select(shard[0], shard[1].to(full.device))
+                p.copy_(full)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
 

@@ -65,21 +65,35 @@ class Replica:
     role: str  # "prefill" | "decode" | "colocated", set by the subclass
 
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str | None, cpu_threads: int,
-                 ep=None, cluster_token: str | None = None):
+                 ep=None, cluster_token: str | None = None, tp=None):
         """`kv_backend` None: no KV connector. A colocated worker does both phases in its own
         engine, so its KV never leaves it; a connector would only register memory and open ports.
         `ep`: an EPExchange when this worker is one rank of an expert-parallel decode replica.
-        `cluster_token`: the KV handshake and TCP connections take peers of this cluster only."""
+        `cluster_token`: the KV handshake and TCP connections take peers of this cluster only.
+        `tp`: a TPRank (rank 0) when this worker leads a tensor-parallel replica: it joins the
+        group (the followers, pdserve/worker/tp_follower.py, join it too) and hands each step's
+        batch to them."""
         if engine_config.device == "cpu":
             torch.set_num_threads(cpu_threads)  # several workers share the host's cores
         engine_config = engine_config.model_copy(update={"device": assigned_device(engine_config.device)})
         self.name = name
-        self.engine = Engine(engine_config, ep=ep)
+        self.tp_group = None
+        if tp is not None:
+            from pdserve.worker.tp_group import join_tp_group
+
+            assert tp.rank == 0, "a worker is rank 0 of its tensor-parallel replica; the others are followers"
+            self.tp_group = join_tp_group(tp)  # returns once every rank joined
+        self.engine = Engine(engine_config, ep=ep, tp=self.tp_group.tp if self.tp_group else None)
+        kv_cache, layout = self.engine.kv_cache, self.engine.layout
+        if self.tp_group is not None:
+            self.engine.runner.on_batch = self.tp_group.send
+            if kv_backend is not None:  # a prefill replica's KV leaves whole from rank 0 (tp_group.py)
+                kv_cache, layout = self.tp_group.stage_kv(self.engine)
         self.connector = None
         if kv_backend is not None:
             # The node's address, not loopback: socket backends listen there (peers may be on other
             # hosts), and the handshake learns from it which pairs share a host.
-            self.connector = make_connector(self.role, kv_backend, name, self.engine.kv_cache, self.engine.layout,
+            self.connector = make_connector(self.role, kv_backend, name, kv_cache, layout,
                                             self.engine.fingerprint, host=ray.util.get_node_ip_address(),
                                             cluster_token=cluster_token)
         self.aborted = 0
