@@ -23,10 +23,16 @@ def prompts() -> list[list[int]]:
 @pytest.mark.parametrize("backend", ["nixl", "cuda_ipc"])
 @pytest.mark.parametrize("fragment", [False, True], ids=["fresh", "fragmented"])
 def test_gpu_disaggregated_greedy_equals_colocated(backend, fragment):
-    engine = Engine(engine_config("colocated", 0, "cuda:0"))
+    _pair_equals_colocated(backend, fragment)
+
+
+def _pair_equals_colocated(backend: str, fragment: bool = False, **engine_kw) -> None:
+    """Five prompts prefilled on GPU 0 and decoded on GPU 1 give a colocated engine's greedy tokens,
+    and both pools come back to idle."""
+    engine = Engine(engine_config("colocated", 0, "cuda:0", **engine_kw))
     expected = [c.token_ids for c in engine.generate(prompts(), SamplingParams(**GREEDY))]
     del engine
-    p, d = start_pair(backend, fragment=fragment, devices=("cuda:0", "cuda:1"))
+    p, d = start_pair(backend, fragment=fragment, devices=("cuda:0", "cuda:1"), **engine_kw)
     try:
         for i, prompt in enumerate(prompts()):
             handle = d.call("reserve", f"r{i}", prompt, GREEDY, 30.0, None)
@@ -115,20 +121,4 @@ def test_block_copy_reads_ids_from_pinned_memory():
 def test_gpu_fp8_cache_over_cuda_ipc_equals_colocated():
     """An FP8 cache (kv_cache_dtype: fp8_e4m3) moved by cuda_ipc's copy kernel, which moves words
     whatever they hold: the decode GPU continues as a colocated FP8 engine does; pools come back."""
-    engine = Engine(engine_config("colocated", 0, "cuda:0", kv_cache_dtype="fp8_e4m3"))
-    assert engine.kv_cache.dtype == torch.float8_e4m3fn
-    expected = [c.token_ids for c in engine.generate(prompts(), SamplingParams(**GREEDY))]
-    del engine
-    p, d = start_pair("cuda_ipc", devices=("cuda:0", "cuda:1"), kv_cache_dtype="fp8_e4m3")
-    try:
-        for i, prompt in enumerate(prompts()):
-            handle = d.call("reserve", f"r{i}", prompt, GREEDY, 30.0, None)
-            p.call("prefill", f"r{i}", prompt, GREEDY, handle)
-        presults, pfree, pidle = p.call("run", 60)
-        dresults, dfree, didle = d.call("run", 60)
-        assert presults == {f"r{i}": True for i in range(5)}
-        assert [dresults[f"r{i}"] for i in range(5)] == expected
-        assert pfree == pidle and dfree == didle
-    finally:
-        p.stop()
-        d.stop()
+    _pair_equals_colocated("cuda_ipc", kv_cache_dtype="fp8_e4m3")

@@ -146,13 +146,19 @@ def test_tp_size_refused_by_name(paths, size, match):
 def test_colocated_tp2_replica_serves_what_tp1_generates(tmp_path):
     """`pdserve up` with one colocated replica of 2 tensor-parallel ranks (2 Ray actors, gloo): over
     HTTP, greedy text equal to one unsharded engine's."""
+    _serves_one_engines_text(tmp_path, 1, colocated={"replicas": 1, "tp_size": 2, "num_kv_blocks": 512})
+
+
+def _serves_one_engines_text(tmp_path, replicas: int, **sections) -> None:
+    """`pdserve up` with `sections` answers three prompts (openai client, greedy) with the text of one
+    unsharded tiny-moe engine, and its `replicas` replicas end with no KV block in use."""
     import openai
 
     from pdserve.engine.engine import Engine
     from serving_cluster import Cluster
 
     reference = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=512))
-    c = Cluster(tmp_path, colocated={"replicas": 1, "tp_size": 2, "num_kv_blocks": 512})
+    c = Cluster(tmp_path, **sections)
     try:
         c.wait_ready()
         oa = openai.OpenAI(base_url=f"{c.url}/v1", api_key="unused", max_retries=0)
@@ -161,7 +167,7 @@ def test_colocated_tp2_replica_serves_what_tp1_generates(tmp_path):
             want = reference.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].text
             assert r.choices[0].text == want, prompt
         stats = c.wait_idle()
-        assert len(stats) == 1 and all(s["used"] == 0 for s in stats.values()), stats
+        assert len(stats) == replicas and all(s["used"] == 0 for s in stats.values()), stats
     finally:
         assert c.stop() == 0, c.output()
 
@@ -187,21 +193,4 @@ def test_tp2_prefill_feeds_any_decode_replica(tmp_path, decode):
     """A TP = 2 prefill replica (its KV staged whole on rank 0) hands requests to a one-rank decode
     replica and to an expert-parallel one over NIXL: greedy text equal to one colocated engine's,
     every block back on every side."""
-    import openai
-
-    from pdserve.engine.engine import Engine
-    from serving_cluster import Cluster
-
-    reference = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=512))
-    c = Cluster(tmp_path, prefill={"replicas": 1, "tp_size": 2}, decode={"replicas": 1, **decode})
-    try:
-        c.wait_ready()
-        oa = openai.OpenAI(base_url=f"{c.url}/v1", api_key="unused", max_retries=0)
-        for prompt in ["Once upon a time", "The quick brown fox jumps over the lazy dog. " * 3, "x"]:
-            r = oa.completions.create(model="tiny-moe", prompt=prompt, max_tokens=12, temperature=0)
-            want = reference.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].text
-            assert r.choices[0].text == want, prompt
-        stats = c.wait_idle()
-        assert len(stats) == 2 and all(s["used"] == 0 for s in stats.values()), stats
-    finally:
-        assert c.stop() == 0, c.output()
+    _serves_one_engines_text(tmp_path, 2, prefill={"replicas": 1, "tp_size": 2}, decode={"replicas": 1, **decode})
