@@ -22,6 +22,7 @@ from starlette.types import Receive, Send
 from pdserve.protocol import InvalidRequestError
 from pdserve.router import limits
 from pdserve.router.dashboard import add_dashboard
+from pdserve.router.eager import run_now
 from pdserve.router.http_fast import FastDoor
 from pdserve.router.http_limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from pdserve.router.metrics import Metrics, RequestTimer
@@ -184,6 +185,35 @@ class _Wakes:
 _EVENT_STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"content-type", b"text/event-stream; charset=utf-8"))
 
 
+class _DirectSSE:
+    """The direct writer of one stream (types.DirectWriter): while the stream's coroutine waits for
+    the core with nothing in hand, the core's `deliver` hands an ordinary delta here, and its event
+    is sent right there — one transport write, no wake of the coroutine. `send` is set only while
+    the coroutine waits; a send that the transport makes wait (the client reads slowly) finishes in
+    a task (`pending`), and nothing is written directly until the coroutine has awaited it."""
+
+    __slots__ = ("shape", "timer", "send", "pending", "num_tokens")
+    waited = 0  # direct writes, of every stream, that the transport made wait (they finished in a task)
+
+    def __init__(self, shape: ResponseShape, timer: RequestTimer):
+        self.shape, self.timer = shape, timer
+        self.send: Send | None = None
+        self.pending: asyncio.Task | None = None
+        self.num_tokens = 0  # tokens streamed, by either way (the usage chunk's count)
+
+    def write(self, delta) -> bool:
+        if self.send is None or self.pending is not None:
+            return False
+        n = len(delta.token_ids)
+        self.num_tokens += n
+        self.timer.tokens(n)
+        if (event := self.shape.event(delta)) is not None:
+            self.pending = run_now(self.send({"type": "http.response.body", "body": event.encode(), "more_body": True}))
+            if self.pending is not None:
+                _DirectSSE.waited += 1
+        return True
+
+
 class _EventStream(Response):
     """A started request's server-sent events, written by one coroutine that awaits the core's
     deltas and sends each wake's events in one body write (Starlette's StreamingResponse pays a
@@ -193,11 +223,11 @@ class _EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(self, wakes: _Wakes, first: list[Delta], shape: ResponseShape, timer: RequestTimer,
-                 prompt_tokens: int, presence: _Presence):
+                 prompt_tokens: int, presence: _Presence, direct: _DirectSSE):
         self.status_code, self.background = 200, None
         self.raw_headers = _EVENT_STREAM_HEADERS
         self.wakes, self.first, self.shape, self.timer, self.prompt_tokens = wakes, first, shape, timer, prompt_tokens
-        self.presence = presence
+        self.presence, self.direct = presence, direct
 
     async def __call__(self, scope, receive: Receive, send: Send) -> None:
         try:
@@ -209,13 +239,13 @@ class _EventStream(Response):
             self.presence.close()
 
     async def _write(self, send: Send) -> None:
-        shape, timer = self.shape, self.timer
+        shape, timer, direct = self.shape, self.timer, self.direct
         events = [sse_event(chunk) for chunk in shape.opening_chunks()]
-        wake, num_tokens = self.first, 0
+        wake = self.first
         try:
             while True:
                 for delta in wake:
-                    num_tokens += len(delta.token_ids)
+                    direct.num_tokens += len(delta.token_ids)
                     if (event := shape.event(delta)) is not None:
                         events.append(event)
                 if wake[-1].finish_reason is not None:
@@ -223,9 +253,16 @@ class _EventStream(Response):
                 if events:
                     await send({"type": "http.response.body", "body": "".join(events).encode(), "more_body": True})
                     events = []
-                wake = await self.wakes.next()
+                direct.send = send  # nothing in hand: the core may write the next deltas at once
+                try:
+                    wake = await self.wakes.next()
+                finally:
+                    direct.send = None
+                if direct.pending is not None:  # a direct write still under way goes out first
+                    pending, direct.pending = direct.pending, None
+                    await pending
             if shape.include_usage:
-                events.append(sse_event(shape.usage_chunk(token_usage(self.prompt_tokens, num_tokens))))
+                events.append(sse_event(shape.usage_chunk(token_usage(self.prompt_tokens, direct.num_tokens))))
             events.append(DONE_EVENT)
             timer.finished(200)
         except (ServingError, NoCapacityError, InvalidRequestError) as e:
@@ -243,7 +280,8 @@ class _EventStream(Response):
 async def _serve(receive: Receive, core: ServingCore, metrics: Metrics, shape: ResponseShape,
                  req: GenerateRequest, stream: bool) -> Response:
     timer = metrics.request_started(shape.endpoint, len(req.prompt_ids))
-    wakes = _Wakes(core.generate(req), timer)
+    direct = _DirectSSE(shape, timer) if stream else None
+    wakes = _Wakes(core.generate(req, direct), timer)
     presence = _Presence(receive)
     try:
         # Streaming waits for the first delta too, so that a refused request still gets a proper 4xx/503.
@@ -263,7 +301,7 @@ async def _serve(receive: Receive, core: ServingCore, metrics: Metrics, shape: R
         timer.finished(200)
         num_tokens = sum(len(d.token_ids) for d in result)
         return JSONResponse(shape.response(result, token_usage(len(req.prompt_ids), num_tokens)))
-    return _EventStream(wakes, result, shape, timer, len(req.prompt_ids), presence)
+    return _EventStream(wakes, result, shape, timer, len(req.prompt_ids), presence, direct)
 
 
 async def _tokenize(core: ServingCore, text: str, param: str, add_special_tokens: bool = True) -> list[int]:

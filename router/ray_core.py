@@ -25,7 +25,7 @@ from pdserve.messages import LOST, NewRequest, Refusal, ReplicaChange, ReplicaSt
 from pdserve.router.decode_replica import DecodeReplica
 from pdserve.router.handoff import HandOff
 from pdserve.router.replica_health import ReplicaHealth
-from pdserve.router.types import Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingError
+from pdserve.router.types import Delta, DirectWriter, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingError
 
 log = logging.getLogger(__name__)
 LIVE_POLL_S = 0.1  # how often a request waiting for a live replica looks
@@ -43,6 +43,11 @@ class _Attempt:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     placed: list[str] = field(default_factory=list)  # replicas whose count of our requests it raised
     holders: dict[str, str] = field(default_factory=dict)  # replica -> its worker holding it (aborted there if unfinished)
+    # The front end's direct writer (generate's `direct`) and the request's tokens sent so far, once
+    # it streams; `parked`: its stream awaits the queue, so nothing it took is still unwritten.
+    direct: "DirectWriter | None" = None
+    sent: list[int] | None = None
+    parked: bool = False
 
 
 class RayCore:
@@ -65,6 +70,8 @@ class RayCore:
         self.stats: dict[str, ReplicaStats] = {}
         self._rr = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}  # attempt id -> its deltas
+        self._direct: dict[str, _Attempt] = {}  # attempt id -> the attempt, while its deltas may be written at once
+        self.direct_writes = 0  # deltas `deliver` wrote at once (the rest went through a queue)
         self._loads: dict[str, int] = {}  # replica -> requests we placed there, in flight
         self._restarts: dict[str, int] = {}  # replica -> restarts counted in /metrics
         # One hand-off per worker and kind of call: a turn's requests go out in one Ray call.
@@ -152,13 +159,26 @@ class RayCore:
         return len(self._queues)
 
     def deliver(self, deltas: list[RequestDelta]) -> None:
-        """A decode (or colocated) replica's output of one step, for the requests this router streams."""
+        """A decode (or colocated) replica's output of one step, for the requests this router streams.
+        A streaming request's ordinary delta (not its first, not its last, nothing lost) whose stream
+        waits with nothing in hand goes straight to the front end's writer, here, in this call: no
+        queue, no wake of the stream's coroutine — what each token costs the router is mostly that
+        wake. Anything else, or a writer that cannot write now, goes through the queue, in order."""
+        queues, direct = self._queues, self._direct
+        written = 0
         for d in deltas:
-            q = self._queues.get(d.request_id)
+            run = direct.get(d.request_id)
+            if (run is not None and run.parked and d.finish_reason is None and run.queue.empty()
+                    and run.direct.write(d)):
+                run.sent.extend(d.token_ids)
+                written += 1
+                continue
+            q = queues.get(d.request_id)
             if q is not None:
                 q.put_nowait(d)
+        self.direct_writes += written
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+    async def generate(self, request: GenerateRequest, direct: DirectWriter | None = None) -> AsyncIterator[Delta]:
         if len(request.prompt_ids) >= self.max_model_len:
             raise InvalidRequestError("prompt", f"is {len(request.prompt_ids)} tokens; the model's context is "
                                                 f"{self.max_model_len} tokens")
@@ -171,7 +191,11 @@ class RayCore:
             run = await self._start(request, run, sent)
             dispatched = time.perf_counter()
             while not finished:
-                d: RequestDelta = await run.queue.get()
+                run.parked = True
+                try:
+                    d: RequestDelta = await run.queue.get()
+                finally:
+                    run.parked = False
                 if d.finish_reason == LOST:
                     run = await self._move(request, run, sent, _Lost(d.error or "a replica serving the "
                                                                      "request was lost", self._lost_role(run)))
@@ -182,6 +206,9 @@ class RayCore:
                     for name in self.prefill.keys() & run.holders.keys():  # its part is done
                         self.health.done_with(name, run.request_id)
                     run.streaming = True
+                    if direct is not None:  # from the next delta on, deliver may write it at once
+                        run.direct, run.sent = direct, sent
+                        self._direct[run.request_id] = run
                 if d.finish_reason == "error":  # left unfinished: the live holders drop it too
                     raise ServingError(d.error or "the request failed")
                 finished = d.finish_reason is not None
@@ -225,6 +252,7 @@ class RayCore:
     def _end(self, run: _Attempt, finished: bool) -> None:
         """The attempt is over: counts and waits dropped; unless it finished, every live holder stops it."""
         self._queues.pop(run.request_id, None)
+        self._direct.pop(run.request_id, None)
         for name in run.placed:
             if name in self._loads:
                 self._loads[name] -= 1

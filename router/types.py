@@ -48,6 +48,16 @@ class Delta:
     more: bool = False
 
 
+class DirectWriter(Protocol):
+    """A front end's writer of one request's stream, which a core may hand an ordinary delta (text
+    and tokens, unfinished) at once, in the call that brought it, instead of through the iterator."""
+
+    def write(self, delta) -> bool:
+        """Write the delta (it has text, token_ids, finish_reason None and logprobs) to the client now;
+        False when it cannot (nothing written): the core then sends it through the iterator."""
+        ...
+
+
 class ServingCore(Protocol):
     """What a front end needs from the router. tokenize and apply_chat_template block for as long
     as their text takes: front ends call them through `off_loop`."""
@@ -67,10 +77,13 @@ class ServingCore(Protocol):
         sets itself (messages, add_generation_prompt, bos_token, ...), or the template rejects its input."""
         ...
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+    def generate(self, request: GenerateRequest, direct: DirectWriter | None = None) -> AsyncIterator[Delta]:
         """Stream the request's output; closing the iterator early (aclose) aborts the request
         everywhere. Raises NoCapacityError before the first delta when nothing can take it,
-        InvalidRequestError for a request the engine refuses (e.g. a prompt over the context)."""
+        InvalidRequestError for a request the engine refuses (e.g. a prompt over the context).
+        With `direct`, the core may hand deltas after the first straight to it while the iterator's
+        consumer waits with nothing in hand (in order: never one past a delta still in the iterator);
+        the first and the last delta always come through the iterator. A core may ignore it."""
         ...
 
     def ready(self) -> bool:

@@ -37,7 +37,7 @@ class LocalCore:
     def degraded(self) -> dict[str, str]:
         return {} if self._thread.is_alive() else {"engine": "down: its thread stopped"}
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+    async def generate(self, request: GenerateRequest, direct=None) -> AsyncIterator[Delta]:
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self.engine.add_request(request.request_id, request.prompt_ids, request.params)

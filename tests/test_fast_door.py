@@ -188,7 +188,7 @@ def test_a_serving_error_is_answered_as_the_app_would(pair, monkeypatch):
     core = pair[3]
     for error in (NoCapacityError("every decode replica is full", retry_after_s=2.5), ServingError("it died"),
                   RuntimeError("a bug")):
-        async def refuse(request, error=error):
+        async def refuse(request, direct=None, error=error):
             raise error
             yield  # an async generator, like the real one
         monkeypatch.setattr(core, "generate", refuse)
@@ -196,7 +196,7 @@ def test_a_serving_error_is_answered_as_the_app_would(pair, monkeypatch):
             [(status, past)] = same_answers(pair, [("/v1/completions", OK | {"stream": stream})])
             assert status == (500 if type(error) is RuntimeError else 503) and not past
 
-    async def fail_later(request):
+    async def fail_later(request, direct=None):
         yield Delta("x", [120])
         raise ServingError("decode replica died")
     monkeypatch.setattr(core, "generate", fail_later)

@@ -197,7 +197,7 @@ class FailingCore:
     def degraded(self) -> dict[str, str]:
         return {"pdserve-decode-0": "down: its process died"}
 
-    async def generate(self, request):
+    async def generate(self, request, direct=None):
         raise self.error
         yield
 

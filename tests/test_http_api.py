@@ -501,7 +501,7 @@ def test_a_template_error_names_the_field_it_is_about(served, monkeypatch, extra
 @pytest.mark.parametrize("error,code", [(NoCapacityError("all decode replicas full", retry_after_s=2.5), "no_capacity"),
                                         (ServingError("decode replica died"), "service_error")])
 def test_service_errors_are_503(served, monkeypatch, error, code):
-    async def refuse(request):
+    async def refuse(request, direct=None):
         raise error
         yield  # an async generator, like the real one
     monkeypatch.setattr(served.core, "generate", refuse)
@@ -513,7 +513,7 @@ def test_service_errors_are_503(served, monkeypatch, error, code):
 
 
 def test_error_mid_stream_is_reported_in_stream(served, monkeypatch):
-    async def fail_later(request):
+    async def fail_later(request, direct=None):
         yield Delta("x", [120])
         raise ServingError("decode replica died")
     monkeypatch.setattr(served.core, "generate", fail_later)

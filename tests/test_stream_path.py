@@ -59,7 +59,7 @@ class ScriptedCore:
     def degraded(self) -> dict[str, str]:
         return {}
 
-    async def generate(self, request):
+    async def generate(self, request, direct=None):  # (no direct writes: every delta through the iterator)
         finished = False
         try:
             for i, wake in enumerate(self.wakes):

@@ -1,0 +1,155 @@
+"""A stream's ordinary deltas written by the router's `deliver` at once (RayCore -> _DirectSSE),
+without a wake of the stream's coroutine: every stream still gets every token once and in order,
+also when the client reads slowly and the transport makes writes wait; and `run_now`, which runs
+the ASGI send in its caller, behaves as awaiting it would."""
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+import ray
+
+from pdserve.benchmarks import router_stream
+from pdserve.benchmarks.router_stream import WORDS
+from pdserve.router.eager import run_now
+
+
+def expected_text(n: int) -> str:
+    return "".join(WORDS[i % len(WORDS)] for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def served():
+    # One real router (RayCore, the OpenAI front end, uvicorn) over a synthetic worker that steps
+    # every 1 ms through the real RouterStreams: deltas come one step at a time, as from an engine.
+    actors, url, _pids = router_stream.start(max_ahead=64, step_s=0.001)
+    yield url, actors[-1]
+    ray.shutdown()
+
+
+def router_counts(router) -> tuple[int, int]:
+    return ray.get(router.__ray_call__.remote(
+        lambda r: (r.core.direct_writes, __import__("pdserve.router.http_api").router.http_api._DirectSSE.waited)))
+
+
+def test_streams_written_at_once_keep_every_token_in_order(served):
+    url, router = served
+    before, _ = router_counts(router)
+
+    async def one(client: httpx.AsyncClient, n: int) -> tuple[str, int]:
+        body = {"model": "tiny-moe", "prompt": [1, 2, 3], "max_tokens": n, "stream": True,
+                "stream_options": {"include_usage": True}}
+        text, usage = "", None
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line.removeprefix("data: "))
+                    if chunk["choices"]:
+                        text += chunk["choices"][0]["text"]
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]["completion_tokens"]
+        return text, usage
+
+    async def all_of_them():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(one(client, 30 + i) for i in range(24)))
+
+    results = asyncio.run(all_of_them())
+    assert results == [(expected_text(30 + i), 30 + i) for i in range(24)]
+    written, _ = router_counts(router)
+    # Deltas after each stream's first went straight out, while its coroutine waited with nothing in
+    # hand (on a busy host the router falls behind at times, and a wake takes several through the queue).
+    assert written - before >= 24
+
+
+def test_a_client_reading_slowly_still_gets_every_token_in_order(served):
+    url, router = served
+    _, waited_before = router_counts(router)
+    n = 4000  # ~0.6 MB of events: far more than the socket buffers and the transport's high-water mark
+    # The router's send buffer small (an accepted socket inherits it from the listening one): else
+    # loopback's autotuning lets the kernel take megabytes before the transport has to pause.
+    ray.get(router.__ray_call__.remote(lambda r: [sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+                                                   for server in r.http.servers for sock in server.sockets]))
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "tiny-moe", "prompt": [1], "max_tokens": n, "stream": True}).encode()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: the window stays small)
+        s.settimeout(30)
+        s.connect((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(3)  # not reading: the router's writes back up until its transport pauses
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):
+            chunk = s.recv(1 << 16)
+            assert chunk, "the router closed the connection mid-stream"
+            data += chunk
+    head, _, chunked = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    payload, rest = b"", chunked
+    while rest:  # undo the chunked transfer coding
+        size, _, rest = rest.partition(b"\r\n")
+        payload, rest = payload + rest[:int(size, 16)], rest[int(size, 16) + 2:]
+    events = [e.removeprefix("data: ") for e in payload.decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text == expected_text(n)
+    _, waited = router_counts(router)
+    assert waited > waited_before, "no direct write ever had to wait: the test did not exercise backpressure"
+
+
+def test_run_now_finishes_at_once_or_in_a_task_as_awaiting_would():
+    async def scenario():
+        log = []
+
+        async def plain(x):
+            log.append(x)
+            return x
+
+        assert run_now(plain(1)) is None and log == [1]  # no suspension: done in the call
+
+        async def fails():
+            raise ValueError("refused")
+        with pytest.raises(ValueError, match="refused"):
+            run_now(fails())
+
+        gate = asyncio.Event()
+
+        async def waits(x):
+            await gate.wait()
+            await asyncio.sleep(0)  # a bare yield too
+            log.append(x)
+        task = run_now(waits(2))
+        assert task is not None and log == [1]
+        gate.set()
+        await task
+        assert log == [1, 2]
+
+        fut = asyncio.get_running_loop().create_future()
+
+        async def raises_later():
+            await fut
+        task = run_now(raises_later())
+        fut.set_exception(KeyError("gone"))
+        with pytest.raises(KeyError):
+            await task
+
+        closed = []
+
+        async def cancelled():
+            try:
+                await asyncio.Event().wait()
+            finally:
+                closed.append(True)
+        task = run_now(cancelled())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert closed == [True]  # the coroutine ended where it waited
+
+    asyncio.run(scenario())
