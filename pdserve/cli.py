@@ -32,6 +32,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_checkpoint(args: argparse.Namespace) -> int:
+    import torch
+
+    from pdserve.models.checkpoint_writer import DTYPE_NAMES, parse_size, write_checkpoint
+
+    shard_bytes = parse_size(args.shard_size)
+    if args.device != "cpu" and not torch.device(args.device).type == "cuda":
+        raise ValueError(f"--device {args.device!r}: cpu or cuda")
+    files = write_checkpoint(args.preset, args.out_dir, DTYPE_NAMES[args.dtype], shard_bytes, args.seed,
+                             args.device, log=_log)
+    _log(f"wrote {len(files)} shards, model.safetensors.index.json, config.json and the tokenizer to "
+         f"{args.out_dir}; serve it with model.path: {args.out_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--device", default="cpu")
     g.set_defaults(func=_generate)
+
+    from pdserve.models.presets import PRESETS
+
+    w = sub.add_parser("write-checkpoint", help="a preset's dummy weights as an HF checkpoint directory: sharded "
+                                                "safetensors, index, config.json, tokenizer (nothing downloaded)")
+    w.add_argument("preset", choices=list(PRESETS))
+    w.add_argument("out_dir", help="the directory to write (created; it must not hold a checkpoint)")
+    w.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    w.add_argument("--shard-size", default="5GB", help="most bytes per shard, as the Hub's max_shard_size (5GB, 512MiB)")
+    w.add_argument("--seed", type=int, default=0, help="the dummy weights' seed (model.seed of load_format: dummy)")
+    w.add_argument("--device", default="cpu",
+                   help="where the weights are drawn: the same seed gives the same weights as dummy loading on "
+                        "that device type (cpu or cuda)")
+    w.set_defaults(func=_write_checkpoint)
 
     from pdserve.control import commands as cluster_cli
 

@@ -3,12 +3,12 @@
 import dataclasses
 import hashlib
 import json
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from pdserve.models.args import SUPPORTED_ARCHITECTURES, ModelArgs, resolve_model_args
@@ -22,6 +22,7 @@ from pdserve.models.qwen2 import Qwen2ForCausalLM
 from pdserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from pdserve.models.qwen3 import Qwen3ForCausalLM
 from pdserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from pdserve.models.weight_stream import LoadStats, stream_safetensors
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
@@ -39,34 +40,52 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto",
-               attn_backend=None, moe_backend=None, seed: int = 0, ep=None, norms=None
-               ) -> tuple[DecoderLM, ModelArgs]:
+               attn_backend=None, moe_backend=None, seed: int = 0, ep=None, norms=None,
+               log: Callable[[str], None] | None = None) -> tuple[DecoderLM, ModelArgs]:
     """Build the model on `device` in `dtype`; weights from *.safetensors ("auto") or random ("dummy").
 
     Presets are always dummy. The model is built on the meta device and allocated once, directly
-    in `dtype` on `device`; checkpoint tensors are streamed in one at a time. With `ep` (an
-    EPExchange) only this rank's experts are allocated and read.
+    in `dtype` on `device`; checkpoint files are streamed into the parameters (weight_stream.py).
+    With `ep` (an EPExchange) only this rank's experts are allocated and read. What it took is
+    `model.load_stats` (LoadStats), and `log` hears it.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
+    t0 = time.perf_counter()
     args = resolve_model_args(path_or_preset)
     dummy = load_format == "dummy" or path_or_preset in PRESETS
     files = [] if dummy else safetensors_files(Path(path_or_preset))  # fail before allocating
     device = torch.device(device)
+    model = build_model(args, dtype, attn_backend, moe_backend, norms, ep)
+    model.to_empty(device=device)
+    model.rotary_emb.build_cache()  # to_empty left the RoPE tables uninitialised
+    t1 = time.perf_counter()
+    if dummy:
+        init_dummy_weights(model, seed)
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+    else:
+        size = stream_safetensors(model, files)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the dummy draws were only queued: the time is the weights' own
+    t2 = time.perf_counter()
+    model.requires_grad_(False).eval()
+    if getattr(attn_backend, "fuse_qkv", False):
+        model.fuse_qkv()
+    model.load_stats = LoadStats("dummy" if dummy else "safetensors", len(files), size, t2 - t1,
+                                 time.perf_counter() - t0)
+    if log:
+        log(model.load_stats.describe())
+    return model, args
+
+
+def build_model(args: ModelArgs, dtype: torch.dtype, attn_backend=None, moe_backend=None, norms=None,
+                ep=None) -> DecoderLM:
+    """The family's module for `args`, its parameters in `dtype` on the meta device (no memory yet)."""
     with torch.device("meta"), _default_dtype(dtype):
         model = MODEL_CLASSES[args.architecture](args, attn_backend, moe_backend, norms)
     if ep is not None:
         model.shard_experts(ep)
-    model.to_empty(device=device)
-    model.rotary_emb.build_cache()  # to_empty left the RoPE tables uninitialised
-    if dummy:
-        init_dummy_weights(model, seed)
-    else:
-        model.load_weights(_iter_tensors(files, model.wants))
-    model.requires_grad_(False).eval()
-    if getattr(attn_backend, "fuse_qkv", False):
-        model.fuse_qkv()
-    return model, args
+    return model
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -86,14 +105,6 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path], wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if wanted(name):
-                    yield name, f.get_tensor(name)
-
-
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights as HF initialises them: normal(0, 0.02), norms 1, biases 0; deterministic per seed.
@@ -102,20 +113,35 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    for module, name, p in dummy_order(model):
+        if (isinstance(module, SparseMoE) and name in ("w13", "w2")
+                and len(module.experts) != module.num_experts):
+            # Expert parallel: draw every expert and keep ours, so that each rank's experts
+            # (and every tensor drawn after them) are exactly the single-rank model's.
+            full = p.new_empty(module.num_experts, *p.shape[1:])
+            fill_dummy(module, name, full, gen)
+            p.copy_(full[module.experts])
+        else:
+            fill_dummy(module, name, p, gen)
+
+
+def dummy_order(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Parameter]]:
+    """(module, name, parameter) in the order dummy weights are drawn: one generator's stream runs
+    through them in this order, so a tensor's values depend on its place in it."""
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            if isinstance(module, RMSNorm):
-                p.fill_(1.0)
-            elif name == "bias":
-                p.zero_()
-            elif (isinstance(module, SparseMoE) and name in ("w13", "w2")
-                  and len(module.experts) != module.num_experts):
-                # Expert parallel: draw every expert and keep ours, so that each rank's experts
-                # (and every tensor drawn after them) are exactly the single-rank model's.
-                full = p.new_empty(module.num_experts, *p.shape[1:]).normal_(0.0, 0.02, generator=gen)
-                p.copy_(full[module.experts])
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+            yield module, name, p
+
+
+def fill_dummy(module: nn.Module, name: str, t: torch.Tensor, gen: torch.Generator) -> None:
+    """Set `t` (module's parameter `name`, or a tensor of its shape, dtype and device) as dummy weights
+    are: norms 1, biases 0, the rest normal(0, 0.02) drawn from `gen`."""
+    if isinstance(module, RMSNorm):
+        t.fill_(1.0)
+    elif name == "bias":
+        t.zero_()
+    else:
+        t.normal_(0.0, 0.02, generator=gen)
 
 
 def model_fingerprint(path_or_preset: str, args: ModelArgs, dtype: torch.dtype,
