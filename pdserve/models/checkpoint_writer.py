@@ -116,19 +116,19 @@ def plan_shards(model: DecoderLM, shard_bytes: int) -> list[Shard]:
     return [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", s) for i, s in enumerate(shards)]
 
 
-def write_checkpoint(preset: str, out_dir: Path, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 5 * 10**9,
-                     seed: int = 0, device: str = "cpu", log: Callable[[str], None] | None = None) -> list[Path]:
-    """Write `preset`'s dummy weights (seed, dtype, drawn on `device`) as an HF checkpoint in
-    `out_dir` (created; it must not hold a checkpoint already). Returns the shard files."""
-    if preset not in PRESETS:
-        raise ValueError(f"preset {preset!r} is not one of {', '.join(PRESETS)}")
+def write_checkpoint(model: str, out_dir: Path, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 5 * 10**9,
+                     seed: int = 0, device: str = "cpu", num_layers: int | None = None,
+                     log: Callable[[str], None] | None = None) -> list[Path]:
+    """Write dummy weights (seed, dtype, drawn on `device`) of `model` — a preset, or a config.json
+    (or a directory holding one) — as an HF checkpoint in `out_dir` (created; it must not hold a
+    checkpoint already), with `num_layers` layers where given. Returns the shard files."""
+    config = checkpoint_config(model, num_layers)
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists() or any(out_dir.glob("*.safetensors")):
         raise ValueError(f"{out_dir} holds a checkpoint already; name a new or empty directory")
-    config = PRESETS[preset]
     args = ModelArgs.from_hf_config(config)
-    model = build_model(args, dtype)  # on the meta device: shapes and order only
-    shards = plan_shards(model, shard_bytes)
+    meta = build_model(args, dtype)  # on the meta device: shapes and order only
+    shards = plan_shards(meta, shard_bytes)
     total = sum(s.nbytes for s in shards)
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_json(out_dir / "config.json", hf_config(config, dtype))
@@ -137,21 +137,43 @@ def write_checkpoint(preset: str, out_dir: Path, dtype: torch.dtype = torch.bflo
     for name, content in byte_tokenizer_as_hf(args.vocab_size, args.max_position_embeddings).items():
         _write_json(out_dir / name, content)
     if log:
-        log(f"writing {preset} ({str(dtype).removeprefix('torch.')}, seed {seed}, drawn on {device}): "
-            f"{total / 1e9:.2f} GB in {len(shards)} shards to {out_dir}")
-    origin = f"pdserve dummy weights: preset {preset}, seed {seed}, drawn on {torch.device(device).type}"
-    files = _write_shards(out_dir, model, shards, _drawn(model, torch.device(device), seed), origin, total, log)
+        log(f"writing {model} ({args.num_layers} layers, {str(dtype).removeprefix('torch.')}, seed {seed}, drawn on "
+            f"{device}): {total / 1e9:.2f} GB in {len(shards)} shards to {out_dir}")
+    origin = f"pdserve dummy weights of {model}, seed {seed}, drawn on {torch.device(device).type}"
+    files = _write_shards(out_dir, meta, shards, _drawn(meta, torch.device(device), seed), origin, total, log)
     weight_map = {t.name: s.file for s in shards for t in s.tensors}
     _write_json(out_dir / "model.safetensors.index.json",
-                {"metadata": {"total_size": total,
-                              "total_parameters": sum(p.numel() for p in model.parameters())},
+                {"metadata": {"total_size": total, "total_parameters": sum(p.numel() for p in meta.parameters())},
                  "weight_map": weight_map})
     return files
 
 
+def checkpoint_config(model: str, num_layers: int | None = None) -> dict:
+    """The HF config of a preset, or of a config.json (a file, or a directory holding one); with
+    `num_layers`, cut to that many layers."""
+    if model in PRESETS:
+        config = dict(PRESETS[model])
+    else:
+        path = Path(model)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json "
+                                    f"(or a directory holding one)")
+        config = json.loads(path.read_text())
+    if num_layers is not None:
+        if not 1 <= num_layers <= config["num_hidden_layers"]:
+            raise ValueError(f"--num-layers {num_layers}: the model has {config['num_hidden_layers']} layers; "
+                             f"from 1 to that many")
+        config["num_hidden_layers"] = num_layers
+        if "max_window_layers" in config:
+            config["max_window_layers"] = min(config["max_window_layers"], num_layers)
+    ModelArgs.from_hf_config(config)  # a config pdserve cannot serve fails here, before anything is written
+    return config
+
+
 def hf_config(config: dict, dtype: torch.dtype) -> dict:
     """The preset's config.json as the Hub has it, with its model_type and the dtype written."""
-    out = {"model_type": MODEL_TYPES[config["architectures"][0]], **config}
+    out = {"model_type": MODEL_TYPES[config["architectures"][0]], **config}  # (a config's own model_type stays)
     out["torch_dtype" if "torch_dtype" in config else "dtype"] = str(dtype).removeprefix("torch.")
     return out
 

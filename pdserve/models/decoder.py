@@ -62,7 +62,10 @@ class DecoderLM(nn.Module):
         self.attn_backend = attn_backend or TorchAttention()
         self.moe_backend = moe_backend or TorchMoE()
         self.norms = norms or TorchNorms()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # Given its (uninitialised) weight, not drawn: the loader sets every parameter, and a normal_
+        # draw on the meta device imports torch._dynamo, 1-2 s of every worker's start.
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(args, self.make_attention(i), self.make_mlp(i), self.norms) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, self.norms)

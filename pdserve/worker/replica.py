@@ -13,7 +13,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.inbox import Abort, Reserve
-from pdserve.messages import NewRequest, Refusal, ReplicaStats, ReserveResult
+from pdserve.messages import NewRequest, Refusal, ReplicaStats, ReserveResult, WorkerStartup
 from pdserve.protocol import InvalidRequestError
 
 
@@ -45,6 +45,7 @@ class Replica:
         """`kv_backend` None: no KV connector. A colocated worker does both phases in its own
         engine, so its KV never leaves it; a connector would only register memory and open ports.
         `ep`: an EPExchange when this worker is one rank of an expert-parallel decode replica."""
+        self._began = (time.time(), time.perf_counter())  # for startup(): the process is up, its imports done
         if engine_config.device == "cpu":
             torch.set_num_threads(cpu_threads)  # several workers share the host's cores
         engine_config = engine_config.model_copy(update={"device": assigned_device(engine_config.device)})
@@ -64,6 +65,7 @@ class Replica:
             heap.settle()  # the engine, its KV cache and connector are built: no collection walks them (heap.py)
         self._early_aborts: dict[str, float] = {}  # request id -> when its abort came, before the request
         self.loop = EngineLoop(self._step, self._admit, f"{self.name}-engine", on_death=self._engine_died)
+        self._ready_s = time.perf_counter() - self._began[1]
 
     def _admit(self, item) -> None:
         """Take one inbox item. Ray runs a worker's calls on many threads, so a request's abort (its
@@ -120,6 +122,12 @@ class Replica:
 
     def ready(self) -> bool:
         return self.loop.alive()
+
+    def startup(self) -> WorkerStartup:
+        """What this worker's start took (weights, graphs, the whole engine), once ready."""
+        w = self.engine.load_stats
+        return WorkerStartup(self.name, self._began[0], w.source, w.files, w.bytes, w.weights_s, w.total_s,
+                             self.engine.graphs_s, self._ready_s)
 
     def metadata(self) -> bytes:
         """The KV handshake this replica publishes."""
