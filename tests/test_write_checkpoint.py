@@ -17,6 +17,7 @@ from pdserve.cli import main as cli
 from pdserve.models import resolve_model_args
 from pdserve.models.checkpoint_writer import parse_size, write_checkpoint
 from pdserve.models.loader import build_model, load_model, safetensors_files
+from pdserve.models import weight_stream
 from pdserve.models.weight_stream import ChunkedReader, HostReader, stream_safetensors
 from pdserve.tokenizer import ByteTokenizer, load_tokenizer
 from test_models import assert_close, make_batch, new_cache, run
@@ -133,11 +134,15 @@ def test_other_families_hub_names(family, tmp_path):
     assert_close(run(model, make_batch([(prompt, 0)], new_cache(args))), ref)
 
 
-@pytest.mark.parametrize("chunk", [4093, 2**20])
+@pytest.mark.parametrize("chunk, batch, gap", [(4093, 100_003, 1), (2**20, 64 * 2**20, 2**20)],
+                         ids=["small-pieces", "defaults"])
 @pytest.mark.parametrize("experts", [None, [1, 6]], ids=["all-experts", "two-experts"])
-def test_chunked_reader_matches_the_host_reader(written, chunk, experts):
-    """The GPU reader's logic on CPU: chunks of any size (tensors split across chunks and files),
-    a rank's experts only (the others skipped or read through), conversion to another dtype."""
+def test_both_readers_put_every_byte_in_place(written, monkeypatch, chunk, batch, gap, experts):
+    """Both readers (the GPU's logic run on CPU): chunks and scatter reads of any size (tensors
+    split across chunks), a rank's experts only (the others skipped, or read through where the gap
+    is short), conversion to another dtype."""
+    monkeypatch.setattr(weight_stream, "BATCH_BYTES", batch)
+    monkeypatch.setattr(weight_stream, "GAP_BYTES", gap)
     args = resolve_model_args(str(written))
     files = safetensors_files(written)
     full, _ = load_model(str(written), torch.float32, "cpu")

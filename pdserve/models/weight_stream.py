@@ -4,8 +4,8 @@ Each file's header says where every tensor's bytes lie (`safetensors_format.py`)
 where each tensor goes (`WeightPlacer`), before anything is read; the bytes then go with few large
 sequential reads straight to where they belong:
 
-- CPU parameters (`HostReader`): each tensor read into the parameter's own memory, in file order;
-  nothing is copied twice.
+- CPU parameters (`HostReader`): scatter reads (preadv) of up to BATCH_BYTES of the file straight
+  into the parameters' own memory, in file order; nothing is copied twice.
 - GPU parameters (`ChunkedReader`): a reader thread reads each file in CHUNK_BYTES pieces into
   pinned staging buffers; the loading thread copies each piece to the tensors it covers with
   asynchronous copies on a stream of their own and hands the buffer back with the copies' event.
@@ -31,6 +31,9 @@ from pdserve.models.safetensors_format import TensorEntry, read_header
 CHUNK_BYTES = 64 * 2**20  # one staging buffer: a read this large runs at the disk's sequential rate
 STAGING_BUFFERS = 3  # one being read, one being copied to the GPU, one spare for the reader's lead
 GAP_BYTES = 2**20  # unwanted bytes between two wanted tensors shorter than this are read through, not skipped
+BATCH_BYTES = 64 * 2**20  # one scatter read of the CPU reader: as large a request as a chunk
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
+_PAGE = 4096
 READ_STALL_S = 300.0  # no chunk read in this long: the disk or file system is stuck
 
 
@@ -84,10 +87,7 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def _open(path: Path):
-    f = open(path, "rb", buffering=0)
-    if hasattr(os, "posix_fadvise"):  # a larger readahead window for a front-to-back read
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    return f
+    return open(path, "rb", buffering=0)
 
 
 def _read_into(f, buf: memoryview, path: Path) -> None:
@@ -103,28 +103,103 @@ def _host_tensor(entry: TensorEntry, raw: torch.Tensor) -> torch.Tensor:
 
 
 class HostReader:
-    """CPU parameters: each tensor read straight into its parameter, file by file."""
+    """CPU parameters: each file read front to back, straight into the parameters: one scatter read
+    (preadv) fills the tensors of up to BATCH_BYTES of the file, so the disk sees requests as large
+    as dd's, and nothing is copied twice. Freshly allocated memory costs a page fault per page on
+    its first write, which inside the read would stall the disk: a helper thread touches each
+    batch's pages first, while the batch before it is being read."""
 
     def load(self, files: list[Path], placer: WeightPlacer) -> int:
-        return sum(self._read(path, _plan(path, placer), placer) for path in files)
-
-    @staticmethod
-    def _read(path: Path, jobs: list[tuple[TensorEntry, Placement]], placer: WeightPlacer) -> int:
-        total = 0
-        with _open(path) as f:
-            pos = 0
-            for entry, target in jobs:
-                if entry.start != pos:
-                    f.seek(entry.start)
-                if _verbatim(entry, target):
-                    _read_into(f, memoryview(_bytes_of(target.dst).numpy()), path)
-                else:
-                    raw = torch.empty(entry.nbytes, dtype=torch.uint8)
-                    _read_into(f, memoryview(raw.numpy()), path)
-                    target.copy(_host_tensor(entry, raw))
-                placer.done(target)
-                pos, total = entry.end, total + entry.nbytes
+        batches = [(path, batch) for path in files for batch in _batches(_plan(path, placer))]
+        touched = [threading.Event() for _ in batches]
+        stop = threading.Event()
+        toucher = threading.Thread(target=_touch_pages, args=(batches, touched, stop), name="pdserve-weights-touch",
+                                   daemon=True)
+        toucher.start()
+        total, files_open = 0, {}
+        try:
+            for (path, batch), ready in zip(batches, touched):
+                if not ready.wait(READ_STALL_S):
+                    raise RuntimeError(f"loading {path} stalled: its memory was not ready in {READ_STALL_S:.0f} s")
+                if path not in files_open:
+                    for f in files_open.values():
+                        f.close()
+                    files_open = {path: _open(path)}
+                total += _read_batch(files_open[path], path, batch)
+                for _, target in batch:
+                    placer.done(target)
+        finally:
+            stop.set()
+            for f in files_open.values():
+                f.close()
+            toucher.join(READ_STALL_S)
         return total
+
+
+def _touch_pages(batches, touched: list[threading.Event], stop: threading.Event) -> None:
+    """Write a byte on every page of each batch's destination (the page faults), in order, each
+    batch strictly before it is read into (its event)."""
+    try:
+        for (_, batch), ready in zip(batches, touched):
+            if stop.is_set():
+                return
+            for entry, target in batch:
+                if _verbatim(entry, target):
+                    _bytes_of(target.dst)[::_PAGE].zero_()
+            ready.set()
+    finally:
+        for ready in touched:  # (on an error, the reader goes on without the head start)
+            ready.set()
+
+
+def _read_batch(f, path: Path, batch: list[tuple[TensorEntry, Placement]]) -> int:
+    """One scatter read of a batch's bytes into its tensors (converted afterwards where they must
+    be); returns the bytes read."""
+    start, bufs, converted = batch[0][0].start, [], []
+    pos = start
+    for entry, target in batch:
+        if entry.start > pos:  # a short run of bytes no parameter takes: read through
+            bufs.append(memoryview(bytearray(entry.start - pos)))
+        if _verbatim(entry, target):
+            bufs.append(memoryview(_bytes_of(target.dst).numpy()))
+        else:
+            raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+            bufs.append(memoryview(raw.numpy()))
+            converted.append((entry, target, raw))
+        pos = entry.end
+    _pread_into(f.fileno(), bufs, start, path)
+    for entry, target, raw in converted:
+        target.copy(_host_tensor(entry, raw))
+    return pos - start
+
+
+def _batches(jobs: list[tuple[TensorEntry, Placement]]) -> list[list[tuple[TensorEntry, Placement]]]:
+    """Jobs read by one scatter read each: within one run (_runs), up to BATCH_BYTES (a larger
+    tensor alone) and fewer buffers than the system's IOV_MAX (gaps count as buffers too)."""
+    batches = []
+    for first, last in _runs(jobs):
+        batch: list = []
+        for entry, target in jobs[first:last]:
+            if batch and (entry.end - batch[0][0].start > BATCH_BYTES or 2 * len(batch) + 2 > _IOV_MAX):
+                batches.append(batch)
+                batch = []
+            batch.append((entry, target))
+        batches.append(batch)
+    return batches
+
+
+def _pread_into(fd: int, bufs: list[memoryview], offset: int, path: Path) -> None:
+    """Fill `bufs` from the file's bytes at `offset` on, in order (preadv, again after a short read)."""
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
+        if n == 0:
+            raise ValueError(f"{path}: the file ends before the tensors its header lists")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs = bufs[1:]
+        if bufs and n:
+            bufs = [bufs[0][n:], *bufs[1:]]
 
 
 class ChunkedReader:
