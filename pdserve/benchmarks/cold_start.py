@@ -13,7 +13,9 @@ against the disk's.
    reported as `cached_before`). A cache below this host — a VM's host, a network file system's
    server — is out of reach and not accounted for.
 3. The loader in this process (`load_model` onto --device): bytes, seconds, GB/s (cold, then again
-   from the page cache: the loader's own ceiling beside dd's from the cache).
+   from the page cache: the loader's own ceiling beside dd's from the cache). Its other ceiling,
+   without a disk: on a GPU the pinned host-to-device copy rate; on the CPU the first write to
+   new memory (page faults), which reading into freshly allocated parameters pays.
 4. `pdserve up` on the checkpoint (one colocated replica on --device, or --cluster FILE with its
    model.path set to the checkpoint), files evicted first: the wall time from the command to
    /health 200, and the parts as `pdserve up` prints them (Ray, each worker's process start,
@@ -105,6 +107,33 @@ def loader_read(checkpoint: Path, dtype: torch.dtype, device: str) -> dict:
         torch.cuda.empty_cache()
     return {"bytes": st.bytes, "s": round(st.weights_s, 3), "gb_per_s": round(st.gb_per_s, 3),
             "model_s": round(st.total_s, 3)}
+
+
+def memory_ceiling(nbytes: int, device: str) -> dict:
+    """What the weights' way into memory costs without any disk: on a GPU the copy from pinned host
+    memory to the device (1 GiB in 64 MiB pieces, as the loader copies); on the CPU the first write
+    to freshly allocated memory of the checkpoint's size (its page faults), which every loader into
+    new parameters pays."""
+    if device.startswith("cuda"):
+        src = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(2**30, dtype=torch.uint8, device=device)
+        for _ in range(2):  # the first round warms the copy engine up
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for k in range(16):
+                dst[k * src.numel():(k + 1) * src.numel()].copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            s = time.perf_counter() - t0
+        what, size = "pinned host to device copy", dst.numel()
+        del src, dst
+        torch.cuda.empty_cache()
+    else:
+        t0 = time.perf_counter()
+        fresh = torch.empty(nbytes, dtype=torch.uint8)
+        fresh[::4096].zero_()
+        s, what, size = time.perf_counter() - t0, "first touch of new memory", nbytes
+        del fresh
+    return {"what": what, "bytes": size, "s": round(s, 3), "gb_per_s": round(size / s / 1e9, 3)}
 
 
 # What `pdserve up` prints (pdserve/control/commands.py and controller.py), parsed into parts.
@@ -199,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     files = safetensors_files(ck)
     result["checkpoint"] = {"dir": str(ck), "files": len(files), "bytes": sum(f.stat().st_size for f in files)}
 
+    result["memory"] = memory_ceiling(result["checkpoint"]["bytes"], a.device)
     for name, read in (("dd", lambda: dd_read(files)), ("loader", lambda: loader_read(ck, dtype, a.device))):
         evict(files)
         cached = cached_fraction(files)
@@ -233,7 +263,10 @@ def _report(r: dict) -> None:
         cold, warm = r[name], r[f"{name}_page_cache"]
         print(f"  {name:6s}  from disk {cold['s']:7.2f} s {cold['gb_per_s']:6.2f} GB/s (cached before: "
               f"{cold['cached_before']}),  from the page cache {warm['s']:6.2f} s {warm['gb_per_s']:6.2f} GB/s")
-    print(f"  loader / dd from disk: {r['loader']['gb_per_s'] / r['dd']['gb_per_s']:.2f}")
+    m = r["memory"]
+    print(f"  {m['what']}: {m['gb_per_s']:.2f} GB/s (no disk: the loader's other ceiling)")
+    print(f"  loader / dd from disk: {r['loader']['gb_per_s'] / r['dd']['gb_per_s']:.2f}; loader / min(dd, memory): "
+          f"{r['loader']['gb_per_s'] / min(r['dd']['gb_per_s'], m['gb_per_s']):.2f}")
     print(f"  pdserve up to /health 200: {up['wall_to_healthy_s']:.2f} s (its own count: {up.get('up_s')} s); "
           f"Ray {up.get('ray_s')} s, workers {up.get('workers_s')} s, KV handshake {up.get('handshake_s', '-')} s, "
           f"routers {up.get('routers_s')} s")
