@@ -196,29 +196,36 @@ def _write_shards(out_dir: Path, model: DecoderLM, shards: list[Shard], drawn: I
                   origin: str, total: int, log) -> list[Path]:
     # Tensors come parameter by parameter in drawing order, and the shards hold them in that order:
     # one parameter drawn at a time fills the shard being written, then the next.
-    queue = iter([(s, t) for s in shards for t in s.tensors])
+    order = iter([(s, t) for s in shards for t in s.tensors])
     prefixes = {id(m): n for n, m in model.named_modules()}
-    files, f, current, done, t0 = [], None, None, 0, time.perf_counter()
+    files: list[Path] = []
+    f, current, done, t0 = None, None, 0, time.perf_counter()
     for (module, name, p), values in zip(dummy_order(model), drawn):
         for expected in hub_tensors(model, module, prefixes[id(module)], name, p):
-            shard, t = next(queue)
+            shard, t = next(order)
             assert t.name == expected.name, (t.name, expected.name)
             if shard is not current:
                 if f is not None:
-                    done += _close(f, current, files, done, total, t0, log)
+                    files.append(_close(f))
+                    done += current.nbytes
+                    _progress(log, current, done, total, t0)
                 current = shard
                 f = open(out_dir / shard.file, "wb")
                 f.write(header_bytes([(x.name, x.dtype, x.shape) for x in shard.tensors],
                                      {"format": "pt", "origin": origin}))
-            data = t.cut(values)
-            assert data.is_contiguous() and tuple(data.shape) == t.shape
-            f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-        del values
-    done += _close(f, current, files, done, total, t0, log)
+            _write_tensor(f, t, t.cut(values))
+        del values  # before the next parameter is drawn
+    files.append(_close(f))
+    _progress(log, current, done + current.nbytes, total, t0)
     return files
 
 
-def _close(f, shard: Shard, files: list[Path], done: int, total: int, t0: float, log) -> int:
+def _write_tensor(f, t: HubTensor, data: torch.Tensor) -> None:
+    assert data.is_contiguous() and tuple(data.shape) == t.shape and data.dtype == t.dtype, t.name
+    f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _close(f) -> Path:
     """Finish a shard: on disk (fsync), then out of the page cache, so that writing a checkpoint
     larger than memory leaves no pile of dirty pages and a later load reads from the disk."""
     f.flush()
@@ -226,13 +233,14 @@ def _close(f, shard: Shard, files: list[Path], done: int, total: int, t0: float,
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     f.close()
-    files.append(Path(f.name))
-    done += shard.nbytes
+    return Path(f.name)
+
+
+def _progress(log, shard: Shard, done: int, total: int, t0: float) -> None:
     if log:
-        s = time.perf_counter() - t0
-        log(f"{shard.file}: {shard.nbytes / 1e9:.2f} GB ({done / 1e9:.2f} of {total / 1e9:.2f} GB, "
-            f"{done / max(s, 1e-9) / 1e9:.2f} GB/s)")
-    return shard.nbytes
+        rate = done / max(time.perf_counter() - t0, 1e-9) / 1e9
+        log(f"{shard.file}: {shard.nbytes / 1e9:.2f} GB written ({done / 1e9:.2f} of {total / 1e9:.2f} GB, "
+            f"{rate:.2f} GB/s)")
 
 
 def _write_json(path: Path, content: dict) -> None:

@@ -5,7 +5,8 @@ where each tensor goes (`WeightPlacer`), before anything is read; the bytes then
 sequential reads straight to where they belong:
 
 - CPU parameters (`HostReader`): scatter reads (preadv) of up to BATCH_BYTES of the file straight
-  into the parameters' own memory, in file order; nothing is copied twice.
+  into the parameters' own memory, in file order; nothing is copied twice. A helper thread takes
+  the first-write page faults of the parameters' fresh memory ahead of the reads.
 - GPU parameters (`ChunkedReader`): a reader thread reads each file in CHUNK_BYTES pieces into
   pinned staging buffers; the loading thread copies each piece to the tensors it covers with
   asynchronous copies on a stream of their own and hands the buffer back with the copies' event.
@@ -116,21 +117,21 @@ class HostReader:
         toucher = threading.Thread(target=_touch_pages, args=(batches, touched, stop), name="pdserve-weights-touch",
                                    daemon=True)
         toucher.start()
-        total, files_open = 0, {}
+        total, f, open_path = 0, None, None
         try:
             for (path, batch), ready in zip(batches, touched):
                 if not ready.wait(READ_STALL_S):
                     raise RuntimeError(f"loading {path} stalled: its memory was not ready in {READ_STALL_S:.0f} s")
-                if path not in files_open:
-                    for f in files_open.values():
+                if path != open_path:
+                    if f is not None:
                         f.close()
-                    files_open = {path: _open(path)}
-                total += _read_batch(files_open[path], path, batch)
+                    f, open_path = _open(path), path
+                total += _read_batch(f, path, batch)
                 for _, target in batch:
                     placer.done(target)
         finally:
             stop.set()
-            for f in files_open.values():
+            if f is not None:
                 f.close()
             toucher.join(READ_STALL_S)
         return total
