@@ -30,12 +30,13 @@ class DecodeWorker(Replica):
     role = "decode"
 
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, lease_s: float,
-                 namespace: str, cpu_threads: int = 1, ep: EPRank | None = None):
+                 namespace: str, cpu_threads: int = 1, ep: EPRank | None = None, cluster_token: str | None = None):
         self.ep: EPGroup | None = None
         if ep is not None:  # returns once every rank of the group has joined
             num_experts = resolve_model_args(engine_config.model.path).num_experts
             self.ep = EPGroup(ep, num_experts, torch.device(assigned_device(engine_config.device)))
-        super().__init__(name, engine_config, kv_backend, cpu_threads, ep=self.ep.exchange if self.ep else None)
+        super().__init__(name, engine_config, kv_backend, cpu_threads, ep=self.ep.exchange if self.ep else None,
+                         cluster_token=cluster_token)
         self._naps = {RUNNING: None, WAITING_FOR_KV: KV_POLL_S, IDLE: EP_IDLE_S if self.ep else IDLE_S}
         self.intake = KVIntake(self.engine, self.connector, lease_s)
         # Every reservation, from reserve until finished; a dead router's are aborted here.

@@ -9,13 +9,20 @@ __all__ = ["DecodeConnector", "DecodePoll", "Finished", "HandshakeError", "KVAge
            "PrefillConnector", "ReserveHandle", "make_connector"]
 
 
-def make_connector(role: str, backend: str, engine_id: str, kv_cache, layout, fingerprint: str, **kw):
-    """A connector of `role` ('prefill' or 'decode') over `backend` ('nixl', 'tcp' or 'cuda_ipc')."""
+def make_connector(role: str, backend: str, engine_id: str, kv_cache, layout, fingerprint: str,
+                   host: str = "", cluster_token: str | None = None, **kw):
+    """A connector of `role` ('prefill' or 'decode') over `backend` ('nixl', 'tcp', 'cuda_ipc' or
+    'auto': chosen per peer) on `host` (the node's address: TCP listens there, and pairs on one host
+    may use cuda_ipc), taking peers of the cluster of `cluster_token` only."""
     from pdserve.kvtransfer.backends import make_backend
 
-    meta = KVAgentMetadata.for_cache(engine_id, backend, kv_cache, layout, fingerprint)
-    be = make_backend(backend, meta, kv_cache, **kw)
     cls = {"prefill": PrefillConnector, "decode": DecodeConnector}.get(role)
     if cls is None:
         raise ValueError(f"role: must be 'prefill' or 'decode', got {role!r}")
-    return cls(be, meta)
+    meta = KVAgentMetadata.for_cache(engine_id, backend, kv_cache, layout, fingerprint, host, cluster_token)
+    if backend in ("tcp", "auto"):  # the socket backends listen on the node's address, and check the token
+        kw.setdefault("cluster_token", cluster_token)
+        if host:
+            kw.setdefault("host", host)
+    be = make_backend(backend, meta, kv_cache, **kw)
+    return cls(be, meta, cluster_token=cluster_token)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pdserve.kvtransfer.messages import FirstLogprob, Notice, NoticeKind, ReserveHandle
 from pdserve.kvtransfer.metadata import KVAgentMetadata, accept_peer
+from pdserve.kvtransfer.pairing import choose_backend
 
 
 @dataclass
@@ -54,10 +55,12 @@ class DecodeConnector:
     # are poll()'s, on the engine's thread, where an exception stops the loop).
     error: BaseException | None = None
 
-    def __init__(self, backend, meta: KVAgentMetadata, settle_s: float = 5.0):
+    def __init__(self, backend, meta: KVAgentMetadata, settle_s: float = 5.0, cluster_token: str | None = None):
         self.backend = backend
         self.meta = meta
+        self.cluster_token = cluster_token
         self.peers: dict[str, KVAgentMetadata] = {}
+        self.pairs: dict[str, dict] = {}  # peer -> the handshake's record: backend chosen, why
         self.settle_s = settle_s
         self._leases: dict[str, _Lease] = {}
 
@@ -67,9 +70,10 @@ class DecodeConnector:
 
     def add_peer(self, data: bytes) -> str:
         """Handshake with a prefill worker; raises HandshakeError on any mismatch."""
-        peer = accept_peer(self.meta, data)
+        peer = accept_peer(self.meta, data, self.cluster_token)
         self.backend.add_peer(peer)
         self.peers[peer.engine_id] = peer
+        self.pairs[peer.engine_id] = choose_backend(self.meta, peer).record(self.meta, peer)
         return peer.engine_id
 
     def reserve(self, request_id: str, block_ids: list[int], lease_s: float,

@@ -1,7 +1,9 @@
 """The handshake: what a worker publishes about its KV allocation, and the check a peer must pass."""
 
 import dataclasses
-from dataclasses import asdict, dataclass
+import hashlib
+import hmac
+from dataclasses import asdict, dataclass, field
 
 import msgpack
 import torch
@@ -16,7 +18,7 @@ class KVAgentMetadata:
     engine_id: str  # unique per worker; also the NIXL agent name
     backend: str  # "nixl" | "tcp" | "cuda_ipc"
     fingerprint: str  # model identity: architecture, shapes, weights, dtype
-    dtype: str
+    kv_cache_dtype: str  # what the cache stores: the model's dtype, or "float8_e4m3fn"
     layout: str  # dimension order of the allocation, naming what its planes hold (KVLayout.dims)
     num_layers: int
     num_planes: int  # 2 (K, V) or 1 (MLA's latent)
@@ -29,16 +31,26 @@ class KVAgentMetadata:
     device: str  # "cpu" or "cuda:N"
     agent_metadata: bytes = b""  # NIXL: the agent's metadata blob; cuda_ipc: the allocation's IPC handle
     address: str = ""  # where notices (and TCP data) go: "host:port", or "unix:@name" on one host
+    # An FP8 cache's scales, per layer and plane (KVLayout.scales): both ends must read the bytes alike.
+    kv_scales: list[list[float]] = field(default_factory=list)
+    host: str = ""  # the worker's node (its Ray node address): which pairs share a host (cuda_ipc)
+    cluster_proof: str = ""  # cluster_proof(token, engine_id): names the cluster without showing its token
+    # backend "auto": every backend this worker offers -> {"agent_metadata", "address"} of its own;
+    # a pair agrees on one at the handshake (kvtransfer/pairing.py).
+    offers: dict = field(default_factory=dict)
 
     @classmethod
-    def for_cache(cls, engine_id: str, backend: str, kv_cache: torch.Tensor, layout, fingerprint: str
-                  ) -> "KVAgentMetadata":
-        """Describe an engine's KV allocation (`layout` is its pdserve.engine.kv_cache.KVLayout)."""
+    def for_cache(cls, engine_id: str, backend: str, kv_cache: torch.Tensor, layout, fingerprint: str,
+                  host: str = "", cluster_token: str | None = None) -> "KVAgentMetadata":
+        """Describe an engine's KV allocation (`layout` is its pdserve.engine.kv_cache.KVLayout) on
+        `host`, in the cluster of `cluster_token`."""
         assert kv_cache.is_contiguous() and tuple(kv_cache.shape) == layout.shape
+        assert kv_cache.dtype == layout.dtype
         return cls(engine_id, backend, fingerprint, str(layout.dtype).removeprefix("torch."), layout.dims,
                    layout.num_layers, layout.num_planes, layout.num_blocks, layout.block_size,
                    layout.num_kv_heads, layout.head_dim, layout.bytes_per_block, kv_cache.data_ptr(),
-                   str(kv_cache.device))
+                   str(kv_cache.device), kv_scales=[list(s) for s in layout.scales], host=host,
+                   cluster_proof=cluster_proof(cluster_token, engine_id))
 
     def pack(self) -> bytes:
         return msgpack.packb(asdict(self))
@@ -64,19 +76,41 @@ class KVAgentMetadata:
         return ((layer * self.num_planes + plane) * self.num_blocks + block) * self.bytes_per_block
 
 
+def cluster_proof(token: str | None, engine_id: str) -> str:
+    """What a worker publishes to show it belongs to the cluster of `token` (an HMAC: the token
+    itself never travels). No token (a connector built outside a cluster): the empty key."""
+    return hmac.new((token or "").encode(), f"pdserve-kv:{engine_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def check_cluster(token: str | None, remote: KVAgentMetadata) -> None:
+    """Refuse a peer that does not prove our cluster's token."""
+    if not hmac.compare_digest(remote.cluster_proof, cluster_proof(token, remote.engine_id)):
+        raise HandshakeError(f"KV handshake refused — peer {remote.engine_id!r} (host {remote.host or '?'}) "
+                             f"belongs to another cluster: its cluster token differs from ours "
+                             f"(PDSERVE_CLUSTER_TOKEN, or the one `pdserve up` generated)")
+
+
 def check_peer(local: KVAgentMetadata, remote: KVAgentMetadata) -> None:
     """Refuse a peer whose KV blocks do not mean the same bytes as ours (the layout first: a latent
-    cache and a K/V cache never exchange blocks)."""
-    fields = ["backend", "layout", "fingerprint", "dtype", "block_size", "num_layers", "num_planes",
+    cache and a K/V cache never exchange blocks). Which backend the pair uses, and whether one can
+    work at all, is pairing.choose_backend's."""
+    fields = ["layout", "fingerprint", "kv_cache_dtype", "kv_scales", "block_size", "num_layers", "num_planes",
               "num_kv_heads", "head_dim", "bytes_per_block"]
+    if local.kv_cache_dtype != remote.kv_cache_dtype:
+        fields.remove("kv_scales")  # scales of two dtypes: the dtype says it
     bad = [f"{f}: ours {getattr(local, f)!r}, peer {remote.engine_id!r} has {getattr(remote, f)!r}"
            for f in fields if getattr(local, f) != getattr(remote, f)]
     if bad:
         raise HandshakeError("KV handshake refused — " + "; ".join(bad))
 
 
-def accept_peer(local: KVAgentMetadata, data: bytes) -> KVAgentMetadata:
-    """A peer's published metadata (msgpack), refused with HandshakeError where it does not match ours."""
+def accept_peer(local: KVAgentMetadata, data: bytes, token: str | None = None) -> KVAgentMetadata:
+    """A peer's published metadata (msgpack), refused with HandshakeError where it is of another
+    cluster (`token`), its KV does not match ours, or no backend can move KV between us."""
+    from pdserve.kvtransfer.pairing import choose_backend
+
     peer = KVAgentMetadata.unpack(data)
+    check_cluster(token, peer)
+    choose_backend(local, peer)
     check_peer(local, peer)
     return peer

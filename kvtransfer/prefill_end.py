@@ -13,16 +13,19 @@ import torch
 
 from pdserve.kvtransfer.messages import FirstLogprob, ReserveHandle
 from pdserve.kvtransfer.metadata import KVAgentMetadata, accept_peer
+from pdserve.kvtransfer.pairing import choose_backend
 from pdserve.kvtransfer.ops import Finish, PostLayers, Release
 from pdserve.kvtransfer.poster import CompletionThread, InlinePoster, PostThread
 from pdserve.kvtransfer.transfers import Outcomes, Transfers
 
 
 class PrefillConnector:
-    def __init__(self, backend, meta: KVAgentMetadata):
+    def __init__(self, backend, meta: KVAgentMetadata, cluster_token: str | None = None):
         self.backend = backend
         self.meta = meta
+        self.cluster_token = cluster_token
         self.peers: dict[str, KVAgentMetadata] = {}
+        self.pairs: dict[str, dict] = {}  # peer -> the handshake's record: backend chosen, why
         self._outcomes = Outcomes()
         # A backend that can block until a post is done gets a completion thread, so delivery is
         # noticed at once rather than at the next poll.
@@ -51,9 +54,10 @@ class PrefillConnector:
 
     def add_peer(self, data: bytes) -> str:
         """Handshake with a decode worker; raises HandshakeError on any mismatch."""
-        peer = accept_peer(self.meta, data)
+        peer = accept_peer(self.meta, data, self.cluster_token)
         self._post.call(lambda: self.backend.add_peer(peer))
         self.peers[peer.engine_id] = peer
+        self.pairs[peer.engine_id] = choose_backend(self.meta, peer).record(self.meta, peer)
         return peer.engine_id
 
     def send_layer(self, request_id: str, layer: int, src_blocks: list[int], handle: ReserveHandle,

@@ -17,7 +17,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or [])
-    model = ModelConfig(path=args.model, dtype=args.dtype, load_format=args.load_format)
+    model = ModelConfig(path=args.model, dtype=args.dtype, load_format=args.load_format,
+                        kv_cache_dtype=args.kv_cache_dtype)
     engine = Engine(EngineConfig(model=model, device=args.device), log=_log)
     prompt = args.prompt
     if args.chat:
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                   help="what the KV cache stores: auto = the model's dtype; fp8_e4m3 = 1 byte a value")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--device", default="cpu")
     g.set_defaults(func=_generate)

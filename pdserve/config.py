@@ -16,6 +16,10 @@ class ModelConfig(_Strict):
     load_format: Literal["auto", "dummy"] = "auto"
     seed: int = 0  # for dummy weights
     max_model_len: int | None = Field(default=None, ge=1)  # default: the model's context length
+    # What the KV cache stores: auto = the model's dtype; fp8_e4m3 = float8 e4m3 with a static scale
+    # per layer and plane (half of bfloat16's bytes per token, a quarter of float32's; moved as such).
+    # A model setting, so that every replica of a cluster (both ends of a transfer) caches alike.
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
 
 
 class EngineConfig(_Strict):
@@ -41,6 +45,9 @@ class EngineConfig(_Strict):
     cuda_graph_max_batch: int = Field(default=512, ge=1)
     # Queue step N+1 on the device before handing out step N's tokens (default: on a GPU).
     overlap_scheduling: bool | None = None
+    # Run every kind of step once before the replica is ready (engine/warm_up.py; default: on a GPU,
+    # where kernels compile on first use; on CPU nothing does, and it would only cost time).
+    warm_up: bool | None = None
 
     @field_validator("device")
     @classmethod
@@ -88,16 +95,53 @@ class RouterConfig(_Strict):
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
 
 
+class PlacementConfig(_Strict):
+    """Where a role's replicas run on a Ray cluster of several nodes. A node qualifies when it has
+    every label in `labels` (`ray start --labels k=v`; KubeRay: the worker group's rayStartParams)
+    and offers the custom `resources` (`ray start --resources`); every worker (an EP rank each)
+    takes `resources` from it, so that a node offering {pd_prefill: 1} holds one prefill worker.
+    `strategy` places the role's replicas among the nodes that qualify: "spread" on the node with
+    the fewest of them, "pack" on the one with the most (fewest nodes used), "any" where Ray likes."""
+
+    labels: dict[str, str] = Field(default_factory=dict)
+    resources: dict[str, float] = Field(default_factory=dict)
+    strategy: Literal["any", "spread", "pack"] = "any"
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, v: dict[str, float]) -> dict[str, float]:
+        builtin = sorted(set(v) & {"CPU", "GPU", "memory", "object_store_memory"})
+        if builtin:
+            raise ValueError(f"{', '.join(builtin)} {'is' if len(builtin) == 1 else 'are'} Ray's own "
+                             f"(GPUs come from the section's gpus); name custom resources only")
+        bad = {k: a for k, a in v.items() if not a > 0}
+        if bad:
+            raise ValueError(f"amounts must be above 0, got {bad}")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        if any(not k or k.startswith("ray.io/") for k in v):
+            raise ValueError("label keys must be non-empty and not Ray's own (ray.io/...)")
+        return v
+
+
 # prefill.replicas and decode.replicas left out (None) are settled by ClusterConfig: 1 each in a
 # disaggregated cluster, 0 in a colocated one.
 
 
 class PrefillConfig(_Strict):
     replicas: int | None = Field(default=None, ge=0)
-    gpus: int = Field(default=0, ge=0, le=1)  # per replica
+    gpus: int = Field(default=0, ge=0, le=1)  # per replica (per rank with tp_size > 1)
+    # Tensor parallelism, as colocated.tp_size; the KV leaves whole from rank 0, so any decode
+    # replica (one rank or expert parallel) takes it.
+    tp_size: int = Field(default=1, ge=1)
     max_batch_tokens: int = Field(default=8192, ge=1)
     chunk_size: int = Field(default=2048, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)
+    warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
+    placement: PlacementConfig = PlacementConfig()
 
 
 class DecodeConfig(_Strict):
@@ -111,10 +155,15 @@ class DecodeConfig(_Strict):
     # (0: always all-to-all). On 2-4 H200s the all-gather path led at every batch measured, 64-512
     # per rank, graphed or eager (docs/benchmarks-history.md): all-to-all is for batches beyond those.
     ep_replicated_experts: list[int] = Field(default_factory=list)  # hot experts copied to every rank
+    # The ranks of one EP replica share a node (their exchange is NVLink's), unless this is true:
+    # then they fill as few nodes as hold them (their exchange crosses the network).
+    ep_across_nodes: bool = False
     max_num_seqs: int = Field(default=256, ge=1)
     cuda_graphs: bool = True
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     num_kv_blocks: int | None = Field(default=None, ge=1)
+    warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
+    placement: PlacementConfig = PlacementConfig()
 
 
 class ColocatedConfig(_Strict):
@@ -122,17 +171,24 @@ class ColocatedConfig(_Strict):
     baseline every disaggregated figure is compared with. No KV moves between them."""
 
     replicas: int = Field(default=0, ge=0)
-    gpus: int = Field(default=0, ge=0, le=1)  # per replica
+    gpus: int = Field(default=0, ge=0, le=1)  # per replica (per rank with tp_size > 1)
+    # Tensor parallelism: a replica is tp_size ranks, one process each (heads and MLP / expert
+    # width sharded, one all-reduce after attention and after the MLP); the CPU (gloo) for now.
+    tp_size: int = Field(default=1, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)
     max_batch_tokens: int = Field(default=8192, ge=1)
     chunk_size: int = Field(default=2048, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)
     cuda_graphs: bool = True
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
+    warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
+    placement: PlacementConfig = PlacementConfig()
 
 
 class KVTransferConfig(_Strict):
-    backend: Literal["nixl", "tcp", "cuda_ipc"] = "nixl"
+    # auto: chosen per prefill/decode pair at the handshake — cuda_ipc when both are on GPUs of
+    # one host, else nixl, else tcp (kvtransfer/backends/auto.py).
+    backend: Literal["nixl", "tcp", "cuda_ipc", "auto"] = "nixl"
     block_size: int = Field(default=16, ge=1)
     lease_s: float = Field(default=30.0, gt=0)
 
@@ -200,7 +256,7 @@ class ClusterConfig(_Strict):
         r = getattr(self, role)
         # A colocated engine never moves KV, but shares the cluster's block size all the same.
         kw = dict(model=self.model, role=role, device="cuda" if r.gpus else "cpu",
-                  block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks)
+                  block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks, warm_up=r.warm_up)
         if role in ("prefill", "colocated"):  # the prompt phase
             kw.update(max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size)
         if role in ("decode", "colocated"):  # the generation phase
@@ -213,6 +269,20 @@ def check_model_fit(cfg: ClusterConfig, args) -> None:
     """What cluster.yaml can only be checked against the model (its ModelArgs); raises ConfigError."""
     from pdserve.ops.expert_placement import allowed_ep_sizes
 
+    from pdserve.models.tensor_parallel import check_tp_size
+
+    for role in ("prefill", "colocated"):
+        c = getattr(cfg, role)
+        if not c.replicas or c.tp_size == 1:
+            continue
+        try:
+            check_tp_size(args, c.tp_size, f"{role}.tp_size")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if c.gpus:
+            raise ConfigError(f"{role}.tp_size: {c.tp_size} is not allowed with {role}.gpus: {c.gpus} — "
+                              f"tensor parallelism runs on the CPU only for now (the GPU kernels are "
+                              f"not checked sharded yet)")
     d, experts = cfg.decode, args.num_experts
     if d.ep_size > 1 and (not experts or experts % d.ep_size):
         allowed = ", ".join(map(str, allowed_ep_sizes(experts))) if experts else "1 (the model has no experts)"

@@ -128,11 +128,13 @@ class WorkerStartup:
     weights_s: float  # reading the weights into the device (drawing them, for dummy)
     model_s: float  # the model built, allocated and loaded (weights_s included)
     graphs_s: float | None  # capturing the decode step's CUDA graphs; None where none are captured
-    ready_s: float  # from __init__ to ready: the model, KV cache, graphs, KV connector
+    ready_s: float  # from __init__ to ready: the model, KV cache, graphs, KV connector, warm-up
+    warm_up_s: float | None = None  # the warm-up's steps (engine/warm_up.py); None where none ran
 
     def describe(self) -> str:
         gb = self.weight_bytes / 1e9
         source = f"from {self.weight_files} files" if self.weights == "safetensors" else "dummy"
         graphs = "" if self.graphs_s is None else f", CUDA graphs {self.graphs_s:.2f} s"
+        warm = "" if self.warm_up_s is None else f", warm-up {self.warm_up_s:.2f} s"
         return (f"weights {gb:.2f} GB {source} in {self.weights_s:.2f} s ({gb / max(self.weights_s, 1e-9):.2f} GB/s), "
-                f"model {self.model_s:.2f} s{graphs}, engine ready in {self.ready_s:.2f} s")
+                f"model {self.model_s:.2f} s{graphs}{warm}, engine ready in {self.ready_s:.2f} s")

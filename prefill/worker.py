@@ -15,8 +15,10 @@ RECENT_TRANSFERS = 1024  # transfer records kept for readers of stats()
 class PrefillWorker(Replica):
     role = "prefill"
 
-    def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, cpu_threads: int = 1):
-        super().__init__(name, engine_config, kv_backend, cpu_threads)
+    def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, cpu_threads: int = 1,
+                 cluster_token: str | None = None, tp=None):
+        """`tp`: a TPRank (rank 0) when the replica is tensor parallel (pdserve/worker/tp_group.py)."""
+        super().__init__(name, engine_config, kv_backend, cpu_threads, cluster_token=cluster_token, tp=tp)
         self.streamer = KVStreamer(self.engine, self.connector)
         self._transfers: list[tuple[int, float]] = []
         self._transfers_total = 0
@@ -56,6 +58,8 @@ class PrefillWorker(Replica):
         return len(self.streamer.handles)  # until their KV is delivered (or failed)
 
     def _step(self) -> float | None:
+        if self.tp_group is not None:
+            self.tp_group.keepalive()  # the followers' wait for a step has a deadline, steps or none
         if not (self.streamer.busy() or self.engine.has_unfinished()):
             return IDLE_S
         self.streamer.step()  # waits a little itself when only transfers are left

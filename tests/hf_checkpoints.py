@@ -66,10 +66,11 @@ class Checkpoint:
     hf_model: torch.nn.Module  # the reference, float32, eager attention
 
 
-def build_checkpoint(family: str, root: Path, seed: int = 0) -> Checkpoint:
-    """Save a random `family` checkpoint under root/family and return it with its HF model."""
+def build_checkpoint(family: str, root: Path, seed: int = 0, **overrides) -> Checkpoint:
+    """Save a random `family` checkpoint under root/family and return it with its HF model;
+    `overrides`: config keys that differ from the family's here."""
     config_cls, model_cls, kwargs, save_kwargs = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**_COMMON, **kwargs})
+    config = getattr(transformers, config_cls)(**{**_COMMON, **kwargs, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
@@ -102,3 +103,45 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
+
+
+SHARP_EMBED, SHARP_HEAD = 6.0, 1 / 3  # embeddings x6; the head reads them at x2
+
+
+def checkpoint_path(family: str, root: Path, seed: int = 0, sharp: bool = False, **overrides) -> Path:
+    """A tiny random `family` checkpoint with its tokenizer; returns its path.
+
+    sharp: non-degenerate weights. Random layers make the next token hinge on near-ties that a
+    rounding (bf16's ~0.4 % per operation, an FP8 KV cache's ~6 % per value) flips; here a strong
+    embedding path (lm_head reads a permutation of the embeddings) sets a clear leader, while
+    attention and experts (unchanged) still move the logits and the choice."""
+    tag = "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+    ck = build_checkpoint(family, root / f"{family}-{seed}{tag}", seed=seed, **overrides)
+    path = ck.path
+    if sharp:
+        m = ck.hf_model
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            emb = m.model.embed_tokens.weight
+            emb.mul_(SHARP_EMBED)
+            m.lm_head.weight.copy_(emb[torch.randperm(emb.shape[0], generator=g)] * SHARP_HEAD)
+        path = path.with_name(path.name + "-sharp")
+        m.save_pretrained(path)
+    write_tokenizer(path, ck.hf_model.config.vocab_size)
+    return path
+
+
+def clear_prompts(reference, prompts: list[list[int]], n: int, tokens: int, min_margin: float
+                  ) -> tuple[list[list[int]], list[list[int]]]:
+    """The n `prompts` whose greedy continuation by `reference` (an Engine) is least ambiguous, and
+    that continuation. Random weights give near-ties somewhere (a rounding then picks the other
+    token, and the texts part): a check against the reference is meaningful where its top token
+    leads the next one by a clear margin at every step, so that is asserted first."""
+    from pdserve.protocol import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=2)
+    ref = reference.generate(prompts, params)
+    margin = [min(lp.top[0][1] - lp.top[1][1] for lp in c.logprobs) for c in ref]
+    best = sorted(range(len(prompts)), key=lambda i: -margin[i])[:n]
+    assert min(margin[i] for i in best) >= min_margin, sorted(margin)[-n:]
+    return [prompts[i] for i in best], [ref[i].token_ids for i in best]

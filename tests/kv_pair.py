@@ -15,21 +15,23 @@ from pdserve.protocol import SamplingParams
 NUM_BLOCKS = 160
 
 
-def engine_config(role: str, seed: int, device: str, model: str = "tiny-moe") -> EngineConfig:
+def engine_config(role: str, seed: int, device: str, model: str = "tiny-moe",
+                  kv_cache_dtype: str = "auto") -> EngineConfig:
     """`model` (tiny-moe) with the torch reference kernels everywhere: the test is about moving KV, and the
     colocated oracle must compute each decode row with the same kernel as the decode side. (The
     Triton path picks kernels by a step's shape — a decode row mixed into a prefill step takes the
     prefill kernel — and tiny-moe's random weights leave near-ties that rounding can flip;
     tests/test_gpu_engine.py checks the Triton path against this reference.)"""
-    return EngineConfig(model=ModelConfig(path=model, seed=seed), role=role, device=device,
+    return EngineConfig(model=ModelConfig(path=model, seed=seed, kv_cache_dtype=kv_cache_dtype), role=role, device=device,
                         num_kv_blocks=NUM_BLOCKS, chunk_size=256, max_num_batched_tokens=256,
                         attention_backend="torch", moe_backend="torch")
 
 
-def _engine(role: str, seed: int, fragment: bool, device: str = "cpu", model: str = "tiny-moe"):
+def _engine(role: str, seed: int, fragment: bool, device: str = "cpu", model: str = "tiny-moe",
+            kv_cache_dtype: str = "auto"):
     from pdserve.engine.engine import Engine
 
-    engine = Engine(engine_config(role, seed, device, model))
+    engine = Engine(engine_config(role, seed, device, model, kv_cache_dtype))
     if fragment:
         # Hold every third block: each allocation afterwards is scattered over small runs.
         held = engine.pool.allocate(NUM_BLOCKS // 3 * 3)
@@ -37,11 +39,12 @@ def _engine(role: str, seed: int, fragment: bool, device: str = "cpu", model: st
     return engine
 
 
-def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str, model: str = "tiny-moe") -> None:
+def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str, model: str = "tiny-moe",
+                  kv_cache_dtype: str = "auto") -> None:
     from pdserve.kvtransfer import ReserveHandle, make_connector
     from pdserve.prefill.kv_stream import KVStreamer
 
-    engine = _engine("prefill", seed, fragment, device, model)
+    engine = _engine("prefill", seed, fragment, device, model, kv_cache_dtype)
     idle = engine.pool.num_free_blocks
     connector = make_connector("prefill", backend, f"prefill-{mp.current_process().pid}", engine.kv_cache,
                                engine.layout, engine.fingerprint)
@@ -81,6 +84,8 @@ def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str, mo
                     time.sleep(0.002)
                 conn.send((dict(results), engine.pool.num_free_blocks, idle))
                 results.clear()
+            elif cmd == "delivered":  # (KV bytes, seconds) of each request delivered since the last call
+                conn.send(connector.delivered())
             elif cmd == "exit":
                 connector.close()
                 conn.send(None)
@@ -89,11 +94,12 @@ def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str, mo
             conn.send(RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str, model: str = "tiny-moe") -> None:
+def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str, model: str = "tiny-moe",
+                 kv_cache_dtype: str = "auto") -> None:
     from pdserve.decode.kv_intake import KVIntake
     from pdserve.kvtransfer import make_connector
 
-    engine = _engine("decode", seed, fragment, device, model)
+    engine = _engine("decode", seed, fragment, device, model, kv_cache_dtype)
     idle = engine.pool.num_free_blocks
     connector = make_connector("decode", backend, f"decode-{mp.current_process().pid}", engine.kv_cache,
                                engine.layout, engine.fingerprint)
@@ -153,10 +159,11 @@ class Worker:
     """A child process and its command pipe."""
 
     def __init__(self, target, backend: str, seed: int = 0, fragment: bool = False, device: str = "cpu",
-                 model: str = "tiny-moe"):
+                 model: str = "tiny-moe", kv_cache_dtype: str = "auto"):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, backend, seed, fragment, device, model), daemon=True)
+        self.proc = ctx.Process(target=target, args=(child, backend, seed, fragment, device, model, kv_cache_dtype),
+                                daemon=True)
         self.proc.start()
 
     def call(self, *msg, timeout: float = 120):
@@ -184,12 +191,14 @@ class Worker:
 
 
 def start_pair(backend: str, fragment: bool = False, prefill_seed: int = 0,
-               devices: tuple[str, str] | None = None, model: str = "tiny-moe") -> tuple[Worker, Worker]:
+               devices: tuple[str, str] | None = None, model: str = "tiny-moe",
+               kv_cache_dtype: str = "auto") -> tuple[Worker, Worker]:
     """A connected prefill/decode pair (handshake done both ways) of `model` (a preset or an HF
-    directory); on two GPUs for cuda_ipc, on CPU memory otherwise, unless `devices` says."""
+    directory) caching `kv_cache_dtype`; on two GPUs for cuda_ipc, on CPU memory otherwise, unless
+    `devices` says."""
     devices = devices or (("cuda:0", "cuda:1") if backend == "cuda_ipc" else ("cpu", "cpu"))
-    p = Worker(_prefill_main, backend, prefill_seed, fragment, devices[0], model)
-    d = Worker(_decode_main, backend, 0, fragment, devices[1], model)
+    p = Worker(_prefill_main, backend, prefill_seed, fragment, devices[0], model, kv_cache_dtype)
+    d = Worker(_decode_main, backend, 0, fragment, devices[1], model, kv_cache_dtype)
     pmeta, dmeta = p.call("meta"), d.call("meta")
     p.call("add_peer", dmeta)
     d.call("add_peer", pmeta)

@@ -3,6 +3,7 @@
 - float32 on the GPU (Triton kernels, CUDA graphs) equals the float32 CPU reference;
 - bf16 on the GPU agrees with the float32 CPU reference for the first 16 greedy tokens of 8
   prompts whose reference continuation has no near-tie (non-degenerate);
+- an FP8 KV cache on the GPU gives the CPU's FP8 output on prompts clear of near-ties;
 - decode steps replayed from CUDA graphs equal the same steps run eagerly, token for token, while
   the batch shrinks through the buckets (padded rows) and prefills mix with decodes.
 """
@@ -10,14 +11,12 @@
 import pytest
 import torch
 
-from hf_checkpoints import build_checkpoint, write_tokenizer
+from hf_checkpoints import checkpoint_path as checkpoint, clear_prompts
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.protocol import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-
-SHARP_EMBED, SHARP_HEAD = 6.0, 1 / 3  # embeddings x6; the head reads them at x2
 
 
 @pytest.fixture(scope="module")
@@ -31,31 +30,9 @@ def prompts(n: int, seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def engine(path, device: str, dtype: str, **kw) -> Engine:
-    return Engine(EngineConfig(model=ModelConfig(path=str(path), dtype=dtype), device=device, num_kv_blocks=128,
-                               max_num_batched_tokens=64, chunk_size=32, **kw))
-
-
-def checkpoint(family: str, root, seed: int = 0, sharp: bool = False):
-    """A tiny random HF checkpoint (tests/hf_checkpoints.py) with its tokenizer; returns its path.
-
-    sharp: non-degenerate weights. Random layers make the next token hinge on near-ties that
-    bf16's rounding (~0.4 % per operation) flips; here a strong embedding path (lm_head reads a
-    permutation of the embeddings) sets a clear leader, while attention and experts (unchanged)
-    still move the logits and the choice."""
-    ck = build_checkpoint(family, root / f"{family}-{seed}", seed=seed)
-    path = ck.path
-    if sharp:
-        m = ck.hf_model
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            emb = m.model.embed_tokens.weight
-            emb.mul_(SHARP_EMBED)
-            m.lm_head.weight.copy_(emb[torch.randperm(emb.shape[0], generator=g)] * SHARP_HEAD)
-        path = path.with_name(path.name + "-sharp")
-        m.save_pretrained(path)
-    write_tokenizer(path, ck.hf_model.config.vocab_size)
-    return path
+def engine(path, device: str, dtype: str, kv_cache_dtype: str = "auto", **kw) -> Engine:
+    return Engine(EngineConfig(model=ModelConfig(path=str(path), dtype=dtype, kv_cache_dtype=kv_cache_dtype),
+                               device=device, num_kv_blocks=128, max_num_batched_tokens=64, chunk_size=32, **kw))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -72,27 +49,29 @@ def test_gpu_float32_greedy_equals_cpu(family, root):
     assert gpu.pool.num_free_blocks == idle
 
 
-def clear_prompts(path, n: int, tokens: int, min_margin: float) -> tuple[list[list[int]], list[list[int]]]:
-    """The n prompts (of 48 random ones) whose float32 greedy continuation is least ambiguous, and
-    that continuation. Random weights give near-ties somewhere (bf16's ~0.4 % rounding then picks
-    the other token, and the texts part): the bf16 check is meaningful where the reference's top
-    token leads the next one by a clear margin at every step, so that is asserted first."""
-    ps = prompts(48, seed=11)
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=2)
-    ref = engine(path, "cpu", "float32").generate(ps, params)
-    margin = [min(lp.top[0][1] - lp.top[1][1] for lp in c.logprobs) for c in ref]
-    best = sorted(range(len(ps)), key=lambda i: -margin[i])[:n]
-    assert min(margin[i] for i in best) >= min_margin, sorted(margin)[-n:]
-    return [ps[i] for i in best], [ref[i].token_ids for i in best]
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_gpu_bf16_greedy_matches_cpu_float32(family, root):
     path = checkpoint(family, root, sharp=True)
-    ps, want = clear_prompts(path, n=8, tokens=16, min_margin=0.25)
+    ps, want = clear_prompts(engine(path, "cpu", "float32"), prompts(48, seed=11), n=8, tokens=16, min_margin=0.25)
     gpu = engine(path, "cuda:0", "bfloat16")
     got = [c.token_ids for c in gpu.generate(ps, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
     assert got == want
+
+
+def test_gpu_fp8_cache_greedy_matches_cpu(root):
+    """An FP8 KV cache on the GPU (Triton's write, decode with its fused write, prefill kernels;
+    the scales in CUDA graphs) against the CPU reference caching FP8: the same rounding of K/V, so
+    the same 16 tokens on prompts clear of near-ties (a K/V value the two sides compute a float32
+    ulp apart can still round to neighbouring FP8 values)."""
+    path = checkpoint("qwen3", root, sharp=True)
+    cpu = engine(path, "cpu", "float32", "fp8_e4m3")
+    ps, want = clear_prompts(cpu, prompts(48, seed=11), n=8, tokens=16, min_margin=0.2)
+    gpu = engine(path, "cuda:0", "float32", "fp8_e4m3")
+    assert gpu.runner.graphs is not None and gpu.kv_cache.dtype == torch.float8_e4m3fn
+    idle = gpu.pool.num_free_blocks
+    got = [c.token_ids for c in gpu.generate(ps, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
+    assert got == want
+    assert gpu.pool.num_free_blocks == idle
 
 
 def test_cuda_graphs_equal_eager(root):

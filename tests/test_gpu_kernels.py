@@ -5,7 +5,9 @@ computed in float64 (CPU) or float32 (GPU) from the same inputs upcast. Two mode
 
 - a CUDA device: the real kernels, real shapes (skipped without one);
 - PDSERVE_TRITON_INTERPRET=1: the same kernels on the CPU under Triton's interpreter, tiny shapes,
-  float32/float16 only (the interpreter rounds bfloat16 toward zero). Slow: not part of CI.
+  float32/float16 only (the interpreter rounds bfloat16 toward zero; its float8 rounding, which
+  drops the carry out of the mantissa, is replaced by torch's round-to-nearest-even, the GPU's).
+  Slow: not part of CI.
 """
 
 import os
@@ -56,6 +58,32 @@ def _patch_interpreter() -> None:
 
     interpreter._patch_lang_tensor = patched
 
+    # Triton 3.9's interpreter rounds float32 -> float8e4nv by adding the cut-off bit to the
+    # mantissa without carrying into the exponent (7.9 becomes 4.0); the GPU rounds to nearest even
+    # (cvt.rn.satfinite), as torch's conversion does: use torch's for that one conversion.
+    import numpy as np
+    import triton.language as tl
+
+    convert = interpreter._convert_float
+
+    def convert_float(data, src, dst, rounding_mode):
+        if dst == tl.float8e4nv and src == tl.float32:
+            x = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
+            return x.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(data.shape)
+        return convert(data, src, dst, rounding_mode)
+
+    interpreter._convert_float = convert_float
+
+    # A mask combining a block with a splatted scalar comparison (the decode kernel's fused write)
+    # reaches the interpreter's store as int32, which it refuses: a GPU mask is i1 whatever its way.
+    store = interpreter.InterpreterBuilder.create_masked_store
+
+    def masked_store(self, ptrs, value, mask, cache_policy):
+        mask = interpreter.TensorHandle(mask.data.astype(np.bool_), mask.dtype)
+        return store(self, ptrs, value, mask, cache_policy)
+
+    interpreter.InterpreterBuilder.create_masked_store = masked_store
+
 
 if INTERPRET:
     _patch_interpreter()
@@ -66,6 +94,7 @@ DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.bfloat16, torch
 # ‖out − ref‖ / ‖ref‖ bounds (METHOD.md): float32 kernels use IEEE dots (no tf32).
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 BLOCK = 16
+FP8 = torch.float8_e4m3fn
 
 
 def gen(seed: int) -> torch.Generator:
@@ -88,12 +117,14 @@ def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -
 
 
 def reference_attention(case, scale: float) -> torch.Tensor:
-    """TorchAttention over upcast copies of the clean batch; writes the step's KV into ref_batch's cache."""
+    """TorchAttention over upcast copies of the clean batch; writes the step's KV into ref_batch's
+    cache. An FP8 cache stays FP8: the reference reads it dequantized in REF_DTYPE."""
     ref = case.ref_batch
-    cache = ref.kv_cache.to(REF_DTYPE)
+    cache = ref.kv_cache.clone() if ref.kv_scales else ref.kv_cache.to(REF_DTYPE)
     up = ForwardBatch(**{**ref.__dict__, "kv_cache": cache})
     out = TorchAttention().forward(0, case.q.to(REF_DTYPE), case.k.to(REF_DTYPE), case.v.to(REF_DTYPE), up, scale)
-    write_kv(ref.kv_cache[0], case.k, case.v, ref.slot_mapping)  # the expected cache, in the cache's dtype
+    # the expected cache, in the cache's dtype
+    write_kv(ref.kv_cache[0], case.k, case.v, ref.slot_mapping, ref.layer_scales(0))
     return out
 
 
@@ -101,8 +132,14 @@ def assert_cache_written(case) -> None:
     """The step's K/V landed where write_kv puts them, and every context is NaN-free (the unused
     slots of the kernel's cache are NaN: a write to a wrong slot, or a missed one, shows)."""
     b, ours, ref = case.batch, case.batch.kv_cache, case.ref_batch.kv_cache
-    filled = ~torch.isnan(ours)
-    assert torch.equal(ours[filled], ref[filled]), "KV cache differs from write_kv's"
+    filled = ~torch.isnan(ours.float())
+    if ours.dtype == FP8:
+        # Byte for byte: Triton and torch both round to nearest even, saturating.
+        assert torch.equal(ours.view(torch.uint8)[filled], ref.view(torch.uint8)[filled]), \
+            "FP8 KV cache differs from write_kv's"
+        ours = ours.float()  # for the holes check below
+    else:
+        assert torch.equal(ours[filled], ref[filled]), "KV cache differs from write_kv's"
     for i, ctx in enumerate(b.context_lens):
         table = b.block_tables[i, : -(-ctx // b.block_size)]
         assert torch.isfinite(ours[0][:, table].flatten(1, 2)[:, :ctx]).all(), f"sequence {i}: context has holes"
@@ -158,6 +195,9 @@ def _poison_new_slots(case) -> None:
     """NaN at the step's own slots in the kernel's cache: a fused write that reads its slot back
     (instead of using k/v directly) or misses it shows."""
     cache = case.batch.kv_cache[0]
+    if cache.dtype == FP8:  # float8's NaN byte, through uint8 (no float8 fill)
+        cache.view(torch.uint8).view(2, -1, *cache.shape[3:])[:, case.batch.slot_mapping] = 0x7F
+        return
     flat = cache.view(2, -1, *cache.shape[3:])
     flat[:, case.batch.slot_mapping] = float("nan")
 
@@ -261,6 +301,98 @@ def test_attention_backend_mixed_batch(dtype, fuse_kv_write):
         out = TritonAttention(fuse_kv_write=fuse_kv_write).forward(0, case.q, case.k, case.v, case.batch, 0.1)
         assert_cache_written(case)
         check(out, ref, dtype, f"backend {rows}")
+
+
+# -- FP8 KV cache ------------------------------------------------------------------------------------
+
+# (k_scale, v_scale): neither 1 nor equal, so a scale missed, or K's and V's swapped, shows.
+FP8_SCALES = (0.5, 2.0)
+# The kernels store what the reference stores, byte for byte, and widen it exactly: the bounds are
+# the q dtype's (TOL); a scale missed or swapped errs by 50 % and more.
+
+
+def fp8_case(seqs, heads, dtype, g):
+    num_heads, kv_heads, head_dim = heads
+    return random_paged_case(seqs, num_heads, kv_heads, head_dim, BLOCK, dtype, DEVICE, g,
+                             cache_dtype=FP8, kv_scales=FP8_SCALES)
+
+
+def check_fp8(out, ref, dtype, what) -> None:
+    check(out, ref, dtype, f"{what} over an FP8 cache")
+
+
+def test_write_kv_fp8():
+    """write_kv_triton quantizes as kv_quant does: value / scale, saturated at ±448 (large values
+    included), K and V through their own scales."""
+    g = gen(21)
+    kv_heads, head_dim, blocks = pick((4, 128, 64), (2, 32, 8))
+    cache = (torch.randn(2, blocks, BLOCK, kv_heads, head_dim, generator=g, device=DEVICE)).to(FP8)
+    t = pick(300, 20)
+    slots = torch.randperm(blocks * BLOCK, device="cpu")[:t].to(DEVICE)
+    slots[3] = -1
+    k = torch.randn(t, kv_heads, head_dim, generator=g, device=DEVICE) * 3
+    v = torch.randn(t, kv_heads, head_dim, generator=g, device=DEVICE) * 3
+    k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 200.0, 1e-3])  # beyond ±448 * 0.5: saturates
+    ref = cache.clone()
+    keep = slots >= 0
+    write_kv(ref, k[keep], v[keep], slots[keep], FP8_SCALES)
+    write_kv_triton(cache, k, v, slots, FP8_SCALES)
+    assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
+    assert cache.float().abs().max() == 448.0 and torch.isfinite(cache.float()).all()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_fp8(fused, splits, dtype):
+    """Paged decode over an FP8 cache against the torch reference reading it dequantized; with the
+    fused write the kernel stores the new K/V quantized and attends to what it stored."""
+    heads = HEADS[1]
+    g = gen(22)
+    case = fp8_case([(c, 1) for c in DECODE_CTX[::-1]], heads, dtype, g)
+    ref = reference_attention(case, heads[2] ** -0.5)
+    b = case.batch
+    if fused:
+        _poison_new_slots(case)
+        new_kv = dict(k_new=case.k, v_new=case.v, slot_mapping=b.slot_mapping)
+    else:
+        write_kv(b.kv_cache[0], case.k, case.v, b.slot_mapping, FP8_SCALES)  # torch's rounding: reading alone
+        new_kv = {}
+    out = poisoned(case.q.shape, dtype)
+    paged_decode_attention(case.q, b.kv_cache[0], b.block_tables, b.context_lens_t, heads[2] ** -0.5, splits,
+                           out=out, block_n=pick(64, 16), kv_scales=FP8_SCALES, **new_kv)
+    assert_cache_written(case)
+    check_fp8(out, ref, dtype, f"decode fused={fused} splits={splits}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_fp8(dtype):
+    heads = HEADS[1]
+    g = gen(23)
+    case = fp8_case(_prefill_seqs(g), heads, dtype, g)
+    ref = reference_attention(case, heads[2] ** -0.5)
+    b = case.batch
+    write_kv(b.kv_cache[0], case.k, case.v, b.slot_mapping, FP8_SCALES)
+    out = poisoned(case.q.shape, dtype)
+    paged_prefill_attention(case.q, b.kv_cache[0], b.block_tables, b.context_lens_t, b.query_start_t,
+                            max(b.query_lens), heads[2] ** -0.5, out=out, kv_scales=FP8_SCALES)
+    check_fp8(out, ref, dtype, "prefill")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_backend_fp8(dtype):
+    """TritonAttention over an FP8 cache, every path: mixed (prefill kernel), decode only (fused
+    write) and fresh prompts (SDPA over the step's K/V rounded through FP8, as the cache holds them)."""
+    g = gen(24)
+    heads = HEADS[1]
+    seqs = pick([(300, 300), (1200, 1), (700, 64), (33, 1)], [(20, 20), (30, 1), (40, 9)])
+    for rows in (seqs, [(c, 1) for c, _ in seqs], [(n, n) for _, n in seqs if n > 1]):
+        case = fp8_case(rows, heads, dtype, g)
+        ref = reference_attention(case, 0.1)
+        _poison_new_slots(case)
+        out = TritonAttention().forward(0, case.q, case.k, case.v, case.batch, 0.1)
+        assert_cache_written(case)
+        check_fp8(out, ref, dtype, f"backend {rows}")
 
 
 # -- MoE ----------------------------------------------------------------------------------------------
@@ -465,9 +597,10 @@ def test_silu_and_mul(tokens, dtype):
 
 # -- a whole model ------------------------------------------------------------------------------------
 
-def test_model_forward_matches_torch_backends():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, FP8], ids=["float32-cache", "fp8-cache"])
+def test_model_forward_matches_torch_backends(kv_dtype):
     """tiny-moe with the Triton backends (attention, MoE, norms and RoPE) against the torch ones: a
-    prefill step, then a decode step."""
+    prefill step, then a decode step; over a float32 cache, or an FP8 one (scales 1, the engine's)."""
     from pdserve.models.loader import load_model
     from pdserve.ops.attention import TorchAttention as TA
     from pdserve.ops.moe import TorchMoE as TM
@@ -483,11 +616,12 @@ def test_model_forward_matches_torch_backends():
     case = random_paged_case(prompts, args.num_heads, args.num_kv_heads, args.head_dim, BLOCK, dtype, DEVICE, g)
     layers = args.num_layers
     cache_shape = (layers,) + tuple(case.batch.kv_cache.shape[1:])
-    caches = [torch.zeros(cache_shape, dtype=dtype, device=DEVICE) for _ in range(2)]
+    caches = [torch.zeros(cache_shape, dtype=kv_dtype, device=DEVICE) for _ in range(2)]
+    scales = ((1.0, 1.0),) * layers if kv_dtype == FP8 else ()
     tokens = torch.randint(0, 256, (sum(n for _, n in prompts),), generator=g, device=DEVICE)
 
     def step(batch: ForwardBatch, cache: torch.Tensor, ids: torch.Tensor, model) -> torch.Tensor:
-        b = ForwardBatch(**{**batch.__dict__, "kv_cache": cache, "input_ids": ids,
+        b = ForwardBatch(**{**batch.__dict__, "kv_cache": cache, "input_ids": ids, "kv_scales": scales,
                             "logits_indices": torch.arange(ids.numel(), device=DEVICE)})
         with torch.inference_mode():
             return model.compute_logits(model(b))

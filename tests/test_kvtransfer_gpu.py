@@ -23,10 +23,16 @@ def prompts() -> list[list[int]]:
 @pytest.mark.parametrize("backend", ["nixl", "cuda_ipc"])
 @pytest.mark.parametrize("fragment", [False, True], ids=["fresh", "fragmented"])
 def test_gpu_disaggregated_greedy_equals_colocated(backend, fragment):
-    engine = Engine(engine_config("colocated", 0, "cuda:0"))
+    _pair_equals_colocated(backend, fragment)
+
+
+def _pair_equals_colocated(backend: str, fragment: bool = False, **engine_kw) -> None:
+    """Five prompts prefilled on GPU 0 and decoded on GPU 1 give a colocated engine's greedy tokens,
+    and both pools come back to idle."""
+    engine = Engine(engine_config("colocated", 0, "cuda:0", **engine_kw))
     expected = [c.token_ids for c in engine.generate(prompts(), SamplingParams(**GREEDY))]
     del engine
-    p, d = start_pair(backend, fragment=fragment, devices=("cuda:0", "cuda:1"))
+    p, d = start_pair(backend, fragment=fragment, devices=("cuda:0", "cuda:1"), **engine_kw)
     try:
         for i, prompt in enumerate(prompts()):
             handle = d.call("reserve", f"r{i}", prompt, GREEDY, 30.0, None)
@@ -110,3 +116,9 @@ def test_block_copy_reads_ids_from_pinned_memory():
         want[first:first + count, :, d] = src[first:first + count, :, s].cpu()
         assert torch.equal(dst.cpu(), want), (first, count, n)
     assert copy._kernel is not None
+
+
+def test_gpu_fp8_cache_over_cuda_ipc_equals_colocated():
+    """An FP8 cache (kv_cache_dtype: fp8_e4m3) moved by cuda_ipc's copy kernel, which moves words
+    whatever they hold: the decode GPU continues as a colocated FP8 engine does; pools come back."""
+    _pair_equals_colocated("cuda_ipc", kv_cache_dtype="fp8_e4m3")

@@ -11,12 +11,15 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from hf_checkpoints import _COMMON, FAMILIES
 from pdserve.cli import main as cli
 from pdserve.models import resolve_model_args
 from pdserve.models.checkpoint_writer import parse_size, write_checkpoint
-from pdserve.models.loader import build_model, load_model, safetensors_files
+from pdserve.models.layers import SparseMoE
+from pdserve.models.loader import build_model, init_dummy_weights, load_model, safetensors_files
+from pdserve.models.tensor_parallel import TensorParallel
 from pdserve.models import weight_stream
 from pdserve.models.weight_stream import ChunkedReader, HostReader, stream_safetensors
 from pdserve.tokenizer import ByteTokenizer, load_tokenizer
@@ -159,6 +162,97 @@ def test_both_readers_put_every_byte_in_place(written, monkeypatch, chunk, batch
         for name, p in params(full).items():
             want = p[experts] if experts and name.endswith((".w13", ".w2")) else p
             assert torch.equal(loaded[0][name], want.to(dtype)) and torch.equal(loaded[1][name], want.to(dtype)), name
+
+
+def rank_model(args, dtype: torch.dtype, rank: int, experts: list[int] | None):
+    """Tensor-parallel rank `rank` of 2, holding `experts` only where given (expert parallel too:
+    load_model refuses both in one replica, the placement of each is still checked together)."""
+    model = build_model(args, dtype, tp=TensorParallel(rank, 2))
+    if experts:
+        for moe in model.moe_layers():
+            moe.hold_experts(experts)
+    model.to_empty(device="cpu")
+    model.rotary_emb.build_cache()
+    return model
+
+
+def rank_slices(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """What each parameter of the rank `model` must hold: its experts' and its indices' part of the
+    single-rank model's tensor (tensor_parallel.py's contract)."""
+    shards, out = model.tp_shard_map(), {}
+    for prefix, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            key = f"{prefix}.{name}" if prefix else name
+            t = full[key]
+            if isinstance(module, SparseMoE) and name in ("w13", "w2") and len(module.experts) != module.num_experts:
+                t = t[module.experts]
+            if key in shards:
+                dim, index, _ = shards[key]
+                t = t.index_select(dim, index)
+            out[key] = t
+    assert len(shards) > 0 and out.keys() == params(model).keys()
+    return out
+
+
+def fused_checkpoint(written: Path, out: Path) -> list[Path]:
+    """The written model with every MoE layer's experts fused as transformers 5 names them, gate_up_proj
+    transposed ([E, H, 2I], as some converters write it; down_proj is square here, which reads in
+    transformers' orientation): one file."""
+    full, _ = load_model(str(written), torch.float32, "cpu")
+    tensors = {}
+    for name, p in params(full).items():
+        if name.endswith(".w13"):
+            tensors[f"model.{name.removesuffix('.w13')}.experts.gate_up_proj"] = p.transpose(1, 2).contiguous()
+        elif name.endswith(".w2"):
+            tensors[f"model.{name.removesuffix('.w2')}.experts.down_proj"] = p
+        else:
+            tensors[full.hub_name(name)] = p
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors")
+    return [out / "model.safetensors"]
+
+
+@pytest.mark.parametrize("experts", [None, [1, 6]], ids=["all-experts", "two-experts"])
+def test_tensor_parallel_ranks_read_their_slices(written, tmp_path, monkeypatch, experts):
+    """Each TP rank of 2 reads its slice of every sharded tensor, exactly the single-rank model's:
+    both readers (small chunks and scatter reads, no gap read through, so only this rank's rows of
+    a column-parallel tensor are read), another dtype, expert parallel at once; per-expert tensors
+    (the written checkpoint) and fused ones in either orientation (read whole, sliced)."""
+    monkeypatch.setattr(weight_stream, "BATCH_BYTES", 100_003)
+    monkeypatch.setattr(weight_stream, "GAP_BYTES", 1)
+    args = resolve_model_args(str(written))
+    full = params(load_model(str(written), torch.float32, "cpu")[0])
+    whole = json.loads((written / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    sources = {"per-expert": safetensors_files(written), "fused": fused_checkpoint(written, tmp_path / "fused")}
+    for source, files in sources.items():
+        for rank in (0, 1):
+            for dtype, reader in ((torch.float32, HostReader()), (torch.bfloat16, ChunkedReader(torch.device("cpu"), 4093, 2))):
+                model = rank_model(args, dtype, rank, experts)
+                read = stream_safetensors(model, files, reader)
+                want = rank_slices(full, model)
+                for name, p in params(model).items():
+                    assert torch.equal(p, want[name].to(dtype)), (source, rank, str(dtype), name)
+                if source == "per-expert":  # the other rank's rows of q/k/v, gate and up are skipped
+                    assert read < (whole if experts is None else 0.6 * whole), (read, whole)
+            # Tensors handed over whole (load_weights: HF's in-memory state dicts) are sliced alike.
+            model = rank_model(args, torch.float32, rank, experts)
+            model.load_weights((n, t) for f in files for n, t in load_file(f).items())
+            want = rank_slices(full, model)
+            assert all(torch.equal(p, want[n]) for n, p in params(model).items()), (source, rank)
+
+
+@pytest.mark.parametrize("experts", [None, [1, 6]], ids=["all-experts", "two-experts"])
+def test_tensor_parallel_ranks_draw_their_slice_of_the_dummy_weights(experts):
+    """A TP rank's dummy weights are its slice of the single-rank model's (drawn whole, sliced), with
+    expert parallel at once too: so a TP replica on dummy weights computes what one rank does, and
+    a written checkpoint (the single-rank dummy model) reads into every rank as its dummy weights."""
+    args = resolve_model_args("tiny-moe")
+    full = params(load_model("tiny-moe", torch.float32, "cpu", seed=3)[0])
+    for rank in (0, 1):
+        model = rank_model(args, torch.float32, rank, experts)
+        init_dummy_weights(model, 3)
+        want = rank_slices(full, model)
+        assert all(torch.equal(p, want[n]) for n, p in params(model).items()), rank
 
 
 def test_broken_files_are_named(written, tmp_path):

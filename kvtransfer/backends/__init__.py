@@ -23,4 +23,7 @@ def make_backend(name: str, meta, kv_cache, **kw):
     if name == "cuda_ipc":
         from pdserve.kvtransfer.backends.cuda_ipc import CudaIpcBackend
         return CudaIpcBackend(meta, kv_cache, **kw)
-    raise ValueError(f"kv_transfer.backend: must be 'nixl', 'tcp' or 'cuda_ipc', got {name!r}")
+    if name == "auto":
+        from pdserve.kvtransfer.backends.auto import AutoBackend
+        return AutoBackend(meta, kv_cache, **kw)
+    raise ValueError(f"kv_transfer.backend: must be 'nixl', 'tcp', 'cuda_ipc' or 'auto', got {name!r}")

@@ -102,6 +102,7 @@ class NixlBackend:
         self._stuck: dict[int, object] = {}  # token -> xfer handle NIXL refused to release (in flight): retried later
         self._tokens = itertools.count()
         self._notices: list[bytes] = []
+        self.refused = 0  # notices dropped: their sender was not a handshaked peer
         self._cuda_thread = threading.local()
 
         # No NIXL progress thread by default: it spins a core even when idle (seen: ~100 % per
@@ -254,7 +255,13 @@ class NixlBackend:
 
         A peer's write into our memory over UCX's host transports needs our side to progress
         too, so an idle end that expects data calls this (polling notifications does)."""
-        self._notices += [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
+        for agent, msgs in self.agent.get_new_notifs().items():
+            agent = agent.decode() if isinstance(agent, bytes) else agent
+            if agent in self._peers:
+                self._notices += msgs
+            else:  # only handshaked peers speak to this end (a stranger cannot write: it lacks our keys)
+                self.refused += len(msgs)
+                log.warning("NIXL: dropped %d notices from %r, not a handshaked peer", len(msgs), agent)
 
     # -- teardown -------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ Measured in the same run (each model is freed before the next one is built):
 """
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -62,7 +63,8 @@ class ModelCost:
     """Parameters a token passes through and bytes a decode step must read, from ModelArgs."""
 
     args: ModelArgs
-    itemsize: int  # bytes per weight and per KV element
+    itemsize: int  # bytes per weight (and per KV element, unless kv_itemsize says)
+    kv_itemsize: int | None = None  # an FP8 cache: 1
 
     @property
     def moe_layers(self) -> int:
@@ -140,7 +142,7 @@ class ModelCost:
         """The cache's bytes per token over all layers: K and V, or MLA's latent (KVLayout)."""
         a = self.args
         _, planes, heads, dim = a.kv_cache_entry()
-        return planes * a.num_layers * heads * dim * self.itemsize
+        return planes * a.num_layers * heads * dim * (self.kv_itemsize or self.itemsize)
 
     def decode_bytes(self, batch: int, context: float, experts_hit: float) -> dict[str, float]:
         """Bytes one decode step must move: weights, the experts hit (per layer), the KV it attends over."""
@@ -282,7 +284,8 @@ def prefill_row(cost: ModelCost, tokens: int, times: list[float], matmul_rate: f
 
 def engine_configs(a: argparse.Namespace, args: ModelArgs) -> tuple[EngineConfig, EngineConfig]:
     """(prefill, decode) engine settings; validated here, before anything is measured."""
-    model = ModelConfig(path=a.model, dtype=a.dtype, load_format=a.load_format, seed=a.seed)
+    model = ModelConfig(path=a.model, dtype=a.dtype, load_format=a.load_format, seed=a.seed,
+                        kv_cache_dtype=a.kv_cache_dtype)
     common = dict(model=model, device=a.device, block_size=a.block_size, enable_prefix_cache=False,
                   attention_backend=a.attention_backend, moe_backend=a.moe_backend)
     longest = max(a.prefill_sizes, default=a.block_size)
@@ -338,12 +341,23 @@ def bench_engine_prefill(a, cfg: EngineConfig, cost: ModelCost, matmul_rate: flo
     return out
 
 
+def _random_kv(kv_cache: torch.Tensor, seed: int) -> None:
+    """Fill the cache with N(0, 1) values (not zeros); an FP8 one layer by layer: it has no normal_,
+    and a bfloat16 copy of a whole cache sized to the GPU would not fit."""
+    gen = torch.Generator(kv_cache.device).manual_seed(seed)
+    if kv_cache.dtype.itemsize > 1:
+        kv_cache.normal_(generator=gen)
+        return
+    for layer in kv_cache:
+        layer.copy_(torch.randn(layer.shape, generator=gen, device=layer.device, dtype=torch.bfloat16))
+
+
 def bench_engine_decode(a, cfg: EngineConfig, cost: ModelCost, copy_rate: float, errors: list) -> dict:
     """Steady-state decode steps of B sequences placed straight into decode state over random KV."""
     from pdserve.engine.engine import Engine
 
     engine = Engine(cfg, log=log)
-    engine.kv_cache.normal_(generator=torch.Generator(engine.device).manual_seed(a.seed))  # not zeros
+    _random_kv(engine.kv_cache, a.seed)
     idle, rows = engine.pool.num_free_blocks, []
     for b in a.decode_batches:
         try:
@@ -546,6 +560,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", help="cuda[:N] or cpu (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
                    help="auto: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                   help="ModelConfig.kv_cache_dtype (auto: the model's dtype)")
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"],
                    help="dummy: random weights (speed does not depend on their values)")
     p.add_argument("--prefill-sizes", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384])
@@ -595,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     args = resolve_model_args(a.model)
-    cost = ModelCost(args, dtype.itemsize)
+    cost = ModelCost(args, dtype.itemsize, 1 if a.kv_cache_dtype == "fp8_e4m3" else None)
     prefill_cfg, decode_cfg = engine_configs(a, args)  # a bad backend name fails here, not after minutes
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -608,7 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     # HF first: a fault in an engine kernel can leave the CUDA context unusable, and the
     # baseline should survive it. The JSON is rewritten after every part, so a run cut short
     # keeps what it measured.
-    parts = [("hf", a.hf_prefill_sizes + a.hf_decode_batches, lambda: bench_hf(a, cost, dtype, ceilings, errors)),
+    hf_cost = dataclasses.replace(cost, kv_itemsize=None)  # HF caches in the model's dtype, whatever ours holds
+    parts = [("hf", a.hf_prefill_sizes + a.hf_decode_batches, lambda: bench_hf(a, hf_cost, dtype, ceilings, errors)),
              ("engine_prefill", a.prefill_sizes,
               lambda: bench_engine_prefill(a, prefill_cfg, cost, ceilings["matmul_TFLOP_s"] * 1e12, errors)),
              ("engine_decode", a.decode_batches,
@@ -645,7 +662,8 @@ def _sig(x: float, digits: int = 4) -> float:
 def _meta(a: argparse.Namespace, device: torch.device, cost: ModelCost) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"date": datetime.date.today().isoformat(), "device_name": name, "torch": torch.__version__,
-            "model": a.model, "dtype": a.dtype, "device": a.device, "context": a.context, "reps": a.reps,
+            "model": a.model, "dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype, "device": a.device,
+            "context": a.context, "reps": a.reps,
             "decode_steps": a.decode_steps, "hf_steps": a.hf_steps, "block_size": a.block_size,
             "attention_backend": a.attention_backend, "moe_backend": a.moe_backend,
             "cpu_threads": torch.get_num_threads(),

@@ -140,14 +140,15 @@ def memory_ceiling(nbytes: int, device: str) -> dict:
 _LINES = {
     "ray_s": re.compile(r"\] Ray (?:started|joined) in ([\d.]+) s"),
     "workers_s": re.compile(r" workers ready in ([\d.]+) s"),
-    "handshake_s": re.compile(r" KV handshake done \(\w+\) in ([\d.]+) s"),
+    "handshake_s": re.compile(r" KV handshake done \([^)]*\) in ([\d.]+) s"),
     "routers_s": re.compile(r" routers ready in ([\d.]+) s"),
     "up_s": re.compile(r"\] up in ([\d.]+) s"),
 }
 _WORKER = re.compile(
     r" (\S+) ready \(\d+/\d+\) in (?P<ready>[\d.]+) s: process up in (?P<process>[-\d.]+) s, weights "
     r"(?P<gb>[\d.]+) GB (?P<source>from \d+ files|dummy) in (?P<weights>[\d.]+) s \((?P<gbps>[\d.]+) GB/s\), "
-    r"model (?P<model>[\d.]+) s(?:, CUDA graphs (?P<graphs>[\d.]+) s)?, engine ready in (?P<engine>[\d.]+) s")
+    r"model (?P<model>[\d.]+) s(?:, CUDA graphs (?P<graphs>[\d.]+) s)?(?:, warm-up (?P<warm>[\d.]+) s)?, "
+    r"engine ready in (?P<engine>[\d.]+) s")
 
 
 def parse_up(output: str) -> dict:
@@ -161,7 +162,8 @@ def parse_up(output: str) -> dict:
         workers.append({"name": m[1], "ready_s": float(m["ready"]), "process_s": float(m["process"]),
                         "weights_gb": float(m["gb"]), "source": m["source"], "weights_s": float(m["weights"]),
                         "weights_gb_per_s": float(m["gbps"]), "model_s": float(m["model"]),
-                        "graphs_s": float(m["graphs"]) if m["graphs"] else None, "engine_s": float(m["engine"])})
+                        "graphs_s": float(m["graphs"]) if m["graphs"] else None,
+                        "warm_up_s": float(m["warm"]) if m["warm"] else None, "engine_s": float(m["engine"])})
     parts["workers"] = workers
     return parts
 
@@ -272,6 +274,7 @@ def _report(r: dict) -> None:
           f"routers {up.get('routers_s')} s")
     for w in up["workers"]:
         graphs = "" if w["graphs_s"] is None else f", graphs {w['graphs_s']:.2f} s"
+        graphs += "" if w.get("warm_up_s") is None else f", warm-up {w['warm_up_s']:.2f} s"
         print(f"    {w['name']}: process up {w['process_s']:.2f} s, weights {w['weights_gb']:.2f} GB in "
               f"{w['weights_s']:.2f} s ({w['weights_gb_per_s']:.2f} GB/s), model {w['model_s']:.2f} s{graphs}, "
               f"engine {w['engine_s']:.2f} s")

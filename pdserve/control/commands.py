@@ -56,8 +56,19 @@ def up(path: str | None) -> int:
     # Named so `pdserve down --address` reaches this cluster where a host runs several: with no
     # address, Ray picks the cluster started last on the host.
     _log(f"Ray at {ray.get_runtime_context().gcs_address}")
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from pdserve.control.placement import check_placement, cluster_nodes
+
+    nodes = cluster_nodes()
+    check_placement(cfg, nodes)  # a role no node can hold fails now, naming its key and the nodes
+    if len(nodes) > 1:
+        _log(f"{len(nodes)} Ray nodes: " + ", ".join(n.ip for n in nodes))
+    # The controller, and the routers it starts beside it, run on this node: the endpoints are
+    # where `pdserve up` runs (on KubeRay, the head pod, which the Service points at).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     controller = ray.remote(Controller).options(name=CONTROLLER, lifetime="detached", num_cpus=0,
-                                                max_concurrency=8).remote(cfg)
+                                                max_concurrency=8, scheduling_strategy=here).remote(cfg, cluster_token())
     # Ctrl-C stops the cluster even where SIGINT arrives ignored: a shell starts background jobs
     # (`pdserve up &` in a script) with SIGINT ignored, and Python then never raises KeyboardInterrupt.
     signal.signal(signal.SIGINT, _interrupt)
@@ -92,6 +103,15 @@ def up(path: str | None) -> int:
         _stop(controller)
         ray.shutdown()
     return 0
+
+
+def cluster_token() -> str:
+    """The secret every worker of this cluster proves in its KV handshake and TCP connections:
+    PDSERVE_CLUSTER_TOKEN where given (several `pdserve up` sharing workers, a Kubernetes Secret),
+    else a new random one for this cluster."""
+    import secrets
+
+    return os.environ.get("PDSERVE_CLUSTER_TOKEN") or secrets.token_hex(32)
 
 
 def _interrupt(signum, frame) -> None:
@@ -268,11 +288,12 @@ def status(address: str, watch: bool = False, interval: float = 2.0) -> int:
     for kind, url in s["endpoints"].items():
         print(f"{kind}: {url}")
     for name, r in s["replicas"].items():
+        on = _on_nodes(s.get("nodes", {}).get(name, {}))
         if isinstance(r, str):
-            print(f"{name}: {r}{restarted(name)}")
+            print(f"{name}{on}: {r}{restarted(name)}")
         else:
             group = f" ({r.ranks} expert-parallel ranks)" if r.ranks > 1 else f" (pid {r.pid})"
-            print(f"{name}{group}: running {r.running}, waiting {r.waiting}, KV blocks used "
+            print(f"{name}{group}{on}: running {r.running}, waiting {r.waiting}, KV blocks used "
                   f"{r.total_blocks - r.free_blocks}/{r.total_blocks}{restarted(name)}")
     for name, r in s.get("routers", {}).items():
         if isinstance(r, str):
@@ -280,4 +301,13 @@ def status(address: str, watch: bool = False, interval: float = 2.0) -> int:
         else:
             own = f", own {r['endpoints']['own']}" if "own" in r["endpoints"] else ""
             print(f"{name} (pid {r['pid']}): streaming {r['in_flight']}{own}{restarted(name)}")
+    for p in s.get("kv_pairs", []):
+        if p["worker"].startswith("pdserve-prefill"):  # each pair once, as prefill -> decode
+            print(f"KV {p['worker']} -> {p['peer']}: {p['backend']} ({p['why']})")
     return 0
+
+
+def _on_nodes(nodes: dict[str, dict]) -> str:
+    """" on node IP (id)" for the nodes a replica's workers run on."""
+    where = sorted({(n["ip"], n["node_id"][:8]) for n in nodes.values()})
+    return (" on node " + ", ".join(f"{ip} ({nid})" for ip, nid in where)) if where else ""

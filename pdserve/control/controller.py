@@ -37,7 +37,7 @@ __all__ = ["CONTROLLER", "NAMESPACE", "Controller"]
 
 
 class Controller:
-    def __init__(self, config: ClusterConfig):
+    def __init__(self, config: ClusterConfig, cluster_token: str | None = None):
         self.config = config
         self.state = "starting"
         self.progress: list[str] = []
@@ -52,7 +52,9 @@ class Controller:
         self._load = LoadWindow()  # the heartbeats' answers, for the planner (`pdserve tune`)
         cfg = config
         n = cfg.prefill.replicas + cfg.decode.replicas * cfg.decode.ep_size + cfg.colocated.replicas  # processes
-        self.launcher = Launcher(config, max(1, (os.cpu_count() or 1) // max(1, n)))
+        self.launcher = Launcher(config, max(1, (os.cpu_count() or 1) // max(1, n)), cluster_token)
+        # The KV handshakes' records: (worker, peer) -> the backend the pair chose, and why.
+        self.kv_pairs: dict[tuple[str, str], dict] = {}
         self._ports: dict[str, int] = {}
 
     # -- starting --------------------------------------------------------------------------------
@@ -66,16 +68,18 @@ class Controller:
         incs = []
         t0, launched = time.monotonic(), time.time()
         for role, i in wanted:  # in the set at once: a start that fails midway still stops them all
-            incs.append(self.launcher.start(role, f"pdserve-{role}-{i}", 0))
+            incs.append(self.launcher.start(role, f"pdserve-{role}-{i}", 0, list(self.replicas.values())))
             self.replicas[incs[-1].replica] = incs[-1]
-        n = sum(len(inc.ranks) for inc in incs)
+        n = sum(len(inc.ranks) + len(inc.followers) for inc in incs)
         self._note(f"loading {cfg.model.path} on {n} workers")
         self._wait_ready(incs, show=True, launched=launched)
         self._note(f"workers ready in {time.monotonic() - t0:.2f} s")
         if cfg.prefill.replicas:
             t0 = time.monotonic()
             self._handshake([i for i in incs if i.role == "prefill"], "decode")
-            self._note(f"KV handshake done ({cfg.kv_transfer.backend}) in {time.monotonic() - t0:.2f} s")
+            used = sorted({r["backend"] for r in self.kv_pairs.values()})
+            self._note(f"KV handshake done ({cfg.kv_transfer.backend}: {', '.join(used)}) "
+                       f"in {time.monotonic() - t0:.2f} s")
         t0 = time.monotonic()
         self._start_routers()
         self._note(f"routers ready in {time.monotonic() - t0:.2f} s")
@@ -88,7 +92,8 @@ class Controller:
         """Until every worker of `incs` is ready; raises the first one's own error (bad model, out of
         memory), or after REPLICA_START_S. `show`: a line per worker with what its start took
         (since `launched`, a time.time())."""
-        handles = {name: w for inc in incs for name, w in inc.ranks.items()}
+        # A tensor-parallel replica's followers too: each rank loads its own slice of the weights.
+        handles = {name: w for inc in incs for name, w in [*inc.ranks.items(), *inc.followers.items()]}
         pending = {w.ready.remote(): name for name, w in handles.items()}
         total, deadline = len(pending), time.monotonic() + REPLICA_START_S
         while pending:
@@ -103,6 +108,10 @@ class Controller:
                 if show:
                     self._note(f"{name} ready ({total - len(pending)}/{total}) in {time.time() - launched:.2f} s"
                                f"{_took(handles[name], launched)}")
+        for inc in incs:  # where each worker landed (status shows it; placement counts it)
+            inc.nodes = dict(zip(inc.ranks, ray.get([w.node.remote() for w in inc.ranks.values()], timeout=60)))
+            if show:
+                self._note(f"{inc.replica} on node {_where(inc)}")
 
     def _handshake(self, incs: list[Incarnation], role: str, states=("serving", "draining")) -> None:
         """Introduce each worker of `incs` to each live worker of the replicas of `role` (the other
@@ -117,12 +126,14 @@ class Controller:
             try:
                 theirs = {n: ray.get(h.metadata.remote(), timeout=60) for n, h in inc.ranks.items()}
                 for b, bh in inc.ranks.items():
-                    ray.get([bh.add_peer.remote(metas[a]) for a in mine], timeout=60)
+                    for a, rec in zip(mine, ray.get([bh.add_peer.remote(metas[a]) for a in mine], timeout=60)):
+                        self.kv_pairs[(b, a)] = rec
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
                 self._restarting.setdefault(inc.replica, f"it failed its KV handshake ({type(e).__name__})")
                 continue
             for a, ah in mine.items():
-                ray.get([ah.add_peer.remote(theirs[b]) for b in inc.ranks], timeout=60)
+                for b, rec in zip(inc.ranks, ray.get([ah.add_peer.remote(theirs[b]) for b in inc.ranks], timeout=60)):
+                    self.kv_pairs[(a, b)] = rec
 
     def _start_routers(self) -> None:
         """router.replicas routers on this node, serving one HTTP and one gRPC port. The first
@@ -208,7 +219,9 @@ class Controller:
             return
         self._note(f"{replica} is down ({why}); starting a replacement")
         Launcher.stop(old)
-        new = self.launcher.start(old.role, replica, old.generation + 1)
+        self._forget_pairs(old)
+        others = [i for i in self.replicas.values() if i is not old]
+        new = self.launcher.start(old.role, replica, old.generation + 1, others)
         new.restarts = old.restarts + 1
         try:
             self._wait_ready([new])
@@ -242,6 +255,11 @@ class Controller:
         refs = [r["handle"].apply.remote(change) for r in self.routers.values()]
         ray.wait(refs, num_returns=len(refs), timeout=TELL_S)
 
+    def _forget_pairs(self, inc: Incarnation) -> None:
+        """The KV handshakes' records of a stopped incarnation's workers."""
+        for key in [k for k in list(self.kv_pairs) if set(k) & set(inc.ranks)]:
+            self.kv_pairs.pop(key, None)
+
     # -- scaling ---------------------------------------------------------------------------------
 
     def scale(self, counts: dict[str, int], grace_s: float) -> dict[str, list[str]]:
@@ -260,7 +278,8 @@ class Controller:
                 taken = {_index(inc.replica) for inc in self.replicas.values() if inc.role == role}
                 free = (i for i in range(1 << 20) if i not in taken)
                 for _ in range(max(0, want - len(have))):
-                    started.append(self.launcher.start(role, f"pdserve-{role}-{next(free)}", 0))
+                    others = list(self.replicas.values()) + started
+                    started.append(self.launcher.start(role, f"pdserve-{role}-{next(free)}", 0, others))
             if started:
                 self._note(f"scale: starting {', '.join(i.replica for i in started)}")
                 try:
@@ -316,6 +335,7 @@ class Controller:
         inc.state = "gone"
         self._tell(inc.change())
         Launcher.stop(inc)
+        self._forget_pairs(inc)
         self.replicas.pop(inc.replica, None)
         self._restarting.pop(inc.replica, None)
         self._beats.forget(inc.replica)
@@ -357,9 +377,14 @@ class Controller:
         if state == "running" and any(isinstance(r, str) and r.startswith("down")
                                       for r in [*replicas.values(), *routers.values()]):
             state = "degraded"
+        live = {w for inc in list(self.replicas.values()) for w in inc.ranks}
+        pairs = [{"worker": a, **rec} for (a, b), rec in list(self.kv_pairs.items()) if a in live and b in live]
         return {"state": state, "progress": list(self.progress), "endpoints": self.endpoints,
                 "replicas": replicas, "routers": routers, "restarts": restarts,
-                "slo": self.config.slo.model_dump()}
+                "slo": self.config.slo.model_dump(),
+                # Where each replica's workers run, and what each KV pair moves over (and why).
+                "nodes": {name: {w: dict(n) for w, n in inc.nodes.items()} for name, inc in list(self.replicas.items())},
+                "kv_pairs": pairs}
 
     def load(self, window_s: float) -> Measured:
         """What the cluster measured (load.py): traffic over the last window_s, step costs over
@@ -406,6 +431,10 @@ class Controller:
                 Launcher.stop(inc)
             self.state = "stopped"
 
+    def note(self, replica: str, line: str) -> None:
+        """A line of a replica's own progress while it starts (its warm-up), into `pdserve up`'s."""
+        self._note(f"{replica}: {line}")
+
     def _note(self, line: str) -> None:
         self.progress.append(f"{time.strftime('%H:%M:%S')} {line}")
 
@@ -417,6 +446,11 @@ def _took(worker, launched: float) -> str:
     except Exception:  # (a line of progress is not worth failing a start over)
         return ""
     return f": process up in {s.began - launched:.2f} s, {s.describe()}"
+
+
+def _where(inc: Incarnation) -> str:
+    nodes = {(n["ip"], n["node_id"][:8]) for n in inc.nodes.values()}
+    return ", ".join(f"{ip} ({nid})" for ip, nid in sorted(nodes))
 
 
 def _index(replica: str) -> int:

@@ -1,19 +1,20 @@
 """Starting and stopping one replica's workers: a prefill, colocated or decode worker, or the ranks
-of an expert-parallel decode replica (a placement group, one bundle per rank, and the group's
-rendezvous store, held here for the group's life).
+of an expert-parallel decode replica (and the group's rendezvous store, held here for the group's
+life). Every replica is a placement group, one bundle per worker, on the node placement.py picks.
 
 Each incarnation of a replica has workers of its own names (`pdserve-decode-0`, then
 `pdserve-decode-0@1`, ...): a replacement never shares a name with the worker it replaces, so a
 KV peer, a router's handle or a worker's list of dead routers can never mistake one for the other.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import ClusterConfig
+from pdserve.control.placement import Demand, choose_node, cluster_nodes, placement_group_for
 from pdserve.messages import ReplicaChange
 
 # Threads of a worker actor. Calls that bring work return at once; a reservation waits for the next
@@ -21,6 +22,7 @@ from pdserve.messages import ReplicaChange
 # hand-offs at 8 per step.
 WORKER_CONCURRENCY = 256
 NAMESPACE = "pdserve"
+PLACE_S = 120  # a replica's placement group is placed within this, or its start fails naming what it asked
 
 
 @dataclass
@@ -32,12 +34,22 @@ class Incarnation:
     generation: int  # 0 for the first start, +1 for each replacement
     ranks: dict[str, ray.actor.ActorHandle]  # worker (actor) name -> handle
     placement_group: object = None
-    store: object = None  # an expert-parallel group's rendezvous TCPStore
+    store: object = None  # an expert-parallel or tensor-parallel group's rendezvous TCPStore
+    # A tensor-parallel replica's ranks > 0 (pdserve/worker/tp_follower.py): not workers the
+    # routers know (rank 0 in `ranks` is the replica), but stopped with it.
+    followers: dict[str, ray.actor.ActorHandle] = field(default_factory=dict)
     restarts: int = 0
     state: str = "serving"  # as the routers were last told (ReplicaChange.state)
+    chosen_node: str | None = None  # the node placement chose (None: Ray's choice)
+    held: dict = field(default_factory=dict)  # resources the replica holds on its node (all its bundles)
+    nodes: dict[str, dict] = field(default_factory=dict)  # worker -> {node_id, ip}, once ready
 
     def change(self) -> ReplicaChange:
         return ReplicaChange(self.role, self.replica, dict(self.ranks), self.state, self.restarts)
+
+    def node_ids(self) -> list[str]:
+        """The nodes it runs on (known once ready; before, the one chosen for it)."""
+        return sorted({n["node_id"] for n in self.nodes.values()}) or ([self.chosen_node] if self.chosen_node else [])
 
 
 def worker_name(replica: str, generation: int) -> str:
@@ -45,78 +57,113 @@ def worker_name(replica: str, generation: int) -> str:
 
 
 class Launcher:
-    def __init__(self, config: ClusterConfig, cpu_threads: int):
+    def __init__(self, config: ClusterConfig, cpu_threads: int, cluster_token: str | None = None):
         self.config = config
         self.cpu_threads = cpu_threads
+        self.cluster_token = cluster_token
 
-    def start(self, role: str, replica: str, generation: int) -> Incarnation:
-        """Create the replica's worker actors (not yet ready: `wait_ready`)."""
+    def start(self, role: str, replica: str, generation: int, others: list[Incarnation] = ()) -> Incarnation:
+        """Create the replica's workers (not yet ready: `wait_ready`) in a placement group of their
+        own, on the node placement picks among those `others` (the other live replicas) leave room on."""
         from pdserve.prefill.worker import PrefillWorker
         from pdserve.worker.colocated import ColocatedWorker
 
         cfg, name = self.config, worker_name(replica, generation)
+        demand = Demand.of(cfg, role)
+        placed = [(o.role, node, o.held) for o in others for node in o.node_ids()[:1]]
+        node = choose_node(demand, cluster_nodes(), placed)
+        pg = placement_group_for(demand, node, name)
+        if not pg.wait(timeout_seconds=PLACE_S):
+            remove_placement_group(pg)
+            where = f"node {node[:8]}" if node else "any node"
+            raise RuntimeError(f"{replica}: no room for {demand.ranks} x {demand.bundle} "
+                               f"(labels {demand.labels or '{}'}) on {where} within {PLACE_S} s")
+        custom = dict(getattr(cfg, role).placement.resources)
+        opts = dict(num_cpus=0, num_gpus=getattr(cfg, role).gpus, resources=custom,
+                    max_concurrency=WORKER_CONCURRENCY)
+        held = {k: v * demand.ranks for k, v in demand.bundle.items()}
+        inc = Incarnation(role, replica, generation, {}, placement_group=pg, chosen_node=node, held=held)
         if role == "decode":
-            return self._start_decode(replica, generation)
+            return self._start_decode(inc, name, opts)
+        in_pg = PlacementGroupSchedulingStrategy(pg, 0)
         if role == "prefill":
-            handle = ray.remote(PrefillWorker).options(
-                name=name, num_cpus=0, num_gpus=cfg.prefill.gpus, max_concurrency=WORKER_CONCURRENCY,
-                **self._kv_env()).remote(name, cfg.engine_config("prefill"), cfg.kv_transfer.backend,
-                                         self.cpu_threads)
+            tp = self._start_followers(inc, name, opts, cfg.engine_config("prefill"), cfg.prefill.tp_size)
+            inc.ranks[name] = ray.remote(PrefillWorker).options(
+                name=name, scheduling_strategy=in_pg, **opts, **self._kv_env()).remote(
+                name, cfg.engine_config("prefill"), cfg.kv_transfer.backend, self.cpu_threads,
+                cluster_token=self.cluster_token, tp=tp)
         else:
-            handle = ray.remote(ColocatedWorker).options(
-                name=name, num_cpus=0, num_gpus=cfg.colocated.gpus, max_concurrency=WORKER_CONCURRENCY).remote(
-                name, cfg.engine_config("colocated"), NAMESPACE, self.cpu_threads)
-        return Incarnation(role, replica, generation, {name: handle})
+            tp = self._start_followers(inc, name, opts, cfg.engine_config("colocated"), cfg.colocated.tp_size)
+            inc.ranks[name] = ray.remote(ColocatedWorker).options(name=name, scheduling_strategy=in_pg, **opts).remote(
+                name, cfg.engine_config("colocated"), NAMESPACE, self.cpu_threads, tp=tp)
+        return inc
+
+    def _start_followers(self, inc: Incarnation, name: str, opts: dict, engine_config, tp_size: int):
+        """A tensor-parallel replica's ranks 1 .. tp_size-1, in bundles 1 .. of its placement group,
+        and rank 0's TPRank (None for tp_size 1). The rendezvous store is served from here, held
+        for the group's life, as an expert-parallel group's."""
+        if tp_size == 1:
+            return None
+        from pdserve.decode.ep_group import rendezvous_store
+        from pdserve.worker.tp_follower import TPFollower
+        from pdserve.worker.tp_group import TPRank
+
+        inc.store = store = rendezvous_store()
+        for r in range(1, tp_size):
+            follower = f"{name}-tp{r}"
+            inc.followers[follower] = ray.remote(TPFollower).options(
+                name=follower, scheduling_strategy=PlacementGroupSchedulingStrategy(inc.placement_group, r),
+                **opts).remote(follower, engine_config, TPRank(r, tp_size, store.host, store.port), self.cpu_threads)
+        return TPRank(0, tp_size, store.host, store.port)
 
     def _kv_env(self) -> dict:
         """Actor options for a KV worker. cuda_ipc opens the peer's GPU memory in the prefill worker,
         which must therefore see that GPU: Ray is told to leave CUDA_VISIBLE_DEVICES alone, and the
-        worker takes the GPU Ray assigned it by index (Replica)."""
-        if self.config.kv_transfer.backend != "cuda_ipc":
+        worker takes the GPU Ray assigned it by index (Replica). `auto` may pick cuda_ipc for a pair."""
+        if self.config.kv_transfer.backend not in ("cuda_ipc", "auto"):
+            return {}
+        if self.config.kv_transfer.backend == "auto" and not (self.config.prefill.gpus and self.config.decode.gpus):
             return {}
         from pdserve.worker.replica import ALL_GPUS_VISIBLE
 
         return {"runtime_env": {"env_vars": {ALL_GPUS_VISIBLE: "1"}}}
 
-    def _start_decode(self, replica: str, generation: int) -> Incarnation:
+    def _start_decode(self, inc: Incarnation, name: str, opts: dict) -> Incarnation:
         """One decode replica: its worker, or the ranks of its expert-parallel group."""
         from pdserve.decode.ep_group import EPRank, rendezvous_store
         from pdserve.decode.worker import DecodeWorker
 
         cfg, d = self.config, self.config.decode
-        name = worker_name(replica, generation)
         args = (cfg.engine_config("decode"), cfg.kv_transfer.backend, cfg.kv_transfer.lease_s, NAMESPACE,
                 self.cpu_threads)
-        opts = dict(num_cpus=0, num_gpus=d.gpus, max_concurrency=WORKER_CONCURRENCY, **self._kv_env())
+        opts = dict(opts, **self._kv_env())
+        token = {"cluster_token": self.cluster_token}
         if d.ep_size == 1:
-            return Incarnation("decode", replica, generation,
-                               {name: ray.remote(DecodeWorker).options(name=name, **opts).remote(name, *args)})
-        # One node, one bundle per rank. A bundle may not be empty: on CPU it holds a sliver of a core.
-        bundle = {"CPU": 0.001, **({"GPU": d.gpus} if d.gpus else {})}
-        pg = placement_group([bundle] * d.ep_size, strategy="STRICT_PACK", name=name)
-        if not pg.wait(timeout_seconds=120):
-            remove_placement_group(pg)
-            raise RuntimeError(f"{replica}: decode.ep_size {d.ep_size} needs {d.ep_size} x {bundle} on one node; "
-                               f"the Ray cluster could not place them")
+            inc.ranks[name] = ray.remote(DecodeWorker).options(
+                name=name, scheduling_strategy=PlacementGroupSchedulingStrategy(inc.placement_group, 0), **opts
+            ).remote(name, *args, **token)
+            return inc
         # The rendezvous is a store served from here (this node's IP, a port bound now and never let
         # go), held for the group's life; every rank, wherever it runs, joins it as a client.
-        store = rendezvous_store()
-        ranks = {}
+        inc.store = store = rendezvous_store()
         for r in range(d.ep_size):
             rank = EPRank(r, d.ep_size, store.host, store.port, d.ep_threshold, list(d.ep_replicated_experts))
-            ranks[f"{name}-rank{r}"] = ray.remote(DecodeWorker).options(
-                name=f"{name}-rank{r}", scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r), **opts
-            ).remote(f"{name}-rank{r}", *args, ep=rank)
-        return Incarnation("decode", replica, generation, ranks, placement_group=pg, store=store)
+            inc.ranks[f"{name}-rank{r}"] = ray.remote(DecodeWorker).options(
+                name=f"{name}-rank{r}", scheduling_strategy=PlacementGroupSchedulingStrategy(inc.placement_group, r),
+                **opts).remote(f"{name}-rank{r}", *args, ep=rank, **token)
+        return inc
 
     @staticmethod
     def stop(inc: Incarnation) -> None:
         """Kill the incarnation's workers (what they held is gone) and free their placement."""
-        for h in inc.ranks.values():
+        for h in [*inc.ranks.values(), *inc.followers.values()]:
             try:
                 ray.kill(h, no_restart=True)
             except Exception:  # already gone
                 pass
         if inc.placement_group is not None:
-            remove_placement_group(inc.placement_group)
+            try:
+                remove_placement_group(inc.placement_group)
+            except Exception:  # removed already
+                pass
         inc.store = None  # closes the rendezvous port

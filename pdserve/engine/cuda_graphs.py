@@ -29,8 +29,12 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, attention, max_batch: int,
                  max_blocks_per_seq: int, max_context: int, device: torch.device,
-                 log: Callable[[str], None] | None = None, exchange=None):
+                 log: Callable[[str], None] | None = None, exchange=None,
+                 kv_scales: tuple[tuple[float, ...], ...] = ()):
+        """`kv_scales`: an FP8 cache's per-layer plane scales (KVLayout.scales), fixed for the
+        cache's life, so a captured graph may hold them as kernel arguments."""
         self.model, self.kv_cache, self.attention = model, kv_cache, attention
+        self.kv_scales = kv_scales
         self.device = device
         self.exchange = exchange
         if exchange is not None:  # from the threshold on, steps exchange by all-to-all: eagerly
@@ -58,7 +62,7 @@ class DecodeGraphs:
             input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
             block_tables=self.block_tables[:b], query_start=list(range(b + 1)), context_lens=[max_context] * b,
             logits_indices=self.input_ids[:0], kv_cache=self.kv_cache,
-            context_lens_t=self.context_lens[:b], query_start_t=self.query_start[:b + 1])
+            context_lens_t=self.context_lens[:b], query_start_t=self.query_start[:b + 1], kv_scales=self.kv_scales)
 
     @torch.inference_mode()
     def _capture(self, max_context: int, log) -> None:

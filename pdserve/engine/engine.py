@@ -13,7 +13,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
-from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache, num_blocks_for
+from pdserve.engine.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache, num_blocks_for
 from pdserve.engine.model_runner import PENDING, Launched, ModelRunner
 from pdserve.engine.outputs import Completion, RequestOutput, TextStream
 from pdserve.protocol import TokenLogprob
@@ -25,12 +25,22 @@ from pdserve.ops.backends import make_backends
 from pdserve.engine.step_profile import StepProfile
 from pdserve.tokenizer import load_tokenizer
 
+
+def _torch_backends(attn_backend, moe_backend) -> bool:
+    from pdserve.ops.attention import TorchAttention
+    from pdserve.ops.moe import TorchMoE
+
+    return isinstance(attn_backend, TorchAttention) and isinstance(moe_backend, TorchMoE)
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None, ep=None):
-        """`ep`: an EPExchange when this engine is one rank of an expert-parallel group."""
+    def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None, ep=None, tp=None):
+        """`ep`: an EPExchange when this engine is one rank of an expert-parallel group; `tp`: a
+        TensorParallel (pdserve.models.tensor_parallel) when it is one rank of a tensor-parallel
+        replica, whose ranks run the same steps (rank 0 schedules, pdserve.worker.tp_group)."""
         self.config = config
         self.device = torch.device(config.device)
         mc = config.model
@@ -38,29 +48,37 @@ class Engine:
         if log:
             log(f"loading {mc.path} ({mc.load_format}, {str(dtype).removeprefix('torch.')}) on {self.device}")
         attn_backend, moe_backend, norms = make_backends(config.attention_backend, config.moe_backend, self.device)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        if self.tp is not None and not _torch_backends(attn_backend, moe_backend):
+            raise ValueError(f"tp_size {tp.size} runs on the torch backends only for now (the GPU kernels are "
+                             f"untested sharded): set attention_backend and moe_backend to 'torch'")
         self.model, self.args = load_model(mc.path, dtype=dtype, device=self.device,
                                            load_format=mc.load_format, attn_backend=attn_backend,
-                                           moe_backend=moe_backend, seed=mc.seed, ep=ep, norms=norms, log=log)
+                                           moe_backend=moe_backend, seed=mc.seed, ep=ep, norms=norms,
+                                           tp=self.tp, log=log)
         self.load_stats = self.model.load_stats  # what loading took (bytes, seconds): workers report it
         self.graphs_s: float | None = None  # seconds capturing CUDA graphs, where they are
         self.tokenizer = load_tokenizer(mc.path, eos_token_ids=self.args.eos_token_ids)
         self.fingerprint = model_fingerprint(mc.path, self.args, dtype, mc.load_format, mc.seed)
         self.max_model_len = min(mc.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
-        self.layout = KVLayout.for_model(self.args, self._num_blocks(dtype), config.block_size, dtype)
+        kv_dtype = KV_CACHE_DTYPES.get(mc.kv_cache_dtype, dtype)  # "auto": the model's dtype
+        self.layout = KVLayout.for_model(self.args, self._num_blocks(kv_dtype), config.block_size, kv_dtype,
+                                         tp=self.tp)
         self.kv_cache = allocate_kv_cache(self.layout, self.device)
         self.pool = BlockPool(self.layout.num_blocks, config.enable_prefix_cache)
         self.profile = StepProfile()  # what steps cost, by size (the planner reads it)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.chunk_size,
                                    whole_prompt=config.role == "prefill", profile=self.profile)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.layout.scales)
         if self._wants_graphs(attn_backend, ep):
             from pdserve.engine.cuda_graphs import DecodeGraphs
             t0 = time.perf_counter()
             self.runner.graphs = DecodeGraphs(
                 self.model, self.kv_cache, attn_backend, min(config.max_num_seqs, config.cuda_graph_max_batch),
-                -(-self.max_model_len // config.block_size), self.max_model_len, self.device, log, exchange=ep)
+                -(-self.max_model_len // config.block_size), self.max_model_len, self.device, log, exchange=ep,
+                kv_scales=self.layout.scales)
             self.graphs_s = time.perf_counter() - t0
             if log:
                 log(f"CUDA graphs captured in {self.graphs_s:.2f} s")
@@ -75,7 +93,7 @@ class Engine:
         self.layer_hook: Callable[[int, list[ScheduledSeq]], None] | None = None
         if log:
             log(f"KV cache: {self.layout.num_blocks} blocks of {config.block_size} tokens "
-                f"({self.layout.num_blocks * config.block_size} tokens)")
+                f"({self.layout.num_blocks * config.block_size} tokens, {str(kv_dtype).removeprefix('torch.')})")
 
     def _wants_graphs(self, attn_backend, ep) -> bool:
         """Decode steps replay CUDA graphs on a GPU with the Triton kernels (the torch reference
@@ -104,7 +122,9 @@ class Engine:
             budget = int(free * 0.9)
         else:
             budget = int((gb or 0.25) * 2**30)
-        _, planes, heads, dim = self.args.kv_cache_entry()
+        kind, planes, heads, dim = self.args.kv_cache_entry()
+        if self.tp is not None and kind == "kv":
+            heads = len(self.tp.kv_heads(self.args.num_heads, heads))
         return num_blocks_for(budget, self.args.num_layers, self.config.block_size, heads, dim, dtype, planes)
 
     # -- requests -----------------------------------------------------------------------------

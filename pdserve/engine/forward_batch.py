@@ -28,6 +28,12 @@ class ForwardBatch:
     # Device copies of the host lists for GPU kernels, which must not read host memory (CUDA graphs).
     context_lens_t: torch.Tensor | None = None  # [num_seqs] int32
     query_start_t: torch.Tensor | None = None  # [num_seqs + 1] int32
+    # An FP8 cache: per layer, each plane's scale (KVLayout.scales); () for a cache of the model's dtype.
+    kv_scales: tuple[tuple[float, ...], ...] = ()
+
+    def layer_scales(self, layer: int) -> tuple[float, ...]:
+        """Layer `layer`'s plane scales ((k, v) or (latent,)); () for a cache of the model's dtype."""
+        return self.kv_scales[layer] if self.kv_scales else ()
 
     @property
     def num_seqs(self) -> int:

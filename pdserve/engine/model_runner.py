@@ -40,13 +40,17 @@ class Launched:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
-                 device: torch.device):
+                 device: torch.device, kv_scales: tuple[tuple[float, ...], ...] = ()):
         self.model = model
         self.kv_cache = kv_cache
+        self.kv_scales = kv_scales  # an FP8 cache's per-layer plane scales (KVLayout.scales)
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device)
         self.graphs = None  # DecodeGraphs, when the engine captured the decode step (CUDA)
+        # Called with each step's batch before its forward: rank 0 of a tensor-parallel replica
+        # hands it to the other ranks (pdserve/worker/tp_group.py), which run the same forward.
+        self.on_batch: Callable[[ForwardBatch], None] | None = None
 
     def prepare(self, scheduled: list[ScheduledSeq], prev: Launched | None = None) -> ForwardBatch:
         """The step's batch; a sequence whose last token is PENDING takes it from `prev`'s sampled
@@ -91,7 +95,7 @@ class ModelRunner:
             input_ids=input_ids, positions=dev(positions), slot_mapping=dev(slots),
             block_tables=table_t.to(self.device, non_blocking=True), query_start=starts,
             context_lens=ctx_lens, logits_indices=dev(logit_rows), kv_cache=self.kv_cache,
-            context_lens_t=lens[: len(ctx_lens)], query_start_t=lens[len(ctx_lens):])
+            context_lens_t=lens[: len(ctx_lens)], query_start_t=lens[len(ctx_lens):], kv_scales=self.kv_scales)
 
     @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledSeq], prev: Launched | None = None,
@@ -103,6 +107,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         batch = self.prepare(scheduled, prev)
         batch.layer_done = layer_done
+        if self.on_batch is not None:
+            self.on_batch(batch)
         if self.graphs is not None and layer_done is None and self.graphs.fits(batch):
             hidden = self.graphs.run(batch)
         else:

@@ -45,6 +45,13 @@ class StepProfile:
             row[2] += seconds
             self.busy_s += seconds
 
+    def reset(self) -> None:
+        """Back to nothing counted (after a replica's warm-up: its steps are not traffic)."""
+        with self._lock:
+            self.phases = {PREFILL: {}, DECODE: {}}
+            self.busy_s = 0.0
+            self.prefix_queries = self.prefix_hits = 0
+
     def timer(self) -> "_StepTimer":
         return _StepTimer(self)
 

@@ -18,6 +18,7 @@ from torch import nn
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.models.args import ModelArgs
 from pdserve.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE
+from pdserve.models.tensor_parallel import TensorParallel, slice_full
 from pdserve.ops.attention import TorchAttention
 from pdserve.ops.moe import TorchMoE
 from pdserve.ops.norms import TorchNorms
@@ -59,6 +60,7 @@ class DecoderLM(nn.Module):
     def __init__(self, args: ModelArgs, attn_backend=None, moe_backend=None, norms=None):
         super().__init__()
         self.args = args
+        self.tp: TensorParallel | None = None  # set by shard_tensor_parallel
         self.attn_backend = attn_backend or TorchAttention()
         self.moe_backend = moe_backend or TorchMoE()
         self.norms = norms or TorchNorms()
@@ -92,6 +94,19 @@ class DecoderLM(nn.Module):
         for moe in self.moe_layers():
             moe.hold_experts(exchange.placement.local_experts)
             moe.exchange = exchange
+
+    def shard_tensor_parallel(self, tp: TensorParallel) -> None:
+        """Tensor parallel: keep this rank's heads and intermediate width in every layer (on the
+        meta device, before allocation); embedding, norms, routers and LM head stay whole."""
+        self.tp = tp
+        for layer in self.layers:
+            layer.self_attn.shard_tp(tp)
+            layer.mlp.shard_tp(tp)
+
+    def tp_shard_map(self) -> dict[str, tuple[int, torch.Tensor, int]]:
+        """Parameter name -> (dim, this rank's indices, whole length) for every sharded parameter."""
+        return {f"{prefix}.{name}" if prefix else name: shard
+                for prefix, module in self.named_modules() for name, shard in getattr(module, "tp_shards", {}).items()}
 
     def fuse_qkv(self) -> None:
         """Every attention layer's q/k/v projections as one GEMM (`Attention.fuse_qkv`)."""
@@ -167,20 +182,32 @@ class DecoderLM(nn.Module):
         return moe
 
 
+# A tensor-parallel shard of a parameter, as `tp_shards` records it: (dim, this rank's indices along
+# it, the whole length).
+Shard = tuple[int, torch.Tensor, int]
+
+
 @dataclass
 class Placement:
     """Where one checkpoint tensor goes: `dst`, which it fills exactly (after `prepare`, where set:
-    a fused expert tensor transposed, or cut to this rank's experts)."""
+    a fused expert tensor transposed or cut to this rank's experts, a tensor-parallel rank's slice
+    taken). `rows`, where set, are the tensor's rows [start, stop) that `prepare` keeps, as they
+    stand: a reader may read only those (`rows_only`) and skip the other ranks' bytes."""
 
     hf_name: str
     dst: torch.Tensor
     pieces: list[str]  # what it sets (WeightPlacer.finish checks that every piece was set)
     prepare: Callable[[torch.Tensor], torch.Tensor] | None = None
+    rows: tuple[int, int] | None = None
 
     @property
     def verbatim(self) -> bool:
         """The file's bytes are the destination's: they can be read straight into it."""
         return self.prepare is None and self.dst.is_contiguous()
+
+    def rows_only(self) -> "Placement":
+        """This placement for a tensor of `rows` alone (what a reader that read only them holds)."""
+        return Placement(self.hf_name, self.dst, self.pieces)
 
     def copy(self, tensor: torch.Tensor) -> None:
         _copy(self.dst, tensor if self.prepare is None else self.prepare(tensor), self.hf_name)
@@ -188,12 +215,17 @@ class Placement:
 
 class WeightPlacer:
     """Checkpoint tensors to parameters, by name and shape, before their bytes are read; then
-    whether every parameter was set. One per load."""
+    whether every parameter was set. One per load.
+
+    Checkpoints hold the single-rank model's tensors: an expert-parallel rank skips the other ranks'
+    experts, a tensor-parallel rank keeps its slice of each sharded tensor (`tp_shards`)."""
 
     def __init__(self, model: DecoderLM):
         self.model = model
         self.params = dict(model.named_parameters())
+        self.shards = model.tp_shard_map()
         self.loaded: set[str] = set()  # parameter names, or `name[expert].part` for fused experts
+        self._row_ranges: dict[tuple[int, int], tuple[int, int] | None] = {}  # (dim, id(index)): every expert shares one
 
     def place(self, hf_name: str, shape: tuple[int, ...]) -> Placement | None:
         """Where the tensor `hf_name` of `shape` goes; None for one to skip (not used, or another
@@ -206,7 +238,8 @@ class WeightPlacer:
         if m := _FUSED.fullmatch(name):
             return self._fused_experts(m[1], m[2], shape, hf_name)
         if name in self.params:
-            return _checked(Placement(hf_name, self.params[name], _pieces(name, self.params[name])), shape)
+            p = self.params[name]
+            return self._sharded(Placement(hf_name, p, _pieces(name, p)), self.shards.get(name), shape)
         raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.model.args.architecture}")
 
     def done(self, target: Placement) -> None:
@@ -228,40 +261,79 @@ class WeightPlacer:
         if expert not in moe.experts:
             return None  # another rank's expert (expert parallel): not even read
         slot = moe.experts.index(expert)
-        inter = moe.w2.shape[2]
+        inter = moe.w2.shape[2]  # this rank's share of the intermediate width (all of it without TP)
+        # Tensor parallel: every expert keeps the same share of its intermediate width (w2's shard),
+        # the rows of gate_proj and up_proj [I, H], the columns of down_proj [H, I].
+        shard = getattr(moe, "tp_shards", {}).get("w2")
         if proj == "down_proj":
-            return _checked(Placement(hf_name, moe.w2[slot], [f"{prefix}.w2[{slot}].down"]), shape)
+            target = Placement(hf_name, moe.w2[slot], [f"{prefix}.w2[{slot}].down"])
+            return self._sharded(target, None if shard is None else (1, shard[1], shard[2]), shape)
         rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-        piece = f"{prefix}.w13[{slot}].{proj.removesuffix('_proj')}"
-        return _checked(Placement(hf_name, moe.w13[slot, rows], [piece]), shape)
+        target = Placement(hf_name, moe.w13[slot, rows], [f"{prefix}.w13[{slot}].{proj.removesuffix('_proj')}"])
+        return self._sharded(target, None if shard is None else (0, shard[1], shard[2]), shape)
 
     def _fused_experts(self, prefix: str, proj: str, shape: tuple[int, ...], hf_name: str) -> Placement:
         # transformers 5 stores gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj
         # [E, H, I], i.e. our layout; some converters write the transpose. A square tensor is
         # ambiguous and read in transformers' orientation.
         moe = self.model._moe(prefix, hf_name)
-        dst = moe.w13 if proj == "gate_up_proj" else moe.w2
-        full = (moe.num_experts, *dst.shape[1:])
+        param = "w13" if proj == "gate_up_proj" else "w2"
+        dst = getattr(moe, param)
+        shard = getattr(moe, "tp_shards", {}).get(param)  # the file holds every rank's share
+        expected = _whole(dst.shape, shard)  # this rank's experts, every TP rank's share of each
+        full = (moe.num_experts, *expected[1:])
         transpose = shape != full and len(shape) == 3 and (shape[0], shape[2], shape[1]) == full
         shape = full if transpose else shape
         # Expert parallel: this rank's experts (the file is read whole).
         experts = list(moe.experts) if shape == full and len(moe.experts) != moe.num_experts else None
         if experts is not None:
             shape = (len(experts), *full[1:])
-        prepare = partial(_fused_view, transpose, experts) if transpose or experts is not None else None
-        pieces = _pieces(f"{prefix}.{'w13' if proj == 'gate_up_proj' else 'w2'}", dst)
-        return _checked(Placement(hf_name, dst, pieces, prepare), shape)
+        prepare = None
+        if transpose or experts is not None or shard is not None:
+            prepare = partial(_fused_view, transpose, experts, shard)
+        return _checked(Placement(hf_name, dst, _pieces(f"{prefix}.{param}", dst), prepare), shape, expected)
+
+    def _sharded(self, target: Placement, shard: Shard | None, shape: tuple[int, ...]) -> Placement:
+        """`target` for a checkpoint tensor of `shape` that holds every TP rank's share of `shard`'s
+        dimension (the single-rank model's tensor): this rank's share taken, read alone where it is
+        a run of whole rows."""
+        if shard is not None:
+            target.prepare = partial(slice_full, shard=shard)
+            key = (shard[0], id(shard[1]))  # (the index lives in the model's tp_shards: the id holds)
+            if key not in self._row_ranges:
+                self._row_ranges[key] = _row_range(shard)
+            target.rows = self._row_ranges[key]
+        return _checked(target, shape, _whole(target.dst.shape, shard))
 
 
-def _fused_view(transpose: bool, experts: list[int] | None, t: torch.Tensor) -> torch.Tensor:
+def _fused_view(transpose: bool, experts: list[int] | None, shard: Shard | None, t: torch.Tensor) -> torch.Tensor:
     t = t.transpose(1, 2) if transpose else t
-    return t if experts is None else t[experts]
+    t = t if experts is None else t[experts]
+    return slice_full(t, shard)
 
 
-def _checked(target: Placement, shape: tuple[int, ...]) -> Placement:
-    if tuple(target.dst.shape) != tuple(shape):
+def _whole(shape: torch.Size | tuple[int, ...], shard: Shard | None) -> tuple[int, ...]:
+    """The single-rank shape of a tensor whose local shape is `shape`."""
+    whole = list(shape)
+    if shard is not None:
+        whole[shard[0]] = shard[2]
+    return tuple(whole)
+
+
+def _row_range(shard: Shard) -> tuple[int, int] | None:
+    """[start, stop) where the shard is a run of rows (dim 0, consecutive indices), else None."""
+    dim, index, _ = shard
+    if dim != 0 or len(index) == 0:
+        return None
+    start, stop = int(index[0]), int(index[-1]) + 1
+    return (start, stop) if stop - start == len(index) and bool((index.diff() == 1).all()) else None
+
+
+def _checked(target: Placement, shape: tuple[int, ...], expected: tuple[int, ...]) -> Placement:
+    """`target`, if the checkpoint's `shape` is the `expected` one (the single-rank model's)."""
+    if tuple(expected) != tuple(shape):
         raise ValueError(f"checkpoint tensor {target.hf_name!r} has shape {tuple(shape)}, "
-                         f"the model expects {tuple(target.dst.shape)}")
+                         f"the model expects {tuple(expected)}")
     return target
 
 

@@ -13,6 +13,8 @@ from torch import nn
 
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.models.args import ModelArgs
+from pdserve.models.tensor_parallel import (TensorParallel, row_parallel, shard_linear_in, shard_linear_out,
+                                            shard_param)
 from pdserve.ops.norms import TorchNorms
 
 
@@ -136,6 +138,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.qkv = None  # (weight, bias) of the three projections stacked, once `fuse_qkv` ran
+        self.tp: TensorParallel | None = None
+
+    def shard_tp(self, tp: TensorParallel) -> None:
+        """Keep this rank's query heads and the KV heads they read; o_proj becomes row-parallel."""
+        d = self.head_dim
+        kv = tp.kv_heads(self.num_heads, self.num_kv_heads)
+        shard_linear_out(self.q_proj, tp.block(self.num_heads, d))
+        kv_rows = torch.arange(kv.start * d, kv.stop * d)
+        shard_linear_out(self.k_proj, kv_rows)
+        shard_linear_out(self.v_proj, kv_rows)
+        shard_linear_in(self.o_proj, tp.block(self.num_heads, d))
+        self.num_heads, self.num_kv_heads, self.tp = self.num_heads // tp.size, len(kv), tp
 
     @torch.no_grad()
     def fuse_qkv(self) -> None:
@@ -176,7 +190,7 @@ class Attention(nn.Module):
         o = self.backend.forward(self.layer_idx, q, k, v, batch, self.scale)  # [T, heads, D]
         if batch.layer_done is not None:
             batch.layer_done(self.layer_idx)
-        return self.o_proj(o.flatten(1))
+        return row_parallel(self.o_proj, o.flatten(1), self.tp)
 
 
 class GatedMLP(nn.Module):
@@ -187,10 +201,25 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.tp: TensorParallel | None = None
+
+    def shard_tp(self, tp: TensorParallel) -> None:
+        """Keep this rank's share of the intermediate width: gate/up rows, down columns."""
+        rows = tp.block(self.gate_proj.out_features)
+        shard_linear_out(self.gate_proj, rows)
+        shard_linear_out(self.up_proj, rows)
+        shard_linear_in(self.down_proj, rows)
+        self.tp = tp
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (the whole of it with one rank): before the all-reduce."""
+        return F.linear(F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.tp is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(self.partial(x).contiguous())
 
 
 class SparseMoE(nn.Module):
@@ -208,6 +237,7 @@ class SparseMoE(nn.Module):
         self.num_experts = e
         self.experts: list[int] = list(range(e))  # global id of the expert in each slot of w13 / w2
         self.exchange = None  # an EPExchange when the experts are sharded over ranks
+        self.tp: TensorParallel | None = None
         self.gate = nn.Linear(h, e, bias=False)  # the router
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
         self.w2 = nn.Parameter(torch.empty(e, h, i))
@@ -224,6 +254,18 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(self.w13.new_empty(len(experts), *self.w13.shape[1:]))
         self.w2 = nn.Parameter(self.w2.new_empty(len(experts), *self.w2.shape[1:]))
 
+    def shard_tp(self, tp: TensorParallel) -> None:
+        """Every expert keeps this rank's share of its intermediate width (w13: that share of the
+        gate rows and of the up rows; w2: those columns), the shared expert too; the router is
+        whole. One all-reduce sums routed and shared partial outputs."""
+        inter = self.w2.shape[2]
+        rows = tp.block(inter)
+        shard_param(self, "w13", 1, torch.cat([rows, rows + inter]))
+        shard_param(self, "w2", 2, rows)
+        if self.shared_expert is not None:
+            self.shared_expert.shard_tp(tp)
+        self.tp = tp
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> weights [T, k] float32, expert ids [T, k]: softmax, top-k, renormalised
         where the family says (the backend's kernel on the GPU)."""
@@ -237,8 +279,9 @@ class SparseMoE(nn.Module):
         else:  # the other experts live on other ranks
             out = self.exchange.forward(x, self.w13, self.w2, weights, ids, self.backend)
         if self.shared_expert is not None:
-            shared = self.shared_expert(x)
+            # Partial with tensor parallelism: the gate scales it linearly, so one all-reduce below suffices.
+            shared = self.shared_expert(x) if self.tp is None else self.shared_expert.partial(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out.contiguous())

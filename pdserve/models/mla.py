@@ -20,6 +20,7 @@ from torch import nn
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.models.args import ModelArgs
 from pdserve.models.layers import RMSNorm
+from pdserve.models.tensor_parallel import TensorParallel, row_parallel, shard_linear_in, shard_linear_out
 from pdserve.ops.norms import apply_rotary
 
 # transformers builds the two latent norms with RMSNorm's default eps, not config.rms_norm_eps.
@@ -80,6 +81,16 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, _LATENT_NORM_EPS, norms)
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * args.v_head_dim, h, bias=bias)
+        self.tp: TensorParallel | None = None
+
+    def shard_tp(self, tp: TensorParallel) -> None:
+        """Keep this rank's heads of the up-projections (q or q_b, kv_b) and o_proj's columns; the
+        down-projections to the latents and the latent cache are whole on every rank."""
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        shard_linear_out(self.q_proj if self.q_proj is not None else self.q_b_proj, tp.block(self.num_heads, qk))
+        shard_linear_out(self.kv_b_proj, tp.block(self.num_heads, self.qk_nope_head_dim + self.v_head_dim))
+        shard_linear_in(self.o_proj, tp.block(self.num_heads, self.v_head_dim))
+        self.num_heads, self.tp = self.num_heads // tp.size, tp
 
     def _rope(self, x: torch.Tensor, rope) -> torch.Tensor:
         cos, sin = rope
@@ -101,7 +112,7 @@ class MLAttention(nn.Module):
         o = self.backend.forward_mla(self.layer_idx, q, latent, batch, self.scale, self)  # [T, heads, v_head_dim]
         if batch.layer_done is not None:
             batch.layer_done(self.layer_idx)
-        return self.o_proj(o.flatten(1))
+        return row_parallel(self.o_proj, o.flatten(1), self.tp)
 
     def expand_latent(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache entries [1, ..., L, 1, kv_lora_rank + qk_rope_head_dim] -> keys [..., L, heads,

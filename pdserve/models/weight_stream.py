@@ -13,8 +13,10 @@ sequential reads straight to where they belong:
   The disk, the copies and the Python between them all overlap.
 
 A tensor whose bytes are not the parameter's as they stand (another dtype, a fused expert tensor
-transposed or cut to this rank's experts) is gathered whole in host memory and converted by torch,
-as any copy would. Tensors the model does not take (another rank's experts) are not read.
+transposed or cut to this rank's experts, a tensor-parallel rank's columns of a row-parallel weight)
+is gathered whole in host memory and converted by torch, as any copy would. Tensors the model does
+not take (another rank's experts) are not read, nor are the rows of a column-parallel weight that
+other tensor-parallel ranks hold.
 """
 
 import os
@@ -74,8 +76,23 @@ def stream_safetensors(model: DecoderLM, files: list[Path], reader=None) -> int:
 
 
 def _plan(path: Path, placer: WeightPlacer) -> list[tuple[TensorEntry, Placement]]:
-    """The file's tensors the model takes, in file order, each with where it goes."""
-    return [(e, t) for e in read_header(path) if (t := placer.place(e.name, e.shape)) is not None]
+    """The file's tensors the model takes, in file order, each with where it goes. Where a
+    tensor-parallel rank takes a run of a tensor's rows (`Placement.rows`), only those are planned."""
+    jobs = []
+    for entry in read_header(path):
+        if (target := placer.place(entry.name, entry.shape)) is None:
+            continue
+        if target.rows is not None:
+            entry, target = _rows_of(entry, *target.rows), target.rows_only()
+        jobs.append((entry, target))
+    return jobs
+
+
+def _rows_of(entry: TensorEntry, start: int, stop: int) -> TensorEntry:
+    """The part of `entry` that holds its rows [start, stop) (row-major: one run of bytes)."""
+    row = entry.nbytes // entry.shape[0]
+    return TensorEntry(entry.name, entry.dtype, (stop - start, *entry.shape[1:]),
+                       entry.start + start * row, entry.start + stop * row)
 
 
 def _verbatim(entry: TensorEntry, target: Placement) -> bool:

@@ -8,6 +8,10 @@ Two kinds of cache (pdserve.engine.kv_cache): K/V planes (MHA, GQA: `forward`), 
 plane (`forward_mla`, DeepSeek-V2/V3). Both gather the context's cache entries the same way; an
 `expand` function turns them into keys and values — for K/V the planes themselves, for a latent
 the up-projection through the layer's kv_b_proj.
+
+An FP8 cache (`ForwardBatch.kv_scales` given) is written quantized (`kv_quant.quantize`, each
+plane through its layer's scale) and dequantized as it is gathered, so attention — prefill chunks
+and decode rows alike, this step's tokens included — always computes over what the cache holds.
 """
 
 from collections.abc import Callable
@@ -16,22 +20,50 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.kv_cache import FP8
+from pdserve.ops.kv_quant import dequantize_planes, quantize
 
 # entries [planes, ..., L, heads, dim] gathered from the cache -> keys [..., L, h, Dk], values [..., L, h, Dv]
 Expand = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter k, v [num_tokens, kv_heads, head_dim] into kv_layer [2, blocks, block_size, kv_heads, head_dim]."""
-    flat = kv_layer.flatten(1, 2)  # [2, blocks * block_size, kv_heads, head_dim], a view
-    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+def _stored(kv_layer: torch.Tensor, x: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the cache, x) as index_copy_ takes them: x in the cache's dtype; an FP8 cache and x
+    quantized through `scale`, both seen as bytes (index_copy_ has no float8 kernel)."""
+    if kv_layer.dtype != FP8:
+        return kv_layer, x.to(kv_layer.dtype)
+    return kv_layer.view(torch.uint8), quantize(x, scale).view(torch.uint8)
 
 
-def write_latent(kv_layer: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter latent [num_tokens, dim] into kv_layer [1, blocks, block_size, 1, dim] (MLA)."""
-    flat = kv_layer.flatten(1, 2)  # [1, blocks * block_size, 1, dim], a view
-    flat[0, :, 0].index_copy_(0, slot_mapping, latent.to(flat.dtype))
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             scales: tuple[float, ...] = ()) -> None:
+    """Scatter k, v [num_tokens, kv_heads, head_dim] into kv_layer [2, blocks, block_size, kv_heads, head_dim]
+    (FP8: quantized through scales = (k_scale, v_scale))."""
+    k_scale, v_scale = scales or (None, None)
+    cache, k = _stored(kv_layer, k, k_scale)
+    _, v = _stored(kv_layer, v, v_scale)
+    flat = cache.flatten(1, 2)  # [2, blocks * block_size, kv_heads, head_dim], a view
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+def write_latent(kv_layer: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor,
+                 scales: tuple[float, ...] = ()) -> None:
+    """Scatter latent [num_tokens, dim] into kv_layer [1, blocks, block_size, 1, dim] (MLA; FP8:
+    quantized through scales = (latent_scale,))."""
+    cache, latent = _stored(kv_layer, latent, scales[0] if scales else None)
+    flat = cache.flatten(1, 2)  # [1, blocks * block_size, 1, dim], a view
+    flat[0, :, 0].index_copy_(0, slot_mapping, latent)
+
+
+def gather(kv_layer: torch.Tensor, blocks: torch.Tensor, scales: tuple[float, ...], dtype: torch.dtype
+           ) -> torch.Tensor:
+    """kv_layer[:, blocks] -> [planes, *blocks.shape, block_size, heads, dim]; from an FP8 cache
+    dequantized to `dtype` (each plane through its scale), otherwise as stored."""
+    if kv_layer.dtype != FP8:
+        return kv_layer[:, blocks]
+    raw = kv_layer.view(torch.uint8)[:, blocks].view(FP8)  # gathered as bytes: every device indexes uint8
+    return dequantize_planes(raw, scales, dtype)
 
 
 def _planes(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,9 +79,9 @@ class TorchAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D]."""
-        kv_layer = batch.kv_cache[layer]
-        write_kv(kv_layer, k, v, batch.slot_mapping)
-        return self._attend(q, kv_layer, batch, scale, v.shape[-1], _planes)
+        kv_layer, scales = batch.kv_cache[layer], batch.layer_scales(layer)
+        write_kv(kv_layer, k, v, batch.slot_mapping, scales)
+        return self._attend(q, kv_layer, scales, batch, scale, v.shape[-1], _planes)
 
     def forward_mla(self, layer: int, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch,
                     scale: float, attn) -> torch.Tensor:
@@ -62,29 +94,29 @@ class TorchAttention:
         latents (K and V per head, as transformers does) and runs ordinary attention over them.
         Exact against the reference, and cheap enough on the CPU; the GPU kernels will fold
         kv_b_proj into q and the output instead (attention over the latent itself)."""
-        kv_layer = batch.kv_cache[layer]
-        write_latent(kv_layer, latent, batch.slot_mapping)
-        return self._attend(q, kv_layer, batch, scale, attn.v_head_dim, attn.expand_latent)
+        kv_layer, scales = batch.kv_cache[layer], batch.layer_scales(layer)
+        write_latent(kv_layer, latent, batch.slot_mapping, scales)
+        return self._attend(q, kv_layer, scales, batch, scale, attn.v_head_dim, attn.expand_latent)
 
-    def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, scale: float,
-                value_dim: int, expand: Expand) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, scales: tuple[float, ...], batch: ForwardBatch,
+                scale: float, value_dim: int, expand: Expand) -> torch.Tensor:
         out = q.new_empty(*q.shape[:2], value_dim)
         qlens = batch.query_lens
         decode_rows = [i for i, n in enumerate(qlens) if n == 1]
         if decode_rows:
-            self._decode(q, kv_layer, batch, decode_rows, scale, out, expand)
+            self._decode(q, kv_layer, scales, batch, decode_rows, scale, out, expand)
         for i, n in enumerate(qlens):
             if n > 1:
-                self._prefill(q, kv_layer, batch, i, scale, out, expand)
+                self._prefill(q, kv_layer, scales, batch, i, scale, out, expand)
         return out
 
-    def _decode(self, q, kv_layer, batch, rows, scale, out, expand: Expand) -> None:
+    def _decode(self, q, kv_layer, scales, batch, rows, scale, out, expand: Expand) -> None:
         bs = batch.block_size
         ctx = [batch.context_lens[i] for i in rows]
         max_blocks = (max(ctx) + bs - 1) // bs
         tables = batch.block_tables[rows, :max_blocks]  # [B, max_blocks]
         idx = torch.tensor([batch.query_start[i] for i in rows], device=q.device)
-        keys, values = expand(kv_layer[:, tables].flatten(2, 3))  # [B, max_blocks * bs, kv_heads, D]
+        keys, values = expand(gather(kv_layer, tables, scales, q.dtype).flatten(2, 3))  # [B, max_blocks * bs, kv_heads, D]
         lens = torch.tensor(ctx, device=q.device)
         mask = torch.arange(keys.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
         o = F.scaled_dot_product_attention(
@@ -93,12 +125,12 @@ class TorchAttention:
             attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
         out[idx] = o.squeeze(2).to(out.dtype)
 
-    def _prefill(self, q, kv_layer, batch, i, scale, out, expand: Expand) -> None:
+    def _prefill(self, q, kv_layer, scales, batch, i, scale, out, expand: Expand) -> None:
         bs = batch.block_size
         start, end = batch.query_start[i], batch.query_start[i + 1]
         n, ctx = end - start, batch.context_lens[i]
         table = batch.block_tables[i, : (ctx + bs - 1) // bs]
-        keys, values = expand(kv_layer[:, table].flatten(1, 2)[:, :ctx])  # [ctx, kv_heads, D]
+        keys, values = expand(gather(kv_layer, table, scales, q.dtype).flatten(1, 2)[:, :ctx])  # [ctx, kv_heads, D]
         qi = q[start:end].transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, heads, n, D]
         ki = keys.transpose(0, 1).unsqueeze(0)
         vi = values.transpose(0, 1).unsqueeze(0)

@@ -12,6 +12,11 @@ Fused KV write (`k_new`/`v_new`/`slot_mapping` given): the step's K/V need no se
 program whose slice holds a sequence's last position (ctx - 1, the new token) stores the new K/V
 into the cache at the sequence's slot and uses them straight from registers; every program reads
 the cache only below ctx - 1, so nothing reads a slot this launch writes.
+
+FP8 cache (`kv_scales` given): keys and values are read as float8 and widened to q's dtype for the
+dots; their scales are applied outside the loop — k_scale folded into the softmax scale, v_scale
+into the output — so the inner loop pays nothing for them. The fused write stores the new token
+quantized and attends to exactly what it stored.
 """
 
 import functools
@@ -20,6 +25,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from pdserve.engine.kv_cache import FP8
+from pdserve.ops.kv_write import quantize
 
 _LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 64  # one BLOCK_N chunk: below this a split's fixed cost outweighs the parallelism
@@ -30,13 +38,14 @@ PROGRAMS_PER_SM = 2
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                          k_new_ptr, v_new_ptr, slot_ptr,
-                         qk_scale, num_splits,
+                         qk_scale, k_scale, v_scale, num_splits,
                          stride_qb, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb,
                          stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                          stride_knb, stride_knh, stride_vnb, stride_vnh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DIRECT: tl.constexpr, PRECISION: tl.constexpr, NEW_KV: tl.constexpr):
+                         DIRECT: tl.constexpr, PRECISION: tl.constexpr, NEW_KV: tl.constexpr,
+                         IS_FP8: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -50,8 +59,11 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_o_
     d = tl.arange(0, BLOCK_D)
     hd_mask = (hs < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     kv_ty = cache_ptr.dtype.element_ty
+    # The dots' input type: the cache's, or q's over an FP8 cache (its values widened, unscaled:
+    # qk_scale holds k_scale, v_scale multiplies the output).
+    dot_ty = q_ptr.dtype.element_ty if IS_FP8 else kv_ty
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hd_mask, other=0.0)
-    q = q.to(kv_ty)
+    q = q.to(dot_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -63,8 +75,14 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_o_
         last = ctx - 1
         owner = (start <= last) & (last < end)
         d_mask = d < HEAD_DIM
-        k_new = tl.load(k_new_ptr + b * stride_knb + kvh * stride_knh + d, mask=d_mask, other=0.0).to(kv_ty)
-        v_new = tl.load(v_new_ptr + b * stride_vnb + kvh * stride_vnh + d, mask=d_mask, other=0.0).to(kv_ty)
+        k_new = tl.load(k_new_ptr + b * stride_knb + kvh * stride_knh + d, mask=d_mask, other=0.0)
+        v_new = tl.load(v_new_ptr + b * stride_vnb + kvh * stride_vnh + d, mask=d_mask, other=0.0)
+        if IS_FP8:  # stored quantized; attended as stored (unscaled, as the cache is read)
+            k_new = quantize(k_new, k_scale, kv_ty)
+            v_new = quantize(v_new, v_scale, kv_ty)
+        else:
+            k_new = k_new.to(kv_ty)
+            v_new = v_new.to(kv_ty)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         dst = cache_ptr + (tl.maximum(slot, 0) // PAGE) * stride_cb + (tl.maximum(slot, 0) % PAGE) * stride_cs \
             + kvh * stride_ch + d
@@ -84,16 +102,21 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_o_
         kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(kv_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(kv_base + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IS_FP8:  # widened through float32, which every GPU converts float8 to
+            k = k.to(tl.float32).to(dot_ty)
+            v = v.to(tl.float32).to(dot_ty)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv_ty), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v, input_precision=PRECISION)
         m_i = m_new
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty slice (or context 0) leaves zeros
+    if IS_FP8:
+        o = o * v_scale
     if DIRECT:
         dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=hd_mask)
@@ -144,13 +167,15 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
                            context_lens: torch.Tensor, scale: float, num_splits: int,
                            out: torch.Tensor | None = None, block_n: int = 64,
                            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                           slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+                           slot_mapping: torch.Tensor | None = None,
+                           kv_scales: tuple[float, ...] = ()) -> torch.Tensor:
     """q [B, heads, D] (sequence b's one token), kv_layer [2, blocks, page, kv_heads, D],
     block_tables [B, max_blocks], context_lens [B] int32 (device) -> out [B, heads, D].
 
     With k_new, v_new [B, kv_heads, D] and slot_mapping [B] (int, -1 skips the write) the step's K/V
     are written into kv_layer by the same launch (the cache at the new token's slot is not read:
-    its K/V come from k_new/v_new); without them the cache must already hold them."""
+    its K/V come from k_new/v_new); without them the cache must already hold them. An FP8
+    kv_layer is read (and written) through kv_scales = (k_scale, v_scale)."""
     bsz, heads, head_dim = q.shape
     page, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     group = heads // kv_heads
@@ -172,10 +197,13 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
     else:
         k_new = v_new = slot_mapping = q  # unused
     block_d = triton.next_power_of_2(head_dim)
-    precision = "ieee" if kv_layer.dtype == torch.float32 else "tf32"
+    is_fp8 = kv_layer.dtype == FP8
+    assert is_fp8 == bool(kv_scales), "an FP8 cache is read through its scales, and only it"
+    k_scale, v_scale = kv_scales or (1.0, 1.0)
+    precision = "ieee" if (q.dtype if is_fp8 else kv_layer.dtype) == torch.float32 else "tf32"
     _decode_split_kernel[(bsz, kv_heads, num_splits)](
         q, kv_layer, block_tables, context_lens, out, part_o, part_lse, k_new, v_new, slot_mapping,
-        scale * _LOG2E, num_splits,
+        scale * _LOG2E * k_scale, k_scale, v_scale, num_splits,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         part_o.stride(0), part_o.stride(1), part_o.stride(2) if not direct else 0,
@@ -183,7 +211,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, DIRECT=direct, PRECISION=precision, NEW_KV=new_kv,
-        num_warps=4, num_stages=2)
+        IS_FP8=is_fp8, num_warps=4, num_stages=2)
     if not direct:
         _decode_reduce_kernel[(bsz, heads)](
             part_o, part_lse, out, num_splits,

@@ -8,22 +8,27 @@ absolute position ctx - n + j and sees keys up to and including it.
 GQA-aware: a program's tile of BLOCK_M rows is (query, head) pairs of one KV head's group,
 query-major, so each K/V tile it loads serves every head of the group; a one-token row (decode
 inside a mixed batch) still fills GROUP rows of the tile.
+
+FP8 cache (`kv_scales` given): K/V tiles are read as float8 and widened to q's dtype; k_scale is
+folded into the softmax scale and v_scale into the output, as in the decode kernel.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from pdserve.engine.kv_cache import FP8
+
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, qk_scale,
+def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, qk_scale, v_scale,
                     stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb,
                     stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, IS_FP8: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -41,10 +46,12 @@ def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, 
     q_pos = ctx - n + j  # absolute position of each row's query
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    kv_ty = cache_ptr.dtype.element_ty
+    # The dots' input type: the cache's, or q's over an FP8 cache (read unscaled: qk_scale holds
+    # k_scale, v_scale multiplies the output).
+    dot_ty = q_ptr.dtype.element_ty if IS_FP8 else cache_ptr.dtype.element_ty
     q_rows = (q_first + j).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(kv_ty)
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
 
     # Keys past the tile's last query are never seen.
     last_j = (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP
@@ -62,6 +69,9 @@ def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, 
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(kv_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(kv_base + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IS_FP8:  # widened through float32, which every GPU converts float8 to
+            k = k.to(tl.float32).to(dot_ty)
+            v = v.to(tl.float32).to(dot_ty)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         qk = tl.where(visible, qk, float("-inf"))
@@ -72,10 +82,12 @@ def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, 
         p = tl.exp2(qk - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv_ty), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v, input_precision=PRECISION)
         m_i = m_new
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if IS_FP8:
+        o = o * v_scale
     dst = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -92,9 +104,11 @@ def _tile_config(max_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int,
 def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                             context_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int,
                             scale: float, out: torch.Tensor | None = None,
-                            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                            config: tuple[int, int, int, int] | None = None,
+                            kv_scales: tuple[float, ...] = ()) -> torch.Tensor:
     """q [T, heads, D]; kv_layer [2, blocks, page, kv_heads, D]; block_tables [B, max_blocks];
-    context_lens [B], query_start [B+1] int32 on the device; max_query_len a host-side bound -> [T, heads, D]."""
+    context_lens [B], query_start [B+1] int32 on the device; max_query_len a host-side bound -> [T, heads, D].
+    An FP8 kv_layer is read through kv_scales = (k_scale, v_scale)."""
     num_tokens, heads, head_dim = q.shape
     page, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     group = heads // kv_heads
@@ -104,14 +118,18 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table
     bsz = context_lens.shape[0]
     if num_tokens == 0 or bsz == 0:
         return out
-    block_m, block_n, warps, stages = config or _tile_config(max_query_len * group, head_dim, kv_layer.dtype)
+    is_fp8 = kv_layer.dtype == FP8
+    assert is_fp8 == bool(kv_scales), "an FP8 cache is read through its scales, and only it"
+    k_scale, v_scale = kv_scales or (1.0, 1.0)
+    dot_dtype = q.dtype if is_fp8 else kv_layer.dtype
+    block_m, block_n, warps, stages = config or _tile_config(max_query_len * group, head_dim, dot_dtype)
     grid = (triton.cdiv(max_query_len * group, block_m), bsz, kv_heads)
     _prefill_kernel[grid](
-        q, kv_layer, block_tables, context_lens, query_start, out, scale * _LOG2E,
+        q, kv_layer, block_tables, context_lens, query_start, out, scale * _LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        PRECISION="ieee" if kv_layer.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if dot_dtype == torch.float32 else "tf32", IS_FP8=is_fp8,
         num_warps=warps, num_stages=stages)
     return out

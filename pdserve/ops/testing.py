@@ -30,8 +30,10 @@ class PagedCase:
 
 def random_paged_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
                       block_size: int, dtype: torch.dtype, device: str | torch.device,
-                      gen: torch.Generator, spare_blocks: int = 3) -> PagedCase:
-    """seqs[i] = (context length after this step, tokens this step); one layer; blocks scattered at random."""
+                      gen: torch.Generator, spare_blocks: int = 3, cache_dtype: torch.dtype | None = None,
+                      kv_scales: tuple[float, float] = ()) -> PagedCase:
+    """seqs[i] = (context length after this step, tokens this step); one layer; blocks scattered at
+    random. The cache is `cache_dtype` (default: `dtype`); an FP8 one comes with its (k, v) scales."""
     need = [math.ceil(ctx / block_size) for ctx, _ in seqs]
     num_blocks = sum(need) + spare_blocks
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(int(gen.initial_seed()))).tolist()
@@ -53,9 +55,13 @@ def random_paged_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads:
             used[s: s + min(block_size, ctx - p)] = True
 
     shape = (1, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    clean = torch.randn(shape, generator=gen, device=device).to(dtype)
+    clean = torch.randn(shape, generator=gen, device=device).to(cache_dtype or dtype)
     poisoned = clean.clone()
-    poisoned.view(1, 2, num_blocks * block_size, num_kv_heads, head_dim)[:, :, ~used.to(device)] = float("nan")
+    view = poisoned.view(1, 2, num_blocks * block_size, num_kv_heads, head_dim)
+    if clean.dtype == torch.float8_e4m3fn:  # no masked fill for float8: its NaN byte, 0x7f, through uint8
+        view.view(torch.uint8)[:, :, ~used.to(device)] = 0x7F
+    else:
+        view[:, :, ~used.to(device)] = float("nan")
     t = starts[-1]
     q = torch.randn(t, num_heads, head_dim, generator=gen, device=device).to(dtype)
     k = torch.randn(t, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
@@ -70,7 +76,8 @@ def random_paged_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             block_tables=block_tables.to(device), query_start=starts, context_lens=ctx_lens,
             logits_indices=torch.tensor([t - 1], device=device), kv_cache=cache,
-            context_lens_t=lens[: len(seqs)], query_start_t=lens[len(seqs):])
+            context_lens_t=lens[: len(seqs)], query_start_t=lens[len(seqs):],
+            kv_scales=(tuple(kv_scales),) if kv_scales else ())
 
     return PagedCase(batch(poisoned), batch(clean), q, k, v)
 

@@ -14,8 +14,9 @@ from pdserve.worker.router_streams import RouterStreams
 class ColocatedWorker(Replica):
     role = "colocated"
 
-    def __init__(self, name: str, engine_config: EngineConfig, namespace: str, cpu_threads: int = 1):
-        super().__init__(name, engine_config, None, cpu_threads)  # no KV connector: its KV never leaves
+    def __init__(self, name: str, engine_config: EngineConfig, namespace: str, cpu_threads: int = 1, tp=None):
+        """`tp`: a TPRank (rank 0) when the replica is tensor parallel (pdserve/worker/tp_group.py)."""
+        super().__init__(name, engine_config, None, cpu_threads, tp=tp)  # no KV connector: its KV never leaves
         self.streams = RouterStreams(namespace, orphaned=self.abort)  # a dead router's requests stop
         self._start_loop()
 
@@ -46,6 +47,8 @@ class ColocatedWorker(Replica):
         return len(self.streams)
 
     def _step(self) -> float | None:
+        if self.tp_group is not None:
+            self.tp_group.keepalive()  # the followers' wait for a step has a deadline, steps or none
         if not self.engine.has_unfinished():
             return self.streams.flush_nap(IDLE_S)  # the last tokens may still wait for a router
         for out in self.engine.step():

@@ -1,8 +1,10 @@
 """What every worker (prefill, decode, colocated) shares: one engine in a role, its KV connector, its loop."""
 
+import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import ray
 import torch
@@ -11,11 +13,13 @@ from pdserve import heap
 from pdserve.kvtransfer import make_connector
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.warm_up import WarmUp, warm_up
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.inbox import Abort, Reserve
 from pdserve.messages import NewRequest, Refusal, ReplicaStats, ReserveResult, WorkerStartup
 from pdserve.protocol import InvalidRequestError
 
+log = logging.getLogger(__name__)
 
 EARLY_ABORTS = 1024  # aborts remembered for requests not come yet, before old ones are forgotten
 EARLY_ABORT_S = 60.0  # a request handed over arrives within seconds of its abort: older ones never will
@@ -37,35 +41,83 @@ def _in_actor() -> bool:
     return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
+def _progress(replica: str) -> Callable[[str], None]:
+    """Where a starting worker's progress lines go: the log, and the controller's progress (what
+    `pdserve up` prints) when there is one."""
+    controller = None
+    if _in_actor():
+        from pdserve.control.controller import CONTROLLER
+
+        try:
+            controller = ray.get_actor(CONTROLLER)
+        except ValueError:  # a worker started without a controller (a test's, a benchmark's)
+            pass
+
+    def say(line: str) -> None:
+        log.info("%s: %s", replica, line)
+        if controller is not None:
+            controller.note.remote(replica, line)  # not awaited: progress, not a step of the start
+
+    return say
+
+
 class Replica:
     role: str  # "prefill" | "decode" | "colocated", set by the subclass
 
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str | None, cpu_threads: int,
-                 ep=None):
+                 ep=None, cluster_token: str | None = None, tp=None):
         """`kv_backend` None: no KV connector. A colocated worker does both phases in its own
         engine, so its KV never leaves it; a connector would only register memory and open ports.
-        `ep`: an EPExchange when this worker is one rank of an expert-parallel decode replica."""
+        `ep`: an EPExchange when this worker is one rank of an expert-parallel decode replica.
+        `cluster_token`: the KV handshake and TCP connections take peers of this cluster only.
+        `tp`: a TPRank (rank 0) when this worker leads a tensor-parallel replica: it joins the
+        group (the followers, pdserve/worker/tp_follower.py, join it too) and hands each step's
+        batch to them."""
         self._began = (time.time(), time.perf_counter())  # for startup(): the process is up, its imports done
         if engine_config.device == "cpu":
             torch.set_num_threads(cpu_threads)  # several workers share the host's cores
         engine_config = engine_config.model_copy(update={"device": assigned_device(engine_config.device)})
         self.name = name
-        self.engine = Engine(engine_config, ep=ep)
+        self.tp_group = None
+        if tp is not None:
+            from pdserve.worker.tp_group import join_tp_group
+
+            assert tp.rank == 0, "a worker is rank 0 of its tensor-parallel replica; the others are followers"
+            self.tp_group = join_tp_group(tp)  # returns once every rank joined
+        self.engine = Engine(engine_config, ep=ep, tp=self.tp_group.tp if self.tp_group else None)
+        kv_cache, layout = self.engine.kv_cache, self.engine.layout
+        if self.tp_group is not None:
+            self.engine.runner.on_batch = self.tp_group.send
+            if kv_backend is not None:  # a prefill replica's KV leaves whole from rank 0 (tp_group.py)
+                kv_cache, layout = self.tp_group.stage_kv(self.engine)
         self.connector = None
         if kv_backend is not None:
-            # Socket-based backends listen on this node's address, not loopback: peers may be elsewhere.
-            kw = {"host": ray.util.get_node_ip_address()} if kv_backend == "tcp" else {}
-            self.connector = make_connector(self.role, kv_backend, name, self.engine.kv_cache, self.engine.layout,
-                                            self.engine.fingerprint, **kw)
+            # The node's address, not loopback: socket backends listen there (peers may be on other
+            # hosts), and the handshake learns from it which pairs share a host.
+            self.connector = make_connector(self.role, kv_backend, name, kv_cache, layout,
+                                            self.engine.fingerprint, host=ray.util.get_node_ip_address(),
+                                            cluster_token=cluster_token)
         self.aborted = 0
+        self._ep = ep
+        self.warmed: WarmUp | None = None  # what the warm-up ran, where it ran
 
     def _start_loop(self) -> None:
         """Called by the role's __init__ once it has built everything; the loop starts serving."""
+        self._warm_up()
         if _in_actor():  # (a worker built in a test's own process leaves that process's collector be)
             heap.settle()  # the engine, its KV cache and connector are built: no collection walks them (heap.py)
         self._early_aborts: dict[str, float] = {}  # request id -> when its abort came, before the request
         self.loop = EngineLoop(self._step, self._admit, f"{self.name}-engine", on_death=self._engine_died)
         self._ready_s = time.perf_counter() - self._began[1]
+
+    def _warm_up(self) -> None:
+        """Every kind of step once, before the loop starts and so before the worker is ready
+        (engine/warm_up.py): by default where kernels compile on first use (a GPU). Not for an
+        expert-parallel rank, whose steps are agreed with its group's."""
+        cfg = self.engine.config
+        want = cfg.warm_up if cfg.warm_up is not None else self.engine.device.type == "cuda"
+        if want and self._ep is None:
+            self.warmed = warm_up(self.engine, _progress(self.name))
 
     def _admit(self, item) -> None:
         """Take one inbox item. Ray runs a worker's calls on many threads, so a request's abort (its
@@ -127,16 +179,23 @@ class Replica:
         """What this worker's start took (weights, graphs, the whole engine), once ready."""
         w = self.engine.load_stats
         return WorkerStartup(self.name, self._began[0], w.source, w.files, w.bytes, w.weights_s, w.total_s,
-                             self.engine.graphs_s, self._ready_s)
+                             self.engine.graphs_s, self._ready_s, self.warmed.seconds if self.warmed else None)
 
     def metadata(self) -> bytes:
         """The KV handshake this replica publishes."""
         return self.connector.metadata()
 
-    def add_peer(self, meta: bytes) -> str:
-        """Handshake with a replica of the other role; raises HandshakeError on a mismatch."""
+    def add_peer(self, meta: bytes) -> dict:
+        """Handshake with a replica of the other role; raises HandshakeError on a mismatch. Returns
+        the handshake's record: the peer, the backend the pair moves KV over, and why."""
         with self.loop.lock:  # the loop's step polls the connector, and NIXL's agent is not thread-safe
-            return self.connector.add_peer(meta)
+            peer = self.connector.add_peer(meta)
+            return self.connector.pairs[peer]
+
+    def node(self) -> dict:
+        """Where this worker runs: its Ray node's id and address."""
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address()}
 
     def stats(self) -> ReplicaStats:
         if not self.loop.alive():  # the router then counts this replica as down (/health 503)

@@ -7,8 +7,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from grpc_tools import protoc
-
 GEN_ROOT = Path(__file__).resolve().parent  # router/grpc_gen
 PROTO_ROOT = GEN_ROOT.parents[1] / "proto"
 # Generated import lines name a proto's package as a top-level module: `from pdserve.v1 import
@@ -23,6 +21,11 @@ def proto_files() -> list[str]:
 
 def generate(out_dir: Path) -> list[Path]:
     """Write the Python code for every proto under out_dir/pdserve/; returns the files written."""
+    # Imported here, not with the module: grpc_tools' protoc extension and NIXL's native libraries
+    # abort a process that loads both ("munmap_chunk(): invalid pointer"), and importing this module
+    # (for GEN_ROOT) must not load protoc.
+    from grpc_tools import protoc
+
     well_known = importlib.resources.files("grpc_tools") / "_proto"  # google/protobuf/*.proto
     args = ["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{well_known}", f"--python_out={out_dir}",
             f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *proto_files()]

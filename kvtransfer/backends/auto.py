@@ -1,0 +1,111 @@
+"""kv_transfer.backend "auto": every backend this worker can run, side by side, and per peer the
+one the pair agreed on at the handshake (kvtransfer/pairing.py).
+
+Each backend is built over the same KV allocation and publishes its own blob and address in
+`meta.offers`; a peer is added to the chosen one only, seen as that backend's peer (its blob and
+address for that backend). Writes and notices go through the peer's backend; notices are read
+from all of them.
+
+Posting goes through the connector's posting thread for every pair — cuda_ipc's too, whose copy
+is then ordered by the layer's CUDA event on the host rather than on the device: the explicit
+`cuda_ipc` backend, which posts inline, is the one for a cluster of one GPU host.
+"""
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kvtransfer.metadata import KVAgentMetadata
+from pdserve.kvtransfer.pairing import choose_backend
+
+
+def available(kv_cache: torch.Tensor) -> list[str]:
+    """What this worker can offer: cuda_ipc on a GPU, nixl where it is installed, tcp always."""
+    names = ["cuda_ipc"] if kv_cache.is_cuda else []
+    if importlib.util.find_spec("nixl") is not None:
+        names.append("nixl")
+    return names + ["tcp"]
+
+
+@dataclass
+class _Token:
+    backend: str
+    tokens: list  # the backend's own tokens of one post
+
+
+class AutoBackend:
+    def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, host: str = "127.0.0.1",
+                 cluster_token: str | None = None, offer: list[str] | None = None):
+        from pdserve.kvtransfer.backends import make_backend
+
+        self.meta = meta
+        self._device = kv_cache.device
+        self.backends = {}
+        try:
+            for name in offer or available(kv_cache):
+                own = dataclasses.replace(meta, backend=name, offers={})
+                kw = {"host": host, "cluster_token": cluster_token} if name == "tcp" else {}
+                self.backends[name] = make_backend(name, own, kv_cache, **kw)
+                meta.offers[name] = {"agent_metadata": own.agent_metadata, "address": own.address}
+        except BaseException:
+            self.close()
+            raise
+        self._route: dict[str, str] = {}  # peer -> its backend
+
+    def add_peer(self, peer: KVAgentMetadata) -> None:
+        name = choose_backend(self.meta, peer).backend
+        if peer.backend == "auto":  # the peer as that backend sees its peers
+            offer = peer.offers[name]
+            peer = dataclasses.replace(peer, backend=name, agent_metadata=offer["agent_metadata"],
+                                       address=offer["address"], offers={})
+        old = self._route.get(peer.engine_id)
+        if old is not None and old != name:
+            self.backends[old].remove_peer(peer.engine_id)
+        self.backends[name].add_peer(peer)
+        self._route[peer.engine_id] = name
+
+    def remove_peer(self, engine_id: str) -> None:
+        name = self._route.pop(engine_id, None)
+        if name is not None:
+            self.backends[name].remove_peer(engine_id)
+
+    def write_layers(self, peer_id: str, parts: list[tuple[int, list[int], list[int]]]) -> _Token:
+        name = self._route[peer_id]
+        be = self.backends[name]
+        if name == "cuda_ipc":  # on the posting thread, whose current device need not be the cache's
+            with torch.cuda.device(self._device):
+                return _Token(name, [be.write_layers(peer_id, parts)])
+        if hasattr(be, "write_layers"):
+            return _Token(name, [be.write_layers(peer_id, parts)])
+        return _Token(name, [be.write(peer_id, *p) for p in parts])
+
+    def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> _Token:
+        return self.write_layers(peer_id, [(layer, src_blocks, dst_blocks)])
+
+    def state(self, token: _Token) -> str:
+        states = [self.backends[token.backend].state(t) for t in token.tokens]
+        return "failed" if "failed" in states else "pending" if "pending" in states else "done"
+
+    def release(self, token: _Token) -> None:
+        for t in token.tokens:
+            self.backends[token.backend].release(t)
+
+    def settled(self, token: _Token) -> bool:
+        settled = getattr(self.backends[token.backend], "settled", None)
+        return settled is None or all(settled(t) for t in token.tokens)
+
+    def notify(self, peer_id: str, payload: bytes) -> None:
+        self.backends[self._route[peer_id]].notify(peer_id, payload)
+
+    def notifications(self) -> list[bytes]:
+        return [n for be in self.backends.values() for n in be.notifications()]
+
+    def progress(self) -> None:
+        for be in self.backends.values():
+            be.progress()
+
+    def close(self) -> None:
+        for be in self.backends.values():
+            be.close()

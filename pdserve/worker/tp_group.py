@@ -1,0 +1,151 @@
+"""The ranks of a tensor-parallel replica and what passes between them each step.
+
+Rank 0 is the worker the routers know (colocated or prefill): it schedules, samples and answers.
+Before each forward it broadcasts the step's batch (`StepBatch`: token ids, positions, slots, block
+tables, lengths); every other rank (pdserve/worker/tp_follower.py) runs the same forward over its
+own heads' KV cache, and the layers' all-reduces pair up. Block ids are rank 0's: every rank's
+cache has the same blocks, and only rank 0's pool hands them out. The followers skip the logits
+(replicated: rank 0 has them whole).
+
+A prefill replica's KV leaves from rank 0 alone, as a single-rank replica's would: rank 0 keeps a
+staging cache of every KV head (the layout an unsharded engine has), and after each layer's KV is
+written every rank gathers its heads of the step's slots there (`stage_kv`). Its KV connector
+registers and posts the staging cache, so a decode replica of any layout (one rank, expert
+parallel) pairs with it through the ordinary handshake. MLA's latent cache is whole on every rank:
+nothing to gather, rank 0 posts its own.
+
+An idle rank 0 broadcasts an empty step now and then (`KEEPALIVE_S`), so that a follower's wait has
+a deadline (`TIMEOUT_S`) and a follower whose rank 0 died exits instead of waiting for ever.
+"""
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.kv_cache import allocate_kv_cache
+from pdserve.models.tensor_parallel import TensorParallel
+
+KEEPALIVE_S = 1.0  # an idle rank 0 broadcasts an empty step at least this often
+TIMEOUT_S = 600.0  # any collective of the group, a follower's wait for the next step included
+
+
+@dataclass(frozen=True)
+class TPRank:
+    """Where a rank stands in its replica's group, and the group's rendezvous (a TCPStore)."""
+
+    rank: int
+    size: int
+    store_host: str
+    store_port: int
+
+
+@dataclass
+class StepBatch:
+    """What a follower needs to run rank 0's forward: host lists, pickled over gloo."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]
+    query_start: list[int]
+    context_lens: list[int]
+
+    @classmethod
+    def of(cls, b: ForwardBatch) -> "StepBatch":
+        return cls(b.input_ids.tolist(), b.positions.tolist(), b.slot_mapping.tolist(), b.block_tables.tolist(),
+                   list(b.query_start), list(b.context_lens))
+
+    def forward_batch(self, kv_cache: torch.Tensor, kv_scales=()) -> ForwardBatch:
+        long = dict(dtype=torch.long, device=kv_cache.device)
+        return ForwardBatch(
+            input_ids=torch.tensor(self.input_ids, **long), positions=torch.tensor(self.positions, **long),
+            slot_mapping=torch.tensor(self.slot_mapping, **long), block_tables=torch.tensor(self.block_tables, **long),
+            query_start=self.query_start, context_lens=self.context_lens,
+            logits_indices=torch.empty(0, **long), kv_cache=kv_cache, kv_scales=kv_scales)
+
+
+def join_tp_group(me: TPRank, timeout_s: float = TIMEOUT_S) -> "TPGroup":
+    """Join the replica's group: returns once every rank has joined. Gloo (the CPU; GPUs are
+    refused by the engine until the Triton path is checked sharded)."""
+    store = dist.TCPStore(me.store_host, me.store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=me.rank, world_size=me.size, timeout=timedelta(seconds=timeout_s))
+    return TPGroup(TensorParallel(me.rank, me.size))
+
+
+class TPGroup:
+    def __init__(self, tp: TensorParallel):
+        """Over the default process group, joined (join_tp_group)."""
+        self.rank, self.size = tp.rank, tp.size
+        self.tp = tp
+        self._sent = time.monotonic()
+        self.gathers = False  # every layer's KV of every step goes to rank 0's staging cache
+        self._kv_cache = self._staging = None
+        self._heads: list[range] = []  # the KV heads of each rank
+
+    def stage_kv(self, engine) -> tuple[torch.Tensor, object]:
+        """A prefill replica (every rank calls it): the cache and layout its KV leaves from — on rank
+        0 a staging cache of every KV head that each step fills (None elsewhere), or, for a latent
+        cache (whole on every rank), the engine's own."""
+        if engine.layout.kind != "kv":
+            return engine.kv_cache, engine.layout
+        args = engine.args
+        self.gathers, self._kv_cache = True, engine.kv_cache
+        self._heads = [TensorParallel(r, self.size).kv_heads(args.num_heads, args.num_kv_heads)
+                       for r in range(self.size)]
+        full = dataclasses.replace(engine.layout, num_kv_heads=args.num_kv_heads)
+        if self.rank == 0:
+            self._staging = allocate_kv_cache(full, engine.kv_cache.device)
+        return self._staging, full
+
+    def send(self, batch: ForwardBatch) -> None:
+        """Rank 0, before its forward: the followers run the same one."""
+        self._broadcast(StepBatch.of(batch))
+        self.follow(batch)
+
+    def follow(self, batch: ForwardBatch) -> None:
+        """Every rank, before the forward: where KV is staged, each layer's is gathered once
+        written, before the layer's hook (rank 0's KV streaming) reads it."""
+        if not self.gathers:
+            return
+        inner, slots = batch.layer_done, batch.slot_mapping
+
+        def layer_done(layer: int) -> None:
+            self._gather(layer, slots)
+            if inner is not None:
+                inner(layer)
+
+        batch.layer_done = layer_done
+
+    def _gather(self, layer: int, slots: torch.Tensor) -> None:
+        # [planes, T, local heads, dim]: this rank's heads of the step's slots, as bytes (gloo
+        # moves no FP8; the staging cache takes the bytes as they are).
+        mine = self._kv_cache[layer].flatten(1, 2)[:, slots].contiguous().view(torch.uint8)
+        if self.rank != 0:
+            dist.gather(mine, None, dst=0)
+            return
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.gather(mine, parts, dst=0)
+        staged = self._staging[layer].flatten(1, 2).view(torch.uint8)  # a view: [planes, slots, heads, dim bytes]
+        for heads, part in zip(self._heads, parts):
+            staged[:, slots, heads.start:heads.stop] = part
+
+    def keepalive(self) -> None:
+        """Rank 0, every loop turn: an empty step if none went out for KEEPALIVE_S, so that the
+        followers' waits end."""
+        if time.monotonic() - self._sent >= KEEPALIVE_S:
+            self._broadcast(None)
+
+    def receive(self) -> StepBatch | None:
+        """A follower: the next step's batch (None: rank 0 is idle). Raises past TIMEOUT_S."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _broadcast(self, msg: StepBatch | None) -> None:
+        dist.broadcast_object_list([msg], src=0)
+        self._sent = time.monotonic()
