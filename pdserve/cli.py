@@ -33,6 +33,18 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_checkpoint(args: argparse.Namespace) -> int:
+    from pdserve.models.checkpoint_writer import DTYPE_NAMES, parse_size, write_checkpoint
+
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise ValueError(f"--device {args.device!r}: cpu or cuda")
+    files = write_checkpoint(args.model, args.out_dir, DTYPE_NAMES[args.dtype], parse_size(args.shard_size), args.seed,
+                             args.device, args.num_layers, log=_log)
+    _log(f"wrote {len(files)} shards, model.safetensors.index.json, config.json and the tokenizer to "
+         f"{args.out_dir}; serve it with model.path: {args.out_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--device", default="cpu")
     g.set_defaults(func=_generate)
+
+    w = sub.add_parser("write-checkpoint", help="dummy weights as an HF checkpoint directory: sharded safetensors, "
+                                                "index, config.json, tokenizer (nothing downloaded)")
+    w.add_argument("model", help="a preset (tiny-moe, qwen3-30b-a3b, deepseek-v2-lite) or a config.json (or its directory)")
+    w.add_argument("out_dir", help="the directory to write (created; it must not hold a checkpoint)")
+    w.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    w.add_argument("--shard-size", default="5GB", help="most bytes per shard, as the Hub's max_shard_size (5GB, 512MiB)")
+    w.add_argument("--seed", type=int, default=0, help="the dummy weights' seed (model.seed of load_format: dummy)")
+    w.add_argument("--device", default="cpu",
+                   help="where the weights are drawn: the same seed gives the same weights as dummy loading on "
+                        "that device type (cpu or cuda)")
+    w.add_argument("--num-layers", type=int, help="only the first N layers (a smaller model of the same tensors)")
+    w.set_defaults(func=_write_checkpoint)
 
     from pdserve.control import commands as cluster_cli
 

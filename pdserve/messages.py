@@ -113,3 +113,28 @@ class ReplicaChange:
     ranks: dict[str, object]  # its workers now: actor name (unique per incarnation) -> actor handle
     state: str = "serving"  # "serving" | "draining" | "gone"
     restarts: int = 0  # incarnations replaced since the cluster started
+
+
+@dataclass
+class WorkerStartup:
+    """What one worker's start took, in seconds (its answer to the controller once ready, for
+    `pdserve up`'s progress and the cold-start benchmark)."""
+
+    name: str
+    began: float  # time.time() as its __init__ began: its process started and imported what it runs
+    weights: str  # "safetensors" or "dummy"
+    weight_files: int
+    weight_bytes: int
+    weights_s: float  # reading the weights into the device (drawing them, for dummy)
+    model_s: float  # the model built, allocated and loaded (weights_s included)
+    graphs_s: float | None  # capturing the decode step's CUDA graphs; None where none are captured
+    ready_s: float  # from __init__ to ready: the model, KV cache, graphs, KV connector, warm-up
+    warm_up_s: float | None = None  # the warm-up's steps (engine/warm_up.py); None where none ran
+
+    def describe(self) -> str:
+        gb = self.weight_bytes / 1e9
+        source = f"from {self.weight_files} files" if self.weights == "safetensors" else "dummy"
+        graphs = "" if self.graphs_s is None else f", CUDA graphs {self.graphs_s:.2f} s"
+        warm = "" if self.warm_up_s is None else f", warm-up {self.warm_up_s:.2f} s"
+        return (f"weights {gb:.2f} GB {source} in {self.weights_s:.2f} s ({gb / max(self.weights_s, 1e-9):.2f} GB/s), "
+                f"model {self.model_s:.2f} s{graphs}{warm}, engine ready in {self.ready_s:.2f} s")

@@ -246,6 +246,37 @@ def printable_utf8(data: bytes | bytearray, final: bool = True) -> tuple[str, in
     return "".join(out), i
 
 
+def byte_tokenizer_as_hf(vocab_size: int, max_length: int) -> dict[str, dict]:
+    """`ByteTokenizer` as HF tokenizer files (file name -> JSON): tokenizer.json (byte-level BPE
+    without merges: byte b is id b; the four special tokens 256..259; ids from 260 to vocab_size
+    spelled `<|token_N|>`, as ByteTokenizer spells them, never produced by encoding; `<|bos|>` put
+    first), tokenizer_config.json (the same special tokens and ChatML template) and the
+    generation_config.json ids. Encoding is ByteTokenizer's exactly; decoding differs only for bytes
+    that are not printable UTF-8, which HF decodes as U+FFFD where ByteTokenizer shows a stand-in."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    byte_tok = ByteTokenizer()
+    vocab = {ch: b for b, ch in enumerate(BYTE_CHARS)}
+    vocab |= {t: 256 + i for i, t in enumerate(ByteTokenizer.SPECIAL_TOKENS)}
+    vocab |= {byte_tok.special_name(i): i for i in range(byte_tok.vocab_size, vocab_size)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No regex split, no prefix space: every byte of the text becomes its own token, as in ByteTokenizer.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ByteTokenizer.SPECIAL_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{byte_tok.bos_token} $A", pair=f"{byte_tok.bos_token} $A $B:1",
+        special_tokens=[(byte_tok.bos_token, byte_tok.bos_token_id)])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": byte_tok.bos_token,
+              "eos_token": byte_tok.eos_token, "add_bos_token": True, "add_eos_token": False,
+              "model_max_length": max_length, "clean_up_tokenization_spaces": False,
+              "chat_template": byte_tok.chat_template}
+    generation = {"bos_token_id": byte_tok.bos_token_id, "eos_token_id": byte_tok.eos_token_ids}
+    return {"tokenizer.json": json.loads(tok.to_str()), "tokenizer_config.json": config,
+            "generation_config.json": generation}
+
+
 def load_tokenizer(path_or_preset: str, eos_token_ids: list[int] | None = None) -> Tokenizer | ByteTokenizer:
     """The tokenizer of a model directory, or the byte tokenizer for a preset name."""
     if not os.path.isdir(path_or_preset):

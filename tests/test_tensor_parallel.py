@@ -11,6 +11,7 @@ from hf_checkpoints import FAMILIES, checkpoint_path
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
+from pdserve.models.checkpoint_writer import write_checkpoint
 from pdserve.models.loader import load_model
 from pdserve.models.tensor_parallel import TensorParallel, check_tp_size
 from pdserve.protocol import SamplingParams
@@ -115,13 +116,18 @@ def paths(tmp_path_factory):
     paths = {family: str(checkpoint_path(family, root)) for family in FAMILIES}
     # One KV head for two ranks: each rank holds a copy of it.
     paths["llama_kv1"] = str(checkpoint_path("llama", root, num_key_value_heads=1))
+    # `pdserve write-checkpoint`'s files (a preset's dummy weights, Hub names), read by the streaming
+    # loader: small chunks would not change what a rank reads, so the defaults.
+    paths["written"] = str(root / "written")
+    write_checkpoint("tiny-moe", root / "written", torch.float32, 4 * 10**6, seed=5, num_layers=2)
     return paths
 
 
 def test_tp2_equals_tp1_every_family(paths):
-    # Checkpoints for every family (tensors sliced as read), and dummy weights for two (drawn
-    # whole, then sliced): one spawn of two ranks does them all.
-    jobs = [(paths[f], "auto", True) for f in [*FAMILIES, "llama_kv1"]] + [(paths[f], "dummy", False) for f in ("qwen2_moe", "deepseek_v3")]
+    # Checkpoints for every family and one written by `pdserve write-checkpoint` (tensors sliced as
+    # read), and dummy weights for two (drawn whole, then sliced): one spawn of two ranks does them all.
+    jobs = [(paths[f], "auto", True) for f in [*FAMILIES, "llama_kv1", "written"]] + \
+        [(paths[f], "dummy", False) for f in ("qwen2_moe", "deepseek_v3")]
     ranks = run_ranks(_rank, jobs)
     for j, (path, fmt, gen) in enumerate(jobs):
         ref, weights = prompt_logits(path, fmt, None)

@@ -45,7 +45,10 @@ def up(path: str | None) -> int:
         if cfg.router.grpc_port is not None:
             check_free(cfg.router.host, cfg.router.grpc_port, "router.grpc_port")
     _log("starting Ray" if cfg.ray.address == "local" else f"joining Ray at {cfg.ray.address}")
+    t0 = time.monotonic()
     _connect(None if cfg.ray.address == "local" else cfg.ray.address)  # before Ray's import: see _connect
+    ray_s = time.monotonic() - t0
+    _log(f"Ray {'started' if cfg.ray.address == 'local' else 'joined'} in {ray_s:.2f} s")
     import ray
 
     from pdserve.control.controller import CONTROLLER, Controller
@@ -73,9 +76,12 @@ def up(path: str | None) -> int:
     # `kill -USR1 <pid>` prints every thread's stack: what a stuck `pdserve up` is waiting for.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
+        t1 = time.monotonic()
         endpoints = _wait_started(controller)
         for kind, url in endpoints.items():
             _log(f"{kind}: {url}")
+        now = time.monotonic()
+        _log(f"up in {now - t0:.2f} s: Ray {ray_s:.2f} s, cluster start {now - t1:.2f} s")
         _log("ready; Ctrl-C stops everything")
         shown = len(ray.get(controller.status.remote(), timeout=30)["progress"])
         while True:  # until Ctrl-C, or `pdserve down` from elsewhere

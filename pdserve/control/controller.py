@@ -66,26 +66,35 @@ class Controller:
                  [("decode", i) for i in range(cfg.decode.replicas)] + \
                  [("colocated", i) for i in range(cfg.colocated.replicas)]
         incs = []
+        t0, launched = time.monotonic(), time.time()
         for role, i in wanted:  # in the set at once: a start that fails midway still stops them all
             incs.append(self.launcher.start(role, f"pdserve-{role}-{i}", 0, list(self.replicas.values())))
             self.replicas[incs[-1].replica] = incs[-1]
-        n = sum(len(inc.ranks) for inc in incs)
+        n = sum(len(inc.ranks) + len(inc.followers) for inc in incs)
         self._note(f"loading {cfg.model.path} on {n} workers")
-        self._wait_ready(incs, show=True)
+        self._wait_ready(incs, show=True, launched=launched)
+        self._note(f"workers ready in {time.monotonic() - t0:.2f} s")
         if cfg.prefill.replicas:
+            t0 = time.monotonic()
             self._handshake([i for i in incs if i.role == "prefill"], "decode")
             used = sorted({r["backend"] for r in self.kv_pairs.values()})
-            self._note(f"KV handshake done ({cfg.kv_transfer.backend}: {', '.join(used)})")
+            self._note(f"KV handshake done ({cfg.kv_transfer.backend}: {', '.join(used)}) "
+                       f"in {time.monotonic() - t0:.2f} s")
+        t0 = time.monotonic()
         self._start_routers()
+        self._note(f"routers ready in {time.monotonic() - t0:.2f} s")
         self.state = "running"
         self._watching.set()
         threading.Thread(target=self._watch, name="pdserve-watch", daemon=True).start()
         return self.endpoints
 
-    def _wait_ready(self, incs: list[Incarnation], show: bool = False) -> None:
+    def _wait_ready(self, incs: list[Incarnation], show: bool = False, launched: float = 0.0) -> None:
         """Until every worker of `incs` is ready; raises the first one's own error (bad model, out of
-        memory), or after REPLICA_START_S."""
-        pending = {w.ready.remote(): name for inc in incs for name, w in inc.ranks.items()}
+        memory), or after REPLICA_START_S. `show`: a line per worker with what its start took
+        (since `launched`, a time.time())."""
+        # A tensor-parallel replica's followers too: each rank loads its own slice of the weights.
+        handles = {name: w for inc in incs for name, w in [*inc.ranks.items(), *inc.followers.items()]}
+        pending = {w.ready.remote(): name for name, w in handles.items()}
         total, deadline = len(pending), time.monotonic() + REPLICA_START_S
         while pending:
             if self.state in ("stopping", "stopped"):
@@ -97,7 +106,8 @@ class Controller:
                 name = pending.pop(ref)
                 ray.get(ref)
                 if show:
-                    self._note(f"{name} ready ({total - len(pending)}/{total})")
+                    self._note(f"{name} ready ({total - len(pending)}/{total}) in {time.time() - launched:.2f} s"
+                               f"{_took(handles[name], launched)}")
         for inc in incs:  # where each worker landed (status shows it; placement counts it)
             inc.nodes = dict(zip(inc.ranks, ray.get([w.node.remote() for w in inc.ranks.values()], timeout=60)))
             if show:
@@ -427,6 +437,15 @@ class Controller:
 
     def _note(self, line: str) -> None:
         self.progress.append(f"{time.strftime('%H:%M:%S')} {line}")
+
+
+def _took(worker, launched: float) -> str:
+    """What a ready worker's start took (WorkerStartup), as a progress line's tail."""
+    try:
+        s = ray.get(worker.startup.remote(), timeout=10)
+    except Exception:  # (a line of progress is not worth failing a start over)
+        return ""
+    return f": process up in {s.began - launched:.2f} s, {s.describe()}"
 
 
 def _where(inc: Incarnation) -> str:

@@ -55,7 +55,9 @@ class Engine:
         self.model, self.args = load_model(mc.path, dtype=dtype, device=self.device,
                                            load_format=mc.load_format, attn_backend=attn_backend,
                                            moe_backend=moe_backend, seed=mc.seed, ep=ep, norms=norms,
-                                           tp=self.tp)
+                                           tp=self.tp, log=log)
+        self.load_stats = self.model.load_stats  # what loading took (bytes, seconds): workers report it
+        self.graphs_s: float | None = None  # seconds capturing CUDA graphs, where they are
         self.tokenizer = load_tokenizer(mc.path, eos_token_ids=self.args.eos_token_ids)
         self.fingerprint = model_fingerprint(mc.path, self.args, dtype, mc.load_format, mc.seed)
         self.max_model_len = min(mc.max_model_len or self.args.max_position_embeddings,
@@ -72,10 +74,14 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.layout.scales)
         if self._wants_graphs(attn_backend, ep):
             from pdserve.engine.cuda_graphs import DecodeGraphs
+            t0 = time.perf_counter()
             self.runner.graphs = DecodeGraphs(
                 self.model, self.kv_cache, attn_backend, min(config.max_num_seqs, config.cuda_graph_max_batch),
                 -(-self.max_model_len // config.block_size), self.max_model_len, self.device, log, exchange=ep,
                 kv_scales=self.layout.scales)
+            self.graphs_s = time.perf_counter() - t0
+            if log:
+                log(f"CUDA graphs captured in {self.graphs_s:.2f} s")
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, TextStream] = {}
         self._ready: list[RequestOutput] = []  # outputs produced outside a step (start_decode)

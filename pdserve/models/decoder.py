@@ -7,7 +7,9 @@ q/k norm) are flags in ModelArgs, read by `Attention`.
 """
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +64,10 @@ class DecoderLM(nn.Module):
         self.attn_backend = attn_backend or TorchAttention()
         self.moe_backend = moe_backend or TorchMoE()
         self.norms = norms or TorchNorms()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # Given its (uninitialised) weight, not drawn: the loader sets every parameter, and a normal_
+        # draw on the meta device imports torch._dynamo, 1-2 s of every worker's start.
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(args, self.make_attention(i), self.make_mlp(i), self.norms) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, self.norms)
@@ -139,18 +144,6 @@ class DecoderLM(nn.Module):
 
     # -- checkpoint loading ----------------------------------------------------------------------
 
-    def wants(self, hf_name: str) -> bool:
-        """False for a checkpoint tensor of an expert another rank holds, or one the model skips: it
-        need not be read."""
-        name = self.checkpoint_name(hf_name)
-        if name is None:
-            return False  # skipped anyway (load_weights): no need to read it
-        m = _EXPERT.fullmatch(name)
-        if m is None:
-            return True
-        moe, expert = self._moe(m[1], hf_name), int(m[2])
-        return expert in moe.experts or not 0 <= expert < moe.num_experts  # (load_weights reports the latter)
-
     def checkpoint_name(self, hf_name: str) -> str | None:
         """This model's name for a HF checkpoint tensor; None for tensors to skip."""
         name = hf_name.removeprefix("model.")
@@ -160,30 +153,23 @@ class DecoderLM(nn.Module):
             return None  # tied: some checkpoints still carry a copy of the embedding
         return name
 
+    def hub_name(self, name: str) -> str:
+        """The name a Hub checkpoint gives our parameter `name` (not the fused experts: hub_expert_name)."""
+        return name if name == "lm_head.weight" else f"model.{name}"
+
+    def hub_expert_name(self, moe_prefix: str, expert: int, proj: str) -> str:
+        """The Hub name of one expert's projection (`proj`: gate_proj, up_proj, down_proj)."""
+        return f"model.{moe_prefix}.experts.{expert}.{proj}.weight"
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters, one at a time; every parameter must be covered."""
-        params = dict(self.named_parameters())
-        shards = self.tp_shard_map()  # tensor parallel: each tensor is read whole, this rank's slice kept
-        loaded: set[str] = set()  # parameter names, or `name[expert].part` for fused experts
+        placer = WeightPlacer(self)
         for hf_name, tensor in weights:
-            name = self.checkpoint_name(hf_name)
-            if name is None:
-                continue
-            if m := _EXPERT.fullmatch(name):
-                loaded.update(self._load_expert(m[1], int(m[2]), m[3], tensor, hf_name))
-            elif m := _FUSED.fullmatch(name):
-                loaded.update(self._load_fused_experts(m[1], m[2], tensor, hf_name))
-            elif name in params:
-                _copy(params[name], slice_full(tensor, shards.get(name)), hf_name)
-                loaded.update(_pieces(name, params[name]))
-            else:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.args.architecture}")
-        expected = {piece for name, p in params.items() for piece in _pieces(name, p)}
-        missing = sorted(expected - loaded)
-        if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise ValueError(f"checkpoint does not set {len(missing)} parameter(s): {shown}")
+            if (target := placer.place(hf_name, tuple(tensor.shape))) is not None:
+                target.copy(tensor)
+                placer.done(target)
+        placer.finish()
 
     def _moe(self, prefix: str, hf_name: str) -> SparseMoE:
         try:
@@ -195,44 +181,160 @@ class DecoderLM(nn.Module):
                              f"({prefix} is not a MoE layer)")
         return moe
 
-    def _load_expert(self, prefix: str, expert: int, proj: str, tensor: torch.Tensor, hf_name: str) -> list[str]:
-        moe = self._moe(prefix, hf_name)
+
+# A tensor-parallel shard of a parameter, as `tp_shards` records it: (dim, this rank's indices along
+# it, the whole length).
+Shard = tuple[int, torch.Tensor, int]
+
+
+@dataclass
+class Placement:
+    """Where one checkpoint tensor goes: `dst`, which it fills exactly (after `prepare`, where set:
+    a fused expert tensor transposed or cut to this rank's experts, a tensor-parallel rank's slice
+    taken). `rows`, where set, are the tensor's rows [start, stop) that `prepare` keeps, as they
+    stand: a reader may read only those (`rows_only`) and skip the other ranks' bytes."""
+
+    hf_name: str
+    dst: torch.Tensor
+    pieces: list[str]  # what it sets (WeightPlacer.finish checks that every piece was set)
+    prepare: Callable[[torch.Tensor], torch.Tensor] | None = None
+    rows: tuple[int, int] | None = None
+
+    @property
+    def verbatim(self) -> bool:
+        """The file's bytes are the destination's: they can be read straight into it."""
+        return self.prepare is None and self.dst.is_contiguous()
+
+    def rows_only(self) -> "Placement":
+        """This placement for a tensor of `rows` alone (what a reader that read only them holds)."""
+        return Placement(self.hf_name, self.dst, self.pieces)
+
+    def copy(self, tensor: torch.Tensor) -> None:
+        _copy(self.dst, tensor if self.prepare is None else self.prepare(tensor), self.hf_name)
+
+
+class WeightPlacer:
+    """Checkpoint tensors to parameters, by name and shape, before their bytes are read; then
+    whether every parameter was set. One per load.
+
+    Checkpoints hold the single-rank model's tensors: an expert-parallel rank skips the other ranks'
+    experts, a tensor-parallel rank keeps its slice of each sharded tensor (`tp_shards`)."""
+
+    def __init__(self, model: DecoderLM):
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.shards = model.tp_shard_map()
+        self.loaded: set[str] = set()  # parameter names, or `name[expert].part` for fused experts
+        self._row_ranges: dict[tuple[int, int], tuple[int, int] | None] = {}  # (dim, id(index)): every expert shares one
+
+    def place(self, hf_name: str, shape: tuple[int, ...]) -> Placement | None:
+        """Where the tensor `hf_name` of `shape` goes; None for one to skip (not used, or another
+        expert-parallel rank's expert). Raises ValueError for a tensor with no place or the wrong shape."""
+        name = self.model.checkpoint_name(hf_name)
+        if name is None:
+            return None
+        if m := _EXPERT.fullmatch(name):
+            return self._expert(m[1], int(m[2]), m[3], shape, hf_name)
+        if m := _FUSED.fullmatch(name):
+            return self._fused_experts(m[1], m[2], shape, hf_name)
+        if name in self.params:
+            p = self.params[name]
+            return self._sharded(Placement(hf_name, p, _pieces(name, p)), self.shards.get(name), shape)
+        raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.model.args.architecture}")
+
+    def done(self, target: Placement) -> None:
+        self.loaded.update(target.pieces)
+
+    def finish(self) -> None:
+        """Raise if a parameter (or a fused parameter's expert part) was not set."""
+        expected = {piece for name, p in self.params.items() for piece in _pieces(name, p)}
+        missing = sorted(expected - self.loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint does not set {len(missing)} parameter(s): {shown}")
+
+    def _expert(self, prefix: str, expert: int, proj: str, shape: tuple[int, ...], hf_name: str) -> Placement | None:
+        moe = self.model._moe(prefix, hf_name)
         if not 0 <= expert < moe.num_experts:
             raise ValueError(f"checkpoint tensor {hf_name!r}: expert {expert} out of range "
                              f"(the model has {moe.num_experts})")
         if expert not in moe.experts:
-            return []  # another rank's expert (expert parallel)
+            return None  # another rank's expert (expert parallel): not even read
         slot = moe.experts.index(expert)
-        inter = moe.w2.shape[2]
-        if (shard := getattr(moe, "tp_shards", {}).get("w2")) is not None:
-            # Tensor parallel: this rank's share of the expert's intermediate width (w2's columns).
-            _, rows, full = shard
-            tensor = slice_full(tensor, (1, rows, full) if proj == "down_proj" else (0, rows, full))
+        inter = moe.w2.shape[2]  # this rank's share of the intermediate width (all of it without TP)
+        # Tensor parallel: every expert keeps the same share of its intermediate width (w2's shard),
+        # the rows of gate_proj and up_proj [I, H], the columns of down_proj [H, I].
+        shard = getattr(moe, "tp_shards", {}).get("w2")
         if proj == "down_proj":
-            _copy(moe.w2[slot], tensor, hf_name)
-            return [f"{prefix}.w2[{slot}].down"]
+            target = Placement(hf_name, moe.w2[slot], [f"{prefix}.w2[{slot}].down"])
+            return self._sharded(target, None if shard is None else (1, shard[1], shard[2]), shape)
         rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-        _copy(moe.w13[slot, rows], tensor, hf_name)
-        return [f"{prefix}.w13[{slot}].{proj.removesuffix('_proj')}"]
+        target = Placement(hf_name, moe.w13[slot, rows], [f"{prefix}.w13[{slot}].{proj.removesuffix('_proj')}"])
+        return self._sharded(target, None if shard is None else (0, shard[1], shard[2]), shape)
 
-    def _load_fused_experts(self, prefix: str, proj: str, tensor: torch.Tensor, hf_name: str) -> list[str]:
+    def _fused_experts(self, prefix: str, proj: str, shape: tuple[int, ...], hf_name: str) -> Placement:
         # transformers 5 stores gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj
         # [E, H, I], i.e. our layout; some converters write the transpose. A square tensor is
         # ambiguous and read in transformers' orientation.
-        moe = self._moe(prefix, hf_name)
-        dst = moe.w13 if proj == "gate_up_proj" else moe.w2
-        full = [moe.num_experts, *dst.shape[1:]]
-        shard = getattr(moe, "tp_shards", {}).get("w13" if proj == "gate_up_proj" else "w2")
-        if shard is not None:  # tensor parallel: the file holds every rank's share
-            full[shard[0]] = shard[2]
-        full = tuple(full)
-        if tensor.shape != full and tensor.dim() == 3 and tensor.transpose(1, 2).shape == full:
-            tensor = tensor.transpose(1, 2)
-        if tensor.shape == full and len(moe.experts) != moe.num_experts:
-            tensor = tensor[moe.experts]  # expert parallel: this rank's experts (the file is read whole)
-        tensor = slice_full(tensor, shard)
-        _copy(dst, tensor, hf_name)
-        return _pieces(f"{prefix}.{'w13' if proj == 'gate_up_proj' else 'w2'}", dst)
+        moe = self.model._moe(prefix, hf_name)
+        param = "w13" if proj == "gate_up_proj" else "w2"
+        dst = getattr(moe, param)
+        shard = getattr(moe, "tp_shards", {}).get(param)  # the file holds every rank's share
+        expected = _whole(dst.shape, shard)  # this rank's experts, every TP rank's share of each
+        full = (moe.num_experts, *expected[1:])
+        transpose = shape != full and len(shape) == 3 and (shape[0], shape[2], shape[1]) == full
+        shape = full if transpose else shape
+        # Expert parallel: this rank's experts (the file is read whole).
+        experts = list(moe.experts) if shape == full and len(moe.experts) != moe.num_experts else None
+        if experts is not None:
+            shape = (len(experts), *full[1:])
+        prepare = None
+        if transpose or experts is not None or shard is not None:
+            prepare = partial(_fused_view, transpose, experts, shard)
+        return _checked(Placement(hf_name, dst, _pieces(f"{prefix}.{param}", dst), prepare), shape, expected)
+
+    def _sharded(self, target: Placement, shard: Shard | None, shape: tuple[int, ...]) -> Placement:
+        """`target` for a checkpoint tensor of `shape` that holds every TP rank's share of `shard`'s
+        dimension (the single-rank model's tensor): this rank's share taken, read alone where it is
+        a run of whole rows."""
+        if shard is not None:
+            target.prepare = partial(slice_full, shard=shard)
+            key = (shard[0], id(shard[1]))  # (the index lives in the model's tp_shards: the id holds)
+            if key not in self._row_ranges:
+                self._row_ranges[key] = _row_range(shard)
+            target.rows = self._row_ranges[key]
+        return _checked(target, shape, _whole(target.dst.shape, shard))
+
+
+def _fused_view(transpose: bool, experts: list[int] | None, shard: Shard | None, t: torch.Tensor) -> torch.Tensor:
+    t = t.transpose(1, 2) if transpose else t
+    t = t if experts is None else t[experts]
+    return slice_full(t, shard)
+
+
+def _whole(shape: torch.Size | tuple[int, ...], shard: Shard | None) -> tuple[int, ...]:
+    """The single-rank shape of a tensor whose local shape is `shape`."""
+    whole = list(shape)
+    if shard is not None:
+        whole[shard[0]] = shard[2]
+    return tuple(whole)
+
+
+def _row_range(shard: Shard) -> tuple[int, int] | None:
+    """[start, stop) where the shard is a run of rows (dim 0, consecutive indices), else None."""
+    dim, index, _ = shard
+    if dim != 0 or len(index) == 0:
+        return None
+    start, stop = int(index[0]), int(index[-1]) + 1
+    return (start, stop) if stop - start == len(index) and bool((index.diff() == 1).all()) else None
+
+
+def _checked(target: Placement, shape: tuple[int, ...], expected: tuple[int, ...]) -> Placement:
+    """`target`, if the checkpoint's `shape` is the `expected` one (the single-rank model's)."""
+    if tuple(expected) != tuple(shape):
+        raise ValueError(f"checkpoint tensor {target.hf_name!r} has shape {tuple(shape)}, "
+                         f"the model expects {tuple(expected)}")
+    return target
 
 
 def _pieces(name: str, param: torch.Tensor) -> list[str]:

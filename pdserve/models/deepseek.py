@@ -78,6 +78,10 @@ class DeepseekV2ForCausalLM(DecoderLM):
             name = pattern.sub(repl, name)
         return name
 
+    def hub_name(self, name: str) -> str:
+        name = name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
+        return super().hub_name(name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"))
+
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """V2's layers with sigmoid routing (noaux_tc); RoPE in the model's dtype, on pairs unless

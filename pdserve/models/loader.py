@@ -3,12 +3,12 @@
 import dataclasses
 import hashlib
 import json
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from pdserve.models.args import SUPPORTED_ARCHITECTURES, ModelArgs, resolve_model_args
@@ -22,7 +22,8 @@ from pdserve.models.qwen2 import Qwen2ForCausalLM
 from pdserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from pdserve.models.qwen3 import Qwen3ForCausalLM
 from pdserve.models.qwen3_moe import Qwen3MoeForCausalLM
-from pdserve.models.tensor_parallel import check_tp_size
+from pdserve.models.tensor_parallel import check_tp_size, slice_full
+from pdserve.models.weight_stream import LoadStats, stream_safetensors
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
@@ -40,21 +41,49 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto",
-               attn_backend=None, moe_backend=None, seed: int = 0, ep=None, norms=None, tp=None
-               ) -> tuple[DecoderLM, ModelArgs]:
+               attn_backend=None, moe_backend=None, seed: int = 0, ep=None, norms=None, tp=None,
+               log: Callable[[str], None] | None = None) -> tuple[DecoderLM, ModelArgs]:
     """Build the model on `device` in `dtype`; weights from *.safetensors ("auto") or random ("dummy").
 
     Presets are always dummy. The model is built on the meta device and allocated once, directly
-    in `dtype` on `device`; checkpoint tensors are streamed in one at a time. With `ep` (an
-    EPExchange) only this rank's experts are allocated and read; with `tp` (a TensorParallel of
-    more than one rank) only this rank's slice of each sharded weight.
+    in `dtype` on `device`; checkpoint files are streamed into the parameters (weight_stream.py).
+    With `ep` (an EPExchange) only this rank's experts are allocated and read; with `tp` (a
+    TensorParallel of more than one rank) only this rank's slice of each sharded weight. What it
+    took is `model.load_stats` (LoadStats), and `log` hears it.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
+    t0 = time.perf_counter()
     args = resolve_model_args(path_or_preset)
     dummy = load_format == "dummy" or path_or_preset in PRESETS
     files = [] if dummy else safetensors_files(Path(path_or_preset))  # fail before allocating
     device = torch.device(device)
+    model = build_model(args, dtype, attn_backend, moe_backend, norms, ep, tp)
+    model.to_empty(device=device)
+    model.rotary_emb.build_cache()  # to_empty left the RoPE tables uninitialised
+    t1 = time.perf_counter()
+    if dummy:
+        init_dummy_weights(model, seed)
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+    else:
+        size = stream_safetensors(model, files)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the dummy draws were only queued: the time is the weights' own
+    t2 = time.perf_counter()
+    model.requires_grad_(False).eval()
+    if getattr(attn_backend, "fuse_qkv", False):
+        model.fuse_qkv()
+    model.load_stats = LoadStats("dummy" if dummy else "safetensors", len(files), size, t2 - t1,
+                                 time.perf_counter() - t0)
+    if log:
+        log(model.load_stats.describe())
+    return model, args
+
+
+def build_model(args: ModelArgs, dtype: torch.dtype, attn_backend=None, moe_backend=None, norms=None,
+                ep=None, tp=None) -> DecoderLM:
+    """The family's module for `args`, its parameters in `dtype` on the meta device (no memory yet):
+    with `ep`, this rank's experts only; with `tp`, this rank's slice of each sharded weight."""
     with torch.device("meta"), _default_dtype(dtype):
         model = MODEL_CLASSES[args.architecture](args, attn_backend, moe_backend, norms)
     if ep is not None:
@@ -64,16 +93,7 @@ def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | s
             raise ValueError("tp_size > 1 and ep_size > 1 in one replica are not supported together")
         check_tp_size(args, tp.size)
         model.shard_tensor_parallel(tp)
-    model.to_empty(device=device)
-    model.rotary_emb.build_cache()  # to_empty left the RoPE tables uninitialised
-    if dummy:
-        init_dummy_weights(model, seed)
-    else:
-        model.load_weights(_iter_tensors(files, model.wants))
-    model.requires_grad_(False).eval()
-    if getattr(attn_backend, "fuse_qkv", False):
-        model.fuse_qkv()
-    return model, args
+    return model
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -93,48 +113,65 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path], wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if wanted(name):
-                    yield name, f.get_tensor(name)
-
-
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights as HF initialises them: normal(0, 0.02), norms 1, biases 0; deterministic per seed.
 
     Drawn on the parameters' device, so the same seed gives the same weights on the same device type.
+    An expert- or tensor-parallel rank draws each tensor it holds part of whole and keeps its part (its
+    experts, its slice), so that its weights, and every tensor drawn after them, are exactly the
+    single-rank model's.
     """
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    for module, name, p in dummy_order(model):
+        whole = single_rank_shape(module, name, p)
+        if whole == tuple(p.shape):
+            fill_dummy(module, name, p, gen)
+        else:
+            full = p.new_empty(whole)
+            fill_dummy(module, name, full, gen)
+            p.copy_(rank_share(module, name, full))
+
+
+def dummy_order(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Parameter]]:
+    """(module, name, parameter) in the order dummy weights are drawn: one generator's stream runs
+    through them in this order, so a tensor's values depend on its place in it."""
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            if isinstance(module, RMSNorm):
-                p.fill_(1.0)
-            elif name == "bias":
-                p.zero_()
-            elif name in getattr(module, "tp_shards", {}) or (
-                    isinstance(module, SparseMoE) and name in ("w13", "w2") and len(module.experts) != module.num_experts):
-                # Expert or tensor parallel: draw the whole tensor and keep our experts / our slice,
-                # so that each rank's weights (and every tensor drawn after them) are exactly the
-                # single-rank model's.
-                shape = list(p.shape)
-                ep = isinstance(module, SparseMoE) and name in ("w13", "w2")
-                if ep:
-                    shape[0] = module.num_experts
-                shard = getattr(module, "tp_shards", {}).get(name)
-                if shard is not None:
-                    shape[shard[0]] = shard[2]
-                full = p.new_empty(shape).normal_(0.0, 0.02, generator=gen)
-                if ep and len(module.experts) != module.num_experts:
-                    full = full[module.experts]
-                if shard is not None:
-                    full = full.index_select(shard[0], shard[1].to(full.device))
-                p.copy_(full)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+            yield module, name, p
+
+
+def fill_dummy(module: nn.Module, name: str, t: torch.Tensor, gen: torch.Generator) -> None:
+    """Set `t` (module's parameter `name`, or a tensor of its shape, dtype and device) as dummy weights
+    are: norms 1, biases 0, the rest normal(0, 0.02) drawn from `gen`."""
+    if isinstance(module, RMSNorm):
+        t.fill_(1.0)
+    elif name == "bias":
+        t.zero_()
+    else:
+        t.normal_(0.0, 0.02, generator=gen)
+
+
+def _holds_some_experts(module: nn.Module, name: str) -> bool:
+    return isinstance(module, SparseMoE) and name in ("w13", "w2") and len(module.experts) != module.num_experts
+
+
+def single_rank_shape(module: nn.Module, name: str, p: torch.Tensor) -> tuple[int, ...]:
+    """The shape module.<name> has in the single-rank model: every expert, every TP rank's slice."""
+    shape = list(p.shape)
+    if _holds_some_experts(module, name):
+        shape[0] = module.num_experts
+    if (shard := getattr(module, "tp_shards", {}).get(name)) is not None:
+        shape[shard[0]] = shard[2]
+    return tuple(shape)
+
+
+def rank_share(module: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of module.<name>'s single-rank tensor `full`: its experts, then its slice."""
+    if _holds_some_experts(module, name):
+        full = full[module.experts]
+    return slice_full(full, getattr(module, "tp_shards", {}).get(name))
 
 
 def model_fingerprint(path_or_preset: str, args: ModelArgs, dtype: torch.dtype,

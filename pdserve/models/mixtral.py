@@ -29,3 +29,10 @@ class MixtralForCausalLM(DecoderLM):
             for pattern, repl in _RENAMES:
                 name = pattern.sub(repl, name)
         return name
+
+    def hub_name(self, name: str) -> str:
+        return super().hub_name(name.replace(".mlp.", ".block_sparse_moe."))
+
+    def hub_expert_name(self, moe_prefix: str, expert: int, proj: str) -> str:
+        w = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
+        return f"model.{moe_prefix.replace('.mlp', '.block_sparse_moe')}.experts.{expert}.{w}.weight"

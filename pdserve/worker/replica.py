@@ -16,7 +16,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.warm_up import WarmUp, warm_up
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.inbox import Abort, Reserve
-from pdserve.messages import NewRequest, Refusal, ReplicaStats, ReserveResult
+from pdserve.messages import NewRequest, Refusal, ReplicaStats, ReserveResult, WorkerStartup
 from pdserve.protocol import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class Replica:
         `tp`: a TPRank (rank 0) when this worker leads a tensor-parallel replica: it joins the
         group (the followers, pdserve/worker/tp_follower.py, join it too) and hands each step's
         batch to them."""
+        self._began = (time.time(), time.perf_counter())  # for startup(): the process is up, its imports done
         if engine_config.device == "cpu":
             torch.set_num_threads(cpu_threads)  # several workers share the host's cores
         engine_config = engine_config.model_copy(update={"device": assigned_device(engine_config.device)})
@@ -107,6 +108,7 @@ class Replica:
             heap.settle()  # the engine, its KV cache and connector are built: no collection walks them (heap.py)
         self._early_aborts: dict[str, float] = {}  # request id -> when its abort came, before the request
         self.loop = EngineLoop(self._step, self._admit, f"{self.name}-engine", on_death=self._engine_died)
+        self._ready_s = time.perf_counter() - self._began[1]
 
     def _warm_up(self) -> None:
         """Every kind of step once, before the loop starts and so before the worker is ready
@@ -172,6 +174,12 @@ class Replica:
 
     def ready(self) -> bool:
         return self.loop.alive()
+
+    def startup(self) -> WorkerStartup:
+        """What this worker's start took (weights, graphs, the whole engine), once ready."""
+        w = self.engine.load_stats
+        return WorkerStartup(self.name, self._began[0], w.source, w.files, w.bytes, w.weights_s, w.total_s,
+                             self.engine.graphs_s, self._ready_s, self.warmed.seconds if self.warmed else None)
 
     def metadata(self) -> bytes:
         """The KV handshake this replica publishes."""

@@ -8,12 +8,14 @@ import logging
 import os
 import sys
 import threading
+import time
 
 import ray
 import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.messages import WorkerStartup
 from pdserve.worker.tp_group import TPRank, join_tp_group
 
 log = logging.getLogger(__name__)
@@ -21,6 +23,7 @@ log = logging.getLogger(__name__)
 
 class TPFollower:
     def __init__(self, name: str, engine_config: EngineConfig, me: TPRank, cpu_threads: int = 1):
+        self._began = (time.time(), time.perf_counter())  # for startup(): the process is up, its imports done
         if engine_config.device == "cpu":
             torch.set_num_threads(cpu_threads)
         self.name = name
@@ -32,6 +35,7 @@ class TPFollower:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"{name}-follow", daemon=True)
         self._thread.start()
+        self._ready_s = time.perf_counter() - self._began[1]
 
     @torch.inference_mode()
     def _run(self) -> None:
@@ -53,6 +57,12 @@ class TPFollower:
 
     def ready(self) -> bool:
         return self._thread.is_alive()
+
+    def startup(self) -> WorkerStartup:
+        """What this rank's start took (its slice of the weights, its engine), as a replica's workers say."""
+        w = self.engine.load_stats
+        return WorkerStartup(self.name, self._began[0], w.source, w.files, w.bytes, w.weights_s, w.total_s,
+                             self.engine.graphs_s, self._ready_s)
 
     def node(self) -> dict:
         ctx = ray.get_runtime_context()
