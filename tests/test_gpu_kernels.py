@@ -44,6 +44,7 @@ from pdserve.ops.routing import fused_topk  # noqa: E402
 from pdserve.ops.testing import random_moe_inputs, random_paged_case, rel_err  # noqa: E402
 from pdserve.ops.triton_attention import TritonAttention  # noqa: E402
 from pdserve.ops.triton_moe import TritonMoE  # noqa: E402
+from pdserve.ops.triton_norms import TritonNorms  # noqa: E402
 
 
 def _patch_interpreter() -> None:
@@ -590,11 +591,12 @@ def test_mla_backend(dtype, fp8):
 
 @pytest.mark.parametrize("family,kv_cache_dtype", [("deepseek_v2", "auto"), ("deepseek_v3", "fp8_e4m3")])
 def test_mla_engine_matches_torch_backend(family, kv_cache_dtype, tmp_path):
-    """A tiny DeepSeek engine whose attention is TritonAttention (and its fused q / kv_a GEMM) gives
-    the torch reference engine's greedy tokens: fresh prompts, chunks after a cached prefix, mixed
-    steps and decode steps, over the model's dtype (V2) or FP8 (V3). On the GPU this is
-    tests/test_gpu_engine.py's job (CUDA graphs too); here the kernels run interpreted. Prompts
-    clear of near-ties: absorbed attention sums in another order than the expanded reference."""
+    """A tiny DeepSeek engine whose attention is TritonAttention (with the fused q / kv_a GEMM and
+    the one-launch RoPE, TritonNorms.mla_rope) gives the torch reference engine's greedy tokens:
+    fresh prompts, chunks after a cached prefix, mixed steps and decode steps, over the model's
+    dtype (V2) or FP8 (V3). On the GPU this is tests/test_gpu_engine.py's job (CUDA graphs too);
+    here the kernels run interpreted. Prompts clear of near-ties: absorbed attention sums in
+    another order than the expanded reference."""
     from hf_checkpoints import checkpoint_path, clear_prompts
     from pdserve.config import EngineConfig, ModelConfig
     from pdserve.engine.engine import Engine
@@ -611,9 +613,9 @@ def test_mla_engine_matches_torch_backend(family, kv_cache_dtype, tmp_path):
     prompts = [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in torch.randint(20, 60, (10,), generator=g)]
     ps, want = clear_prompts(engine(), prompts, n=3, tokens=6, min_margin=0.1)
     ours = engine()
-    triton_attention = TritonAttention()
+    triton_attention, triton_norms = TritonAttention(), TritonNorms()
     for layer in ours.model.layers:
-        layer.self_attn.backend = triton_attention
+        layer.self_attn.backend, layer.self_attn.norms = triton_attention, triton_norms
         layer.self_attn.fuse_qkv()
     idle = ours.pool.num_free_blocks
     got = [c.token_ids for c in ours.generate(ps, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
@@ -810,6 +812,35 @@ def test_qk_norm_rope(heads, qk_norm, dtype):
     check(out[1], rk, dtype, "k")
 
 
+@pytest.mark.parametrize("interleave", [True, False], ids=["pairs", "halves"])
+@pytest.mark.parametrize("rope_dtype", ["float32", "model"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mla_rope(interleave, rope_dtype, dtype):
+    """MLA's RoPE and cache entry in one launch against TorchNorms.mla_rope: DeepSeek's pairs (V2,
+    V3) and halves, cos/sin in float32 (V2) or the model's dtype (V3); q and k_rope strided views
+    of one projection's output, as the model hands them over."""
+    from pdserve.ops.mla_rope import mla_rope
+    from pdserve.ops.norms import TorchNorms
+
+    heads, rank, rope, nope, _ = MLA_SHAPES[0]
+    g = gen(37)
+    tokens = pick(300, 6)
+    rotary = RotaryEmbedding(rope, 8192, 1e4, None).to(DEVICE)
+    rotary.build_cache()
+    positions = torch.randint(0, 8192, (tokens,), generator=g, device=DEVICE)
+    proj = torch.randn(tokens, heads * (nope + rope) + rank + rope, generator=g, device=DEVICE).to(dtype)
+    q = proj[:, :heads * (nope + rope)].view(tokens, heads, nope + rope)
+    c_kv, k_rope = proj[:, heads * (nope + rope):].split([rank, rope], -1)
+    cos, sin = rotary(positions, torch.float32 if rope_dtype == "float32" else dtype)
+    ref_rope = (cos.to(REF_DTYPE), sin.to(REF_DTYPE))
+    ref_q, ref_latent = TorchNorms().mla_rope(q.to(REF_DTYPE), c_kv.to(REF_DTYPE), k_rope.to(REF_DTYPE), ref_rope,
+                                              interleave)
+    out_q, out_latent = mla_rope(q, c_kv, k_rope, cos, sin, interleave)
+    check(out_q, ref_q, dtype, "mla_rope q")
+    check(out_latent, ref_latent, dtype, "mla_rope latent")
+    assert torch.equal(out_latent[:, :rank], c_kv) and torch.equal(out_q[..., :nope], q[..., :nope])
+
+
 @pytest.mark.parametrize("tokens", NORM_TOKENS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(tokens, dtype):
@@ -831,8 +862,6 @@ def test_model_forward_matches_torch_backends(kv_dtype):
     from pdserve.ops.attention import TorchAttention as TA
     from pdserve.ops.moe import TorchMoE as TM
     from pdserve.ops.norms import TorchNorms
-    from pdserve.ops.triton_norms import TritonNorms
-
     dtype = torch.float32
     ours, args = load_model("tiny-moe", dtype, DEVICE, attn_backend=TritonAttention(), moe_backend=TritonMoE(),
                             norms=TritonNorms())

@@ -23,7 +23,7 @@ from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.models.args import ModelArgs
 from pdserve.models.layers import RMSNorm
 from pdserve.models.tensor_parallel import TensorParallel, row_parallel, shard_linear_in, shard_linear_out
-from pdserve.ops.norms import apply_rotary
+from pdserve.ops.norms import TorchNorms
 
 # transformers builds the two latent norms with RMSNorm's default eps, not config.rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -42,19 +42,6 @@ def mla_softmax_scale(args: ModelArgs) -> float:
     return scale
 
 
-def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek lays them out; x [T, h, r],
-    cos/sin [T, 1, r] in the usual cat(freqs, freqs) form. The result is de-interleaved (the
-    rotated even elements, then the odd ones), as transformers' V3 returns it: q and k are
-    permuted alike, so their dot product is the same. Computed in cos's dtype (float32 for V2,
-    whose transformers code rotates in complex64)."""
-    half = x.shape[-1] // 2
-    c, s = cos[..., :half], sin[..., :half]
-    xf = x.to(cos.dtype)
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
 class MLAttention(nn.Module):
     """Multi-head Latent Attention; the backend writes this step's latents and attends."""
 
@@ -66,6 +53,7 @@ class MLAttention(nn.Module):
                 f"attention backend {type(backend).__name__} cannot compute; use attention_backend "
                 f"'torch' or 'triton'")
         self.layer_idx, self.backend = layer_idx, backend
+        self.norms = norms or TorchNorms()  # RoPE and the cache entry (`mla_rope`); one kernel on the GPU
         self.num_heads, self.q_lora_rank, self.kv_lora_rank = args.num_heads, args.q_lora_rank, args.kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
         self.v_head_dim, self.rope_interleave = args.v_head_dim, args.rope_interleave
@@ -128,23 +116,16 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q))
         return q, kv_a
 
-    def _rope(self, x: torch.Tensor, rope) -> torch.Tensor:
-        cos, sin = rope
-        if self.rope_interleave:
-            return rotate_pairs(x, cos, sin)
-        return apply_rotary(x, cos.to(x.dtype), sin.to(x.dtype))
-
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; `rope`: cos, sin [T, 1, qk_rope_head_dim]. Calls
         batch.layer_done(layer) once the layer's latents are cached."""
         t = x.shape[0]
         q, kv_a = self._project(x)
-        q_nope, q_rope = q.view(t, self.num_heads, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
         c_kv, k_rope = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        q_rope, k_rope = self._rope(q_rope, rope), self._rope(k_rope.unsqueeze(1), rope)  # [T, h, r], [T, 1, r]
-        q = torch.cat([q_nope, q_rope], dim=-1)
-        latent = torch.cat([c_kv, k_rope[:, 0]], dim=-1)  # [T, kv_lora_rank + qk_rope_head_dim]: the cache entry
+        # q [T, heads, qk_nope + qk_rope] with its rope part rotated; latent [T, kv_lora_rank +
+        # qk_rope_head_dim], the cache entry: the normalised c_kv, then the rotated shared key.
+        q, latent = self.norms.mla_rope(q.view(t, self.num_heads, -1), self.kv_a_layernorm(c_kv), k_rope, rope,
+                                        self.rope_interleave)
         o = self.backend.forward_mla(self.layer_idx, q, latent, batch, self.scale, self)  # [T, heads, v_head_dim]
         if batch.layer_done is not None:
             batch.layer_done(self.layer_idx)
