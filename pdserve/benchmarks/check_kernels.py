@@ -471,6 +471,29 @@ def check_qk_norm_rope(c: Checker, a, tokens: int) -> None:
               c.bench(torch_path), bytes=2 * tokens * (h + kvh) * d * 2 + tokens * d * 8))
 
 
+def check_mla_rope(c: Checker, a, tokens: int) -> None:
+    """MLA's RoPE and cache entry (one launch) against the reference's ops (TorchNorms.mla_rope)."""
+    from pdserve.models.layers import RotaryEmbedding
+    from pdserve.ops.mla_rope import mla_rope
+    from pdserve.ops.norms import TorchNorms
+
+    g, h, rank, rope = _gen(c.device, 9), a.num_heads, a.kv_lora_rank, a.qk_rope_head_dim
+    qk = a.qk_nope_head_dim + rope
+    rot = RotaryEmbedding(rope, a.max_position_embeddings, a.rope_theta, a.rope_scaling).to(c.device)
+    rot.build_cache()
+    pos = torch.randint(0, a.max_position_embeddings, (tokens,), generator=g, device=c.device)
+    proj = torch.randn(tokens, h * qk + rank + rope, generator=g, device=c.device).to(torch.bfloat16)
+    q = proj[:, :h * qk].view(tokens, h, qk)
+    c_kv, k_rope = proj[:, h * qk:].split([rank, rope], -1)
+    cos, sin = rot(pos, torch.float32)  # V2 rotates in float32
+    ref_q, ref_lat = TorchNorms().mla_rope(q.float(), c_kv.float(), k_rope.float(), (cos, sin), a.rope_interleave)
+    oq, olat = mla_rope(q, c_kv, k_rope, cos, sin, a.rope_interleave)
+    c.add(Row("mla_rope", f"T={tokens} {h}x{qk} + {rank}+{rope}", max(rel_err(oq, ref_q), rel_err(olat, ref_lat)),
+              c.bench(lambda: mla_rope(q, c_kv, k_rope, cos, sin, a.rope_interleave)),
+              c.bench(lambda: TorchNorms().mla_rope(q, c_kv, k_rope, (cos, sin), a.rope_interleave)),
+              bytes=2 * tokens * (h * qk + rank + rope) * 2 + tokens * rope * 8))
+
+
 def check_silu_and_mul(c: Checker, a, rows: int) -> None:
     from pdserve.ops.activation import silu_and_mul
 
@@ -563,7 +586,10 @@ def main() -> None:
         if "norm" in groups:
             for t in (1, 256, 4096):
                 c.run(f"rms_norm T={t}", lambda t=t: check_rms_norm(c, a, t))
-                c.run(f"qk_norm_rope T={t}", lambda t=t: check_qk_norm_rope(c, a, t))
+                if a.is_mla:
+                    c.run(f"mla_rope T={t}", lambda t=t: check_mla_rope(c, a, t))
+                else:
+                    c.run(f"qk_norm_rope T={t}", lambda t=t: check_qk_norm_rope(c, a, t))
             for r in (8, 2048, 32768):
                 c.run(f"silu_and_mul rows={r}", lambda r=r: check_silu_and_mul(c, a, r))
 

@@ -24,7 +24,7 @@ def _mla_rope_kernel(q_ptr, c_ptr, kr_ptr, cos_ptr, sin_ptr, q_out_ptr, lat_ptr,
                      BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
                      BLOCK_C: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    half: tl.constexpr = ROPE // 2
+    half = ROPE // 2
     j = tl.arange(0, BLOCK_HALF)
     j_mask = j < half
     c = tl.load(cos_ptr + t * stride_cos + j, mask=j_mask, other=0.0).to(tl.float32)
