@@ -3,9 +3,9 @@
 A norms backend serves three calls of every decoder layer: RMSNorm, RMSNorm after the residual add
 (the sum is also returned: it is the next residual), and RoPE on q and k (after Qwen3's per-head
 q/k RMSNorm when the model has one; for Multi-head Latent Attention, RoPE on q's and the shared
-key's rope parts, which also assembles the cache entry: `mla_rope`). `TritonNorms` (triton_norms.py) has the same interface with
-one kernel per call; this reference keeps transformers' op order and float32 islands, so logits
-match HF bit for bit in float32.
+key's rope parts, which also assembles the cache entry: `mla_rope`). `TritonNorms`
+(triton_norms.py) has the same interface with one kernel per call; this reference keeps
+transformers' op order and float32 islands, so logits match HF bit for bit in float32.
 """
 
 import torch

@@ -1,9 +1,9 @@
 """Attention backend for CUDA: Triton kernels over the paged KV cache, same interface as TorchAttention.
 
-K/V caches (`forward`: MHA, GQA). A step whose rows are all one token (decode) runs the split-K paged decode kernel; a step of fresh
-prompts only (no cached prefix, no decode rows) runs torch's SDPA on its own K/V; any other step
-(prefill chunks after a prefix, or prefill mixed with decode rows) runs the paged varlen prefill
-kernel over every row. The decode path reads only device tensors (`ForwardBatch.context_lens_t`)
+K/V caches (`forward`: MHA, GQA). A step whose rows are all one token (decode) runs the split-K
+paged decode kernel; a step of fresh prompts only (no cached prefix, no decode rows) runs torch's
+SDPA on its own K/V; any other step (prefill chunks after a prefix, or prefill mixed with decode
+rows) runs the paged varlen prefill kernel over every row. The decode path reads only device tensors (`ForwardBatch.context_lens_t`)
 and sizes its grid from host-side numbers, so it never waits for the GPU and can be captured in a
 CUDA graph. On that path the decode kernel writes the step's K/V into the cache itself (one launch
 fewer; `fuse_kv_write=False` keeps the separate `write_kv_triton` launch).
