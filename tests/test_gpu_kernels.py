@@ -10,6 +10,7 @@ computed in float64 (CPU) or float32 (GPU) from the same inputs upcast. Two mode
   Slow: not part of CI.
 """
 
+import copy
 import os
 
 INTERPRET = os.environ.get("PDSERVE_TRITON_INTERPRET") == "1"
@@ -402,7 +403,7 @@ def test_attention_backend_fp8(dtype):
 
 # (heads, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim): DeepSeek-V2-Lite's (16
 # heads: one program's head block), V2/V3's 128 heads (eight blocks) and 20 (a partial second
-# block); tiny widths under the interpreter, none a power of two.
+# block); tiny widths under the interpreter, latent ranks that are no power of two.
 MLA_SHAPES = pick([(16, 512, 64, 128, 128), (128, 512, 64, 128, 128), (20, 512, 64, 128, 128)],
                   [(4, 24, 8, 16, 12), (20, 40, 8, 16, 12)])
 MLA_CTX = pick([1, 15, 16, 17, 100, 1000, 1023, 4097, 5000], [1, 15, 16, 17, 33, 50])
@@ -546,13 +547,7 @@ def mla_layer(shape, dtype):
     with torch.no_grad():
         layer.kv_b_proj.weight.copy_(torch.randn(layer.kv_b_proj.weight.shape, generator=gen(35), device=DEVICE)
                                      * rank ** -0.5)
-    return layer.to(dtype), copy_layer(layer, REF_DTYPE)
-
-
-def copy_layer(layer, dtype):
-    import copy
-
-    return copy.deepcopy(layer).to(dtype)
+    return copy.deepcopy(layer).to(dtype), layer.to(REF_DTYPE)
 
 
 def mla_reference(case, layer, scale: float) -> torch.Tensor:
