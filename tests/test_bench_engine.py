@@ -55,6 +55,34 @@ def test_cpu_dry_run_reports_every_figure(tmp_path):
     assert "prefill" in r.stdout and "HF roofl %" in r.stdout  # the table at the end
 
 
+def test_cpu_dry_run_of_a_deepseek_shape(tmp_path):
+    """Multi-head Latent Attention through every part, against transformers' DeepseekV2ForCausalLM
+    of the same shape; the decode bytes count the latent cache (kv_lora_rank + qk_rope_head_dim
+    per token and layer), not K and V per head."""
+    from hf_checkpoints import checkpoint_path
+
+    path = checkpoint_path("deepseek_v2", tmp_path)
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "bench-engine", "--model", str(path), "--device", "cpu",
+         "--prefill-sizes", "32", "--decode-batches", "2", "--context", "32", "--reps", "1",
+         "--decode-steps", "2", "--hf-steps", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["errors"] == []
+    assert res["meta"]["kv_bytes_per_token"] == 3 * (32 + 8) * 4  # 3 layers, float32 latents
+    assert "DeepseekV2ForCausalLM" in r.stdout  # the HF baseline built
+    for side in (res["engine_prefill"]["rows"], res["hf"]["prefill"]):
+        assert [x["tokens"] for x in side] == [32]
+        _positive(side[0], PREFILL_KEYS)
+    for side in (res["engine_decode"]["rows"], res["hf"]["decode"]):
+        row, = side
+        _positive(row, DECODE_KEYS)
+        assert row["kv_GB"] == pytest.approx(2 * row["context"] * 3 * 40 * 4 / 1e9, rel=1e-3)
+    assert res["hf"]["decode"][0]["experts_source"] == "counted"  # HF's router returns its top-k ids
+
+
 def test_cost_model_counts_every_parameter():
     model, args = load_model("tiny-moe", torch.float32, "cpu")
     assert ModelCost(args, 4).total_params() == sum(p.numel() for p in model.parameters())

@@ -10,6 +10,7 @@ computed in float64 (CPU) or float32 (GPU) from the same inputs upcast. Two mode
   Slow: not part of CI.
 """
 
+import copy
 import os
 
 INTERPRET = os.environ.get("PDSERVE_TRITON_INTERPRET") == "1"
@@ -29,12 +30,13 @@ from pdserve.engine.forward_batch import ForwardBatch  # noqa: E402
 from pdserve.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
 from pdserve.ops.norms import apply_rotary  # noqa: E402
 from pdserve.ops.activation import silu_and_mul  # noqa: E402
-from pdserve.ops.attention import TorchAttention, write_kv  # noqa: E402
+from pdserve.ops.attention import TorchAttention, gather, write_kv, write_latent  # noqa: E402
 from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention  # noqa: E402
 from pdserve.ops.fused_moe import fused_moe, moe_align  # noqa: E402
 from pdserve.ops.gemv_moe import gemv_moe  # noqa: E402
 from pdserve.ops.grouped_mm_moe import grouped_mm_moe  # noqa: E402
-from pdserve.ops.kv_write import write_kv_triton  # noqa: E402
+from pdserve.ops.kv_write import write_kv_triton, write_latent_triton  # noqa: E402
+from pdserve.ops.mla_decode import mla_num_splits, paged_mla_decode  # noqa: E402
 from pdserve.ops.moe import TorchMoE, route  # noqa: E402
 from pdserve.ops.prefill_attention import paged_prefill_attention  # noqa: E402
 from pdserve.ops.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
@@ -43,6 +45,7 @@ from pdserve.ops.routing import fused_topk  # noqa: E402
 from pdserve.ops.testing import random_moe_inputs, random_paged_case, rel_err  # noqa: E402
 from pdserve.ops.triton_attention import TritonAttention  # noqa: E402
 from pdserve.ops.triton_moe import TritonMoE  # noqa: E402
+from pdserve.ops.triton_norms import TritonNorms  # noqa: E402
 
 
 def _patch_interpreter() -> None:
@@ -195,10 +198,11 @@ def _poison_new_slots(case) -> None:
     """NaN at the step's own slots in the kernel's cache: a fused write that reads its slot back
     (instead of using k/v directly) or misses it shows."""
     cache = case.batch.kv_cache[0]
+    planes = cache.shape[0]
     if cache.dtype == FP8:  # float8's NaN byte, through uint8 (no float8 fill)
-        cache.view(torch.uint8).view(2, -1, *cache.shape[3:])[:, case.batch.slot_mapping] = 0x7F
+        cache.view(torch.uint8).view(planes, -1, *cache.shape[3:])[:, case.batch.slot_mapping] = 0x7F
         return
-    flat = cache.view(2, -1, *cache.shape[3:])
+    flat = cache.view(planes, -1, *cache.shape[3:])
     flat[:, case.batch.slot_mapping] = float("nan")
 
 
@@ -395,6 +399,225 @@ def test_attention_backend_fp8(dtype):
         check_fp8(out, ref, dtype, f"backend {rows}")
 
 
+# -- Multi-head Latent Attention ----------------------------------------------------------------------
+
+# (heads, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim): DeepSeek-V2-Lite's (16
+# heads: one program's head block), V2/V3's 128 heads (eight blocks) and 20 (a partial second
+# block); tiny widths under the interpreter, latent ranks that are no power of two.
+MLA_SHAPES = pick([(16, 512, 64, 128, 128), (128, 512, 64, 128, 128), (20, 512, 64, 128, 128)],
+                  [(4, 24, 8, 16, 12), (20, 40, 8, 16, 12)])
+MLA_CTX = pick([1, 15, 16, 17, 100, 1000, 1023, 4097, 5000], [1, 15, 16, 17, 33, 50])
+LATENT_SCALE = 0.5  # an FP8 latent's scale: not 1, so a scale missed or applied twice shows
+
+
+def latent_case(seqs, shape, dtype, g, absorbed: bool, fp8: bool = False):
+    """A latent cache (one plane, one entry of rank + rope per token) and the step's latents; q is
+    absorbed ([T, heads, rank + rope], the decode kernel's input) or the model's [T, heads, nope + rope]."""
+    heads, rank, rope, nope, _ = shape
+    return random_paged_case(seqs, heads, 1, rank + rope, BLOCK, dtype, DEVICE, g, planes=1,
+                             q_dim=(rank if absorbed else nope) + rope, cache_dtype=FP8 if fp8 else None,
+                             kv_scales=(LATENT_SCALE,) if fp8 else ())
+
+
+def latent_reference(case, rank: int, scale: float) -> torch.Tensor:
+    """Attention in latent space from its definition, in REF_DTYPE: every head's scores q·entry over
+    its sequence's cache entries [c_kv, k_rope] (dequantized), values c_kv -> [B, heads, rank].
+    Writes the step's latents into ref_batch's cache first (write_latent: the expected cache)."""
+    ref = case.ref_batch
+    write_latent(ref.kv_cache[0], case.latent, ref.slot_mapping, ref.layer_scales(0))
+    out = []
+    for i, ctx in enumerate(ref.context_lens):
+        table = ref.block_tables[i, : -(-ctx // BLOCK)]
+        entries = gather(ref.kv_cache[0], table, ref.layer_scales(0), REF_DTYPE).flatten(1, 2)[0, :ctx, 0]
+        p = torch.softmax(case.q[ref.query_start[i]].to(REF_DTYPE) @ entries.to(REF_DTYPE).T * scale, -1)
+        out.append(p @ entries[:, :rank].to(REF_DTYPE))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_latent(dtype, fp8):
+    """write_latent_triton stores what write_latent stores (FP8: byte for byte, saturating)."""
+    g = gen(31)
+    dim, blocks = pick((576, 64), (40, 8))
+    cache = torch.randn(1, blocks, BLOCK, 1, dim, generator=g, device=DEVICE).to(FP8 if fp8 else dtype)
+    t = pick(300, 20)
+    slots = torch.randperm(blocks * BLOCK, device="cpu")[:t].to(DEVICE)
+    slots[3] = -1  # padding row: skipped
+    latent = (torch.randn(t, dim, generator=g, device=DEVICE) * 3).to(dtype)
+    latent[0, :2] = 1000.0  # FP8: beyond ±448 * scale, saturates
+    scales = (LATENT_SCALE,) if fp8 else ()
+    ref = cache.clone()
+    keep = slots >= 0
+    write_latent(ref, latent[keep], slots[keep], scales)
+    write_latent_triton(cache, latent, slots, scales)
+    assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", MLA_SHAPES)
+@pytest.mark.parametrize("fused", [False, True], ids=["cached", "fused-write"])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mla_decode_kernel(shape, fused, splits, dtype):
+    """The absorbed decode kernel against latent attention from its definition; contexts across
+    block boundaries, head blocks full and partial. Fused: the kernel writes the step's latent
+    itself and attends to it from registers (its slot poisoned: a read of it shows)."""
+    heads, rank, rope, nope, _ = shape
+    g = gen(32)
+    case = latent_case([(c, 1) for c in MLA_CTX[::-1]], shape, dtype, g, absorbed=True)
+    scale = (nope + rope) ** -0.5
+    ref = latent_reference(case, rank, scale)
+    b = case.batch
+    if fused:
+        _poison_new_slots(case)
+        new = dict(latent_new=case.latent, slot_mapping=b.slot_mapping)
+    else:
+        write_latent_triton(b.kv_cache[0], case.latent, b.slot_mapping)
+        new = {}
+    if splits is None:  # the backend's own choice
+        splits = mla_num_splits(len(MLA_CTX), heads, max(MLA_CTX), torch.device(DEVICE))
+    out = poisoned((len(MLA_CTX), heads, rank), dtype)
+    paged_mla_decode(case.q[..., :rank], case.q[..., rank:], b.kv_cache[0], b.block_tables, b.context_lens_t,
+                     scale, splits, out=out, **new)
+    assert_cache_written(case)
+    check(out, ref, dtype, f"mla decode {shape} splits={splits} fused={fused}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["cached", "fused-write"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mla_decode_kernel_fp8(fused, splits, dtype):
+    """Over an FP8 latent cache: the kernel widens the stored values, the one scale folded into
+    scores and output; its fused write stores the latent quantized (byte for byte as write_latent)."""
+    shape = MLA_SHAPES[-1]
+    heads, rank, rope, nope, _ = shape
+    g = gen(33)
+    case = latent_case([(c, 1) for c in MLA_CTX[::-1]], shape, dtype, g, absorbed=True, fp8=True)
+    scale = (nope + rope) ** -0.5
+    ref = latent_reference(case, rank, scale)
+    b = case.batch
+    if fused:
+        _poison_new_slots(case)
+        new = dict(latent_new=case.latent, slot_mapping=b.slot_mapping)
+    else:
+        write_latent(b.kv_cache[0], case.latent, b.slot_mapping, (LATENT_SCALE,))
+        new = {}
+    out = poisoned((len(MLA_CTX), heads, rank), dtype)
+    paged_mla_decode(case.q[..., :rank], case.q[..., rank:], b.kv_cache[0], b.block_tables, b.context_lens_t,
+                     scale, splits, out=out, kv_scales=(LATENT_SCALE,), **new)
+    assert_cache_written(case)
+    check_fp8(out, ref, dtype, f"mla decode splits={splits} fused={fused}")
+
+
+def test_mla_decode_padding_rows():
+    """CUDA-graph padding rows (context 0, slot -1) write nothing and give zeros, whatever the split."""
+    shape = MLA_SHAPES[-1]
+    heads, rank, rope, nope, _ = shape
+    case = latent_case([(20, 1), (5, 1), (33, 1)], shape, torch.float32, gen(34), absorbed=True)
+    b = case.batch
+    ctx = b.context_lens_t.clone()
+    ctx[1] = 0
+    slots = b.slot_mapping.clone()
+    slots[1] = -1
+    for splits in (1, 4):
+        cache = b.kv_cache[0].clone()
+        before = cache.clone()
+        out = poisoned((3, heads, rank), torch.float32)
+        paged_mla_decode(case.q[..., :rank], case.q[..., rank:], cache, b.block_tables, ctx, 0.2, splits, out=out,
+                         latent_new=case.latent, slot_mapping=slots)
+        assert torch.isfinite(out).all() and (out[1] == 0).all()
+        changed = ~((cache == before) | (torch.isnan(cache) & torch.isnan(before)))
+        rows = changed.view(-1, cache.shape[-1]).any(-1)
+        assert torch.equal(rows.nonzero().flatten().sort().values, slots[[0, 2]].sort().values)
+
+
+def mla_layer(shape, dtype):
+    """A DeepSeek-V2-shaped MLA layer (its kv_b_proj read by both backends), random weights, and a
+    REF_DTYPE copy for the reference."""
+    from pdserve.models.args import ModelArgs
+    from pdserve.models.mla import MLAttention
+
+    heads, rank, rope, nope, v = shape
+    args = ModelArgs.from_hf_config({
+        "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": heads, "intermediate_size": 32, "max_position_embeddings": 8192,
+        "q_lora_rank": None, "kv_lora_rank": rank, "qk_rope_head_dim": rope, "qk_nope_head_dim": nope,
+        "v_head_dim": v, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16})
+    layer = MLAttention(args, 0, TorchAttention(), None).to(DEVICE)
+    with torch.no_grad():
+        layer.kv_b_proj.weight.copy_(torch.randn(layer.kv_b_proj.weight.shape, generator=gen(35), device=DEVICE)
+                                     * rank ** -0.5)
+    return copy.deepcopy(layer).to(dtype), layer.to(REF_DTYPE)
+
+
+def mla_reference(case, layer, scale: float) -> torch.Tensor:
+    """TorchAttention.forward_mla (latents up-projected per step) in REF_DTYPE over the clean batch;
+    writes the step's latents into ref_batch's cache (an FP8 cache stays FP8, read dequantized)."""
+    ref = case.ref_batch
+    cache = ref.kv_cache.clone() if ref.kv_scales else ref.kv_cache.to(REF_DTYPE)
+    up = ForwardBatch(**{**ref.__dict__, "kv_cache": cache})
+    out = TorchAttention().forward_mla(0, case.q.to(REF_DTYPE), case.latent.to(REF_DTYPE), up, scale, layer)
+    write_latent(ref.kv_cache[0], case.latent, ref.slot_mapping, ref.layer_scales(0))  # the expected cache
+    return out
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mla_backend(dtype, fp8):
+    """TritonAttention.forward_mla end to end against TorchAttention.forward_mla on one MLA layer:
+    a mixed step (fresh prompts, chunks after a cached prefix, one-token rows: written first, then
+    absorbed and expanded rows), a decode step (absorbed, fused write) and fresh prompts only."""
+    shape = MLA_SHAPES[-1]
+    heads, rank, rope, nope, v = shape
+    layer, ref_layer = mla_layer(shape, dtype)
+    seqs = pick([(300, 300), (1200, 1), (700, 64), (33, 1), (2000, 17)], [(20, 20), (30, 1), (40, 9), (18, 1)])
+    scale = (nope + rope) ** -0.5
+    g = gen(36)
+    for rows in (seqs, [(c, 1) for c, _ in seqs], [(n, n) for _, n in seqs if n > 1]):
+        case = latent_case(rows, shape, dtype, g, absorbed=False, fp8=fp8)
+        case.batch.context_lens_t = case.batch.query_start_t = None  # the backend fills them
+        ref = mla_reference(case, ref_layer, scale)
+        _poison_new_slots(case)
+        out = TritonAttention().forward_mla(0, case.q, case.latent, case.batch, scale, layer)
+        assert out.shape == (case.q.shape[0], heads, v)
+        assert_cache_written(case)
+        check(out, ref, dtype, f"mla backend {rows}" + (" over an FP8 cache" if fp8 else ""))
+
+
+@pytest.mark.parametrize("family,kv_cache_dtype", [("deepseek_v2", "auto"), ("deepseek_v3", "fp8_e4m3")])
+def test_mla_engine_matches_torch_backend(family, kv_cache_dtype, tmp_path):
+    """A tiny DeepSeek engine whose attention is TritonAttention (with the fused q / kv_a GEMM and
+    the one-launch RoPE, TritonNorms.mla_rope) gives the torch reference engine's greedy tokens:
+    fresh prompts, chunks after a cached prefix, mixed steps and decode steps, over the model's
+    dtype (V2) or FP8 (V3). On the GPU this is tests/test_gpu_engine.py's job (CUDA graphs too);
+    here the kernels run interpreted. Prompts clear of near-ties: absorbed attention sums in
+    another order than the expanded reference."""
+    from hf_checkpoints import checkpoint_path, clear_prompts
+    from pdserve.config import EngineConfig, ModelConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.protocol import SamplingParams
+
+    path = checkpoint_path(family, tmp_path, sharp=True)
+
+    def engine() -> Engine:
+        return Engine(EngineConfig(model=ModelConfig(path=str(path), dtype="float32", kv_cache_dtype=kv_cache_dtype),
+                                   device=DEVICE, attention_backend="torch", moe_backend="torch", num_kv_blocks=32,
+                                   max_num_batched_tokens=48, chunk_size=24))
+
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in torch.randint(20, 60, (10,), generator=g)]
+    ps, want = clear_prompts(engine(), prompts, n=3, tokens=6, min_margin=0.1)
+    ours = engine()
+    triton_attention, triton_norms = TritonAttention(), TritonNorms()
+    for layer in ours.model.layers:
+        layer.self_attn.backend, layer.self_attn.norms = triton_attention, triton_norms
+        layer.self_attn.fuse_qkv()
+    idle = ours.pool.num_free_blocks
+    got = [c.token_ids for c in ours.generate(ps, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+    assert got == want
+    assert ours.pool.num_free_blocks == idle
+
+
 # -- MoE ----------------------------------------------------------------------------------------------
 
 MOE_SHAPES = pick(  # (experts, top_k, hidden, intermediate)
@@ -584,6 +807,35 @@ def test_qk_norm_rope(heads, qk_norm, dtype):
     check(out[1], rk, dtype, "k")
 
 
+@pytest.mark.parametrize("interleave", [True, False], ids=["pairs", "halves"])
+@pytest.mark.parametrize("rope_dtype", ["float32", "model"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mla_rope(interleave, rope_dtype, dtype):
+    """MLA's RoPE and cache entry in one launch against TorchNorms.mla_rope: DeepSeek's pairs (V2,
+    V3) and halves, cos/sin in float32 (V2) or the model's dtype (V3); q and k_rope strided views
+    of one projection's output, as the model hands them over."""
+    from pdserve.ops.mla_rope import mla_rope
+    from pdserve.ops.norms import TorchNorms
+
+    heads, rank, rope, nope, _ = MLA_SHAPES[0]
+    g = gen(37)
+    tokens = pick(300, 6)
+    rotary = RotaryEmbedding(rope, 8192, 1e4, None).to(DEVICE)
+    rotary.build_cache()
+    positions = torch.randint(0, 8192, (tokens,), generator=g, device=DEVICE)
+    proj = torch.randn(tokens, heads * (nope + rope) + rank + rope, generator=g, device=DEVICE).to(dtype)
+    q = proj[:, :heads * (nope + rope)].view(tokens, heads, nope + rope)
+    c_kv, k_rope = proj[:, heads * (nope + rope):].split([rank, rope], -1)
+    cos, sin = rotary(positions, torch.float32 if rope_dtype == "float32" else dtype)
+    ref_rope = (cos.to(REF_DTYPE), sin.to(REF_DTYPE))
+    ref_q, ref_latent = TorchNorms().mla_rope(q.to(REF_DTYPE), c_kv.to(REF_DTYPE), k_rope.to(REF_DTYPE), ref_rope,
+                                              interleave)
+    out_q, out_latent = mla_rope(q, c_kv, k_rope, cos, sin, interleave)
+    check(out_q, ref_q, dtype, "mla_rope q")
+    check(out_latent, ref_latent, dtype, "mla_rope latent")
+    assert torch.equal(out_latent[:, :rank], c_kv) and torch.equal(out_q[..., :nope], q[..., :nope])
+
+
 @pytest.mark.parametrize("tokens", NORM_TOKENS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(tokens, dtype):
@@ -605,8 +857,6 @@ def test_model_forward_matches_torch_backends(kv_dtype):
     from pdserve.ops.attention import TorchAttention as TA
     from pdserve.ops.moe import TorchMoE as TM
     from pdserve.ops.norms import TorchNorms
-    from pdserve.ops.triton_norms import TritonNorms
-
     dtype = torch.float32
     ours, args = load_model("tiny-moe", dtype, DEVICE, attn_backend=TritonAttention(), moe_backend=TritonMoE(),
                             norms=TritonNorms())

@@ -197,12 +197,31 @@ def test_mla_caches_one_latent_per_token(checkpoints):
 
 
 def test_mla_refuses_backends_without_mla(checkpoints):
-    """The Triton kernels cannot attend over a latent cache yet: the model says so when it is built
-    rather than compute garbage."""
+    """An attention backend that cannot attend over a latent cache (no `supports_mla`) is refused
+    when the model is built, naming model and backend, rather than compute garbage; both of ours can."""
+    from pdserve.ops.attention import TorchAttention
+
     triton_attention = pytest.importorskip("pdserve.ops.triton_attention")
+    assert TorchAttention.supports_mla and triton_attention.TritonAttention.supports_mla
     path = str(checkpoints["deepseek_v3"].path)
-    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM uses Multi-head Latent Attention.*TritonAttention"):
-        load_model(path, torch.float32, "cpu", attn_backend=triton_attention.TritonAttention())
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM uses Multi-head Latent Attention.*backend object"):
+        load_model(path, torch.float32, "cpu", attn_backend=object())
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_mla_fused_projections(family, checkpoints, prompts):
+    """MLAttention.fuse_qkv (the GPU path's one GEMM for q, or V3's q_a with its bias, beside kv_a):
+    the parameters become views of the stacked weight and the logits stay the model's."""
+    path = str(checkpoints[family].path)
+    ref, args = load_model(path, torch.float32, "cpu")
+    fused, _ = load_model(path, torch.float32, "cpu")
+    fused.fuse_qkv()
+    attn = fused.layers[0].self_attn
+    weight, bias = attn.q_kv_a
+    first = attn.q_proj if attn.q_proj is not None else attn.q_a_proj
+    assert first.weight.data_ptr() == weight.data_ptr() and (bias is not None) == args.attention_bias
+    chunks = [(p, 0) for p in prompts[:2]]
+    assert_close(run(fused, make_batch(chunks, new_cache(args))), run(ref, make_batch(chunks, new_cache(args))))
 
 
 def test_deepseek_v3_skips_multi_token_prediction_layers(checkpoints):

@@ -10,8 +10,11 @@ Measured in the same run (each model is freed before the next one is built):
   prefill   one prompt per size, the whole prompt in one engine step, prefix cache off:
             tok/s, TFLOP/s, MFU = FLOPs / time / matmul rate, with
             FLOPs = 2 × active params per token × tokens                     (projections, router,
-                    + 2 × 2 × layers × heads × head_dim × tokens² / 2        top-k experts)
-                    + 2 × vocab × hidden                                     (lm_head, sampled row)
+                    + 2 × layers × heads × (qk + v head dims) × tokens² / 2  top-k experts; MLA:
+                    + 2 × vocab × hidden                                     its up-projection,
+                                                                             q·k over 192, p·v
+                                                                             over 128 for V2-Lite)
+                                                                             (lm_head, sampled row)
   decode    B sequences put straight into decode state (decode role: reserve, then start_decode)
             over `context` tokens of random KV; the median engine step = one token for each of B:
             tok/s and S-MBU ("roofline %") = bytes touched per step / step time / HBM copy rate,
@@ -19,8 +22,10 @@ Measured in the same run (each model is freed before the next one is built):
                     + experts hit × expert bytes   (distinct experts per layer, counted by hooks
                                                     on the routers in untimed steps of the same
                                                     batch; E·(1 − (1 − k/E)^B) if no router found)
-                    + B × mean context × KV bytes per token.
-  HF        transformers' Qwen3MoeForCausalLM of the same shape with its own random weights:
+                    + B × mean context × KV bytes per token   (K and V, or MLA's latent:
+                                                               576 values per layer for V2-Lite).
+  HF        transformers' model of the same shape (Qwen3MoeForCausalLM, DeepseekV2ForCausalLM: its
+            cache holds the latents, as ours does) with its own random weights:
             prefill of one prompt (logits for the last row only, as `generate` does) and greedy
             `generate` decode, step time = time from the first decode forward's start to the
             end of `generate` over the decode steps (all `generate` does per token), median of
@@ -265,8 +270,8 @@ def decode_row(cost: ModelCost, batch: int, context: float, step_s: float, hit: 
     return {"batch": batch, "context": round(context, 1), "step_ms": round(step_s * 1e3, 3),
             "tok_s": round(batch / step_s, 1), "experts_per_layer": round(hit, 2), "experts_source": source,
             "experts_uniform": round(cost.uniform_experts_hit(batch), 2),
-            "weights_GB": round(b["weights"] / 1e9, 4), "experts_GB": round(b["experts"] / 1e9, 4),
-            "kv_GB": round(b["kv"] / 1e9, 4), "GB_s": round(b["total"] / step_s / 1e9, 1),
+            "weights_GB": _sig(b["weights"] / 1e9), "experts_GB": _sig(b["experts"] / 1e9),
+            "kv_GB": _sig(b["kv"] / 1e9), "GB_s": round(b["total"] / step_s / 1e9, 1),
             "roofline_pct": round(100 * roofline_s / step_s, 2),
             "roofline_tok_s": round(batch / roofline_s, 1)}
 
@@ -276,7 +281,7 @@ def prefill_row(cost: ModelCost, tokens: int, times: list[float], matmul_rate: f
     flops = cost.prefill_flops(tokens)
     return {"tokens": tokens, "ms": round(t * 1e3, 2), "tok_s": round(tokens / t, 1),
             "TFLOP_s": _sig(flops / t / 1e12), "MFU_pct": _sig(100 * flops / t / matmul_rate),
-            "TFLOP": round(flops / 1e12, 4), "all_ms": [round(x * 1e3, 2) for x in times]}
+            "TFLOP": _sig(flops / 1e12), "all_ms": [round(x * 1e3, 2) for x in times]}
 
 
 # -- the engine -----------------------------------------------------------------------------------
@@ -422,29 +427,50 @@ def _profile(a, label: str, step: Callable[[], Any], device: torch.device) -> di
 # -- HF transformers ------------------------------------------------------------------------------
 
 
-def build_hf(args: ModelArgs, dtype: torch.dtype, device: torch.device, seed: int):
-    """transformers' Qwen3MoeForCausalLM of this shape on `device`, random weights (grouped_mm experts if it can)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+# The HF baseline's class per architecture: transformers' own model of the family.
+HF_BASELINES = ("Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM")
 
-    if args.architecture != "Qwen3MoeForCausalLM":
-        raise ValueError(f"the HF baseline is built for Qwen3-MoE shapes, not {args.architecture} (use --no-hf)")
+
+def hf_config_kwargs(args: ModelArgs) -> dict[str, Any]:
+    """The transformers config of this shape (HF_BASELINES' architectures)."""
+    if args.architecture not in HF_BASELINES:
+        raise ValueError(f"the HF baseline is built for {' and '.join(HF_BASELINES)} shapes, not "
+                         f"{args.architecture} (use --no-hf)")
     kw = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
               num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
-              num_key_value_heads=args.num_kv_heads, head_dim=args.head_dim, num_experts=args.num_experts,
               num_experts_per_tok=args.num_experts_per_tok, moe_intermediate_size=args.moe_intermediate_size,
-              norm_topk_prob=args.norm_topk_prob, decoder_sparse_step=args.decoder_sparse_step,
-              mlp_only_layers=list(args.mlp_only_layers), rms_norm_eps=args.rms_norm_eps,
+              norm_topk_prob=args.norm_topk_prob, rms_norm_eps=args.rms_norm_eps,
               max_position_embeddings=args.max_position_embeddings, tie_word_embeddings=args.tie_word_embeddings,
-              rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta})
+              rope_parameters={"rope_type": "default", **(args.rope_scaling or {}), "rope_theta": args.rope_theta})
+    if args.architecture == "Qwen3MoeForCausalLM":
+        return dict(kw, num_key_value_heads=args.num_kv_heads, head_dim=args.head_dim, num_experts=args.num_experts,
+                    decoder_sparse_step=args.decoder_sparse_step, mlp_only_layers=list(args.mlp_only_layers))
+    # DeepSeek-V2 (V2-Lite): Multi-head Latent Attention, whose cache transformers keeps as latents too.
+    return dict(kw, num_key_value_heads=args.num_heads, kv_lora_rank=args.kv_lora_rank, q_lora_rank=args.q_lora_rank,
+                qk_nope_head_dim=args.qk_nope_head_dim, qk_rope_head_dim=args.qk_rope_head_dim,
+                v_head_dim=args.v_head_dim, n_routed_experts=args.num_experts,
+                n_shared_experts=args.shared_expert_intermediate_size // args.moe_intermediate_size,
+                first_k_dense_replace=args.first_k_dense_replace, topk_method=args.topk_method,
+                n_group=args.n_group, topk_group=args.topk_group, routed_scaling_factor=args.routed_scaling_factor,
+                attention_bias=args.attention_bias)
+
+
+def build_hf(args: ModelArgs, dtype: torch.dtype, device: torch.device, seed: int):
+    """transformers' model of this shape (HF_BASELINES) on `device`, random weights (grouped_mm experts if it can)."""
+    import transformers
+
+    kw = hf_config_kwargs(args)
+    model_cls = getattr(transformers, args.architecture)
+    config_cls = getattr(transformers, args.architecture.removesuffix("ForCausalLM") + "Config")
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # allocate straight in dtype: the 30B shape does not fit twice in float32
     try:
         with torch.device(device):
             try:
-                hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw, experts_implementation="grouped_mm"))
+                hf = model_cls(config_cls(**kw, experts_implementation="grouped_mm"))
             except (ValueError, ImportError, TypeError) as e:
                 log(f"HF grouped_mm experts unavailable ({e}); using transformers' default")
-                hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw))
+                hf = model_cls(config_cls(**kw))
     finally:
         torch.set_default_dtype(old)
     _random_init(hf, seed)
@@ -468,7 +494,7 @@ def bench_hf(a, cost: ModelCost, dtype: torch.dtype, ceilings: dict, errors: lis
 
     transformers.logging.set_verbosity_error()
     device = torch.device(a.device)
-    log(f"building HF transformers {transformers.__version__} Qwen3MoeForCausalLM ({a.model} shape, random weights)")
+    log(f"building HF transformers {transformers.__version__} {cost.args.architecture} ({a.model} shape, random weights)")
     hf = build_hf(cost.args, dtype, device, a.seed + 1)
     impl = getattr(hf.config, "_experts_implementation", None)
     out: dict[str, Any] = {"version": transformers.__version__, "experts_implementation": impl,

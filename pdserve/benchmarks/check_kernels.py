@@ -1,6 +1,7 @@
 """Checks and times the GPU kernels (pdserve/ops) on qwen3-30b-a3b shapes, bf16, on one GPU.
 
     python -m pdserve.benchmarks.check_kernels [--json out.json] [--sweep] [--only moe,decode,...]
+    python -m pdserve.benchmarks.check_kernels --preset deepseek-v2-lite     (MLA, MoE, routing, norms)
 
 First the two ceilings of this GPU, measured in the same run: the HBM copy rate (a 1 GiB
 device-to-device copy, read + write counted) and the bf16 matmul rate (8192^3, random data).
@@ -17,6 +18,7 @@ is set) keeps every number.
 """
 
 import argparse
+import copy
 import itertools
 import json
 import math
@@ -245,6 +247,50 @@ def check_prefill(c: Checker, a, seqs: list[tuple[int, int]]) -> None:
     _attention_step(c, a, seqs, "prefill attn+write")
 
 
+def check_mla(c: Checker, a, seqs: list[tuple[int, int]], splits: int | None = None, graph: bool = False) -> None:
+    """TritonAttention.forward_mla (a decode step: q absorbed, the latent kernel with its fused
+    write, W_UV; other steps: their rows absorbed or expanded) over a latent cache, against
+    TorchAttention.forward_mla (the latents up-projected every step)."""
+    from pdserve.models.mla import MLAttention
+    from pdserve.ops.attention import TorchAttention
+    from pdserve.ops.triton_attention import TritonAttention
+
+    g = _gen(c.device, 3)
+    dim, qk = a.kv_lora_rank + a.qk_rope_head_dim, a.qk_nope_head_dim + a.qk_rope_head_dim
+    layer = MLAttention(a, 0, TorchAttention(), None).to(c.device, torch.bfloat16)
+    layer.kv_b_proj.weight.data.normal_(0, a.kv_lora_rank ** -0.5, generator=g)
+    case = random_paged_case(seqs, a.num_heads, 1, dim, BLOCK, torch.bfloat16, c.device, g, planes=1, q_dim=qk)
+    q, latent, scale = case.q, case.latent, qk ** -0.5
+    ours = TritonAttention(decode_splits=splits)
+    ref_batch = ForwardBatch(**{**case.ref_batch.__dict__, "kv_cache": case.ref_batch.kv_cache.float()})
+    ref = TorchAttention().forward_mla(0, q.float(), latent.float(), ref_batch, scale, copy.deepcopy(layer).float())
+    err = rel_err(ours.forward_mla(0, q, latent, case.batch, scale, layer), ref)
+    del ref_batch, ref
+    ctx_tokens = sum(ctx for ctx, _ in seqs)
+    kv_read = ctx_tokens * dim * 2
+    t = q.shape[0]
+    nbytes = kv_read + layer.kv_b_proj.weight.numel() * 2 + t * (a.num_heads * (qk + a.v_head_dim) + dim) * 2
+    decode = all(n == 1 for _, n in seqs)
+    # Useful FLOPs of the form each row runs in: absorbed (q·[c, k_rope] and p·c per head and key,
+    # plus W_UK and W_UV per query) or expanded (kv_b over the context, then q·k and p·v).
+    rank, h = a.kv_lora_rank, a.num_heads
+    flops = sum(2 * h * ctx * (dim + rank) + 2 * h * rank * (a.qk_nope_head_dim + a.v_head_dim) if n == 1 else
+                2 * ctx * rank * h * (a.qk_nope_head_dim + a.v_head_dim)
+                + 2 * h * (qk + a.v_head_dim) * (n * (n + 1) // 2 + n * (ctx - n)) for ctx, n in seqs)
+    layers = _copies(kv_read)
+    cache = torch.randn((layers,) + tuple(case.batch.kv_cache.shape[1:]), device=c.device, dtype=torch.bfloat16)
+    batch = ForwardBatch(**{**case.ref_batch.__dict__, "kv_cache": cache})
+    mine = c.bench(_cycle(lambda i: ours.forward_mla(i, q, latent, batch, scale, layer), layers))
+    note = f"splits={splits}" if splits else ""
+    if graph and decode:
+        eager, mine = mine, c.bench_graph(lambda: [ours.forward_mla(i, q, latent, batch, scale, layer)
+                                                   for i in range(layers)], layers)
+        note = f"graph; eager {eager:.1f}" + (f"; {note}" if note else "")
+    theirs = c.bench(_cycle(lambda i: TorchAttention().forward_mla(i, q, latent, batch, scale, layer), layers))
+    c.add(Row("mla decode" if decode else "mla step", _seq_shape(seqs), err, mine, theirs, bytes=nbytes, flops=flops,
+              note=note))
+
+
 # -- MoE ---------------------------------------------------------------------------------------------
 
 def check_moe(c: Checker, a, tokens: int) -> None:
@@ -425,6 +471,29 @@ def check_qk_norm_rope(c: Checker, a, tokens: int) -> None:
               c.bench(torch_path), bytes=2 * tokens * (h + kvh) * d * 2 + tokens * d * 8))
 
 
+def check_mla_rope(c: Checker, a, tokens: int) -> None:
+    """MLA's RoPE and cache entry (one launch) against the reference's ops (TorchNorms.mla_rope)."""
+    from pdserve.models.layers import RotaryEmbedding
+    from pdserve.ops.mla_rope import mla_rope
+    from pdserve.ops.norms import TorchNorms
+
+    g, h, rank, rope = _gen(c.device, 9), a.num_heads, a.kv_lora_rank, a.qk_rope_head_dim
+    qk = a.qk_nope_head_dim + rope
+    rot = RotaryEmbedding(rope, a.max_position_embeddings, a.rope_theta, a.rope_scaling).to(c.device)
+    rot.build_cache()
+    pos = torch.randint(0, a.max_position_embeddings, (tokens,), generator=g, device=c.device)
+    proj = torch.randn(tokens, h * qk + rank + rope, generator=g, device=c.device).to(torch.bfloat16)
+    q = proj[:, :h * qk].view(tokens, h, qk)
+    c_kv, k_rope = proj[:, h * qk:].split([rank, rope], -1)
+    cos, sin = rot(pos, torch.float32)  # V2 rotates in float32
+    ref_q, ref_lat = TorchNorms().mla_rope(q.float(), c_kv.float(), k_rope.float(), (cos, sin), a.rope_interleave)
+    oq, olat = mla_rope(q, c_kv, k_rope, cos, sin, a.rope_interleave)
+    c.add(Row("mla_rope", f"T={tokens} {h}x{qk} + {rank}+{rope}", max(rel_err(oq, ref_q), rel_err(olat, ref_lat)),
+              c.bench(lambda: mla_rope(q, c_kv, k_rope, cos, sin, a.rope_interleave)),
+              c.bench(lambda: TorchNorms().mla_rope(q, c_kv, k_rope, (cos, sin), a.rope_interleave)),
+              bytes=2 * tokens * (h * qk + rank + rope) * 2 + tokens * rope * 8))
+
+
 def check_silu_and_mul(c: Checker, a, rows: int) -> None:
     from pdserve.ops.activation import silu_and_mul
 
@@ -449,15 +518,16 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true",
                    help="also time a few fused-MoE tile configs and decode split counts")
     p.add_argument("--only", default="",
-                   help="comma-separated groups: write,decode,prefill,moe,routing,norm; "
+                   help="comma-separated groups: write,decode,prefill,mla,moe,routing,norm; "
                         "small = the small-batch old/new rows only (decode B=1/8/64/256, MoE T=1..16)")
     args = p.parse_args()
     assert torch.cuda.is_available(), "check_kernels needs a CUDA GPU"
     device = torch.device("cuda")
     torch.manual_seed(0)
     a = resolve_model_args(args.preset)
-    groups = set(filter(None, args.only.split(","))) or {"write", "decode", "prefill", "moe", "routing", "norm",
-                                                          "small"}
+    default = {"mla", "moe", "routing", "norm"} if a.is_mla else {"write", "decode", "prefill", "moe", "routing",
+                                                                  "norm", "small"}
+    groups = set(filter(None, args.only.split(","))) or default
     c = Checker(device)
     start = time.time()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}  {args.preset}: hidden {a.hidden_size}, "
@@ -492,6 +562,18 @@ def main() -> None:
         if "prefill" in groups:
             for seqs in ([(4096, 4096)], [(4096, 2048)], [(1024, 1024)] * 4, [(4096, 512), (300, 300), (2000, 1)]):
                 c.run(f"prefill {seqs}", lambda seqs=seqs: check_prefill(c, a, seqs))
+        if "mla" in groups:
+            assert a.is_mla, f"--only mla needs a Multi-head Latent Attention preset, not {args.preset}"
+            for b in (1, 64, 256):
+                c.run(f"mla decode B={b}", lambda b=b: check_mla(c, a, [(1024, 1)] * b, graph=True))
+            c.run("mla decode mixed ctx", lambda: check_mla(
+                c, a, [(int(n), 1) for n in torch.randint(1, 5000, (64,)).tolist()]))
+            for seqs in ([(4096, 4096)], [(4096, 512), (300, 300), (2000, 1)]):
+                c.run(f"mla step {seqs}", lambda seqs=seqs: check_mla(c, a, seqs))
+            if args.sweep:
+                for b, s in ((1, 4), (1, 16), (1, 32), (64, 1), (64, 2), (64, 4), (256, 1), (256, 2)):
+                    c.run(f"mla decode B={b} splits={s}",
+                          lambda b=b, s=s: check_mla(c, a, [(1024, 1)] * b, splits=s, graph=True))
         if "moe" in groups:
             for t in (1, 64, 256, 4096) if "small" not in groups else (64, 256, 4096):
                 c.run(f"moe T={t}", lambda t=t: check_moe(c, a, t))
@@ -504,7 +586,10 @@ def main() -> None:
         if "norm" in groups:
             for t in (1, 256, 4096):
                 c.run(f"rms_norm T={t}", lambda t=t: check_rms_norm(c, a, t))
-                c.run(f"qk_norm_rope T={t}", lambda t=t: check_qk_norm_rope(c, a, t))
+                if a.is_mla:
+                    c.run(f"mla_rope T={t}", lambda t=t: check_mla_rope(c, a, t))
+                else:
+                    c.run(f"qk_norm_rope T={t}", lambda t=t: check_qk_norm_rope(c, a, t))
             for r in (8, 2048, 32768):
                 c.run(f"silu_and_mul rows={r}", lambda r=r: check_silu_and_mul(c, a, r))
 

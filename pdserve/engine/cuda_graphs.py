@@ -22,6 +22,7 @@ import torch
 
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.ops.decode_attention import decode_num_splits
+from pdserve.ops.mla_decode import mla_num_splits
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
@@ -76,8 +77,7 @@ class DecodeGraphs:
             for b in reversed(self.buckets):
                 batch = self._batch(b, max_context)
                 # The split count is baked into the graph: size it for the longest context allowed.
-                self.attention.decode_splits = decode_num_splits(b, self.kv_cache.shape[4], max_context,
-                                                                 self.device)
+                self.attention.decode_splits = self._splits(b, max_context)
                 if self.exchange is not None:  # every rank captures this bucket now, all-gather path
                     self.exchange.max_tokens, self.exchange.graphed = b, True
                     self.exchange.row_valid = self.row_valid[:b]
@@ -100,6 +100,14 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         if self.exchange is not None:
             self.exchange.graph_batch = self.buckets[-1]
+
+    def _splits(self, batch_size: int, max_context: int) -> int:
+        """The decode kernel's split count for a bucket: its programs per sequence are one per KV
+        head (GQA), or one per block of query heads (MLA's latent cache has no heads)."""
+        args = self.model.args
+        if args.is_mla:
+            return mla_num_splits(batch_size, args.num_heads, max_context, self.device)
+        return decode_num_splits(batch_size, self.kv_cache.shape[4], max_context, self.device)
 
     def fits(self, batch: ForwardBatch) -> bool:
         """A decode-only batch (one token per sequence, every sequence with a past) within the buckets;

@@ -7,8 +7,10 @@ values are never cached: attention up-projects them from the latents through kv_
 hidden state (q_proj; V2-Lite) or through a rank-q_lora_rank bottleneck with its own RMSNorm
 (q_a_proj, q_a_layernorm, q_b_proj; V2, V3). The parameter names are transformers'.
 
-The attention itself is the backend's `forward_mla` (pdserve/ops/attention.py for the reference);
-a backend without it (the Triton kernels, for now) is refused when the model is built.
+The attention itself is the backend's `forward_mla`: the reference (pdserve/ops/attention.py)
+up-projects the context's latents every step; the Triton backend (pdserve/ops/mla_attention.py)
+absorbs kv_b_proj into the query and the output for decode rows and attends over the latents. A
+backend without `supports_mla` is refused when the model is built.
 """
 
 import math
@@ -21,7 +23,7 @@ from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.models.args import ModelArgs
 from pdserve.models.layers import RMSNorm
 from pdserve.models.tensor_parallel import TensorParallel, row_parallel, shard_linear_in, shard_linear_out
-from pdserve.ops.norms import apply_rotary
+from pdserve.ops.norms import TorchNorms
 
 # transformers builds the two latent norms with RMSNorm's default eps, not config.rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -40,19 +42,6 @@ def mla_softmax_scale(args: ModelArgs) -> float:
     return scale
 
 
-def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek lays them out; x [T, h, r],
-    cos/sin [T, 1, r] in the usual cat(freqs, freqs) form. The result is de-interleaved (the
-    rotated even elements, then the odd ones), as transformers' V3 returns it: q and k are
-    permuted alike, so their dot product is the same. Computed in cos's dtype (float32 for V2,
-    whose transformers code rotates in complex64)."""
-    half = x.shape[-1] // 2
-    c, s = cos[..., :half], sin[..., :half]
-    xf = x.to(cos.dtype)
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
 class MLAttention(nn.Module):
     """Multi-head Latent Attention; the backend writes this step's latents and attends."""
 
@@ -61,9 +50,10 @@ class MLAttention(nn.Module):
         if not getattr(backend, "supports_mla", False):
             raise ValueError(
                 f"{args.architecture} uses Multi-head Latent Attention over a latent KV cache, which the "
-                f"attention backend {type(backend).__name__} cannot compute (no MLA kernels yet); "
-                f"use attention_backend 'torch'")
+                f"attention backend {type(backend).__name__} cannot compute; use attention_backend "
+                f"'torch' or 'triton'")
         self.layer_idx, self.backend = layer_idx, backend
+        self.norms = norms or TorchNorms()  # RoPE and the cache entry (`mla_rope`); one kernel on the GPU
         self.num_heads, self.q_lora_rank, self.kv_lora_rank = args.num_heads, args.q_lora_rank, args.kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
         self.v_head_dim, self.rope_interleave = args.v_head_dim, args.rope_interleave
@@ -81,6 +71,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, _LATENT_NORM_EPS, norms)
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * args.v_head_dim, h, bias=bias)
+        self.q_kv_a = None  # (weight, bias) of the two projections of x stacked, once `fuse_qkv` ran
         self.tp: TensorParallel | None = None
 
     def shard_tp(self, tp: TensorParallel) -> None:
@@ -92,23 +83,49 @@ class MLAttention(nn.Module):
         shard_linear_in(self.o_proj, tp.block(self.num_heads, self.v_head_dim))
         self.num_heads, self.tp = self.num_heads // tp.size, tp
 
-    def _rope(self, x: torch.Tensor, rope) -> torch.Tensor:
-        cos, sin = rope
-        if self.rope_interleave:
-            return rotate_pairs(x, cos, sin)
-        return apply_rotary(x, cos.to(x.dtype), sin.to(x.dtype))
+    @torch.no_grad()
+    def fuse_qkv(self) -> None:
+        """Stack the two projections of the hidden state — to the queries (q_proj, or q_a_proj into
+        the q bottleneck) and to the latent with the shared rope key (kv_a_proj_with_mqa) — into one
+        weight (and bias) and make the parameters views of it: one GEMM instead of two. Call once
+        the weights are loaded; only the GPU path does (TritonAttention.fuse_qkv), as
+        Attention.fuse_qkv."""
+        projs = (self.q_proj if self.q_proj is not None else self.q_a_proj, self.kv_a_proj_with_mqa)
+        weight = torch.cat([m.weight for m in projs])
+        bias = None
+        if any(m.bias is not None for m in projs):  # V3 biases q_a and kv_a; V2-Lite's q_proj has none
+            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in projs])
+        row = 0
+        for m in projs:
+            n = m.weight.shape[0]
+            m.weight = nn.Parameter(weight[row:row + n], requires_grad=False)
+            if m.bias is not None:
+                m.bias = nn.Parameter(bias[row:row + n], requires_grad=False)
+            row += n
+        self.q_kv_a = (weight, bias)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, heads x (qk_nope + qk_rope)], kv_a [T, kv_lora_rank + qk_rope] (views
+        of one GEMM's output once fused)."""
+        if self.q_kv_a is None:
+            q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            return q, self.kv_a_proj_with_mqa(x)
+        kv_width = self.kv_lora_rank + self.qk_rope_head_dim
+        q, kv_a = F.linear(x, *self.q_kv_a).split([self.q_kv_a[0].shape[0] - kv_width, kv_width], -1)
+        if self.q_proj is None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q, kv_a
 
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; `rope`: cos, sin [T, 1, qk_rope_head_dim]. Calls
         batch.layer_done(layer) once the layer's latents are cached."""
         t = x.shape[0]
-        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rope = q.view(t, self.num_heads, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        q_rope, k_rope = self._rope(q_rope, rope), self._rope(k_rope.unsqueeze(1), rope)  # [T, h, r], [T, 1, r]
-        q = torch.cat([q_nope, q_rope], dim=-1)
-        latent = torch.cat([c_kv, k_rope[:, 0]], dim=-1)  # [T, kv_lora_rank + qk_rope_head_dim]: the cache entry
+        q, kv_a = self._project(x)
+        c_kv, k_rope = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        # q [T, heads, qk_nope + qk_rope] with its rope part rotated; latent [T, kv_lora_rank +
+        # qk_rope_head_dim], the cache entry: the normalised c_kv, then the rotated shared key.
+        q, latent = self.norms.mla_rope(q.view(t, self.num_heads, -1), self.kv_a_layernorm(c_kv), k_rope, rope,
+                                        self.rope_interleave)
         o = self.backend.forward_mla(self.layer_idx, q, latent, batch, self.scale, self)  # [T, heads, v_head_dim]
         if batch.layer_done is not None:
             batch.layer_done(self.layer_idx)

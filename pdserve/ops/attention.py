@@ -73,7 +73,7 @@ def _planes(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class TorchAttention:
     """Reference attention backend."""
 
-    # It computes Multi-head Latent Attention (`forward_mla`); the Triton kernels do not yet.
+    # It computes Multi-head Latent Attention (`forward_mla`), as the Triton backend does.
     supports_mla = True
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -92,8 +92,9 @@ class TorchAttention:
 
         The straightforward form, not the absorbed one: every step up-projects the whole context's
         latents (K and V per head, as transformers does) and runs ordinary attention over them.
-        Exact against the reference, and cheap enough on the CPU; the GPU kernels will fold
-        kv_b_proj into q and the output instead (attention over the latent itself)."""
+        Exact against the reference, and cheap enough on the CPU; the GPU backend folds kv_b_proj
+        into q and the output for decode rows instead (attention over the latent itself,
+        pdserve.ops.mla_attention)."""
         kv_layer, scales = batch.kv_cache[layer], batch.layer_scales(layer)
         write_latent(kv_layer, latent, batch.slot_mapping, scales)
         return self._attend(q, kv_layer, scales, batch, scale, attn.v_head_dim, attn.expand_latent)

@@ -213,10 +213,18 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
         BLOCK_D=block_d, BLOCK_N=block_n, DIRECT=direct, PRECISION=precision, NEW_KV=new_kv,
         IS_FP8=is_fp8, num_warps=4, num_stages=2)
     if not direct:
-        _decode_reduce_kernel[(bsz, heads)](
-            part_o, part_lse, out, num_splits,
-            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4 if head_dim >= 128 else 2)
+        merge_splits(part_o, part_lse, out, num_splits)
     return out
+
+
+def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    """out [B, heads, D] = the slices' outputs part_o [B, heads, splits, D] (float32) weighted by
+    their log-sum-exps part_lse [B, heads, splits] (log2 units); empty slices (-inf) weigh 0. Also
+    the MLA decode kernel's second launch (pdserve.ops.mla_decode)."""
+    bsz, heads, head_dim = out.shape
+    _decode_reduce_kernel[(bsz, heads)](
+        part_o, part_lse, out, num_splits,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=8 if head_dim >= 512 else 4 if head_dim >= 128 else 2)

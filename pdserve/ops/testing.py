@@ -23,17 +23,24 @@ class PagedCase:
 
     batch: ForwardBatch
     ref_batch: ForwardBatch
-    q: torch.Tensor  # [T, heads, D]
-    k: torch.Tensor  # [T, kv_heads, D]
+    q: torch.Tensor  # [T, heads, D] (q_dim given: [T, heads, q_dim])
+    k: torch.Tensor  # [T, kv_heads, D]; a latent cache's one plane: the step's latents [T, 1, D]
     v: torch.Tensor
+
+    @property
+    def latent(self) -> torch.Tensor:
+        """The step's latents [T, D] (a case of one plane: random_paged_case(planes=1))."""
+        return self.k[:, 0]
 
 
 def random_paged_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
                       block_size: int, dtype: torch.dtype, device: str | torch.device,
                       gen: torch.Generator, spare_blocks: int = 3, cache_dtype: torch.dtype | None = None,
-                      kv_scales: tuple[float, float] = ()) -> PagedCase:
+                      kv_scales: tuple[float, ...] = (), planes: int = 2, q_dim: int | None = None) -> PagedCase:
     """seqs[i] = (context length after this step, tokens this step); one layer; blocks scattered at
-    random. The cache is `cache_dtype` (default: `dtype`); an FP8 one comes with its (k, v) scales."""
+    random. The cache is `cache_dtype` (default: `dtype`); an FP8 one comes with its plane scales
+    ((k, v), or (latent,)). planes=1 with num_kv_heads 1: an MLA latent cache (head_dim = its
+    width; q [T, heads, q_dim])."""
     need = [math.ceil(ctx / block_size) for ctx, _ in seqs]
     num_blocks = sum(need) + spare_blocks
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(int(gen.initial_seed()))).tolist()
@@ -54,16 +61,16 @@ def random_paged_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads:
             s = table[p // block_size] * block_size
             used[s: s + min(block_size, ctx - p)] = True
 
-    shape = (1, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (1, planes, num_blocks, block_size, num_kv_heads, head_dim)
     clean = torch.randn(shape, generator=gen, device=device).to(cache_dtype or dtype)
     poisoned = clean.clone()
-    view = poisoned.view(1, 2, num_blocks * block_size, num_kv_heads, head_dim)
+    view = poisoned.view(1, planes, num_blocks * block_size, num_kv_heads, head_dim)
     if clean.dtype == torch.float8_e4m3fn:  # no masked fill for float8: its NaN byte, 0x7f, through uint8
         view.view(torch.uint8)[:, :, ~used.to(device)] = 0x7F
     else:
         view[:, :, ~used.to(device)] = float("nan")
     t = starts[-1]
-    q = torch.randn(t, num_heads, head_dim, generator=gen, device=device).to(dtype)
+    q = torch.randn(t, num_heads, q_dim or head_dim, generator=gen, device=device).to(dtype)
     k = torch.randn(t, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
     v = torch.randn(t, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
     ctx_lens = [c for c, _ in seqs]

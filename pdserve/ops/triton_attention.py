@@ -1,9 +1,9 @@
 """Attention backend for CUDA: Triton kernels over the paged KV cache, same interface as TorchAttention.
 
-A step whose rows are all one token (decode) runs the split-K paged decode kernel; a step of fresh
-prompts only (no cached prefix, no decode rows) runs torch's SDPA on its own K/V; any other step
-(prefill chunks after a prefix, or prefill mixed with decode rows) runs the paged varlen prefill
-kernel over every row. The decode path reads only device tensors (`ForwardBatch.context_lens_t`)
+K/V caches (`forward`: MHA, GQA). A step whose rows are all one token (decode) runs the split-K
+paged decode kernel; a step of fresh prompts only (no cached prefix, no decode rows) runs torch's
+SDPA on its own K/V; any other step (prefill chunks after a prefix, or prefill mixed with decode
+rows) runs the paged varlen prefill kernel over every row. The decode path reads only device tensors (`ForwardBatch.context_lens_t`)
 and sizes its grid from host-side numbers, so it never waits for the GPU and can be captured in a
 CUDA graph. On that path the decode kernel writes the step's K/V into the cache itself (one launch
 fewer; `fuse_kv_write=False` keeps the separate `write_kv_triton` launch).
@@ -11,16 +11,24 @@ fewer; `fuse_kv_write=False` keeps the separate `write_kv_triton` launch).
 An FP8 cache (`ForwardBatch.kv_scales`): every kernel writes and reads it through the layer's
 (k_scale, v_scale); fresh prompts attend to their own K/V rounded through FP8 as the cache holds
 them, so a prompt's output does not depend on which path (fresh, chunked, cached prefix) ran it.
+
+Latent caches (`forward_mla`: Multi-head Latent Attention, DeepSeek-V2/V3): decode rows attend
+over the latents with kv_b_proj absorbed into the query and the output (pdserve.ops.mla_decode,
+split-K like the GQA kernel, the latent write fused in, CUDA-graph safe); prefill chunks
+up-project their context's latents and run SDPA (pdserve.ops.mla_attention). FP8 latents through
+the layer's one scale, on every path.
 """
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention
 from pdserve.ops.kv_quant import round_trip
-from pdserve.ops.kv_write import write_kv_triton
+from pdserve.ops.kv_write import write_kv_triton, write_latent_triton
+from pdserve.ops.mla_attention import mla_decode, mla_mixed
+from pdserve.ops.mla_decode import mla_num_splits
 from pdserve.ops.prefill_attention import paged_prefill_attention
+from pdserve.ops.sdpa import FRESH_BUCKET, padded_len, prompt_attention
 
 
 class TritonAttention:
@@ -30,9 +38,8 @@ class TritonAttention:
     # an H200 went from 744 kernels / 3.94 ms GPU time to 648 / 3.47 ms (docs/benchmarks-history.md). k and
     # v arrive as strided views; every kernel here takes strides.
     fuse_qkv = True
-    # No Multi-head Latent Attention kernels yet: a DeepSeek model refuses this backend when it is
-    # built (pdserve.models.mla), rather than compute garbage over a latent cache.
-    supports_mla = False
+    # Multi-head Latent Attention (DeepSeek-V2/V3) over a latent cache: `forward_mla`.
+    supports_mla = True
 
     def __init__(self, decode_splits: int | None = None, fuse_kv_write: bool = True,
                  min_keys_per_split: int | None = None, fresh_sdpa: bool = True):
@@ -47,7 +54,7 @@ class TritonAttention:
         that SDPA's per-length plans exist before traffic needs them; returns how many lengths."""
         if not self.fresh_sdpa:
             return 0
-        lengths = range(FRESH_BUCKET, _padded(longest) + 1, FRESH_BUCKET)
+        lengths = range(FRESH_BUCKET, padded_len(longest) + 1, FRESH_BUCKET)
         for n in lengths:
             q = torch.zeros(n, heads, head_dim, dtype=dtype, device=device)
             kv = torch.zeros(n, kv_heads, head_dim, dtype=dtype, device=device)
@@ -80,36 +87,36 @@ class TritonAttention:
         return paged_prefill_attention(q, kv_layer, batch.block_tables, batch.context_lens_t,
                                        batch.query_start_t, max_query_len, scale, kv_scales=scales)
 
-
-# SDPA's cuDNN backend (torch's pick for fresh prompts on Hopper) builds an execution plan the first
-# time it meets a sequence length: 55-90 ms more on one H200 for a 129- to 4095-token prompt of a new
-# length (docs/benchmarks.md), on every new length, where flash attention instead cost 11 ms more
-# on every 4k prompt. So each prompt's rows are padded at the end to a multiple of FRESH_BUCKET:
-# causal attention keeps every real row exact (a row attends to keys at or before it, and the
-# padding comes after it), the plans are few (chunk_size / FRESH_BUCKET), and the warm-up builds
-# each before the replica is ready (`warm_up`). The cost: at most FRESH_BUCKET - 1 more rows of
-# attention per prompt.
-FRESH_BUCKET = 128
-
-
-def _padded(n: int) -> int:
-    return -(-n // FRESH_BUCKET) * FRESH_BUCKET
+    def forward_mla(self, layer: int, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch,
+                    scale: float, attn) -> torch.Tensor:
+        """Multi-head Latent Attention. q [T, heads, qk_nope + qk_rope] (rope part rotated), latent
+        [T, kv_lora_rank + qk_rope] (the cache entry) -> [T, heads, v_head_dim]; `attn` is the layer
+        (pdserve.models.mla.MLAttention: kv_b_proj, the widths). A decode step runs absorbed over
+        the latents (its latent write fused into the kernel unless fuse_kv_write is off); any other
+        step writes the latents first, then runs its one-token rows absorbed and its chunks
+        expanded (pdserve.ops.mla_attention)."""
+        kv_layer, scales = batch.kv_cache[layer], batch.layer_scales(layer)
+        decode = q.shape[0] == batch.num_seqs  # every sequence brings exactly one token
+        fused = decode and self.fuse_kv_write
+        if not fused:
+            write_latent_triton(kv_layer, latent, batch.slot_mapping, scales)
+        _ensure_device_metadata(batch, q.device)
+        if not decode:
+            return mla_mixed(q, latent, kv_layer, scales, batch, scale, attn)
+        splits = self.decode_splits or mla_num_splits(batch.num_seqs, attn.num_heads, max(batch.context_lens),
+                                                      q.device)
+        new = dict(latent_new=latent, slot_mapping=batch.slot_mapping) if fused else {}
+        return mla_decode(q, kv_layer, batch.block_tables, batch.context_lens_t, scale, splits, attn, scales, **new)
 
 
 def _fresh_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int],
                    scale: float) -> torch.Tensor:
     """Prompts with no cached prefix attend only to this step's own K/V: torch's SDPA (GQA native)
     is faster there than our paged kernel, which reads the cache through the block table. One call
-    per prompt; a prefill step holds few."""
+    per prompt (rows padded to FRESH_BUCKET, pdserve.ops.sdpa); a prefill step holds few."""
     out = torch.empty_like(q)
     for a, b in zip(starts, starts[1:]):
-        n = b - a
-        rows = [t[a:b] for t in (q, k, v)]
-        if _padded(n) != n:
-            rows = [F.pad(t, (0, 0, 0, 0, 0, _padded(n) - n)) for t in rows]  # zero rows after the prompt
-        qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in rows)  # [1, heads, padded, D]
-        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-        out[a:b] = o[0, :, :n].transpose(0, 1)
+        out[a:b] = prompt_attention(q[a:b], k[a:b], v[a:b], scale)
     return out
 
 

@@ -8,6 +8,7 @@ kernel, so there is no per-step table lookup either. Same interface as `norms.To
 
 import torch
 
+from pdserve.ops.mla_rope import mla_rope
 from pdserve.ops.rms_norm import fused_add_rms_norm, rms_norm
 from pdserve.ops.rotary import qk_norm_rope
 
@@ -30,3 +31,10 @@ class TritonNorms:
                      k_weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         positions, cos, sin = rope
         return qk_norm_rope(q, k, positions, cos, sin, q_weight, k_weight, eps)
+
+    def mla_rope(self, q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor, rope, interleave: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Multi-head Latent Attention's RoPE and cache entry in one launch (`mla_rope.py`); `rope`:
+        cos, sin [T, 1, qk_rope] (DeepSeek's models look them up once per forward themselves)."""
+        cos, sin = rope
+        return mla_rope(q, c_kv, k_rope, cos, sin, interleave)
