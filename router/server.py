@@ -17,6 +17,17 @@ from pdserve.router.metrics import Metrics
 from pdserve.router.ray_core import RayCore
 
 
+MEET_S = 10.0  # the workers a router introduces itself to answer within this (RouterStreams.meet)
+
+
+async def _quietly(ref) -> None:
+    """Await a Ray call whose failure is no one's concern here (a worker that died: the watch's)."""
+    try:
+        await ref
+    except Exception:
+        pass
+
+
 def http_config(app) -> uvicorn.Config:
     """How a router serves its HTTP app: uvicorn (with httptools, its C parser), no lifespan, and no
     access log: at log level warning uvicorn writes none, but without this it still gathers each
@@ -64,6 +75,7 @@ class Router:
         self.metrics = Metrics(self.name)
         self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, self.replicas, cfg.router.policy,
                             self.metrics, cfg.router.migration_limit, cfg.router.replica_wait_s)
+        await self._meet(self.replicas)  # (their empty deliver reaches the core: after it is built)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
         self.http = uvicorn.Server(http_config(build_app(self.core, self.metrics, cfg.router.max_request_bytes)))
         self._tasks.append(asyncio.create_task(self.http.serve(sockets=sockets)))
@@ -92,12 +104,23 @@ class Router:
         return {"name": self.name, "pid": os.getpid(), "endpoints": dict(self.endpoints),
                 "in_flight": self.core.in_flight() if self.core else 0, "traffic": self.metrics.traffic()}
 
-    def apply(self, change: ReplicaChange) -> None:
+    async def apply(self, change: ReplicaChange) -> None:
         """A replica started, was replaced, drains or is gone (the controller's word)."""
         if self.core is None:  # not started yet: it starts from the set as changed
             self.replicas = [r for r in self.replicas if r.replica != change.replica] + [change]
         else:
+            if change.state == "serving":
+                await self._meet([change])  # before any request goes there
             self.core.apply(change)
+
+    async def _meet(self, changes: list[ReplicaChange]) -> None:
+        """Introduce this router to the workers that will stream tokens to it (decode and colocated
+        ranks; RouterStreams.meet), and wait for them, at most MEET_S: else the first request's first
+        token on each paid for Ray's lookup of this router and the first connection to it."""
+        refs = [w.meet_router.remote(self.name) for c in changes if c.role in ("decode", "colocated")
+                and c.state == "serving" for w in c.ranks.values()]
+        if refs:
+            await asyncio.wait([asyncio.ensure_future(_quietly(r)) for r in refs], timeout=MEET_S)
 
     def routers_restarted(self, restarts: dict[str, int]) -> None:
         """Restarts of each router (by slot, pdserve-router-i) so far, for /metrics (the controller's count)."""

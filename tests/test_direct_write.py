@@ -26,8 +26,16 @@ def served():
     # One real router (RayCore, the OpenAI front end, uvicorn) over a synthetic worker that steps
     # every 1 ms through the real RouterStreams: deltas come one step at a time, as from an engine.
     actors, url, _pids = router_stream.start(max_ahead=64, step_s=0.001)
-    yield url, actors[-1]
+    yield url, actors[-1], actors[0]
     ray.shutdown()
+
+
+def test_a_router_meets_its_workers_before_it_serves(served):
+    # The worker looked the router up and reached it once when the router started, so a first
+    # request's first token does not pay for that (~150 ms on this machine's trace).
+    _url, router, worker = served
+    assert ray.get(worker.__ray_call__.remote(lambda w: sorted(w.streams._routers))) == ["pdserve-router-0"]
+    assert ray.get(router.__ray_call__.remote(lambda r: r.core.in_flight())) == 0  # before any request
 
 
 def router_counts(router) -> tuple[int, int]:
@@ -36,7 +44,7 @@ def router_counts(router) -> tuple[int, int]:
 
 
 def test_streams_written_at_once_keep_every_token_in_order(served):
-    url, router = served
+    url, router, _worker = served
     before, _ = router_counts(router)
 
     async def one(client: httpx.AsyncClient, n: int) -> tuple[str, int]:
@@ -67,7 +75,7 @@ def test_streams_written_at_once_keep_every_token_in_order(served):
 
 
 def test_a_client_reading_slowly_still_gets_every_token_in_order(served):
-    url, router = served
+    url, router, _worker = served
     _, waited_before = router_counts(router)
     n = 4000  # ~0.6 MB of events: far more than the socket buffers and the transport's high-water mark
     # The router's send buffer small (an accepted socket inherits it from the listening one): else

@@ -79,6 +79,9 @@ class SyntheticWorker:
             self.loop.submit(Generate(r.request_id, r.prompt_ids, r.params, router))
         return [None] * len(requests)
 
+    def meet_router(self, router: str) -> None:
+        self.streams.meet(router)
+
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.loop.submit(Abort(rid))

@@ -157,6 +157,11 @@ class Replica:
         """Apply one inbox item (pdserve/worker/inbox.py) on the loop's thread."""
         raise NotImplementedError
 
+    def meet_router(self, router: str) -> None:
+        """A router that this replica will stream tokens to introduced itself (a decode or colocated
+        replica's `streams`: RouterStreams.meet)."""
+        self.streams.meet(router)
+
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests here (their clients left, or they failed elsewhere); returns at once."""
         for rid in request_ids:

@@ -20,6 +20,7 @@ from pdserve.messages import RequestDelta
 
 log = logging.getLogger(__name__)
 HELD_S = 0.001  # a worker's nap while a router still takes its previous message and more waits
+MEET_S = 10.0  # a router introducing itself answers within this, or is met by its first request
 
 
 class RouterStreams:
@@ -122,6 +123,18 @@ class RouterStreams:
         router to take its previous message (None, no nap, stays None)."""
         held = self.flush()
         return min(nap, HELD_S) if held and nap is not None else nap
+
+    def meet(self, router: str) -> None:
+        """`router` introduced itself: its handle looked up and one empty `deliver` sent, now, on the
+        caller's thread. Ray's name lookup and first connection to an actor cost ~150 ms (the trace of
+        a first request on the development machine), which the first token of the router's first
+        request here paid otherwise. Bounded: a router that does not take it is met by its first
+        request's tokens instead."""
+        try:
+            ray.get(self._router(router).deliver.remote([]), timeout=MEET_S)
+        except Exception as e:  # (not worth failing anything over: the first request looks it up again)
+            log.warning("could not meet router %s: %s", router, e)
+            self._routers.pop(router, None)
 
     def _router(self, name: str) -> ray.actor.ActorHandle:
         h = self._routers.get(name)
