@@ -37,11 +37,11 @@ from pdserve.ops.gemv_moe import gemv_moe  # noqa: E402
 from pdserve.ops.grouped_mm_moe import grouped_mm_moe  # noqa: E402
 from pdserve.ops.kv_write import write_kv_triton, write_latent_triton  # noqa: E402
 from pdserve.ops.mla_decode import mla_num_splits, paged_mla_decode  # noqa: E402
-from pdserve.ops.moe import TorchMoE, route  # noqa: E402
+from pdserve.ops.moe import TorchMoE, grouped_route, route  # noqa: E402
 from pdserve.ops.prefill_attention import paged_prefill_attention  # noqa: E402
 from pdserve.ops.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from pdserve.ops.rotary import qk_norm_rope  # noqa: E402
-from pdserve.ops.routing import fused_topk  # noqa: E402
+from pdserve.ops.routing import fused_topk, grouped_topk  # noqa: E402
 from pdserve.ops.testing import random_moe_inputs, random_paged_case, rel_err  # noqa: E402
 from pdserve.ops.triton_attention import TritonAttention  # noqa: E402
 from pdserve.ops.triton_moe import TritonMoE  # noqa: E402
@@ -586,8 +586,9 @@ def test_mla_backend(dtype, fp8):
 
 @pytest.mark.parametrize("family,kv_cache_dtype", [("deepseek_v2", "auto"), ("deepseek_v3", "fp8_e4m3")])
 def test_mla_engine_matches_torch_backend(family, kv_cache_dtype, tmp_path):
-    """A tiny DeepSeek engine whose attention is TritonAttention (with the fused q / kv_a GEMM and
-    the one-launch RoPE, TritonNorms.mla_rope) gives the torch reference engine's greedy tokens:
+    """A tiny DeepSeek engine on the GPU path's kernels — TritonAttention (with the fused q / kv_a
+    GEMM and the one-launch RoPE, TritonNorms.mla_rope) and TritonMoE (DeepSeek's routing in one
+    launch: V2 group_limited_greedy, V3 noaux_tc) — gives the torch reference engine's greedy tokens:
     fresh prompts, chunks after a cached prefix, mixed steps and decode steps, over the model's
     dtype (V2) or FP8 (V3). On the GPU this is tests/test_gpu_engine.py's job (CUDA graphs too);
     here the kernels run interpreted. Prompts clear of near-ties: absorbed attention sums in
@@ -608,10 +609,12 @@ def test_mla_engine_matches_torch_backend(family, kv_cache_dtype, tmp_path):
     prompts = [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in torch.randint(20, 60, (10,), generator=g)]
     ps, want = clear_prompts(engine(), prompts, n=3, tokens=6, min_margin=0.1)
     ours = engine()
-    triton_attention, triton_norms = TritonAttention(), TritonNorms()
+    triton_attention, triton_norms, triton_moe = TritonAttention(), TritonNorms(), TritonMoE()
     for layer in ours.model.layers:
         layer.self_attn.backend, layer.self_attn.norms = triton_attention, triton_norms
         layer.self_attn.fuse_qkv()
+    for moe in ours.model.moe_layers():
+        moe.backend = triton_moe
     idle = ours.pool.num_free_blocks
     got = [c.token_ids for c in ours.generate(ps, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
     assert got == want
@@ -651,6 +654,67 @@ def test_routing_half_precision_ties():
     probs = torch.softmax(logits, -1, dtype=torch.float32)
     assert torch.equal(probs.gather(1, ids), ref_w)
     torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+
+
+# DeepSeek's routings: (scoring, method, experts, top_k, n_group, topk_group, renormalize, scaling).
+# V2-Lite's shape, V2's group-limited one, V3's noaux_tc (256 experts in 8 groups), V3 renormalised.
+GROUPED_ROUTINGS = pick(
+    [("softmax", "greedy", 64, 6, 1, 1, False, 1.0), ("softmax", "group_limited_greedy", 160, 6, 8, 3, False, 16.0),
+     ("sigmoid", "noaux_tc", 256, 8, 8, 4, True, 2.5), ("sigmoid", "noaux_tc", 64, 6, 4, 2, False, 1.0)],
+    [("softmax", "greedy", 16, 3, 1, 1, False, 1.0), ("softmax", "group_limited_greedy", 24, 4, 4, 2, True, 1.5),
+     ("sigmoid", "noaux_tc", 32, 4, 8, 3, True, 2.5), ("sigmoid", "noaux_tc", 16, 3, 4, 2, False, 1.0)])
+
+
+def _by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's (weight, id) pairs ordered by id: the reference leaves its order unspecified."""
+    order = ids.argsort(dim=1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+@pytest.mark.parametrize("routing", GROUPED_ROUTINGS, ids=lambda r: f"{r[1]}-{r[2]}")
+@pytest.mark.parametrize("tokens", MOE_TOKENS)
+@pytest.mark.parametrize("num_shared", [0, 2])
+def test_grouped_routing(routing, tokens, num_shared):
+    """grouped_topk = grouped_route on random float32 logits (no ties): the same experts, the same
+    weights; the shared experts' slots (ids E, E+1, weight 1) after the k routed ones."""
+    scoring, method, experts, top_k, n_group, topk_group, renormalize, scaling = routing
+    g = gen(23 + tokens)
+    logits = torch.randn(tokens, experts, generator=g, device=DEVICE)
+    bias = 0.1 * torch.randn(experts, generator=g, device=DEVICE) if method == "noaux_tc" else None
+    kw = dict(scoring=scoring, method=method, n_group=n_group, topk_group=topk_group, correction_bias=bias,
+              renormalize=renormalize, scaling=scaling)
+    ref_w, ref_ids = grouped_route(logits, top_k, **kw)
+    w = poisoned((tokens, top_k + num_shared), torch.float32)
+    ids = torch.full((tokens, top_k + num_shared), -1, dtype=torch.int64, device=DEVICE)
+    grouped_topk(logits, top_k, num_shared=num_shared, out=(w, ids), **kw)
+    got_w, got_ids = _by_id(w[:, :top_k], ids[:, :top_k])
+    ref_w, ref_ids = _by_id(ref_w, ref_ids)
+    assert torch.equal(got_ids, ref_ids)
+    torch.testing.assert_close(got_w, ref_w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(ids[:, top_k:], torch.arange(experts, experts + num_shared, device=DEVICE).expand(tokens, -1))
+    assert (w[:, top_k:] == 1).all()
+    # The backends agree, shared slots included.
+    ref_w, ref_ids = _by_id(*TorchMoE().grouped_route(logits, top_k, num_shared=num_shared, **kw))
+    got_w, got_ids = _by_id(*TritonMoE().grouped_route(logits, top_k, num_shared=num_shared, **kw))
+    assert torch.equal(got_ids, ref_ids)
+    torch.testing.assert_close(got_w, ref_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_routing_ties(renormalize, dtype):
+    """Logits that tie (on a coarse grid, exact in every dtype), greedy (V2-Lite's), given to the
+    kernel in `dtype` (read as float32): the chosen experts' logits are the reference's, whichever
+    id wins a tie, and so are the weights. (Groups that tie may keep other experts in the running:
+    the grouped methods are checked without ties above.)"""
+    scoring, method, experts, top_k, n_group, topk_group, _, scaling = GROUPED_ROUTINGS[0]
+    logits = (4 * torch.randn(pick(600, 40), experts, generator=gen(24), device=DEVICE)).round() / 4
+    kw = dict(scoring=scoring, method=method, n_group=n_group, topk_group=topk_group, correction_bias=None,
+              renormalize=renormalize, scaling=scaling)
+    ref_w, ref_ids = grouped_route(logits, top_k, **kw)
+    w, ids = grouped_topk(logits.to(dtype), top_k, **kw)
+    assert torch.equal(logits.gather(1, ids).sort(1).values, logits.gather(1, ref_ids).sort(1).values)
+    torch.testing.assert_close(w.sort(1).values, ref_w.sort(1).values, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("block_m", [16, 64])

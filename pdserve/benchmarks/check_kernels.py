@@ -417,6 +417,33 @@ def check_routing(c: Checker, a, tokens: int) -> None:
         raise AssertionError(note)
 
 
+def check_grouped_routing(c: Checker, a, tokens: int) -> None:
+    """DeepSeek's routing: grouped_topk (one launch, the shared experts' slots appended) against
+    grouped_route (the reference's ops), on float32 logits as the router gives them."""
+    from pdserve.ops.moe import grouped_route
+    from pdserve.ops.routing import grouped_topk
+
+    e, k = a.num_experts, a.num_experts_per_tok
+    g = _gen(c.device, 5)
+    logits = torch.randn(tokens, e, generator=g, device=c.device)
+    bias = 0.1 * torch.randn(e, generator=g, device=c.device) if a.topk_method == "noaux_tc" else None
+    kw = dict(scoring=a.scoring_func, method=a.topk_method, n_group=a.n_group, topk_group=a.topk_group,
+              correction_bias=bias, renormalize=a.norm_topk_prob, scaling=a.routed_scaling_factor)
+    ref_w, ref_ids = grouped_route(logits, k, **kw)
+    shared = a.shared_expert_intermediate_size // a.moe_intermediate_size
+    w, ids = grouped_topk(logits, k, num_shared=shared, **kw)
+    order, ref_order = ids[:, :k].argsort(1), ref_ids.argsort(1)
+    same = bool(torch.equal(ids[:, :k].gather(1, order), ref_ids.gather(1, ref_order)))
+    note = f"{a.topk_method}, {shared} shared slots; ids equal: {same}"
+    err = rel_err(w[:, :k].gather(1, order), ref_w.gather(1, ref_order))
+    c.add(Row("routing grouped", f"T={tokens} E={e} k={k}", err,
+              c.bench(lambda: grouped_topk(logits, k, num_shared=shared, **kw)),
+              c.bench(lambda: grouped_route(logits, k, **kw)), bytes=tokens * e * 4 + tokens * (k + shared) * 12,
+              note=note))
+    if not same:
+        raise AssertionError(note)
+
+
 # -- norm, RoPE, activation ------------------------------------------------------------------------
 
 def check_rms_norm(c: Checker, a, tokens: int) -> None:
@@ -583,6 +610,8 @@ def main() -> None:
         if "routing" in groups:
             for t in (1, 256, 4096):
                 c.run(f"routing T={t}", lambda t=t: check_routing(c, a, t))
+                if a.is_mla:  # DeepSeek's own routing
+                    c.run(f"routing grouped T={t}", lambda t=t: check_grouped_routing(c, a, t))
         if "norm" in groups:
             for t in (1, 256, 4096):
                 c.run(f"rms_norm T={t}", lambda t=t: check_rms_norm(c, a, t))

@@ -15,7 +15,6 @@ from pdserve.models.args import ModelArgs
 from pdserve.models.decoder import DecoderLM
 from pdserve.models.layers import GatedMLP, SparseMoE
 from pdserve.models.mla import MLAttention
-from pdserve.ops.moe import grouped_route
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 # Hub and transformers names -> ours: the block's shared experts are one MLP `shared_expert` (as
@@ -41,10 +40,10 @@ class DeepseekMoE(SparseMoE):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The router's logits in float32 from float32 inputs, as transformers computes them.
         logits = F.linear(x.float(), self.gate.weight.float())
-        return grouped_route(logits, self.top_k, scoring=self.scoring, method=self.topk_method,
-                             n_group=self.n_group, topk_group=self.topk_group,
-                             correction_bias=self.e_score_correction_bias, renormalize=self.renormalize,
-                             scaling=self.routed_scaling_factor)
+        return self.backend.grouped_route(logits, self.top_k, scoring=self.scoring, method=self.topk_method,
+                                          n_group=self.n_group, topk_group=self.topk_group,
+                                          correction_bias=self.e_score_correction_bias,
+                                          renormalize=self.renormalize, scaling=self.routed_scaling_factor)
 
 
 class DeepseekV2ForCausalLM(DecoderLM):

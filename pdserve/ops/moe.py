@@ -24,7 +24,7 @@ def grouped_route(router_logits: torch.Tensor, top_k: int, *, scoring: str, meth
     is highest; "noaux_tc" (V3) chooses on scores + correction_bias, a group rated by the sum of its
     best two. The weights are the chosen experts' scores (without the bias), renormalised to sum to 1
     if asked, times `scaling` (routed_scaling_factor). Plain torch on every device: the routing
-    kernel of the GPU MoE backend does softmax + top-k only."""
+    `grouped_topk` (pdserve.ops.routing) is the GPU MoE backend's kernel for it."""
     scores = router_logits.softmax(dim=-1) if scoring == "softmax" else router_logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias
     if method != "greedy" and n_group > 1:
@@ -45,13 +45,35 @@ def grouped_route(router_logits: torch.Tensor, top_k: int, *, scoring: str, meth
     return weights * scaling, ids
 
 
+def with_shared_slots(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, num_shared: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """weights, ids [T, k] -> [T, k + num_shared]: every token also takes the slots of the shared
+    experts folded in after the E routed ones (ids E, E+1, ...) at weight 1."""
+    if not num_shared:
+        return weights, ids
+    t = ids.shape[0]
+    slots = torch.arange(num_experts, num_experts + num_shared, device=ids.device).expand(t, num_shared)
+    return torch.cat([weights, weights.new_ones(t, num_shared)], 1), torch.cat([ids, slots.to(ids.dtype)], 1)
+
+
 class TorchMoE:
     """Reference experts backend: loops over the experts that received tokens."""
+
+    # The reference keeps DeepSeek's shared experts a module of their own, op for op as
+    # transformers; a test process may turn this on to check the fold on the CPU (layers.py).
+    fold_shared_experts = False
 
     def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] -> weights [T, k] float32, ids [T, k]: `route`."""
         return route(router_logits, top_k, renormalize)
+
+    def grouped_route(self, router_logits: torch.Tensor, top_k: int, num_shared: int = 0, **kw
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek's routing (`grouped_route`, keywords as there) -> weights, ids [T, k + num_shared]:
+        the shared experts' slots appended where they are folded in."""
+        weights, ids = grouped_route(router_logits, top_k, **kw)
+        return with_shared_slots(weights, ids, router_logits.shape[1], num_shared)
 
     def forward(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,14 @@
-"""MoE backend for CUDA: fused top-k routing, and per batch size (a host-known shape, so each choice
-is fixed inside a CUDA graph) one of: the GEMV MoE (a handful of tokens: no sort/align pass), the
-Triton fused MoE (small batches, decode) or `torch._grouped_mm` (large bf16 batches)."""
+"""MoE backend for CUDA: fused top-k routing (DeepSeek's grouped routing too), and per batch size (a
+host-known shape, so each choice is fixed inside a CUDA graph) one of: the GEMV MoE (a handful of
+tokens: no sort/align pass), the Triton fused MoE (small batches, decode) or `torch._grouped_mm`
+(large bf16 batches)."""
 
 import torch
 
 from pdserve.ops.fused_moe import fused_moe
 from pdserve.ops.gemv_moe import gemv_moe
 from pdserve.ops.grouped_mm_moe import grouped_mm_moe
-from pdserve.ops.routing import fused_topk
+from pdserve.ops.routing import fused_topk, grouped_topk
 
 # From this many tokens on, bf16 batches take torch._grouped_mm (check_kernels.py's MoE rows, H200:
 # fused 346 us against _grouped_mm 501 us at 256 tokens, fused 443-457 us at 1k, _grouped_mm ahead
@@ -31,6 +32,12 @@ class TritonMoE:
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] -> weights [T, k] float32, ids [T, k]: softmax, top-k, renormalise."""
         return fused_topk(router_logits, top_k, renormalize)
+
+    def grouped_route(self, router_logits: torch.Tensor, top_k: int, num_shared: int = 0, **kw
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek's routing in one launch (`grouped_topk`; keywords as `moe.grouped_route`)
+        -> weights, ids [T, k + num_shared]."""
+        return grouped_topk(router_logits, top_k, num_shared=num_shared, **kw)
 
     def path(self, num_tokens: int, dtype: torch.dtype) -> str:
         """Which implementation `forward` takes for this many tokens: "gemv", "fused" or "grouped_mm"."""
