@@ -42,9 +42,12 @@ def engine_config(model: str, device: str = "cpu") -> EngineConfig:
 
 def run_ranks(model: str, runs: list[Run], size: int = 2, replicated: tuple[int, ...] = (),
               timeout: float = 240, gpus: bool = False,
-              before_start: Callable[[str, int], None] | None = None) -> list[list[dict]]:
+              before_start: Callable[[str, int], None] | None = None,
+              fold_shared: bool = False) -> list[list[dict]]:
     """For each rank, for each run: {"tokens": [ids per request], "load": tokens per expert}.
     `gpus`: rank r on cuda:r over NCCL (CUDA graphs of the decode step on), else CPU over gloo.
+    `fold_shared`: the CPU ranks fold DeepSeek's shared experts into the routed ones, as the GPU
+    path does (TorchMoE.fold_shared_experts turned on in the rank's process).
     The rendezvous store lives here, bound to port 0 and held until every rank is done;
     `before_start(host, port)` is called with its address before the ranks start."""
     from pdserve.decode.ep_group import rendezvous_store
@@ -55,7 +58,8 @@ def run_ranks(model: str, runs: list[Run], size: int = 2, replicated: tuple[int,
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, size, store.port, model, runs,
-                                                  list(replicated), gpus, results)) for r in range(size)]
+                                                  list(replicated), gpus, fold_shared, results))
+             for r in range(size)]
     for p in procs:
         p.start()
     out: dict[int, object] = {}
@@ -75,12 +79,15 @@ def run_ranks(model: str, runs: list[Run], size: int = 2, replicated: tuple[int,
 
 
 def _rank_main(rank: int, size: int, store_port: int, model: str, runs: list[Run], replicated: list[int],
-               gpus: bool, results) -> None:
+               gpus: bool, fold_shared: bool, results) -> None:
     torch.set_num_threads(1)  # two ranks share the test machine's cores
     try:
         from pdserve.decode.ep_group import EPGroup, EPRank
         from pdserve.engine.engine import Engine
         from pdserve.models import resolve_model_args
+        from pdserve.ops.moe import TorchMoE
+
+        TorchMoE.fold_shared_experts = fold_shared  # (this process only)
 
         device = torch.device(f"cuda:{rank}" if gpus else "cpu")
         if gpus:

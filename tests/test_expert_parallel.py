@@ -65,7 +65,7 @@ def test_the_router_sees_one_replica_with_the_capacity_of_its_ranks():
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     paths = {}
-    for family in ("qwen3_moe", "mixtral"):
+    for family in ("qwen3_moe", "mixtral", "deepseek_v2"):
         ck = build_checkpoint(family, root)
         write_tokenizer(ck.path, ck.hf_model.config.vocab_size)
         paths[family] = ck.path
@@ -208,6 +208,25 @@ def test_overlapped_ranks_generate_what_one_rank_generates(ep_runs, family):
     runs = ep_runs[family]
     assert runs.overlapped[0]["tokens"] + runs.overlapped[1]["tokens"] == runs.expected
     assert runs.overlapped[0]["load"] == runs.by_threshold[MIXED][0]["load"]
+
+
+def test_deepseek_ranks_with_folded_shared_experts_generate_what_one_rank_generates(checkpoints):
+    """DeepSeek-V2 (group-limited routing, 2 shared experts) with its shared experts folded into
+    the routed experts' call (the GPU path's fold, here on the CPU ranks): every rank appends the
+    shared slots to its own experts and computes them for its own tokens, inside the exchange, on
+    both paths; the tokens are the single-rank reference's (shared MLP apart), the expert load
+    counts routed experts only."""
+    path = str(checkpoints["deepseek_v2"])
+    args = resolve_model_args(path)
+    requests = _requests(args.vocab_size, seed=5)
+    ranks = run_ranks(path, [Run(requests, ALL_GATHER), Run(requests, ALL_TO_ALL)], fold_shared=True)
+    expected = _single_rank(path, requests)
+    moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_layers))
+    forwarded = sum(len(r.prompt) + r.max_tokens - 1 for rank in requests for r in rank)
+    for run in range(2):
+        assert ranks[0][run]["tokens"] + ranks[1][run]["tokens"] == expected, run
+        load = [a + b for a, b in zip(ranks[0][run]["load"], ranks[1][run]["load"])]
+        assert len(load) == args.num_experts and sum(load) == forwarded * moe_layers * args.num_experts_per_tok
 
 
 def test_hot_experts_copied_to_every_rank_change_no_token(ep_runs):

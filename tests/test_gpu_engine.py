@@ -7,8 +7,9 @@
 - decode steps replayed from CUDA graphs equal the same steps run eagerly, token for token, while
   the batch shrinks through the buckets (padded rows) and prefills mix with decodes;
 - DeepSeek-V2 and V3 (Multi-head Latent Attention: absorbed decode kernel with its fused latent
-  write, expanded prefill chunks) on the Triton backend equal the torch backend on the CPU, with
-  and without CUDA graphs, over a float32 or an FP8 latent cache.
+  write, expanded prefill chunks; routing in one launch, the shared experts folded into the
+  routed experts' kernels) on the Triton backends equal the torch backends on the CPU, with and
+  without CUDA graphs, over a float32 or an FP8 latent cache.
 
     python -m pytest -q tests/test_gpu_engine.py -k mla      (the DeepSeek ones)
 """
@@ -111,6 +112,7 @@ def test_gpu_mla_greedy_equals_cpu(family, cuda_graphs, root):
     ps, want = clear_prompts(engine(path, "cpu", "float32"), prompts(48, seed=11), n=8, tokens=16, min_margin=0.05)
     gpu = engine(path, "cuda:0", "float32", cuda_graphs=cuda_graphs)
     assert type(gpu.model.attn_backend).__name__ == "TritonAttention"
+    assert all(moe.num_shared_slots and moe.shared_expert is None for moe in gpu.model.moe_layers())
     assert (gpu.runner.graphs is not None) == cuda_graphs
     idle = gpu.pool.num_free_blocks
     got = [c.token_ids for c in gpu.generate(ps, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]

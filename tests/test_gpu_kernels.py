@@ -588,7 +588,8 @@ def test_mla_backend(dtype, fp8):
 def test_mla_engine_matches_torch_backend(family, kv_cache_dtype, tmp_path):
     """A tiny DeepSeek engine on the GPU path's kernels — TritonAttention (with the fused q / kv_a
     GEMM and the one-launch RoPE, TritonNorms.mla_rope) and TritonMoE (DeepSeek's routing in one
-    launch: V2 group_limited_greedy, V3 noaux_tc) — gives the torch reference engine's greedy tokens:
+    launch: V2 group_limited_greedy, V3 noaux_tc; the shared experts folded into the routed
+    experts' kernels) — gives the torch reference engine's greedy tokens:
     fresh prompts, chunks after a cached prefix, mixed steps and decode steps, over the model's
     dtype (V2) or FP8 (V3). On the GPU this is tests/test_gpu_engine.py's job (CUDA graphs too);
     here the kernels run interpreted. Prompts clear of near-ties: absorbed attention sums in
@@ -615,6 +616,8 @@ def test_mla_engine_matches_torch_backend(family, kv_cache_dtype, tmp_path):
         layer.self_attn.fuse_qkv()
     for moe in ours.model.moe_layers():
         moe.backend = triton_moe
+    ours.model.fold_shared_experts()
+    assert all(moe.num_shared_slots for moe in ours.model.moe_layers())
     idle = ours.pool.num_free_blocks
     got = [c.token_ids for c in ours.generate(ps, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
     assert got == want
@@ -818,6 +821,59 @@ def test_moe_backend(dtype):
                                                else "grouped_mm" if dtype == torch.bfloat16 else "fused")
         check(backend.forward(x, w13, w2, weights, ids), reference_moe(x, w13, w2, weights, ids), dtype,
               f"TritonMoE T={tokens}")
+
+
+def deepseek_moe_args(routing: str):
+    """A DeepSeek MoE layer's args: V2-Lite's shape and routing (greedy softmax, 2 shared experts)
+    or V3's routing (noaux_tc over groups, sigmoid, renormalised, scaled; 1 shared expert); tiny
+    under the interpreter."""
+    import dataclasses
+
+    from pdserve.models import resolve_model_args
+
+    args = resolve_model_args("deepseek-v2-lite")
+    if INTERPRET:
+        args = dataclasses.replace(args, num_experts=16, num_experts_per_tok=4, hidden_size=64,
+                                   moe_intermediate_size=24, shared_expert_intermediate_size=48)
+    if routing == "v3":
+        e, i = args.num_experts, args.moe_intermediate_size
+        args = dataclasses.replace(args, scoring_func="sigmoid", topk_method="noaux_tc", n_group=pick(8, 4),
+                                   topk_group=pick(4, 2), norm_topk_prob=True, routed_scaling_factor=2.5,
+                                   num_experts_per_tok=pick(8, 3), shared_expert_intermediate_size=i,
+                                   num_experts=e)
+    return args
+
+
+@pytest.mark.parametrize("routing", ["v2-lite", "v3"])
+@pytest.mark.parametrize("tokens", pick([1, 5, 64, 600, 4096], [1, 3, 17]))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_deepseek_moe_folded_shared_experts(routing, tokens, dtype):
+    """A DeepSeek MoE layer on the GPU path — routing in one launch (TritonMoE.grouped_route), the
+    shared experts folded into the routed experts' call (fold_shared_experts), whichever kernel
+    the batch takes (GEMV, fused, grouped_mm) — against the reference layer (TorchMoE, grouped_route,
+    the shared MLP apart) upcast."""
+    from pdserve.models.deepseek import DeepseekMoE
+
+    args = deepseek_moe_args(routing)
+    g = gen(31)
+    with torch.device(DEVICE):
+        ref = DeepseekMoE(args, TorchMoE()).to(REF_DTYPE)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            fan_in = p.shape[-1] if p.dim() > 1 else 1
+            # Values the layer's dtype holds exactly: both layers route on the same float32 logits.
+            p.copy_((torch.randn(p.shape, generator=g, device=DEVICE) / fan_in ** 0.5).to(dtype))
+        if ref.e_score_correction_bias is not None:  # float32, as loading keeps it
+            ref.e_score_correction_bias = torch.nn.Parameter(0.1 * ref.e_score_correction_bias.float())
+    ours = copy.deepcopy(ref).to(dtype)
+    ours.e_score_correction_bias = ref.e_score_correction_bias
+    ours.backend = TritonMoE()
+    ours.fold_shared_experts()
+    assert ours.shared_expert is None and ours.num_shared_slots == args.shared_expert_intermediate_size // (
+        args.moe_intermediate_size)
+    x = torch.randn(tokens, args.hidden_size, generator=g, device=DEVICE).to(dtype)
+    with torch.inference_mode():
+        check(ours(x), ref(x.to(REF_DTYPE)), dtype, f"DeepseekMoE {routing} folded T={tokens}")
 
 
 # -- norm, RoPE, activation -------------------------------------------------------------------------

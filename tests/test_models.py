@@ -224,6 +224,36 @@ def test_mla_fused_projections(family, checkpoints, prompts):
     assert_close(run(fused, make_batch(chunks, new_cache(args))), run(ref, make_batch(chunks, new_cache(args))))
 
 
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_shared_experts_fold_into_the_routed_ones(family, checkpoints, prompts):
+    """DeepseekMoE.fold_shared_experts (the GPU path's, asked for by the MoE backend): the shared
+    MLP (n x moe_intermediate_size wide; V2 n = 2, V3 n = 1) becomes n expert slots after the
+    routed ones, routed to by every token at weight 1; the logits stay the model's. Here on
+    TorchMoE, which computes any slots it is given."""
+    from pdserve.ops.moe import TorchMoE
+
+    path = str(checkpoints[family].path)
+    ref, args = load_model(path, torch.float32, "cpu")
+    folding = TorchMoE()
+    folding.fold_shared_experts = True
+    folded, _ = load_model(path, torch.float32, "cpu", moe_backend=folding)
+    n = args.shared_expert_intermediate_size // args.moe_intermediate_size
+    for moe, ref_moe in zip(folded.moe_layers(), ref.moe_layers()):
+        assert moe.shared_expert is None and moe.num_shared_slots == n
+        assert moe.w13.shape == (args.num_experts + n, 2 * args.moe_intermediate_size, args.hidden_size)
+        e = args.num_experts
+        assert torch.equal(moe.w13[:e], ref_moe.w13) and torch.equal(moe.w2[:e], ref_moe.w2)
+        x = torch.randn(5, args.hidden_size, generator=torch.Generator().manual_seed(3))
+        with torch.inference_mode():
+            weights, ids = moe.route(x)
+            assert torch.equal(ids[:, args.num_experts_per_tok:], torch.arange(args.num_experts, args.num_experts + n)
+                               .expand(5, n)) and (weights[:, args.num_experts_per_tok:] == 1).all()
+            assert_close(moe(x), ref_moe(x))
+    assert sum(p.numel() for p in folded.parameters()) == sum(p.numel() for p in ref.parameters())
+    chunks = [(p, 0) for p in prompts[:2]]
+    assert_close(run(folded, make_batch(chunks, new_cache(args))), run(ref, make_batch(chunks, new_cache(args))))
+
+
 def test_deepseek_v3_skips_multi_token_prediction_layers(checkpoints):
     """Hub V3 checkpoints carry the MTP module as a layer past the last (model.layers.61): not read."""
     ck = checkpoints["deepseek_v3"]

@@ -22,10 +22,17 @@ PROMPTS = [[3, 17, 42, 5, 99, 64, 7, 120, 31, 8, 77], [11, 2, 90, 45, 6]]
 MAX_TOKENS = 6
 
 
-def prompt_logits(path: str, load_format: str, tp: TensorParallel | None) -> tuple[torch.Tensor, int]:
+def prompt_logits(path: str, load_format: str, tp: TensorParallel | None, fold: bool = False
+                  ) -> tuple[torch.Tensor, int]:
     """The logits of every position of PROMPTS[0], prefilled in one step, and how many weights
-    the model holds."""
-    model, args = load_model(path, torch.float32, "cpu", load_format=load_format, tp=tp)
+    the model holds. `fold`: DeepSeek's shared experts folded into the routed ones (each rank's
+    share of them: the GPU path's fold, on TorchMoE)."""
+    from pdserve.ops.moe import TorchMoE
+
+    moe = TorchMoE()
+    moe.fold_shared_experts = fold
+    model, args = load_model(path, torch.float32, "cpu", load_format=load_format, tp=tp, moe_backend=moe)
+    assert all(m.num_shared_slots > 0 for m in model.moe_layers()) == fold or not args.shared_expert_intermediate_size
     cache = allocate_kv_cache(KVLayout.for_model(args, NUM_BLOCKS, BLOCK, torch.float32, tp=tp), torch.device("cpu"))
     ids = PROMPTS[0]
     n = len(ids)
@@ -57,11 +64,11 @@ def greedy(path: str, tp: TensorParallel | None) -> list[list[int]]:
     return [tokens[f"r{i}"] for i in range(len(PROMPTS))]
 
 
-def _rank(tp: TensorParallel, jobs: list[tuple[str, str, bool]]) -> list:
+def _rank(tp: TensorParallel, jobs: list[tuple[str, str, bool, bool]]) -> list:
     # Plain lists: a tensor sent through a queue is shared memory the exiting rank takes with it.
     out = []
-    for path, fmt, gen in jobs:
-        logits, weights = prompt_logits(path, fmt, tp)
+    for path, fmt, gen, fold in jobs:
+        logits, weights = prompt_logits(path, fmt, tp, fold)
         out.append((logits.tolist(), weights, greedy(path, tp) if gen else None))
     return out
 
@@ -126,10 +133,12 @@ def paths(tmp_path_factory):
 def test_tp2_equals_tp1_every_family(paths):
     # Checkpoints for every family and one written by `pdserve write-checkpoint` (tensors sliced as
     # read), and dummy weights for two (drawn whole, then sliced): one spawn of two ranks does them all.
-    jobs = [(paths[f], "auto", True) for f in [*FAMILIES, "llama_kv1", "written"]] + \
-        [(paths[f], "dummy", False) for f in ("qwen2_moe", "deepseek_v3")]
+    # DeepSeek with its shared experts folded into the routed ones too (each rank folds its share).
+    jobs = [(paths[f], "auto", True, False) for f in [*FAMILIES, "llama_kv1", "written"]] + \
+        [(paths[f], "dummy", False, False) for f in ("qwen2_moe", "deepseek_v3")] + \
+        [(paths[f], "auto", False, True) for f in ("deepseek_v2", "deepseek_v3")]
     ranks = run_ranks(_rank, jobs)
-    for j, (path, fmt, gen) in enumerate(jobs):
+    for j, (path, fmt, gen, _) in enumerate(jobs):
         ref, weights = prompt_logits(path, fmt, None)
         for r, out in enumerate(ranks):
             logits, rank_weights, tokens = torch.tensor(out[j][0]), out[j][1], out[j][2]

@@ -113,14 +113,22 @@ class DecoderLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse_qkv()
 
+    def fold_shared_experts(self) -> None:
+        """Every MoE layer's ungated shared experts into its routed experts' weights, where the
+        family can (DeepseekMoE.fold_shared_experts); a no-op for the others."""
+        for moe in self.moe_layers():
+            if hasattr(moe, "fold_shared_experts"):
+                moe.fold_shared_experts()
+
     @torch.inference_mode()
     def join_expert_exchanges(self) -> None:
         """Take part in every MoE layer's exchange with no tokens: an expert-parallel rank without
         requests in a step still serves its experts to the other ranks. Nothing else has work."""
         x = self.embed_tokens.weight.new_empty(0, self.args.hidden_size)
-        ids = torch.empty(0, self.args.num_experts_per_tok, dtype=torch.long, device=x.device)
-        weights = torch.empty(ids.shape, dtype=torch.float32, device=x.device)
         for moe in self.moe_layers():
+            # As wide as the other ranks' routing: the collectives' rows must agree.
+            ids = torch.empty(0, moe.top_k + moe.num_shared_slots, dtype=torch.long, device=x.device)
+            weights = torch.empty(ids.shape, dtype=torch.float32, device=x.device)
             moe.exchange.forward(x, moe.w13, moe.w2, weights, ids, moe.backend)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

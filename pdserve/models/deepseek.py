@@ -36,14 +36,50 @@ class DeepseekMoE(SparseMoE):
         self.e_score_correction_bias = None
         if args.topk_method == "noaux_tc":  # float32 whatever the model's dtype, as transformers keeps it
             self.e_score_correction_bias = nn.Parameter(torch.zeros(args.num_experts, dtype=torch.float32))
+        self.gate_weight_f32: torch.Tensor | None = None  # the router's weight in float32, once folded
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> weights, ids [T, k (+ the shared slots, once folded)]."""
         # The router's logits in float32 from float32 inputs, as transformers computes them.
-        logits = F.linear(x.float(), self.gate.weight.float())
-        return self.backend.grouped_route(logits, self.top_k, scoring=self.scoring, method=self.topk_method,
+        w = self.gate.weight.float() if self.gate_weight_f32 is None else self.gate_weight_f32
+        logits = F.linear(x.float(), w)
+        return self.backend.grouped_route(logits, self.top_k, num_shared=self.num_shared_slots,
+                                          scoring=self.scoring, method=self.topk_method,
                                           n_group=self.n_group, topk_group=self.topk_group,
                                           correction_bias=self.e_score_correction_bias,
                                           renormalize=self.renormalize, scaling=self.routed_scaling_factor)
+
+    @torch.no_grad()
+    def fold_shared_experts(self) -> None:
+        """The shared experts become expert slots after the routed ones, which every token takes at
+        weight 1: the routed experts' one fused call computes them too (no GEMMs, activation and
+        add of their own). Call once the weights are loaded; only the GPU path does
+        (TritonMoE.fold_shared_experts): on the CPU reference the sums would run in another order
+        than transformers'. Also keeps the router's weight in float32, not converted every step.
+
+        The shared MLP (width n x I: n_shared_experts of moe_intermediate_size) splits along its
+        intermediate width into n experts of width I: SiLU(gate) * up is per column and down sums
+        over the columns, so the n slots' outputs sum to the MLP's. With tensor parallelism each
+        rank holds n x I / tp of the shared width and I / tp of each expert's, so its share folds
+        the same way into n slots (the all-reduce sums routed and shared alike); with expert
+        parallelism every rank appends the slots to its own experts and serves its own tokens'
+        (EPExchange.fold_shared)."""
+        self.gate_weight_f32 = self.gate.weight.float()
+        shared = self.shared_expert
+        inter, hidden = self.w2.shape[2], self.w2.shape[1]
+        if shared is None or self.num_shared_slots or shared.down_proj.weight.shape[1] % inter:
+            return
+        n = shared.down_proj.weight.shape[1] // inter
+        gate_up = torch.cat([shared.gate_proj.weight.view(n, inter, hidden),
+                             shared.up_proj.weight.view(n, inter, hidden)], 1)  # [n, 2I, H]
+        down = shared.down_proj.weight.view(hidden, n, inter).transpose(0, 1)  # [n, H, I]
+        # One layer at a time: the old tensors are freed as the new ones replace them.
+        self.w13 = nn.Parameter(torch.cat([self.w13, gate_up]), requires_grad=False)
+        self.w2 = nn.Parameter(torch.cat([self.w2, down]), requires_grad=False)
+        self.shared_expert = None
+        self.num_shared_slots = n
+        if self.exchange is not None:
+            self.exchange.fold_shared(n)
 
 
 class DeepseekV2ForCausalLM(DecoderLM):

@@ -242,6 +242,9 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
         self.w2 = nn.Parameter(torch.empty(e, h, i))
         self.shared_expert = self.shared_expert_gate = None
+        # Shared experts folded into w13 / w2 as the slots after the routed ones (DeepseekMoE's
+        # fold_shared_experts): the router appends them to every token's top-k.
+        self.num_shared_slots = 0
         if args.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(h, args.shared_expert_intermediate_size)
             if args.shared_expert_gate:

@@ -39,7 +39,8 @@ class EPExchange:
         self.group = group  # None: the default process group
         self.num_local = len(placement.local_experts)
         self._serving = placement.serving_rank().to(device)  # [ep_size, num_experts]
-        self._slot = placement.local_slot().to(device)  # [num_experts]
+        self._slot = placement.local_slot().to(device)  # [num_experts (+ shared slots)]
+        self.num_shared = 0  # the MoE layers' shared experts folded in as slots (fold_shared)
         self.max_tokens = 0  # the current step's largest batch over the ranks
         self.graph_batch = 0  # the largest batch the decode graphs hold (0: no graphs); set by DecodeGraphs
         self.graphed = False  # this step replays the decode graphs on every rank
@@ -49,6 +50,19 @@ class EPExchange:
         # Tokens this rank routed to each expert, summed over MoE layers; on the device, no sync per layer.
         self.tokens_step = torch.zeros(placement.num_experts, dtype=torch.long, device=device)
         self.tokens_total = torch.zeros_like(self.tokens_step)  # before the current step
+
+    def fold_shared(self, num_shared: int) -> None:
+        """The MoE layers' shared experts are slots after each rank's own experts (global ids E, E+1,
+        ...; DeepseekMoE.fold_shared_experts): every rank holds them and computes them for its own
+        tokens, inside the same backend call as the routed pairs it serves."""
+        if self.num_shared == num_shared:
+            return
+        assert self.num_shared == 0, "every MoE layer folds the same number of shared experts"
+        dev = self._slot.device
+        ranks = torch.arange(self.size, device=dev)[:, None].expand(self.size, num_shared)
+        self._serving = torch.cat([self._serving, ranks], 1)  # a token's shared experts: its own rank
+        self._slot = torch.cat([self._slot, self.num_local + torch.arange(num_shared, device=dev)])
+        self.num_shared = num_shared
 
     def begin_step(self, max_tokens: int, decode_only: bool = False) -> None:
         """The ranks agreed this step's largest batch (tokens on one rank), and whether every rank's
@@ -69,12 +83,14 @@ class EPExchange:
 
     def forward(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, backend) -> torch.Tensor:
-        """x [T, H]; w13/w2 this rank's experts (placement.local_experts order); topk_* [T, k], global
-        expert ids -> [T, H]. `backend` computes the local experts (pdserve.ops.moe interface)."""
+        """x [T, H]; w13/w2 this rank's experts (placement.local_experts order, then the shared slots);
+        topk_* [T, k (+ shared slots)], global expert ids -> [T, H]. `backend` computes the local
+        experts (pdserve.ops.moe interface)."""
         assert x.shape[0] <= self.max_tokens, f"{x.shape[0]} tokens, but the ranks agreed on {self.max_tokens}"
-        flat = topk_ids.flatten()
+        routed = topk_ids[:, :topk_ids.shape[1] - self.num_shared]  # the load counts routed experts only
+        flat = routed.flatten()
         counts = torch.ones_like(flat) if self.row_valid is None else \
-            self.row_valid[:, None].expand(topk_ids.shape).flatten().long()
+            self.row_valid[:, None].expand(routed.shape).flatten().long()
         self.tokens_step.index_add_(0, flat, counts)
         if self.path == ALL_TO_ALL:
             return self._all_to_all(x, w13, w2, topk_weights, topk_ids, backend)
@@ -102,9 +118,9 @@ class EPExchange:
         w_all, ids_all = route_all[:, :k], route_all[:, k:].long()
         src = torch.arange(n * p, device=x.device) // p  # the rank each row comes from
         # Pairs this rank serves; padding (weight 0) is nobody's. The rest carry the skip id
-        # (num_local: one past this rank's experts), which every MoE backend leaves out.
+        # (one past this rank's experts and shared slots), which every MoE backend leaves out.
         mine = (self._serving[src[:, None], ids_all] == self.rank) & (w_all != 0)  # [n * p, k]
-        local_ids = torch.where(mine, self._slot[ids_all], self.num_local)
+        local_ids = torch.where(mine, self._slot[ids_all], self.num_local + self.num_shared)
         y = backend.forward(x_all, w13, w2, w_all, local_ids)  # [n * p, H]
         out = x.new_empty(p, h)
         _reduce_scatter(out, y.contiguous(), group=self.group)

@@ -24,6 +24,10 @@ GEMV_MAX_TOKENS = 1
 class TritonMoE:
     """Same interface as TorchMoE, plus `route`."""
 
+    # DeepSeek's shared experts ride in the routed experts' fused call (DeepseekMoE.fold_shared_experts):
+    # a layer's MoE is then the router GEMM, one routing launch and the experts' kernels.
+    fold_shared_experts = True
+
     def __init__(self, grouped_mm_min_tokens: int = GROUPED_MM_MIN_TOKENS, gemv_max_tokens: int = GEMV_MAX_TOKENS):
         self.grouped_mm_min_tokens = grouped_mm_min_tokens
         self.gemv_max_tokens = gemv_max_tokens
