@@ -509,6 +509,22 @@ def test_mla_decode_kernel_fp8(fused, splits, dtype):
     check_fp8(out, ref, dtype, f"mla decode splits={splits} fused={fused}")
 
 
+def test_mla_split_count():
+    """One split from MLA_ONE_SPLIT_PROGRAMS programs (sequences x blocks of 16 heads) on — V2-Lite's
+    16 heads at batch 256, V3's 128 at batch 32 — where the GQA kernel's rule (about two programs
+    per SM) would cut the context in two on an H200; below, that rule, capped by the context."""
+    from pdserve.ops.mla_decode import MLA_ONE_SPLIT_PROGRAMS
+
+    dev = torch.device(DEVICE)
+    assert mla_num_splits(MLA_ONE_SPLIT_PROGRAMS, 16, 1024, dev) == 1
+    assert mla_num_splits(256, 16, 1024, dev) == mla_num_splits(32, 128, 1024, dev) == 1
+    if not INTERPRET and torch.cuda.get_device_properties(dev).multi_processor_count > 128:
+        assert decode_num_splits(256, 1, 1024, dev) == 2  # what the GQA rule gives: the case at hand
+    for b, heads in ((1, 16), (64, 16), (255, 16), (8, 128)):
+        assert mla_num_splits(b, heads, 1024, dev) == decode_num_splits(b, -(-heads // 16), 1024, dev)
+    assert mla_num_splits(1, 16, 64, dev) == 1  # a context of one chunk is not split
+
+
 def test_mla_decode_padding_rows():
     """CUDA-graph padding rows (context 0, slot -1) write nothing and give zeros, whatever the split."""
     shape = MLA_SHAPES[-1]

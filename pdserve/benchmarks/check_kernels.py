@@ -598,7 +598,8 @@ def main() -> None:
             for seqs in ([(4096, 4096)], [(4096, 512), (300, 300), (2000, 1)]):
                 c.run(f"mla step {seqs}", lambda seqs=seqs: check_mla(c, a, seqs))
             if args.sweep:
-                for b, s in ((1, 4), (1, 16), (1, 32), (64, 1), (64, 2), (64, 4), (256, 1), (256, 2)):
+                for b, s in ((1, 4), (1, 16), (1, 32), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2),
+                             (192, 1), (192, 2), (256, 1), (256, 2)):
                     c.run(f"mla decode B={b} splits={s}",
                           lambda b=b, s=s: check_mla(c, a, [(1024, 1)] * b, splits=s, graph=True))
         if "moe" in groups:

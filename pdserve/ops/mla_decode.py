@@ -30,6 +30,12 @@ from pdserve.ops.kv_write import quantize
 
 _LOG2E = 1.4426950408889634
 BLOCK_H = 16  # query heads per program: tl.dot's smallest M; all of V2-Lite's 16 heads in one
+# From this many programs per split (sequences x blocks of BLOCK_H heads) on, the context is not
+# split. A program here holds 16 heads' 512-wide accumulator (the GQA kernel's holds one group of
+# 128), so fewer of them fill an SM, and a second split costs a wave plus the merge's float32
+# partials: check_kernels --preset deepseek-v2-lite --only mla --sweep, one H200, batch 256 at 1k
+# context: 128 us per layer with one split against 140 us with the two decode_num_splits picks.
+MLA_ONE_SPLIT_PROGRAMS = 256
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -127,9 +133,12 @@ def _mla_decode_kernel(qc_ptr, qr_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, 
 
 
 def mla_num_splits(num_seqs: int, num_heads: int, max_context: int, device: torch.device) -> int:
-    """The split count for a batch: decode_num_splits with a program per block of BLOCK_H heads
-    (host-side only)."""
-    return decode_num_splits(num_seqs, triton.cdiv(num_heads, BLOCK_H), max_context, device)
+    """The split count for a batch (host-side only): one from MLA_ONE_SPLIT_PROGRAMS programs on,
+    else decode_num_splits with a program per block of BLOCK_H heads."""
+    head_blocks = triton.cdiv(num_heads, BLOCK_H)
+    if num_seqs * head_blocks >= MLA_ONE_SPLIT_PROGRAMS:
+        return 1
+    return decode_num_splits(num_seqs, head_blocks, max_context, device)
 
 
 def paged_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_layer: torch.Tensor,
