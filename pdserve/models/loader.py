@@ -76,7 +76,8 @@ def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | s
     if getattr(moe_backend, "fold_shared_experts", False):
         model.fold_shared_experts()
         if device.type == "cuda":  # the unfolded tensors' memory back to the device: the KV cache is sized on it
-            torch.cuda.empty_cache()
+            with torch.cuda.device(device):
+                torch.cuda.empty_cache()
     model.load_stats = LoadStats("dummy" if dummy else "safetensors", len(files), size, t2 - t1,
                                  time.perf_counter() - t0)
     if log:

@@ -23,8 +23,8 @@ def grouped_route(router_logits: torch.Tensor, top_k: int, *, scoring: str, meth
     "group_limited_greedy" (V2) first keeps the topk_group of n_group expert groups whose best score
     is highest; "noaux_tc" (V3) chooses on scores + correction_bias, a group rated by the sum of its
     best two. The weights are the chosen experts' scores (without the bias), renormalised to sum to 1
-    if asked, times `scaling` (routed_scaling_factor). Plain torch on every device: the routing
-    `grouped_topk` (pdserve.ops.routing) is the GPU MoE backend's kernel for it."""
+    if asked, times `scaling` (routed_scaling_factor). The reference, in plain torch; the GPU MoE
+    backend runs it in one launch (`grouped_topk`, pdserve.ops.routing)."""
     scores = router_logits.softmax(dim=-1) if scoring == "softmax" else router_logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias
     if method != "greedy" and n_group > 1:
@@ -60,7 +60,8 @@ class TorchMoE:
     """Reference experts backend: loops over the experts that received tokens."""
 
     # The reference keeps DeepSeek's shared experts a module of their own, op for op as
-    # transformers; a test process may turn this on to check the fold on the CPU (layers.py).
+    # transformers; a test process may turn this on to check the fold on the CPU
+    # (DeepseekMoE.fold_shared_experts: this backend computes any slots it is given).
     fold_shared_experts = False
 
     def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool

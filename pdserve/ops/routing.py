@@ -60,8 +60,8 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights, ids
 
 
-GREEDY, GROUP_LIMITED_GREEDY, NOAUX_TC = 0, 1, 2
-_METHODS = {"greedy": GREEDY, "group_limited_greedy": GROUP_LIMITED_GREEDY, "noaux_tc": NOAUX_TC}
+# The kernel's METHOD.
+_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 
 
 @triton.jit
@@ -84,12 +84,12 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts
     # noaux_tc rates a group by a sum of two scores, which the logits do not order.
     if HAS_BIAS:
         choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
-    elif METHOD == 2:
+    elif METHOD == 2:  # noaux_tc
         choice = scores
     else:
         choice = x
     choice = tl.where(valid, choice, float("-inf"))
-    if METHOD != 0 and N_GROUP > 1:
+    if METHOD != 0 and N_GROUP > 1:  # not greedy
         grp = e // group_size
         g = tl.arange(0, BLOCK_G)
         group_score = tl.full([BLOCK_G], float("-inf"), tl.float32)
