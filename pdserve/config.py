@@ -37,7 +37,7 @@ class EngineConfig(_Strict):
     enable_prefix_cache: bool = True
     attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA, torch on CPU
     moe_backend: Literal["auto", "torch", "triton"] = "auto"
-    cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs (batch-size buckets)
+    cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs (batch-size buckets); false: no graphs at all
     # The largest decode batch captured (larger ones run eagerly); capture goes up to
     # min(max_num_seqs, this). Each bucket's graph holds its activations and decode attention's
     # split-K buffers, so larger captures cost memory; an eager step at 512 ran 2.5x slower than

@@ -96,9 +96,10 @@ class PaddedPrefill:
 
     def choose(self, batch: ForwardBatch) -> tuple[int, str] | None:
         """The step's (bucket, layout) if all of it is fresh prompts within the buckets, else None."""
-        if batch.query_lens != batch.context_lens:  # a cached prefix, a later chunk, or a decode row
+        choice = self.shape(batch.query_start[-1], batch.num_seqs)  # (the cheap test first)
+        if choice is None or batch.query_lens != batch.context_lens:  # a cached prefix, a later chunk, a decode row
             return None
-        return self.shape(batch.query_start[-1], batch.num_seqs)
+        return choice
 
     def run(self, batch: ForwardBatch, choice: tuple[int, str]) -> torch.Tensor:
         """Hidden states [bucket, hidden] of the padded step (rows [0, N) are the batch's)."""
@@ -150,6 +151,8 @@ class PrefillGraphs(PaddedPrefill):
                  log: Callable[[str], None] | None = None, pool=None):
         """`pool`: a graph memory pool shared with the decode graphs (one step replays at a time)."""
         super().__init__(model, kv_cache, kv_scales, buckets, max_seqs, device)
+        # The single layout's attention reads the step's own K/V (the fresh-prompt path), not the cache.
+        assert getattr(model.attn_backend, "fresh_sdpa", True), "single-prompt graphs need fresh_sdpa"
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, str], torch.Tensor] = {}
         self.failed: dict[tuple[int, str], str] = {}  # a capture that failed: its steps run eagerly
