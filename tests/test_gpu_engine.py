@@ -8,7 +8,10 @@
   the batch shrinks through the buckets (padded rows) and prefills mix with decodes;
 - DeepSeek-V2 and V3 (Multi-head Latent Attention: absorbed decode kernel with its fused latent
   write, expanded prefill chunks) on the Triton backend equal the torch backend on the CPU, with
-  and without CUDA graphs, over a float32 or an FP8 latent cache.
+  and without CUDA graphs, over a float32 or an FP8 latent cache;
+- steps of fresh prompts replayed from the prefill graph of their token bucket (one prompt, or
+  several) equal the same steps run eagerly, GQA and MLA, bfloat16 and FP8 caches included; the
+  warm-up replays every such graph.
 
     python -m pytest -q tests/test_gpu_engine.py -k mla      (the DeepSeek ones)
 """
@@ -88,7 +91,7 @@ def test_cuda_graphs_equal_eager(root):
     assert eager.runner.graphs is None
     want = [c.token_ids for c in eager.generate(ps, params)]
     del eager
-    graphed = engine(path, "cuda:0", "float32")
+    graphed = engine(path, "cuda:0", "float32", prefill_graph_max_tokens=0)  # decode graphs only: prefill ones below
     replays = []
     run = graphed.runner.graphs.run
     graphed.runner.graphs.run = lambda batch: replays.append(batch.num_seqs) or run(batch)

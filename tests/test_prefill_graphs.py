@@ -12,7 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from hf_checkpoints import checkpoint_path
-from pdserve.config import ClusterConfig, EngineConfig, ModelConfig
+from pdserve.config import ClusterConfig, ConfigError, EngineConfig, ModelConfig, load_cluster_config
 from pdserve.engine.engine import Engine
 from pdserve.engine.prefill_graphs import SINGLE, VARLEN, PaddedPrefill, prefill_buckets
 from pdserve.protocol import SamplingParams
@@ -160,7 +160,7 @@ def test_a_padded_prefill_step_calls_the_layer_hook_for_every_layer():
     e.release("p")
 
 
-def test_prefill_graph_max_tokens_errors_name_the_key():
+def test_prefill_graph_max_tokens_errors_name_the_key(tmp_path):
     with pytest.raises(ValidationError, match="prefill_graph_max_tokens") as err:
         EngineConfig(device="cpu", prefill_graph_max_tokens=512)
     assert "needs a GPU" in str(err.value)
@@ -169,8 +169,12 @@ def test_prefill_graph_max_tokens_errors_name_the_key():
     assert "0 (off) or at least 2" in str(err.value)
     with pytest.raises(ValidationError, match="prefill_graph_max_tokens"):
         EngineConfig(device="cuda", prefill_graph_max_tokens=-1)
-    with pytest.raises(ValidationError, match=r"prefill\.prefill_graph_max_tokens|prefill_graph_max_tokens"):
-        ClusterConfig(prefill={"prefill_graph_max_tokens": 512})  # gpus: 0
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text("prefill: {prefill_graph_max_tokens: 512}\ncolocated: {prefill_graph_max_tokens: 1}\n")
+    with pytest.raises(ConfigError) as err:
+        load_cluster_config(str(bad))
+    assert "prefill.prefill_graph_max_tokens: 512 is not allowed" in str(err.value)  # gpus: 0
+    assert "colocated.prefill_graph_max_tokens: 1 is not allowed" in str(err.value)
     assert EngineConfig(device="cpu", prefill_graph_max_tokens=0).prefill_graph_max_tokens == 0
     cfg = ClusterConfig(prefill={"gpus": 1, "prefill_graph_max_tokens": 1024},
                         decode={"gpus": 1}, colocated={"gpus": 1, "prefill_graph_max_tokens": 0})
