@@ -37,12 +37,17 @@ class EngineConfig(_Strict):
     enable_prefix_cache: bool = True
     attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA, torch on CPU
     moe_backend: Literal["auto", "torch", "triton"] = "auto"
-    cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs (batch-size buckets)
+    cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs (batch-size buckets); false: no graphs at all
     # The largest decode batch captured (larger ones run eagerly); capture goes up to
     # min(max_num_seqs, this). Each bucket's graph holds its activations and decode attention's
     # split-K buffers, so larger captures cost memory; an eager step at 512 ran 2.5x slower than
     # its graph for an EP rank (docs/benchmarks-history.md), hence 512.
     cuda_graph_max_batch: int = Field(default=512, ge=1)
+    # Steps of fresh prompts (no cached prefix, no decode rows) of up to this many tokens replay CUDA
+    # graphs, padded to a token-count bucket (engine/prefill_graphs.py); 0: off. Default: 2048 on a
+    # GPU with the Triton backends (colocated and prefill roles), where such a step is host-bound.
+    # cuda_graphs: false turns these off too.
+    prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
     # Queue step N+1 on the device before handing out step N's tokens (default: on a GPU).
     overlap_scheduling: bool | None = None
     # Run every kind of step once before the replica is ready (engine/warm_up.py; default: on a GPU,
@@ -55,6 +60,20 @@ class EngineConfig(_Strict):
         if v != "cpu" and not v.startswith("cuda"):
             raise ValueError(f"must be 'cpu' or 'cuda[:N]', got {v!r}")
         return v
+
+    @field_validator("prefill_graph_max_tokens")
+    @classmethod
+    def _prefill_graphs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        return check_prefill_graph_max_tokens(v, on_gpu=str(info.data.get("device", "cpu")).startswith("cuda"))
+
+
+def check_prefill_graph_max_tokens(v: int | None, on_gpu: bool) -> int | None:
+    """prefill_graph_max_tokens: left out, 0 (off), or at least 2 tokens on a GPU."""
+    if v == 1:
+        raise ValueError("must be 0 (off) or at least 2: a step of fresh prompts with one token is decode-shaped")
+    if v and not on_gpu:
+        raise ValueError(f"{v} needs a GPU (CUDA graphs); on the CPU leave it out or set 0")
+    return v
 
 
 # -- cluster.yaml ---------------------------------------------------------------------------------
@@ -140,8 +159,16 @@ class PrefillConfig(_Strict):
     max_batch_tokens: int = Field(default=8192, ge=1)
     chunk_size: int = Field(default=2048, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)
+    # Fresh-prompt steps of up to this many tokens replay CUDA graphs (EngineConfig's key); default
+    # 2048 with a GPU, 0: off.
+    prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
     warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
     placement: PlacementConfig = PlacementConfig()
+
+    @field_validator("prefill_graph_max_tokens")
+    @classmethod
+    def _prefill_graphs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        return check_prefill_graph_max_tokens(v, on_gpu=bool(info.data.get("gpus")))
 
 
 class DecodeConfig(_Strict):
@@ -180,9 +207,17 @@ class ColocatedConfig(_Strict):
     chunk_size: int = Field(default=2048, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)
     cuda_graphs: bool = True
+    # Fresh-prompt steps of up to this many tokens replay CUDA graphs (EngineConfig's key); default
+    # 2048 with a GPU, 0: off.
+    prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
     placement: PlacementConfig = PlacementConfig()
+
+    @field_validator("prefill_graph_max_tokens")
+    @classmethod
+    def _prefill_graphs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        return check_prefill_graph_max_tokens(v, on_gpu=bool(info.data.get("gpus")))
 
 
 class KVTransferConfig(_Strict):
@@ -258,7 +293,8 @@ class ClusterConfig(_Strict):
         kw = dict(model=self.model, role=role, device="cuda" if r.gpus else "cpu",
                   block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks, warm_up=r.warm_up)
         if role in ("prefill", "colocated"):  # the prompt phase
-            kw.update(max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size)
+            kw.update(max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size,
+                      prefill_graph_max_tokens=r.prefill_graph_max_tokens)
         if role in ("decode", "colocated"):  # the generation phase
             kw.update(max_num_seqs=r.max_num_seqs, cuda_graphs=r.cuda_graphs,
                       overlap_scheduling=r.overlap_scheduling)

@@ -9,7 +9,10 @@
 - DeepSeek-V2 and V3 (Multi-head Latent Attention: absorbed decode kernel with its fused latent
   write, expanded prefill chunks; routing in one launch, the shared experts folded into the
   routed experts' kernels) on the Triton backends equal the torch backends on the CPU, with and
-  without CUDA graphs, over a float32 or an FP8 latent cache.
+  without CUDA graphs, over a float32 or an FP8 latent cache;
+- steps of fresh prompts replayed from the prefill graph of their token bucket (one prompt, or
+  several) equal the same steps run eagerly, GQA and MLA, bfloat16 and FP8 caches included; the
+  warm-up replays every such graph.
 
     python -m pytest -q tests/test_gpu_engine.py -k mla      (the DeepSeek ones)
 """
@@ -89,7 +92,7 @@ def test_cuda_graphs_equal_eager(root):
     assert eager.runner.graphs is None
     want = [c.token_ids for c in eager.generate(ps, params)]
     del eager
-    graphed = engine(path, "cuda:0", "float32")
+    graphed = engine(path, "cuda:0", "float32", prefill_graph_max_tokens=0)  # decode graphs only: prefill ones below
     replays = []
     run = graphed.runner.graphs.run
     graphed.runner.graphs.run = lambda batch: replays.append(batch.num_seqs) or run(batch)
@@ -134,3 +137,59 @@ def test_gpu_mla_fp8_cache_greedy_matches_cpu(family, root):
     got = [c.token_ids for c in gpu.generate(ps, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
     assert got == want
     assert gpu.pool.num_free_blocks == idle
+
+
+# Prefill graphs (engine/prefill_graphs.py): buckets 128, 256, 384, 512 with a 512-token budget.
+# One prompt per step crossing every bucket edge, and steps of several prompts (their attention per
+# prompt inside the graph: the varlen kernel; MLA runs those eagerly).
+SINGLES = [[3], [127], [128], [129], [300], [512]]
+GROUPS = [[5, 40, 60], [100, 200, 150]]
+PREFILL_GRAPH_CASES = [("qwen3_moe", "float32", "auto"), ("qwen3_moe", "bfloat16", "auto"),
+                       ("qwen3", "float32", "fp8_e4m3"), ("deepseek_v2", "float32", "auto"),
+                       ("deepseek_v2", "bfloat16", "fp8_e4m3")]
+
+
+def prefill_engine(path, dtype: str, kv_cache_dtype: str, graph_tokens: int) -> Engine:
+    return Engine(EngineConfig(model=ModelConfig(path=str(path), dtype=dtype, kv_cache_dtype=kv_cache_dtype),
+                               device="cuda:0", num_kv_blocks=320, max_num_seqs=32, max_num_batched_tokens=512,
+                               chunk_size=512, prefill_graph_max_tokens=graph_tokens))
+
+
+@pytest.mark.parametrize("family,dtype,kv", PREFILL_GRAPH_CASES, ids=["-".join(c) for c in PREFILL_GRAPH_CASES])
+def test_prefill_graphs_equal_eager(family, dtype, kv, root):
+    """Steps of fresh prompts replayed from the graph of their bucket give the eager engine's greedy
+    tokens, prompt by prompt; the warm-up replays every graph once; each step replays the expected
+    (bucket, layout), counted."""
+    from pdserve.engine.prefill_graphs import SINGLE, VARLEN
+    from pdserve.engine.warm_up import warm_up
+
+    path = checkpoint(family, root, sharp=True, max_position_embeddings=1024)
+    g = torch.Generator().manual_seed(3)
+    steps = [[torch.randint(0, 128, (n,), generator=g).tolist() for n in lens] for lens in SINGLES + GROUPS]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    eager = prefill_engine(path, dtype, kv, 0)
+    assert eager.runner.prefill_graphs is None
+    want = [[c.token_ids for c in eager.generate(ps, params)] for ps in steps]
+    del eager
+    e = prefill_engine(path, dtype, kv, 512)
+    graphs = e.runner.prefill_graphs
+    mla = e.args.is_mla
+    layouts = [SINGLE] if mla else [SINGLE, VARLEN]
+    assert not graphs.failed and set(graphs.graphs) == {(b, x) for b in (128, 256, 384, 512) for x in layouts}
+    warm_up(e)
+    assert set(graphs.replays) == set(graphs.graphs), "the warm-up replays every graph before ready"
+    graphs.replays.clear()
+    idle = e.pool.num_free_blocks
+    got = [[c.token_ids for c in e.generate(ps, params)] for ps in steps]
+    assert got == want
+    assert e.pool.num_free_blocks == idle
+    expect = {(128, SINGLE): 3, (256, SINGLE): 1, (384, SINGLE): 1, (512, SINGLE): 1}
+    if not mla:
+        expect |= {(128, VARLEN): 1, (512, VARLEN): 1}
+    assert graphs.replays == expect
+
+
+def test_prefill_graph_max_tokens_needs_the_triton_kernels(root):
+    with pytest.raises(ValueError, match="prefill_graph_max_tokens=512 needs the Triton kernels"):
+        Engine(EngineConfig(model=ModelConfig(path=str(checkpoint("qwen3_moe", root))), device="cuda:0",
+                            num_kv_blocks=64, attention_backend="torch", prefill_graph_max_tokens=512))

@@ -307,6 +307,43 @@ def test_attention_backend_mixed_batch(dtype, fuse_kv_write):
         check(out, ref, dtype, f"backend {rows}")
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache", "fp8-cache"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_backend_in_a_prefill_graph_of_several_prompts(dtype, fp8):
+    """The batch a CUDA graph of several fresh prompts replays (engine/prefill_graphs.py): rows
+    padded to the bucket (slot -1), sequence slots left empty, the padding a slot of its own with no
+    context, the host lists placeholders (`varlen_rows`). Each prompt attends over its own K/V, just
+    cached; the padding writes no KV and comes out zero."""
+    g = gen(6)
+    num_heads, kv_heads, head_dim = HEADS[1]
+    lens = pick([300, 17, 129, 64], [9, 20, 3])
+    extra = dict(cache_dtype=FP8, kv_scales=FP8_SCALES) if fp8 else {}
+    case = random_paged_case([(n, n) for n in lens], num_heads, kv_heads, head_dim, BLOCK, dtype, DEVICE, g,
+                             **extra)
+    ref = reference_attention(case, 0.1)
+    _poison_new_slots(case)
+    b, n, m = case.batch, sum(lens), len(lens)
+    bucket, slots = n + pick(101, 7), m + 2  # two empty slots, then the padding's
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.randn(bucket - n, *x.shape[1:], generator=g, device=DEVICE).to(x.dtype)])
+
+    starts, ctx = b.query_start + [n] * (slots - m) + [bucket], b.context_lens + [0] * (slots + 1 - m)
+    meta = torch.tensor(starts + ctx, dtype=torch.int32, device=DEVICE)
+    tables = torch.zeros(slots + 1, b.block_tables.shape[1], dtype=torch.long, device=DEVICE)
+    tables[:m] = b.block_tables
+    graph = ForwardBatch(
+        input_ids=torch.zeros(bucket, dtype=torch.long, device=DEVICE), positions=padded(b.positions) * 0,
+        slot_mapping=torch.cat([b.slot_mapping, torch.full((bucket - n,), -1, device=DEVICE)]),
+        block_tables=tables, query_start=[0] * (slots + 1) + [bucket], context_lens=[0] * (slots + 1),
+        logits_indices=b.logits_indices, kv_cache=b.kv_cache, context_lens_t=meta[len(starts):],
+        query_start_t=meta[:len(starts)], kv_scales=b.kv_scales, varlen_rows=bucket)
+    out = TritonAttention().forward(0, padded(case.q), padded(case.k), padded(case.v), graph, 0.1)
+    assert_cache_written(case)  # the prompts' K/V where write_kv puts them, nothing else written
+    check(out[:n], ref, dtype, f"prefill graph {lens}")
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows attend to nothing"
+
+
 # -- FP8 KV cache ------------------------------------------------------------------------------------
 
 # (k_scale, v_scale): neither 1 nor equal, so a scale missed, or K's and V's swapped, shows.
@@ -638,6 +675,57 @@ def test_mla_engine_matches_torch_backend(family, kv_cache_dtype, tmp_path):
     got = [c.token_ids for c in ours.generate(ps, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
     assert got == want
     assert ours.pool.num_free_blocks == idle
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_prefill_graph_batches_match_torch_backend(family, tmp_path):
+    """The batches PrefillGraphs captures and replays, run eagerly on the GPU backends (attention,
+    MoE, norms): one prompt padded to its bucket as one causal sequence, several (K/V caches) with
+    placeholder host lists and their bounds on the device; the torch engine's greedy tokens. Run
+    interpreted, this checks on a CPU what the graphs compute (tests/test_gpu_engine.py replays them)."""
+    from hf_checkpoints import checkpoint_path, clear_prompts
+    from pdserve.config import EngineConfig, ModelConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.prefill_graphs import SINGLE, VARLEN, PaddedPrefill
+    from pdserve.models.layers import SparseMoE
+    from pdserve.protocol import SamplingParams
+
+    class GraphBatches(PaddedPrefill):
+        """PrefillGraphs.run with the model run eagerly on the captured batch instead of a replay."""
+
+        def run(self, batch, choice):
+            self._fill(batch, choice[0], varlen=choice[1] == VARLEN)
+            self.replays[choice] += 1
+            return self.model(self.batch(*choice))
+
+    path = checkpoint_path(family, tmp_path, sharp=True)
+
+    def engine() -> Engine:
+        return Engine(EngineConfig(model=ModelConfig(path=str(path), dtype="float32"), device=DEVICE,
+                                   attention_backend="torch", moe_backend="torch", num_kv_blocks=32,
+                                   max_num_batched_tokens=64, chunk_size=64))
+
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (12,), generator=g)]
+    ps, want = clear_prompts(engine(), prompts, n=4, tokens=3, min_margin=0.1)
+    ours = engine()
+    attention, norms, experts = TritonAttention(), TritonNorms(), TritonMoE()
+    for module in ours.model.modules():  # every norm, RoPE included
+        if hasattr(module, "norms"):
+            module.norms = norms
+    for layer in ours.model.layers:
+        layer.self_attn.backend = attention
+        layer.self_attn.fuse_qkv()
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.backend = experts
+    mla = ours.args.is_mla
+    pad = ours.runner.prefill_graphs = GraphBatches(ours.model, ours.kv_cache, ours.layout.scales, [16, 64],
+                                                    1 if mla else 4, ours.device)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    got = [c.token_ids for c in ours.generate(ps[:1], params) + ours.generate(ps[1:], params)]
+    assert got == want
+    assert pad.replays[(16, SINGLE)] + pad.replays[(64, SINGLE)] == 1  # three prompts, < 60 tokens: 64
+    assert sum(pad.replays.values()) == (1 if mla else 2)  # several prompts: MLA's run eagerly
 
 
 # -- MoE ----------------------------------------------------------------------------------------------

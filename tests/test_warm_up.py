@@ -59,6 +59,26 @@ def test_warm_up_covers_every_shape_a_random_workload_steps(role):
     assert seen <= warmed.shapes, f"steps the warm-up never ran: {sorted(seen - warmed.shapes)}"
 
 
+@pytest.mark.parametrize("role", ["colocated", "prefill"])
+def test_warm_up_covers_the_prefill_graphs(role):
+    """With fresh-prompt steps padded to token buckets (what PrefillGraphs replays on a GPU; here
+    PaddedPrefill, the same padding run eagerly): every bucket and layout a step can reach is run
+    before ready, and a random workload makes no step the warm-up did not."""
+    from pdserve.engine.prefill_graphs import SINGLE, VARLEN, PaddedPrefill
+
+    e = engine(role)
+    pad = e.runner.prefill_graphs = PaddedPrefill(e.model, e.kv_cache, e.layout.scales, [32, 64], 4, e.device)
+    warmed = warm_up(e)
+    graphed = {("fresh", "graph", b, layout) for b in (32, 64) for layout in (SINGLE, VARLEN)}
+    assert graphed <= warmed.shapes
+    assert set(pad.replays) == {(b, layout) for _, _, b, layout in graphed}
+    seen = set()
+    for seed in range(3):
+        seen |= workload_shapes(e, random.Random(seed), f"s{seed}")
+    assert seen & graphed and any(s[0] == "fresh" and s[1] != "graph" for s in seen), seen  # both kinds met
+    assert seen <= warmed.shapes, f"steps the warm-up never ran: {sorted(seen - warmed.shapes)}"
+
+
 def test_warm_up_leaves_nothing_behind():
     e = engine("colocated")
     lines = []

@@ -7,8 +7,9 @@
 Measured in the same run (each model is freed before the next one is built):
   ceilings  HBM copy rate: a large device-to-device copy, bytes read + written, median of repeats;
             matmul rate: 8192³ random matrices in the model's dtype (small sizes on the CPU).
-  prefill   one prompt per size, the whole prompt in one engine step, prefix cache off:
-            tok/s, TFLOP/s, MFU = FLOPs / time / matmul rate, with
+  prefill   one prompt per size, the whole prompt in one engine step, prefix cache off (a size
+            within --prefill-graph-max-tokens replays its bucket's CUDA graph, as when serving;
+            its row names the graph): tok/s, TFLOP/s, MFU = FLOPs / time / matmul rate, with
             FLOPs = 2 × active params per token × tokens                     (projections, router,
                     + 2 × layers × heads × (qk + v head dims) × tokens² / 2  top-k experts; MLA:
                     + 2 × vocab × hidden                                     its up-projection,
@@ -295,9 +296,11 @@ def engine_configs(a: argparse.Namespace, args: ModelArgs) -> tuple[EngineConfig
                   attention_backend=a.attention_backend, moe_backend=a.moe_backend)
     longest = max(a.prefill_sizes, default=a.block_size)
     # Prefill is timed one step at a time: its output must come from the step that computed it.
+    # Its steps go the engine's own way: a size within prefill_graph_max_tokens replays the CUDA
+    # graph of its bucket (engine/prefill_graphs.py), as it would serving.
     prefill = EngineConfig(**common, role="colocated", num_kv_blocks=-(-(longest + 1) // a.block_size) + 1,
                            max_num_seqs=1, max_num_batched_tokens=longest, chunk_size=longest,
-                           overlap_scheduling=False)
+                           overlap_scheduling=False, prefill_graph_max_tokens=a.prefill_graph_max_tokens)
     # Sized for the largest batch: context + every untimed and timed step, not 90 % of the device.
     steps = _COUNT_STEPS + _WARMUP_STEPS + a.decode_steps + 2
     per_seq = -(-(a.context + steps) // a.block_size)
@@ -325,12 +328,17 @@ def bench_engine_prefill(a, cfg: EngineConfig, cost: ModelCost, matmul_rate: flo
         try:
             prompt = _random_ids(gen, (n,), cost.args.vocab_size).tolist()
             times = []
+            graphs = engine.runner.prefill_graphs
+            replayed = dict(graphs.replays) if graphs is not None else {}
             for i in range(1 + a.reps):
                 engine.add_request(f"prefill-{n}-{i}", prompt, params)
                 dt, outs = time_host(engine.step, device)
                 assert len(outs) == 1 and outs[0].finished, f"the {n}-token prompt did not finish in one step"
                 times.append(dt)
             rows.append(prefill_row(cost, n, times[1:], matmul_rate))
+            # The CUDA graph its steps replayed (bucket and layout), or None: eager.
+            new = [k for k, v in (graphs.replays.items() if graphs is not None else ()) if v > replayed.get(k, 0)]
+            rows[-1]["graph"] = " ".join(map(str, new[0])) if new else None
             log(f"engine prefill {rows[-1]}")
             if a.profile:
                 engine.add_request(f"prefill-{n}-profile", prompt, params)
@@ -597,6 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="decode engine's overlap_scheduling (auto: on a GPU; default: %(default)s)")
     p.add_argument("--reps", type=int, default=3, help="timed repeats of each prefill and HF generate")
+    p.add_argument("--prefill-graph-max-tokens", type=int, default=None,
+                   help="EngineConfig.prefill_graph_max_tokens of the prefill engine: sizes up to it replay "
+                        "CUDA graphs (default: the engine's, 2048 on a GPU; 0: every size eager)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--attention-backend", default="auto", help="EngineConfig.attention_backend")
     p.add_argument("--moe-backend", default="auto", help="EngineConfig.moe_backend")
@@ -711,11 +722,13 @@ def print_table(r: dict[str, Any]) -> None:
           f"HF {hf.get('version', '-')} experts {hf.get('experts_implementation', '-')}")
     pre = {x["tokens"]: x for x in r.get("engine_prefill", {}).get("rows", [])}
     hpre = {x["tokens"]: x for x in hf.get("prefill", [])}
-    print(f"{'prefill':>8} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} | {'HF ms':>9} {'HF MFU %':>8}")
+    print(f"{'prefill':>8} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'graph':>11} | {'HF ms':>9} "
+          f"{'HF MFU %':>8}")
     for n in sorted(pre.keys() | hpre.keys()):
         ms, tok, tf, mfu = _fmt(pre.get(n), "ms", "tok_s", "TFLOP_s", "MFU_pct")
+        graph = (pre.get(n) or {}).get("graph") or "-"
         hms, hmfu = _fmt(hpre.get(n), "ms", "MFU_pct")
-        print(f"{n:>8} {ms:>9} {tok:>9} {tf:>8} {mfu:>6} | {hms:>9} {hmfu:>8}")
+        print(f"{n:>8} {ms:>9} {tok:>9} {tf:>8} {mfu:>6} {graph:>11} | {hms:>9} {hmfu:>8}")
     dec = {x["batch"]: x for x in r.get("engine_decode", {}).get("rows", [])}
     hdec = {x["batch"]: x for x in hf.get("decode", [])}
     print(f"{'batch':>8} {'step ms':>9} {'tok/s':>9} {'roofl %':>8} {'exp/L':>6} | "

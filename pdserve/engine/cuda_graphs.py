@@ -31,9 +31,10 @@ class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, attention, max_batch: int,
                  max_blocks_per_seq: int, max_context: int, device: torch.device,
                  log: Callable[[str], None] | None = None, exchange=None,
-                 kv_scales: tuple[tuple[float, ...], ...] = ()):
+                 kv_scales: tuple[tuple[float, ...], ...] = (), pool=None):
         """`kv_scales`: an FP8 cache's per-layer plane scales (KVLayout.scales), fixed for the
-        cache's life, so a captured graph may hold them as kernel arguments."""
+        cache's life, so a captured graph may hold them as kernel arguments. `pool`: a graph memory
+        pool shared with the prefill graphs (engine/prefill_graphs.py; one step replays at a time)."""
         self.model, self.kv_cache, self.attention = model, kv_cache, attention
         self.kv_scales = kv_scales
         self.device = device
@@ -56,7 +57,7 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         # Capture on our GPU whichever is current: Triton launches on the current device.
         with torch.cuda.device(device):
-            self._capture(max_context, log)
+            self._capture(max_context, log, pool if pool is not None else torch.cuda.graph_pool_handle())
 
     def _batch(self, b: int, max_context: int) -> ForwardBatch:
         return ForwardBatch(
@@ -66,10 +67,9 @@ class DecodeGraphs:
             context_lens_t=self.context_lens[:b], query_start_t=self.query_start[:b + 1], kv_scales=self.kv_scales)
 
     @torch.inference_mode()
-    def _capture(self, max_context: int, log) -> None:
+    def _capture(self, max_context: int, log, pool) -> None:
         if log:
             log(f"capturing CUDA graphs of the decode step for batch sizes {self.buckets}")
-        pool = torch.cuda.graph_pool_handle()
         fixed = getattr(self.attention, "decode_splits", None)
         stream = torch.cuda.Stream(self.device)
         try:

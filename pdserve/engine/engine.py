@@ -72,16 +72,7 @@ class Engine:
                                    config.max_num_batched_tokens, config.chunk_size,
                                    whole_prompt=config.role == "prefill", profile=self.profile)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.layout.scales)
-        if self._wants_graphs(attn_backend, ep):
-            from pdserve.engine.cuda_graphs import DecodeGraphs
-            t0 = time.perf_counter()
-            self.runner.graphs = DecodeGraphs(
-                self.model, self.kv_cache, attn_backend, min(config.max_num_seqs, config.cuda_graph_max_batch),
-                -(-self.max_model_len // config.block_size), self.max_model_len, self.device, log, exchange=ep,
-                kv_scales=self.layout.scales)
-            self.graphs_s = time.perf_counter() - t0
-            if log:
-                log(f"CUDA graphs captured in {self.graphs_s:.2f} s")
+        self._capture_graphs(attn_backend, moe_backend, ep, log)
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, TextStream] = {}
         self._ready: list[RequestOutput] = []  # outputs produced outside a step (start_decode)
@@ -94,6 +85,61 @@ class Engine:
         if log:
             log(f"KV cache: {self.layout.num_blocks} blocks of {config.block_size} tokens "
                 f"({self.layout.num_blocks * config.block_size} tokens, {str(kv_dtype).removeprefix('torch.')})")
+
+    def _capture_graphs(self, attn_backend, moe_backend, ep, log) -> None:
+        """CUDA graphs of fresh-prompt steps and of decode steps, in one memory pool: a step
+        replays one graph at a time, and the largest activations (the prefill graphs') are
+        captured first, so the decode graphs fit in memory they reserved."""
+        prefill_tokens = self._prefill_graph_tokens(attn_backend, moe_backend, ep)
+        decode = self._wants_graphs(attn_backend, ep)
+        if not (prefill_tokens or decode):
+            return
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        c = self.config
+        if prefill_tokens:
+            from pdserve.engine.prefill_graphs import PREFILL_GRAPH_MAX_SEQS, PrefillGraphs, prefill_buckets
+            # MLA has no varlen kernel for fresh prompts: its graphs hold one prompt each.
+            seqs = 1 if self.args.is_mla else min(c.max_num_seqs, PREFILL_GRAPH_MAX_SEQS)
+            self.runner.prefill_graphs = PrefillGraphs(self.model, self.kv_cache, self.layout.scales,
+                                                       prefill_buckets(prefill_tokens), seqs, self.device,
+                                                       log, pool)
+        if decode:
+            from pdserve.engine.cuda_graphs import DecodeGraphs
+            self.runner.graphs = DecodeGraphs(
+                self.model, self.kv_cache, attn_backend, min(c.max_num_seqs, c.cuda_graph_max_batch),
+                -(-self.max_model_len // c.block_size), self.max_model_len, self.device, log, exchange=ep,
+                kv_scales=self.layout.scales, pool=pool)
+        self.graphs_s = time.perf_counter() - t0
+        if log:
+            log(f"CUDA graphs captured in {self.graphs_s:.2f} s")
+
+    def _prefill_graph_tokens(self, attn_backend, moe_backend, ep) -> int:
+        """The largest fresh-prompt step replayed from a CUDA graph (engine/prefill_graphs.py); 0:
+        none. Roles that prefill, on a GPU with the Triton kernels (the torch reference reads
+        host-side lengths and syncs), not expert- or tensor-parallel ranks (their steps stay eager).
+        Never more than one step's token budget."""
+        from pdserve.engine.prefill_graphs import DEFAULT_MAX_TOKENS
+
+        c = self.config
+        want = c.prefill_graph_max_tokens
+        if want == 0 or not c.cuda_graphs or c.role == "decode" or ep is not None or self.tp is not None:
+            return 0
+        if not self._triton_backends(attn_backend, moe_backend):
+            if want is not None:
+                raise ValueError(f"prefill_graph_max_tokens={want} needs the Triton kernels on a GPU (CUDA graphs); "
+                                 f"attention_backend={c.attention_backend!r}, moe_backend={c.moe_backend!r} "
+                                 f"on {str(self.device)!r}: set both 'auto' or 'triton', or set 0")
+            return 0
+        most = min(DEFAULT_MAX_TOKENS if want is None else want, c.max_num_batched_tokens)
+        return most if most >= 2 else 0  # (a step of one token is decode-shaped)
+
+    @staticmethod
+    def _triton_backends(attn_backend, moe_backend) -> bool:
+        from pdserve.ops.attention import TorchAttention
+        from pdserve.ops.moe import TorchMoE
+
+        return not isinstance(attn_backend, TorchAttention) and not isinstance(moe_backend, TorchMoE)
 
     def _wants_graphs(self, attn_backend, ep) -> bool:
         """Decode steps replay CUDA graphs on a GPU with the Triton kernels (the torch reference

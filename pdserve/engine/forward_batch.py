@@ -30,6 +30,10 @@ class ForwardBatch:
     query_start_t: torch.Tensor | None = None  # [num_seqs + 1] int32
     # An FP8 cache: per layer, each plane's scale (KVLayout.scales); () for a cache of the model's dtype.
     kv_scales: tuple[tuple[float, ...], ...] = ()
+    # Set in a CUDA graph of several fresh prompts (engine/prefill_graphs.py): the host lists are
+    # placeholders fixed at capture; attention runs per prompt from the device lists, through the
+    # varlen kernel sized for this many query rows.
+    varlen_rows: int | None = None
 
     def layer_scales(self, layer: int) -> tuple[float, ...]:
         """Layer `layer`'s plane scales ((k, v) or (latent,)); () for a cache of the model's dtype."""

@@ -48,6 +48,9 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(device)
         self.graphs = None  # DecodeGraphs, when the engine captured the decode step (CUDA)
+        # PrefillGraphs, when the engine captured steps of fresh prompts (CUDA); tests put a
+        # PaddedPrefill here to run the same padding eagerly on the CPU.
+        self.prefill_graphs = None
         # Called with each step's batch before its forward: rank 0 of a tensor-parallel replica
         # hands it to the other ranks (pdserve/worker/tp_group.py), which run the same forward.
         self.on_batch: Callable[[ForwardBatch], None] | None = None
@@ -111,6 +114,13 @@ class ModelRunner:
             self.on_batch(batch)
         if self.graphs is not None and layer_done is None and self.graphs.fits(batch):
             hidden = self.graphs.run(batch)
+        elif self.prefill_graphs is not None and (choice := self.prefill_graphs.choose(batch)) is not None:
+            hidden = self.prefill_graphs.run(batch, choice)
+            if layer_done is not None:
+                # Every layer's KV is written by work queued before this point: a hook that records a
+                # CUDA event now (the KV connector's) sees it whole, later than layer by layer.
+                for layer in range(self.model.args.num_layers):
+                    layer_done(layer)
         else:
             hidden = self.model(batch)
         sampling = [s.seq for s in scheduled if s.samples]

@@ -40,10 +40,11 @@ def size_class(n: int) -> str:
 def signature(engine, scheduled) -> tuple:
     """The kernels a step's shape selects, as the attention backend dispatches (ops/triton_attention):
     one token per sequence -> the decode kernel (replayed from a CUDA graph when a bucket holds the
-    batch); prompts with nothing cached before them -> fresh prompts' attention; anything else (a
-    cached prefix, a later chunk, decode tokens beside prompt tokens) -> the paged prefill kernel,
-    whose tiles grow with the longest query. With the size classes of the step's tokens and
-    sequences, which the other kernels (norms, MoE, KV writes) specialize on."""
+    batch); prompts with nothing cached before them -> fresh prompts' attention (replayed from the
+    CUDA graph of its token bucket and layout when one holds the step: engine/prefill_graphs.py);
+    anything else (a cached prefix, a later chunk, decode tokens beside prompt tokens) -> the paged
+    prefill kernel, whose tiles grow with the longest query. With the size classes of the step's
+    tokens and sequences, which the other kernels (norms, MoE, KV writes) specialize on."""
     seqs = len(scheduled)
     tokens = sum(s.num_new_tokens for s in scheduled)
     if tokens == seqs:
@@ -52,9 +53,19 @@ def signature(engine, scheduled) -> tuple:
             return ("decode", "graph")
         return ("decode", size_class(seqs))
     if all(s.seq.num_computed_tokens == 0 for s in scheduled):
-        return ("fresh", size_class(tokens), size_class(seqs))
+        return _fresh_signature(engine, tokens, seqs)
     longest = max(s.num_new_tokens for s in scheduled)
     return ("paged", size_class(tokens), size_class(seqs), "long" if longest >= _LONG else "short")
+
+
+def _fresh_signature(engine, tokens: int, seqs: int) -> tuple:
+    """A step of `seqs` fresh prompts, `tokens` in all (more than one per prompt): its graph's
+    bucket and layout, or, eager, its size classes."""
+    graphs = engine.runner.prefill_graphs
+    choice = graphs.shape(tokens, seqs) if graphs is not None else None
+    if choice is not None:
+        return ("fresh", "graph", *choice)
+    return ("fresh", size_class(tokens), size_class(seqs))
 
 
 @dataclass
@@ -127,13 +138,12 @@ def _phases(engine) -> list[tuple[str, Callable[[_Stepper], None]]]:
     phases: list = [(f"decode, batch {b}", lambda st, b=b: _decode(st, b)) for b in batches + eager]
     if c.role == "decode":
         return phases
+    for b, tokens in _fresh_steps(engine, budget, most, room):
+        phases.append((f"{b} fresh prompts, {tokens} tokens", lambda st, b=b, t=tokens: _fresh(st, b, t)))
     for b in batches:
-        short = 16 * -(-2 * b // 16)  # every prompt at least 2 tokens: not a decode-shaped step
-        for tokens in (short, short + 1):
-            if tokens <= min(budget, c.chunk_size * b, room * b):
-                phases.append((f"{b} fresh prompts, {tokens} tokens", lambda st, b=b, t=tokens: _fresh(st, b, t)))
         if not c.enable_prefix_cache:
             continue  # (a prompt's later chunks still take the paged kernel; a prefix cannot be set up here)
+        short = 16 * -(-2 * b // 16)  # every prompt at least 2 tokens: not a decode-shaped step
         long = 16 * -(-(2 * (b - 1) + _LONG) // 16)  # one prompt's query long enough for the large tiles
         for tokens in (short, short + 1, long, long + 1):
             if tokens <= min(budget, c.chunk_size) and c.block_size + tokens <= room:
@@ -143,6 +153,33 @@ def _phases(engine) -> list[tuple[str, Callable[[_Stepper], None]]]:
     if widest > 2 * _LONG:
         phases.append((f"one prompt of {widest} tokens", lambda st: _fresh(st, 1, widest)))
     return phases
+
+
+def _fresh_steps(engine, budget: int, most: int, room: int) -> list[tuple[int, int]]:
+    """(prompts, tokens) of one step of fresh prompts for every signature such steps can have:
+    eager ones by the size classes of tokens and prompts; graphed ones, every bucket and layout
+    a step can reach (each replayed once before ready). Candidates: 1, 2, 16, 17 prompts and, with
+    prefill graphs, the first counts past the prompts a graph holds; tokens just past each bucket's
+    lower edge, at its upper edge, just past the largest, and the fewest (2 a prompt)."""
+    c = engine.config
+    graphs = engine.runner.prefill_graphs
+    counts, sizes = {1, 2, 16, 17}, set()
+    if graphs is not None:
+        over = graphs.max_seqs + 1
+        counts |= {over, 16 * -(-over // 16)}
+        edges = [0] + graphs.buckets
+        sizes |= {t for lo, hi in zip(edges, edges[1:]) for t in (lo + 1, hi)}
+        past = 16 * -(-(graphs.buckets[-1] + 1) // 16)
+        sizes |= {past, past + 1}
+    found: dict[tuple, tuple[int, int]] = {}
+    for b in sorted(n for n in counts if n <= most):
+        short = 16 * -(-2 * b // 16)  # every prompt at least 2 tokens: not a decode-shaped step
+        for tokens in sorted(sizes | {short, short + 1}):
+            each, last = tokens // b, tokens // b + tokens % b  # as _fresh splits them
+            if each < 2 or tokens > budget or last > min(c.chunk_size, room):
+                continue  # (a longer prompt would be chunked: its step is not `tokens` wide)
+            found.setdefault(_fresh_signature(engine, tokens, b), (b, tokens))
+    return sorted(found.values())
 
 
 def _ids(n: int, salt: int) -> list[int]:

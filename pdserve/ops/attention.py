@@ -35,10 +35,20 @@ def _stored(kv_layer: torch.Tensor, x: torch.Tensor, scale: float | None) -> tup
     return kv_layer.view(torch.uint8), quantize(x, scale).view(torch.uint8)
 
 
+def _kept(slot_mapping: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(slot_mapping, *rows) without the rows whose slot is negative: padding that writes nowhere
+    (a CUDA-graph batch's padded rows), as the Triton write kernels skip them."""
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        return (slot_mapping, *rows)
+    return (slot_mapping[keep], *(r[keep] for r in rows))
+
+
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
              scales: tuple[float, ...] = ()) -> None:
     """Scatter k, v [num_tokens, kv_heads, head_dim] into kv_layer [2, blocks, block_size, kv_heads, head_dim]
-    (FP8: quantized through scales = (k_scale, v_scale))."""
+    (FP8: quantized through scales = (k_scale, v_scale)); a row whose slot is -1 is not written."""
+    slot_mapping, k, v = _kept(slot_mapping, k, v)
     k_scale, v_scale = scales or (None, None)
     cache, k = _stored(kv_layer, k, k_scale)
     _, v = _stored(kv_layer, v, v_scale)
@@ -50,7 +60,8 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 def write_latent(kv_layer: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor,
                  scales: tuple[float, ...] = ()) -> None:
     """Scatter latent [num_tokens, dim] into kv_layer [1, blocks, block_size, 1, dim] (MLA; FP8:
-    quantized through scales = (latent_scale,))."""
+    quantized through scales = (latent_scale,)); a row whose slot is -1 is not written."""
+    slot_mapping, latent = _kept(slot_mapping, latent)
     cache, latent = _stored(kv_layer, latent, scales[0] if scales else None)
     flat = cache.flatten(1, 2)  # [1, blocks * block_size, 1, dim], a view
     flat[0, :, 0].index_copy_(0, slot_mapping, latent)
@@ -102,12 +113,14 @@ class TorchAttention:
     def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, scales: tuple[float, ...], batch: ForwardBatch,
                 scale: float, value_dim: int, expand: Expand) -> torch.Tensor:
         out = q.new_empty(*q.shape[:2], value_dim)
-        qlens = batch.query_lens
-        decode_rows = [i for i, n in enumerate(qlens) if n == 1]
+        qlens, ctx = batch.query_lens, batch.context_lens
+        decode_rows = [i for i, n in enumerate(qlens) if n == 1 and ctx[i]]
         if decode_rows:
             self._decode(q, kv_layer, scales, batch, decode_rows, scale, out, expand)
         for i, n in enumerate(qlens):
-            if n > 1:
+            if n and not ctx[i]:  # no context (a padded batch's padding rows): attends to nothing
+                out[batch.query_start[i]:batch.query_start[i + 1]] = 0
+            elif n > 1:
                 self._prefill(q, kv_layer, scales, batch, i, scale, out, expand)
         return out
 

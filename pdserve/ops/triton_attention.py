@@ -3,7 +3,8 @@
 K/V caches (`forward`: MHA, GQA). A step whose rows are all one token (decode) runs the split-K
 paged decode kernel; a step of fresh prompts only (no cached prefix, no decode rows) runs torch's
 SDPA on its own K/V; any other step (prefill chunks after a prefix, or prefill mixed with decode
-rows) runs the paged varlen prefill kernel over every row. The decode path reads only device tensors (`ForwardBatch.context_lens_t`)
+rows, or a CUDA graph of several fresh prompts: `ForwardBatch.varlen_rows`) runs the paged varlen
+prefill kernel over every row. The decode path reads only device tensors (`ForwardBatch.context_lens_t`)
 and sizes its grid from host-side numbers, so it never waits for the GPU and can be captured in a
 CUDA graph. On that path the decode kernel writes the step's K/V into the cache itself (one launch
 fewer; `fuse_kv_write=False` keeps the separate `write_kv_triton` launch).
@@ -65,11 +66,15 @@ class TritonAttention:
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D]."""
         kv_layer, scales = batch.kv_cache[layer], batch.layer_scales(layer)
-        decode = q.shape[0] == batch.num_seqs  # every sequence brings exactly one token
+        varlen = batch.varlen_rows is not None  # a CUDA graph of several fresh prompts
+        decode = not varlen and q.shape[0] == batch.num_seqs  # every sequence brings exactly one token
         fused = decode and self.fuse_kv_write
         if not fused:
             write_kv_triton(kv_layer, k, v, batch.slot_mapping, scales)
         _ensure_device_metadata(batch, q.device)
+        if varlen:  # each prompt over its own K/V, just cached, bounds from the device lists
+            return paged_prefill_attention(q, kv_layer, batch.block_tables, batch.context_lens_t,
+                                           batch.query_start_t, batch.varlen_rows, scale, kv_scales=scales)
         if decode:
             extra = {} if self.min_keys_per_split is None else {"min_keys_per_split": self.min_keys_per_split}
             splits = self.decode_splits or decode_num_splits(
@@ -96,6 +101,7 @@ class TritonAttention:
         step writes the latents first, then runs its one-token rows absorbed and its chunks
         expanded (pdserve.ops.mla_attention)."""
         kv_layer, scales = batch.kv_cache[layer], batch.layer_scales(layer)
+        assert batch.varlen_rows is None, "MLA's fresh prompts have no varlen kernel: one prompt per graph"
         decode = q.shape[0] == batch.num_seqs  # every sequence brings exactly one token
         fused = decode and self.fuse_kv_write
         if not fused:
