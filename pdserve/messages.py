@@ -127,7 +127,7 @@ class WorkerStartup:
     weight_bytes: int
     weights_s: float  # reading the weights into the device (drawing them, for dummy)
     model_s: float  # the model built, allocated and loaded (weights_s included)
-    graphs_s: float | None  # capturing the decode step's CUDA graphs; None where none are captured
+    graphs_s: float | None  # capturing the CUDA graphs (decode steps, fresh-prompt steps); None where none are captured
     ready_s: float  # from __init__ to ready: the model, KV cache, graphs, KV connector, warm-up
     warm_up_s: float | None = None  # the warm-up's steps (engine/warm_up.py); None where none ran
 
