@@ -137,3 +137,13 @@ def test_fresh_prompts_padded_to_few_lengths_attend_exactly():
         ref = F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
                                              is_causal=True, scale=0.25, enable_gqa=True)[0].transpose(0, 1)
         torch.testing.assert_close(got[a:b], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_warm_up_prompts_stay_inside_a_small_vocabulary(tmp_path):
+    # A tiny checkpoint's vocabulary (128 ids): every warm-up prompt is one the engine accepts.
+    from hf_checkpoints import checkpoint_path
+
+    e = Engine(EngineConfig(model=ModelConfig(path=str(checkpoint_path("qwen3_moe", tmp_path)), dtype="float32"),
+                            num_kv_blocks=256))
+    assert e.args.vocab_size == 128
+    assert warm_up(e).steps > 20 and e.pool.num_free_blocks == e.pool.num_blocks

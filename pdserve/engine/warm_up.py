@@ -182,9 +182,11 @@ def _fresh_steps(engine, budget: int, most: int, room: int) -> list[tuple[int, i
     return sorted(found.values())
 
 
-def _ids(n: int, salt: int) -> list[int]:
-    """n prompt token ids, different for each salt (no prefix-cache hits between phases)."""
-    return [_FIRST_ID + (salt * 7919 + i * 31) % 200 for i in range(n)]
+def _ids(engine, n: int, salt: int) -> list[int]:
+    """n prompt token ids of the engine's vocabulary, different for each salt (no prefix-cache hits
+    between phases)."""
+    span = max(1, min(200, engine.args.vocab_size - _FIRST_ID))  # (a tiny test model's vocabulary: 128)
+    return [_FIRST_ID + (salt * 7919 + i * 31) % span for i in range(n)]
 
 
 _salt = iter(range(1, 1 << 30))
@@ -204,7 +206,7 @@ def _fresh(st: _Stepper, prompts: int, tokens: int) -> None:
     each = [tokens // prompts] * prompts
     each[-1] += tokens - sum(each)
     for n in each:
-        st.engine.add_request(_rid(), _ids(n, next(_salt)), _params(1))
+        st.engine.add_request(_rid(), _ids(st.engine, n, next(_salt)), _params(1))
     st.drain()
 
 
@@ -212,12 +214,12 @@ def _paged(st: _Stepper, prompts: int, tokens: int) -> None:
     """A block cached by a first prompt, then `prompts` prompts at once that start with it and
     bring `tokens` new tokens in all (the last the most): their prefill reads the prefix through
     the paged cache."""
-    prefix = _ids(st.engine.config.block_size, next(_salt))
-    st.engine.add_request(_rid(), prefix + _ids(1, next(_salt)), _params(1))
+    prefix = _ids(st.engine, st.engine.config.block_size, next(_salt))
+    st.engine.add_request(_rid(), prefix + _ids(st.engine, 1, next(_salt)), _params(1))
     st.drain()
     each = [2] * (prompts - 1) + [tokens - 2 * (prompts - 1)]
     for n in each:
-        st.engine.add_request(_rid(), prefix + _ids(n, next(_salt)), _params(1))
+        st.engine.add_request(_rid(), prefix + _ids(st.engine, n, next(_salt)), _params(1))
     st.drain()
 
 
@@ -229,12 +231,12 @@ def _decode(st: _Stepper, batch: int) -> None:
     if e.config.role == "decode":
         for _ in range(batch):
             rid = _rid()
-            if e.reserve(rid, _ids(2, next(_salt)), _params(3)) is None:
+            if e.reserve(rid, _ids(e, 2, next(_salt)), _params(3)) is None:
                 break
             e.start_decode(rid, _FIRST_ID)
     else:
         for _ in range(batch):
-            e.add_request(_rid(), _ids(1, next(_salt)), _params(3))
+            e.add_request(_rid(), _ids(e, 1, next(_salt)), _params(3))
     st.drain()
 
 
