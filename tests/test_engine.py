@@ -278,3 +278,51 @@ def test_a_stop_string_at_the_very_end_stops_even_in_held_back_text():
     out = engine.generate(["Once upon a time"], SamplingParams(**params, stop=[stop]))[0]
     assert out.finish_reason == FinishReason.STOP
     assert out.text == ref.text[:ref.text.index(stop)]
+
+
+def staggered(engine: Engine, ps: list[list[int]], every: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Prompts arriving one every `every` steps while the earlier ones decode -> each one's tokens,
+    and each step's (decoding rows, prompt rows)."""
+    steps: list[tuple[int, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def counted():
+        out = schedule()
+        decoding = sum(1 for s in out if s.seq.num_computed_tokens == s.seq.num_tokens - 1)
+        steps.append((decoding, len(out) - decoding))
+        return out
+    engine.scheduler.schedule = counted
+    got: dict[str, list[int]] = {}
+    arriving = list(enumerate(ps))
+    k = 0
+    while arriving or engine.has_unfinished():
+        if arriving and k % every == 0:
+            i, p = arriving.pop(0)
+            engine.add_request(f"r{i}", p, GREEDY)
+            got[f"r{i}"] = []
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+        k += 1
+    return [got[f"r{i}"] for i in range(len(ps))], steps
+
+
+def test_fresh_prompts_step_apart_from_decoders_where_graphs_take_each(reference):
+    # As an engine with prefill and decode CUDA graphs sets it: a mixed step would run eagerly, so
+    # a fresh prompt goes in a step of its own, the decoders' step follows, and nothing changes in
+    # the tokens.
+    ps = prompts(8)[1:]  # (a one-token prompt looks like a decoding row)
+    apart = make_engine()
+    apart.scheduler.graph_limits(prompt_tokens=512, prompt_seqs=4, decode_batch=64)
+    got, steps = staggered(apart, ps, every=3)
+    assert got == reference[1:]
+    assert not [s for s in steps if s[0] and s[1]], "a step mixed a prompt with decoding rows"
+    alone = [i for i, s in enumerate(steps) if s[1] and not s[0]]
+    assert len(alone) >= len(ps) - 1 and all(steps[i + 1][1] == 0 for i in alone if i + 1 < len(steps))
+    # Without the graphs (the CPU's default) the same arrivals mix, with the same tokens.
+    got, steps = staggered(make_engine(), ps, every=3)
+    assert got == reference[1:] and [s for s in steps if s[0] and s[1]]
+    # More decoders than the decode graph holds: mixed as before.
+    few = make_engine()
+    few.scheduler.graph_limits(prompt_tokens=512, prompt_seqs=4, decode_batch=1)
+    got, steps = staggered(few, ps, every=3)
+    assert got == reference[1:] and [s for s in steps if s[0] > 1 and s[1]]

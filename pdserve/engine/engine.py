@@ -111,6 +111,8 @@ class Engine:
                 -(-self.max_model_len // c.block_size), self.max_model_len, self.device, log, exchange=ep,
                 kv_scales=self.layout.scales, pool=pool)
         self.graphs_s = time.perf_counter() - t0
+        if prefill_tokens and decode:  # fresh prompts and decoders then step apart, each in its graphs
+            self.scheduler.graph_limits(prefill_tokens, seqs, self.runner.graphs.buckets[-1])
         if log:
             log(f"CUDA graphs captured in {self.graphs_s:.2f} s")
 
