@@ -312,7 +312,7 @@ def test_fresh_prompts_step_apart_from_decoders_where_graphs_take_each(reference
     # the tokens.
     ps = prompts(8)[1:]  # (a one-token prompt looks like a decoding row)
     apart = make_engine()
-    apart.scheduler.graph_limits(prompt_tokens=512, prompt_seqs=4, decode_batch=64)
+    apart.scheduler.graph_limits(prompt_tokens=512, prompt_seqs=4, decode_batch=64)  # (counts as 8)
     got, steps = staggered(apart, ps, every=3)
     assert got == reference[1:]
     assert not [s for s in steps if s[0] and s[1]], "a step mixed a prompt with decoding rows"
