@@ -103,8 +103,7 @@ class Scheduler:
                 self._use_prefix_cache(seq)
             n = seq.num_tokens
             if seq.num_computed_tokens or n > budget or n > self.chunk_size or not self._grow(seq, n):
-                if not seq.num_computed_tokens:
-                    self._drop_blocks(seq)
+                self._drop_blocks(seq)  # (a waiting sequence holds no blocks; the usual path looks again)
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
