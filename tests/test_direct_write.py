@@ -24,8 +24,9 @@ def expected_text(n: int) -> str:
 @pytest.fixture(scope="module")
 def served():
     # One real router (RayCore, the OpenAI front end, uvicorn) over a synthetic worker that steps
-    # every 1 ms through the real RouterStreams: deltas come one step at a time, as from an engine.
-    actors, url, _pids = router_stream.start(max_ahead=64, step_s=0.001)
+    # through the real RouterStreams: deltas come one step at a time, as from an engine (each test
+    # sets the pace: `pace`).
+    actors, url, _pids = router_stream.start(max_ahead=64, step_s=0.02)
     yield url, actors[-1], actors[0]
     ray.shutdown()
 
@@ -38,13 +39,20 @@ def test_a_router_meets_its_workers_before_it_serves(served):
     assert ray.get(router.__ray_call__.remote(lambda r: r.core.in_flight())) == 0  # before any request
 
 
+def pace(worker, step_s: float) -> None:
+    """The synthetic worker's step from now on: slow enough that the router, even on a busy host,
+    waits for each step with nothing in hand (where deltas are written at once)."""
+    ray.get(worker.__ray_call__.remote(lambda w: setattr(w, "step_s", step_s)))
+
+
 def router_counts(router) -> tuple[int, int]:
     return ray.get(router.__ray_call__.remote(
         lambda r: (r.core.direct_writes, __import__("pdserve.router.http_api").router.http_api._DirectSSE.waited)))
 
 
 def test_streams_written_at_once_keep_every_token_in_order(served):
-    url, router, _worker = served
+    url, router, worker = served
+    pace(worker, 0.02)
     before, _ = router_counts(router)
 
     async def one(client: httpx.AsyncClient, n: int) -> tuple[str, int]:
@@ -75,12 +83,12 @@ def test_streams_written_at_once_keep_every_token_in_order(served):
 
 
 def test_a_client_reading_slowly_still_gets_every_token_in_order(served):
-    url, router, _worker = served
-    _, waited_before = router_counts(router)
-    n = 4000  # ~0.6 MB of events: far more than the socket buffers and the transport's high-water mark
+    url, router, worker = served
+    pace(worker, 0.005)
+    n = 1500  # ~250 KB of events: far more than the socket buffers and the transport's high-water mark
     # The router's send buffer small (an accepted socket inherits it from the listening one): else
     # loopback's autotuning lets the kernel take megabytes before the transport has to pause.
-    ray.get(router.__ray_call__.remote(lambda r: [sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    ray.get(router.__ray_call__.remote(lambda r: [sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
                                                    for server in r.http.servers for sock in server.sockets]))
     host, port = url.removeprefix("http://").rsplit(":", 1)
     body = json.dumps({"model": "tiny-moe", "prompt": [1], "max_tokens": n, "stream": True}).encode()
@@ -90,7 +98,10 @@ def test_a_client_reading_slowly_still_gets_every_token_in_order(served):
         s.connect((host, int(port)))
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                   b"content-length: %d\r\n\r\n%s" % (len(body), body))
-        time.sleep(3)  # not reading: the router's writes back up until its transport pauses
+        # Not reading: the router's writes back up until its transport pauses (~420 events fill the
+        # buffers), and a direct write, or the stream's own, has to wait (which one meets the pause
+        # first depends on the host's load: test_a_direct_write_the_transport_makes_wait_* covers the former).
+        time.sleep(4)
         data = b""
         while not data.endswith(b"0\r\n\r\n"):
             chunk = s.recv(1 << 16)
@@ -106,8 +117,40 @@ def test_a_client_reading_slowly_still_gets_every_token_in_order(served):
     assert events[-1] == "[DONE]"
     text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
     assert text == expected_text(n)
-    _, waited = router_counts(router)
-    assert waited > waited_before, "no direct write ever had to wait: the test did not exercise backpressure"
+
+
+def test_a_direct_write_the_transport_makes_wait_goes_out_before_any_later_one():
+    from pdserve.messages import RequestDelta
+    from pdserve.router.http_api import _DirectSSE
+    from pdserve.router.metrics import Metrics
+    from pdserve.router.openai_responses import CompletionShape
+
+    async def scenario():
+        writable, sent = asyncio.Event(), []
+        writable.set()
+
+        async def send(message):  # as uvicorn's: it waits while the transport is paused
+            if not writable.is_set():
+                await writable.wait()
+            sent.append(message["body"])
+
+        shape = CompletionShape("cmpl-1", "m", False, False)
+        direct = _DirectSSE(shape, Metrics("r").request_started("completions", 3))
+        assert not direct.write(RequestDelta("cmpl-1", " a", [1]))  # its stream is not waiting: no
+        direct.send = send
+        assert direct.write(RequestDelta("cmpl-1", " a", [1])) and direct.pending is None
+        writable.clear()  # the client stops reading
+        waited = _DirectSSE.waited
+        assert direct.write(RequestDelta("cmpl-1", " b", [2])) and direct.pending is not None
+        assert _DirectSSE.waited == waited + 1
+        assert not direct.write(RequestDelta("cmpl-1", " c", [3]))  # held back: the stream queues it
+        assert len(sent) == 1
+        writable.set()
+        await direct.pending  # what the stream awaits before its own next write
+        texts = [json.loads(b.decode().removeprefix("data: "))["choices"][0]["text"] for b in sent]
+        assert texts == [" a", " b"] and direct.num_tokens == 2
+
+    asyncio.run(scenario())
 
 
 def test_run_now_finishes_at_once_or_in_a_task_as_awaiting_would():
