@@ -67,14 +67,20 @@ def test_gpu_bf16_greedy_matches_cpu_float32(family, root):
     assert got == want
 
 
-def test_gpu_fp8_cache_greedy_matches_cpu(root):
+# (family, prompts, min margin): FP8 K/V, or FP8 latents (MLA: fewer tiny-model prompts clear the margin).
+FP8_CASES = [("qwen3", 8, 0.2), ("deepseek_v2", 6, 0.15), ("deepseek_v3", 6, 0.15)]
+
+
+@pytest.mark.parametrize("family,n,margin", FP8_CASES, ids=[c[0] for c in FP8_CASES])
+def test_gpu_fp8_cache_greedy_matches_cpu(family, n, margin, root):
     """An FP8 KV cache on the GPU (Triton's write, decode with its fused write, prefill kernels;
-    the scales in CUDA graphs) against the CPU reference caching FP8: the same rounding of K/V, so
-    the same 16 tokens on prompts clear of near-ties (a K/V value the two sides compute a float32
-    ulp apart can still round to neighbouring FP8 values)."""
-    path = checkpoint("qwen3", root, sharp=True)
+    for MLA the latent write and every path reading FP8 latents; the scales in CUDA graphs) against
+    the CPU reference caching FP8: the same rounding, so the same 16 tokens on prompts clear of
+    near-ties (a value the two sides compute a float32 ulp apart can still round to neighbouring
+    FP8 values)."""
+    path = checkpoint(family, root, sharp=True)
     cpu = engine(path, "cpu", "float32", "fp8_e4m3")
-    ps, want = clear_prompts(cpu, prompts(48, seed=11), n=8, tokens=16, min_margin=0.2)
+    ps, want = clear_prompts(cpu, prompts(48, seed=11), n=n, tokens=16, min_margin=margin)
     gpu = engine(path, "cuda:0", "float32", "fp8_e4m3")
     assert gpu.runner.graphs is not None and gpu.kv_cache.dtype == torch.float8_e4m3fn
     idle = gpu.pool.num_free_blocks
@@ -117,22 +123,6 @@ def test_gpu_mla_greedy_equals_cpu(family, cuda_graphs, root):
     assert type(gpu.model.attn_backend).__name__ == "TritonAttention"
     assert all(moe.num_shared_slots and moe.shared_expert is None for moe in gpu.model.moe_layers())
     assert (gpu.runner.graphs is not None) == cuda_graphs
-    idle = gpu.pool.num_free_blocks
-    got = [c.token_ids for c in gpu.generate(ps, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
-    assert got == want
-    assert gpu.pool.num_free_blocks == idle
-
-
-@pytest.mark.parametrize("family", MLA_FAMILIES)
-def test_gpu_mla_fp8_cache_greedy_matches_cpu(family, root):
-    """An FP8 latent cache on the GPU (the Triton latent write, the decode kernel's fused write,
-    FP8 latents read by every path, the scale in CUDA graphs) against the CPU reference caching
-    FP8: the same 16 tokens for 6 prompts clear of near-ties."""
-    path = checkpoint(family, root, sharp=True)
-    cpu = engine(path, "cpu", "float32", "fp8_e4m3")
-    ps, want = clear_prompts(cpu, prompts(48, seed=11), n=6, tokens=16, min_margin=0.15)
-    gpu = engine(path, "cuda:0", "float32", "fp8_e4m3")
-    assert gpu.runner.graphs is not None and gpu.kv_cache.dtype == torch.float8_e4m3fn
     idle = gpu.pool.num_free_blocks
     got = [c.token_ids for c in gpu.generate(ps, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
     assert got == want

@@ -491,59 +491,44 @@ def test_write_latent(dtype, fp8):
     assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
 
 
-@pytest.mark.parametrize("shape", MLA_SHAPES)
+# (shape, fp8): every shape over a cache of the model's dtype; the largest over an FP8 cache too,
+# where the kernel widens the stored values and folds the one scale into scores and output, and its
+# fused write stores the latent quantized (byte for byte as write_latent).
+MLA_DECODE_CASES = [(shape, False) for shape in MLA_SHAPES] + [(MLA_SHAPES[-1], True)]
+
+
+@pytest.mark.parametrize("shape,fp8", MLA_DECODE_CASES, ids=[f"{c[0][0]}h-{'fp8' if c[1] else 'dense'}"
+                                                           for c in MLA_DECODE_CASES])
 @pytest.mark.parametrize("fused", [False, True], ids=["cached", "fused-write"])
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mla_decode_kernel(shape, fused, splits, dtype):
+def test_mla_decode_kernel(shape, fp8, fused, splits, dtype):
     """The absorbed decode kernel against latent attention from its definition; contexts across
     block boundaries, head blocks full and partial. Fused: the kernel writes the step's latent
     itself and attends to it from registers (its slot poisoned: a read of it shows)."""
     heads, rank, rope, nope, _ = shape
-    g = gen(32)
-    case = latent_case([(c, 1) for c in MLA_CTX[::-1]], shape, dtype, g, absorbed=True)
+    g = gen(33 if fp8 else 32)
+    case = latent_case([(c, 1) for c in MLA_CTX[::-1]], shape, dtype, g, absorbed=True, fp8=fp8)
     scale = (nope + rope) ** -0.5
     ref = latent_reference(case, rank, scale)
     b = case.batch
+    scales = (LATENT_SCALE,) if fp8 else ()
     if fused:
         _poison_new_slots(case)
         new = dict(latent_new=case.latent, slot_mapping=b.slot_mapping)
     else:
-        write_latent_triton(b.kv_cache[0], case.latent, b.slot_mapping)
+        if fp8:
+            write_latent(b.kv_cache[0], case.latent, b.slot_mapping, scales)
+        else:
+            write_latent_triton(b.kv_cache[0], case.latent, b.slot_mapping)
         new = {}
     if splits is None:  # the backend's own choice
         splits = mla_num_splits(len(MLA_CTX), heads, max(MLA_CTX), torch.device(DEVICE))
     out = poisoned((len(MLA_CTX), heads, rank), dtype)
     paged_mla_decode(case.q[..., :rank], case.q[..., rank:], b.kv_cache[0], b.block_tables, b.context_lens_t,
-                     scale, splits, out=out, **new)
+                     scale, splits, out=out, kv_scales=scales, **new)
     assert_cache_written(case)
-    check(out, ref, dtype, f"mla decode {shape} splits={splits} fused={fused}")
-
-
-@pytest.mark.parametrize("fused", [False, True], ids=["cached", "fused-write"])
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_mla_decode_kernel_fp8(fused, splits, dtype):
-    """Over an FP8 latent cache: the kernel widens the stored values, the one scale folded into
-    scores and output; its fused write stores the latent quantized (byte for byte as write_latent)."""
-    shape = MLA_SHAPES[-1]
-    heads, rank, rope, nope, _ = shape
-    g = gen(33)
-    case = latent_case([(c, 1) for c in MLA_CTX[::-1]], shape, dtype, g, absorbed=True, fp8=True)
-    scale = (nope + rope) ** -0.5
-    ref = latent_reference(case, rank, scale)
-    b = case.batch
-    if fused:
-        _poison_new_slots(case)
-        new = dict(latent_new=case.latent, slot_mapping=b.slot_mapping)
-    else:
-        write_latent(b.kv_cache[0], case.latent, b.slot_mapping, (LATENT_SCALE,))
-        new = {}
-    out = poisoned((len(MLA_CTX), heads, rank), dtype)
-    paged_mla_decode(case.q[..., :rank], case.q[..., rank:], b.kv_cache[0], b.block_tables, b.context_lens_t,
-                     scale, splits, out=out, kv_scales=(LATENT_SCALE,), **new)
-    assert_cache_written(case)
-    check_fp8(out, ref, dtype, f"mla decode splits={splits} fused={fused}")
+    (check_fp8 if fp8 else check)(out, ref, dtype, f"mla decode {shape} fp8={fp8} splits={splits} fused={fused}")
 
 
 def test_mla_split_count():
