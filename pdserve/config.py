@@ -99,7 +99,11 @@ class RouterConfig(_Strict):
     # 0: any free port (`pdserve up` prints the one taken); null turns gRPC off.
     http_port: int = Field(default=8000, ge=0, le=65535)
     grpc_port: int | None = Field(default=50051, ge=0, le=65535)
-    policy: Literal["kv-aware", "round-robin"] = "kv-aware"
+    # prefix-aware: a prompt goes where its prefix is cached, weighed against each replica's queue
+    # (the replicas' KV events; a session — OpenAI's `user` — sticks to its replicas); kv-aware: the
+    # decode replica with the most free KV blocks, the prefill replica with the fewest of our
+    # requests; round-robin.
+    policy: Literal["prefix-aware", "kv-aware", "round-robin"] = "prefix-aware"
     # Router processes, all on the controller's node, serving the same HTTP and gRPC ports
     # (SO_REUSEPORT: the kernel spreads connections over them). Each also has a port of its own
     # for its /metrics (`pdserve status` lists them).

@@ -63,6 +63,16 @@ class RequestDelta(NamedTuple):
     logprobs: list | tuple = ()  # TokenLogprob per token when asked for; () pickles as one byte, builds nothing
 
 
+class KVEvents(NamedTuple):
+    """What a replica's prefix cache stored and removed since a router's cursor
+    (engine/kv_events.py), or, with `reset`, everything it holds now."""
+
+    epoch: str  # the log's identity: a cursor is only meaningful in the log that gave it
+    cursor: int  # the sequence number of the latest event this answer covers
+    reset: bool  # replace what you knew of this replica by `events` (all stored)
+    events: list[tuple[bool, bytes]]  # (stored?, block hash), oldest first
+
+
 @dataclass
 class ReplicaStats:
     name: str

@@ -359,7 +359,7 @@ async def complete(core: ServingCore, metrics: Metrics, body: CompletionRequest,
     params = body.sampling_params(max_tokens, body.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
     shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
-    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params), bool(body.stream))
+    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, session=body.user), bool(body.stream))
 
 
 async def chat_complete(core: ServingCore, metrics: Metrics, body: ChatCompletionRequest,
@@ -376,7 +376,7 @@ async def chat_complete(core: ServingCore, metrics: Metrics, body: ChatCompletio
     params = body.sampling_params(max_tokens, logprobs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     shape = ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
-    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params), bool(body.stream))
+    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, session=body.user), bool(body.stream))
 
 
 # -- the app ------------------------------------------------------------------------------------

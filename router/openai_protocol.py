@@ -30,7 +30,7 @@ class StreamOptions(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """Fields both generation endpoints take. Unknown fields (e.g. `user`) are ignored, as OpenAI does;
+    """Fields both generation endpoints take. Unknown fields (e.g. `metadata`) are ignored, as OpenAI does;
     known-but-unsupported ones are accepted only at their no-op value, since silently ignoring, say, a
     penalty would return output the caller did not ask for."""
 
@@ -51,6 +51,9 @@ class SamplingRequest(BaseModel):
     presence_penalty: FiniteFloat | None = 0.0
     repetition_penalty: FiniteFloat | None = 1.0  # vLLM extension
     logit_bias: dict[str, float] | None = None
+    # OpenAI's end-user id. The router's session key: a conversation's turns go where its prefix is
+    # cached (router/ray_core.py, prefix-aware routing).
+    user: Annotated[str, Field(max_length=512)] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -14,22 +14,26 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ray.exceptions import ActorDiedError
 
+from pdserve.engine.block_pool import block_hashes
 from pdserve.protocol import InvalidRequestError
 from pdserve.messages import LOST, NewRequest, Refusal, ReplicaChange, ReplicaStats, RequestDelta
 
 from pdserve.router.decode_replica import DecodeReplica
 from pdserve.router.handoff import HandOff
+from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.replica_health import ReplicaHealth
 from pdserve.router.types import Delta, DirectWriter, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingError
 
 log = logging.getLogger(__name__)
 LIVE_POLL_S = 0.1  # how often a request waiting for a live replica looks
 MOVE_RETRY_S = 0.05  # how often a moving request whose decode replicas are all full asks again
+SESSIONS = 100_000  # conversations remembered for affinity, least recently used forgotten first
 
 
 @dataclass
@@ -48,12 +52,19 @@ class _Attempt:
     direct: "DirectWriter | None" = None
     sent: list[int] | None = None
     parked: bool = False
+    # Prefix-aware routing: the prompt's block hashes (with the tokens a move prefills again), and
+    # the tokens its prefill (or colocated) replica computes before its first token, counted as
+    # that replica's queue until the first delta comes.
+    hashes: list[bytes] = field(default_factory=list)
+    computing: tuple[str, int] | None = None
 
 
 class RayCore:
     def __init__(self, name: str, model_name: str, max_model_len: int, tokenizer, replicas: list[ReplicaChange],
-                 policy: str, metrics=None, migration_limit: int = 3, replica_wait_s: float = 30.0):
-        """replicas: every replica as the controller last described it; later changes come by `apply`."""
+                 policy: str, metrics=None, migration_limit: int = 3, replica_wait_s: float = 30.0,
+                 block_size: int = 16):
+        """replicas: every replica as the controller last described it; later changes come by `apply`.
+        block_size: the engines' KV block (the prefix cache's unit, which its hashes cover)."""
         self.name = name  # this router's actor name: where decode replicas send deltas
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -63,6 +74,12 @@ class RayCore:
         self.colocated: dict[str, object] = {}  # replica name -> actor handle
         self._workers: dict[str, dict[str, object]] = {}  # replica -> its workers (actor name -> handle)
         self.policy = policy
+        self.block_size = block_size
+        self.index = PrefixIndex()  # what each worker's prefix cache holds (its KV events)
+        self._computing: dict[str, int] = {}  # replica -> prompt tokens we sent it still to compute
+        self._reserved: dict[str, int] = {}  # decode replica -> blocks we reserved since its stats
+        # session -> (its last turn's replicas, the blocks of that prompt, its last block's hash)
+        self._sessions: OrderedDict[str, tuple[tuple[str, ...], int, bytes]] = OrderedDict()
         self.metrics = metrics
         self.migration_limit = migration_limit
         self.replica_wait_s = replica_wait_s
@@ -123,6 +140,7 @@ class RayCore:
         for worker in self._workers.get(replica, {}):
             self._send.pop(worker, None)
             self._send_abort.pop(worker, None)
+            self.index.drop(worker)  # a new incarnation's cache starts empty
 
     def placed(self, replica: str) -> int:
         """Requests of this router on the replica now (a drain waits for 0)."""
@@ -203,6 +221,7 @@ class RayCore:
                 if not run.streaming:
                     if run.move == 0:
                         self._phase("first_token", dispatched)
+                    self._computed(run)
                     for name in self.prefill.keys() & run.holders.keys():  # its part is done
                         self.health.done_with(name, run.request_id)
                     run.streaming = True
@@ -226,6 +245,8 @@ class RayCore:
         try:
             await self._wait_live(run)
             start = self._start_colocated if self.colocated or not self.decode else self._start_disaggregated
+            if self.policy == "prefix-aware":  # (~1 us a block: 4k tokens cost a quarter of a millisecond)
+                run.hashes = block_hashes(request.prompt_ids + sent, self.block_size)
             await start(request, run, sent)
             return run
         except _Lost as lost:
@@ -253,6 +274,7 @@ class RayCore:
         """The attempt is over: counts and waits dropped; unless it finished, every live holder stops it."""
         self._queues.pop(run.request_id, None)
         self._direct.pop(run.request_id, None)
+        self._computed(run)
         for name in run.placed:
             if name in self._loads:
                 self._loads[name] -= 1
@@ -289,7 +311,7 @@ class RayCore:
 
     async def _start_disaggregated(self, request: GenerateRequest, run: _Attempt, sent: list[int]) -> None:
         """Reserve KV on a decode replica, then have a prefill replica stream the prompt's KV there."""
-        p_name = self._pick(self.prefill, "prefill", moving=run.move > 0)
+        p_name = self._pick(self.prefill, "prefill", moving=run.move > 0, run=run, request=request, sent=sent)
         self._place(p_name, run.placed)
         p_worker = next(iter(self._workers[p_name]))
         t0 = time.perf_counter()
@@ -297,6 +319,8 @@ class RayCore:
         t1 = self._phase("reserve", t0)
         self._place(d_name, run.placed)
         run.holders |= {d_name: d_rank, p_name: p_worker}
+        self.index.routed(d_rank, run.hashes)  # its blocks hold the prompt once the KV is in
+        self._remember(request, run, (p_name, d_name))
         for name in (d_name, p_name):
             self.health.wait_on(name, run.request_id, run.queue)
         _raise_refused(await self._call(p_name, p_worker, self._send[p_worker](
@@ -307,9 +331,10 @@ class RayCore:
         """Hand the whole request to the least-loaded colocated replica. Not by free KV blocks as
         for decode: a colocated replica never refuses (it queues), so a burst routed by stats up to
         0.5 s old would all land on one replica; the requests in flight from us are exact."""
-        name = self._pick(self.colocated, "colocated", moving=run.move > 0)
+        name = self._pick(self.colocated, "colocated", moving=run.move > 0, run=run, request=request, sent=sent)
         self._place(name, run.placed)
         worker = next(iter(self._workers[name]))
+        self._remember(request, run, (name,))
         run.holders[name] = worker  # before the call: a client leaving during it must still stop the request
         self.health.wait_on(name, run.request_id, run.queue)
         t0 = time.perf_counter()
@@ -346,9 +371,9 @@ class RayCore:
         abort may reach the decode worker after this reservation does."""
         deadline = time.monotonic() + self.replica_wait_s
         while True:
-            for d_name in self._order(self.decode):
+            for d_name, ranks in self._order(self.decode, run, request):
                 replica = self.decode[d_name]
-                for rank in replica.rank_order():
+                for rank in ranks:
                     # Held from the call on: a client that leaves while the reservation is answered
                     # still has it aborted on the rank (not left to its lease).
                     run.holders[d_name] = rank
@@ -361,6 +386,7 @@ class RayCore:
                         break  # this replica is down: try the next one
                     _raise_refused(res.refused)
                     if res.handle is not None:
+                        self._reserved[d_name] = self._reserved.get(d_name, 0) + self._blocks(request, sent)
                         return d_name, rank, res.handle
                     run.holders.pop(d_name, None)
             if not self.health.live(self.decode):
@@ -377,7 +403,9 @@ class RayCore:
         if self.metrics:
             self.metrics.count_placed(self.health.roles[name], name)
 
-    def _pick(self, replicas: dict, role: str, moving: bool = False) -> str:
+    def _pick(self, replicas: dict, role: str, moving: bool = False, run: _Attempt | None = None,
+              request: GenerateRequest | None = None, sent: list[int] = ()) -> str:
+        """The replica to compute a request's prompt (prefill or colocated)."""
         names = self.health.live(replicas)
         if not names:
             if moving:  # a request already under way waits for a replacement; a new one hears 503 now
@@ -385,16 +413,77 @@ class RayCore:
             raise self.health.unavailable(role)
         if self.policy == "round-robin":
             return names[next(self._rr) % len(names)]
-        return min(names, key=lambda n: self._loads[n])  # fewest requests in flight from us
+        if self.policy == "kv-aware" or run is None:
+            return min(names, key=lambda n: self._loads[n])  # fewest requests in flight from us
+        # prefix-aware: the least work before this request's first token there — the prompt tokens
+        # its cache lacks, plus the prompt tokens we sent it that it has not finished yet — both in
+        # tokens to compute, so a cached prefix is worth exactly the queue it saves.
+        tokens = len(request.prompt_ids) + len(sent)
+        worker = {n: next(iter(self._workers[n])) for n in names}
+        held = self._cached(run, request, {w: n for n, w in worker.items()})
+        cost = {n: tokens - held[worker[n]] * self.block_size + self._computing.get(n, 0) for n in names}
+        name = min(names, key=lambda n: (cost[n], self._loads[n]))
+        self.index.routed(worker[name], run.hashes)
+        run.computing = (name, tokens - held[worker[name]] * self.block_size)
+        self._computing[name] = self._computing.get(name, 0) + run.computing[1]
+        return name
 
-    def _order(self, replicas: dict) -> list[str]:
-        """Live decode replicas to try for a reservation, best candidates first."""
+    def _order(self, replicas: dict, run: _Attempt, request: GenerateRequest) -> list[tuple[str, list[str]]]:
+        """Live decode replicas to try for a reservation, best candidates first, each with its ranks
+        in the order to try."""
         names = self.health.live(replicas)
         if self.policy == "round-robin" and names:
             k = next(self._rr) % len(names)
-            return names[k:] + names[:k]
+            return [(n, self.decode[n].rank_order()) for n in names[k:] + names[:k]]
+        if self.policy == "prefix-aware" and run.hashes:
+            # Blocks the KV must move to it (its own cache keeps the rest: only new KV moves) plus
+            # the blocks its requests hold: moving a history's KV against crowding one replica.
+            held = self._cached(run, request, {r: n for n in names for r in self.decode[n].ranks})
+            order = []
+            for n in names:
+                mine = sorted(self.decode[n].rank_order(), key=lambda r: -held[r])  # (stable: free blocks next)
+                s = self.stats.get(n)
+                used = (s.total_blocks - s.free_blocks if s else 0) + self._reserved.get(n, 0)
+                order.append((len(run.hashes) - held[mine[0]] + used, n, mine))
+            return [(n, mine) for _, n, mine in sorted(order, key=lambda o: (o[0], self._loads[o[1]]))]
         # kv-aware: most free KV blocks first (as last reported), then fewest requests from us.
-        return sorted(names, key=lambda n: (-getattr(self.stats.get(n), "free_blocks", 0), self._loads[n]))
+        names = sorted(names, key=lambda n: (-getattr(self.stats.get(n), "free_blocks", 0), self._loads[n]))
+        return [(n, self.decode[n].rank_order()) for n in names]
+
+    def _cached(self, run: _Attempt, request: GenerateRequest, workers: dict[str, str]) -> dict[str, int]:
+        """Per worker (-> its replica), the leading blocks of the request's prompt its cache holds: as
+        its KV events say, or, on the replicas that served the session's last turn, that turn's
+        prompt where this one continues it (their events may not have come yet, or went to
+        another router)."""
+        held = self.index.match(run.hashes, workers)
+        last = self._sessions.get(request.session) if request.session else None
+        if last is not None:
+            replicas, n, tail = last
+            if 0 < n <= len(run.hashes) and run.hashes[n - 1] == tail:  # a chain: equal there, equal before
+                for w, replica in workers.items():
+                    if replica in replicas:
+                        held[w] = max(held[w], n)
+        return held
+
+    def _remember(self, request: GenerateRequest, run: _Attempt, replicas: tuple[str, ...]) -> None:
+        """A session's turn went to these replicas: its next turn is likely to continue its prompt."""
+        if request.session is None or not run.hashes:
+            return
+        self._sessions[request.session] = (replicas, len(run.hashes), run.hashes[-1])
+        self._sessions.move_to_end(request.session)
+        if len(self._sessions) > SESSIONS:
+            self._sessions.popitem(last=False)
+
+    def _computed(self, run: _Attempt) -> None:
+        """The attempt's prompt is computed (its first delta came) or it ended: off its replica's queue."""
+        if run.computing is not None:
+            name, tokens = run.computing
+            if name in self._computing:
+                self._computing[name] -= tokens
+            run.computing = None
+
+    def _blocks(self, request: GenerateRequest, sent: list[int]) -> int:
+        return -(-(len(request.prompt_ids) + len(sent) + 1) // self.block_size)
 
     # -- replica stats and health -----------------------------------------------------------------
 
@@ -424,7 +513,22 @@ class RayCore:
                     log.warning("%s replica %s answers again", s.role, name)
                 self._record(s, self.stats.get(name))
                 self.stats[name] = s
+                self._reserved[name] = 0  # (its figures count what we reserved before it answered)
+                if self.policy == "prefix-aware":
+                    await self._follow_cache(workers)
             await asyncio.sleep(interval_s)
+
+    async def _follow_cache(self, workers: dict[str, object]) -> None:
+        """The workers' KV events since we last asked, into the prefix index. A worker that does not
+        answer is left as it was: the stats poll decides whether it is down."""
+        for worker, handle in workers.items():
+            try:
+                ev = await asyncio.wait_for(handle.kv_events.remote(*self.index.cursor(worker)), timeout=5)
+            except Exception as e:
+                log.debug("no KV events from %s: %r", worker, e)
+                continue
+            if self._send.get(worker) is not None:  # still one of ours (not dropped meanwhile)
+                self.index.apply(worker, ev)
 
     def _record(self, s: ReplicaStats, before: ReplicaStats | None) -> None:
         """A replica's latest stats into /metrics."""

@@ -74,7 +74,8 @@ class Router:
         max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         self.metrics = Metrics(self.name)
         self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, self.replicas, cfg.router.policy,
-                            self.metrics, cfg.router.migration_limit, cfg.router.replica_wait_s)
+                            self.metrics, cfg.router.migration_limit, cfg.router.replica_wait_s,
+                            cfg.kv_transfer.block_size)
         await self._meet(self.replicas)  # (their empty deliver reaches the core: after it is built)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
         self.http = uvicorn.Server(http_config(build_app(self.core, self.metrics, cfg.router.max_request_bytes)))

@@ -32,6 +32,7 @@ class GenerateRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    session: str | None = None  # a conversation's key (OpenAI's `user`): its turns go to the same replicas
 
 
 @dataclass(slots=True)

@@ -12,6 +12,8 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
+from pdserve.engine.kv_events import KVEventLog
+
 
 class NoFreeBlocksError(RuntimeError):
     pass
@@ -53,6 +55,8 @@ class BlockPool:
         self._run_lengths: list[int] = [num_blocks]
         self._num_plain_free = num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, still cached; LRU first
+        # What the prefix cache stores and removes, for routers (a replica's worker sets it).
+        self.events: KVEventLog | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -120,6 +124,8 @@ class BlockPool:
             return
         self.block_hash[block_id] = block_hash
         self.cached[block_hash] = block_id
+        if self.events is not None:
+            self.events.stored(block_hash)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request uses."""
@@ -131,6 +137,8 @@ class BlockPool:
     def _evict_one(self) -> int:
         b, _ = self._evictable.popitem(last=False)
         del self.cached[self.block_hash[b]]
+        if self.events is not None:
+            self.events.removed(self.block_hash[b])
         self.block_hash[b] = None
         return b
 

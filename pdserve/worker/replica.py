@@ -13,10 +13,11 @@ from pdserve import heap
 from pdserve.kvtransfer import make_connector
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.warm_up import WarmUp, warm_up
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.inbox import Abort, Reserve
-from pdserve.messages import NewRequest, Refusal, ReplicaStats, ReserveResult, WorkerStartup
+from pdserve.messages import KVEvents, NewRequest, Refusal, ReplicaStats, ReserveResult, WorkerStartup
 from pdserve.protocol import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class Replica:
     def _start_loop(self) -> None:
         """Called by the role's __init__ once it has built everything; the loop starts serving."""
         self._warm_up()
+        # Attached after the warm-up, which fills and empties the cache: routers hear of serving only.
+        self.engine.pool.events = KVEventLog(self.engine.pool.cached)
         if _in_actor():  # (a worker built in a test's own process leaves that process's collector be)
             heap.settle()  # the engine, its KV cache and connector are built: no collection walks them (heap.py)
         self._early_aborts: dict[str, float] = {}  # request id -> when its abort came, before the request
@@ -179,6 +182,11 @@ class Replica:
 
     def ready(self) -> bool:
         return self.loop.alive()
+
+    def kv_events(self, epoch: str, cursor: int) -> KVEvents:
+        """What this replica's prefix cache stored and removed after a router's cursor (or all of it:
+        engine/kv_events.py); the router's prefix index follows it."""
+        return self.engine.pool.events.since(epoch, cursor)
 
     def startup(self) -> WorkerStartup:
         """What this worker's start took (weights, graphs, the whole engine), once ready."""

@@ -1,0 +1,54 @@
+"""What a replica's prefix cache gained and lost, for routers to index (routing by cached prefix).
+
+The block pool appends an event whenever a full block enters its prefix cache (stored) or leaves it
+(removed: evicted, or the cache reset), keyed by the same hash chain its lookups use
+(block_pool.block_hashes), so a router that hashes a prompt the same way knows which replica holds
+how much of it. The engine's thread appends; routers read from other threads (Ray calls), each from
+its own cursor, so any number of routers follow one log and none of them drains it for the others.
+
+The log keeps the latest MAX_EVENTS events. A reader whose cursor fell out of it (a new router, one
+that was away, or a log restarted by a new incarnation: another `epoch`) gets the whole cache
+instead, marked `reset`: it replaces what it knew of this replica."""
+
+import itertools
+import os
+from collections import deque
+
+from pdserve.messages import KVEvents
+
+MAX_EVENTS = 1 << 16  # ~2.5 MB of 32-byte hashes; about a minute of a busy GPU replica's stores
+
+_epochs = itertools.count()
+
+
+class KVEventLog:
+    def __init__(self, cached: dict, max_events: int = MAX_EVENTS):
+        """`cached`: the pool's own hash -> block dict, read whole for a reset."""
+        self._cached = cached
+        # (sequence number, stored?, hash); deque appends and a list() copy of it are atomic under
+        # the GIL, which is all the locking one writer thread and several reader threads need.
+        self._events: deque[tuple[int, bool, bytes]] = deque(maxlen=max_events)
+        self._seq = 0  # of the latest event
+        # Tells this log from a predecessor's (a replaced replica's cursor values mean nothing here).
+        self.epoch = f"{os.getpid()}-{next(_epochs)}"
+
+    def stored(self, block_hash: bytes) -> None:
+        self._seq += 1
+        self._events.append((self._seq, True, block_hash))
+
+    def removed(self, block_hash: bytes) -> None:
+        self._seq += 1
+        self._events.append((self._seq, False, block_hash))
+
+    def since(self, epoch: str, cursor: int) -> KVEvents:
+        """The events after `cursor` of this log (`epoch`), or the whole cache when those are not
+        all here any more (or the epoch is another log's)."""
+        events = list(self._events)  # one consistent copy; the engine thread appends meanwhile
+        if epoch == self.epoch and cursor >= (events[0][0] - 1 if events else self._seq):
+            new = [(stored, h) for seq, stored, h in events if seq > cursor]
+            return KVEvents(self.epoch, events[-1][0] if events else cursor, False, new)
+        # The cursor the reset answers to: no event after it may be missing from the snapshot, so
+        # take it before copying the cache (an event between the two is then sent again: harmless).
+        last = events[-1][0] if events else self._seq
+        snapshot = list(self._cached)  # a dict's keys copied under the GIL, whole
+        return KVEvents(self.epoch, last, True, [(True, h) for h in snapshot])
