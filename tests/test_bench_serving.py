@@ -182,6 +182,35 @@ def test_several_client_processes_send_one_run(cluster, tmp_path):
     assert bad.returncode == 2 and "--max-concurrency 2 is below --clients 4" in bad.stderr, bad.stderr
 
 
+def test_multi_turn_sessions_wait_on_their_own_answers(cluster, tmp_path):
+    """--workload multi-turn: each session's turns go one after another (a turn starts after the one
+    before it ended), carry the session as `user`, and grow by the history; two client processes
+    each send whole sessions."""
+    res, r = bench(cluster, tmp_path, "--rate", "inf", "--workload", "multi-turn", "--turns", "3",
+                   "--prefix-len", "16", "--input-len", "8", "--think-time", "0.05", "--clients", "2", *NO_SLO)
+    [x] = res["runs"]
+    assert x["sent"] == x["completed"] == 6 and x["failed"] == 0, x["errors"]
+    reqs = x["requests"]
+    # Two sessions of three turns: 16 + 8, then + 8 (answer) + 8, then + 16 again.
+    assert [q["prompt_tokens"] for q in reqs] == [24, 40, 56] * 2
+    for s in (reqs[:3], reqs[3:]):
+        for before, after in zip(s, s[1:]):
+            assert after["start_s"] >= before["start_s"] + before["e2e_ms"] / 1e3 + 0.05 - 0.01
+    assert res["workload"]["kind"] == "multi-turn" and res["workload"]["turns"] == 3
+
+
+def test_shared_prefix_prompts_share_their_prefixes():
+    import random as rnd
+
+    from pdserve.benchmarks.load.workloads import plan
+
+    p = plan("shared-prefix", 40, 4.0, rnd.Random(1), 8, 4, prefix_len=16, prefixes=3)
+    assert len({tuple(q[:16]) for q in p.prompts}) == 3 and all(len(q) == 24 for q in p.prompts)
+    assert len({tuple(q[16:]) for q in p.prompts}) == 40  # each its own part
+    again = plan("shared-prefix", 40, 4.0, rnd.Random(1), 8, 4, prefix_len=16, prefixes=3)
+    assert again.prompts == p.prompts and again.dues == p.dues  # seeded
+
+
 def test_an_impossible_slo_is_met_by_no_request(cluster, tmp_path):
     res, r = bench(cluster, tmp_path, "--rate", "4", "--slo-ttft-ms", "0.001")
     [x] = res["runs"]

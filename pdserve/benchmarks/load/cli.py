@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdserve.benchmarks.load import plot, records
+from pdserve.benchmarks.load import plot, records, workloads
 from pdserve.benchmarks.load.client import BenchError
 from pdserve.benchmarks.load.records import Slo, Workload, rate_json, rate_label
 from pdserve.benchmarks.load.sweep import Sweep, log, run_sweep
@@ -52,6 +52,16 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens, exactly (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default: %(default)s)")
+    p.add_argument("--workload", choices=workloads.KINDS, default="random",
+                   help="random: independent prompts; shared-prefix: --prefixes few-shot prefixes of --prefix-len "
+                        "tokens, each followed by --input-len of its own; multi-turn: sessions of --turns turns "
+                        "over a shared --prefix-len system prompt, each turn --input-len new tokens, its history "
+                        "growing by --output-len per answer (default: %(default)s)")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix, multi-turn (default: %(default)s)")
+    p.add_argument("--prefixes", type=int, default=4, help="shared-prefix (default: %(default)s)")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn (default: %(default)s)")
+    p.add_argument("--think-time", type=float, default=0.0, metavar="S",
+                   help="multi-turn: seconds from a turn's end to the session's next (default: %(default)s)")
     p.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no cap)")
     p.add_argument("--clients", type=int, default=1, metavar="N",
                    help="client processes to send from (default: %(default)s); one runs at a whole core near a "
@@ -82,7 +92,8 @@ def check_load_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         a.num_prompts = 100
     if a.duration is not None and any(math.isinf(r) for r in a.rates):
         p.error("--rate inf sends everything at once: give --num-prompts, not --duration")
-    for name in ("num_prompts", "duration", "input_len", "output_len", "max_concurrency", "request_timeout"):
+    for name in ("num_prompts", "duration", "input_len", "output_len", "max_concurrency", "request_timeout",
+                 "prefixes", "turns"):
         value = getattr(a, name)
         if value is not None and not value > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {value}")
@@ -91,6 +102,8 @@ def check_load_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.max_concurrency is not None and a.max_concurrency < a.clients:
         p.error(f"--max-concurrency {a.max_concurrency} is below --clients {a.clients}: every client process "
                 f"needs at least one request in flight")
+    if a.prefix_len < 0 or a.think_time < 0:
+        p.error(f"--{'prefix-len' if a.prefix_len < 0 else 'think-time'} must be >= 0")
     if a.warmup < 0:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
     if not 0 < a.slo_attainment <= 1:
@@ -99,7 +112,8 @@ def check_load_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 def workload_of(a: argparse.Namespace) -> Workload:
     return Workload(a.input_len, a.output_len, a.num_prompts, a.duration, a.seed, a.max_concurrency,
-                    a.request_timeout, a.warmup, a.clients)
+                    a.request_timeout, a.warmup, a.clients, a.workload, a.prefix_len if a.workload != "random" else 0,
+                    a.prefixes, a.turns, a.think_time)
 
 
 def slo_of(a: argparse.Namespace) -> Slo:

@@ -48,10 +48,14 @@ async def connect(client: httpx.AsyncClient, url: str, model: str | None,
                   tuple(u.rstrip("/") for u in metrics_urls) if metrics_urls else (url,))
 
 
-def request_body(server: Server, prompt: list[int], output_len: int) -> dict[str, Any]:
-    """Exactly `output_len` tokens (ignore_eos), greedy, streamed with the usage at the end."""
-    return {"model": server.model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
+def request_body(server: Server, prompt: list[int], output_len: int, user: str | None = None) -> dict[str, Any]:
+    """Exactly `output_len` tokens (ignore_eos), greedy, streamed with the usage at the end; `user`
+    names a multi-turn workload's session."""
+    body = {"model": server.model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if user is not None:
+        body["user"] = user
+    return body
 
 
 async def stream_request(client: httpx.AsyncClient, server: Server, body: dict, rec: RequestRecord,

@@ -19,26 +19,36 @@ import httpx
 
 from pdserve.benchmarks.load.client import Server, request_body, stream_request
 from pdserve.benchmarks.load.records import RequestRecord
+from pdserve.benchmarks.load.workloads import Plan
 
 START_AFTER_S = 1.0  # the processes start (spawn, imports) before the common start instant
 JOIN_SLACK_S = 60.0  # past the requests' own timeout: a process that has not answered by then is stopped
 
 
-async def send_all(client: httpx.AsyncClient, server: Server, records: list[RequestRecord], prompts: list[list[int]],
-                   dues: list[float], concurrency: int | None, output_len: int, t0: float) -> None:
-    """Each request at its due time (seconds after t0, a perf_counter instant), at most
+async def send_all(client: httpx.AsyncClient, server: Server, records: list[RequestRecord], plan: Plan,
+                   concurrency: int | None, output_len: int, t0: float) -> None:
+    """Each request at its due time (seconds after t0, a perf_counter instant) or, if it follows
+    another (a session's next turn), think_s after that one ended, whichever is later; at most
     `concurrency` in flight (a request waiting for a slot is not timed: the wait is the client's)."""
     limit = asyncio.Semaphore(concurrency) if concurrency else None
+    ended = [asyncio.Event() for _ in records]
 
-    async def send(rec: RequestRecord, prompt: list[int]) -> None:
-        async with limit or contextlib.nullcontext():
-            await stream_request(client, server, request_body(server, prompt, output_len), rec, t0)
+    async def send(i: int) -> None:
+        try:
+            if (a := plan.after[i]) is not None:
+                await ended[a].wait()
+                await asyncio.sleep(plan.think_s)
+            async with limit or contextlib.nullcontext():
+                await stream_request(client, server, request_body(server, plan.prompts[i], output_len, plan.users[i]),
+                                     records[i], t0)
+        finally:
+            ended[i].set()
 
     tasks = []
     try:
-        for rec, prompt, due in zip(records, prompts, dues):
-            await asyncio.sleep(max(0.0, t0 + due - time.perf_counter()))
-            tasks.append(asyncio.create_task(send(rec, prompt)))
+        for i in sorted(range(len(records)), key=plan.dues.__getitem__):
+            await asyncio.sleep(max(0.0, t0 + plan.dues[i] - time.perf_counter()))
+            tasks.append(asyncio.create_task(send(i)))
         await asyncio.gather(*tasks)
     finally:
         for t in tasks:
@@ -54,8 +64,7 @@ def client_limits() -> httpx.Limits:
 class _Share:
     server: Server
     records: list[RequestRecord]
-    prompts: list[list[int]]
-    dues: list[float]
+    plan: Plan
     concurrency: int | None
     output_len: int
     timeout_s: float
@@ -69,8 +78,7 @@ def _child(share: _Share, start_wall: float, counts, slot: int, conn) -> None:
             t0 = time.perf_counter()
             watch = asyncio.create_task(_count(share.records, counts, slot))
             try:
-                await send_all(c, share.server, share.records, share.prompts, share.dues, share.concurrency,
-                               share.output_len, t0)
+                await send_all(c, share.server, share.records, share.plan, share.concurrency, share.output_len, t0)
             finally:
                 watch.cancel()
                 _publish(share.records, counts, slot)
@@ -110,16 +118,21 @@ class Clients:
         c = list(self.counts)
         return sum(c[0::3]), sum(c[1::3]), sum(c[2::3])
 
-    async def run(self, server: Server, records: list[RequestRecord], prompts: list[list[int]], dues: list[float],
+    async def run(self, server: Server, records: list[RequestRecord], plan: Plan,
                   concurrency: int | None, output_len: int, timeout_s: float) -> tuple[float, list[float]]:
         """Fill `records` (in place) -> (t0 as a perf_counter instant of this process, each process's CPU s).
         Raises if a process fails."""
-        shares = []
+        owners = plan.owners(self.n)
+        shares, dealt = [], []
         for k in range(self.n):
-            mine = range(k, len(records), self.n)
+            mine = [i for i in range(len(records)) if owners[i] == k]
+            local = {i: j for j, i in enumerate(mine)}
             cap = None if not concurrency else concurrency // self.n + (k < concurrency % self.n)
-            shares.append(_Share(server, [records[i] for i in mine], [prompts[i] for i in mine],
-                                 [dues[i] for i in mine], cap, output_len, timeout_s))
+            part = Plan([plan.prompts[i] for i in mine], [plan.dues[i] for i in mine],
+                        [None if plan.after[i] is None else local[plan.after[i]] for i in mine],
+                        [plan.users[i] for i in mine], plan.think_s)
+            shares.append(_Share(server, [records[i] for i in mine], part, cap, output_len, timeout_s))
+            dealt.append(mine)
         start_wall = time.time() + START_AFTER_S
         t0 = time.perf_counter() + START_AFTER_S
         procs, pipes = [], []
@@ -131,7 +144,9 @@ class Clients:
             pipes.append(mine)
         # Every request ends within its timeout once sent; with a cap, they go in rounds.
         rounds = -(-len(records) // concurrency) if concurrency else 1
-        deadline = time.monotonic() + START_AFTER_S + max(dues, default=0.0) + timeout_s * rounds + JOIN_SLACK_S
+        # (a session's turns go one after another: each its own round)
+        rounds += sum(a is not None for a in plan.after)
+        deadline = time.monotonic() + START_AFTER_S + max(plan.dues, default=0.0) + timeout_s * rounds + JOIN_SLACK_S
         cpu: list[float] = []
         try:
             for k, pipe in enumerate(pipes):
@@ -139,7 +154,7 @@ class Clients:
                 if isinstance(got, Exception):
                     raise RuntimeError(f"bench client process {k + 1} of {self.n} failed: {got!r}") from got
                 done, seconds = got
-                for i, rec in zip(range(k, len(records), self.n), done):
+                for i, rec in zip(dealt[k], done):
                     records[i] = rec
                 cpu.append(seconds)
         finally:

@@ -33,6 +33,11 @@ class Workload:
     request_timeout_s: float = 600.0
     warmup: int = 4  # requests of this shape, all at once, before the first rate; not counted
     clients: int = 1  # client processes a rate's requests are dealt over (clients.py)
+    kind: str = "random"  # workloads.py: random | shared-prefix | multi-turn
+    prefix_len: int = 0  # shared-prefix: each shared prefix's tokens; multi-turn: the system prompt's
+    prefixes: int = 4  # shared-prefix: how many shared prefixes
+    turns: int = 4  # multi-turn: turns per session
+    think_s: float = 0.0  # multi-turn: from a turn's end to the next turn
 
     def num_requests(self, rate: float) -> int:
         if self.num_prompts is not None:

@@ -1,8 +1,6 @@
 """`pdserve bench`'s arrivals: the prompts, a warm-up, one run of Poisson arrivals per rate, the sweep."""
 
 import asyncio
-import itertools
-import math
 import random
 import sys
 import time
@@ -16,26 +14,16 @@ from pdserve.benchmarks.load.client import BenchError, Server, connect, request_
 from pdserve.benchmarks.load.clients import Clients, client_limits, send_all
 from pdserve.benchmarks.load.records import (RateSummary, RequestRecord, Slo, Workload, goodput, rate_json,
                                              rate_label, summarize)
+from pdserve.benchmarks.load import workloads
 from pdserve.benchmarks.load.server_metrics import means_ms, scrape
+from pdserve.benchmarks.load.workloads import poisson_gaps, random_prompt  # noqa: F401 (their old home)
 
-PROMPT_IDS = (3, 256)  # [low, high): below every vocabulary, clear of the usual specials 0..2
 PROGRESS_EVERY_S = 5.0
 CLIENT_BUSY = 0.85  # of one core: above it, a run's figures may be the client's own limit (said in the log)
 
 
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def poisson_gaps(rate: float, n: int, rng: random.Random) -> list[float]:
-    """Seconds before each of n arrivals: exponential with mean 1/rate; all 0 at an infinite rate."""
-    if math.isinf(rate):
-        return [0.0] * n
-    return [rng.expovariate(rate) for _ in range(n)]
-
-
-def random_prompt(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(*PROMPT_IDS) for _ in range(length)]
 
 
 # -- one rate ---------------------------------------------------------------------------------------
@@ -55,9 +43,10 @@ class RateRun:
 async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workload: Workload,
                    rng: random.Random, slo: Slo, log: Callable[[str], None] = log) -> RateRun:
     n = workload.num_requests(rate)
-    prompts = [random_prompt(rng, workload.input_len) for _ in range(n)]
-    dues = list(itertools.accumulate(poisson_gaps(rate, n, rng)))
-    records = [RequestRecord(i, workload.input_len) for i in range(n)]
+    w = workload
+    plan = workloads.plan(w.kind, n, rate, rng, w.input_len, w.output_len, w.prefix_len, w.prefixes, w.turns,
+                          w.think_s, run=rate_label(rate))
+    records = [RequestRecord(i, len(p)) for i, p in enumerate(plan.prompts)]
     label = rate_label(rate)
     log(f"rate {label} req/s: {n} requests" + (f" from {workload.clients} client processes" if workload.clients > 1 else ""))
     before = await scrape(client, server.metrics_urls)
@@ -65,7 +54,7 @@ async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workl
         pool = Clients(workload.clients)
         progress = asyncio.create_task(_report_progress(label, len(records), pool.progress, time.perf_counter(), log))
         try:
-            t0, cpu = await pool.run(server, records, prompts, dues, workload.max_concurrency, workload.output_len,
+            t0, cpu = await pool.run(server, records, plan, workload.max_concurrency, workload.output_len,
                                      workload.request_timeout_s)
         finally:
             progress.cancel()
@@ -75,7 +64,7 @@ async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workl
         t0, cpu0 = time.perf_counter(), time.process_time()
         progress = asyncio.create_task(_report_progress(label, len(records), lambda: _counts(records), t0, log))
         try:
-            await send_all(client, server, records, prompts, dues, workload.max_concurrency, workload.output_len, t0)
+            await send_all(client, server, records, plan, workload.max_concurrency, workload.output_len, t0)
         finally:
             progress.cancel()
         wall = time.perf_counter() - t0
@@ -153,9 +142,13 @@ async def warm_up(client: httpx.AsyncClient, server: Server, workload: Workload,
 
 
 def check_fits(server: Server, workload: Workload) -> None:
-    total = workload.input_len + workload.output_len
+    w = workload
+    total = workloads.longest_prompt(w.kind, w.input_len, w.output_len, w.prefix_len, w.turns) + w.output_len
     if server.max_model_len is not None and total > server.max_model_len:
-        raise BenchError(f"--input-len + --output-len = {total} tokens exceed the context of {server.model} "
+        what = ("--input-len + --output-len" if w.kind == "random" else
+                f"the longest {w.kind} prompt (--prefix-len, --input-len{', --turns' if w.kind == 'multi-turn' else ''})"
+                f" + --output-len")
+        raise BenchError(f"{what} = {total} tokens exceed the context of {server.model} "
                          f"({server.max_model_len} tokens): lower them")
 
 
