@@ -33,6 +33,7 @@ from pdserve.router.types import Delta, DirectWriter, GenerateRequest, NoCapacit
 log = logging.getLogger(__name__)
 LIVE_POLL_S = 0.1  # how often a request waiting for a live replica looks
 MOVE_RETRY_S = 0.05  # how often a moving request whose decode replicas are all full asks again
+QUEUE_WEIGHT = 0.5  # prefix-aware: a queued prompt token against one to compute (_pick)
 SESSIONS = 100_000  # conversations remembered for affinity, least recently used forgotten first
 
 
@@ -415,13 +416,16 @@ class RayCore:
             return names[next(self._rr) % len(names)]
         if self.policy == "kv-aware" or run is None:
             return min(names, key=lambda n: self._loads[n])  # fewest requests in flight from us
-        # prefix-aware: the least work before this request's first token there — the prompt tokens
-        # its cache lacks, plus the prompt tokens we sent it that it has not finished yet — both in
-        # tokens to compute, so a cached prefix is worth exactly the queue it saves.
+        # prefix-aware: the least work before this request's first token there, in prompt tokens to
+        # compute: those its cache lacks, plus QUEUE_WEIGHT of those we sent it that it has not
+        # finished yet. A queue drains in any case, but a cache miss is work added for good (every
+        # later request waits behind it too, and the history then lives on two replicas): a cached
+        # prefix outweighs a queue up to twice its length.
         tokens = len(request.prompt_ids) + len(sent)
         worker = {n: next(iter(self._workers[n])) for n in names}
         held = self._cached(run, request, {w: n for n, w in worker.items()})
-        cost = {n: tokens - held[worker[n]] * self.block_size + self._computing.get(n, 0) for n in names}
+        cost = {n: tokens - held[worker[n]] * self.block_size + QUEUE_WEIGHT * self._computing.get(n, 0)
+                for n in names}
         name = min(names, key=lambda n: (cost[n], self._loads[n]))
         self.index.routed(worker[name], run.hashes)
         run.computing = (name, tokens - held[worker[name]] * self.block_size)

@@ -104,24 +104,38 @@ def test_a_lookup_in_an_index_of_100k_blocks_takes_microseconds():
 
 # -- a multi-turn workload through `pdserve up` -------------------------------------------------------
 
-SESSIONS, TURNS = 6, 5
+SESSIONS, TURNS, BLOCK = 8, 5, 16
+PLAN = plan("multi-turn", SESSIONS * TURNS, float("inf"), random.Random(5), 16, 8, prefix_len=32, turns=TURNS)
 
 
 def run_sessions(c: Cluster) -> list[list[str]]:
-    """SESSIONS conversations of TURNS turns at once, each turn after its own last answer; their texts."""
-    p = plan("multi-turn", SESSIONS * TURNS, float("inf"), random.Random(5), 16, 8, prefix_len=32, turns=TURNS)
+    """SESSIONS conversations at once, each turn after its own last answer and a think time (seeded,
+    up to 0.3 s: the sessions drift apart, as users do); their texts."""
     oa = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
 
     def session(s: int) -> list[str]:
+        think = random.Random(s)
         out = []
         for i in range(s * TURNS, (s + 1) * TURNS):
-            r = oa.completions.create(model="tiny-moe", prompt=p.prompts[i], max_tokens=8, temperature=0,
-                                      extra_body={"ignore_eos": True}, user=p.users[i])
+            time.sleep(think.uniform(0, 0.3))
+            r = oa.completions.create(model="tiny-moe", prompt=PLAN.prompts[i], max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True}, user=PLAN.users[i])
             out.append(r.choices[0].text)
         return out
 
     with ThreadPoolExecutor(SESSIONS) as pool:
         return list(pool.map(session, range(SESSIONS)))
+
+
+def at_best() -> int:
+    """Prompt tokens the prefill replicas compute when every turn finds its whole history (the last
+    turn's prompt, in full blocks) cached where it goes, and every first turn the system prompt —
+    but the first on each of the two replicas."""
+    n = 2 * 32
+    for s in range(SESSIONS):
+        lens = [len(PLAN.prompts[i]) for i in range(s * TURNS, (s + 1) * TURNS)]
+        n += lens[0] - 32 + sum(now - before // BLOCK * BLOCK for before, now in zip(lens, lens[1:]))
+    return n
 
 
 def counters(c: Cluster) -> dict[str, float]:
@@ -165,8 +179,9 @@ def test_turns_go_where_their_prefix_is_cached(tmp_path, kv_aware):
         print(f"prefill tokens computed: prefix-aware {mine['computed']:.0f}, kv-aware {kv['computed']:.0f}; "
               f"KV bytes moved {mine['moved']:.0f} against {kv['moved']:.0f}")
         # Each turn after the first finds its history on its prefill replica: only its new tokens are
-        # computed (~830 tokens in all), where kv-aware finds it on about every other turn (~1,400).
-        assert mine["computed"] < 0.8 * kv["computed"], (mine, kv)
+        # computed; kv-aware finds it on about every other turn. (A turn may still go elsewhere when
+        # its replica's queue outweighs its cached history: the margin.)
+        assert mine["computed"] <= 1.1 * at_best() < kv["computed"], (mine, kv, at_best())
         stats = c.wait_idle()
         assert len(stats) == 4 and all(s["used"] == 0 for s in stats.values()), stats
     finally:
