@@ -29,10 +29,10 @@ from pdserve.router.http_limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from pdserve.router.metrics import Metrics, RequestTimer
 from pdserve.router.openai_protocol import (CHAT, COMPLETIONS, GENERATION_ENDPOINTS, ChatCompletionRequest,
                                             CompletionRequest, ErrorBody)
-from pdserve.router.rate_limits import RateLimited
-from pdserve.router.tenants import Admission, Tenants
 from pdserve.router.openai_responses import (DONE_EVENT, ChatShape, CompletionShape, ResponseShape, sse_event,
                                              token_usage)
+from pdserve.router.rate_limits import RateLimited
+from pdserve.router.tenants import Admission, Tenants
 from pdserve.router.types import (Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingCore,
                                   ServingError, off_loop)
 

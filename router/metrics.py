@@ -98,6 +98,8 @@ class Metrics:
         self._requests_by: dict[tuple[str, str], LoopCounter] = {}
         self._placed_by: dict[tuple[str, str], LoopCounter] = {}
         self._phase_by: dict[str, LoopHistogram] = {}
+        self._key_requests_by: dict[tuple[str, str], LoopCounter] = {}
+        self._key_tokens_by: dict[str, tuple[LoopCounter, LoopCounter]] = {}  # (prompt, generation)
 
     # -- front end ----------------------------------------------------------------------------
 
@@ -119,13 +121,19 @@ class Metrics:
 
     def count_key_request(self, key: str, outcome: str) -> None:
         """A request under the key named `key` ended: ok, error, aborted or rate_limited."""
-        self.key_requests.labels(key, outcome).inc()
+        if (series := self._key_requests_by.get((key, outcome))) is None:
+            series = self._key_requests_by[key, outcome] = self.key_requests.labels(key, outcome)
+        series.inc()
 
     def count_key_tokens(self, key: str, prompt: int = 0, generation: int = 0) -> None:
+        """Prompt tokens admitted, or tokens generated, under the key named `key`."""
+        if (series := self._key_tokens_by.get(key)) is None:
+            series = self._key_tokens_by[key] = (self.key_prompt_tokens.labels(key),
+                                                 self.key_generation_tokens.labels(key))
         if prompt:
-            self.key_prompt_tokens.labels(key).inc(prompt)
+            series[0].inc(prompt)
         if generation:
-            self.key_generation_tokens.labels(key).inc(generation)
+            series[1].inc(generation)
 
     def count_auth_failure(self, reason: str) -> None:
         """A request without a valid key: reason "missing" or "invalid"."""
