@@ -1,5 +1,6 @@
 """Configuration, validated on load: a wrong key or value fails naming the key and what is allowed."""
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -116,6 +117,31 @@ class RouterConfig(_Strict):
     replica_wait_s: float = Field(default=30.0, ge=0)
     # Larger request bodies get 413 before they are read in full or tokenized.
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # API keys (router/tenants.py): a YAML file of keys, each with a name, optional requests_per_minute
+    # and tokens_per_minute, and a default priority; PDSERVE_API_KEYS adds keys from the environment.
+    # Read by `pdserve up` at start. No file and no variable: no key is asked for.
+    api_keys_file: str | None = None
+    # TLS for HTTP and gRPC: a PEM certificate chain and its private key; both or neither.
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+
+    @field_validator("api_keys_file", "tls_certfile", "tls_keyfile")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        # Relative to where `pdserve up` reads the file: the routers run on its node, but in Ray's
+        # working directory.
+        return os.path.abspath(os.path.expanduser(v)) if v else v
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "RouterConfig":
+        given = {k: v for k in ("tls_certfile", "tls_keyfile") if (v := getattr(self, k))}
+        if len(given) == 1:
+            missing = ({"tls_certfile", "tls_keyfile"} - set(given)).pop()
+            raise PydanticCustomError("topology", "{allowed}", {
+                "keys": {f"router.{k}": v for k, v in given.items()},
+                "allowed": f"TLS needs both router.tls_certfile and router.tls_keyfile: set router.{missing} too, "
+                           f"or neither"})
+        return self
 
 
 class PlacementConfig(_Strict):

@@ -1,10 +1,13 @@
-"""The gRPC front end: service pdserve.v1.Completion over a ServingCore, with health and reflection."""
+"""The gRPC front end: service pdserve.v1.Completion over a ServingCore, with health and reflection.
+With API keys configured a call carries one in its metadata (`authorization: Bearer <key>`), as
+HTTP does in its header; health and reflection stay open (a probe carries no key). TLS where the
+router has a certificate (router.tls_certfile)."""
 
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, asynccontextmanager, contextmanager
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,6 +18,8 @@ from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
 from pdserve.router import limits
 from pdserve.router.listen import PortInUseError, check_free, holder
+from pdserve.router.rate_limits import RateLimited
+from pdserve.router.tenants import Admission, Tenants, Unauthenticated
 from pdserve.router.types import GenerateRequest, NoCapacityError, ServingCore, ServingError, off_loop
 
 log = logging.getLogger(__name__)
@@ -29,20 +34,22 @@ class ModelNotFoundError(LookupError):
 
 
 class CompletionServicer(pb_grpc.CompletionServicer):
-    def __init__(self, core: ServingCore):
+    def __init__(self, core: ServingCore, tenants: Tenants | None = None):
         self.core = core
+        self.tenants = tenants  # the API keys a call must carry, and their limits; None: open
 
     async def Complete(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext
                        ) -> pb.CompletionResponse:
         """Generate to the end; one response."""
         async with _errors_as_status(context):
-            req = await self._generate_request(request)
+            req, admission = await self._admit(request, context)
             text, token_ids, finish_reason = [], [], ""
-            async with aclosing(self.core.generate(req)) as deltas:
-                async for delta in deltas:
-                    text.append(delta.text)
-                    token_ids += delta.token_ids
-                    finish_reason = delta.finish_reason or finish_reason
+            with _settled(admission, token_ids):
+                async with aclosing(self.core.generate(req)) as deltas:
+                    async for delta in deltas:
+                        text.append(delta.text)
+                        token_ids += delta.token_ids
+                        finish_reason = delta.finish_reason or finish_reason
             return pb.CompletionResponse(id=req.request_id, text="".join(text), token_ids=token_ids,
                                          finish_reason=finish_reason, usage=_usage(req, len(token_ids)))
 
@@ -54,23 +61,34 @@ class CompletionServicer(pb_grpc.CompletionServicer):
         # await inside the `aclosing` block, so the core's generator (and the request) is closed
         # right away instead of whenever the handler generator is garbage-collected.
         async with _errors_as_status(context):
-            req = await self._generate_request(request)
-            num_tokens, text, token_ids = 0, [], []
-            async with aclosing(self.core.generate(req)) as deltas:
-                try:
-                    async for delta in deltas:
-                        num_tokens += len(delta.token_ids)
-                        text.append(delta.text)
-                        token_ids += delta.token_ids
-                        if delta.more and delta.finish_reason is None:
-                            continue
-                        await context.write(self._chunk(req, "".join(text), token_ids, delta.finish_reason,
-                                                        num_tokens))
-                        text, token_ids = [], []
-                except Exception:
-                    if token_ids:  # what was held for the next write goes out before the error status
-                        await context.write(self._chunk(req, "".join(text), token_ids, None, num_tokens))
-                    raise
+            req, admission = await self._admit(request, context)
+            text, token_ids, generated = [], [], []  # generated: every token so far (what the key is charged)
+            with _settled(admission, generated):
+                async with aclosing(self.core.generate(req)) as deltas:
+                    try:
+                        async for delta in deltas:
+                            generated += delta.token_ids
+                            text.append(delta.text)
+                            token_ids += delta.token_ids
+                            if delta.more and delta.finish_reason is None:
+                                continue
+                            await context.write(self._chunk(req, "".join(text), token_ids, delta.finish_reason,
+                                                            len(generated)))
+                            text, token_ids = [], []
+                    except Exception:
+                        if token_ids:  # what was held for the next write goes out before the error status
+                            await context.write(self._chunk(req, "".join(text), token_ids, None, len(generated)))
+                        raise
+
+    async def _admit(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext,
+                     ) -> tuple[GenerateRequest, Admission | None]:
+        """The request, checked, and charged to its API key where keys are configured."""
+        if self.tenants is None:
+            return await self._generate_request(request), None
+        authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        tenant = self.tenants.authenticate(authorization if isinstance(authorization, str) else None)
+        req = await self._generate_request(request)
+        return req, self.tenants.admit(tenant, len(req.prompt_ids), req.params.max_tokens)
 
     async def _generate_request(self, request: pb.CompletionRequest) -> GenerateRequest:
         if request.model and request.model != self.core.model_name:
@@ -106,11 +124,38 @@ def _usage(req: GenerateRequest, num_tokens: int) -> pb.Usage:
     return pb.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=num_tokens)
 
 
+@contextmanager
+def _settled(admission: Admission | None, generated: list[int]) -> Iterator[None]:
+    """Settle the call's charge under its key once it ends, however it ends (`generated`: its tokens,
+    filled in meanwhile)."""
+    if admission is None:
+        yield
+        return
+    outcome = "error"
+    try:
+        yield
+        outcome = "ok"
+    except asyncio.CancelledError:  # the client cancelled, or went away
+        outcome = "aborted"
+        raise
+    except Exception:
+        outcome = "error" if generated else "refused"
+        raise
+    finally:
+        admission.end(len(generated), outcome)
+
+
 @asynccontextmanager
 async def _errors_as_status(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
     """Turn the errors a request can meet into gRPC status codes (context.abort raises)."""
     try:
         yield
+    except Unauthenticated as e:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+    except RateLimited as e:
+        # The wait in trailing metadata: `retry-after` (seconds, as HTTP's header) and gRFC A6's pushback.
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), trailing_metadata=(
+            ("retry-after", e.headers["Retry-After"]), ("grpc-retry-pushback-ms", str(int(e.retry_after_s * 1000)))))
     except InvalidRequestError as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except ModelNotFoundError as e:
@@ -145,23 +190,27 @@ async def _track_health(core: ServingCore, server: grpc.aio.Server, servicer: he
 
 
 async def start_grpc_server(core: ServingCore, port: int, host: str = "0.0.0.0", shared: bool = False,
-                            first: bool = True) -> grpc.aio.Server:
+                            first: bool = True, tenants: Tenants | None = None,
+                            credentials: grpc.ServerCredentials | None = None) -> grpc.aio.Server:
     """Start serving pdserve.v1.Completion, health and reflection on host:port (0: any free port,
     then `server.port` says which); the caller stops it. Raises PortInUseError when it is taken.
-    shared: one of several routers on this port (SO_REUSEPORT); the first checks it is free."""
+    shared: one of several routers on this port (SO_REUSEPORT); the first checks it is free.
+    tenants: the API keys a call must carry (None: open); credentials: TLS (tls.grpc_credentials)."""
     if shared and first:
         check_free(host, port, "router.grpc_port")  # see listen.claim_shared
     # SO_REUSEPORT only where routers share the port: else a port already taken (say, by a stale
     # router) fails here instead of silently splitting the connections between the two servers.
     server = grpc.aio.server(options=[("grpc.so_reuseport", int(shared))])
-    pb_grpc.add_CompletionServicer_to_server(CompletionServicer(core), server)
+    pb_grpc.add_CompletionServicer_to_server(CompletionServicer(core, tenants), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        server.port = server.add_insecure_port(address)  # the port taken: `port`, or a free one for 0
+        # the port taken: `port`, or a free one for 0
+        server.port = (server.add_secure_port(address, credentials) if credentials is not None
+                       else server.add_insecure_port(address))
     except RuntimeError:
         raise PortInUseError(f"router.grpc_port: cannot listen on {address}; {holder(port)}. Stop it, or set "
                              f"router.grpc_port to a free port (0 takes any, null turns gRPC off)") from None

@@ -10,19 +10,20 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Send
+from starlette.types import Receive, Scope, Send
 
 from pdserve.protocol import InvalidRequestError
 from pdserve.router import limits
 from pdserve.router.dashboard import add_dashboard
 from pdserve.router.eager import run_now
+from pdserve.router.http_auth import ApiKeyAuth, tenant_of
 from pdserve.router.http_fast import FastDoor
 from pdserve.router.http_limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from pdserve.router.metrics import Metrics, RequestTimer
@@ -30,6 +31,8 @@ from pdserve.router.openai_protocol import (CHAT, COMPLETIONS, GENERATION_ENDPOI
                                             CompletionRequest, ErrorBody)
 from pdserve.router.openai_responses import (DONE_EVENT, ChatShape, CompletionShape, ResponseShape, sse_event,
                                              token_usage)
+from pdserve.router.rate_limits import RateLimited
+from pdserve.router.tenants import Admission, Tenants
 from pdserve.router.types import (Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingCore,
                                   ServingError, off_loop)
 
@@ -45,13 +48,13 @@ class ApiError(Exception):
     """A request the front end answers with an error: HTTP status plus OpenAI's error fields."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, kind: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def _as_api_error(exc: Exception) -> ApiError:
@@ -60,6 +63,8 @@ def _as_api_error(exc: Exception) -> ApiError:
         return exc
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, RateLimited):  # OpenAI's 429: its type names the limit, "requests" or "tokens"
+        return ApiError(429, str(exc), code="rate_limit_exceeded", headers=exc.headers, kind=exc.limit)
     if isinstance(exc, NoCapacityError):
         retry = str(max(1, math.ceil(exc.retry_after_s)))
         return ApiError(503, f"no capacity: {exc}; retry after {retry} s", code="no_capacity",
@@ -223,9 +228,11 @@ class _EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(self, wakes: _Wakes, first: list[Delta], shape: ResponseShape, timer: RequestTimer,
-                 prompt_tokens: int, presence: _Presence, direct: _DirectSSE):
+                 prompt_tokens: int, presence: _Presence, direct: _DirectSSE, headers: dict[str, str] | None):
         self.status_code, self.background = 200, None
         self.raw_headers = _EVENT_STREAM_HEADERS
+        if headers:  # a key's x-ratelimit-* headers
+            self.raw_headers += tuple((k.encode(), v.encode()) for k, v in headers.items())
         self.wakes, self.first, self.shape, self.timer, self.prompt_tokens = wakes, first, shape, timer, prompt_tokens
         self.presence, self.direct = presence, direct
 
@@ -278,8 +285,10 @@ class _EventStream(Response):
 
 
 async def _serve(receive: Receive, core: ServingCore, metrics: Metrics, shape: ResponseShape,
-                 req: GenerateRequest, stream: bool) -> Response:
-    timer = metrics.request_started(shape.endpoint, len(req.prompt_ids))
+                 req: GenerateRequest, stream: bool, admission: Admission | None = None) -> Response:
+    """admission: the request's charge under its API key, settled when the request ends (the timer's end)."""
+    timer = metrics.request_started(shape.endpoint, len(req.prompt_ids), admission and admission.end)
+    headers = admission.headers if admission else None
     direct = _DirectSSE(shape, timer) if stream else None
     wakes = _Wakes(core.generate(req, direct), timer)
     presence = _Presence(receive)
@@ -294,14 +303,15 @@ async def _serve(receive: Receive, core: ServingCore, metrics: Metrics, shape: R
     except BaseException:
         presence.close()
         await wakes.aclose()
+        timer.refused()
         raise
     if not stream:
         presence.close()
         await wakes.aclose()
         timer.finished(200)
         num_tokens = sum(len(d.token_ids) for d in result)
-        return JSONResponse(shape.response(result, token_usage(len(req.prompt_ids), num_tokens)))
-    return _EventStream(wakes, result, shape, timer, len(req.prompt_ids), presence, direct)
+        return JSONResponse(shape.response(result, token_usage(len(req.prompt_ids), num_tokens)), headers=headers)
+    return _EventStream(wakes, result, shape, timer, len(req.prompt_ids), presence, direct, headers)
 
 
 async def _tokenize(core: ServingCore, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
@@ -351,19 +361,32 @@ def _check_model(core: ServingCore, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-async def complete(core: ServingCore, metrics: Metrics, body: CompletionRequest, receive: Receive) -> Response:
-    """POST /v1/completions; `receive` is the request's, its body read (it then tells of a disconnect)."""
+def _admit(tenants: Tenants | None, scope: Scope, prompt_tokens: int, max_tokens: int, prompt_param: str,
+           max_tokens_param: str) -> Admission | None:
+    """The request charged to its API key's limits (RateLimited: 429); None without keys."""
+    tenant = tenant_of(scope)
+    if tenant is None:
+        return None
+    return tenants.admit(tenant, prompt_tokens, max_tokens, prompt_param, max_tokens_param)
+
+
+async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None, body: CompletionRequest,
+                   scope: Scope, receive: Receive) -> Response:
+    """POST /v1/completions; `receive` is the request's, its body read (it then tells of a disconnect);
+    `scope` its ASGI scope, which holds its API key's tenant (http_auth.py) where keys are configured."""
     _check_model(core, body.model)
     prompt_ids = await _tokenize(core, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
     max_tokens = limits.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
     params = body.sampling_params(max_tokens, body.logprobs)
+    admission = _admit(tenants, scope, len(prompt_ids), max_tokens, "prompt", "max_tokens")
     rid = f"cmpl-{uuid.uuid4().hex}"
     shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
-    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, session=body.user), bool(body.stream))
+    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, session=body.user),
+                        bool(body.stream), admission)
 
 
-async def chat_complete(core: ServingCore, metrics: Metrics, body: ChatCompletionRequest,
-                        receive: Receive) -> Response:
+async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None, body: ChatCompletionRequest,
+                        scope: Scope, receive: Receive) -> Response:
     """POST /v1/chat/completions, as `complete`."""
     _check_model(core, body.model)
     text = await _chat_prompt(core, body)
@@ -374,41 +397,55 @@ async def chat_complete(core: ServingCore, metrics: Metrics, body: ChatCompletio
     max_tokens = limits.max_tokens(requested, param, None, len(prompt_ids), core.max_model_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(max_tokens, logprobs)
+    admission = _admit(tenants, scope, len(prompt_ids), max_tokens, "messages", param)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     shape = ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
-    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, session=body.user), bool(body.stream))
+    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, session=body.user),
+                        bool(body.stream), admission)
 
 
 # -- the app ------------------------------------------------------------------------------------
 
 
 def build_app(core: ServingCore, metrics: Metrics | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastDoor:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenants: Tenants | None = None) -> FastDoor:
     """The OpenAI-compatible app serving `core`: the FastAPI app (`.app`) behind its fast door
-    (http_fast.py), which admits the generation endpoints' everyday requests past FastAPI."""
+    (http_fast.py), which admits the generation endpoints' everyday requests past FastAPI.
+    tenants: the API keys every /v1 request must carry (http_auth.py) and their limits; None: open."""
     metrics = metrics or Metrics()
-    routes = {COMPLETIONS: (CompletionRequest, functools.partial(complete, core, metrics)),
-              CHAT: (ChatCompletionRequest, functools.partial(chat_complete, core, metrics))}
-    return FastDoor(_build_fastapi(core, metrics, max_body_bytes), routes,
-                    functools.partial(answer_error, metrics=metrics), max_body_bytes)
+    routes = {COMPLETIONS: (CompletionRequest, functools.partial(complete, core, metrics, tenants)),
+              CHAT: (ChatCompletionRequest, functools.partial(chat_complete, core, metrics, tenants))}
+    app = _build_fastapi(core, metrics, max_body_bytes, tenants)
+    # The door checks a key as the app's middleware does (the same check, the same answer).
+    guard = ApiKeyAuth(None, tenants, _refusal_counter(metrics)).admit if tenants is not None else None
+    return FastDoor(app, routes, functools.partial(answer_error, metrics=metrics), max_body_bytes, guard)
 
 
-def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int) -> FastAPI:
+def _refusal_counter(metrics: Metrics) -> Callable[[str, int], None]:
+    """on_refused(path, status) of the app's middlewares: a generation endpoint's refusal is counted."""
+    def on_refused(path: str, status: int) -> None:
+        if path in GENERATION_ENDPOINTS:
+            metrics.count_request(path, status)
+    return on_refused
+
+
+def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int, tenants: Tenants | None) -> FastAPI:
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggregated prefill/decode service")
     app.state.core, app.state.metrics = core, metrics
     created = int(time.time())  # /v1/models: when this server started serving the model
     _add_error_handlers(app, metrics)
-    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, on_refused=lambda path, status: (
-        metrics.count_request(path, status) if path in GENERATION_ENDPOINTS else None))
+    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, on_refused=_refusal_counter(metrics))
+    if tenants is not None:  # outermost (added last): a request without a valid key is refused first
+        app.add_middleware(ApiKeyAuth, tenants=tenants, on_refused=_refusal_counter(metrics))
     _document_errors(app)
 
     @app.post(COMPLETIONS, responses=_GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await complete(core, metrics, body, request.receive)
+        return await complete(core, metrics, tenants, body, request.scope, request.receive)
 
     @app.post(CHAT, responses=_GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await chat_complete(core, metrics, body, request.receive)
+        return await chat_complete(core, metrics, tenants, body, request.scope, request.receive)
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -445,9 +482,11 @@ def _model_card(core: ServingCore, created: int) -> dict:
 
 _GENERATION_ERRORS: dict = {
     400: {"model": ErrorBody, "description": "a field is missing or wrong; `param` names it"},
+    401: {"model": ErrorBody, "description": "no API key, or one not accepted (where keys are configured)"},
     404: {"model": ErrorBody, "description": "the model is not served here"},
     413: {"model": ErrorBody, "description": "the body is over router.max_request_bytes"},
     415: {"model": ErrorBody, "description": "the body is not JSON"},
+    429: {"model": ErrorBody, "description": "the API key is over a rate limit now (Retry-After, x-ratelimit-*)"},
     503: {"model": ErrorBody, "description": "no replica can take the request now (Retry-After when full)"},
 }
 
@@ -469,7 +508,7 @@ def _document_errors(app: FastAPI) -> None:
 
 
 # The errors the app's handlers answer; any other is answered with a 500 and raised again for the server's log.
-_EXPECTED_ERRORS = (ApiError, InvalidRequestError, NoCapacityError, ServingError)
+_EXPECTED_ERRORS = (ApiError, InvalidRequestError, NoCapacityError, ServingError, RateLimited)
 
 
 def _error_response(path: str, error: ApiError, metrics: Metrics) -> JSONResponse:

@@ -1,6 +1,8 @@
 """The HTTP app's fast door: a plain ASGI callable in front of the FastAPI app that admits the
 generation endpoints' requests itself when their body is a JSON object its model validates, and
-hands everything else to the app unchanged.
+hands everything else to the app unchanged. With API keys configured, a request's key is checked
+at the door (before its body is read) by the app's own check (http_auth.py), so a request the door
+takes meets it as one the app takes.
 
 On the router's one event loop, FastAPI's way in — its middleware stack, routing, dependency
 solving — cost a request about as much as all the rest of its admission and its first event, and
@@ -24,22 +26,26 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 # Content types taken at the door; others (and none) go to the app, which says what it accepts.
 _JSON = (b"application/json", b"application/json; charset=utf-8")
 
-Handle = Callable[[Any, Receive], Awaitable[Response]]  # (request model, receive) -> the response
+Handle = Callable[[Any, Scope, Receive], Awaitable[Response]]  # (request model, scope, receive) -> the response
 OnError = Callable[[str, Exception], tuple[Response, bool]]  # (path, error) -> the app's answer, raise after it?
+Guard = Callable[[Scope, Send], Awaitable[bool]]  # may the request pass? If not, the guard has answered it
 
 
 class FastDoor:
     def __init__(self, app: ASGIApp, routes: dict[str, tuple[type[BaseModel], Handle]], on_error: OnError,
-                 max_body_bytes: int):
+                 max_body_bytes: int, guard: Guard | None = None):
         self.app = app
         self.routes = routes
         self.on_error = on_error
         self.max_body_bytes = max_body_bytes
+        self.guard = guard  # the app's API-key check (http_auth.ApiKeyAuth.admit), or None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if route is None or not self._json_within_limit(scope["headers"]):
             return await self.app(scope, receive, send)
+        if self.guard is not None and not await self.guard(scope, send):
+            return
         read: list[Message] = []  # what was received of the body, replayed to the app if it gets the request
         size, more = 0, True
         while more:
@@ -62,7 +68,7 @@ class FastDoor:
         except Exception:  # not JSON or not valid: the app tries again, and its 400 says why
             return await self.app(scope, _replay(read, receive), send)
         try:
-            response = await handle(request, receive)
+            response = await handle(request, scope, receive)
         except Exception as e:
             response, unexpected = self.on_error(scope["path"], e)
             await response(scope, receive, send)

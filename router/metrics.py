@@ -1,6 +1,7 @@
 """The router's Prometheus metrics: request latencies from the front end, replica and KV figures from the Ray side."""
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
@@ -80,18 +81,34 @@ class Metrics:
                                       "prefix cache", ["replica"], registry=r)
         self.prefix_hits = LoopCounter("pdserve_prefix_cache_hits", "Prompt tokens a replica found in its prefix "
                                    "cache (of those looked up)", ["replica"], registry=r)
+        # Per API key (router/tenants.py), labelled by the key's name, never the key: what each tenant
+        # asked and got. Only with keys configured.
+        self.key_requests = LoopCounter("pdserve_api_key_requests", "Requests under each API key, by outcome: ok, "
+                                        "error, aborted (the client left), rate_limited (over a limit: 429; or "
+                                        "one that can never fit: 400)", ["key", "outcome"], registry=r)
+        self.key_prompt_tokens = LoopCounter("pdserve_api_key_prompt_tokens", "Prompt tokens of the requests "
+                                             "admitted under each API key", ["key"], registry=r)
+        self.key_generation_tokens = LoopCounter("pdserve_api_key_generation_tokens", "Tokens generated for each "
+                                                 "API key", ["key"], registry=r)
+        self.auth_failures = LoopCounter("pdserve_auth_failures", "Requests refused for want of a valid API key "
+                                         "(HTTP 401, gRPC UNAUTHENTICATED), by reason: missing, invalid", ["reason"],
+                                         registry=r)
         # The labelled series every request touches, looked up once: labels() costs more than the inc or
         # observe itself. (None of them is ever removed, so a cached one is never stale.)
         self._requests_by: dict[tuple[str, str], LoopCounter] = {}
         self._placed_by: dict[tuple[str, str], LoopCounter] = {}
         self._phase_by: dict[str, LoopHistogram] = {}
+        self._key_requests_by: dict[tuple[str, str], LoopCounter] = {}
+        self._key_tokens_by: dict[str, tuple[LoopCounter, LoopCounter]] = {}  # (prompt, generation)
 
     # -- front end ----------------------------------------------------------------------------
 
-    def request_started(self, endpoint: str, num_prompt_tokens: int) -> "RequestTimer":
-        """A timer for one request handed to the core; it records TTFT, ITL, E2E and its final status."""
+    def request_started(self, endpoint: str, num_prompt_tokens: int,
+                        on_end: Callable[[int, str], None] | None = None) -> "RequestTimer":
+        """A timer for one request handed to the core; it records TTFT, ITL, E2E and its final status.
+        on_end(tokens generated, outcome) is called once when it ends (RequestTimer's outcomes)."""
         self.prompt_tokens.observe(num_prompt_tokens)
-        return RequestTimer(self, endpoint)
+        return RequestTimer(self, endpoint, on_end)
 
     def count_request(self, endpoint: str, status: int | str) -> None:
         """Count a request that ended without a timer (rejected before generation)."""
@@ -99,6 +116,28 @@ class Metrics:
         if (series := self._requests_by.get(key)) is None:
             series = self._requests_by[key] = self.requests.labels(*key)
         series.inc()
+
+    # -- API keys -------------------------------------------------------------------------------
+
+    def count_key_request(self, key: str, outcome: str) -> None:
+        """A request under the key named `key` ended: ok, error, aborted or rate_limited."""
+        if (series := self._key_requests_by.get((key, outcome))) is None:
+            series = self._key_requests_by[key, outcome] = self.key_requests.labels(key, outcome)
+        series.inc()
+
+    def count_key_tokens(self, key: str, prompt: int = 0, generation: int = 0) -> None:
+        """Prompt tokens admitted, or tokens generated, under the key named `key`."""
+        if (series := self._key_tokens_by.get(key)) is None:
+            series = self._key_tokens_by[key] = (self.key_prompt_tokens.labels(key),
+                                                 self.key_generation_tokens.labels(key))
+        if prompt:
+            series[0].inc(prompt)
+        if generation:
+            series[1].inc(generation)
+
+    def count_auth_failure(self, reason: str) -> None:
+        """A request without a valid key: reason "missing" or "invalid"."""
+        self.auth_failures.labels(reason).inc()
 
     # -- Ray side -----------------------------------------------------------------------------
 
@@ -195,9 +234,10 @@ class Metrics:
 class RequestTimer:
     """Timestamps of one request; `finished` or `aborted` records it once."""
 
-    def __init__(self, metrics: Metrics, endpoint: str):
+    def __init__(self, metrics: Metrics, endpoint: str, on_end: Callable[[int, str], None] | None = None):
         self.metrics = metrics
         self.endpoint = endpoint
+        self.on_end = on_end
         self.start = time.monotonic()
         self.last: float | None = None  # time of the latest token
         self.num_tokens = 0
@@ -228,6 +268,8 @@ class RequestTimer:
         self.metrics.e2e.observe(time.monotonic() - self.start)
         self.metrics.generation_tokens.observe(self.num_tokens)
         self.metrics.count_request(self.endpoint, status)
+        if self.on_end is not None:
+            self.on_end(self.num_tokens, "ok" if str(status) == "200" else "error")
 
     def aborted(self) -> None:
         """The client went away before the request finished."""
@@ -236,3 +278,13 @@ class RequestTimer:
         self.done = True
         self.metrics.count_abort("router")
         self.metrics.count_request(self.endpoint, CLIENT_CLOSED)
+        if self.on_end is not None:
+            self.on_end(self.num_tokens, "aborted")
+
+    def refused(self) -> None:
+        """The service refused the request before its first token (its error answer counts it)."""
+        if self.done:
+            return
+        self.done = True
+        if self.on_end is not None:
+            self.on_end(0, "refused")

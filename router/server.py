@@ -15,6 +15,8 @@ from pdserve.router.http_api import build_app
 from pdserve.router.listen import bind_listener, claim_shared
 from pdserve.router.metrics import Metrics
 from pdserve.router.ray_core import RayCore
+from pdserve.router.tenants import ApiKey, Tenants
+from pdserve.router.tls import grpc_credentials, uvicorn_options
 
 
 MEET_S = 10.0  # the workers a router introduces itself to answer within this (RouterStreams.meet)
@@ -28,18 +30,21 @@ async def _quietly(ref) -> None:
         pass
 
 
-def http_config(app) -> uvicorn.Config:
+def http_config(app, tls: dict | None = None) -> uvicorn.Config:
     """How a router serves its HTTP app: uvicorn (with httptools, its C parser), no lifespan, and no
     access log: at log level warning uvicorn writes none, but without this it still gathers each
-    request's address and path for it."""
-    return uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+    request's address and path for it. tls: uvicorn's ssl_* arguments (tls.uvicorn_options)."""
+    return uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, **(tls or {}))
 
 
 class Router:
-    def __init__(self, name: str, config: ClusterConfig, replicas: list[ReplicaChange], namespace: str):
+    def __init__(self, name: str, config: ClusterConfig, replicas: list[ReplicaChange], namespace: str,
+                 api_keys: list[ApiKey] | None = None):
         """replicas: every replica as it is now (prefill and decode ones, or colocated ones only);
-        the controller sends each later change (`apply`)."""
+        the controller sends each later change (`apply`). api_keys: the keys every request must
+        carry (`pdserve up` read them); none: the service is open."""
         self.name = name
+        self.api_keys = api_keys or []
         self.config = config
         self.replicas = replicas
         self.namespace = namespace
@@ -78,22 +83,29 @@ class Router:
                             cfg.kv_transfer.block_size)
         await self._meet(self.replicas)  # (their empty deliver reaches the core: after it is built)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
-        self.http = uvicorn.Server(http_config(build_app(self.core, self.metrics, cfg.router.max_request_bytes)))
+        # Each router enforces its share of a key's limits: the kernel spreads connections evenly over them.
+        tenants = Tenants(self.api_keys, cfg.router.replicas, self.metrics) if self.api_keys else None
+        tls = uvicorn_options(cfg.router.tls_certfile, cfg.router.tls_keyfile)
+        app = build_app(self.core, self.metrics, cfg.router.max_request_bytes, tenants)
+        self.http = uvicorn.Server(http_config(app, tls))
         self._tasks.append(asyncio.create_task(self.http.serve(sockets=sockets)))
         while not self.http.started:
             if self._tasks[-1].done():
                 self._tasks[-1].result()
                 raise RuntimeError(f"the HTTP server on {host}:{sockets[0].getsockname()[1]} did not start")
             await asyncio.sleep(0.05)
-        endpoints = {"http": f"http://{host}:{sockets[0].getsockname()[1]}"}
+        scheme = "https" if tls else "http"
+        endpoints = {"http": f"{scheme}://{host}:{sockets[0].getsockname()[1]}"}
         if shared:
-            endpoints["own"] = f"http://{host}:{sockets[1].getsockname()[1]}"
+            endpoints["own"] = f"{scheme}://{host}:{sockets[1].getsockname()[1]}"
         self.grpc = None
         if cfg.router.grpc_port is not None:
             from pdserve.router.grpc_server import start_grpc_server  # the `grpc` extra: only where asked for
 
             port = cfg.router.grpc_port if grpc_port is None else grpc_port
-            self.grpc = await start_grpc_server(self.core, port, host, shared=shared, first=grpc_port is None)
+            self.grpc = await start_grpc_server(self.core, port, host, shared=shared, first=grpc_port is None,
+                                                tenants=tenants, credentials=grpc_credentials(
+                                                    cfg.router.tls_certfile, cfg.router.tls_keyfile))
             endpoints["grpc"] = f"{host}:{self.grpc.port}"
         self.endpoints = endpoints
         heap.settle()  # everything built: the collector leaves it be (heap.py)

@@ -83,7 +83,8 @@ class Served:
     """An ASGI app served by uvicorn on a thread, on a socket bound here to port 0 and handed over
     (no port is picked and freed for another test to take). `url` once it listens; `stop()`."""
 
-    def __init__(self, app, timeout_s: float = 30.0):
+    def __init__(self, app, timeout_s: float = 30.0, **config):
+        """config: more uvicorn.Config arguments (ssl_certfile and ssl_keyfile: served over HTTPS)."""
         import socket
         import time
 
@@ -91,14 +92,15 @@ class Served:
 
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", **config))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        scheme = "https" if config.get("ssl_certfile") else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.sock.getsockname()[1]}"
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -2,7 +2,8 @@
 took before it: the same requests, over real HTTP, to two servers over one engine, must get the same
 status, headers and bytes (ids and timestamps aside), count the same in /metrics, and the door must
 take the requests its model validates and hand every other one to the app. A client leaving is
-noticed on both ways in."""
+noticed on both ways in; with API keys, a missing or wrong key (401) and a key over its limit (429)
+are answered alike on both."""
 
 import json
 import math
@@ -21,6 +22,7 @@ from pdserve.router.http_api import build_app
 from pdserve.router.http_fast import FastDoor
 from pdserve.router.metrics import Metrics
 from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.tenants import ApiKey, Tenants, key_digest
 from pdserve.router.types import Delta, NoCapacityError, ServingError
 from local_core import LocalCore, Served
 from test_http_api import BAD, MODEL, OK, OK_CHAT, PROMPT
@@ -125,7 +127,9 @@ def exchange(url: str, path: str, body, headers: dict | list | None = None) -> t
     content = body() if callable(body) else body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(url + path, content=content, timeout=60,
                    headers={"content-type": "application/json"} if headers is None else headers)
-    kept = {k: r.headers.get(k) for k in ("content-type", "content-length", "retry-after", "cache-control")}
+    kept = {k: r.headers.get(k) for k in ("content-type", "content-length", "retry-after", "cache-control",
+                                          "www-authenticate", "x-ratelimit-limit-requests",
+                                          "x-ratelimit-remaining-requests")}
     return r.status_code, kept, _VARYING.sub(rb'"\1": "-"', r.content)
 
 
@@ -231,6 +235,61 @@ def test_a_client_leaving_aborts_its_request(pair, side):
     while core._streams and time.monotonic() < deadline:  # both closed in the core: aborted there
         time.sleep(0.1)
     assert not core._streams
+
+
+# -- API keys: the same check on both ways in ----------------------------------------------------
+
+KEYS = [ApiKey("alpha", key_digest("sk-alpha"), requests_per_minute=1), ApiKey("beta", key_digest("sk-beta"))]
+
+
+@pytest.fixture(scope="module")
+def keyed(pair):
+    """As `pair`, over its core, with API keys: each server's Tenants (and buckets) its own."""
+    core = pair[3]
+    door_metrics, app_metrics = Metrics(), Metrics()
+    door = build_app(core, door_metrics, MAX_BODY, Tenants(KEYS, metrics=door_metrics))
+    counting = door.app = Counting(door.app)
+    servers = [Served(door), Served(build_app(core, app_metrics, MAX_BODY, Tenants(KEYS, metrics=app_metrics)).app)]
+    try:
+        yield servers[0].url, servers[1].url, counting, core, door_metrics, app_metrics
+    finally:
+        for served in servers:
+            served.stop()
+
+
+def key_counts(metrics: Metrics) -> dict:
+    """Per-key requests and tokens, and the refusals for want of a key."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for counter in (metrics.key_requests, metrics.key_prompt_tokens, metrics.key_generation_tokens,
+                            metrics.auth_failures)
+            for family in counter.collect() for s in family.samples if s.name.endswith("_total")}
+
+
+def test_a_key_is_checked_and_limited_alike_on_both_ways_in(keyed):
+    json_type = {"content-type": "application/json"}
+    body, chat = OK | {"max_tokens": 2, "temperature": 0}, OK_CHAT | {"max_tokens": 2, "temperature": 0}
+    cases = [("/v1/completions", body), ("/v1/chat/completions", chat), ("/v1/completions", OK | {"max_tokens": 0})]
+    for auth in ({}, {"authorization": "Basic c2stYmV0YQ=="}, {"authorization": "Bearer sk-gamma"},
+                 {"authorization": "Bearer"}):
+        # Refused at the door, before its body is read: a bad body too is a 401 first.
+        assert same_answers(keyed, cases, headers=json_type | auth) == [(401, False)] * 3
+        # What the door does not take, the app refuses alike.
+        assert same_answers(keyed, [("/v1/completions", json.dumps(body).encode())],
+                            headers={"content-type": "text/plain"} | auth) == [(401, True)]
+    beta = json_type | {"authorization": "Bearer sk-beta"}
+    assert same_answers(keyed, cases, headers=beta) == [(200, False), (200, False), (400, False)]
+    assert same_answers(keyed, [("/v1/completions", json.dumps(body).encode())],
+                        headers={"content-type": "text/plain", "authorization": "Bearer sk-beta"}) == [(415, True)]
+    alpha = json_type | {"authorization": "Bearer sk-alpha"}  # one request a minute
+    assert same_answers(keyed, [("/v1/completions", body)] * 3 + [("/v1/chat/completions", chat)],
+                        headers=alpha) == [(200, False)] + [(429, False)] * 3
+    assert same_answers(keyed, [("/v1/completions", lambda: iter([b"{", json.dumps(body).encode()[1:]]))],
+                        headers=alpha) == [(429, True)]  # chunked: the app reads it, and refuses it alike
+    door_metrics, app_metrics = keyed[4], keyed[5]
+    assert key_counts(door_metrics) == key_counts(app_metrics)
+    assert door_metrics.registry.get_sample_value("pdserve_api_key_requests_total",
+                                                  {"key": "alpha", "outcome": "rate_limited"}) == 4
+    assert door_metrics.registry.get_sample_value("pdserve_auth_failures_total", {"reason": "missing"}) == 12
 
 
 # -- the door's JSON parser against the app's ------------------------------------------------------

@@ -38,6 +38,8 @@ def up(path: str | None) -> int:
     cfg = load_cluster_config(path)
     _check_model(cfg)
     _check_extras(cfg)
+    _check_tls(cfg)
+    api_keys = _api_keys(cfg)
     if cfg.ray.address == "local":  # the router will listen on this host: a taken port fails now, not after loading
         from pdserve.router.listen import check_free
 
@@ -68,7 +70,8 @@ def up(path: str | None) -> int:
     # where `pdserve up` runs (on KubeRay, the head pod, which the Service points at).
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     controller = ray.remote(Controller).options(name=CONTROLLER, lifetime="detached", num_cpus=0,
-                                                max_concurrency=8, scheduling_strategy=here).remote(cfg, cluster_token())
+                                                max_concurrency=8, scheduling_strategy=here).remote(
+        cfg, cluster_token(), api_keys)
     # Ctrl-C stops the cluster even where SIGINT arrives ignored: a shell starts background jobs
     # (`pdserve up &` in a script) with SIGINT ignored, and Python then never raises KeyboardInterrupt.
     signal.signal(signal.SIGINT, _interrupt)
@@ -141,6 +144,25 @@ def _check_extras(cfg: ClusterConfig) -> None:
     if cfg.router.grpc_port is not None and importlib.util.find_spec("grpc_health") is None:
         raise ValueError("router.grpc_port: the gRPC front end needs the grpc packages: pip install "
                          "'pdserve[grpc]', or set router.grpc_port: null")
+
+
+def _check_tls(cfg: ClusterConfig) -> None:
+    """Fail before anything starts when the TLS files cannot serve (missing, not a pair)."""
+    if cfg.router.tls_certfile:
+        from pdserve.router.tls import check_tls
+
+        check_tls(cfg.router.tls_certfile, cfg.router.tls_keyfile)
+
+
+def _api_keys(cfg: ClusterConfig) -> list:
+    """The API keys (router.api_keys_file, PDSERVE_API_KEYS), checked before anything starts, as the
+    routers take them (ApiKey: names, hashes and limits; the keys themselves stay here). Empty: no keys."""
+    from pdserve.router.tenants import ENV_VAR, load_api_keys
+
+    keys = load_api_keys(cfg.router.api_keys_file, os.environ.get(ENV_VAR), cfg.router.replicas)
+    if keys:
+        _log(f"{len(keys)} API key{'s' if len(keys) > 1 else ''}: " + ", ".join(k.name for k in keys))
+    return keys
 
 
 def _wait_started(controller) -> dict[str, str]:

@@ -37,8 +37,10 @@ __all__ = ["CONTROLLER", "NAMESPACE", "Controller"]
 
 
 class Controller:
-    def __init__(self, config: ClusterConfig, cluster_token: str | None = None):
+    def __init__(self, config: ClusterConfig, cluster_token: str | None = None, api_keys: list | None = None):
+        """api_keys: the routers' API keys (router/tenants.py ApiKey: names, hashes, limits); none: open."""
         self.config = config
+        self.api_keys = api_keys or []
         self.state = "starting"
         self.progress: list[str] = []
         self.endpoints: dict[str, str] = {}
@@ -159,7 +161,7 @@ class Controller:
         name = worker_name(slot, generation)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         handle = ray.remote(Router).options(name=name, num_cpus=0, scheduling_strategy=here).remote(
-            name, self.config, [inc.change() for inc in self.replicas.values()], NAMESPACE)
+            name, self.config, [inc.change() for inc in self.replicas.values()], NAMESPACE, self.api_keys)
         try:
             ends = ray.get(handle.start.remote(shared, self._ports.get("http"), self._ports.get("grpc")),
                            timeout=ROUTER_START_S)
