@@ -370,6 +370,17 @@ def _admit(tenants: Tenants | None, scope: Scope, prompt_tokens: int, max_tokens
     return tenants.admit(tenant, prompt_tokens, max_tokens, prompt_param, max_tokens_param)
 
 
+SESSION_HEADER = b"x-session-id"
+
+
+def _session(body, scope: Scope) -> str | None:
+    """A conversation's key for routing affinity: the `x-session-id` header, else OpenAI's `user`."""
+    for name, value in scope.get("headers", ()):
+        if name == SESSION_HEADER:
+            return value.decode("latin-1")[:512]
+    return body.user
+
+
 async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None, body: CompletionRequest,
                    scope: Scope, receive: Receive) -> Response:
     """POST /v1/completions; `receive` is the request's, its body read (it then tells of a disconnect);
@@ -381,7 +392,7 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
     admission = _admit(tenants, scope, len(prompt_ids), max_tokens, "prompt", "max_tokens")
     rid = f"cmpl-{uuid.uuid4().hex}"
     shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
-    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, session=body.user),
+    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, session=_session(body, scope)),
                         bool(body.stream), admission)
 
 
@@ -400,7 +411,7 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
     admission = _admit(tenants, scope, len(prompt_ids), max_tokens, "messages", param)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     shape = ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
-    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, session=body.user),
+    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, session=_session(body, scope)),
                         bool(body.stream), admission)
 
 

@@ -243,6 +243,20 @@ def test_chat_logprobs(served):
 # -- the other endpoints ------------------------------------------------------------------------
 
 
+def test_a_session_is_named_by_its_header_or_by_user(served):
+    """Routing affinity's key (router/ray_core.py): the x-session-id header, else OpenAI's `user`."""
+    body = {"model": "tiny-moe", "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    chat = {"model": "tiny-moe", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "user": "u-2"}
+    for path, b, headers, want in [("/v1/completions", body, {}, None),
+                                   ("/v1/completions", {**body, "user": "u-1"}, {}, "u-1"),
+                                   ("/v1/completions", {**body, "user": "u-1"}, {"x-session-id": "s-9"}, "s-9"),
+                                   ("/v1/chat/completions", chat, {}, "u-2")]:
+        assert post(served, path, b, headers=headers).status_code == 200
+        assert served.core.sessions[-1] == want, (path, b, headers)
+    r = post(served, "/v1/completions", {**body, "user": "x" * 513})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "user"
+
+
 def test_models(served):
     models = served.client.models.list().data
     assert [m.id for m in models] == [MODEL]
