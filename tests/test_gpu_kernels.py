@@ -937,12 +937,17 @@ def deepseek_moe_args(routing: str):
 @pytest.mark.parametrize("routing", ["v2-lite", "v3"])
 @pytest.mark.parametrize("tokens", pick([1, 5, 64, 600, 4096], [1, 3, 17]))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_deepseek_moe_folded_shared_experts(routing, tokens, dtype):
+@pytest.mark.parametrize("apart", [False, True], ids=["in-kernel", "apart"])
+def test_deepseek_moe_folded_shared_experts(routing, tokens, dtype, apart, monkeypatch):
     """A DeepSeek MoE layer on the GPU path — routing in one launch (TritonMoE.grouped_route), the
     shared experts folded into the routed experts' call (fold_shared_experts), whichever kernel
-    the batch takes (GEMV, fused, grouped_mm) — against the reference layer (TorchMoE, grouped_route,
-    the shared MLP apart) upcast."""
+    the batch takes (GEMV, fused, grouped_mm), or from SHARED_APART_TOKENS on run apart as dense
+    GEMMs on their folded weights — against the reference layer (TorchMoE, grouped_route, the
+    shared MLP apart) upcast."""
+    from pdserve.models import deepseek
     from pdserve.models.deepseek import DeepseekMoE
+
+    monkeypatch.setattr(deepseek, "SHARED_APART_TOKENS", 1 if apart else 1 << 30)
 
     args = deepseek_moe_args(routing)
     g = gen(31)

@@ -5,6 +5,7 @@ noaux_tc with the learned e_score_correction_bias), weights times routed_scaling
 on the rope part of q and of the shared key, with mscale in the softmax scale.
 """
 
+import os
 import re
 
 import torch
@@ -17,6 +18,11 @@ from pdserve.models.layers import GatedMLP, SparseMoE
 from pdserve.models.mla import MLAttention
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
+# From this many tokens on, folded shared experts run apart from the routed ones, as dense GEMMs over
+# every token: in the fused kernel each tile of BLOCK_M rows reads the shared weights again (at a
+# decode batch of 256, 16 reads of 35 MB a layer for DeepSeek-V2-Lite, half again the routed
+# experts' own traffic). Below it the fold saves the launches. (Env: to measure both ways.)
+SHARED_APART_TOKENS = int(os.environ.get("PDSERVE_SHARED_APART_TOKENS", "128"))
 # Hub and transformers names -> ours: the block's shared experts are one MLP `shared_expert` (as
 # Qwen2-MoE's, without its gate), the router's bias lives beside the experts.
 _RENAMES = [
@@ -38,12 +44,25 @@ class DeepseekMoE(SparseMoE):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(args.num_experts, dtype=torch.float32))
         self.gate_weight_f32: torch.Tensor | None = None  # the router's weight in float32, once folded
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> weights, ids [T, k (+ the shared slots, once folded)]."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.num_shared_slots
+        if not n or self.exchange is not None or x.shape[0] < SHARED_APART_TOKENS:
+            return super().forward(x)
+        weights, ids = self.route(x, shared=False)
+        out = self.backend.forward(x, self.w13, self.w2, weights, ids)
+        e = self.w13.shape[0] - n  # the shared slots: w13 [n, 2I, H], w2 [n, H, I] after the routed ones
+        gate_up = torch.matmul(x, self.w13[e:].transpose(1, 2))  # [n, T, 2I]: each slot's weights read once
+        i = gate_up.shape[-1] // 2
+        act = (F.silu(gate_up[..., :i].float()) * gate_up[..., i:].float()).to(x.dtype)
+        out += torch.matmul(act, self.w2[e:].transpose(1, 2)).sum(0, dtype=torch.float32).to(x.dtype)
+        return out if self.tp is None else self.tp.all_reduce(out.contiguous())
+
+    def route(self, x: torch.Tensor, shared: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> weights, ids [T, k (+ the shared slots, once folded, unless not `shared`)]."""
         # The router's logits in float32 from float32 inputs, as transformers computes them.
         w = self.gate.weight.float() if self.gate_weight_f32 is None else self.gate_weight_f32
         logits = F.linear(x.float(), w)
-        return self.backend.grouped_route(logits, self.top_k, num_shared=self.num_shared_slots,
+        return self.backend.grouped_route(logits, self.top_k, num_shared=self.num_shared_slots if shared else 0,
                                           scoring=self.scoring, method=self.topk_method,
                                           n_group=self.n_group, topk_group=self.topk_group,
                                           correction_bias=self.e_score_correction_bias,

@@ -1,0 +1,122 @@
+"""Routing policies on a multi-turn workload: prefill tokens computed, KV bytes moved, TTFT.
+
+    python -m pdserve.benchmarks.prefix_routing                       # CPU: tiny-moe, 2 prefill + 2 decode
+    python -m pdserve.benchmarks.prefix_routing --rate 2 --num-prompts 96 --turns 6 --json out.json
+    python -m pdserve.benchmarks.prefix_routing --cluster FILE.yaml   # another cluster (its policy is replaced)
+
+For each of `prefix-aware`, `kv-aware` and `round-robin` in turn: `pdserve up` of the same cluster
+with router.policy set, `pdserve bench --workload multi-turn` against it (the same seeded sessions
+for every policy: sessions of --turns turns over a shared --prefix-len system prompt, each turn
+--input-len new tokens and an answer of --output-len, Poisson session starts at --rate / --turns),
+then the cluster's counters from the router's /metrics: prompt tokens the prefill replicas
+computed (looked up less found in their prefix caches), KV bytes moved from prefill to decode, and
+decode blocks reused. Each policy's figures are then given against kv-aware's, measured in the same
+run. A table last."""
+
+import argparse
+import asyncio
+import datetime
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.benchmarks.load.records import Slo, Workload
+from pdserve.benchmarks.load.sweep import run_sweep
+from pdserve.benchmarks.up_process import UpProcess
+
+POLICIES = ("prefix-aware", "kv-aware", "round-robin")
+DEFAULT_CLUSTER = {
+    "model": {"path": "tiny-moe"},
+    "router": {"host": "127.0.0.1", "http_port": 0, "grpc_port": None},
+    "prefill": {"replicas": 2, "num_kv_blocks": 1024},
+    "decode": {"replicas": 2, "num_kv_blocks": 1024},
+}
+
+
+def log(msg: str) -> None:
+    print(f"[prefix_routing] {msg}", flush=True)
+
+
+def counters(url: str) -> dict[str, float]:
+    out = {"computed": 0.0, "moved": 0.0, "reused_blocks": 0.0}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in family.samples:
+            prefill = s.labels.get("role") == "prefill" or "prefill" in s.labels.get("replica", "")
+            if s.name == "pdserve_prefix_cache_queries_total" and prefill:
+                out["computed"] += s.value
+            elif s.name == "pdserve_prefix_cache_hits_total" and prefill:
+                out["computed"] -= s.value
+            elif s.name == "pdserve_kv_bytes_moved_total":
+                out["moved"] += s.value
+            elif s.name.startswith("pdserve_kv_blocks_reused") and s.name.endswith("_total"):
+                out["reused_blocks"] += s.value
+    return out
+
+
+def run_policy(policy: str, cluster: dict, workload: Workload, rate: float, log_dir: Path) -> dict:
+    cfg = json.loads(json.dumps(cluster))
+    cfg.setdefault("router", {})["policy"] = policy
+    path = log_dir / f"{policy}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    up = UpProcess(path, log_dir / f"pdserve-up.{policy}.log")
+    try:
+        url = up.wait_healthy(None, 300, progress=lambda m: log(f"{policy}: {m}"))
+        log(f"{policy}: serving at {url}")
+        before = counters(url)
+        sweep = asyncio.run(run_sweep(url, [rate], workload, Slo(), log=lambda m: log(f"{policy}: {m}")))
+        time.sleep(1.5)  # the router's stats polls (every 0.5 s) bring the replicas' last counts
+        after = counters(url)
+    finally:
+        code, how = up.stop(60)
+        log(f"{policy}: stopped ({how}, exit {code})")
+    s = sweep.runs[0].summary
+    return {"policy": policy, "completed": s.completed, "failed": s.failed,
+            "ttft_p50_ms": s.ttft_ms.p50, "ttft_p90_ms": s.ttft_ms.p90,
+            **{k: after[k] - before[k] for k in after}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cluster", help="a cluster.yaml (default: tiny-moe on CPU, 2 prefill + 2 decode)")
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    ap.add_argument("--rate", type=float, default=2.0, help="requests/s (sessions start at rate / turns)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--prefix-len", type=int, default=256, help="the shared system prompt")
+    ap.add_argument("--input-len", type=int, default=64, help="each turn's new user tokens")
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--think-time", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    cluster = yaml.safe_load(Path(a.cluster).read_text()) if a.cluster else DEFAULT_CLUSTER
+    workload = Workload(a.input_len, a.output_len, a.num_prompts, seed=a.seed, warmup=0, kind="multi-turn",
+                        prefix_len=a.prefix_len, turns=a.turns, think_s=a.think_time)
+    log_dir = Path(tempfile.mkdtemp(prefix="prefix-routing-"))
+    rows = [run_policy(p, cluster, workload, a.rate, log_dir) for p in a.policies]
+    ref = next((r for r in rows if r["policy"] == "kv-aware"), rows[0])
+
+    def ratio(r, k):
+        return r[k] / ref[k] if ref[k] else float("nan")
+
+    print(f"\nmulti-turn: {a.num_prompts} requests, {a.turns} turns, system {a.prefix_len}, input {a.input_len}, "
+          f"output {a.output_len}, think {a.think_time} s, rate {a.rate}/s; ratios against {ref['policy']}")
+    print(f"{'policy':13} {'ok':>4} {'TTFT p50':>9} {'p90':>9} {'p90 x':>6} {'computed':>9} {'x':>5} "
+          f"{'KV MB moved':>11} {'x':>5} {'reused blk':>10}")
+    for r in rows:
+        print(f"{r['policy']:13} {r['completed']:>4} {r['ttft_p50_ms']:>9.1f} {r['ttft_p90_ms']:>9.1f} "
+              f"{ratio(r, 'ttft_p90_ms'):>6.2f} {r['computed']:>9.0f} {ratio(r, 'computed'):>5.2f} "
+              f"{r['moved'] / 1e6:>11.2f} {ratio(r, 'moved'):>5.2f} {r['reused_blocks']:>10.0f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                                            "args": vars(a), "cluster": cluster, "rows": rows}, indent=1))
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
