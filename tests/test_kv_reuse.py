@@ -65,6 +65,10 @@ def test_a_reservation_takes_the_cached_prefix_and_gives_every_reference_back():
     assert decode.reserve("d", first[:32] + ids(60, 4), params) is None
     assert "d" not in decode.seqs and [pool.ref_counts[b] for b in held] == [2, 2]
     assert pool.num_free_blocks == 3
+    # A resumed request (a migrated one): its output_ids' blocks are looked up with its prompt's.
+    resumed = decode.reserve("e", first[:20], SamplingParams(max_tokens=32), output_ids=first[20:36] + [5])
+    assert resumed.block_ids[:2] == held and len(resumed.new_block_ids) == 1
+    decode.abort("e")
     decode.abort("c")  # a reservation dropped: its own block freed, its cached ones' references dropped
     assert [pool.ref_counts[b] for b in held] == [1, 1]
     finish("b", 9)
