@@ -79,6 +79,7 @@ class DecodeWorker(Replica):
 
     def stats(self) -> ReplicaStats:
         s = super().stats()
+        s.kv_blocks_reused, s.kv_bytes_received = self.intake.blocks_reused, self.intake.bytes_received
         if self.ep is not None:
             with self.loop.lock:  # not halfway through a step's counting
                 s.expert_tokens, s.expert_tokens_step = self.ep.exchange.expert_load()

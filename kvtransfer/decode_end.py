@@ -77,9 +77,10 @@ class DecodeConnector:
         return peer.engine_id
 
     def reserve(self, request_id: str, block_ids: list[int], lease_s: float,
-                prefill_id: str | None = None) -> ReserveHandle:
-        """Open a lease on blocks the engine reserved; the handle goes to the prefill worker."""
-        handle = ReserveHandle(request_id, self.meta.engine_id, list(block_ids), lease_s)
+                prefill_id: str | None = None, cached_blocks: int = 0) -> ReserveHandle:
+        """Open a lease on blocks the engine reserved (those to write, after the `cached_blocks`
+        leading ones it holds already); the handle goes to the prefill worker."""
+        handle = ReserveHandle(request_id, self.meta.engine_id, list(block_ids), lease_s, cached_blocks)
         self._leases[request_id] = _Lease(handle, prefill_id)
         return handle
 

@@ -15,6 +15,12 @@ FirstLogprob = tuple[float, list[tuple[int, float]]]
 class ReserveHandle:
     """Where a request's KV goes: the decode engine, its block ids, and how long the lease lasts.
 
+    The decode engine may hold the KV of the request's first blocks already (its prefix cache: an
+    earlier turn of the conversation): `cached_blocks` says how many, and `block_ids` lists only
+    the blocks after them, the ones to write: the request's block i (counting from its first) goes
+    to block_ids[i - cached_blocks]. Cached blocks are shared with other requests on the decode
+    side, so the prefill end is not given their ids at all: none of its writes can land there.
+
     The lease crosses as a length, never as a time: the two ends run on different hosts, and a
     wall-clock deadline made on one and read on the other is off by their clocks' skew. Each end
     counts the length on its own monotonic clock from `start`, when it made (decode end) or received
@@ -22,8 +28,9 @@ class ReserveHandle:
 
     request_id: str
     engine_id: str  # the decode worker
-    block_ids: list[int]  # the same ids in every layer
+    block_ids: list[int]  # the blocks to write, the same ids in every layer
     lease_s: float  # after it the blocks are reclaimed on both sides
+    cached_blocks: int = 0  # the request's leading blocks the decode engine holds already
     start: float = field(default_factory=time.monotonic, compare=False)
 
     @property
@@ -31,9 +38,20 @@ class ReserveHandle:
         """The lease's end on this process's monotonic clock."""
         return self.start + self.lease_s
 
+    def destination(self, first: int, count: int) -> list[int]:
+        """The decode blocks of the request's blocks [first, first + count), all of them past the
+        cached ones."""
+        at = first - self.cached_blocks
+        dst = self.block_ids[at:at + count]
+        if at < 0 or len(dst) != count:
+            raise ValueError(f"{self.request_id}: blocks [{first}, {first + count}) are not the decode side's to "
+                             f"write (it holds {self.cached_blocks} cached, then reserved {len(self.block_ids)})")
+        return dst
+
     def pack(self) -> bytes:
         return msgpack.packb({"request_id": self.request_id, "engine_id": self.engine_id,
-                              "block_ids": self.block_ids, "lease_s": self.lease_s})
+                              "block_ids": self.block_ids, "lease_s": self.lease_s,
+                              "cached_blocks": self.cached_blocks})
 
     @classmethod
     def unpack(cls, data: bytes) -> "ReserveHandle":

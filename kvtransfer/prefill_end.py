@@ -63,15 +63,14 @@ class PrefillConnector:
     def send_layer(self, request_id: str, layer: int, src_blocks: list[int], handle: ReserveHandle,
                    first: int = 0) -> None:
         """Queue one layer's KV of the request's blocks [first, first + len(src_blocks)) for writing
-        into the same positions of the handle's blocks; returns at once."""
+        into the decode blocks the handle has for them (past its cached ones); returns at once."""
         self.send_layers(request_id, layer, 1, src_blocks, handle, first)
 
     def send_layers(self, request_id: str, first_layer: int, num_layers: int, src_blocks: list[int],
                     handle: ReserveHandle, first: int = 0) -> None:
         """send_layer for the layers [first_layer, first_layer + num_layers) at once: KV that is
         complete already (a whole request, a cached prefix) moves as one post."""
-        dst = handle.block_ids[first:first + len(src_blocks)]
-        assert len(dst) == len(src_blocks), "more blocks than the decode side reserved"
+        dst = handle.destination(first, len(src_blocks))
         src = list(src_blocks)
         nbytes = self.meta.num_planes * len(src) * num_layers * self.meta.bytes_per_block
         if self._inline is not None:

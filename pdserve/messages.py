@@ -93,8 +93,13 @@ class ReplicaStats:
     ranks: int = 1  # processes of the replica (an expert-parallel group has ep_size)
     pid: int = 0  # the worker's process (rank 0's for an expert-parallel group)
     held: int = 0  # requests the worker holds anything for (queued, running, streaming, KV in flight): 0 = drained
-    # What its steps cost by size, and its prefix-cache lookups (engine/step_profile.py; cumulative).
+    # What its steps cost by size, its prefix-cache lookups and the tokens it computed
+    # (engine/step_profile.py; cumulative).
     profile: dict = field(default_factory=dict)
+    # Decode: of the requests whose KV arrived (cumulative), the blocks found in this replica's own
+    # prefix cache (their KV did not move) and the KV bytes prefill replicas wrote into the others.
+    kv_blocks_reused: int = 0
+    kv_bytes_received: int = 0
 
     @classmethod
     def combine(cls, name: str, ranks: list["ReplicaStats"]) -> "ReplicaStats":
@@ -108,7 +113,12 @@ class ReplicaStats:
         return cls(name, ranks[0].role, total("running"), total("waiting"), total("free_blocks"),
                    total("total_blocks"), total("aborted"), held=total("held"), expert_tokens=per_expert("expert_tokens"),
                    expert_tokens_step=per_expert("expert_tokens_step"), ranks=len(ranks), pid=ranks[0].pid,
-                   profile=ranks[0].profile)  # the ranks step in lockstep: rank 0's steps are the group's
+                   # The ranks step in lockstep (rank 0's step costs are the group's), each
+                   # computing its own requests' tokens.
+                   profile={**ranks[0].profile, "tokens_computed": sum(r.profile.get("tokens_computed", 0)
+                                                                       for r in ranks)},
+                   kv_blocks_reused=total("kv_blocks_reused"),
+                   kv_bytes_received=total("kv_bytes_received"))
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 Installs itself as the engine's layer hook. A block is sent once, when it is full (or when it is
 the prompt's last block), so a chunked prefill never writes the same block twice: two writes of
-one block could land out of order.
+one block could land out of order. The leading blocks the decode engine holds already (its prefix
+cache: the handle's `cached_blocks`) are computed here as the rest (where this engine's own prefix
+cache does not hold them) but never sent.
 """
 
 from pdserve.engine.engine import Engine
@@ -29,7 +31,7 @@ class KVStreamer:
         `output_ids` are prefilled after the prompt, and their blocks streamed with its."""
         self.engine.add_request(request_id, prompt, params, output_ids)
         self.handles[request_id] = handle
-        self._sent[request_id] = 0
+        self._sent[request_id] = handle.cached_blocks  # the decode side has those
 
     def abort(self, request_id: str) -> None:
         """Stop a request here and on its decode worker; frees our blocks."""

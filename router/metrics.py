@@ -93,6 +93,17 @@ class Metrics:
         self.auth_failures = LoopCounter("pdserve_auth_failures", "Requests refused for want of a valid API key "
                                          "(HTTP 401, gRPC UNAUTHENTICATED), by reason: missing, invalid", ["reason"],
                                          registry=r)
+        # What "only new KV moves" saves (a decode reservation reuses the decode replica's own prefix
+        # cache; a prefill replica's prefix cache spares compute): the tokens each replica ran through
+        # its model, and per decode replica the blocks it reused and the KV bytes that came in.
+        self.tokens_computed = LoopCounter("pdserve_tokens_computed", "Tokens a replica ran through its model "
+                                           "(prompt and generated; prefix-cache hits are not computed): at a "
+                                           "prefill replica, the prompt tokens it computed", ["replica"], registry=r)
+        self.kv_blocks_reused = LoopCounter("pdserve_kv_blocks_reused", "KV blocks a decode replica's reservations "
+                                            "found in its own prefix cache: their KV did not move", ["replica"],
+                                            registry=r)
+        self.kv_bytes_received = LoopCounter("pdserve_kv_bytes_received", "KV cache bytes prefill replicas wrote "
+                                             "into a decode replica", ["replica"], registry=r)
         # The labelled series every request touches, looked up once: labels() costs more than the inc or
         # observe itself. (None of them is ever removed, so a cached one is never stale.)
         self._requests_by: dict[tuple[str, str], LoopCounter] = {}
@@ -194,6 +205,14 @@ class Metrics:
             self.prefix_queries.labels(replica=replica).inc(queries)
         if hits > 0:
             self.prefix_hits.labels(replica=replica).inc(hits)
+
+    def count_kv_savings(self, replica: str, tokens_computed: int, blocks_reused: int, bytes_received: int) -> None:
+        """Since the last report: tokens the replica computed, KV blocks it reused from its own prefix
+        cache and KV bytes it received (decode)."""
+        for counter, n in ((self.tokens_computed, tokens_computed), (self.kv_blocks_reused, blocks_reused),
+                           (self.kv_bytes_received, bytes_received)):
+            if n > 0:  # (a restarted replica counts from 0 again: its first report is all new)
+                counter.labels(replica=replica).inc(n)
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """One request spent `seconds` in `phase` (reserve, dispatch, first_token)."""

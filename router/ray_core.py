@@ -554,6 +554,9 @@ class RayCore:
         was = before.profile if before else {}
         self.metrics.count_prefix_cache(s.name, s.profile.get("prefix_queries", 0) - was.get("prefix_queries", 0),
                                         s.profile.get("prefix_hits", 0) - was.get("prefix_hits", 0))
+        self.metrics.count_kv_savings(s.name, s.profile.get("tokens_computed", 0) - was.get("tokens_computed", 0),
+                                      s.kv_blocks_reused - (before.kv_blocks_reused if before else 0),
+                                      s.kv_bytes_received - (before.kv_bytes_received if before else 0))
 
     def _count_down(self, name: str) -> None:
         """A replica went down: /metrics shows it down and drops its load figures (no stale gauges)."""

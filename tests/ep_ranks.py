@@ -129,3 +129,83 @@ def _generate(group, engine, requests: list[Request], tag: str) -> list[list[int
         step += 1
         if group_busy == IDLE:
             return [tokens[f"{tag}-{j}"] for j in range(len(requests))]
+
+
+def run_disaggregated(model: str, firsts: list[list[int]], news: list[list[int]], params: dict,
+                      timeout: float = 240) -> list[dict]:
+    """An expert-parallel decode replica fed by prefill engines: rank r (a process, gloo) serves
+    the conversation of firsts[r]: turn 1 that prompt, turn 2 it + turn 1's answer + news[r], each
+    reserved on the rank's own decode engine and prefilled by a prefill engine of its process through
+    the real connectors (loopback: kv_pair.py). Per rank: {"tokens": [turn 1's, turn 2's],
+    "cached_blocks": per turn, "blocks_reused", "free_blocks", "num_blocks"} (blocks at the end)."""
+    from pdserve.decode.ep_group import rendezvous_store
+
+    size = len(firsts)
+    store = rendezvous_store("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_disaggregated_rank, args=(r, size, store.port, model, firsts[r], news[r], params,
+                                                           results))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    try:
+        for _ in procs:
+            rank, value = results.get(timeout=timeout)
+            if isinstance(value, str):
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        del store
+    return [out[r] for r in range(size)]
+
+
+def _disaggregated_rank(rank: int, size: int, store_port: int, model: str, first: list[int], new: list[int],
+                        params: dict, results) -> None:
+    torch.set_num_threads(1)
+    try:
+        from kv_pair import loopback_pair
+        from pdserve.decode.ep_group import IDLE, RUNNING, EPGroup, EPRank
+        from pdserve.engine.engine import Engine
+        from pdserve.models import resolve_model_args
+
+        group = EPGroup(EPRank(rank, size, "127.0.0.1", store_port), resolve_model_args(model).num_experts,
+                        torch.device("cpu"))
+        config = EngineConfig(model=ModelConfig(path=model, dtype="float32"), num_kv_blocks=64)
+        decode = Engine(config.model_copy(update={"role": "decode"}), ep=group.exchange)
+        prefill = Engine(config.model_copy(update={"role": "prefill"}))
+        streamer, intake = loopback_pair(prefill, decode)
+        sampling = SamplingParams(**params)
+        tokens: list[list[int]] = []
+        cached: list[int] = []
+        prompt: list[int] | None = first
+        while True:  # every rank steps until the whole group is idle
+            if prompt is not None:
+                rid = f"turn{len(tokens)}"
+                handle = intake.reserve(rid, prompt, sampling)
+                cached.append(handle.cached_blocks)
+                streamer.add(rid, prompt, sampling, handle)
+                tokens.append([])
+                prompt = None
+            streamer.step()
+            assert intake.poll() == []
+            busy = RUNNING if streamer.busy() or intake.busy() or decode.has_unfinished() else IDLE
+            outputs, group_busy = group.step(decode, busy)
+            for o in outputs:
+                tokens[-1] += o.token_ids
+                if o.finished and len(tokens) == 1:  # the next turn: prompt + answer + new text
+                    prompt = first + tokens[0] + new
+            if group_busy == IDLE and prompt is None:
+                break
+        streamer.connector.close()
+        intake.connector.close()
+        group.close()
+        results.put((rank, {"tokens": tokens, "cached_blocks": cached, "blocks_reused": intake.blocks_reused,
+                            "free_blocks": decode.pool.num_free_blocks, "num_blocks": decode.pool.num_blocks}))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))

@@ -86,6 +86,8 @@ def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str, mo
                 results.clear()
             elif cmd == "delivered":  # (KV bytes, seconds) of each request delivered since the last call
                 conn.send(connector.delivered())
+            elif cmd == "profile":  # the engine's step profile (tokens computed, prefix-cache lookups)
+                conn.send(engine.profile.snapshot())
             elif cmd == "exit":
                 connector.close()
                 conn.send(None)
@@ -144,6 +146,9 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str, mod
                            engine.pool.num_free_blocks, idle))
                 tokens.clear()
                 failed.clear()
+            elif cmd == "counters":  # blocks reused from its prefix cache, KV bytes received; one block's bytes
+                conn.send((intake.blocks_reused, intake.bytes_received,
+                           engine.layout.bytes_per_token * engine.layout.block_size))
             elif cmd == "logprobs":  # each output's logprob entries, per request, since the last call
                 conn.send(dict(logprobs))
                 logprobs.clear()

@@ -91,7 +91,9 @@ def test_disaggregated_seam_equals_colocated(reference):
             outs += prefill.step()
         (first,) = outs
         assert first.finished and first.kv_block_ids
-        dst = decode.reserve(rid, p, GREEDY)
+        reserved = decode.reserve(rid, p, GREEDY)
+        assert reserved.cached_blocks == 0  # (prompts that share no block)
+        dst = reserved.block_ids
         assert len(dst) == len(first.kv_block_ids)
         decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, first.kv_block_ids]
         prefill.release(rid)

@@ -343,7 +343,7 @@ def test_a_handle_carries_the_leases_length_not_a_time_of_day():
     when it made or received the handle."""
     made = ReserveHandle("r", "decode-0", [3, 4], 30.0)
     assert msgpack.unpackb(made.pack()) == {"request_id": "r", "engine_id": "decode-0", "block_ids": [3, 4],
-                                            "lease_s": 30.0}
+                                            "lease_s": 30.0, "cached_blocks": 0}
     time.sleep(0.05)  # on its way
     got = ReserveHandle.unpack(made.pack())
     assert got == made and got.deadline - made.deadline >= 0.05

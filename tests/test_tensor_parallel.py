@@ -164,25 +164,37 @@ def test_colocated_tp2_replica_serves_what_tp1_generates(tmp_path):
     _serves_one_engines_text(tmp_path, 1, colocated={"replicas": 1, "tp_size": 2, "num_kv_blocks": 512})
 
 
-def _serves_one_engines_text(tmp_path, replicas: int, **sections) -> None:
-    """`pdserve up` with `sections` answers three prompts (openai client, greedy) with the text of one
-    unsharded tiny-moe engine, and its `replicas` replicas end with no KV block in use."""
+def _serves_one_engines_text(tmp_path, replicas: int, reuse: bool = False, **sections) -> None:
+    """`pdserve up` with `sections` answers four prompts (openai client, greedy) with the text of one
+    unsharded tiny-moe engine, and its `replicas` replicas end with no KV block in use. The last
+    prompt begins with the second: `reuse`, its decode replica (one rank) holds that prefix's
+    blocks already, so only the rest's KV moves (an EP replica reserves on the rank with the most
+    free blocks, which need not be the one holding them)."""
     import openai
+    from prometheus_client.parser import text_string_to_metric_families
 
     from pdserve.engine.engine import Engine
-    from serving_cluster import Cluster
+    from serving_cluster import Cluster, until
 
     reference = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=512))
     c = Cluster(tmp_path, **sections)
+    fox = "The quick brown fox jumps over the lazy dog. " * 3
     try:
         c.wait_ready()
         oa = openai.OpenAI(base_url=f"{c.url}/v1", api_key="unused", max_retries=0)
-        for prompt in ["Once upon a time", "The quick brown fox jumps over the lazy dog. " * 3, "x"]:
+        for prompt in ["Once upon a time", fox, "x", fox + "And then?"]:
             r = oa.completions.create(model="tiny-moe", prompt=prompt, max_tokens=12, temperature=0)
             want = reference.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].text
             assert r.choices[0].text == want, prompt
         stats = c.wait_idle()
         assert len(stats) == replicas and all(s["used"] == 0 for s in stats.values()), stats
+        if reuse:  # (the router's stats of the decode replica may predate the last request: polled)
+            def reused() -> float:
+                return sum(s.value for f in text_string_to_metric_families(c.metrics())
+                           for s in f.samples if s.name == "pdserve_kv_blocks_reused_total")
+
+            # The fox prompt's 8 full blocks (of its 135 byte tokens) were the decode side's already.
+            assert until(reused, 10, "the decode replica's reused blocks counted") == 8
     finally:
         assert c.stop() == 0, c.output()
 
@@ -207,5 +219,7 @@ def test_tp_size_config_errors_name_the_key(tmp_path):
 def test_tp2_prefill_feeds_any_decode_replica(tmp_path, decode):
     """A TP = 2 prefill replica (its KV staged whole on rank 0) hands requests to a one-rank decode
     replica and to an expert-parallel one over NIXL: greedy text equal to one colocated engine's,
-    every block back on every side."""
-    _serves_one_engines_text(tmp_path, 2, prefill={"replicas": 1, "tp_size": 2}, decode={"replicas": 1, **decode})
+    every block back on every side; a prompt whose prefix the one-rank decode replica holds moves
+    only the rest's KV from rank 0's staging cache."""
+    _serves_one_engines_text(tmp_path, 2, reuse=not decode, prefill={"replicas": 1, "tp_size": 2},
+                             decode={"replicas": 1, **decode})

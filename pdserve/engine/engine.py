@@ -8,11 +8,12 @@ decode:    `reserve` blocks, someone places the prompt's KV there, `start_decode
 
 import time
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
+from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes
 from pdserve.engine.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache, num_blocks_for
 from pdserve.engine.model_runner import PENDING, Launched, ModelRunner
 from pdserve.engine.outputs import Completion, RequestOutput, TextStream
@@ -31,6 +32,20 @@ def _torch_backends(attn_backend, moe_backend) -> bool:
     from pdserve.ops.moe import TorchMoE
 
     return isinstance(attn_backend, TorchAttention) and isinstance(moe_backend, TorchMoE)
+
+
+class Reservation(NamedTuple):
+    """A decode reservation's blocks: every block of the sequence, in order, the first
+    `cached_blocks` of them found in this engine's prefix cache (their KV is here already, shared
+    with whoever else uses them: nothing may write there); the KV of the rest is to be placed."""
+
+    block_ids: list[int]
+    cached_blocks: int
+
+    @property
+    def new_block_ids(self) -> list[int]:
+        """The blocks whose KV comes from outside: fresh, this reservation's alone."""
+        return self.block_ids[self.cached_blocks:]
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -247,25 +262,38 @@ class Engine:
     # -- disaggregation seam ------------------------------------------------------------------
 
     def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                output_ids: list[int] = ()) -> list[int] | None:
+                output_ids: list[int] = ()) -> Reservation | None:
         """Decode role: blocks for the KV of the prompt and of `output_ids` (a resumed request's
-        tokens so far; same ids in every layer), or None if full."""
+        tokens so far; same ids in every layer), or None if full. The longest prefix of full blocks
+        this engine's prefix cache holds is reused (a reference taken on each, as a colocated
+        admission does), so only the rest's KV has to come: a conversation's next turn moves only
+        its new tokens' KV. As in a colocated admission the last token is not looked up: at least
+        one block is always placed, and with it comes the finish that says the KV is complete."""
         seq = self._new_sequence(request_id, prompt, params, output_ids)
         busy = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._reserved)
+        cached: list[int] = []
         try:
             if busy >= self.config.max_num_seqs:
                 raise NoFreeBlocksError("no free sequence slot")
-            seq.block_ids = self.pool.allocate(-(-seq.num_tokens // self.config.block_size))
+            bs = self.config.block_size
+            hashes = block_hashes(seq.token_ids[:seq.num_tokens - 1], bs)
+            cached = self.pool.lookup(hashes)
+            fresh = self.pool.allocate(-(-seq.num_tokens // bs) - len(cached))
         except NoFreeBlocksError:
+            self.pool.free(cached)  # refused halfway: the references looked up go back
             self._forget(seq)
             return None
+        seq.block_ids = cached + fresh
+        # Registered already: start_decode registers the blocks after them, each once.
+        seq.block_hashes = hashes[:len(cached)]
+        seq.num_cached_tokens = len(cached) * bs
         self._reserved.add(request_id)
-        return list(seq.block_ids)
+        return Reservation(list(seq.block_ids), len(cached))
 
     def start_decode(self, request_id: str, first_token: int,
                      first_logprob: TokenLogprob | None = None) -> None:
         """Decode role: the KV of every token so far (the prompt's, a resumed request's output_ids')
-        is in the reserved blocks; generate from `first_token` on."""
+        is in the reserved blocks (placed, or cached here already); generate from `first_token` on."""
         seq = self.seqs[request_id]
         assert seq.block_ids and seq.num_computed_tokens == 0, f"{request_id} was not reserved"
         self._reserved.discard(request_id)

@@ -6,7 +6,9 @@ tokens under "prefill" by its number of new tokens, a step of generation only un
 its batch (sequences). Each bucket holds [steps, size summed, seconds summed]: cumulative, so a
 reader differences two snapshots to get a window, and nothing is ever drained. Also counted: the
 prompt tokens looked up in the prefix cache and those found there (vLLM's prefix_cache_queries and
-prefix_cache_hits)."""
+prefix_cache_hits), and every token run through the model (on a prefill replica: the prompt tokens
+it computed, prefix-cache hits left out; the one-token step of a prompt cached but for its last
+token counts there too, though its bucket is decode's)."""
 
 import threading
 import time
@@ -25,6 +27,7 @@ class StepProfile:
         self.busy_s = 0.0  # seconds spent in steps
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found there
+        self.tokens_computed = 0  # tokens run through the model, every phase
         # The engine's thread records while a stats call (another thread) snapshots: a bucket added
         # mid-copy would break the copy, and a failed stats call reads as a dead worker.
         self._lock = threading.Lock()
@@ -44,23 +47,25 @@ class StepProfile:
             row[1] += size
             row[2] += seconds
             self.busy_s += seconds
+            self.tokens_computed += prefill_tokens + decode_seqs
 
     def reset(self) -> None:
         """Back to nothing counted (after a replica's warm-up: its steps are not traffic)."""
         with self._lock:
             self.phases = {PREFILL: {}, DECODE: {}}
             self.busy_s = 0.0
-            self.prefix_queries = self.prefix_hits = 0
+            self.prefix_queries = self.prefix_hits = self.tokens_computed = 0
 
     def timer(self) -> "_StepTimer":
         return _StepTimer(self)
 
     def snapshot(self) -> dict:
         """A plain copy (pickles and JSON-encodes): {"prefill": {bucket: [steps, size, seconds]},
-        "decode": {...}, "busy_s", "prefix_queries", "prefix_hits"}."""
+        "decode": {...}, "busy_s", "prefix_queries", "prefix_hits", "tokens_computed"}."""
         with self._lock:
             return {**{p: {b: list(row) for b, row in rows.items()} for p, rows in self.phases.items()},
-                    "busy_s": self.busy_s, "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits}
+                    "busy_s": self.busy_s, "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
+                    "tokens_computed": self.tokens_computed}
 
 
 class _StepTimer:
