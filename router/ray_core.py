@@ -440,15 +440,18 @@ class RayCore:
             k = next(self._rr) % len(names)
             return [(n, self.decode[n].rank_order()) for n in names[k:] + names[:k]]
         if self.policy == "prefix-aware" and run.hashes:
-            # Blocks the KV must move to it (its own cache keeps the rest: only new KV moves) plus
-            # the blocks its requests hold: moving a history's KV against crowding one replica.
+            # Blocks the KV must move to it (its own cache keeps the rest: only new KV moves) plus its
+            # pressure: the blocks its requests hold, weighed by how full it is (used² / total). A
+            # replica far from full decodes a few more sequences at almost no cost, so there the
+            # cached history wins; one filling up must not take every history it holds.
             held = self._cached(run, request, {r: n for n in names for r in self.decode[n].ranks})
             order = []
             for n in names:
                 mine = sorted(self.decode[n].rank_order(), key=lambda r: -held[r])  # (stable: free blocks next)
                 s = self.stats.get(n)
                 used = (s.total_blocks - s.free_blocks if s else 0) + self._reserved.get(n, 0)
-                order.append((len(run.hashes) - held[mine[0]] + used, n, mine))
+                pressure = used * used / s.total_blocks if s and s.total_blocks else 0.0
+                order.append((len(run.hashes) - held[mine[0]] + pressure, n, mine))
             return [(n, mine) for _, n, mine in sorted(order, key=lambda o: (o[0], self._loads[o[1]]))]
         # kv-aware: most free KV blocks first (as last reported), then fewest requests from us.
         names = sorted(names, key=lambda n: (-getattr(self.stats.get(n), "free_blocks", 0), self._loads[n]))

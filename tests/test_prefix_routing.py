@@ -138,11 +138,20 @@ def at_best() -> int:
     return n
 
 
+def reused_at_best() -> int:
+    """Decode blocks reused when every turn after the first goes where its last turn's KV is."""
+    n = 0
+    for s in range(SESSIONS):
+        lens = [len(PLAN.prompts[i]) for i in range(s * TURNS, (s + 1) * TURNS)]
+        n += sum(min(before // BLOCK, (now - 1) // BLOCK) for before, now in zip(lens, lens[1:]))
+    return n
+
+
 def counters(c: Cluster) -> dict[str, float]:
     """Prompt tokens the prefill replicas computed (looked up less found in their prefix caches),
-    and KV bytes moved to decode replicas."""
+    KV bytes moved to decode replicas, and blocks the decode replicas found in their own caches."""
     text = c.metrics()
-    out = {"computed": 0.0, "moved": 0.0}
+    out = {"computed": 0.0, "moved": 0.0, "reused": 0.0}
     for line in text.splitlines():
         if line.startswith("pdserve_prefix_cache_queries_total{") and "prefill" in line:
             out["computed"] += float(line.rsplit(" ", 1)[1])
@@ -150,6 +159,8 @@ def counters(c: Cluster) -> dict[str, float]:
             out["computed"] -= float(line.rsplit(" ", 1)[1])
         elif line.startswith("pdserve_kv_bytes_moved_total"):
             out["moved"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pdserve_kv_blocks_reused_total{"):
+            out["reused"] += float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -177,11 +188,16 @@ def test_turns_go_where_their_prefix_is_cached(tmp_path, kv_aware):
         time.sleep(1.5)
         mine = counters(c)
         print(f"prefill tokens computed: prefix-aware {mine['computed']:.0f}, kv-aware {kv['computed']:.0f}; "
-              f"KV bytes moved {mine['moved']:.0f} against {kv['moved']:.0f}")
+              f"KV bytes moved {mine['moved']:.0f} against {kv['moved']:.0f}; decode blocks reused "
+              f"{mine['reused']:.0f} (at best {reused_at_best()}) against {kv['reused']:.0f}")
         # Each turn after the first finds its history on its prefill replica: only its new tokens are
         # computed; kv-aware finds it on about every other turn. (A turn may still go elsewhere when
         # its replica's queue outweighs its cached history: the margin.)
         assert mine["computed"] <= 1.1 * at_best() < kv["computed"], (mine, kv, at_best())
+        # Only new KV moves, and the decode replica chosen is the one holding the history: every turn
+        # after the first reuses its last prompt's full blocks there (the last token's block is
+        # always written).
+        assert mine["reused"] >= 0.85 * reused_at_best() and mine["moved"] <= kv["moved"], (mine, kv)
         stats = c.wait_idle()
         assert len(stats) == 4 and all(s["used"] == 0 for s in stats.values()), stats
     finally:
