@@ -55,6 +55,9 @@ def counters(url: str) -> dict[str, float]:
                 out["moved"] += s.value
             elif s.name.startswith("pdserve_kv_blocks_reused") and s.name.endswith("_total"):
                 out["reused_blocks"] += s.value
+            elif s.name == "pdserve_replica_requests_total":  # how the policy spread them
+                key = "placed " + s.labels["replica"].removeprefix("pdserve-")
+                out[key] = out.get(key, 0.0) + s.value
     return out
 
 
@@ -77,7 +80,7 @@ def run_policy(policy: str, cluster: dict, workload: Workload, rate: float, log_
     s = sweep.runs[0].summary
     return {"policy": policy, "completed": s.completed, "failed": s.failed,
             "ttft_p50_ms": s.ttft_ms.p50, "ttft_p90_ms": s.ttft_ms.p90,
-            **{k: after[k] - before[k] for k in after}}
+            **{k: after[k] - before.get(k, 0.0) for k in after}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['policy']:13} {r['completed']:>4} {r['ttft_p50_ms']:>9.1f} {r['ttft_p90_ms']:>9.1f} "
               f"{ratio(r, 'ttft_p90_ms'):>6.2f} {r['computed']:>9.0f} {ratio(r, 'computed'):>5.2f} "
-              f"{r['moved'] / 1e6:>11.2f} {ratio(r, 'moved'):>5.2f} {r['reused_blocks']:>10.0f}")
+              f"{r['moved'] / 1e6:>11.2f} {ratio(r, 'moved'):>5.2f} {r['reused_blocks']:>10.0f}  "
+              + " ".join(f"{k.removeprefix('placed ')}={v:.0f}" for k, v in r.items() if k.startswith("placed ")))
     if a.json:
         Path(a.json).write_text(json.dumps({"date": datetime.datetime.now().isoformat(timespec="seconds"),
                                             "args": vars(a), "cluster": cluster, "rows": rows}, indent=1))
