@@ -18,10 +18,13 @@ from pdserve.models.layers import GatedMLP, SparseMoE
 from pdserve.models.mla import MLAttention
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
-# From this many tokens on, folded shared experts run apart from the routed ones, as dense GEMMs over
-# every token: in the fused kernel each tile of BLOCK_M rows reads the shared weights again (at a
-# decode batch of 256, 16 reads of 35 MB a layer for DeepSeek-V2-Lite, half again the routed
-# experts' own traffic). Below it the fold saves the launches. (Env: to measure both ways.)
+# From this many tokens on, as long as the batch takes the fused-MoE kernel, folded shared experts run
+# apart from the routed ones, as dense GEMMs over every token: in the fused kernel each tile of
+# BLOCK_M rows reads the shared weights again (at a decode batch of 256, 16 reads of 35 MB a layer
+# for DeepSeek-V2-Lite, half again the routed experts' own traffic). Below it the fold saves the
+# launches (batch 64 on one H200: 10.33 ms a step folded, 10.75 apart); from the grouped-GEMM size
+# on the shared slots are two full groups there, and apart's extra passes cost more (4k prefill:
+# 53.3 ms folded, 56.4 apart). (Env: to measure both ways.)
 SHARED_APART_TOKENS = int(os.environ.get("PDSERVE_SHARED_APART_TOKENS", "128"))
 # Hub and transformers names -> ours: the block's shared experts are one MLP `shared_expert` (as
 # Qwen2-MoE's, without its gate), the router's bias lives beside the experts.
@@ -46,7 +49,9 @@ class DeepseekMoE(SparseMoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.num_shared_slots
-        if not n or self.exchange is not None or x.shape[0] < SHARED_APART_TOKENS:
+        path = getattr(self.backend, "path", None)  # (the GPU backend's kernel choice for this size)
+        if (not n or self.exchange is not None or x.shape[0] < SHARED_APART_TOKENS
+                or path is not None and path(x.shape[0], x.dtype) != "fused"):
             return super().forward(x)
         weights, ids = self.route(x, shared=False)
         out = self.backend.forward(x, self.w13, self.w2, weights, ids)
