@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 LIVE_POLL_S = 0.1  # how often a request waiting for a live replica looks
 MOVE_RETRY_S = 0.05  # how often a moving request whose decode replicas are all full asks again
 QUEUE_WEIGHT = 0.5  # prefix-aware: a queued prompt token against one to compute (_pick)
+# prefix-aware: a replica with more than SLACK + RATIO x the least-loaded one's requests of ours
+# takes no more, whatever it caches (_pick)
+BALANCE_SLACK, BALANCE_RATIO = 8, 1.5
 SESSIONS = 100_000  # conversations remembered for affinity, least recently used forgotten first
 
 
@@ -427,6 +430,12 @@ class RayCore:
         cost = {n: tokens - held[worker[n]] * self.block_size + QUEUE_WEIGHT * self._computing.get(n, 0)
                 for n in names}
         name = min(names, key=lambda n: (cost[n], self._loads[n]))
+        # The cost counts tokens, not requests: a replica whose every prompt is cached would take all
+        # of them, however many (each still a step, a KV transfer). Past a spread of requests, the
+        # least-loaded replica takes it (an operator who scales up sees the new replica used).
+        least = min(names, key=lambda n: self._loads[n])
+        if self._loads[name] > BALANCE_SLACK + BALANCE_RATIO * self._loads[least]:
+            name = least
         self.index.routed(worker[name], run.hashes)
         run.computing = (name, tokens - held[worker[name]] * self.block_size)
         self._computing[name] = self._computing.get(name, 0) + run.computing[1]

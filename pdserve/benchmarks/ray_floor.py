@@ -4,7 +4,7 @@
     python -m pdserve.benchmarks.ray_floor --batch 128 --json out.json
 
 Issue 18 asks for a lone prompt's TTFT within 2 ms of the engine's prefill and for 50k streamed
-tokens per router CPU-second at 128 streams. DESIGN.md makes the control plane Ray actor calls: a
+tokens per router CPU-second at 128 streams. The design makes the control plane Ray actor calls: a
 request reaches its worker in one (router -> worker), and its first token comes back in another
 (worker -> router, one per engine step). This measures those two hops with nothing of pdserve in
 them — an async actor standing for the router, a threaded actor standing for a worker, each call
