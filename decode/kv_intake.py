@@ -16,10 +16,11 @@ class KVIntake:
         self._aborted: set[str] = set()  # aborted here, their blocks waiting for the lease to settle
 
     def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
-                prefill_id: str | None = None, output_ids: list[int] = ()) -> ReserveHandle | None:
+                prefill_id: str | None = None, output_ids: list[int] = (),
+                priority: int = 0) -> ReserveHandle | None:
         """Blocks for the KV of the prompt (and of a resumed request's `output_ids`) under a lease,
         or None when this replica is full."""
-        blocks = self.engine.reserve(request_id, prompt, params, output_ids)
+        blocks = self.engine.reserve(request_id, prompt, params, output_ids, priority)
         if blocks is None:
             return None
         return self.connector.reserve(request_id, blocks, self.lease_s, prefill_id)

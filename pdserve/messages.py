@@ -35,6 +35,7 @@ class NewRequest:
     # Tokens this request generated already elsewhere (a migrated request): they follow the prompt,
     # and generation goes on after them.
     output_ids: list[int] = field(default_factory=list)
+    priority: int = 0  # lower is scheduled first and preempted last (vLLM's `priority`)
 
 
 @dataclass
