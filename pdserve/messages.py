@@ -86,6 +86,10 @@ class ReplicaStats:
     held: int = 0  # requests the worker holds anything for (queued, running, streaming, KV in flight): 0 = drained
     # What its steps cost by size, and its prefix-cache lookups (engine/step_profile.py; cumulative).
     profile: dict = field(default_factory=dict)
+    # Sequence slots (the engine's max_num_seqs, summed over ranks) and, on a decode replica, those
+    # reserved for KV still on its way: what the router's admission control counts room by.
+    max_num_seqs: int = 0
+    reserved: int = 0
 
     @classmethod
     def combine(cls, name: str, ranks: list["ReplicaStats"]) -> "ReplicaStats":
@@ -99,7 +103,7 @@ class ReplicaStats:
         return cls(name, ranks[0].role, total("running"), total("waiting"), total("free_blocks"),
                    total("total_blocks"), total("aborted"), held=total("held"), expert_tokens=per_expert("expert_tokens"),
                    expert_tokens_step=per_expert("expert_tokens_step"), ranks=len(ranks), pid=ranks[0].pid,
-                   profile=ranks[0].profile)  # the ranks step in lockstep: rank 0's steps are the group's
+                   profile=ranks[0].profile, max_num_seqs=total("max_num_seqs"), reserved=total("reserved"))  # the ranks step in lockstep: rank 0's steps are the group's
 
 
 @dataclass

@@ -30,8 +30,8 @@ from pdserve.router.openai_protocol import (CHAT, COMPLETIONS, GENERATION_ENDPOI
                                             CompletionRequest, ErrorBody)
 from pdserve.router.openai_responses import (DONE_EVENT, ChatShape, CompletionShape, ResponseShape, sse_event,
                                              token_usage)
-from pdserve.router.types import (Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingCore,
-                                  ServingError, off_loop)
+from pdserve.router.types import (Delta, GenerateRequest, NoCapacityError, OverloadedError, ReplicaUnavailableError,
+                                  ServingCore, ServingError, off_loop)
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +45,13 @@ class ApiError(Exception):
     """A request the front end answers with an error: HTTP status plus OpenAI's error fields."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, kind: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")  # OpenAI's `type`
 
     def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def _as_api_error(exc: Exception) -> ApiError:
@@ -60,6 +60,10 @@ def _as_api_error(exc: Exception) -> ApiError:
         return exc
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, OverloadedError):  # nothing wrong with the request: the service is past its load
+        retry = str(exc.retry_after)
+        return ApiError(429, f"overloaded: {exc}; retry after {retry} s", code="overloaded",
+                        headers={"Retry-After": retry}, kind="overloaded_error")
     if isinstance(exc, NoCapacityError):
         retry = str(max(1, math.ceil(exc.retry_after_s)))
         return ApiError(503, f"no capacity: {exc}; retry after {retry} s", code="no_capacity",
@@ -359,7 +363,8 @@ async def complete(core: ServingCore, metrics: Metrics, body: CompletionRequest,
     params = body.sampling_params(max_tokens, body.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
     shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
-    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params), bool(body.stream))
+    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, body.priority or 0),
+                        bool(body.stream))
 
 
 async def chat_complete(core: ServingCore, metrics: Metrics, body: ChatCompletionRequest,
@@ -376,7 +381,8 @@ async def chat_complete(core: ServingCore, metrics: Metrics, body: ChatCompletio
     params = body.sampling_params(max_tokens, logprobs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     shape = ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
-    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params), bool(body.stream))
+    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, body.priority or 0),
+                        bool(body.stream))
 
 
 # -- the app ------------------------------------------------------------------------------------
@@ -448,6 +454,8 @@ _GENERATION_ERRORS: dict = {
     404: {"model": ErrorBody, "description": "the model is not served here"},
     413: {"model": ErrorBody, "description": "the body is over router.max_request_bytes"},
     415: {"model": ErrorBody, "description": "the body is not JSON"},
+    429: {"model": ErrorBody, "description": "overloaded: the first token would miss slo.ttft_ms, or the router's "
+                                             "queue is full (Retry-After)"},
     503: {"model": ErrorBody, "description": "no replica can take the request now (Retry-After when full)"},
 }
 
@@ -469,7 +477,7 @@ def _document_errors(app: FastAPI) -> None:
 
 
 # The errors the app's handlers answer; any other is answered with a 500 and raised again for the server's log.
-_EXPECTED_ERRORS = (ApiError, InvalidRequestError, NoCapacityError, ServingError)
+_EXPECTED_ERRORS = (ApiError, InvalidRequestError, NoCapacityError, OverloadedError, ServingError)
 
 
 def _error_response(path: str, error: ApiError, metrics: Metrics) -> JSONResponse:

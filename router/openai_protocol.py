@@ -51,6 +51,9 @@ class SamplingRequest(BaseModel):
     presence_penalty: FiniteFloat | None = 0.0
     repetition_penalty: FiniteFloat | None = 1.0  # vLLM extension
     logit_bias: dict[str, float] | None = None
+    # vLLM extension: the lower, the sooner the request is admitted and scheduled, and the later it
+    # is preempted; unset means 0. The range is gRPC's int32, so that both front ends take the same.
+    priority: Annotated[int, Field(ge=-2**31, le=2**31 - 1)] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

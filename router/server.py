@@ -11,6 +11,7 @@ from pdserve.tokenizer import load_tokenizer
 from pdserve.messages import ReplicaChange, RequestDelta
 
 from pdserve import heap
+from pdserve.router.admission import AdmissionPolicy
 from pdserve.router.http_api import build_app
 from pdserve.router.listen import bind_listener, claim_shared
 from pdserve.router.metrics import Metrics
@@ -74,7 +75,8 @@ class Router:
         max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         self.metrics = Metrics(self.name)
         self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, self.replicas, cfg.router.policy,
-                            self.metrics, cfg.router.migration_limit, cfg.router.replica_wait_s)
+                            self.metrics, cfg.router.migration_limit, cfg.router.replica_wait_s,
+                            AdmissionPolicy.of(cfg))
         await self._meet(self.replicas)  # (their empty deliver reaches the core: after it is built)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
         self.http = uvicorn.Server(http_config(build_app(self.core, self.metrics, cfg.router.max_request_bytes)))

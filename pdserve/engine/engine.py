@@ -250,6 +250,11 @@ class Engine:
 
     # -- disaggregation seam ------------------------------------------------------------------
 
+    @property
+    def num_reserved(self) -> int:
+        """Decode role: reservations waiting for their KV (each holds a sequence slot)."""
+        return len(self._reserved)
+
     def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 output_ids: list[int] = (), priority: int = 0) -> list[int] | None:
         """Decode role: blocks for the KV of the prompt and of `output_ids` (a resumed request's
