@@ -10,8 +10,10 @@ slots run until the test lets them go (their clients leave)."""
 
 import asyncio
 
+import grpc
 import pytest
 
+from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2, completion_pb2_grpc
 from serving_cluster import Cluster
 from timed_http import Connection
 
@@ -119,7 +121,8 @@ def test_a_high_priority_request_overtakes_queued_low_priority_ones(cluster):
     assert sample(text, "pdserve_router_queue_wait_seconds_count") >= 5  # each admitted: A, B, C, H, D
 
 
-def test_a_request_whose_client_leaves_while_queued_is_dropped(cluster):
+@pytest.mark.parametrize("front_end", ["http", "grpc"])
+def test_a_request_whose_client_leaves_while_queued_is_dropped(cluster, front_end):
     async def scenario():
         a, b, c, d = [await Connection.open(cluster.url) for _ in range(4)]
         stop = asyncio.Event()
@@ -127,18 +130,28 @@ def test_a_request_whose_client_leaves_while_queued_is_dropped(cluster):
         holders = await hold_the_slots(cluster, [a, b], stop)
         tc = asyncio.ensure_future(c.complete(8, LOW))
         await eventually(cluster, lambda t: handed(t) == handed(before) + 3, "C handed to the replica")
-        td = asyncio.ensure_future(d.complete(8, LOW))
+        if front_end == "http":
+            td = asyncio.ensure_future(d.complete(8, LOW))
+        else:
+            channel = grpc.aio.insecure_channel(cluster.grpc_address)
+            call = completion_pb2_grpc.CompletionStub(channel).CompleteStream(
+                completion_pb2.CompletionRequest(prompt="queued", max_tokens=8, priority=LOW))
         await eventually(cluster, lambda t: depth(t) == 1, "D queued")
-        td.cancel()  # D's client leaves
-        d.close()
-        gone = await eventually(cluster, lambda t: depth(t) == 0 and closed(t) == closed(before) + 1,
-                                "D dropped from the queue, counted as its client's leaving")
+        if front_end == "http":  # D's client leaves
+            td.cancel()
+            d.close()
+            await eventually(cluster, lambda t: depth(t) == 0 and closed(t) == closed(before) + 1,
+                             "D dropped from the queue, counted as its client's leaving")
+        else:
+            call.cancel()
+            await eventually(cluster, lambda t: depth(t) == 0, "D dropped from the queue")
+            await channel.close()
         await let_go([a, b], holders, stop)
         served = await tc
         c.close()
-        return before, gone, served
+        return before, served
 
-    before, gone, served = asyncio.run(scenario())
+    before, served = asyncio.run(scenario())
     assert served["status"] == 200 and served["tokens"] == 8
     stats = cluster.wait_idle()
     assert stats and all(s["used"] == 0 for s in stats.values()), stats
