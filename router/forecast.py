@@ -90,7 +90,8 @@ class TTFTForecast:
         if not stats or not slots or any(c is None for c in costs):
             return None
         held = sum(_holding(s) for s in stats)
-        step = max(c.time(max(1, s.max_num_seqs)) for c, s in zip(costs, stats))
+        # Each rank steps its own batch (an expert-parallel replica's slots are its ranks' together).
+        step = max(c.time(max(1, s.max_num_seqs // max(1, s.ranks))) for c, s in zip(costs, stats))
         return Pool(slots, max(0, held - held_here), step)
 
     def expected_tokens(self, params: SamplingParams) -> float:
@@ -108,16 +109,15 @@ class TTFTForecast:
         return math.ceil(tokens / self.prefill_step_tokens) * cost.fixed + cost.per_unit * tokens
 
     def slot_wait(self, pool: Pool, holders: list[SlotHolder], line: list[tuple[SamplingParams, int]],
-                  prefill: str) -> float:
-        """Seconds until a new request gets a slot: `holders` (this router's) hold slots now,
-        `line` (params and prompt tokens of each request ahead of it, in order) takes the next ones."""
+                  prefill: str, params: SamplingParams) -> float:
+        """Seconds until a new request (of `params`) gets a slot: `holders` (this router's) hold slots
+        now, `line` (params and prompt tokens of each request ahead of it, in order) takes the next ones."""
         if pool.others + len(holders) + len(line) < pool.slots:
             return 0.0  # a slot is free for it: nothing to replay
         step = pool.step_s
         left = [self._left(h, step, prefill) for h in holders]
-        if pool.others:  # another router's requests: taken to be like ours (or, with none, half-way through)
-            typical = sorted(left)[len(left) // 2] if left else (
-                self.expected_tokens(line[0][0]) / 2 * step if line else 0.0)
+        if pool.others:  # another router's requests: taken to be like ours (with none, like this one half-way)
+            typical = sorted(left)[len(left) // 2] if left else self.expected_tokens(params) / 2 * step
             left += [typical] * pool.others
         left.sort()
         free = [0.0] * max(0, pool.slots - len(left)) + left[:pool.slots]

@@ -537,7 +537,7 @@ class RayCore:
         if pool is None or prompt_at is None:
             return None
         line += [(w.request.params, len(w.request.prompt_ids)) for w in self.queue.ahead(request.priority)]
-        wait = self.forecast.slot_wait(pool, holders, line, prompt_at)
+        wait = self.forecast.slot_wait(pool, holders, line, prompt_at, request.params)
         # Its prompt is computed behind those queued at the prefill replica now, if it gets a slot now;
         # later, that queue has moved on: alone.
         ahead = self._prompt_tokens.get(prompt_at, 0) if wait == 0 else 0

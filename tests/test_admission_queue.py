@@ -67,6 +67,8 @@ def stats(name: str, role: str, running: int, slots: int, decode: dict | None = 
                         reserved=reserved)
 
 
+NEW = request("new").params  # the new request's: 100 tokens, ignoring EOS
+
 # Decode steps of 10 ms whatever the batch (one bucket: all fixed cost); prefill steps of 1 ms per
 # token (one bucket: all per token).
 DECODE = {4: [10, 40, 0.1]}
@@ -85,13 +87,15 @@ def test_the_forecast_replays_the_slots_freeing_up():
     # line takes the first (its prefill 10 ms, 100 tokens: 1.01 s) -> it frees at 2.01 s, before 3 s.
     holders = [SlotHolder(request("a").params, 10, 0, True), SlotHolder(request("b", max_tokens=300).params, 10, 0, True)]
     line = [(request("c").params, 10)]
-    assert f.slot_wait(pool, holders, line, "p") == pytest.approx(2.01)
-    assert f.slot_wait(pool, holders, [], "p") == pytest.approx(1.0)
-    assert f.slot_wait(pool, holders[:1], [], "p") == 0  # a slot is free
+    assert f.slot_wait(pool, holders, line, "p", NEW) == pytest.approx(2.01)
+    assert f.slot_wait(pool, holders, [], "p", NEW) == pytest.approx(1.0)
+    assert f.slot_wait(pool, holders[:1], [], "p", NEW) == 0  # a slot is free
     # Another router holds a slot the stats count: taken to be like ours (the median of ours left: 1 s).
-    assert f.slot_wait(f.pool([decode], held_here=1), holders[:1], [], "p") == pytest.approx(1.0)
-    assert f.slot_wait(f.pool([stats("d", "decode", 3, 3, DECODE)], held_here=2), holders, line, "p") == \
+    assert f.slot_wait(f.pool([decode], held_here=1), holders[:1], [], "p", NEW) == pytest.approx(1.0)
+    assert f.slot_wait(f.pool([stats("d", "decode", 3, 3, DECODE)], held_here=2), holders, line, "p", NEW) == \
         pytest.approx(2.01)
+    # Only another router's requests hold the slots: taken to be half-way through one like the new one.
+    assert f.slot_wait(f.pool([decode], held_here=0), [], [], "p", NEW) == pytest.approx(0.5)
 
 
 def test_the_forecast_expects_what_a_request_will_generate():
