@@ -14,6 +14,16 @@ BLOCK = 4  # small blocks: a few short requests fill a small pool
 TOKENS = 10  # generated per request: a prompt of 6 and its output fill 4 blocks
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The engines here run steps of a few tokens: a second torch thread has nothing to share, and
+    on a loaded machine its spin-waits made this module 4x slower (112 s against 28 s at load 13)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_engine(**kw) -> Engine:
     kw.setdefault("num_kv_blocks", 64)
     return Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), overlap_scheduling=False, block_size=BLOCK,
