@@ -24,10 +24,22 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+MODE = {"overlap_scheduling": False}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def overlap(request):
+    """Every test twice: steps handed out as they finish, and overlapped (step N+1 scheduled, and
+    its victims preempted, before step N's tokens are handed out)."""
+    MODE["overlap_scheduling"] = request.param
+    yield request.param
+    MODE["overlap_scheduling"] = False
+
+
 def make_engine(**kw) -> Engine:
     kw.setdefault("num_kv_blocks", 64)
-    return Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), overlap_scheduling=False, block_size=BLOCK,
-                               **kw))
+    kw.setdefault("overlap_scheduling", MODE["overlap_scheduling"])
+    return Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), block_size=BLOCK, **kw))
 
 
 def prompt(seed: int) -> list[int]:
@@ -40,7 +52,8 @@ GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def alone() -> dict[int, list[int]]:
     """Each prompt's greedy output with room for all (batched equals alone: tests/test_engine.py)."""
-    return {i: c.token_ids for i, c in enumerate(make_engine().generate([prompt(i) for i in range(10)], GREEDY))}
+    engine = make_engine(overlap_scheduling=False)
+    return {i: c.token_ids for i, c in enumerate(engine.generate([prompt(i) for i in range(10)], GREEDY))}
 
 
 def drain(engine: Engine) -> tuple[dict[str, list[int]], list[str]]:
