@@ -27,11 +27,12 @@ class KVIntake:
         self._block_bytes = layout.bytes_per_token * layout.block_size  # one block, every layer and plane
 
     def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
-                prefill_id: str | None = None, output_ids: list[int] = ()) -> ReserveHandle | None:
+                prefill_id: str | None = None, output_ids: list[int] = (),
+                priority: int = 0) -> ReserveHandle | None:
         """Blocks for the KV of the prompt (and of a resumed request's `output_ids`) under a lease,
         or None when this replica is full. The handle lists only the blocks to be written, after
         the `cached_blocks` this engine holds already."""
-        r = self.engine.reserve(request_id, prompt, params, output_ids)
+        r = self.engine.reserve(request_id, prompt, params, output_ids, priority)
         if r is None:
             return None
         return self.connector.reserve(request_id, r.new_block_ids, self.lease_s, prefill_id, r.cached_blocks)

@@ -50,7 +50,8 @@ class DecodeWorker(Replica):
         for r in requests:
             refused = self._refusal(r)
             items.append(ReserveResult(None, refused) if refused else
-                         Reserve(r.request_id, r.prompt_ids, r.params, r.prefill_id, router, r.output_ids))
+                         Reserve(r.request_id, r.prompt_ids, r.params, r.prefill_id, router, r.output_ids,
+                                 r.priority))
             if isinstance(items[-1], Reserve):
                 self.loop.submit(items[-1])
         deadline = time.monotonic() + RESERVE_TIMEOUT_S
@@ -66,7 +67,7 @@ class DecodeWorker(Replica):
             case Reserve():
                 try:
                     handle = self.intake.reserve(item.request_id, item.prompt_ids, item.params, item.prefill_id,
-                                                 item.output_ids)
+                                                 item.output_ids, item.priority)
                 except InvalidRequestError as e:  # what only the engine knows, e.g. an id in use
                     item.answer.set_result(ReserveResult(None, Refusal.of(e)))
                     return

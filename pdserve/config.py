@@ -142,6 +142,19 @@ class RouterConfig(_Strict):
                 "allowed": f"TLS needs both router.tls_certfile and router.tls_keyfile: set router.{missing} too, "
                            f"or neither"})
         return self
+    # Admission control (router/admission.py). A request that no replica can take now — every decode
+    # replica's sequence slots or KV blocks taken, or every prefill (colocated) replica holding
+    # max_queued_per_replica of this router's requests that have no first token yet — waits in this
+    # router's queue, by priority then arrival, at most queue_wait_s; past max_queued waiting, a new
+    # request gets 429 (or takes the place of the lowest-priority one waiting, which gets the 429).
+    # 0: no queue, 429 at once.
+    max_queued: int = Field(default=1024, ge=0)
+    max_queued_per_replica: int = Field(default=256, ge=1)
+    queue_wait_s: float = Field(default=30.0, gt=0)
+    # Refuse at once (429, Retry-After) a request whose predicted time to first token — from what is
+    # queued ahead of it and the replicas' measured step costs — is over slo.ttft_ms, rather than
+    # queue it into a miss. Off by default: the SLO must be one the service is meant to keep.
+    refuse_over_slo: bool = False
 
 
 class PlacementConfig(_Strict):

@@ -35,6 +35,7 @@ class NewRequest:
     # Tokens this request generated already elsewhere (a migrated request): they follow the prompt,
     # and generation goes on after them.
     output_ids: list[int] = field(default_factory=list)
+    priority: int = 0  # lower is scheduled first and preempted last (vLLM's `priority`)
 
 
 @dataclass
@@ -100,6 +101,10 @@ class ReplicaStats:
     # prefix cache (their KV did not move) and the KV bytes prefill replicas wrote into the others.
     kv_blocks_reused: int = 0
     kv_bytes_received: int = 0
+    # Sequence slots (the engine's max_num_seqs, summed over ranks) and, on a decode replica, those
+    # reserved for KV still on its way: what the router's admission control counts room by.
+    max_num_seqs: int = 0
+    reserved: int = 0
 
     @classmethod
     def combine(cls, name: str, ranks: list["ReplicaStats"]) -> "ReplicaStats":
@@ -118,7 +123,8 @@ class ReplicaStats:
                    profile={**ranks[0].profile, "tokens_computed": sum(r.profile.get("tokens_computed", 0)
                                                                        for r in ranks)},
                    kv_blocks_reused=total("kv_blocks_reused"),
-                   kv_bytes_received=total("kv_bytes_received"))
+                   kv_bytes_received=total("kv_bytes_received"),
+                   max_num_seqs=total("max_num_seqs"), reserved=total("reserved"))
 
 
 @dataclass

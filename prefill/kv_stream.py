@@ -26,10 +26,10 @@ class KVStreamer:
         engine.layer_hook = self._on_layer
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, handle: ReserveHandle,
-            output_ids: list[int] = ()) -> None:
+            output_ids: list[int] = (), priority: int = 0) -> None:
         """Prefill a request whose decode-side blocks are reserved (handle). A resumed request's
         `output_ids` are prefilled after the prompt, and their blocks streamed with its."""
-        self.engine.add_request(request_id, prompt, params, output_ids)
+        self.engine.add_request(request_id, prompt, params, output_ids, priority)
         self.handles[request_id] = handle
         self._sent[request_id] = handle.cached_blocks  # the decode side has those
 

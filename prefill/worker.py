@@ -32,14 +32,15 @@ class PrefillWorker(Replica):
             answers.append(self._refusal(r))
             if answers[-1] is None:
                 self.loop.submit(Prefill(r.request_id, r.prompt_ids, r.params, ReserveHandle.unpack(r.handle),
-                                         r.output_ids))
+                                         r.output_ids, r.priority))
         return answers
 
     def _take(self, item) -> None:
         match item:
             case Prefill():
                 try:
-                    self.streamer.add(item.request_id, item.prompt_ids, item.params, item.handle, item.output_ids)
+                    self.streamer.add(item.request_id, item.prompt_ids, item.params, item.handle, item.output_ids,
+                                      item.priority)
                 except InvalidRequestError:  # what only the engine knows, e.g. an id in use:
                     self.connector.release(item.request_id, item.handle)  # the decode side fails it
             case Abort() if item.request_id in self.streamer.handles:

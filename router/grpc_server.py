@@ -20,7 +20,7 @@ from pdserve.router import limits
 from pdserve.router.listen import PortInUseError, check_free, holder
 from pdserve.router.rate_limits import RateLimited
 from pdserve.router.tenants import Admission, Tenants, Unauthenticated
-from pdserve.router.types import GenerateRequest, NoCapacityError, ServingCore, ServingError, off_loop
+from pdserve.router.types import GenerateRequest, NoCapacityError, OverloadedError, ServingCore, ServingError, off_loop
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Completion"].full_name  # "pdserve.v1.Completion"
@@ -109,7 +109,7 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             stop=list(request.stop),
             ignore_eos=request.ignore_eos,
         )
-        return GenerateRequest(f"grpc-{uuid.uuid4().hex}", prompt_ids, params)
+        return GenerateRequest(f"grpc-{uuid.uuid4().hex}", prompt_ids, params, request.priority)
 
     @staticmethod
     def _chunk(req: GenerateRequest, text: str, token_ids: list[int], finish_reason: str | None,
@@ -160,6 +160,9 @@ async def _errors_as_status(context: grpc.aio.ServicerContext) -> AsyncIterator[
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except ModelNotFoundError as e:
         await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+    except OverloadedError as e:  # HTTP's 429: the same seconds in `retry-after`, and as gRFC A6's pushback
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), trailing_metadata=(
+            ("retry-after", str(e.retry_after)), ("grpc-retry-pushback-ms", str(e.retry_after * 1000))))
     except NoCapacityError as e:
         # gRFC A6 retry pushback: a client with a retry policy waits this long before retrying.
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e),

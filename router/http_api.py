@@ -33,8 +33,8 @@ from pdserve.router.openai_responses import (DONE_EVENT, ChatShape, CompletionSh
                                              token_usage)
 from pdserve.router.rate_limits import RateLimited
 from pdserve.router.tenants import Admission, Tenants
-from pdserve.router.types import (Delta, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingCore,
-                                  ServingError, off_loop)
+from pdserve.router.types import (Delta, GenerateRequest, NoCapacityError, OverloadedError, ReplicaUnavailableError,
+                                  ServingCore, ServingError, off_loop)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ApiError(Exception):
                  headers: dict[str, str] | None = None, kind: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")  # OpenAI's `type`
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -65,6 +65,10 @@ def _as_api_error(exc: Exception) -> ApiError:
         return ApiError(400, str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, RateLimited):  # OpenAI's 429: its type names the limit, "requests" or "tokens"
         return ApiError(429, str(exc), code="rate_limit_exceeded", headers=exc.headers, kind=exc.limit)
+    if isinstance(exc, OverloadedError):  # nothing wrong with the request: the service is past its load
+        retry = str(exc.retry_after)
+        return ApiError(429, f"overloaded: {exc}; retry after {retry} s", code="overloaded",
+                        headers={"Retry-After": retry}, kind="overloaded_error")
     if isinstance(exc, NoCapacityError):
         retry = str(max(1, math.ceil(exc.retry_after_s)))
         return ApiError(503, f"no capacity: {exc}; retry after {retry} s", code="no_capacity",
@@ -381,6 +385,14 @@ def _session(body, scope: Scope) -> str | None:
     return body.user
 
 
+def _priority(body, scope: Scope) -> int:
+    """The request's own `priority`, else its API key's default (0 without keys)."""
+    if body.priority is not None:
+        return body.priority
+    tenant = tenant_of(scope)
+    return tenant.priority if tenant is not None else 0
+
+
 async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None, body: CompletionRequest,
                    scope: Scope, receive: Receive) -> Response:
     """POST /v1/completions; `receive` is the request's, its body read (it then tells of a disconnect);
@@ -392,7 +404,9 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
     admission = _admit(tenants, scope, len(prompt_ids), max_tokens, "prompt", "max_tokens")
     rid = f"cmpl-{uuid.uuid4().hex}"
     shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
-    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, session=_session(body, scope)),
+    return await _serve(receive, core, metrics, shape,
+                        GenerateRequest(rid, prompt_ids, params, session=_session(body, scope),
+                                        priority=_priority(body, scope)),
                         bool(body.stream), admission)
 
 
@@ -411,7 +425,9 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
     admission = _admit(tenants, scope, len(prompt_ids), max_tokens, "messages", param)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     shape = ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
-    return await _serve(receive, core, metrics, shape, GenerateRequest(rid, prompt_ids, params, session=_session(body, scope)),
+    return await _serve(receive, core, metrics, shape,
+                        GenerateRequest(rid, prompt_ids, params, session=_session(body, scope),
+                                        priority=_priority(body, scope)),
                         bool(body.stream), admission)
 
 
@@ -497,7 +513,9 @@ _GENERATION_ERRORS: dict = {
     404: {"model": ErrorBody, "description": "the model is not served here"},
     413: {"model": ErrorBody, "description": "the body is over router.max_request_bytes"},
     415: {"model": ErrorBody, "description": "the body is not JSON"},
-    429: {"model": ErrorBody, "description": "the API key is over a rate limit now (Retry-After, x-ratelimit-*)"},
+    429: {"model": ErrorBody, "description": "the API key is over a rate limit now (Retry-After, x-ratelimit-*), or "
+                                             "overloaded: the first token would miss slo.ttft_ms, or the router's "
+                                             "queue is full (Retry-After)"},
     503: {"model": ErrorBody, "description": "no replica can take the request now (Retry-After when full)"},
 }
 
@@ -519,7 +537,7 @@ def _document_errors(app: FastAPI) -> None:
 
 
 # The errors the app's handlers answer; any other is answered with a 500 and raised again for the server's log.
-_EXPECTED_ERRORS = (ApiError, InvalidRequestError, NoCapacityError, ServingError, RateLimited)
+_EXPECTED_ERRORS = (ApiError, InvalidRequestError, NoCapacityError, OverloadedError, ServingError, RateLimited)
 
 
 def _error_response(path: str, error: ApiError, metrics: Metrics) -> JSONResponse:

@@ -104,6 +104,19 @@ class Metrics:
                                             registry=r)
         self.kv_bytes_received = LoopCounter("pdserve_kv_bytes_received", "KV cache bytes prefill replicas wrote "
                                              "into a decode replica", ["replica"], registry=r)
+        # Admission control (router/admission.py, router/forecast.py).
+        self.queue_depth = Gauge("pdserve_router_queue_depth", "Requests waiting in this router's admission queue "
+                                 "for room at a replica", registry=r)
+        self.queue_wait = LoopHistogram("pdserve_router_queue_wait_seconds", "Time an admitted request waited in "
+                                        "this router's queue for room at a replica (0 when it found room at once)",
+                                        buckets=_PHASE_BUCKETS, registry=r)
+        self.refused = LoopCounter("pdserve_requests_refused", "Requests refused with 429 by admission control, by "
+                                   "reason: predicted_ttft (forecast over slo.ttft_ms), queue_full, displaced (a "
+                                   "higher priority took its place in the full queue), queue_timeout", ["reason"],
+                                   registry=r)
+        self.ttft_forecast = LoopHistogram("pdserve_ttft_forecast_seconds", "The time to first token admission "
+                                           "control forecast for each new request (router.refuse_over_slo)",
+                                           buckets=_LATENCY_BUCKETS, registry=r)
         # The labelled series every request touches, looked up once: labels() costs more than the inc or
         # observe itself. (None of them is ever removed, so a cached one is never stale.)
         self._requests_by: dict[tuple[str, str], LoopCounter] = {}
@@ -219,6 +232,19 @@ class Metrics:
         if (series := self._phase_by.get(phase)) is None:
             series = self._phase_by[phase] = self.phase.labels(phase)
         series.observe(seconds)
+
+    def set_queue_depth(self, n: int) -> None:
+        self.queue_depth.set(n)
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        self.queue_wait.observe(seconds)
+
+    def count_refused(self, reason: str) -> None:
+        """A request refused by admission control (429): predicted_ttft, queue_full, displaced, queue_timeout."""
+        self.refused.labels(reason=reason).inc()
+
+    def observe_forecast(self, seconds: float) -> None:
+        self.ttft_forecast.observe(seconds)
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         """One request's KV moved from prefill to decode: `nbytes` bytes in `seconds`."""

@@ -54,6 +54,9 @@ class SamplingRequest(BaseModel):
     # OpenAI's end-user id. The router's session key: a conversation's turns go where its prefix is
     # cached (router/ray_core.py, prefix-aware routing).
     user: Annotated[str, Field(max_length=512)] | None = None
+    # vLLM extension: the lower, the sooner the request is admitted and scheduled, and the later it
+    # is preempted; unset means 0. The range is gRPC's int32, so that both front ends take the same.
+    priority: Annotated[int, Field(ge=-2**31, le=2**31 - 1)] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -8,6 +8,10 @@ already streamed are prefilled again on a live replica (waiting for one, e.g. th
 controller starts), and the stream goes on from the next token: no gap, no repeated token, and
 greedy output as if nothing happened. Each move is an *attempt* with an id of its own, so nothing
 left of an earlier one (a late delta, a settling reservation) can mix with it.
+
+Admission control: a new request that no replica can take now waits in the router's queue
+(router/admission.py) rather than being refused, and with router.refuse_over_slo one whose
+forecast time to first token (router/forecast.py) is over the SLO is refused at once (429).
 """
 
 import asyncio
@@ -18,17 +22,33 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ray.exceptions import ActorDiedError
-
-from pdserve.engine.block_pool import block_hashes
-from pdserve.protocol import InvalidRequestError
-from pdserve.messages import LOST, NewRequest, Refusal, ReplicaChange, ReplicaStats, RequestDelta
-
+from pdserve.router.admission import AdmissionPolicy, AdmissionQueue
 from pdserve.router.decode_replica import DecodeReplica
+from pdserve.router.forecast import SlotHolder, TTFTForecast
 from pdserve.router.handoff import HandOff
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.replica_health import ReplicaHealth
-from pdserve.router.types import Delta, DirectWriter, GenerateRequest, NoCapacityError, ReplicaUnavailableError, ServingError
+from pdserve.router.types import (
+    Delta,
+    DirectWriter,
+    GenerateRequest,
+    NoCapacityError,
+    OverloadedError,
+    ReplicaUnavailableError,
+    ServingError,
+)
+from ray.exceptions import ActorDiedError
+
+from pdserve.engine.block_pool import block_hashes
+from pdserve.messages import (
+    LOST,
+    NewRequest,
+    Refusal,
+    ReplicaChange,
+    ReplicaStats,
+    RequestDelta,
+)
+from pdserve.protocol import InvalidRequestError
 
 log = logging.getLogger(__name__)
 LIVE_POLL_S = 0.1  # how often a request waiting for a live replica looks
@@ -56,17 +76,22 @@ class _Attempt:
     direct: "DirectWriter | None" = None
     sent: list[int] | None = None
     parked: bool = False
-    # Prefix-aware routing: the prompt's block hashes (with the tokens a move prefills again), and
-    # the tokens its prefill (or colocated) replica computes before its first token, counted as
-    # that replica's queue until the first delta comes.
+    # What admission control counts (router/forecast.py): the request, its tokens streamed so far
+    # (the list every attempt of it shares), the decode or colocated replica whose sequence slot it
+    # holds ("" while it reserves one), and the prefill or colocated replica computing its prompt,
+    # until its first token.
+    request: GenerateRequest | None = None
+    tokens: list[int] = field(default_factory=list)
+    slot: str | None = None
+    prompt_at: str | None = None
+    # Prefix-aware routing: the prompt's block hashes (with the tokens a move prefills again).
     hashes: list[bytes] = field(default_factory=list)
-    computing: tuple[str, int] | None = None
 
 
 class RayCore:
     def __init__(self, name: str, model_name: str, max_model_len: int, tokenizer, replicas: list[ReplicaChange],
                  policy: str, metrics=None, migration_limit: int = 3, replica_wait_s: float = 30.0,
-                 block_size: int = 16):
+                 admission: AdmissionPolicy | None = None, block_size: int = 16):
         """replicas: every replica as the controller last described it; later changes come by `apply`.
         block_size: the engines' KV block (the prefix cache's unit, which its hashes cover)."""
         self.name = name  # this router's actor name: where decode replicas send deltas
@@ -80,14 +105,21 @@ class RayCore:
         self.policy = policy
         self.block_size = block_size
         self.index = PrefixIndex()  # what each worker's prefix cache holds (its KV events)
-        self._computing: dict[str, int] = {}  # replica -> prompt tokens we sent it still to compute
         self._reserved: dict[str, int] = {}  # decode replica -> blocks we reserved since its stats
         # session -> (its last turn's replicas, the blocks of that prompt, its last block's hash)
         self._sessions: OrderedDict[str, tuple[tuple[str, ...], int, bytes]] = OrderedDict()
         self.metrics = metrics
         self.migration_limit = migration_limit
         self.replica_wait_s = replica_wait_s
-        self.draining = False  # shutting down: no new requests
+        self._draining = False  # shutting down: no new requests
+        self.admission = admission or AdmissionPolicy()
+        self.queue = AdmissionQueue(self.admission.max_queued, self.admission.queue_wait_s, metrics)
+        self.forecast = TTFTForecast(self.admission.prefill_step_tokens)
+        self._live: dict[str, _Attempt] = {}  # attempt id -> the attempt, from its start to its end
+        # Prefill (or colocated) replica -> our requests there without a first token yet, and their
+        # prompt tokens: the hand-off's bound (router.max_queued_per_replica) and the forecast's queue.
+        self._prompts: dict[str, int] = {}
+        self._prompt_tokens: dict[str, int] = {}
         self.stats: dict[str, ReplicaStats] = {}
         self._rr = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}  # attempt id -> its deltas
@@ -111,6 +143,7 @@ class RayCore:
             self._drop_workers(name)
             for d in (self.prefill, self.decode, self.colocated, self._workers, self.stats):
                 d.pop(name, None)
+            self.forecast.forget(name)
             self.health.leave(name)
             if self.metrics:
                 self.metrics.forget_replica(role, name)
@@ -145,6 +178,16 @@ class RayCore:
             self._send.pop(worker, None)
             self._send_abort.pop(worker, None)
             self.index.drop(worker)  # a new incarnation's cache starts empty
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        if value:  # the queued hear it now (503), not at their deadline
+            self.queue.wake_all()
 
     def placed(self, replica: str) -> int:
         """Requests of this router on the replica now (a drain waits for 0)."""
@@ -210,6 +253,8 @@ class RayCore:
         sent: list[int] = []  # token ids the client has (a move prefills them again)
         finished = False
         try:
+            if self.admission.refuse_over_slo:
+                self._refuse_over_slo(request)  # at once: nothing placed, nothing to undo
             run = await self._start(request, run, sent)
             dispatched = time.perf_counter()
             while not finished:
@@ -225,9 +270,9 @@ class RayCore:
                 if not run.streaming:
                     if run.move == 0:
                         self._phase("first_token", dispatched)
-                    self._computed(run)
                     for name in self.prefill.keys() & run.holders.keys():  # its part is done
                         self.health.done_with(name, run.request_id)
+                    self._prompt_done(run)
                     run.streaming = True
                     if direct is not None:  # from the next delta on, deliver may write it at once
                         run.direct, run.sent = direct, sent
@@ -236,6 +281,8 @@ class RayCore:
                     raise ServingError(d.error or "the request failed")
                 finished = d.finish_reason is not None
                 sent.extend(d.token_ids)
+                if finished:
+                    self.forecast.finished(len(sent))
                 yield Delta(d.text, d.token_ids, d.finish_reason, d.logprobs, more=not run.queue.empty())
         finally:
             self._end(run, finished)
@@ -246,6 +293,8 @@ class RayCore:
         """Hand the attempt to replicas (once each role it needs has a live one); returns the
         attempt under way. A replica lost under the hand-off makes the request move."""
         self._queues[run.request_id] = run.queue
+        self._live[run.request_id] = run
+        run.request, run.tokens = request, sent
         try:
             await self._wait_live(run)
             start = self._start_colocated if self.colocated or not self.decode else self._start_disaggregated
@@ -278,7 +327,11 @@ class RayCore:
         """The attempt is over: counts and waits dropped; unless it finished, every live holder stops it."""
         self._queues.pop(run.request_id, None)
         self._direct.pop(run.request_id, None)
-        self._computed(run)
+        self._live.pop(run.request_id, None)
+        self._prompt_done(run, wake=False)
+        if run.slot is not None or run.placed:  # a slot, or room at a replica, came free
+            run.slot = None
+            self.queue.wake()
         for name in run.placed:
             if name in self._loads:
                 self._loads[name] -= 1
@@ -315,36 +368,128 @@ class RayCore:
 
     async def _start_disaggregated(self, request: GenerateRequest, run: _Attempt, sent: list[int]) -> None:
         """Reserve KV on a decode replica, then have a prefill replica stream the prompt's KV there."""
-        p_name = self._pick(self.prefill, "prefill", moving=run.move > 0, run=run, request=request, sent=sent)
-        self._place(p_name, run.placed)
-        p_worker = next(iter(self._workers[p_name]))
-        t0 = time.perf_counter()
-        d_name, d_rank, handle = await self._reserve(request, run, sent, p_worker)
-        t1 = self._phase("reserve", t0)
+        p_name, p_worker, (d_name, d_rank, handle) = await self._admit(
+            request, run, lambda: self._try_disaggregated(request, run, sent))
+        t1 = time.perf_counter()
+        self._count_placed(p_name)
         self._place(d_name, run.placed)
         run.holders |= {d_name: d_rank, p_name: p_worker}
-        self.index.routed(d_rank, run.hashes)  # its blocks hold the prompt once the KV is in
-        self._remember(request, run, (p_name, d_name))
         for name in (d_name, p_name):
             self.health.wait_on(name, run.request_id, run.queue)
         _raise_refused(await self._call(p_name, p_worker, self._send[p_worker](
-            NewRequest(run.request_id, request.prompt_ids, request.params, handle=handle, output_ids=sent))))
+            NewRequest(run.request_id, request.prompt_ids, request.params, handle=handle, output_ids=sent,
+                       priority=request.priority))))
         self._phase("dispatch", t1)
+
+    async def _try_disaggregated(self, request: GenerateRequest, run: _Attempt,
+                                 sent: list[int]) -> tuple[str, str, tuple[str, str, bytes]] | None:
+        """One try at placing the attempt: a prefill replica with room for it, KV blocks on a
+        decode replica -> (prefill replica, its worker, the reservation); None when none has room."""
+        p_name = self._pick(self.prefill, "prefill", moving=run.move > 0, room=run.move == 0, run=run,
+                            request=request, sent=sent)
+        if p_name is None:
+            return None
+        # Counted before the reservation's await, so that a burst spreads over the prefill replicas.
+        self._loads[p_name] += 1
+        run.placed.append(p_name)
+        self._await_prompt(run, p_name, len(request.prompt_ids) + len(sent))
+        p_worker = next(iter(self._workers[p_name]))
+        t0 = time.perf_counter()
+        run.slot = ""  # reserving one
+        reserved = await self._reserve(request, run, sent, p_worker)
+        if reserved is None:
+            run.slot = None
+            self._prompt_done(run, wake=False)
+            run.placed.remove(p_name)
+            self._loads[p_name] -= 1
+            return None
+        self._phase("reserve", t0)
+        self.index.routed(p_worker, run.hashes)  # its cache holds the prompt once prefilled,
+        self.index.routed(reserved[1], run.hashes)  # and so does the decode rank's once the KV is in
+        self._remember(request, run, (p_name, reserved[0]))
+        return p_name, p_worker, reserved
 
     async def _start_colocated(self, request: GenerateRequest, run: _Attempt, sent: list[int]) -> None:
         """Hand the whole request to the least-loaded colocated replica. Not by free KV blocks as
         for decode: a colocated replica never refuses (it queues), so a burst routed by stats up to
         0.5 s old would all land on one replica; the requests in flight from us are exact."""
-        name = self._pick(self.colocated, "colocated", moving=run.move > 0, run=run, request=request, sent=sent)
-        self._place(name, run.placed)
+        name = await self._admit(request, run, lambda: self._try_colocated(request, run, sent))
         worker = next(iter(self._workers[name]))
-        self._remember(request, run, (name,))
         run.holders[name] = worker  # before the call: a client leaving during it must still stop the request
         self.health.wait_on(name, run.request_id, run.queue)
         t0 = time.perf_counter()
         _raise_refused(await self._call(name, worker, self._send[worker](
-            NewRequest(run.request_id, request.prompt_ids, request.params, output_ids=sent))))
+            NewRequest(run.request_id, request.prompt_ids, request.params, output_ids=sent,
+                       priority=request.priority))))
         self._phase("dispatch", t0)
+
+    async def _try_colocated(self, request: GenerateRequest, run: _Attempt, sent: list[int]) -> str | None:
+        """A colocated replica with room for the attempt (it is placed there), or None."""
+        name = self._pick(self.colocated, "colocated", moving=run.move > 0, room=run.move == 0, run=run,
+                          request=request, sent=sent)
+        if name is not None:
+            self.index.routed(next(iter(self._workers[name])), run.hashes)
+            self._remember(request, run, (name,))
+            self._place(name, run.placed)
+            run.slot = name
+            self._await_prompt(run, name, len(request.prompt_ids) + len(sent))
+        return name
+
+    async def _admit(self, request: GenerateRequest, run: _Attempt, place):
+        """`place()` until it places the attempt (each call one try; None: no replica has room now).
+
+        A new request that finds no room — or others waiting already — waits in the admission
+        queue (router/admission.py) and tries again each time it is woken; a 429 when the queue is
+        full or its wait ends. A moving request was admitted once: it waits behind nobody, asking
+        again every MOVE_RETRY_S up to router.replica_wait_s (the blocks its lost attempt reserved
+        are being freed by the abort sent as it ended, and that abort may reach the decode worker
+        after this reservation does)."""
+        if run.move > 0:
+            deadline = time.monotonic() + self.replica_wait_s
+            while (placed := await place()) is None:
+                if time.monotonic() >= deadline or self.draining:
+                    raise NoCapacityError("every decode replica is full; retry later")
+                await asyncio.sleep(MOVE_RETRY_S)
+            return placed
+        since = time.monotonic()
+        waiter = placed = None
+        try:
+            if not self.queue and (placed := await place()) is not None:
+                return placed
+            waiter = self.queue.join(request)
+            while True:
+                await self.queue.wait(waiter)
+                if self.draining:
+                    raise ReplicaUnavailableError("the service is shutting down; retry on another instance")
+                if (placed := await place()) is not None:
+                    self.queue.wake()  # there may be room for the next one too
+                    return placed
+        except OverloadedError as e:
+            self._count_refused(e.reason)
+            raise
+        finally:
+            if waiter is not None:
+                self.queue.leave(waiter)
+            if placed is not None and self.metrics:
+                self.metrics.observe_queue_wait(time.monotonic() - since)
+
+    def _await_prompt(self, run: _Attempt, replica: str, tokens: int) -> None:
+        """The attempt's prompt (of `tokens` tokens) is now the `replica`'s to compute."""
+        run.prompt_at = replica
+        self._prompts[replica] = self._prompts.get(replica, 0) + 1
+        self._prompt_tokens[replica] = self._prompt_tokens.get(replica, 0) + tokens
+
+    def _prompt_done(self, run: _Attempt, wake: bool = True) -> None:
+        """The attempt's first token came (or it ended): its prefill replica has room for another."""
+        replica, run.prompt_at = run.prompt_at, None
+        if replica is None:
+            return
+        self._prompts[replica] -= 1
+        self._prompt_tokens[replica] -= len(run.request.prompt_ids) + len(run.tokens)
+        if self._prompts[replica] == 0:  # (exact again: what a move re-prefills counted its own way)
+            self._prompt_tokens[replica] = 0
+        if wake:
+            self.queue.wake()
 
     async def _call(self, replica: str, worker: str, ref):
         """Await a call to a replica's worker; one whose process died meanwhile is counted down
@@ -366,68 +511,120 @@ class RayCore:
         return now
 
     async def _reserve(self, request: GenerateRequest, run: _Attempt, sent: list[int],
-                       p_worker: str) -> tuple[str, str, bytes]:
+                       p_worker: str) -> tuple[str, str, bytes] | None:
         """Reserve KV blocks on a decode replica's rank, best candidates first -> (replica, rank,
-        handle); raises when all are full or down. The handle names the rank: the KV goes there.
-
-        A request that moves waits for room (up to router.replica_wait_s) rather than failing at once:
-        the blocks its lost attempt reserved are being freed by the abort sent as it ended, and that
-        abort may reach the decode worker after this reservation does."""
-        deadline = time.monotonic() + self.replica_wait_s
-        while True:
-            for d_name, ranks in self._order(self.decode, run, request):
-                replica = self.decode[d_name]
-                for rank in ranks:
-                    # Held from the call on: a client that leaves while the reservation is answered
-                    # still has it aborted on the rank (not left to its lease).
-                    run.holders[d_name] = rank
-                    try:
-                        res = await self._call(d_name, rank, self._send[rank](
-                            NewRequest(run.request_id, request.prompt_ids, request.params, prefill_id=p_worker,
-                                       output_ids=sent)))
-                    except _Lost:
-                        run.holders.pop(d_name, None)
-                        break  # this replica is down: try the next one
-                    _raise_refused(res.refused)
-                    if res.handle is not None:
-                        self._reserved[d_name] = self._reserved.get(d_name, 0) + self._blocks(request, sent)
-                        return d_name, rank, res.handle
+        handle); None when all are full; raises when none is live. The handle names the rank: the
+        KV goes there."""
+        for d_name, ranks in self._order(self.decode, run, request):
+            for rank in ranks:
+                # Held from the call on: a client that leaves while the reservation is answered
+                # still has it aborted on the rank (not left to its lease).
+                run.holders[d_name] = rank
+                try:
+                    res = await self._call(d_name, rank, self._send[rank](
+                        NewRequest(run.request_id, request.prompt_ids, request.params, prefill_id=p_worker,
+                                   output_ids=sent, priority=request.priority)))
+                except _Lost:
                     run.holders.pop(d_name, None)
-            if not self.health.live(self.decode):
-                if run.move > 0:
-                    raise _Lost("no live decode replica", "decode")
-                raise self.health.unavailable("decode")
-            if run.move == 0 or time.monotonic() >= deadline or self.draining:
-                raise NoCapacityError("every decode replica is full; retry later")
-            await asyncio.sleep(MOVE_RETRY_S)
+                    break  # this replica is down: try the next one
+                _raise_refused(res.refused)
+                if res.handle is not None:
+                    run.slot = d_name
+                    self._reserved[d_name] = self._reserved.get(d_name, 0) + self._blocks(request, sent)
+                    return d_name, rank, res.handle
+                run.holders.pop(d_name, None)
+        if not self.health.live(self.decode):
+            if run.move > 0:
+                raise _Lost("no live decode replica", "decode")
+            raise self.health.unavailable("decode")
+        return None
+
+    # -- admission control --------------------------------------------------------------------------
+
+    def _refuse_over_slo(self, request: GenerateRequest) -> None:
+        """Refuse (429) a new request whose forecast time to first token is over slo.ttft_ms
+        (router.refuse_over_slo); nothing is refused before the replicas have measured their steps."""
+        ttft = self._forecast_ttft(request)
+        if ttft is None:
+            return
+        if self.metrics:
+            self.metrics.observe_forecast(ttft)
+        slo = self.admission.ttft_slo_s
+        if ttft > slo:
+            self._count_refused("predicted_ttft")
+            raise OverloadedError(f"its first token would come in about {ttft * 1000:.0f} ms, over the service's "
+                                  f"{slo * 1000:g} ms objective (slo.ttft_ms)", "predicted_ttft",
+                                  retry_after_s=max(1.0, ttft - slo))
+
+    def _forecast_ttft(self, request: GenerateRequest) -> float | None:
+        """Seconds a new request would wait for its first token (router/forecast.py), or None
+        without the measurements to tell."""
+        colocated = bool(self.colocated) or not self.decode
+        slot_replicas, prompt_replicas = ((self.colocated, self.colocated) if colocated else (self.decode, self.prefill))
+        holders, line = [], []
+        for run in self._live.values():  # this router's requests: in a slot, or first in line for one
+            if run.slot is None:
+                continue
+            r = run.request
+            if colocated and not run.streaming:  # at its replica, but perhaps queued there for a slot
+                line.append((r.params, len(r.prompt_ids)))
+            else:
+                holders.append(SlotHolder(r.params, len(r.prompt_ids), len(run.tokens), run.streaming))
+        pool = self.forecast.pool([self.stats[n] for n in self.health.live(slot_replicas) if n in self.stats],
+                                  len(holders))
+        prompt_at = min(self.health.live(prompt_replicas), key=lambda n: self._prompt_tokens.get(n, 0), default=None)
+        if pool is None or prompt_at is None:
+            return None
+        line += [(w.request.params, len(w.request.prompt_ids)) for w in self.queue.ahead(request.priority)]
+        wait = self.forecast.slot_wait(pool, holders, line, prompt_at, request.params)
+        # Its prompt is computed behind those queued at the prefill replica now, if it gets a slot now;
+        # later, that queue has moved on: alone.
+        ahead = self._prompt_tokens.get(prompt_at, 0) if wait == 0 else 0
+        ttft = wait + self.forecast.prefill_s(prompt_at, ahead + len(request.prompt_ids))
+        if not colocated:  # the KV's way to the decode replica, and the step that hands out the first token
+            ttft += self.forecast.transfer_s.get(prompt_at, 0.0) + pool.step_s
+        return ttft
+
+    def _count_refused(self, reason: str) -> None:
+        if self.metrics:
+            self.metrics.count_refused(reason)
 
     def _place(self, name: str, placed: list[str]) -> None:
         self._loads[name] += 1
         placed.append(name)
+        self._count_placed(name)
+
+    def _count_placed(self, name: str) -> None:
         if self.metrics:
             self.metrics.count_placed(self.health.roles[name], name)
 
-    def _pick(self, replicas: dict, role: str, moving: bool = False, run: _Attempt | None = None,
-              request: GenerateRequest | None = None, sent: list[int] = ()) -> str:
-        """The replica to compute a request's prompt (prefill or colocated)."""
+    def _pick(self, replicas: dict, role: str, moving: bool = False, room: bool = False, run: _Attempt | None = None,
+              request: GenerateRequest | None = None, sent: list[int] = ()) -> str | None:
+        """A live replica to compute a new attempt's prompt (prefill or colocated); with `room`, only
+        among those holding fewer than router.max_queued_per_replica of our requests without a
+        first token (None: none has room)."""
         names = self.health.live(replicas)
         if not names:
             if moving:  # a request already under way waits for a replacement; a new one hears 503 now
                 raise _Lost(f"no live {role} replica", role)
             raise self.health.unavailable(role)
+        if room:
+            bound = self.admission.max_queued_per_replica
+            if not (names := [n for n in names if self._prompts.get(n, 0) < bound]):
+                return None
         if self.policy == "round-robin":
             return names[next(self._rr) % len(names)]
-        if self.policy == "kv-aware" or run is None:
+        if self.policy == "kv-aware" or run is None or not run.hashes:
             return min(names, key=lambda n: self._loads[n])  # fewest requests in flight from us
         # prefix-aware: the least work before this request's first token there, in prompt tokens to
-        # compute: those its cache lacks, plus QUEUE_WEIGHT of those we sent it that it has not
-        # finished yet. A queue drains in any case, but a cache miss is work added for good (every
-        # later request waits behind it too, and the history then lives on two replicas): a cached
-        # prefix outweighs a queue up to twice its length.
+        # compute: those its cache lacks, plus QUEUE_WEIGHT of the prompt tokens we sent it that
+        # have no first token yet. A queue drains in any case, but a cache miss is work added for
+        # good (every later request waits behind it too, and the history then lives on two
+        # replicas): a cached prefix outweighs a queue up to twice its length.
         tokens = len(request.prompt_ids) + len(sent)
         worker = {n: next(iter(self._workers[n])) for n in names}
         held = self._cached(run, request, {w: n for n, w in worker.items()})
-        cost = {n: tokens - held[worker[n]] * self.block_size + QUEUE_WEIGHT * self._computing.get(n, 0)
+        cost = {n: tokens - held[worker[n]] * self.block_size + QUEUE_WEIGHT * self._prompt_tokens.get(n, 0)
                 for n in names}
         name = min(names, key=lambda n: (cost[n], self._loads[n]))
         # The cost counts tokens, not requests: a replica whose every prompt is cached would take all
@@ -436,9 +633,6 @@ class RayCore:
         least = min(names, key=lambda n: self._loads[n])
         if self._loads[name] > BALANCE_SLACK + BALANCE_RATIO * self._loads[least]:
             name = least
-        self.index.routed(worker[name], run.hashes)
-        run.computing = (name, tokens - held[worker[name]] * self.block_size)
-        self._computing[name] = self._computing.get(name, 0) + run.computing[1]
         return name
 
     def _order(self, replicas: dict, run: _Attempt, request: GenerateRequest) -> list[tuple[str, list[str]]]:
@@ -490,14 +684,6 @@ class RayCore:
         if len(self._sessions) > SESSIONS:
             self._sessions.popitem(last=False)
 
-    def _computed(self, run: _Attempt) -> None:
-        """The attempt's prompt is computed (its first delta came) or it ended: off its replica's queue."""
-        if run.computing is not None:
-            name, tokens = run.computing
-            if name in self._computing:
-                self._computing[name] -= tokens
-            run.computing = None
-
     def _blocks(self, request: GenerateRequest, sent: list[int]) -> int:
         return -(-(len(request.prompt_ids) + len(sent) + 1) // self.block_size)
 
@@ -532,6 +718,10 @@ class RayCore:
                 self._reserved[name] = 0  # (its figures count what we reserved before it answered)
                 if self.policy == "prefix-aware":
                     await self._follow_cache(workers)
+                if self.admission.refuse_over_slo:
+                    self.forecast.refit(name, s)
+            if self.queue:
+                self.queue.wake()  # room may have come free that this router did not hear of (other routers')
             await asyncio.sleep(interval_s)
 
     async def _follow_cache(self, workers: dict[str, object]) -> None:

@@ -11,6 +11,7 @@ from pdserve.tokenizer import load_tokenizer
 from pdserve.messages import ReplicaChange, RequestDelta
 
 from pdserve import heap
+from pdserve.router.admission import AdmissionPolicy
 from pdserve.router.http_api import build_app
 from pdserve.router.listen import bind_listener, claim_shared
 from pdserve.router.metrics import Metrics
@@ -80,7 +81,7 @@ class Router:
         self.metrics = Metrics(self.name)
         self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, self.replicas, cfg.router.policy,
                             self.metrics, cfg.router.migration_limit, cfg.router.replica_wait_s,
-                            cfg.kv_transfer.block_size)
+                            AdmissionPolicy.of(cfg), cfg.kv_transfer.block_size)
         await self._meet(self.replicas)  # (their empty deliver reaches the core: after it is built)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
         # Each router enforces its share of a key's limits: the kernel spreads connections evenly over them.

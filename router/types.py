@@ -2,6 +2,7 @@
 
 import asyncio
 import functools
+import math
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,6 +20,23 @@ class NoCapacityError(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class OverloadedError(RuntimeError):
+    """The service cannot take the request now: its predicted time to first token is over the SLO,
+    or the router's queue is full (or it waited there past router.queue_wait_s, or a request of a
+    higher priority took its place). HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED with a
+    `retry-after` trailer. `reason` labels the refusal in /metrics."""
+
+    def __init__(self, message: str, reason: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after(self) -> int:
+        """Whole seconds, at least 1: HTTP's Retry-After, and gRPC's `retry-after` trailer alike."""
+        return max(1, math.ceil(self.retry_after_s))
+
+
 class ServingError(RuntimeError):
     """The request failed inside the service (a replica died, a transfer failed)."""
 
@@ -32,7 +50,8 @@ class GenerateRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    session: str | None = None  # a conversation's key (OpenAI's `user`): its turns go to the same replicas
+    priority: int = 0  # lower is admitted, scheduled first and preempted last (vLLM's `priority`)
+    session: str | None = None  # a conversation's key (x-session-id, or OpenAI's `user`): its turns go to the same replicas
 
 
 @dataclass(slots=True)

@@ -52,6 +52,8 @@ TAKEN = [
         {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]}),
     ("/v1/chat/completions", OK_CHAT | {"max_tokens": 4, "temperature": 0, "tool_choice": "auto",
                                         "response_format": {"type": "text"}}),
+    ("/v1/completions", OK | {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "priority": -3}),
+    ("/v1/chat/completions", OK_CHAT | {"max_tokens": 4, "temperature": 0, "priority": 7, "stream": True}),
     # Valid bodies the serving path refuses: the door takes them, the app's error handlers answer.
     # (The two with a lone surrogate, which the door's JSON parser does not read, go to the app.)
     ("/v1/completions", OK | {"model": "gpt-4"}),
@@ -160,7 +162,7 @@ def test_a_valid_body_is_taken_at_the_door_and_answered_as_the_app_would(pair):
     assert [past for _, past in answers] == [not taken(path, body) for path, body in TAKEN]
     assert sum(past for _, past in answers) == 2  # the two lone surrogates
     statuses = [status for status, _ in answers]
-    assert statuses.count(200) == 15 and {404, 400} <= set(statuses)
+    assert statuses.count(200) == 17 and {404, 400} <= set(statuses)
 
 
 def test_every_bad_body_is_answered_as_the_app_would(pair):

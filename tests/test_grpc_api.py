@@ -21,7 +21,7 @@ from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
 from pdserve.router.grpc_server import SERVICE_NAME, start_grpc_server
 from local_core import LocalCore
-from pdserve.router.types import NoCapacityError, ReplicaUnavailableError, ServingError
+from pdserve.router.types import NoCapacityError, OverloadedError, ReplicaUnavailableError, ServingError
 
 PROMPT = "Once upon a time"
 NUM_BLOCKS = 256
@@ -217,6 +217,23 @@ def test_service_errors_are_unavailable(loop, error):
                 assert ("grpc-retry-pushback-ms", "2000") in err.value.trailing_metadata()
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        loop.run(server.stop(None))
+
+
+def test_overload_is_resource_exhausted_with_retry_after(loop):
+    # HTTP's 429: the same whole seconds in `retry-after`, and as gRFC A6's pushback.
+    error = OverloadedError("its first token would come in about 2500 ms", "predicted_ttft", retry_after_s=1.5)
+    server = loop.run(start_grpc_server(FailingCore(error), 0, host="127.0.0.1"))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            for call in (pb_grpc.CompletionStub(channel).Complete,
+                         lambda r, timeout: list(pb_grpc.CompletionStub(channel).CompleteStream(r, timeout=timeout))):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(pb.CompletionRequest(prompt="hi", priority=-2), timeout=10)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert err.value.details() == str(error)
+                assert {("retry-after", "2"), ("grpc-retry-pushback-ms", "2000")} <= set(err.value.trailing_metadata())
     finally:
         loop.run(server.stop(None))
 

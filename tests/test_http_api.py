@@ -24,7 +24,7 @@ from pdserve.protocol import SamplingParams
 from pdserve.router.http_api import build_app
 from local_core import LocalCore
 from pdserve.router.metrics import Metrics
-from pdserve.router.types import Delta, NoCapacityError, ServingError
+from pdserve.router.types import Delta, NoCapacityError, OverloadedError, ServingError
 
 MODEL = "tiny-moe"
 PROMPT = "Once upon a time"
@@ -359,6 +359,10 @@ BAD = [
     ("/v1/completions", OK | {"model": ""}, 400, "model"),
     # Only an assistant's message may have null content; a user's is a 400, not a template error.
     ("/v1/chat/completions", OK_CHAT | {"messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
+    # vLLM's priority: an integer in gRPC's int32 range (the gRPC API takes the same).
+    ("/v1/completions", OK | {"priority": "high"}, 400, "priority"),
+    ("/v1/completions", OK | {"priority": 1.5}, 400, "priority"),
+    ("/v1/chat/completions", OK_CHAT | {"priority": 2**31}, 400, "priority"),
 ]
 
 
@@ -524,6 +528,26 @@ def test_service_errors_are_503(served, monkeypatch, error, code):
         assert r.status_code == 503 and r.json()["error"]["code"] == code
         if code == "no_capacity":
             assert r.headers["retry-after"] == "3"
+
+
+def test_overload_is_429_with_retry_after(served, monkeypatch):
+    error = OverloadedError("its first token would come in about 2500 ms", "predicted_ttft", retry_after_s=1.5)
+
+    async def refuse(request, direct=None):
+        raise error
+        yield  # an async generator, like the real one
+    monkeypatch.setattr(served.core, "generate", refuse)
+    before = sample(served, "pdserve_requests_total", {"endpoint": "/v1/completions", "status": "429"})
+    for stream in (False, True):
+        r = post(served, "/v1/completions", OK | {"stream": stream, "priority": 3})
+        assert r.status_code == 429 and r.headers["retry-after"] == "2"
+        assert r.json()["error"] == {"message": f"overloaded: {error}; retry after 2 s", "type": "overloaded_error",
+                                     "param": None, "code": "overloaded"}
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=MODEL, prompt="Once", max_tokens=4, extra_body={"priority": -1})
+    assert e.value.code == "overloaded" and e.value.response.headers["retry-after"] == "2"
+    assert sample(served, "pdserve_requests_total", {"endpoint": "/v1/completions", "status": "429"}) == before + 3
 
 
 def test_error_mid_stream_is_reported_in_stream(served, monkeypatch):

@@ -6,6 +6,7 @@ decode:    `reserve` blocks, someone places the prompt's KV there, `start_decode
            token; from then on the request decodes like any other.
 """
 
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -93,6 +94,7 @@ class Engine:
         self._ready: list[RequestOutput] = []  # outputs produced outside a step (start_decode)
         self._pieces: dict[int, str] = {}  # token id -> its text decoded alone (logprobs' alternatives)
         self._reserved: set[str] = set()  # decode role: reserved, waiting for their KV
+        self._arrivals = itertools.count()  # each sequence's place in arrival order (Sequence.arrival_no)
         self.overlap = self._wants_overlap()
         self._inflight: Launched | None = None  # overlap: the step queued last, not yet handed out
         # Called after each layer's KV is written, with the step's batch: layer-wise KV streaming.
@@ -198,7 +200,7 @@ class Engine:
         return list(prompt)
 
     def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                      output_ids: list[int]) -> Sequence:
+                      output_ids: list[int], priority: int) -> Sequence:
         if request_id in self.seqs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         ids = self.tokenize(prompt)
@@ -206,7 +208,8 @@ class Engine:
         self.check_request(ids, params, output_ids)
         # A resumed request's tokens so far follow its prompt: their KV is computed (or placed) with
         # the prompt's, and max_tokens and the context count them, as in the undisturbed run.
-        seq = Sequence(request_id, ids + output_ids, len(ids), params, arrival=time.monotonic())
+        seq = Sequence(request_id, ids + output_ids, len(ids), params, arrival=time.monotonic(), priority=priority,
+                       arrival_no=next(self._arrivals))
         self.seqs[request_id] = seq
         self._streams[request_id] = TextStream(self.tokenizer, ids, params.stop, output_ids)
         return seq
@@ -242,12 +245,13 @@ class Engine:
                        f"{self.pool.num_blocks}")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    output_ids: list[int] = ()) -> None:
+                    output_ids: list[int] = (), priority: int = 0) -> None:
         """Queue a request (colocated and prefill roles). `output_ids`: the tokens it generated
         already elsewhere (a migrated request): their KV is computed with the prompt's (as a
-        sequence preempted by recompute is), and the next token continues the stream after them."""
+        sequence preempted by recompute is), and the next token continues the stream after them.
+        `priority`: lower is admitted first and preempted last (vLLM's meaning; 0 by default)."""
         assert self.config.role != "decode", "a decode engine takes requests through reserve()"
-        self.scheduler.add(self._new_sequence(request_id, prompt, params, output_ids))
+        self.scheduler.add(self._new_sequence(request_id, prompt, params, output_ids, priority))
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks; False if it is unknown (already done)."""
@@ -261,15 +265,21 @@ class Engine:
 
     # -- disaggregation seam ------------------------------------------------------------------
 
+    @property
+    def num_reserved(self) -> int:
+        """Decode role: reservations waiting for their KV (each holds a sequence slot)."""
+        return len(self._reserved)
+
     def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                output_ids: list[int] = ()) -> Reservation | None:
+                output_ids: list[int] = (), priority: int = 0) -> Reservation | None:
         """Decode role: blocks for the KV of the prompt and of `output_ids` (a resumed request's
         tokens so far; same ids in every layer), or None if full. The longest prefix of full blocks
         this engine's prefix cache holds is reused (a reference taken on each, as a colocated
         admission does), so only the rest's KV has to come: a conversation's next turn moves only
         its new tokens' KV. As in a colocated admission the last token is not looked up: at least
-        one block is always placed, and with it comes the finish that says the KV is complete."""
-        seq = self._new_sequence(request_id, prompt, params, output_ids)
+        one block is always placed, and with it comes the finish that says the KV is complete.
+        `priority` as add_request's: once decoding, a lower priority is preempted first."""
+        seq = self._new_sequence(request_id, prompt, params, output_ids, priority)
         busy = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._reserved)
         cached: list[int] = []
         try:

@@ -1,10 +1,14 @@
 """The scheduler: one token budget per step, no prefill/decode phases.
 
 Every running sequence asks for the tokens it has that have no KV yet: one for a decoding
-sequence, a chunk for a prefilling one. Running sequences go first, oldest first; when blocks run
-out the newest running sequence is preempted (its blocks freed, recomputed later). Waiting
-sequences are admitted while budget, sequence slots and blocks last, reusing prefix-cached blocks.
-A prefill-role engine admits a prompt only with all of its blocks, so it never preempts.
+sequence, a chunk for a prefilling one. Both queues are kept in scheduling order (Sequence.order:
+the lower priority value first, then the earlier arrival — vLLM's `priority`). Running sequences go
+first in that order; when blocks run out the last of them — the lowest priority, the latest
+arrival — is preempted (its blocks freed, recomputed later). Waiting sequences are admitted in
+that order while budget, sequence slots and blocks last, reusing prefix-cached blocks; one that
+finds no slot or no blocks preempts a running sequence of a lower priority (never of its own: that
+would only trade places). A prefill-role engine admits a prompt only with all of its blocks, so it
+never preempts.
 
 Where CUDA graphs cover both kinds of step (`graph_limits`), fresh prompts that a prefill graph
 takes are not mixed into a step of decoding sequences: a mixed step runs eagerly, and on one H200
@@ -16,6 +20,7 @@ with 64-512 streams (one H200, `control_plane.sh`) stepping apart delivered 6-12
 than mixing, whose steps carry many decoders with each prompt.
 """
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -61,12 +66,12 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        _insert(self.waiting, seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose KV is already in its blocks (placed from outside) joins the batch."""
         seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        _insert(self.running, seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues (finished, aborted, or handed over); frees nothing."""
@@ -107,7 +112,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            _insert(self.running, seq)
             self.profile.prefix_queries += seq.num_tokens
             out.append(ScheduledSeq(seq, n))
             budget -= n
@@ -130,7 +135,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_size)
             assert n > 0
             while not self._grow(seq, n):
-                victim = self.running.pop()  # newest first
+                victim = self.running.pop()  # the lowest priority, latest arrival first
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -141,19 +146,26 @@ class Scheduler:
                 i += 1
                 continue
             break
-        # Admitting while preempting would thrash: the victims wait at the head of the queue.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted and not defer:
+        # Admitting while preempting would thrash: the victims wait in the queue (in their order).
+        while self.waiting and budget > 0 and not preempted and not defer:
             seq = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs:
+                if (freed := self._preempt_for(seq, out)) is None:
+                    break
+                budget += freed
             if seq.num_computed_tokens == 0:
                 self._use_prefix_cache(seq)
             rest = seq.num_tokens - seq.num_computed_tokens
             n = min(rest, budget, self.chunk_size)
             if not self._grow(seq, rest if self.whole_prompt else n):
                 self._drop_blocks(seq)
-                break
+                if (freed := self._preempt_for(seq, out)) is None:
+                    break
+                budget += freed  # its blocks are free now: look again
+                continue
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            _insert(self.running, seq)
             self.profile.prefix_queries += seq.num_tokens
             self.profile.prefix_hits += seq.num_cached_tokens
             out.append(ScheduledSeq(seq, n))
@@ -179,12 +191,24 @@ class Scheduler:
             return False
         return True
 
+    def _preempt_for(self, seq: Sequence, out: list[ScheduledSeq]) -> int | None:
+        """Make room for the waiting `seq` by preempting the last running sequence, if that one's
+        priority is lower (a higher value); returns the tokens it had in this step's schedule (its
+        budget back), or None when nothing may be preempted for `seq`. Every running sequence is
+        in `out` here: admission runs once they are all scheduled."""
+        if self.whole_prompt or not self.running or self.running[-1].priority <= seq.priority:
+            return None
+        victim = self.running.pop()
+        k = next(k for k, s in enumerate(out) if s.seq is victim)
+        self._preempt(victim)
+        return out.pop(k).num_new_tokens
+
     def _preempt(self, seq: Sequence) -> None:
         self._drop_blocks(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        _insert(self.waiting, seq)  # (ahead of the later arrivals of its priority)
 
     def _drop_blocks(self, seq: Sequence) -> None:
         self.pool.free(seq.block_ids)
@@ -202,3 +226,11 @@ class Scheduler:
             for k, h in enumerate(new, start=len(seq.block_hashes)):
                 self.pool.register(seq.block_ids[k], h)
             seq.block_hashes += new
+
+
+def _insert(queue: list[Sequence] | deque[Sequence], seq: Sequence) -> None:
+    """Put `seq` in a queue kept in scheduling order (Sequence.order)."""
+    if not queue or queue[-1].order <= seq.order:  # the usual case: one priority, arrivals in order
+        queue.append(seq)
+    else:
+        bisect.insort(queue, seq, key=lambda q: q.order)

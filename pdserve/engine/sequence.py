@@ -26,6 +26,10 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     arrival: float = 0.0
+    # Who is served first: the lower priority, then the earlier arrival (vLLM's rule, so that its
+    # clients' `priority` means the same here). `arrival_no` orders arrivals within one engine.
+    priority: int = 0
+    arrival_no: int = 0
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in this sequence's blocks
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
@@ -34,6 +38,11 @@ class Sequence:
     finish_reason: FinishReason | None = None
     logprobs: list[dict] = field(default_factory=list)
     num_preemptions: int = 0
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """The scheduler's key: lower is admitted first and preempted last."""
+        return self.priority, self.arrival_no
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ class Generate:
     params: SamplingParams
     router: str
     output_ids: list[int] = field(default_factory=list)  # generated already (NewRequest.output_ids)
+    priority: int = 0  # NewRequest.priority
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Prefill:
     params: SamplingParams
     handle: object  # kvtransfer.ReserveHandle
     output_ids: list[int] = field(default_factory=list)  # their KV is computed and sent too
+    priority: int = 0  # NewRequest.priority
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Reserve:
     prefill_id: str
     router: str
     output_ids: list[int] = field(default_factory=list)  # their KV comes with the prompt's
+    priority: int = 0  # NewRequest.priority
     answer: Future = field(default_factory=Future)
 
 

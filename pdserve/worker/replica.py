@@ -218,4 +218,5 @@ class Replica:
         e = self.engine
         return ReplicaStats(self.name, self.role, len(e.scheduler.running), len(e.scheduler.waiting),
                             e.pool.num_free_blocks, e.pool.num_blocks, self.aborted, pid=os.getpid(),
-                            held=len(e.seqs) + self.loop.queued() + self._held(), profile=e.profile.snapshot())
+                            held=len(e.seqs) + self.loop.queued() + self._held(), profile=e.profile.snapshot(),
+                            max_num_seqs=e.config.max_num_seqs, reserved=e.num_reserved)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CompletionRequest(_message.Message):
-    __slots__ = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "model", "ignore_eos")
+    __slots__ = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "model", "ignore_eos", "priority")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class CompletionRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     max_tokens: int
     temperature: float
@@ -26,7 +27,8 @@ class CompletionRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     model: str
     ignore_eos: bool
-    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    priority: int
+    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

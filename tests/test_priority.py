@@ -1,0 +1,153 @@
+"""Priorities in the engine (vLLM's `priority`: lower is served first): a high-priority request
+overtakes queued low-priority ones, preemption takes the lowest priority first, and the greedy
+output of every request is still what it generates alone; every block comes back."""
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import Engine
+from pdserve.protocol import SamplingParams
+
+LOW, HIGH = 5, -1
+BLOCK = 4  # small blocks: a few short requests fill a small pool
+TOKENS = 10  # generated per request: a prompt of 6 and its output fill 4 blocks
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The engines here run steps of a few tokens: a second torch thread has nothing to share, and
+    on a loaded machine its spin-waits made this module 4x slower (112 s against 28 s at load 13)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+MODE = {"overlap_scheduling": False}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def overlap(request):
+    """Every test twice: steps handed out as they finish, and overlapped (step N+1 scheduled, and
+    its victims preempted, before step N's tokens are handed out)."""
+    MODE["overlap_scheduling"] = request.param
+    yield request.param
+    MODE["overlap_scheduling"] = False
+
+
+def make_engine(**kw) -> Engine:
+    kw.setdefault("num_kv_blocks", 64)
+    kw.setdefault("overlap_scheduling", MODE["overlap_scheduling"])
+    return Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), block_size=BLOCK, **kw))
+
+
+def prompt(seed: int) -> list[int]:
+    return torch.randint(0, 256, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone() -> dict[int, list[int]]:
+    """Each prompt's greedy output with room for all (batched equals alone: tests/test_engine.py)."""
+    engine = make_engine(overlap_scheduling=False)
+    return {i: c.token_ids for i, c in enumerate(engine.generate([prompt(i) for i in range(10)], GREEDY))}
+
+
+def drain(engine: Engine) -> tuple[dict[str, list[int]], list[str]]:
+    """Step until done: every request's tokens, and the requests in the order of their first token."""
+    tokens: dict[str, list[int]] = {}
+    first: list[str] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id not in tokens:
+                first.append(out.request_id)
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    return tokens, first
+
+
+def test_a_high_priority_request_overtakes_queued_low_priority_ones(alone):
+    # Two sequence slots, both taken by low-priority requests, two more of them queued: a
+    # high-priority request that comes last takes a slot at the next step (the latest low-priority
+    # one is preempted for it) and has its first token before the queued ones have theirs.
+    engine = make_engine(max_num_seqs=2)
+    for i in range(4):
+        engine.add_request(f"low{i}", prompt(i), GREEDY, priority=LOW)
+    tokens, first = drain_after(engine, steps=2, then=lambda: engine.add_request("high", prompt(9), GREEDY,
+                                                                                  priority=HIGH))
+    assert first.index("high") < first.index("low2") and first.index("high") < first.index("low3"), first
+    assert engine.scheduler.num_preemptions >= 1
+    assert tokens["high"] == alone[9]
+    assert all(tokens[f"low{i}"] == alone[i] for i in range(4))  # the preempted one recomputed
+    assert engine.pool.num_free_blocks == 64
+
+
+def test_a_prefill_engine_admits_by_priority_without_preempting():
+    # A prefill-role engine never preempts (its blocks may be read by a KV transfer): the
+    # high-priority prompt goes ahead of the queued ones, not of those already running.
+    engine = make_engine(role="prefill", max_num_seqs=2)
+    for i in range(4):
+        engine.add_request(f"low{i}", prompt(i), GREEDY, priority=LOW)
+    outs = []
+    outs += engine.step()  # low0 and low1 run (their prompts whole in one step)
+    engine.add_request("high", prompt(9), GREEDY, priority=HIGH)
+    for out in outs:
+        engine.release(out.request_id)  # (what the KV connector does once the KV left)
+    order = [o.request_id for o in outs]
+    while engine.has_unfinished():
+        for out in engine.step():
+            order.append(out.request_id)
+            engine.release(out.request_id)
+    assert order == ["low0", "low1", "high", "low2", "low3"]
+    assert engine.scheduler.num_preemptions == 0
+    assert engine.pool.num_free_blocks == 64
+
+
+def test_preemption_takes_the_lowest_priority_first(alone):
+    # 8 requests of 4 blocks each (6 prompt + 10 generated tokens) in 18 blocks: preemption by
+    # recompute must happen. The 4 high-priority ones (16 blocks) always fit, so only the
+    # low-priority ones are preempted, whatever their arrival; arrivals alternate the two.
+    engine = make_engine(num_kv_blocks=18, enable_prefix_cache=False)
+    seqs = {}
+    for i in range(8):
+        rid = f"{'high' if i % 2 else 'low'}{i}"
+        engine.add_request(rid, prompt(i), GREEDY, priority=HIGH if i % 2 else LOW)
+        seqs[rid] = engine.seqs[rid]
+    tokens, _ = drain(engine)
+    preempted = {rid for rid, s in seqs.items() if s.num_preemptions}
+    assert preempted and all(rid.startswith("low") for rid in preempted), preempted
+    assert all(tokens[rid] == alone[int(rid[-1])] for rid in seqs)
+    assert engine.pool.num_free_blocks == 18
+
+
+def test_equal_priorities_keep_arrival_order_and_preempt_the_latest(alone):
+    # One priority for all (the default): the latest arrival is preempted first, so the earliest
+    # requests are never preempted and finish first.
+    engine = make_engine(num_kv_blocks=18, enable_prefix_cache=False)
+    seqs = {}
+    for i in range(8):
+        engine.add_request(f"r{i}", prompt(i), GREEDY)
+        seqs[i] = engine.seqs[f"r{i}"]
+    tokens, first = drain(engine)
+    assert first == [f"r{i}" for i in range(8)]
+    assert seqs[0].num_preemptions == 0 and any(s.num_preemptions for s in seqs.values())
+    assert all(tokens[f"r{i}"] == alone[i] for i in range(8))
+    assert engine.pool.num_free_blocks == 18
+
+
+def drain_after(engine: Engine, steps: int, then) -> tuple[dict[str, list[int]], list[str]]:
+    """`steps` steps, then `then()`, then drain; the tokens and first-token order of all of it."""
+    tokens: dict[str, list[int]] = {}
+    first: list[str] = []
+    for _ in range(steps):
+        for out in engine.step():
+            if out.request_id not in tokens:
+                first.append(out.request_id)
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    then()
+    more, rest = drain(engine)
+    for rid, ids in more.items():
+        tokens.setdefault(rid, []).extend(ids)
+    return tokens, first + [r for r in rest if r not in first]
