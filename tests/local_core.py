@@ -22,6 +22,7 @@ class LocalCore:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._closed = False
         self.sessions: list[str | None] = []  # each request's session key, as the front end gave it
+        self.priorities: list[int] = []  # and its priority
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -41,6 +42,7 @@ class LocalCore:
     async def generate(self, request: GenerateRequest, direct=None) -> AsyncIterator[Delta]:
         queue: asyncio.Queue = asyncio.Queue()
         self.sessions.append(request.session)
+        self.priorities.append(request.priority)
         with self._lock:
             self.engine.add_request(request.request_id, request.prompt_ids, request.params)
             self._streams[request.request_id] = (asyncio.get_running_loop(), queue)

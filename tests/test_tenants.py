@@ -389,6 +389,13 @@ def test_a_request_that_can_never_fit_is_400_naming_the_field(serve, core):
     assert complete(alpha, 120 - p).headers["x-ratelimit-remaining-tokens"] == "0"  # nothing was charged
 
 
+def test_a_request_without_a_priority_takes_its_keys(serve, core):
+    keyed = serve(ALPHA, BETA)
+    for key, extra, want in [("sk-beta", {}, 3), ("sk-beta", {"priority": -1}, -1), ("sk-alpha", {}, 0)]:
+        keyed.client(key).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body=extra)
+        assert core.priorities[-1] == want, (key, extra)
+
+
 def test_keys_from_the_variable_are_served_under_their_names(serve):
     s = serve(*load_api_keys(None, "ops:sk-ops,sk-anon"))
     assert complete(s.client("sk-anon"), 2).parse().usage.completion_tokens == 2
