@@ -53,7 +53,7 @@ from pdserve.protocol import InvalidRequestError
 log = logging.getLogger(__name__)
 LIVE_POLL_S = 0.1  # how often a request waiting for a live replica looks
 MOVE_RETRY_S = 0.05  # how often a moving request whose decode replicas are all full asks again
-QUEUE_WEIGHT = 0.5  # prefix-aware: a queued prompt token against one to compute (_pick)
+QUEUE_WEIGHT = 0.25  # prefix-aware: a queued prompt token against one to compute (_pick)
 # prefix-aware: a replica with more than SLACK + RATIO x the least-loaded one's requests of ours
 # takes no more, whatever it caches (_pick)
 BALANCE_SLACK, BALANCE_RATIO = 8, 1.5
@@ -620,7 +620,9 @@ class RayCore:
         # compute: those its cache lacks, plus QUEUE_WEIGHT of the prompt tokens we sent it that
         # have no first token yet. A queue drains in any case, but a cache miss is work added for
         # good (every later request waits behind it too, and the history then lives on two
-        # replicas): a cached prefix outweighs a queue up to twice its length.
+        # replicas): a cached prefix outweighs a queue up to four times its length (at half, a
+        # loaded host's queues spilled a multi-turn test's sessions over both replicas); the
+        # balance guard below bounds what one replica takes.
         tokens = len(request.prompt_ids) + len(sent)
         worker = {n: next(iter(self._workers[n])) for n in names}
         held = self._cached(run, request, {w: n for n, w in worker.items()})
