@@ -202,6 +202,10 @@ class PrefillConfig(_Strict):
     max_batch_tokens: int = Field(default=8192, ge=1)
     chunk_size: int = Field(default=2048, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)
+    # The replica's prefix cache (vLLM's enable_prefix_caching): full blocks of KV kept, by hash, for
+    # the next prompt that starts alike. false: every prompt is computed whole (the
+    # baseline of a comparison, or prompts that never share a prefix).
+    prefix_cache: bool = True
     # Fresh-prompt steps of up to this many tokens replay CUDA graphs (EngineConfig's key); default
     # 2048 with a GPU, 0: off.
     prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
@@ -232,6 +236,9 @@ class DecodeConfig(_Strict):
     cuda_graphs: bool = True
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     num_kv_blocks: int | None = Field(default=None, ge=1)
+    # The replica's prefix cache: a reservation reuses the blocks it holds already (a conversation's
+    # next turn), so only the rest of the KV moves. false: every block of every prompt moves.
+    prefix_cache: bool = True
     warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
     placement: PlacementConfig = PlacementConfig()
 
@@ -249,6 +256,10 @@ class ColocatedConfig(_Strict):
     max_batch_tokens: int = Field(default=8192, ge=1)
     chunk_size: int = Field(default=2048, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)
+    # The replica's prefix cache (vLLM's enable_prefix_caching): full blocks of KV kept, by hash, for
+    # the next prompt that starts alike. false: every prompt is computed whole (the
+    # baseline of a comparison, or prompts that never share a prefix).
+    prefix_cache: bool = True
     cuda_graphs: bool = True
     # Fresh-prompt steps of up to this many tokens replay CUDA graphs (EngineConfig's key); default
     # 2048 with a GPU, 0: off.
@@ -334,7 +345,8 @@ class ClusterConfig(_Strict):
         r = getattr(self, role)
         # A colocated engine never moves KV, but shares the cluster's block size all the same.
         kw = dict(model=self.model, role=role, device="cuda" if r.gpus else "cpu",
-                  block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks, warm_up=r.warm_up)
+                  block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks, warm_up=r.warm_up,
+                  enable_prefix_cache=r.prefix_cache)
         if role in ("prefill", "colocated"):  # the prompt phase
             kw.update(max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size,
                       prefill_graph_max_tokens=r.prefill_graph_max_tokens)

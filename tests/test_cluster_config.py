@@ -70,3 +70,12 @@ def test_router_replicas_is_at_least_one(tmp_path):
     assert load(tmp_path, {"router": {"replicas": 3}}).router.replicas == 3
     with pytest.raises(ConfigError, match=r"router\.replicas: 0 is not allowed"):
         load(tmp_path, {"router": {"replicas": 0}})
+
+
+def test_prefix_cache_is_on_by_default_and_off_per_role(tmp_path):
+    cfg = load(tmp_path, {"decode": {"prefix_cache": False}})
+    assert cfg.engine_config("prefill").enable_prefix_cache and not cfg.engine_config("decode").enable_prefix_cache
+    cfg = load(tmp_path, {"colocated": {"replicas": 1, "prefix_cache": False}})
+    assert not cfg.engine_config("colocated").enable_prefix_cache
+    with pytest.raises(ConfigError, match=r"prefill\.prefix_cache"):
+        load(tmp_path, {"prefill": {"prefix_cache": "sometimes"}})

@@ -4,14 +4,16 @@
     python -m pdserve.benchmarks.prefix_routing --rate 2 --num-prompts 96 --turns 6 --json out.json
     python -m pdserve.benchmarks.prefix_routing --cluster FILE.yaml   # another cluster (its policy is replaced)
 
-For each of `prefix-aware`, `kv-aware` and `round-robin` in turn: `pdserve up` of the same cluster
-with router.policy set, `pdserve bench --workload multi-turn` against it (the same seeded sessions
+For each variant in turn — the policies `prefix-aware`, `kv-aware` and `round-robin`, and
+`kv-aware-whole-kv`: kv-aware with the decode replicas' prefix cache off (decode.prefix_cache: false),
+so that every turn moves its whole history's KV, as every policy did before a decode reservation
+looked in its own cache — `pdserve up` of the same cluster with the variant's keys set, `pdserve bench --workload multi-turn` against it (the same seeded sessions
 for every policy: sessions of --turns turns over a shared --prefix-len system prompt, each turn
 --input-len new tokens and an answer of --output-len, Poisson session starts at --rate / --turns),
 then the cluster's counters from the router's /metrics: prompt tokens the prefill replicas
 computed (looked up less found in their prefix caches), KV bytes moved from prefill to decode, and
-decode blocks reused. Each policy's figures are then given against kv-aware's, measured in the same
-run. A table last."""
+decode blocks reused. Each variant's figures are then given against --reference's, measured in the
+same run. A table last."""
 
 import argparse
 import asyncio
@@ -29,7 +31,12 @@ from pdserve.benchmarks.load.records import Slo, Workload
 from pdserve.benchmarks.load.sweep import run_sweep
 from pdserve.benchmarks.up_process import UpProcess
 
-POLICIES = ("prefix-aware", "kv-aware", "round-robin")
+VARIANTS = {  # the keys each sets in the cluster
+    "prefix-aware": {"router": {"policy": "prefix-aware"}},
+    "kv-aware": {"router": {"policy": "kv-aware"}},
+    "round-robin": {"router": {"policy": "round-robin"}},
+    "kv-aware-whole-kv": {"router": {"policy": "kv-aware"}, "decode": {"prefix_cache": False}},
+}
 DEFAULT_CLUSTER = {
     "model": {"path": "tiny-moe"},
     "router": {"host": "127.0.0.1", "http_port": 0, "grpc_port": None},
@@ -63,7 +70,8 @@ def counters(url: str) -> dict[str, float]:
 
 def run_policy(policy: str, cluster: dict, workload: Workload, rate: float, log_dir: Path) -> dict:
     cfg = json.loads(json.dumps(cluster))
-    cfg.setdefault("router", {})["policy"] = policy
+    for section, keys in VARIANTS[policy].items():
+        cfg.setdefault(section, {}).update(keys)
     path = log_dir / f"{policy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     up = UpProcess(path, log_dir / f"pdserve-up.{policy}.log")
@@ -86,7 +94,8 @@ def run_policy(policy: str, cluster: dict, workload: Workload, rate: float, log_
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cluster", help="a cluster.yaml (default: tiny-moe on CPU, 2 prefill + 2 decode)")
-    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--reference", choices=list(VARIANTS), default="kv-aware", help="the ratios' denominator")
     ap.add_argument("--rate", type=float, default=2.0, help="requests/s (sessions start at rate / turns)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--turns", type=int, default=4)
@@ -102,17 +111,17 @@ def main(argv: list[str] | None = None) -> int:
                         prefix_len=a.prefix_len, turns=a.turns, think_s=a.think_time)
     log_dir = Path(tempfile.mkdtemp(prefix="prefix-routing-"))
     rows = [run_policy(p, cluster, workload, a.rate, log_dir) for p in a.policies]
-    ref = next((r for r in rows if r["policy"] == "kv-aware"), rows[0])
+    ref = next((r for r in rows if r["policy"] == a.reference), rows[0])
 
     def ratio(r, k):
         return r[k] / ref[k] if ref[k] else float("nan")
 
     print(f"\nmulti-turn: {a.num_prompts} requests, {a.turns} turns, system {a.prefix_len}, input {a.input_len}, "
           f"output {a.output_len}, think {a.think_time} s, rate {a.rate}/s; ratios against {ref['policy']}")
-    print(f"{'policy':13} {'ok':>4} {'TTFT p50':>9} {'p90':>9} {'p90 x':>6} {'computed':>9} {'x':>5} "
+    print(f"{'variant':17} {'ok':>4} {'TTFT p50':>9} {'p90':>9} {'p90 x':>6} {'computed':>9} {'x':>5} "
           f"{'KV MB moved':>11} {'x':>5} {'reused blk':>10}")
     for r in rows:
-        print(f"{r['policy']:13} {r['completed']:>4} {r['ttft_p50_ms']:>9.1f} {r['ttft_p90_ms']:>9.1f} "
+        print(f"{r['policy']:17} {r['completed']:>4} {r['ttft_p50_ms']:>9.1f} {r['ttft_p90_ms']:>9.1f} "
               f"{ratio(r, 'ttft_p90_ms'):>6.2f} {r['computed']:>9.0f} {ratio(r, 'computed'):>5.2f} "
               f"{r['moved'] / 1e6:>11.2f} {ratio(r, 'moved'):>5.2f} {r['reused_blocks']:>10.0f}  "
               + " ".join(f"{k.removeprefix('placed ')}={v:.0f}" for k, v in r.items() if k.startswith("placed ")))
