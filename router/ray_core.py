@@ -121,7 +121,9 @@ class RayCore:
         self._prompts: dict[str, int] = {}
         self._prompt_tokens: dict[str, int] = {}
         self.stats: dict[str, ReplicaStats] = {}
-        self._rr = itertools.count()
+        # Round-robin's turn, per role: one counter stepped by both choices of a request would hand
+        # every request the same pair where the roles have as many replicas (2 + 2: prefill-0, decode-1).
+        self._rr: dict[str, itertools.count] = {}
         self._queues: dict[str, asyncio.Queue] = {}  # attempt id -> its deltas
         self._direct: dict[str, _Attempt] = {}  # attempt id -> the attempt, while its deltas may be written at once
         self.direct_writes = 0  # deltas `deliver` wrote at once (the rest went through a queue)
@@ -613,7 +615,7 @@ class RayCore:
             if not (names := [n for n in names if self._prompts.get(n, 0) < bound]):
                 return None
         if self.policy == "round-robin":
-            return names[next(self._rr) % len(names)]
+            return names[next(self._rr.setdefault(role, itertools.count())) % len(names)]
         if self.policy == "kv-aware" or run is None or not run.hashes:
             return min(names, key=lambda n: self._loads[n])  # fewest requests in flight from us
         # prefix-aware: the least work before this request's first token there, in prompt tokens to
@@ -642,7 +644,7 @@ class RayCore:
         in the order to try."""
         names = self.health.live(replicas)
         if self.policy == "round-robin" and names:
-            k = next(self._rr) % len(names)
+            k = next(self._rr.setdefault("decode", itertools.count())) % len(names)
             return [(n, self.decode[n].rank_order()) for n in names[k:] + names[:k]]
         if self.policy == "prefix-aware" and run.hashes:
             # Blocks the KV must move to it (its own cache keeps the rest: only new KV moves) plus its

@@ -35,9 +35,10 @@ def greedy(engine: Engine, prompt: str, max_tokens: int) -> str:
 @pytest.mark.parametrize("sections, replicas", [
     ({"prefill": {"replicas": 2}}, 3),
     ({"kv_transfer": {"backend": "tcp"}}, 2),
-    # Round-robin: consecutive requests go to both replicas.
+    # Round-robin: consecutive requests go to every replica of each role.
     ({"colocated": {"replicas": 2, "num_kv_blocks": 512}, "router": {"policy": "round-robin"}}, 2),
-], ids=["2-prefill-1-decode", "tcp", "2-colocated"])
+    ({"prefill": {"replicas": 2}, "decode": {"replicas": 2}, "router": {"policy": "round-robin"}}, 4),
+], ids=["2-prefill-1-decode", "tcp", "2-colocated", "2-prefill-2-decode-round-robin"])
 def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, sections, replicas):
     c = Cluster(tmp_path, **sections)
     try:
@@ -49,6 +50,10 @@ def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, section
         stats = c.wait_idle()
         assert len(stats) == replicas
         assert all(s["used"] == 0 for s in stats.values()), stats
+        if sections.get("router", {}).get("policy") == "round-robin":
+            placed = {line.split('replica="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                      for line in c.metrics().splitlines() if line.startswith("pdserve_replica_requests_total{")}
+            assert len(placed) == replicas and all(placed.values()), placed
     finally:
         assert c.stop() == 0, c.output()
 
