@@ -250,7 +250,8 @@ class ColocatedConfig(_Strict):
     replicas: int = Field(default=0, ge=0)
     gpus: int = Field(default=0, ge=0, le=1)  # per replica (per rank with tp_size > 1)
     # Tensor parallelism: a replica is tp_size ranks, one process each (heads and MLP / expert
-    # width sharded, one all-reduce after attention and after the MLP); the CPU (gloo) for now.
+    # width sharded, one all-reduce after attention and after the MLP): NCCL between the replica's
+    # GPUs (one a rank, gpus: 1), gloo on the CPU.
     tp_size: int = Field(default=1, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)
     max_batch_tokens: int = Field(default=8192, ge=1)
@@ -370,10 +371,6 @@ def check_model_fit(cfg: ClusterConfig, args) -> None:
             check_tp_size(args, c.tp_size, f"{role}.tp_size")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if c.gpus:
-            raise ConfigError(f"{role}.tp_size: {c.tp_size} is not allowed with {role}.gpus: {c.gpus} — "
-                              f"tensor parallelism runs on the CPU only for now (the GPU kernels are "
-                              f"not checked sharded yet)")
     d, experts = cfg.decode, args.num_experts
     if d.ep_size > 1 and (not experts or experts % d.ep_size):
         allowed = ", ".join(map(str, allowed_ep_sizes(experts))) if experts else "1 (the model has no experts)"

@@ -206,13 +206,12 @@ def test_tp_size_config_errors_name_the_key(tmp_path):
     args = resolve_model_args("tiny-moe")
     with pytest.raises(ConfigError, match="colocated.tp_size 3 must divide the model's num_attention_heads"):
         check_model_fit(ClusterConfig(colocated={"replicas": 1, "tp_size": 3}), args)
-    with pytest.raises(ConfigError, match="colocated.tp_size: 2 is not allowed with colocated.gpus: 1"):
-        check_model_fit(ClusterConfig(colocated={"replicas": 1, "tp_size": 2, "gpus": 1}), args)
     check_model_fit(ClusterConfig(colocated={"replicas": 1, "tp_size": 2}), args)
     with pytest.raises(ConfigError, match="prefill.tp_size 3 must divide the model's num_attention_heads"):
         check_model_fit(ClusterConfig(prefill={"tp_size": 3}), args)
-    with pytest.raises(ConfigError, match="prefill.tp_size: 2 is not allowed with prefill.gpus: 1"):
-        check_model_fit(ClusterConfig(prefill={"tp_size": 2, "gpus": 1}), args)
+    # GPUs: one a rank, NCCL between them (tests/test_tensor_parallel_gpu.py).
+    check_model_fit(ClusterConfig(colocated={"replicas": 1, "tp_size": 2, "gpus": 1}), args)
+    check_model_fit(ClusterConfig(prefill={"tp_size": 2, "gpus": 1}), args)
 
 
 @pytest.mark.parametrize("decode", [{}, {"ep_size": 2}], ids=["decode-tp1", "decode-ep2"])

@@ -14,6 +14,11 @@ An expert-parallel rank (`exchange` given) captures its MoE exchanges too, on th
 Every rank of the group must then replay the same bucket in the same step: the bucket follows the
 batch the ranks agreed on (EPExchange.begin_step), not the rank's own, and a rank with nothing
 scheduled replays it with padding only (`run_idle`), serving its experts to the others.
+
+A tensor-parallel rank captures its layers' all-reduces (NCCL) in the graphs. Its ranks build their
+engines together, so they capture the same buckets in the same order (the warm-up forwards'
+collectives pair up); every step, a follower runs rank 0's batch through the same choice
+(ModelRunner.forward), so both replay the same bucket.
 """
 
 from collections.abc import Callable
@@ -87,9 +92,11 @@ class DecodeGraphs:
                         self.model(batch)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 g = torch.cuda.CUDAGraph()
-                # Expert parallel: NCCL's own threads (and torch's watchdog) make CUDA calls while we
-                # capture; "global" mode would let them invalidate the capture.
-                mode = "thread_local" if self.exchange is not None else "global"
+                # Expert or tensor parallel (NCCL inside the graph): NCCL's own threads (and torch's
+                # watchdog) make CUDA calls while we capture; "global" mode would let them
+                # invalidate the capture.
+                collective = self.exchange is not None or getattr(self.model, "tp", None) is not None
+                mode = "thread_local" if collective else "global"
                 with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=mode):
                     self.outputs[b] = self.model(batch)
                 self.graphs[b] = g
@@ -105,8 +112,10 @@ class DecodeGraphs:
         """The decode kernel's split count for a bucket: its programs per sequence are one per KV
         head (GQA), or one per block of query heads (MLA's latent cache has no heads)."""
         args = self.model.args
-        if args.is_mla:
-            return mla_num_splits(batch_size, args.num_heads, max_context, self.device)
+        if args.is_mla:  # this rank's query heads (a tensor-parallel rank holds its share)
+            tp = getattr(self.model, "tp", None)
+            heads = args.num_heads // tp.size if tp is not None else args.num_heads
+            return mla_num_splits(batch_size, heads, max_context, self.device)
         return decode_num_splits(batch_size, self.kv_cache.shape[4], max_context, self.device)
 
     def fits(self, batch: ForwardBatch) -> bool:

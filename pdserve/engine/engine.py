@@ -28,13 +28,6 @@ from pdserve.engine.step_profile import StepProfile
 from pdserve.tokenizer import load_tokenizer
 
 
-def _torch_backends(attn_backend, moe_backend) -> bool:
-    from pdserve.ops.attention import TorchAttention
-    from pdserve.ops.moe import TorchMoE
-
-    return isinstance(attn_backend, TorchAttention) and isinstance(moe_backend, TorchMoE)
-
-
 class Reservation(NamedTuple):
     """A decode reservation's blocks: every block of the sequence, in order, the first
     `cached_blocks` of them found in this engine's prefix cache (their KV is here already, shared
@@ -64,10 +57,9 @@ class Engine:
         if log:
             log(f"loading {mc.path} ({mc.load_format}, {str(dtype).removeprefix('torch.')}) on {self.device}")
         attn_backend, moe_backend, norms = make_backends(config.attention_backend, config.moe_backend, self.device)
+        # Every backend runs sharded: a rank's layers hold fewer heads and narrower MLP / expert
+        # widths, which the kernels read from the tensors' shapes.
         self.tp = tp if tp is not None and tp.size > 1 else None
-        if self.tp is not None and not _torch_backends(attn_backend, moe_backend):
-            raise ValueError(f"tp_size {tp.size} runs on the torch backends only for now (the GPU kernels are "
-                             f"untested sharded): set attention_backend and moe_backend to 'torch'")
         self.model, self.args = load_model(mc.path, dtype=dtype, device=self.device,
                                            load_format=mc.load_format, attn_backend=attn_backend,
                                            moe_backend=moe_backend, seed=mc.seed, ep=ep, norms=norms,
@@ -190,7 +182,12 @@ class Engine:
         kind, planes, heads, dim = self.args.kv_cache_entry()
         if self.tp is not None and kind == "kv":
             heads = len(self.tp.kv_heads(self.args.num_heads, heads))
-        return num_blocks_for(budget, self.args.num_layers, self.config.block_size, heads, dim, dtype, planes)
+        n = num_blocks_for(budget, self.args.num_layers, self.config.block_size, heads, dim, dtype, planes)
+        if self.tp is not None and self.config.kv_cache_gb is None and self.device.type == "cuda":
+            # Sized from each GPU's free memory, which differs between ranks; rank 0's block ids
+            # address every rank's cache, so all take the smallest.
+            n = self.tp.agree_min(n, self.device)
+        return n
 
     # -- requests -----------------------------------------------------------------------------
 

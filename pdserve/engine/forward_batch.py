@@ -34,6 +34,9 @@ class ForwardBatch:
     # placeholders fixed at capture; attention runs per prompt from the device lists, through the
     # varlen kernel sized for this many query rows.
     varlen_rows: int | None = None
+    # The host tensors positions, slot_mapping and block_tables were copied from (ModelRunner.prepare):
+    # rank 0 of a tensor-parallel replica sends them to its followers without waiting for the GPU.
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def layer_scales(self, layer: int) -> tuple[float, ...]:
         """Layer `layer`'s plane scales ((k, v) or (latent,)); () for a cache of the model's dtype."""

@@ -87,18 +87,20 @@ class ModelRunner:
         table_t = _host(table, "q").view(len(scheduled), width)
 
         def dev(x):
-            return _host(x, "q").to(self.device, non_blocking=True)
+            return (_host(x, "q") if isinstance(x, list) else x).to(self.device, non_blocking=True)
 
         input_ids = dev(ids)
         if pending_at:
             input_ids[dev(pending_at)] = prev.sampled.tokens[dev(pending_rows)]
         # One copy for both int32 lists the GPU kernels read.
         lens = _host(ctx_lens + starts, "i").to(self.device, non_blocking=True)
+        host = _host(positions, "q"), _host(slots, "q"), table_t
         return ForwardBatch(
-            input_ids=input_ids, positions=dev(positions), slot_mapping=dev(slots),
-            block_tables=table_t.to(self.device, non_blocking=True), query_start=starts,
+            input_ids=input_ids, positions=dev(host[0]), slot_mapping=dev(host[1]),
+            block_tables=dev(table_t), query_start=starts,
             context_lens=ctx_lens, logits_indices=dev(logit_rows), kv_cache=self.kv_cache,
-            context_lens_t=lens[: len(ctx_lens)], query_start_t=lens[len(ctx_lens):], kv_scales=self.kv_scales)
+            context_lens_t=lens[: len(ctx_lens)], query_start_t=lens[len(ctx_lens):], kv_scales=self.kv_scales,
+            host=host)
 
     @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledSeq], prev: Launched | None = None,
@@ -112,23 +114,30 @@ class ModelRunner:
         batch.layer_done = layer_done
         if self.on_batch is not None:
             self.on_batch(batch)
-        if self.graphs is not None and layer_done is None and self.graphs.fits(batch):
-            hidden = self.graphs.run(batch)
-        elif self.prefill_graphs is not None and (choice := self.prefill_graphs.choose(batch)) is not None:
-            hidden = self.prefill_graphs.run(batch, choice)
-            if layer_done is not None:
-                # Every layer's KV is written by work queued before this point: a hook that records a
-                # CUDA event now (the KV connector's) sees it whole, later than layer by layer.
-                for layer in range(self.model.args.num_layers):
-                    layer_done(layer)
-        else:
-            hidden = self.model(batch)
+        hidden = self.forward(batch)
         sampling = [s.seq for s in scheduled if s.samples]
         if not sampling:
             return Launched(scheduled, [], None, {})
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled = self.sampler.launch(logits, [q.request_id for q in sampling], [q.params for q in sampling])
         return Launched(scheduled, sampling, sampled, {q.request_id: i for i, q in enumerate(sampling)})
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The batch's hidden states: a decode graph's replay where one holds the batch, a prefill
+        graph's where one takes it, else the model eagerly. A tensor-parallel follower calls it with
+        rank 0's batch, so both take the same path and their collectives pair up."""
+        layer_done = batch.layer_done
+        if self.graphs is not None and layer_done is None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
+        if self.prefill_graphs is not None and (choice := self.prefill_graphs.choose(batch)) is not None:
+            hidden = self.prefill_graphs.run(batch, choice)
+            if layer_done is not None:
+                # Every layer's KV is written by work queued before this point: a hook that records a
+                # CUDA event now (the KV connector's) sees it whole, later than layer by layer.
+                for layer in range(self.model.args.num_layers):
+                    layer_done(layer)
+            return hidden
+        return self.model(batch)
 
     def execute(self, scheduled: list[ScheduledSeq],
                 layer_done: Callable[[int], None] | None = None

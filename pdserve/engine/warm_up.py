@@ -78,6 +78,21 @@ class WarmUp:
     seconds: float = 0.0
 
 
+def warm_up_attention(engine, log: Callable[[str], None] = lambda msg: None) -> int:
+    """The attention backend's own per-length plans for fresh prompts (roles that prefill), at the
+    heads this rank holds (a tensor-parallel rank's share); how many lengths it prepared. A
+    tensor-parallel follower runs this alone: its steps are rank 0's warm-up steps."""
+    attention = engine.model.attn_backend
+    if engine.config.role == "decode" or not hasattr(attention, "warm_up"):
+        return 0
+    log("warm-up: fresh prompts' attention at every padded length")
+    a, tp = engine.args, engine.tp
+    heads = a.num_heads // tp.size if tp is not None else a.num_heads
+    kv_heads = len(tp.kv_heads(a.num_heads, a.num_kv_heads)) if tp is not None else a.num_kv_heads
+    return attention.warm_up(min(engine.max_model_len, engine.config.chunk_size, engine.config.max_num_batched_tokens),
+                             heads, kv_heads, a.head_dim, next(engine.model.parameters()).dtype, engine.device)
+
+
 def warm_up(engine, log: Callable[[str], None] = lambda msg: None) -> WarmUp:
     """Run the script on `engine` (idle, nothing queued); returns what it ran."""
     assert not engine.seqs, "warm-up runs on an idle engine, before it takes requests"
@@ -87,14 +102,7 @@ def warm_up(engine, log: Callable[[str], None] = lambda msg: None) -> WarmUp:
     for i, (what, run) in enumerate(phases, 1):
         log(f"warm-up {i}/{len(phases)}: {what}")
         run(_Stepper(engine, done))
-    attention = engine.model.attn_backend
-    if engine.config.role != "decode" and hasattr(attention, "warm_up"):  # its own per-length plans
-        log("warm-up: fresh prompts' attention at every padded length")
-        a = engine.args
-        done.attention_lengths = attention.warm_up(min(engine.max_model_len, engine.config.chunk_size,
-                                                       engine.config.max_num_batched_tokens),
-                                                   a.num_heads, a.num_kv_heads, a.head_dim,
-                                                   next(engine.model.parameters()).dtype, engine.device)
+    done.attention_lengths = warm_up_attention(engine, log)
     _settle(engine)
     done.seconds = time.perf_counter() - t0
     log(f"warm-up: {done.steps} steps of {len(done.shapes)} shapes"

@@ -40,6 +40,15 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def agree_min(self, n: int, device: torch.device) -> int:
+        """The smallest of every rank's `n` (a collective: every rank calls it). `device`: where the
+        group's backend takes tensors (a GPU for NCCL)."""
+        if self.size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.long, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def block(self, n: int, unit: int = 1) -> torch.Tensor:
         """Indices of this rank's contiguous n/size units of `unit` rows each (n divisible by size)."""
         local = n // self.size

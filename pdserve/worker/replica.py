@@ -84,7 +84,7 @@ class Replica:
             from pdserve.worker.tp_group import join_tp_group
 
             assert tp.rank == 0, "a worker is rank 0 of its tensor-parallel replica; the others are followers"
-            self.tp_group = join_tp_group(tp)  # returns once every rank joined
+            self.tp_group = join_tp_group(tp, engine_config.device)  # returns once every rank joined
         self.engine = Engine(engine_config, ep=ep, tp=self.tp_group.tp if self.tp_group else None)
         kv_cache, layout = self.engine.kv_cache, self.engine.layout
         if self.tp_group is not None:

@@ -16,6 +16,14 @@ nothing to gather, rank 0 posts its own.
 
 An idle rank 0 broadcasts an empty step now and then (`KEEPALIVE_S`), so that a follower's wait has
 a deadline (`TIMEOUT_S`) and a follower whose rank 0 died exits instead of waiting for ever.
+
+Backends: on the CPU one gloo group carries everything. On GPUs the model's all-reduces (and the
+KV gathers) run over NCCL, the default group, which CUDA graphs can capture; the step's host
+description (`StepBatch`) goes over a gloo group on the same store, so that a follower waits for it
+on the host, never behind kernels. The step's token ids go over the model's group as a tensor:
+with overlap scheduling rank 0's ids are still being sampled on its GPU when the step is sent
+(model_runner.PENDING), and a device broadcast queues behind that sampling instead of making the
+host wait for it.
 """
 
 import dataclasses
@@ -44,44 +52,72 @@ class TPRank:
     store_port: int
 
 
+# What rank 0 broadcasts to end its followers' loops (a benchmark's or a test's replica; a served
+# replica's followers end with their process).
+STOP = "stop"
+
+
 @dataclass
 class StepBatch:
-    """What a follower needs to run rank 0's forward: host lists, pickled over gloo."""
+    """What a follower needs to run rank 0's forward besides the token ids (a tensor broadcast after
+    it): the host's int64 arrays as bytes (cheap to pickle, rebuilt without a Python list), and
+    the host lists the attention backends read."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    block_tables: list[list[int]]
+    positions: bytes
+    slot_mapping: bytes
+    block_tables: bytes  # [num_seqs, width] row-major
     query_start: list[int]
     context_lens: list[int]
 
     @classmethod
     def of(cls, b: ForwardBatch) -> "StepBatch":
-        return cls(b.input_ids.tolist(), b.positions.tolist(), b.slot_mapping.tolist(), b.block_tables.tolist(),
-                   list(b.query_start), list(b.context_lens))
+        host = b.host if b.host is not None else (b.positions.cpu(), b.slot_mapping.cpu(), b.block_tables.cpu())
+        return cls(*(t.contiguous().numpy().tobytes() for t in host), list(b.query_start), list(b.context_lens))
 
-    def forward_batch(self, kv_cache: torch.Tensor, kv_scales=()) -> ForwardBatch:
-        long = dict(dtype=torch.long, device=kv_cache.device)
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start[-1]
+
+    def forward_batch(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, kv_scales=()) -> ForwardBatch:
+        dev = kv_cache.device
+
+        def tensor(raw: bytes) -> torch.Tensor:
+            t = torch.frombuffer(bytearray(raw), dtype=torch.long) if raw else torch.empty(0, dtype=torch.long)
+            return t.to(dev, non_blocking=True)
+
+        n = len(self.context_lens)
+        # The int32 device copies the GPU kernels read (and DecodeGraphs.fits asks for), as
+        # ModelRunner.prepare makes them: one copy for both.
+        lens = torch.tensor(self.context_lens + self.query_start, dtype=torch.int32).to(dev, non_blocking=True)
         return ForwardBatch(
-            input_ids=torch.tensor(self.input_ids, **long), positions=torch.tensor(self.positions, **long),
-            slot_mapping=torch.tensor(self.slot_mapping, **long), block_tables=torch.tensor(self.block_tables, **long),
-            query_start=self.query_start, context_lens=self.context_lens,
-            logits_indices=torch.empty(0, **long), kv_cache=kv_cache, kv_scales=kv_scales)
+            input_ids=input_ids, positions=tensor(self.positions), slot_mapping=tensor(self.slot_mapping),
+            block_tables=tensor(self.block_tables).view(n, -1), query_start=self.query_start,
+            context_lens=self.context_lens, logits_indices=torch.empty(0, dtype=torch.long, device=dev),
+            kv_cache=kv_cache, kv_scales=kv_scales, context_lens_t=lens[:n], query_start_t=lens[n:])
 
 
-def join_tp_group(me: TPRank, timeout_s: float = TIMEOUT_S) -> "TPGroup":
-    """Join the replica's group: returns once every rank has joined. Gloo (the CPU; GPUs are
-    refused by the engine until the Triton path is checked sharded)."""
+def join_tp_group(me: TPRank, device: str | torch.device = "cpu", timeout_s: float = TIMEOUT_S) -> "TPGroup":
+    """Join the replica's group: returns once every rank has joined. Gloo on the CPU; on a GPU
+    (`device`, this rank's) NCCL for the model and a gloo group for the steps' host data."""
+    device = torch.device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":  # NCCL binds the current device: ours, where a process sees several GPUs
+        torch.cuda.set_device(device)
     store = dist.TCPStore(me.store_host, me.store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    dist.init_process_group("gloo", store=store, rank=me.rank, world_size=me.size, timeout=timedelta(seconds=timeout_s))
-    return TPGroup(TensorParallel(me.rank, me.size))
+    dist.init_process_group(backend, store=store, rank=me.rank, world_size=me.size,
+                            timeout=timedelta(seconds=timeout_s))
+    control = dist.new_group(backend="gloo") if backend == "nccl" else None
+    return TPGroup(TensorParallel(me.rank, me.size), control, device)
 
 
 class TPGroup:
-    def __init__(self, tp: TensorParallel):
-        """Over the default process group, joined (join_tp_group)."""
+    def __init__(self, tp: TensorParallel, control=None, device: str | torch.device = "cpu"):
+        """Over the default process group, joined (join_tp_group): the model's collectives. `control`:
+        the gloo group the steps' host data goes over (None: the default group, gloo on the CPU)."""
         self.rank, self.size = tp.rank, tp.size
         self.tp = tp
+        self.control = control
+        self.device = torch.device(device)
         self._sent = time.monotonic()
         self.gathers = False  # every layer's KV of every step goes to rank 0's staging cache
         self._kv_cache = self._staging = None
@@ -103,8 +139,11 @@ class TPGroup:
         return self._staging, full
 
     def send(self, batch: ForwardBatch) -> None:
-        """Rank 0, before its forward: the followers run the same one."""
+        """Rank 0, before its forward: the followers run the same one. The ids go as a tensor over
+        the model's group, queued on this GPU behind the sampling that may still be writing them."""
         self._broadcast(StepBatch.of(batch))
+        ids = batch.input_ids if batch.input_ids.is_contiguous() else batch.input_ids.contiguous()
+        dist.broadcast(ids, src=0, group=self.tp.group)
         self.follow(batch)
 
     def follow(self, batch: ForwardBatch) -> None:
@@ -140,12 +179,24 @@ class TPGroup:
         if time.monotonic() - self._sent >= KEEPALIVE_S:
             self._broadcast(None)
 
-    def receive(self) -> StepBatch | None:
-        """A follower: the next step's batch (None: rank 0 is idle). Raises past TIMEOUT_S."""
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+    def stop(self) -> None:
+        """Rank 0: end the followers' loops (TPFollower returns from its thread)."""
+        self._broadcast(STOP)
 
-    def _broadcast(self, msg: StepBatch | None) -> None:
-        dist.broadcast_object_list([msg], src=0)
+    def receive(self, kv_cache: torch.Tensor, kv_scales=()) -> ForwardBatch | str | None:
+        """A follower: the next step's batch over `kv_cache` (None: rank 0 is idle; STOP: it is done).
+        Raises past TIMEOUT_S."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        step = box[0]
+        if not isinstance(step, StepBatch):
+            return step
+        ids = torch.empty(step.num_tokens, dtype=torch.long, device=kv_cache.device)
+        dist.broadcast(ids, src=0, group=self.tp.group)
+        batch = step.forward_batch(ids, kv_cache, kv_scales)
+        self.follow(batch)
+        return batch
+
+    def _broadcast(self, msg: StepBatch | str | None) -> None:
+        dist.broadcast_object_list([msg], src=0, group=self.control)
         self._sent = time.monotonic()
