@@ -2,10 +2,15 @@
 
     python -m pdserve.benchmarks.kv_transfer [--backend nixl] [--sizes 1024 4096 16384 65536]
                                              [--ttft 16384] [--json out.json]
+    python -m pdserve.benchmarks.kv_transfer --backend cuda_ipc --sizes 4096 --ttft 0 \\
+        --presets qwen3-30b-a3b deepseek-v2-lite --kv-cache-dtypes auto fp8_e4m3
 
-Part 1: one request's KV (qwen3-30b-a3b shape, bf16) moved by the connector — all layers in one
-post, for fresh (one run), fragmented (runs of 8 blocks) and scattered (runs of 1 block)
-allocations on both sides, and fresh posted layer by layer as layer-wise streaming posts it. Reference: a 1 GiB cudaMemcpy peer copy, same run.
+Part 1: one request's KV moved by the connector — all layers in one post, for fresh (one run),
+fragmented (runs of 8 blocks) and scattered (runs of 1 block) allocations on both sides, and fresh
+posted layer by layer as layer-wise streaming posts it — for each preset's cache layout
+(`KVLayout.for_model`, as the engine builds it: K/V planes of the KV heads, or DeepSeek's one latent
+plane) in each `--kv-cache-dtypes` (auto: the model's bf16; fp8_e4m3: one byte a value), each pair
+with a decode process of its own. Reference: a 1 GiB cudaMemcpy peer copy, same run.
 For cuda_ipc also where the time goes: the posting calls' host time, the copy stream's time, the
 copy kernel alone on the same blocks, and the host cost of a post's pieces (`post costs`).
 Part 2: TTFT of a prompt prefilled by the real engine (dummy weights) with layer-wise streaming
@@ -21,17 +26,28 @@ import time
 
 import torch
 
-from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
+from pdserve.engine.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
 from pdserve.models import resolve_model_args
 from pdserve.models.loader import model_fingerprint
 
 PRESET = "qwen3-30b-a3b"
+KV_CACHE_DTYPE = "auto"  # ModelConfig.kv_cache_dtype: the model's bf16, or fp8_e4m3
 BLOCK = 16
 
 
 def layout_for(num_blocks: int) -> KVLayout:
-    a = resolve_model_args(PRESET)
-    return KVLayout(a.num_layers, num_blocks, BLOCK, a.num_kv_heads, a.head_dim, torch.bfloat16)
+    """The engine's layout for PRESET's cache in KV_CACHE_DTYPE (an FP8 one with its unit scales)."""
+    dtype = KV_CACHE_DTYPES.get(KV_CACHE_DTYPE, torch.bfloat16)
+    return KVLayout.for_model(resolve_model_args(PRESET), num_blocks, BLOCK, dtype)
+
+
+def fill_random(kv: torch.Tensor) -> None:
+    """N(0, 1) values (an FP8 cache through bfloat16, layer by layer: it has no normal_)."""
+    if kv.dtype.itemsize > 1:
+        kv.normal_()
+        return
+    for layer in kv:
+        layer.copy_(torch.randn(layer.shape, device=layer.device, dtype=torch.bfloat16))
 
 
 def fingerprint() -> str:
@@ -46,11 +62,12 @@ def blocks_for(n_blocks: int, pattern: str, offset: int = 0) -> list[int]:
     return [offset + (i // run) * 2 * run + i % run for i in range(n_blocks)]
 
 
-def _decode_main(conn, backend: str, num_blocks: int, device: str, preset: str, kw: dict) -> None:
+def _decode_main(conn, backend: str, num_blocks: int, device: str, preset: str, kv_cache_dtype: str,
+                 kw: dict) -> None:
     from pdserve.kvtransfer import make_connector
 
-    global PRESET
-    PRESET = preset  # a spawned child does not see the parent's assignment
+    global PRESET, KV_CACHE_DTYPE
+    PRESET, KV_CACHE_DTYPE = preset, kv_cache_dtype  # a spawned child does not see the parent's assignment
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     kv = allocate_kv_cache(layout_for(num_blocks), torch.device(device))
@@ -276,14 +293,15 @@ def part1(args, decode, prefill, layout, kv, peer: str) -> list[dict]:
     for n in args.sizes:
         nbytes = n * layout.bytes_per_token
         for pattern, post in cases:
-            name = f"{pattern}-{post}-{n}"
+            name = f"{PRESET}-{KV_CACHE_DTYPE}-{pattern}-{post}-{n}"
             move_once(prefill, decode, f"{name}-check", n, pattern, layout, kv=kv, post=post)  # also warms up
             split: dict = {}
             both = [move_once(prefill, decode, f"{name}-{i}", n, pattern, layout, post=post, split=split)
                     for i in range(args.reps)]
             times, seen = [b[0] for b in both], [b[1] for b in both]
             t, c = statistics.median(times), statistics.median(seen)
-            rows.append({"tokens": n, "pattern": pattern, "post": post, "MB": round(nbytes / 1e6, 1),
+            rows.append({"preset": PRESET, "kv": KV_CACHE_DTYPE, "bytes_per_token": layout.bytes_per_token,
+                         "tokens": n, "pattern": pattern, "post": post, "MB": round(nbytes / 1e6, 1),
                          "ms": round(t * 1e3, 3), "GB/s": round(nbytes / t / 1e9, 1),
                          "ms_all": [round(x * 1e3, 3) for x in times],
                          "caller_ms": round(c * 1e3, 3), "caller_GB_s": round(nbytes / c / 1e9, 1)})
@@ -299,52 +317,65 @@ def part1(args, decode, prefill, layout, kv, peer: str) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    global PRESET
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="nixl", choices=["nixl", "tcp", "cuda_ipc"])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    ap.add_argument("--ttft", type=int, default=16384, help="prompt tokens for part 2; 0 skips it")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json")
-    ap.add_argument("--nixl-workers", type=int, default=1, help="UCX workers of each NIXL agent")
-    ap.add_argument("--nixl-progress-thread", action="store_true", help="NIXL's own (spinning) progress thread")
-    ap.add_argument("--model", default=PRESET, help="preset whose KV shape and weights are used")
-    ap.add_argument("--cpu", action="store_true", help="dry run on CPU memory (checks the script, not a figure)")
-    args = ap.parse_args()
-    dev0, dev1 = ("cpu", "cpu") if args.cpu else ("cuda:0", "cuda:1")
-    PRESET = args.model
+def one_layout(args, dev0: str, dev1: str, num_blocks: int, first: bool) -> tuple[list[dict], dict | None, dict | None]:
+    """Part 1 (and, for the first layout, the post costs and part 2) for PRESET's cache in
+    KV_CACHE_DTYPE, against a decode process of its own."""
     from pdserve.kvtransfer import make_connector
 
-    # Scattered allocations need twice the blocks of the request; +8 for the offsets.
-    num_blocks = 2 * -(-max(args.sizes + [args.ttft]) // BLOCK) + 8
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_main, args=(child, args.backend, num_blocks, dev1, PRESET, backend_kw(args)),
-                       daemon=True)
+    proc = ctx.Process(target=_decode_main, args=(child, args.backend, num_blocks, dev1, PRESET, KV_CACHE_DTYPE,
+                                                  backend_kw(args)), daemon=True)
     proc.start()
     decode = (parent, proc)
-    if not args.cpu:
-        torch.cuda.set_device(0)
-    raw = float("nan") if args.cpu else raw_copy_gbs()
-    print(f"raw GPU0->GPU1 copy: {raw:.1f} GB/s", flush=True)
-
     layout = layout_for(num_blocks)
     kv = allocate_kv_cache(layout, torch.device(dev0))
-    kv.normal_()
+    fill_random(kv)
     prefill = make_connector("prefill", args.backend, "bench-prefill", kv, layout, fingerprint(), **backend_kw(args))
     peer = prefill.add_peer(decode_call(decode, "meta"))
     decode_call(decode, "add_peer", prefill.metadata())
-    costs = post_costs(prefill, peer, layout) if args.backend == "cuda_ipc" else None
+    costs = post_costs(prefill, peer, layout) if args.backend == "cuda_ipc" and first else None
     rows = part1(args, decode, prefill, layout, kv, peer)
     prefill.close()
     del kv
     if not args.cpu:
         torch.cuda.empty_cache()
+    ttft = part2_with_engine(args, decode, dev0) if args.ttft and first else None
+    decode_call(decode, "exit")
+    proc.join(30)
+    return rows, costs, ttft
 
-    ttft = None
-    if args.ttft:
-        ttft = part2_with_engine(args, decode, dev0)
+
+def main() -> None:
+    global PRESET, KV_CACHE_DTYPE
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="nixl", choices=["nixl", "tcp", "cuda_ipc"])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    ap.add_argument("--ttft", type=int, default=16384, help="prompt tokens for part 2 (first layout); 0 skips it")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json")
+    ap.add_argument("--nixl-workers", type=int, default=1, help="UCX workers of each NIXL agent")
+    ap.add_argument("--nixl-progress-thread", action="store_true", help="NIXL's own (spinning) progress thread")
+    ap.add_argument("--model", default=PRESET, help="preset whose KV shape and weights are used")
+    ap.add_argument("--presets", nargs="+", help="several presets' cache layouts, one after the other (default: --model)")
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", *KV_CACHE_DTYPES],
+                    help="the cache's dtype: auto (the model's, bf16) and/or fp8_e4m3")
+    ap.add_argument("--cpu", action="store_true", help="dry run on CPU memory (checks the script, not a figure)")
+    args = ap.parse_args()
+    dev0, dev1 = ("cpu", "cpu") if args.cpu else ("cuda:0", "cuda:1")
+    if not args.cpu:
+        torch.cuda.set_device(0)
+    raw = float("nan") if args.cpu else raw_copy_gbs()
+    print(f"raw GPU0->GPU1 copy: {raw:.1f} GB/s", flush=True)
+
+    # Scattered allocations need twice the blocks of the request; +8 for the offsets.
+    num_blocks = 2 * -(-max(args.sizes + [args.ttft]) // BLOCK) + 8
+    rows, costs, ttft = [], None, None
+    layouts = [(p, d) for p in (args.presets or [args.model]) for d in args.kv_cache_dtypes]
+    for i, (PRESET, KV_CACHE_DTYPE) in enumerate(layouts):
+        r, c, t = one_layout(args, dev0, dev1, num_blocks, first=i == 0)
+        rows += r
+        costs, ttft = costs or c, ttft or t
 
     meta = {"date": datetime.date.today().isoformat(),
             "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
@@ -352,15 +383,17 @@ def main() -> None:
             "nixl_progress_thread": args.nixl_progress_thread, "torch": torch.__version__, "raw_copy_GB/s": round(raw, 1)}
     print(f"\nraw GPU0->GPU1 copy {raw:.1f} GB/s ({meta['device']}, {args.backend})")
     print("ms / % raw: first post -> finish notice sent (every byte written); caller: -> the waiting caller told")
-    print(f"{'tokens':>7} {'pattern':>10} {'post':>6} {'MB':>8} {'ms':>9} {'GB/s':>7} {'% raw':>6} {'caller %':>8}"
-          f" {'post us':>8} {'stream ms':>9} {'waited ms':>9} {'notify us':>9} {'kernel ms':>9} {'kernel %':>8} {'pinned %':>8}")
+    print(f"{'preset':>16} {'kv':>8} {'B/token':>8} {'tokens':>7} {'pattern':>10} {'post':>6} {'MB':>8} {'ms':>9}"
+          f" {'GB/s':>7} {'% raw':>6} {'caller %':>8} {'post us':>8} {'stream ms':>9} {'waited ms':>9}"
+          f" {'notify us':>9} {'kernel ms':>9} {'kernel %':>8} {'pinned %':>8}")
     for r in rows:
         r["pct_raw"] = round(100 * r["GB/s"] / raw, 1)
         r["caller_pct_raw"] = round(100 * r["caller_GB_s"] / raw, 1)
         if "kernel_GB_s" in r:
             r["kernel_pct_raw"] = round(100 * r["kernel_GB_s"] / raw, 1)
             r["kernel_pinned_pct_raw"] = round(100 * r["kernel_pinned_GB_s"] / raw, 1)
-        print(f"{r['tokens']:>7} {r['pattern']:>10} {r['post']:>6} {r['MB']:>8} {r['ms']:>9} {r['GB/s']:>7} "
+        print(f"{r['preset']:>16} {r['kv']:>8} {r['bytes_per_token']:>8} {r['tokens']:>7} {r['pattern']:>10}"
+              f" {r['post']:>6} {r['MB']:>8} {r['ms']:>9} {r['GB/s']:>7} "
               f"{r['pct_raw']:>6} {r['caller_pct_raw']:>8} {r.get('post_us', ''):>8} {r.get('stream_ms', ''):>9}"
               f" {r.get('waited_ms', ''):>9} {r.get('notify_us', ''):>9} {r.get('kernel_ms', ''):>9}"
               f" {r.get('kernel_pct_raw', ''):>8} {r.get('kernel_pinned_pct_raw', ''):>8}")
@@ -372,7 +405,6 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "transfer": rows, "post_costs_us": costs, "ttft": ttft}, f, indent=1)
-    decode_call(decode, "exit")
 
 
 def part2_with_engine(args, decode, device: str) -> dict:
@@ -383,7 +415,8 @@ def part2_with_engine(args, decode, device: str) -> dict:
     from pdserve.kvtransfer import make_connector
 
     n = args.ttft
-    cfg = EngineConfig(model=ModelConfig(path=PRESET, load_format="dummy", dtype="bfloat16"), role="prefill", device=device,
+    cfg = EngineConfig(model=ModelConfig(path=PRESET, load_format="dummy", dtype="bfloat16", kv_cache_dtype=KV_CACHE_DTYPE),
+                       role="prefill", device=device,
                        num_kv_blocks=-(-n // BLOCK) + 8, max_num_batched_tokens=n, chunk_size=n,
                        enable_prefix_cache=False)
     engine = Engine(cfg, log=lambda m: print(m, flush=True))
