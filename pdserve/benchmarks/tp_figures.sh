@@ -34,14 +34,14 @@ for part in $parts; do
         tests/test_tensor_parallel_gpu.py tests/test_gpu_engine.py
       grep -E "passed|failed|PASSED|FAILED|Error|equal, max" "$OUT/tests.log" | tail -15 >> "$summary" ;;
     scaling)
-      run scaling python -m pdserve.benchmarks.tp_scaling --models deepseek-v2-lite --json "$OUT/tp_scaling.json"
+      run scaling python -m pdserve.benchmarks.tp_scaling --models deepseek-v2-lite --profile --json "$OUT/tp_scaling.json"
       sed -n '/^tensor parallelism/,$p' "$OUT/scaling.log" >> "$summary" ;;
     scaling-qwen3)
       run scaling-qwen3 python -m pdserve.benchmarks.tp_scaling --models qwen3-30b-a3b --json "$OUT/tp_scaling_qwen3.json"
       sed -n '/^tensor parallelism/,$p' "$OUT/scaling-qwen3.log" >> "$summary" ;;
     kv|kv-nixl)
       backend=cuda_ipc; [ "$part" = kv-nixl ] && backend=nixl
-      run "$part" python -m pdserve.benchmarks.kv_transfer --backend "$backend" --sizes 4096 --ttft 0 --reps 5 \
+      run "$part" python -m pdserve.benchmarks.kv_transfer --backend "$backend" --sizes 4096 --ttft 0 --reps 20 \
         --presets qwen3-30b-a3b deepseek-v2-lite --kv-cache-dtypes auto fp8_e4m3 --json "$OUT/$part.json"
       sed -n '/^raw GPU0->GPU1 copy [0-9.]* GB\/s (/,$p' "$OUT/$part.log" | cut -c1-125 >> "$summary" ;;
   esac

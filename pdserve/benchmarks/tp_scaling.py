@@ -31,12 +31,14 @@ import time
 
 import torch
 
+from pdserve.benchmarks.step_profile import profile_step, summary
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.protocol import SamplingParams
 from pdserve.worker.tp_local import run_replica
 
 BLOCK = 16
 _UNTIMED_STEPS = 4  # decode steps before the timed ones (the graphs' buckets, the overlap's first step)
+_PREFILL_WARMUP = 3  # untimed prefills first (a TP rank's first few ran 10-20 ms slower on H200s)
 
 
 def _sync(device: torch.device) -> None:
@@ -74,7 +76,17 @@ def _lead(replica, o: dict) -> dict:
            "graphs": engine.runner.graphs is not None, "overlap": engine.overlap}
     out["prefill"] = _prefill(engine, o)
     out["decode"] = [_decode(engine, o, b) for b in o["batches"]]
+    args = engine.args
+    dtype = next(engine.model.parameters()).dtype
     replica.close(engine)
+    del engine
+    # The same run's reference for what tensor parallelism adds: the step's all-reduces alone (two a
+    # layer, [tokens, hidden] in the model's dtype), back to back on the group, eagerly.
+    if replica.size > 1:
+        count = 2 * args.num_layers
+        out["prefill"]["all_reduce_ms"] = round(replica.time_all_reduce((o["prefill"], args.hidden_size), dtype, count), 3)
+        for row in out["decode"]:
+            row["all_reduce_ms"] = round(replica.time_all_reduce((row["batch"], args.hidden_size), dtype, count), 3)
     return out
 
 
@@ -83,16 +95,23 @@ def _prefill(engine, o: dict) -> dict:
     prompt = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(o["seed"])).tolist()
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     times = []
-    for i in range(1 + o["reps"]):
-        _sync(engine.device)
-        t0 = time.perf_counter()
+
+    def once(i):
         engine.add_request(f"prefill-{i}", prompt, params)
         while engine.has_unfinished():  # (overlap: the step after the forward hands the token out)
             engine.step()
+
+    for i in range(_PREFILL_WARMUP + o["reps"]):
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        once(i)
         _sync(engine.device)
         times.append(time.perf_counter() - t0)
-    ms = statistics.median(times[1:]) * 1e3
-    return {"tokens": n, "ms": round(ms, 2), "all_ms": [round(t * 1e3, 2) for t in times[1:]]}
+    times = times[_PREFILL_WARMUP:]
+    row = {"tokens": n, "ms": round(statistics.median(times) * 1e3, 2), "all_ms": [round(t * 1e3, 2) for t in times]}
+    if o.get("profile") and engine.device.type == "cuda":
+        row["profile"] = profile_step(lambda: once("profile"), engine.device)
+    return row
 
 
 def _decode(engine, o: dict, batch: int) -> dict:
@@ -118,6 +137,8 @@ def _decode(engine, o: dict, batch: int) -> dict:
         dt = (time.perf_counter() - t0) / o["steps"]
         assert all(len(x) == batch for x in outs[1:]), "a decode step did not give every request a token"
         row.update(step_ms=round(dt * 1e3, 3), tokens_per_s=round(batch / dt, 1))
+        if o.get("profile") and engine.device.type == "cuda":  # (the requests have two steps to go)
+            row["profile"] = profile_step(engine.step, engine.device)
         return row
     finally:
         for rid in list(engine.seqs):
@@ -132,7 +153,8 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--context", type=int, default=1024, help="KV tokens per request when decoding")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps, back to back")
-    p.add_argument("--reps", type=int, default=5, help="timed prefills (median)")
+    p.add_argument("--reps", type=int, default=10, help="timed prefills (median)")
+    p.add_argument("--profile", action="store_true", help="rank 0's kernels of one prefill and one decode step of each")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds one replica's run may take")
@@ -148,7 +170,7 @@ def main() -> None:
     for model in a.models:
         for tp in a.tp_sizes:
             o = dict(model=model, prefill=a.prefill, batches=a.batches, context=a.context, steps=a.steps,
-                     reps=a.reps, dtype=a.dtype, seed=a.seed)
+                     reps=a.reps, dtype=a.dtype, seed=a.seed, profile=a.profile)
             devices = ["cpu"] * tp if a.cpu else [f"cuda:{r}" for r in range(tp)]
             t0 = time.perf_counter()
             try:
@@ -186,6 +208,14 @@ def _table(results: list[dict], meta: dict) -> None:
         for d, bd in zip(r["decode"], base["decode"]):
             line += f" {cell(d.get('step_ms'), bd.get('step_ms')):>18}"
         print(line)
+        if "all_reduce_ms" in r["prefill"]:
+            print(f"{'  all-reduces alone':<22} {r['prefill']['all_reduce_ms']:>16.2f}"
+                  + "".join(f" {d.get('all_reduce_ms', float('nan')):>18.2f}" for d in r["decode"]))
+    for r in results:
+        for label, p in [("prefill", r.get("prefill", {}).get("profile"))] + \
+                [(f"decode b{d['batch']}", d.get("profile")) for d in r.get("decode", [])]:
+            if p:
+                print(f"{r['model']} tp{r['tp']} " + summary(label, p))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ import torch
 from pdserve.config import EngineConfig
 
 _EXIT = "exit"  # rank 0 is done: the followers' processes end
-_ENGINE = "engine"  # (_ENGINE, config): build the next engine
+_ENGINE = "engine"  # (_ENGINE, config, fill_kv seed): build the next engine
+_ALL_REDUCE = "all_reduce"  # (_ALL_REDUCE, shape, dtype name, count, rounds): the group's all-reduces alone
 
 
 class LocalReplica:
@@ -59,6 +60,15 @@ class LocalReplica:
             self.group.stop()
         del engine
         _free()
+
+    def time_all_reduce(self, shape: tuple[int, ...], dtype: torch.dtype, count: int, rounds: int = 10) -> float:
+        """Milliseconds of `count` all-reduces of a `shape` tensor back to back, on this group alone
+        (median of `rounds`, after two; rank 0's clock): what a step's all-reduces cost by themselves.
+        Call between engines (no engine open); 0 with one rank."""
+        if self.group is None:
+            return 0.0
+        self.group._broadcast((_ALL_REDUCE, tuple(shape), str(dtype).removeprefix("torch."), count, rounds))
+        return _all_reduces(self.group, self.device, shape, dtype, count, rounds)
 
     @property
     def size(self) -> int:
@@ -131,6 +141,10 @@ def _serve(group, device: str) -> None:
             return
         if msg is None:
             continue  # a keepalive
+        if msg[0] == _ALL_REDUCE:
+            _, shape, dtype, count, rounds = msg
+            _all_reduces(group, device, shape, getattr(torch, dtype), count, rounds)
+            continue
         kind, config, fill_kv = msg
         assert kind == _ENGINE, msg
         engine = Engine(config.model_copy(update={"device": device}), tp=group.tp)
@@ -140,6 +154,31 @@ def _serve(group, device: str) -> None:
         follow_steps(group, engine)
         del engine
         _free()
+
+
+def _all_reduces(group, device: str, shape, dtype: torch.dtype, count: int, rounds: int) -> float:
+    """Every rank: `rounds` + 2 rounds of `count` all-reduces; the median round's ms (CUDA events, or
+    the host clock on the CPU)."""
+    import statistics
+    import time
+
+    dev = torch.device(device)
+    x = torch.randn(shape, device=dev).to(dtype)
+    times = []
+    for _ in range(rounds + 2):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
+        for _ in range(count):
+            group.tp.all_reduce(x)
+        if dev.type == "cuda":
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[2:])
 
 
 def _fill(engine, seed: int | None, rank: int) -> None:
