@@ -84,13 +84,14 @@ class CompletionServicer(pb_grpc.CompletionServicer):
                      ) -> tuple[GenerateRequest, Admission | None]:
         """The request, checked, and charged to its API key where keys are configured."""
         if self.tenants is None:
-            return await self._generate_request(request), None
+            return await self._generate_request(request, 0), None
         authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
         tenant = self.tenants.authenticate(authorization if isinstance(authorization, str) else None)
-        req = await self._generate_request(request)
+        req = await self._generate_request(request, tenant.priority)
         return req, self.tenants.admit(tenant, len(req.prompt_ids), req.params.max_tokens)
 
-    async def _generate_request(self, request: pb.CompletionRequest) -> GenerateRequest:
+    async def _generate_request(self, request: pb.CompletionRequest, default_priority: int) -> GenerateRequest:
+        """`default_priority`: the API key's, for a request that sets none of its own."""
         if request.model and request.model != self.core.model_name:
             raise ModelNotFoundError(
                 f"model: {request.model!r} is not served here; this service serves {self.core.model_name!r}")
@@ -109,7 +110,8 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             stop=list(request.stop),
             ignore_eos=request.ignore_eos,
         )
-        return GenerateRequest(f"grpc-{uuid.uuid4().hex}", prompt_ids, params, request.priority)
+        priority = request.priority if request.HasField("priority") else default_priority
+        return GenerateRequest(f"grpc-{uuid.uuid4().hex}", prompt_ids, params, priority)
 
     @staticmethod
     def _chunk(req: GenerateRequest, text: str, token_ids: list[int], finish_reason: str | None,

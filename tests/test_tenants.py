@@ -434,6 +434,11 @@ def test_grpc_takes_the_key_from_metadata(core, loop):
                     call(request, timeout=30, metadata=metadata)
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in e.value.details()
         assert stub.Complete(request, timeout=30, metadata=bearer("sk-beta")).usage.completion_tokens == 3
+        assert core.priorities[-1] == 3  # unset: beta's default
+        for own in (-1, 0):  # set, even to proto3's default: the request's own
+            stub.Complete(pb.CompletionRequest(prompt=PROMPT, max_tokens=1, priority=own), timeout=30,
+                          metadata=bearer("sk-beta"))
+            assert core.priorities[-1] == own
         chunks = list(stub.CompleteStream(request, timeout=30, metadata=bearer("sk-gamma")))
         assert chunks[-1].usage.completion_tokens == 3
         stub.Complete(request, timeout=30, metadata=bearer("sk-gamma"))
@@ -462,7 +467,7 @@ def test_grpc_takes_the_key_from_metadata(core, loop):
     assert value("pdserve_api_key_requests_total", key="gamma", outcome="ok") == 2
     assert value("pdserve_api_key_requests_total", key="gamma", outcome="rate_limited") == 1
     assert value("pdserve_api_key_requests_total", key="alpha", outcome="rate_limited") == 1
-    assert value("pdserve_api_key_generation_tokens_total", key="beta") == 6
+    assert value("pdserve_api_key_generation_tokens_total", key="beta") == 3 + 1 + 1 + 3
     assert value("pdserve_api_key_prompt_tokens_total", key="gamma") == 2 * prompt_tokens(core)
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/completion.proto\x12\npdserve.v1\"\xed\x01\n\x11\x43ompletionRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08priority\x18\n \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"z\n\x12\x43ompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\"w\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage2\xa7\x01\n\nCompletion\x12I\n\x08\x43omplete\x12\x1d.pdserve.v1.CompletionRequest\x1a\x1e.pdserve.v1.CompletionResponse\x12N\n\x0e\x43ompleteStream\x12\x1d.pdserve.v1.CompletionRequest\x1a\x1b.pdserve.v1.CompletionChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/completion.proto\x12\npdserve.v1\"\xff\x01\n\x11\x43ompletionRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08priority\x18\n \x01(\x05H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_priority\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"z\n\x12\x43ompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\"w\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage2\xa7\x01\n\nCompletion\x12I\n\x08\x43omplete\x12\x1d.pdserve.v1.CompletionRequest\x1a\x1e.pdserve.v1.CompletionResponse\x12N\n\x0e\x43ompleteStream\x12\x1d.pdserve.v1.CompletionRequest\x1a\x1b.pdserve.v1.CompletionChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.completion_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMPLETIONREQUEST']._serialized_start=44
-  _globals['_COMPLETIONREQUEST']._serialized_end=281
-  _globals['_USAGE']._serialized_start=283
-  _globals['_USAGE']._serialized_end=340
-  _globals['_COMPLETIONRESPONSE']._serialized_start=342
-  _globals['_COMPLETIONRESPONSE']._serialized_end=464
-  _globals['_COMPLETIONCHUNK']._serialized_start=466
-  _globals['_COMPLETIONCHUNK']._serialized_end=585
-  _globals['_COMPLETION']._serialized_start=588
-  _globals['_COMPLETION']._serialized_end=755
+  _globals['_COMPLETIONREQUEST']._serialized_end=299
+  _globals['_USAGE']._serialized_start=301
+  _globals['_USAGE']._serialized_end=358
+  _globals['_COMPLETIONRESPONSE']._serialized_start=360
+  _globals['_COMPLETIONRESPONSE']._serialized_end=482
+  _globals['_COMPLETIONCHUNK']._serialized_start=484
+  _globals['_COMPLETIONCHUNK']._serialized_end=603
+  _globals['_COMPLETION']._serialized_start=606
+  _globals['_COMPLETION']._serialized_end=773
 # @@protoc_insertion_point(module_scope)
