@@ -3,11 +3,14 @@ replicas only); a wrong mix fails on load, naming the keys and what is allowed."
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 from pdserve.config import ClusterConfig, ConfigError, load_cluster_config
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
 
 def load(tmp_path, raw: dict) -> ClusterConfig:
@@ -79,3 +82,9 @@ def test_prefix_cache_is_on_by_default_and_off_per_role(tmp_path):
     assert not cfg.engine_config("colocated").enable_prefix_cache
     with pytest.raises(ConfigError, match=r"prefill\.prefix_cache"):
         load(tmp_path, {"prefill": {"prefix_cache": "sometimes"}})
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*.yaml")
+                                        if "kuberay" not in p.parts))
+def test_every_cluster_file_in_deploy_loads(path):
+    load_cluster_config(str(DEPLOY / path))  # raises ConfigError naming the key

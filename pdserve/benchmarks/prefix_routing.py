@@ -3,6 +3,8 @@
     python -m pdserve.benchmarks.prefix_routing                       # CPU: tiny-moe, 2 prefill + 2 decode
     python -m pdserve.benchmarks.prefix_routing --rate 2 --num-prompts 96 --turns 6 --json out.json
     python -m pdserve.benchmarks.prefix_routing --cluster FILE.yaml   # another cluster (its policy is replaced)
+    python -m pdserve.benchmarks.prefix_routing --cluster deploy/bench/colocated2.gpu.yaml --policies \
+        prefix-aware kv-aware round-robin   # two GPUs: the prefill side alone (no KV moves)
 
 For each variant in turn — the policies `prefix-aware`, `kv-aware` and `round-robin`, and
 `kv-aware-whole-kv`: kv-aware with the decode replicas' prefix cache off (decode.prefix_cache: false),
@@ -53,7 +55,9 @@ def counters(url: str) -> dict[str, float]:
     out = {"computed": 0.0, "moved": 0.0, "reused_blocks": 0.0}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
         for s in family.samples:
-            prefill = s.labels.get("role") == "prefill" or "prefill" in s.labels.get("replica", "")
+            # the replicas that compute prompts: prefill, or colocated in a colocated cluster
+            prefill = (s.labels.get("role") in ("prefill", "colocated")
+                       or any(r in s.labels.get("replica", "") for r in ("prefill", "colocated")))
             if s.name == "pdserve_prefix_cache_queries_total" and prefill:
                 out["computed"] += s.value
             elif s.name == "pdserve_prefix_cache_hits_total" and prefill:
