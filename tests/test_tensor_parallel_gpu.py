@@ -7,7 +7,8 @@ same process:
   widths per rank, CUDA graphs with the all-reduces inside, overlap scheduling): float32 greedy
   tokens equal and logprobs within 1e-3 for Qwen3-MoE, DeepSeek-V2 (MLA, shared experts folded),
   DeepSeek-V3 and dense Qwen3; bfloat16 greedy tokens equal on the prompts clearest of near-ties,
-  each up to its first near-tie, the chosen tokens' logprobs close; a prefill replica's KV staged whole on rank 0 (NCCL gathers)
+  each up to its first near-tie, the chosen tokens' logprobs no farther apart than twice bf16's
+  own distance from float32 there; a prefill replica's KV staged whole on rank 0 (NCCL gathers)
   equal to one rank's cache. Skipped without two GPUs.
 - on the CPU (gloo, the torch reference): the same comparison in float32, so that the broadcast
   path itself is checked where CI runs.
@@ -69,10 +70,17 @@ def _compare(replica, jobs: list[tuple[str, str, int]]) -> list[dict]:
         ps = prompts(96 if clear else 8, seed=11)
         want, want_lp, lead = _generate(one, ps)
         keep = [len(x) for x in want]
+        bf16_err = None
         if clear:
             best = sorted(range(len(ps)), key=lambda i: -min(lead[i]))[:clear]
             ps, want, want_lp, lead = ([x[i] for i in best] for x in (ps, want, want_lp, lead))
             keep = [next((j for j, m in enumerate(m_) if m < NEAR_TIE), len(m_)) for m_ in lead]
+            # bfloat16's own error on these steps: the unsharded engine against itself in float32.
+            del one
+            one = Engine(config(path, "float32").model_copy(update={"device": replica.device}))
+            f32, f32_lp, _ = _generate(one, ps)
+            bf16_err = max(abs(a - b) for w, f, wl, fl, k in zip(want, f32, want_lp, f32_lp, keep)
+                           for j, (a, b) in enumerate(zip(wl[:k], fl[:k])) if w[:j + 1] == f[:j + 1])
         del one
         tp = replica.engine(cfg)
         replays = []
@@ -85,7 +93,7 @@ def _compare(replica, jobs: list[tuple[str, str, int]]) -> list[dict]:
         err = max(abs(a - b) for w, g, k in zip(want_lp, got_lp, keep) for a, b in zip(w[:k], g[:k])) \
             if equal else None
         out.append({"path": path, "dtype": dtype, "equal": equal, "want": want, "got": got, "compared": sum(keep),
-                    "max_logprob_err": err, "graph_replays": len(replays), "idle": idle,
+                    "max_logprob_err": err, "bf16_err": bf16_err, "graph_replays": len(replays), "idle": idle,
                     "heads": tp.model.layers[0].self_attn.num_heads, "overlap": tp.overlap})
         replica.close(tp)
         del tp
@@ -123,15 +131,19 @@ def paths(tmp_path_factory):
         {f"{f}-sharp": str(checkpoint_path(f, root, sharp=True)) for f in ("qwen3_moe", "deepseek_v2")}
 
 
-def _check(rows: list[dict], float32_tol: float, bf16_tol: float) -> None:
+def _check(rows: list[dict], float32_tol: float) -> None:
+    """float32: logprobs within `float32_tol` (the all-reduce's order of sums). bfloat16: no farther
+    from the unsharded engine than twice bfloat16's own distance from float32 on the same steps
+    (the sharp tiny models' logits reach ±14, where a bf16 step is 1/16: one H200 run had TP = 2
+    0.225 nats from TP = 1 on DeepSeek-V2)."""
     for r in rows:
         name = f"{r['path'].rsplit('/', 1)[-1]} {r['dtype']}"
         assert r["equal"], f"{name}: greedy tokens differ\n want {r['want']}\n got  {r['got']}"
-        tol = float32_tol if r["dtype"] == "float32" else bf16_tol
-        assert r["max_logprob_err"] <= tol, f"{name}: logprobs {r['max_logprob_err']:.3g} apart"
+        tol = float32_tol if r["dtype"] == "float32" else max(2 * r["bf16_err"], 0.05)
+        assert r["max_logprob_err"] <= tol, f"{name}: logprobs {r['max_logprob_err']:.3g} apart (allowed {tol:.3g})"
         assert r["idle"], f"{name}: blocks left in use"
-        print(f"{name}: equal over {r['compared']} tokens, max logprob error {r['max_logprob_err']:.2g}, "
-              f"{r['graph_replays']} graph replays")
+        print(f"{name}: equal over {r['compared']} tokens, max logprob error {r['max_logprob_err']:.2g}"
+              f" (bf16 vs float32: {r['bf16_err']}), {r['graph_replays']} graph replays")
 
 
 @two_gpus
@@ -139,7 +151,7 @@ def test_tp2_on_two_gpus_equals_one_gpu(paths):
     jobs = [(paths[f], "float32", 0) for f in ("qwen3_moe", "deepseek_v2", "deepseek_v3", "qwen3")] + \
         [(paths[f"{f}-sharp"], "bfloat16", 6) for f in ("qwen3_moe", "deepseek_v2")]
     rows = run_replica(_compare, jobs, ["cuda:0", "cuda:1"])
-    _check(rows, 1e-3, 0.15)
+    _check(rows, 1e-3)
     for r in rows:  # sharded (2 heads of the tiny models' 4), decode steps replayed from graphs
         assert r["heads"] == 2 and r["graph_replays"] > 0 and r["overlap"], r
         # bfloat16: most of the 6 x 16 tokens lie before a near-tie (else the check says little).
@@ -157,5 +169,5 @@ def test_tp2_replica_on_the_cpu_equals_one_engine(paths):
     """The broadcast path (StepBatch over gloo, the ids as a tensor, the follower's forward) on the
     torch reference: what CI can run of the above."""
     rows = run_replica(_compare, [(paths[f], "float32", 0) for f in ("qwen3_moe", "deepseek_v2")], ["cpu", "cpu"])
-    _check(rows, 1e-4, 0.0)
+    _check(rows, 1e-4)
     assert all(r["heads"] == 2 for r in rows)
