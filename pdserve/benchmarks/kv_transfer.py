@@ -357,7 +357,8 @@ def main() -> None:
     ap.add_argument("--nixl-workers", type=int, default=1, help="UCX workers of each NIXL agent")
     ap.add_argument("--nixl-progress-thread", action="store_true", help="NIXL's own (spinning) progress thread")
     ap.add_argument("--model", default=PRESET, help="preset whose KV shape and weights are used")
-    ap.add_argument("--presets", nargs="+", help="several presets' cache layouts, one after the other (default: --model)")
+    ap.add_argument("--presets", nargs="+",
+                    help="several presets' cache layouts, one after the other (default: --model)")
     ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", *KV_CACHE_DTYPES],
                     help="the cache's dtype: auto (the model's, bf16) and/or fp8_e4m3")
     ap.add_argument("--cpu", action="store_true", help="dry run on CPU memory (checks the script, not a figure)")
@@ -415,8 +416,8 @@ def part2_with_engine(args, decode, device: str) -> dict:
     from pdserve.kvtransfer import make_connector
 
     n = args.ttft
-    cfg = EngineConfig(model=ModelConfig(path=PRESET, load_format="dummy", dtype="bfloat16", kv_cache_dtype=KV_CACHE_DTYPE),
-                       role="prefill", device=device,
+    model = ModelConfig(path=PRESET, load_format="dummy", dtype="bfloat16", kv_cache_dtype=KV_CACHE_DTYPE)
+    cfg = EngineConfig(model=model, role="prefill", device=device,
                        num_kv_blocks=-(-n // BLOCK) + 8, max_num_batched_tokens=n, chunk_size=n,
                        enable_prefix_cache=False)
     engine = Engine(cfg, log=lambda m: print(m, flush=True))

@@ -84,7 +84,8 @@ def _lead(replica, o: dict) -> dict:
     # layer, [tokens, hidden] in the model's dtype), back to back on the group, eagerly.
     if replica.size > 1:
         count = 2 * args.num_layers
-        out["prefill"]["all_reduce_ms"] = round(replica.time_all_reduce((o["prefill"], args.hidden_size), dtype, count), 3)
+        shape = (o["prefill"], args.hidden_size)
+        out["prefill"]["all_reduce_ms"] = round(replica.time_all_reduce(shape, dtype, count), 3)
         for row in out["decode"]:
             row["all_reduce_ms"] = round(replica.time_all_reduce((row["batch"], args.hidden_size), dtype, count), 3)
     return out
@@ -189,7 +190,8 @@ def main() -> None:
 
 
 def _table(results: list[dict], meta: dict) -> None:
-    print(f"\ntensor parallelism, {meta['device']}, {meta['date']}: ms (x tp1 = the first TP size's time over this one's)")
+    print(f"\ntensor parallelism, {meta['device']}, {meta['date']}: ms "
+          f"(x tp1 = the first TP size's time over this one's)")
     batches = meta["args"]["batches"]
     head = f"{'model':<18} {'tp':>3} {'prefill ' + str(meta['args']['prefill']):>16}" + \
         "".join(f" {'decode b' + str(b):>18}" for b in batches)
