@@ -2,11 +2,13 @@
 # The GPU figures of docs/benchmarks.md in one go, on one host of 4 (or 2, or 1) GPUs:
 #   bash pdserve/benchmarks/gpu_figures.sh OUT_DIR [PART ...]
 # PARTs (default: all but goodput, which takes ~7 minutes for its four cluster files):
-#   tests    the GPU-path tests (kernels, engine, expert parallel, KV transfer)
+#   tests    the GPU-path tests (kernels, engine, expert and tensor parallel, KV transfer)
 #   engine   bench-engine, decode with and without overlap scheduling (same run), prefill, HF
 #   ep       EP decode scaling at 256 per rank (ep_size 2 and 4 where there are 4 GPUs), overlap on/off
 #   ep512    EP decode at 256 and 512 per rank with CUDA graphs captured up to 512 (--graph-max-batch)
-#   kv       KV transfer rate (cuda_ipc) and TTFT with layer-wise streaming
+#   kv       KV transfer rate (cuda_ipc) and TTFT with layer-wise streaming; a 4k prompt's KV per cache
+#            layout (qwen3-30b-a3b, deepseek-v2-lite) and dtype (bf16, FP8)
+#   tp       tensor parallelism: TP = 2 against one GPU (deepseek-v2-lite, qwen3-30b-a3b; 2 GPUs)
 #   goodput  the P:D configurations of deploy/pd4 through `pdserve up` (4 GPUs; GOODPUT_RATES="24 32 48 64"
 #            to look past the 32 req/s that three of them held on 2026-11-22)
 # Each part writes OUT_DIR/<part>*.json and a log; a failing part does not stop the others.
@@ -31,7 +33,7 @@ for part in $parts; do
     case $part in
     tests)
         run tests python -m pytest -q -x -p no:cacheprovider tests/test_gpu_kernels.py tests/test_gpu_engine.py \
-            tests/test_expert_parallel.py tests/test_kvtransfer_gpu.py ;;
+            tests/test_expert_parallel.py tests/test_kvtransfer_gpu.py tests/test_tensor_parallel_gpu.py ;;
     engine)
         for overlap in on off; do
             run "engine-decode-$overlap" python -m pdserve.benchmarks.bench_engine --overlap "$overlap" \
@@ -53,7 +55,12 @@ for part in $parts; do
             --setups single ep --paths all_gather --graph-max-batch 512 --json "$out/ep512.json" ;;
     kv)
         run kv python -m pdserve.benchmarks.kv_transfer --backend cuda_ipc --sizes 1024 4096 16384 65536 \
-            --ttft 16384 --reps 9 --json "$out/kv.json" ;;
+            --ttft 16384 --reps 9 --json "$out/kv.json"
+        run kv-layouts python -m pdserve.benchmarks.kv_transfer --backend cuda_ipc --sizes 4096 --ttft 0 --reps 20 \
+            --presets qwen3-30b-a3b deepseek-v2-lite --kv-cache-dtypes auto fp8_e4m3 --json "$out/kv-layouts.json" ;;
+    tp)
+        run tp python -m pdserve.benchmarks.tp_scaling --models deepseek-v2-lite qwen3-30b-a3b --profile \
+            --json "$out/tp.json" ;;
     goodput)
         run goodput python -m pdserve.benchmarks.pd_goodput deploy/pd4/colocated4.yaml deploy/pd4/2p2d.yaml \
             deploy/pd4/1p3d.yaml deploy/pd4/2p1ep2.yaml --rates ${GOODPUT_RATES:-12 16 24 32} --duration 10 --input-len 4096 \
