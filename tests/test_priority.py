@@ -151,3 +151,53 @@ def drain_after(engine: Engine, steps: int, then) -> tuple[dict[str, list[int]],
     for rid, ids in more.items():
         tokens.setdefault(rid, []).extend(ids)
     return tokens, first + [r for r in rest if r not in first]
+
+
+# -- a decode replica's reservations ----------------------------------------------------------------
+
+def hand_over(prefill: Engine, decode: Engine, rid: str, i: int, priority: int) -> list[int] | None:
+    """What a router, a prefill replica and the KV transfer do for one request: reserve its blocks
+    on the decode engine (None: refused), prefill it, copy its KV there, start it decoding; its
+    tokens so far (the first)."""
+    reserved = decode.reserve(rid, prompt(i), GREEDY, priority=priority)
+    if reserved is None:
+        return None
+    prefill.add_request(rid, prompt(i), GREEDY, priority=priority)
+    (first,) = [o for o in prefill.step() if o.request_id == rid]
+    decode.kv_cache[:, :, reserved.new_block_ids] = \
+        prefill.kv_cache[:, :, first.kv_block_ids[reserved.cached_blocks:]]
+    prefill.release(rid)
+    decode.start_decode(rid, first.token_ids[0])
+    return []
+
+
+def steps(engine: Engine, n: int, tokens: dict[str, list[int]]) -> None:
+    for _ in range(n):
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+
+
+@pytest.mark.parametrize("full_of", ["slots", "blocks"])
+def test_a_reservation_preempts_lower_priority_decoding_requests(alone, full_of):
+    # A decode engine full of low-priority requests (both of its sequence slots, or all of its
+    # blocks): a high-priority reservation preempts the latest of them instead of being refused,
+    # one of the low priority is still refused, and every request's greedy output is what it
+    # generates alone (the victim's KV recomputed on the decode engine); every block comes back.
+    room = dict(max_num_seqs=2) if full_of == "slots" else dict(num_kv_blocks=6, enable_prefix_cache=False)
+    decode, prefill = make_engine(role="decode", **room), make_engine(role="prefill", overlap_scheduling=False)
+    tokens: dict[str, list[int]] = {}
+    for i in range(2):
+        assert hand_over(prefill, decode, f"low{i}", i, LOW) is not None
+    steps(decode, 4, tokens)  # 6 + 4 tokens each: 3 blocks each, all 6 taken
+    assert hand_over(prefill, decode, "low2", 2, LOW) is None  # its own priority preempts nothing
+    assert decode.scheduler.num_preemptions == 0
+    assert hand_over(prefill, decode, "high", 9, HIGH) is not None
+    victim = decode.seqs["low1"]
+    assert victim.num_preemptions == 1 and decode.seqs["low0"].num_preemptions == 0
+    more, _ = drain(decode)
+    for rid, t in more.items():
+        tokens.setdefault(rid, []).extend(t)
+    assert tokens["high"] == alone[9]
+    assert tokens["low0"] == alone[0] and tokens["low1"] == alone[1]
+    assert decode.pool.num_free_blocks == decode.pool.num_blocks and not any(decode.pool.ref_counts)
+    assert prefill.pool.num_free_blocks == prefill.pool.num_blocks

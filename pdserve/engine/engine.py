@@ -275,17 +275,24 @@ class Engine:
         admission does), so only the rest's KV has to come: a conversation's next turn moves only
         its new tokens' KV. As in a colocated admission the last token is not looked up: at least
         one block is always placed, and with it comes the finish that says the KV is complete.
-        `priority` as add_request's: once decoding, a lower priority is preempted first."""
+        `priority` as add_request's: once decoding, a lower priority is preempted first — and to
+        make room for this reservation, where it outranks them (vLLM's priority scheduling: the
+        victims recompute their KV here later, as any preempted sequence does)."""
         seq = self._new_sequence(request_id, prompt, params, output_ids, priority)
-        busy = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._reserved)
         cached: list[int] = []
         try:
-            if busy >= self.config.max_num_seqs:
-                raise NoFreeBlocksError("no free sequence slot")
+            # Slots: sequences waiting behind this one (a lower priority) hold none for it.
+            while (len(self.scheduler.running) + len(self._reserved)
+                   + sum(1 for w in self.scheduler.waiting if w.order <= seq.order)) >= self.config.max_num_seqs:
+                if not self.scheduler.preempt_below(seq):
+                    raise NoFreeBlocksError("no free sequence slot")
             bs = self.config.block_size
             hashes = block_hashes(seq.token_ids[:seq.num_tokens - 1], bs)
             cached = self.pool.lookup(hashes)
-            fresh = self.pool.allocate(-(-seq.num_tokens // bs) - len(cached))
+            need = -(-seq.num_tokens // bs) - len(cached)
+            while self.pool.num_free_blocks < need and self.scheduler.preempt_below(seq):
+                pass
+            fresh = self.pool.allocate(need)
         except NoFreeBlocksError:
             self.pool.free(cached)  # refused halfway: the references looked up go back
             self._forget(seq)

@@ -7,8 +7,9 @@ first in that order; when blocks run out the last of them — the lowest priorit
 arrival — is preempted (its blocks freed, recomputed later). Waiting sequences are admitted in
 that order while budget, sequence slots and blocks last, reusing prefix-cached blocks; one that
 finds no slot or no blocks preempts a running sequence of a lower priority (never of its own: that
-would only trade places). A prefill-role engine admits a prompt only with all of its blocks, so it
-never preempts.
+would only trade places); so does a decode engine's reservation (`preempt_below`, from
+Engine.reserve). A prefill-role engine admits a prompt only with all of its blocks, so it never
+preempts.
 
 Where CUDA graphs cover both kinds of step (`graph_limits`), fresh prompts that a prefill graph
 takes are not mixed into a step of decoding sequences: a mixed step runs eagerly, and on one H200
@@ -202,6 +203,15 @@ class Scheduler:
         k = next(k for k, s in enumerate(out) if s.seq is victim)
         self._preempt(victim)
         return out.pop(k).num_new_tokens
+
+    def preempt_below(self, seq: Sequence) -> bool:
+        """Preempt the last running sequence if it ranks below `seq` (a decode reservation's
+        sequence, not yet scheduled): its blocks go back to the pool, it waits to recompute. False
+        when none ranks below. Called between steps, as schedule() is."""
+        if self.whole_prompt or not self.running or self.running[-1].order <= seq.order:
+            return False
+        self._preempt(self.running.pop())
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self._drop_blocks(seq)
