@@ -9,7 +9,8 @@ same process:
   DeepSeek-V3 and dense Qwen3; bfloat16 greedy tokens equal on the prompts clearest of near-ties,
   each up to its first near-tie, the chosen tokens' logprobs no farther apart than twice bf16's
   own distance from float32 there; a prefill replica's KV staged whole on rank 0 (NCCL gathers)
-  equal to one rank's cache. Skipped without two GPUs.
+  equal to one rank's cache; and served: `pdserve up` with a colocated replica of tp_size 2 (Ray
+  places the ranks) answers with one GPU's greedy text. Skipped without two GPUs.
 - on the CPU (gloo, the torch reference): the same comparison in float32, so that the broadcast
   path itself is checked where CI runs.
 
@@ -171,3 +172,30 @@ def test_tp2_replica_on_the_cpu_equals_one_engine(paths):
     rows = run_replica(_compare, [(paths[f], "float32", 0) for f in ("qwen3_moe", "deepseek_v2")], ["cpu", "cpu"])
     _check(rows, 1e-4)
     assert all(r["heads"] == 2 for r in rows)
+
+
+@two_gpus
+def test_pdserve_up_serves_a_tp2_replica_on_two_gpus(tmp_path):
+    """The served path on GPUs: `pdserve up` with a colocated replica of tp_size 2 (Ray places its
+    two ranks, a GPU each; NCCL between them) answers every prompt with the greedy text of one
+    unsharded engine on one GPU, and gives every block back."""
+    import openai
+
+    from pdserve.engine.engine import Engine
+    from serving_cluster import Cluster
+
+    texts = ["The KV cache", "Tensor parallel ranks", "a", "Mixture of experts route each token"]
+    model = {"path": "tiny-moe", "dtype": "float32"}
+    c = Cluster(tmp_path, model=model, colocated={"replicas": 1, "gpus": 1, "tp_size": 2, "num_kv_blocks": 256})
+    try:
+        c.wait_ready(timeout=400)
+        oa = openai.OpenAI(base_url=f"{c.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        got = [oa.completions.create(model="tiny-moe", prompt=t, max_tokens=TOKENS, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text for t in texts]
+        stats = c.wait_idle()
+        assert all(s["used"] == 0 for s in stats.values()), stats
+    finally:
+        assert c.stop() == 0, c.output()
+    one = Engine(EngineConfig(model=ModelConfig(**model), device="cuda:0", num_kv_blocks=256, warm_up=False))
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    assert got == [one.generate([t], params)[0].text for t in texts]

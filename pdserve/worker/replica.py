@@ -30,11 +30,14 @@ ALL_GPUS_VISIBLE = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
 def assigned_device(device: str) -> str:
-    """The worker's device. Ray normally shows a worker only its own GPU ("cuda" is it); with every
+    """The worker's device, with its index: torch.cuda.set_device (NCCL's groups, a step on another
+    thread) takes no bare "cuda". Ray normally shows a worker only its own GPU (index 0); with every
     GPU visible the worker must pick the one Ray assigned it."""
-    if device == "cuda" and os.environ.get(ALL_GPUS_VISIBLE):
+    if device != "cuda":
+        return device
+    if os.environ.get(ALL_GPUS_VISIBLE):
         return f"cuda:{int(ray.get_gpu_ids()[0])}"
-    return device
+    return "cuda:0"
 
 
 def _in_actor() -> bool:
