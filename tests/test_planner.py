@@ -262,6 +262,20 @@ def test_load_window_differences_heartbeats():
     assert (m.traffic.requests, m.traffic.input_len, m.traffic.rate) == (3, 500, 3.0)
 
 
+def test_watch_plans_only_on_a_window_whose_outputs_are_known():
+    from pdserve.control.tune import too_little
+
+    w = LoadWindow(keep_s=600)
+    w.add(0.0, {}, {"r": traffic(0, 0, 0, 0)})
+    w.add(10.0, {}, {"r": traffic(16, 256, 0, 0)})  # 16 arrived, none finished: output length unknown
+    m = w.measured(10.0, Limits(), {"ttft_ms": 1000, "tpot_ms": 100}, {}, "cpu")
+    assert m.traffic.output_len == 0 and "outputs are unknown" in too_little(m.traffic, m.window_s, 8)
+    assert "waiting for 32" in too_little(m.traffic, m.window_s, 32)
+    w.add(12.0, {}, {"r": traffic(18, 288, 4, 256)})
+    m = w.measured(12.0, Limits(), {"ttft_ms": 1000, "tpot_ms": 100}, {}, "cpu")
+    assert m.traffic.output_len == 64 and too_little(m.traffic, m.window_s, 8) is None
+
+
 # -- the engine's own counts ------------------------------------------------------------------------
 
 

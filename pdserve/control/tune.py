@@ -127,6 +127,17 @@ def apply(controller, p, m: Measured, grace_s: float) -> None:
         scale_with(controller, counts, grace_s)
 
 
+def too_little(t, window_s: float, min_requests: int) -> str | None:
+    """Why a window's traffic is too little to plan on (None: enough)."""
+    if t.requests < min_requests:
+        return f"{t.requests} requests in {window_s:.0f} s, waiting for {min_requests}"
+    if not t.finished:
+        # Outputs are counted as requests finish: none finished says nothing of their length (read
+        # as 0, a decode-heavy load looked prefill-bound and the split moved).
+        return f"none of them finished in {window_s:.0f} s, so their outputs are unknown; waiting"
+    return None
+
+
 def watch(controller, a: argparse.Namespace) -> int:
     """Until Ctrl-C: a line per look; with --apply, moves that pass the hysteresis."""
     import ray
@@ -141,8 +152,8 @@ def watch(controller, a: argparse.Namespace) -> int:
             t = m.traffic
             head = (f"{t.rate:.2f} req/s, prompts {t.input_len:,.0f}, outputs {t.output_len:,.0f}, now "
                     f"{m.replicas.get('prefill', 0)}P+{m.replicas.get('decode', 0)}D")
-            if t.requests < a.min_requests:
-                _log(f"tune: {head}: {t.requests} requests in {m.window_s:.0f} s, waiting for {a.min_requests}")
+            if (wait := too_little(t, m.window_s, a.min_requests)) is not None:
+                _log(f"tune: {head}: {wait}")
             else:
                 try:
                     p = plan(m, budget=a.budget)
