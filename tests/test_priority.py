@@ -201,3 +201,23 @@ def test_a_reservation_preempts_lower_priority_decoding_requests(alone, full_of)
     assert tokens["low0"] == alone[0] and tokens["low1"] == alone[1]
     assert decode.pool.num_free_blocks == decode.pool.num_blocks and not any(decode.pool.ref_counts)
     assert prefill.pool.num_free_blocks == prefill.pool.num_blocks
+
+
+def test_a_reservation_that_preemption_would_not_make_room_for_preempts_nothing(alone):
+    # All 6 blocks held, 3 by a high-priority request and 3 by a low one: a reservation ranked
+    # between them needs 4, more than the low one's 3 would free, so it is refused and nobody is
+    # preempted for nothing.
+    decode = make_engine(role="decode", num_kv_blocks=6, enable_prefix_cache=False)
+    prefill = make_engine(role="prefill", overlap_scheduling=False)
+    tokens: dict[str, list[int]] = {}
+    assert hand_over(prefill, decode, "high0", 0, HIGH) is not None
+    assert hand_over(prefill, decode, "low1", 1, LOW) is not None
+    steps(decode, 4, tokens)
+    assert decode.pool.num_free_blocks == 0
+    assert decode.reserve("mid", list(range(13)), GREEDY, priority=0) is None
+    assert decode.scheduler.num_preemptions == 0 and "mid" not in decode.seqs
+    more, _ = drain(decode)
+    for rid, t in more.items():
+        tokens.setdefault(rid, []).extend(t)
+    assert tokens["high0"] == alone[0] and tokens["low1"] == alone[1]
+    assert decode.pool.num_free_blocks == decode.pool.num_blocks

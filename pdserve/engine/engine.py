@@ -281,17 +281,12 @@ class Engine:
         seq = self._new_sequence(request_id, prompt, params, output_ids, priority)
         cached: list[int] = []
         try:
-            # Slots: sequences waiting behind this one (a lower priority) hold none for it.
-            while (len(self.scheduler.running) + len(self._reserved)
-                   + sum(1 for w in self.scheduler.waiting if w.order <= seq.order)) >= self.config.max_num_seqs:
-                if not self.scheduler.preempt_below(seq):
-                    raise NoFreeBlocksError("no free sequence slot")
             bs = self.config.block_size
             hashes = block_hashes(seq.token_ids[:seq.num_tokens - 1], bs)
             cached = self.pool.lookup(hashes)
             need = -(-seq.num_tokens // bs) - len(cached)
-            while self.pool.num_free_blocks < need and self.scheduler.preempt_below(seq):
-                pass
+            for _ in range(self._victims_for(seq, need)):
+                self.scheduler.preempt_below(seq)
             fresh = self.pool.allocate(need)
         except NoFreeBlocksError:
             self.pool.free(cached)  # refused halfway: the references looked up go back
@@ -303,6 +298,24 @@ class Engine:
         seq.num_cached_tokens = len(cached) * bs
         self._reserved.add(request_id)
         return Reservation(list(seq.block_ids), len(cached))
+
+    def _victims_for(self, seq: Sequence, need: int) -> int:
+        """How many running sequences a reservation for `seq` (needing `need` fresh blocks) must
+        preempt — the last of them, each ranked below it — for a sequence slot and the blocks; raises
+        NoFreeBlocksError, preempting none, when even all of those would not do. Sequences waiting
+        behind it (a lower priority) hold no slot against it."""
+        running = self.scheduler.running
+        slots = (len(running) + len(self._reserved) + sum(1 for w in self.scheduler.waiting if w.order <= seq.order)
+                 - self.config.max_num_seqs + 1)
+        free = self.pool.num_free_blocks
+        k = 0
+        while k < max(0, slots) or free < need:
+            if k == len(running) or running[-1 - k].order <= seq.order:
+                raise NoFreeBlocksError("no free sequence slot" if k < slots else f"need {need} blocks, {free} free")
+            # A victim's blocks come free but for those another sequence shares (this one's cached prefix too).
+            free += sum(1 for b in running[-1 - k].block_ids if self.pool.ref_counts[b] == 1)
+            k += 1
+        return k
 
     def start_decode(self, request_id: str, first_token: int,
                      first_logprob: TokenLogprob | None = None) -> None:
