@@ -5,7 +5,6 @@ A request is (prompt ids, max_tokens, the step at which its rank adds it): a ran
 request for a while, or be done while the others go on, and it still joins every exchange.
 """
 
-import multiprocessing as mp
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,31 +49,10 @@ def run_ranks(model: str, runs: list[Run], size: int = 2, replicated: tuple[int,
     path does (TorchMoE.fold_shared_experts turned on in the rank's process).
     The rendezvous store lives here, bound to port 0 and held until every rank is done;
     `before_start(host, port)` is called with its address before the ranks start."""
-    from pdserve.decode.ep_group import rendezvous_store
+    from pdserve.worker.rank_processes import run_rank_processes
 
-    store = rendezvous_store("127.0.0.1")
-    if before_start is not None:
-        before_start("127.0.0.1", store.port)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, store.port, model, runs,
-                                                  list(replicated), gpus, fold_shared, results))
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    out: dict[int, object] = {}
-    try:
-        for _ in procs:
-            rank, value = results.get(timeout=timeout)
-            if isinstance(value, str):
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-        del store  # the ranks are gone: the port may go
+    out = run_rank_processes(_rank_main, [(model, runs, list(replicated), gpus, fold_shared)] * size, timeout,
+                             before_start=before_start)
     return [out[r] for r in range(size)]
 
 
@@ -105,9 +83,9 @@ def _rank_main(rank: int, size: int, store_port: int, model: str, runs: list[Run
             load = [a - b for a, b in zip(group.exchange.expert_load()[0], before)]
             out.append({"tokens": tokens, "load": load})
         group.close()
-        results.put((rank, out))
+        results.put((rank, True, out))
     except BaseException:
-        results.put((rank, traceback.format_exc()))
+        results.put((rank, False, traceback.format_exc()))
 
 
 def _generate(group, engine, requests: list[Request], tag: str) -> list[list[int]]:
@@ -138,30 +116,11 @@ def run_disaggregated(model: str, firsts: list[list[int]], news: list[list[int]]
     reserved on the rank's own decode engine and prefilled by a prefill engine of its process through
     the real connectors (loopback: kv_pair.py). Per rank: {"tokens": [turn 1's, turn 2's],
     "cached_blocks": per turn, "blocks_reused", "free_blocks", "num_blocks"} (blocks at the end)."""
-    from pdserve.decode.ep_group import rendezvous_store
+    from pdserve.worker.rank_processes import run_rank_processes
 
     size = len(firsts)
-    store = rendezvous_store("127.0.0.1")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_disaggregated_rank, args=(r, size, store.port, model, firsts[r], news[r], params,
-                                                           results))
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    out: dict[int, object] = {}
-    try:
-        for _ in procs:
-            rank, value = results.get(timeout=timeout)
-            if isinstance(value, str):
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-        del store
+    out = run_rank_processes(_disaggregated_rank, [(model, firsts[r], news[r], params) for r in range(size)],
+                             timeout)
     return [out[r] for r in range(size)]
 
 
@@ -205,7 +164,7 @@ def _disaggregated_rank(rank: int, size: int, store_port: int, model: str, first
         streamer.connector.close()
         intake.connector.close()
         group.close()
-        results.put((rank, {"tokens": tokens, "cached_blocks": cached, "blocks_reused": intake.blocks_reused,
-                            "free_blocks": decode.pool.num_free_blocks, "num_blocks": decode.pool.num_blocks}))
+        results.put((rank, True, {"tokens": tokens, "cached_blocks": cached, "blocks_reused": intake.blocks_reused,
+                                  "free_blocks": decode.pool.num_free_blocks, "num_blocks": decode.pool.num_blocks}))
     except BaseException:
-        results.put((rank, traceback.format_exc()))
+        results.put((rank, False, traceback.format_exc()))

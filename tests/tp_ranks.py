@@ -1,7 +1,6 @@
 """The ranks of a tensor-parallel replica in processes of their own (gloo): each rank runs a
 function with its TensorParallel and the parent collects what every rank returns."""
 
-import multiprocessing as mp
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -13,28 +12,9 @@ import torch.distributed as dist
 def run_ranks(target: Callable, payload, size: int = 2, timeout: float = 240) -> list:
     """[target(tp, payload) on rank r for r in range(size)]; `target` must be importable (module level).
     The rendezvous store lives here, bound to port 0, held until every rank is done."""
-    from pdserve.decode.ep_group import rendezvous_store
+    from pdserve.worker.rank_processes import run_rank_processes
 
-    store = rendezvous_store("127.0.0.1")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, store.port, target, payload, results))
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    out: dict[int, object] = {}
-    try:
-        for _ in procs:
-            rank, ok, value = results.get(timeout=timeout)
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-        del store
+    out = run_rank_processes(_rank_main, [(target, payload)] * size, timeout)
     return [out[r] for r in range(size)]
 
 

@@ -14,7 +14,6 @@ in captured CUDA graphs hangs when destroyed (torch 2.11 / NCCL 2.28, decode/ep_
 """
 
 import gc
-import multiprocessing as mp
 import os
 import traceback
 from collections.abc import Callable
@@ -78,30 +77,9 @@ class LocalReplica:
 def run_replica(lead: Callable, payload, devices: list[str], timeout: float = 600):
     """lead(LocalReplica, payload) on rank 0 of a replica of len(devices) ranks (rank r on
     devices[r]); `lead` must be importable (module level). Raises naming the rank that failed."""
-    from pdserve.decode.ep_group import rendezvous_store
+    from pdserve.worker.rank_processes import run_rank_processes
 
-    size = len(devices)
-    store = rendezvous_store("127.0.0.1") if size > 1 else None
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, store.port if store else 0, devices[r], lead, payload,
-                                                  results)) for r in range(size)]
-    for p in procs:
-        p.start()
-    out: dict[int, object] = {}
-    try:
-        for _ in procs:
-            rank, ok, value = results.get(timeout=timeout)
-            if not ok:
-                raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-        del store
-    return out[0]
+    return run_rank_processes(_rank_main, [(d, lead, payload) for d in devices], timeout, join_s=30)[0]
 
 
 def _rank_main(rank: int, size: int, port: int, device: str, lead: Callable, payload, results) -> None:
