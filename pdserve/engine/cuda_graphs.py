@@ -113,9 +113,10 @@ class DecodeGraphs:
         head (GQA), or one per block of query heads (MLA's latent cache has no heads)."""
         args = self.model.args
         if args.is_mla:  # this rank's query heads (a tensor-parallel rank holds its share)
-            tp = getattr(self.model, "tp", None)
-            heads = args.num_heads // tp.size if tp is not None else args.num_heads
-            return mla_num_splits(batch_size, heads, max_context, self.device)
+            from pdserve.models.tensor_parallel import rank_heads
+
+            return mla_num_splits(batch_size, rank_heads(args.num_heads, getattr(self.model, "tp", None)),
+                                  max_context, self.device)
         return decode_num_splits(batch_size, self.kv_cache.shape[4], max_context, self.device)
 
     def fits(self, batch: ForwardBatch) -> bool:

@@ -82,12 +82,14 @@ def warm_up_attention(engine, log: Callable[[str], None] = lambda msg: None) -> 
     """The attention backend's own per-length plans for fresh prompts (roles that prefill), at the
     heads this rank holds (a tensor-parallel rank's share); how many lengths it prepared. A
     tensor-parallel follower runs this alone: its steps are rank 0's warm-up steps."""
+    from pdserve.models.tensor_parallel import rank_heads
+
     attention = engine.model.attn_backend
     if engine.config.role == "decode" or not hasattr(attention, "warm_up"):
         return 0
     log("warm-up: fresh prompts' attention at every padded length")
     a, tp = engine.args, engine.tp
-    heads = a.num_heads // tp.size if tp is not None else a.num_heads
+    heads = rank_heads(a.num_heads, tp)
     kv_heads = len(tp.kv_heads(a.num_heads, a.num_kv_heads)) if tp is not None else a.num_kv_heads
     return attention.warm_up(min(engine.max_model_len, engine.config.chunk_size, engine.config.max_num_batched_tokens),
                              heads, kv_heads, a.head_dim, next(engine.model.parameters()).dtype, engine.device)

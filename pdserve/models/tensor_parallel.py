@@ -62,6 +62,11 @@ class TensorParallel:
         return range(self.rank * num_kv_heads // self.size, self.rank * num_kv_heads // self.size + 1)
 
 
+def rank_heads(num_heads: int, tp: TensorParallel | None) -> int:
+    """The query heads a rank holds (all of them without tensor parallelism)."""
+    return num_heads // tp.size if tp is not None else num_heads
+
+
 def check_tp_size(args, size: int, key: str = "tp_size") -> None:
     """Raise ValueError naming `key` if the model cannot be split over `size` ranks."""
     if size < 1:
