@@ -72,27 +72,38 @@ def counters(url: str) -> dict[str, float]:
     return out
 
 
-def run_policy(policy: str, cluster: dict, workload: Workload, rate: float, log_dir: Path) -> dict:
+def run_policy(policy: str, cluster: dict, workload: Workload, rates: list[float], log_dir: Path) -> list[dict]:
+    """One cluster for the variant, the rates in turn on it; a row per rate, its counters' own."""
     cfg = json.loads(json.dumps(cluster))
     for section, keys in VARIANTS[policy].items():
         cfg.setdefault(section, {}).update(keys)
     path = log_dir / f"{policy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     up = UpProcess(path, log_dir / f"pdserve-up.{policy}.log")
+    marks: list[dict[str, float]] = []
+
+    def mark(_sweep=None) -> None:
+        time.sleep(1.5)  # the router's stats polls (every 0.5 s) bring the replicas' last counts
+        marks.append(counters(url))
+
     try:
         url = up.wait_healthy(None, 300, progress=lambda m: log(f"{policy}: {m}"))
         log(f"{policy}: serving at {url}")
-        before = counters(url)
-        sweep = asyncio.run(run_sweep(url, [rate], workload, Slo(), log=lambda m: log(f"{policy}: {m}")))
-        time.sleep(1.5)  # the router's stats polls (every 0.5 s) bring the replicas' last counts
-        after = counters(url)
+        marks.append(counters(url))
+        # One sweep: its one prompt generator gives each rate sessions of its own, so what a rate
+        # finds cached is only the shared system prompt and its own sessions' turns.
+        sweep = asyncio.run(run_sweep(url, rates, workload, Slo(), log=lambda m: log(f"{policy}: {m}"),
+                                      on_run=mark))
     finally:
         code, how = up.stop(60)
         log(f"{policy}: stopped ({how}, exit {code})")
-    s = sweep.runs[0].summary
-    return {"policy": policy, "completed": s.completed, "failed": s.failed,
-            "ttft_p50_ms": s.ttft_ms.p50, "ttft_p90_ms": s.ttft_ms.p90,
-            **{k: after[k] - before.get(k, 0.0) for k in after}}
+    rows = []
+    for run, before, after in zip(sweep.runs, marks, marks[1:]):
+        s = run.summary
+        rows.append({"policy": policy, "rate": run.summary.rate, "completed": s.completed, "failed": s.failed,
+                     "ttft_p50_ms": s.ttft_ms.p50, "ttft_p90_ms": s.ttft_ms.p90,
+                     **{k: after[k] - before.get(k, 0.0) for k in after}})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", help="a cluster.yaml (default: tiny-moe on CPU, 2 prefill + 2 decode)")
     ap.add_argument("--policies", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--reference", choices=list(VARIANTS), default="kv-aware", help="the ratios' denominator")
-    ap.add_argument("--rate", type=float, default=2.0, help="requests/s (sessions start at rate / turns)")
+    ap.add_argument("--rate", "--rates", dest="rates", type=float, nargs="+", default=[2.0],
+                    help="requests/s (sessions start at rate / turns); several: each on the same cluster, in turn")
+    ap.add_argument("--replicas", type=int, nargs=2, metavar=("PREFILL", "DECODE"),
+                    help="the default cluster's replicas (default: 2 2)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--prefix-len", type=int, default=256, help="the shared system prompt")
@@ -110,24 +124,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    cluster = yaml.safe_load(Path(a.cluster).read_text()) if a.cluster else DEFAULT_CLUSTER
+    if a.cluster and a.replicas:
+        ap.error("--replicas sets the default cluster's; give them in --cluster's file instead")
+    cluster = yaml.safe_load(Path(a.cluster).read_text()) if a.cluster else json.loads(json.dumps(DEFAULT_CLUSTER))
+    if a.replicas:
+        cluster["prefill"]["replicas"], cluster["decode"]["replicas"] = a.replicas
     workload = Workload(a.input_len, a.output_len, a.num_prompts, seed=a.seed, warmup=0, kind="multi-turn",
                         prefix_len=a.prefix_len, turns=a.turns, think_s=a.think_time)
     log_dir = Path(tempfile.mkdtemp(prefix="prefix-routing-"))
-    rows = [run_policy(p, cluster, workload, a.rate, log_dir) for p in a.policies]
-    ref = next((r for r in rows if r["policy"] == a.reference), rows[0])
+    rows = [row for p in a.policies for row in run_policy(p, cluster, workload, a.rates, log_dir)]
 
-    def ratio(r, k):
-        return r[k] / ref[k] if ref[k] else float("nan")
-
-    print(f"\nmulti-turn: {a.num_prompts} requests, {a.turns} turns, system {a.prefix_len}, input {a.input_len}, "
-          f"output {a.output_len}, think {a.think_time} s, rate {a.rate}/s; ratios against {ref['policy']}")
-    print(f"{'variant':17} {'ok':>4} {'TTFT p50':>9} {'p90':>9} {'p90 x':>6} {'computed':>9} {'x':>5} "
+    print(f"\nmulti-turn: {a.num_prompts} requests per rate, {a.turns} turns, system {a.prefix_len}, "
+          f"input {a.input_len}, output {a.output_len}, think {a.think_time} s; ratios against {a.reference} "
+          f"at the same rate")
+    print(f"{'rate':>5} {'variant':17} {'ok':>4} {'TTFT p50':>9} {'p90':>9} {'p90 x':>6} {'computed':>9} {'x':>5} "
           f"{'KV MB moved':>11} {'x':>5} {'reused blk':>10}")
-    for r in rows:
-        print(f"{r['policy']:17} {r['completed']:>4} {r['ttft_p50_ms']:>9.1f} {r['ttft_p90_ms']:>9.1f} "
-              f"{ratio(r, 'ttft_p90_ms'):>6.2f} {r['computed']:>9.0f} {ratio(r, 'computed'):>5.2f} "
-              f"{r['moved'] / 1e6:>11.2f} {ratio(r, 'moved'):>5.2f} {r['reused_blocks']:>10.0f}  "
+    for r in sorted(rows, key=lambda r: (r["rate"], a.policies.index(r["policy"]))):
+        ref = next((x for x in rows if x["policy"] == a.reference and x["rate"] == r["rate"]), r)
+
+        def ratio(k):
+            return r[k] / ref[k] if ref[k] else float("nan")
+
+        print(f"{r['rate']:>5g} {r['policy']:17} {r['completed']:>4} {r['ttft_p50_ms']:>9.1f} {r['ttft_p90_ms']:>9.1f} "
+              f"{ratio('ttft_p90_ms'):>6.2f} {r['computed']:>9.0f} {ratio('computed'):>5.2f} "
+              f"{r['moved'] / 1e6:>11.2f} {ratio('moved'):>5.2f} {r['reused_blocks']:>10.0f}  "
               + " ".join(f"{k.removeprefix('placed ')}={v:.0f}" for k, v in r.items() if k.startswith("placed ")))
     if a.json:
         Path(a.json).write_text(json.dumps({"date": datetime.datetime.now().isoformat(timespec="seconds"),
