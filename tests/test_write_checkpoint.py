@@ -151,7 +151,9 @@ def test_both_readers_put_every_byte_in_place(written, monkeypatch, chunk, batch
     full, _ = load_model(str(written), torch.float32, "cpu")
     for dtype in (torch.float32, torch.bfloat16):
         loaded = []
-        for reader in (HostReader(), ChunkedReader(torch.device("cpu"), chunk, 2)):
+        # the GPU reader with one thread, and with three over the files at once (buffers shared)
+        for reader in (HostReader(), ChunkedReader(torch.device("cpu"), chunk, 2, readers=1),
+                       ChunkedReader(torch.device("cpu"), chunk, 2, readers=3)):
             model = build_model(args, dtype)
             if experts:
                 for moe in model.moe_layers():
@@ -161,7 +163,7 @@ def test_both_readers_put_every_byte_in_place(written, monkeypatch, chunk, batch
             loaded.append(params(model))
         for name, p in params(full).items():
             want = p[experts] if experts and name.endswith((".w13", ".w2")) else p
-            assert torch.equal(loaded[0][name], want.to(dtype)) and torch.equal(loaded[1][name], want.to(dtype)), name
+            assert all(torch.equal(got[name], want.to(dtype)) for got in loaded), name
 
 
 def rank_model(args, dtype: torch.dtype, rank: int, experts: list[int] | None):
@@ -267,6 +269,11 @@ def test_broken_files_are_named(written, tmp_path):
     last.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
     with pytest.raises(ValueError, match=f"{last.name}: not a safetensors file"):
         load_model(str(broken), torch.float32, "cpu")
+    # the GPU reader's threads: the one that meets the broken file stops the load, nothing hangs
+    model = build_model(resolve_model_args(str(written)), torch.float32)
+    model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match=f"{last.name}: not a safetensors file"):
+        stream_safetensors(model, safetensors_files(broken), ChunkedReader(torch.device("cpu"), 4093, 2, readers=3))
 
 
 def test_bad_arguments(tmp_path, written, capsys):

@@ -8,12 +8,14 @@ against the disk's.
 1. The checkpoint: written by `pdserve write-checkpoint` (a preset's dummy weights, or a
    config.json's; timed) into --dir, or an existing one (--checkpoint).
 2. `dd` (bs 64 MiB to /dev/null) of the same files, one after another: the disk's sequential rate,
-   the reference. Before each timed read every file is evicted from this host's page cache
+   the reference; and (with several files) as many `dd`s at once as the loader has readers: the
+   disk's rate for parallel streams. Before each timed read every file is evicted from this host's page cache
    (posix_fadvise DONTNEED: no root needed; what stays resident is measured with mincore and
    reported as `cached_before`). A cache below this host — a VM's host, a network file system's
    server — is out of reach and not accounted for.
 3. The loader in this process (`load_model` onto --device): bytes, seconds, GB/s (cold, then again
-   from the page cache: the loader's own ceiling beside dd's from the cache). Its other ceiling,
+   from the page cache: the loader's own ceiling beside dd's from the cache); on a GPU with
+   several files, again with one reader thread (the A/B of weight_stream.READERS). Its other ceiling,
    without a disk: on a GPU the pinned host-to-device copy rate; on the CPU the first write to
    new memory (page faults), which reading into freshly allocated parameters pays.
 4. `pdserve up` on the checkpoint (one colocated replica on --device, or --cluster FILE with its
@@ -43,6 +45,7 @@ import yaml
 
 from pdserve.benchmarks.up_process import UpProcess
 from pdserve.models.checkpoint_writer import DTYPE_NAMES, parse_size, write_checkpoint
+from pdserve.models import weight_stream
 from pdserve.models.loader import load_model, safetensors_files
 
 DD_BLOCK = "64M"
@@ -98,9 +101,30 @@ def dd_read(files: list[Path]) -> dict:
     return {"bytes": size, "s": round(s, 3), "gb_per_s": round(size / s / 1e9, 3)}
 
 
-def loader_read(checkpoint: Path, dtype: torch.dtype, device: str) -> dict:
-    """load_model onto the device: the loader's own figures (LoadStats)."""
-    model, _ = load_model(str(checkpoint), dtype, device)
+def dd_parallel(files: list[Path], n: int) -> dict:
+    """Up to `n` `dd`s at once, one file each: what the disk gives several sequential streams."""
+    size = sum(f.stat().st_size for f in files)
+    t0 = time.perf_counter()
+    running: list[subprocess.Popen] = []
+    for path in files:
+        if len(running) == n:
+            running.pop(0).wait()
+        running.append(subprocess.Popen(["dd", f"if={path}", "of=/dev/null", f"bs={DD_BLOCK}", "status=none"]))
+    for proc in running:
+        proc.wait()
+    s = time.perf_counter() - t0
+    return {"bytes": size, "s": round(s, 3), "gb_per_s": round(size / s / 1e9, 3), "streams": n}
+
+
+def loader_read(checkpoint: Path, dtype: torch.dtype, device: str, readers: int | None = None) -> dict:
+    """load_model onto the device: the loader's own figures (LoadStats); `readers`: the GPU
+    reader's threads for this read (weight_stream.READERS otherwise)."""
+    default = weight_stream.READERS
+    weight_stream.READERS = readers or default
+    try:
+        model, _ = load_model(str(checkpoint), dtype, device)
+    finally:
+        weight_stream.READERS = default
     st = model.load_stats
     del model
     if device.startswith("cuda"):
@@ -231,7 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     result["checkpoint"] = {"dir": str(ck), "files": len(files), "bytes": sum(f.stat().st_size for f in files)}
 
     result["memory"] = memory_ceiling(result["checkpoint"]["bytes"], a.device)
-    for name, read in (("dd", lambda: dd_read(files)), ("loader", lambda: loader_read(ck, dtype, a.device))):
+    streams = min(weight_stream.READERS, len(files))
+    reads = [("dd", lambda: dd_read(files)), ("loader", lambda: loader_read(ck, dtype, a.device))]
+    if streams > 1:  # the parallel reads beside the one-stream ones: what more streams add
+        reads.append(("dd_parallel", lambda: dd_parallel(files, streams)))
+        if a.device.startswith("cuda"):  # (the CPU's reader is one stream of scatter reads)
+            reads.append(("loader_one_reader", lambda: loader_read(ck, dtype, a.device, readers=1)))
+    for name, read in reads:
         evict(files)
         cached = cached_fraction(files)
         result[name] = {**read(), "cached_before": None if cached is None else round(cached, 4)}
@@ -261,12 +291,17 @@ def _report(r: dict) -> None:
           f"{ck['files']} files)")
     if "write" in r:
         print(f"  written by write-checkpoint in {r['write']['s']:.2f} s ({r['write']['gb_per_s']:.2f} GB/s)")
-    for name in ("dd", "loader"):
+    for name in ("dd", "dd_parallel", "loader", "loader_one_reader"):
+        if name not in r:
+            continue
         cold, warm = r[name], r[f"{name}_page_cache"]
-        print(f"  {name:6s}  from disk {cold['s']:7.2f} s {cold['gb_per_s']:6.2f} GB/s (cached before: "
+        print(f"  {name:17s}  from disk {cold['s']:7.2f} s {cold['gb_per_s']:6.2f} GB/s (cached before: "
               f"{cold['cached_before']}),  from the page cache {warm['s']:6.2f} s {warm['gb_per_s']:6.2f} GB/s")
     m = r["memory"]
     print(f"  {m['what']}: {m['gb_per_s']:.2f} GB/s (no disk: the loader's other ceiling)")
+    if "dd_parallel" in r:
+        print(f"  loader / {r['dd_parallel']['streams']} dd at once from disk: "
+              f"{r['loader']['gb_per_s'] / r['dd_parallel']['gb_per_s']:.2f}")
     print(f"  loader / dd from disk: {r['loader']['gb_per_s'] / r['dd']['gb_per_s']:.2f}; loader / min(dd, memory): "
           f"{r['loader']['gb_per_s'] / min(r['dd']['gb_per_s'], m['gb_per_s']):.2f}")
     print(f"  pdserve up to /health 200: {up['wall_to_healthy_s']:.2f} s (its own count: {up.get('up_s')} s); "

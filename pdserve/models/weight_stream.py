@@ -7,8 +7,8 @@ sequential reads straight to where they belong:
 - CPU parameters (`HostReader`): scatter reads (preadv) of up to BATCH_BYTES of the file straight
   into the parameters' own memory, in file order; nothing is copied twice. A helper thread takes
   the first-write page faults of the parameters' fresh memory ahead of the reads.
-- GPU parameters (`ChunkedReader`): a reader thread reads each file in CHUNK_BYTES pieces into
-  pinned staging buffers; the loading thread copies each piece to the tensors it covers with
+- GPU parameters (`ChunkedReader`): READERS threads read files (one each at a time) in CHUNK_BYTES
+  pieces into pinned staging buffers; the loading thread copies each piece to the tensors it covers with
   asynchronous copies on a stream of their own and hands the buffer back with the copies' event.
   The disk, the copies and the Python between them all overlap.
 
@@ -32,7 +32,8 @@ from pdserve.models.decoder import DecoderLM, Placement, WeightPlacer
 from pdserve.models.safetensors_format import TensorEntry, read_header
 
 CHUNK_BYTES = 64 * 2**20  # one staging buffer: a read this large runs at the disk's sequential rate
-STAGING_BUFFERS = 3  # one being read, one being copied to the GPU, one spare for the reader's lead
+STAGING_BUFFERS = 3  # with one reader: one being read, one being copied to the GPU, one spare for the reader's lead
+READERS = 4  # files read at once by the GPU reader (an NVMe disk serves several requests in parallel)
 GAP_BYTES = 2**20  # unwanted bytes between two wanted tensors shorter than this are read through, not skipped
 BATCH_BYTES = 64 * 2**20  # one scatter read of the CPU reader: as large a request as a chunk
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
@@ -221,46 +222,65 @@ def _pread_into(fd: int, bufs: list[memoryview], offset: int, path: Path) -> Non
 
 
 class ChunkedReader:
-    """GPU parameters (or any, for tests): a reader thread plans each file and reads it in chunks
-    into staging buffers (pinned on a GPU); the loading thread copies each chunk to the tensors it
-    covers (asynchronously on a GPU, on a stream of their own) and hands the buffer back with the
-    copies' event, which the reader waits for before reading into that buffer again."""
+    """GPU parameters (or any, for tests): `readers` threads each take a whole file at a time, plan
+    it and read it in chunks into staging buffers (pinned on a GPU); the loading thread copies each
+    chunk to the tensors it covers (asynchronously on a GPU, on a stream of their own) and hands the
+    buffer back with the copies' event, which a reader waits for before reading into that buffer
+    again. One sequential stream leaves a fast NVMe disk idle between requests: several files read
+    at once keep more requests in its queue (cold_start.py measures both against `dd`)."""
 
-    def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES, buffers: int = STAGING_BUFFERS):
+    def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES, buffers: int | None = None,
+                 readers: int | None = None):
         cuda = device.type == "cuda"
-        self.device, self.chunk_bytes = device, chunk_bytes
+        self.device, self.chunk_bytes, self.readers = device, chunk_bytes, max(1, readers or READERS)
         self.stream = torch.cuda.Stream(device) if cuda else None
         if cuda:
             self.stream.wait_stream(torch.cuda.current_stream(device))  # the parameters were allocated there
+        # one being read per reader, one being copied to the GPU, one spare for a reader's lead
+        buffers = buffers or self.readers + STAGING_BUFFERS - 1
         self.staging = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(buffers)]
 
     def load(self, files: list[Path], placer: WeightPlacer) -> int:
         free: queue.Queue = queue.Queue()  # (buffer index, the event of its last copies) to read into
         for k in range(len(self.staging)):
             free.put((k, None))
-        filled: queue.Queue = queue.Queue()  # ("file", path, jobs) | ("chunk", k, pos, n) | ("done",) | ("error", e)
-        stop = threading.Event()
-        reader = threading.Thread(target=self._read_files, args=(files, placer, free, filled, stop),
-                                  name="pdserve-weights", daemon=True)
-        reader.start()
+        # ("file", path, jobs) | ("chunk", path, k, pos, n) | ("end", path) | ("done",) | ("error", e)
+        filled: queue.Queue = queue.Queue()
+        todo: queue.Queue = queue.Queue()
+        for path in files:
+            todo.put(path)
+        stop, lock = threading.Event(), threading.Lock()
+        left = [min(self.readers, len(files))]  # readers still reading; the last one says "done"
+        if not left[0]:
+            filled.put(("done",))
+        threads = [threading.Thread(target=self._read_files, args=(todo, placer, free, filled, stop, lock, left),
+                                    name=f"pdserve-weights-{i}", daemon=True) for i in range(left[0])]
+        for t in threads:
+            t.start()
         try:
             total = self._copy_chunks(placer, free, filled)
         finally:
             stop.set()
-            for _ in self.staging:
-                free.put((None, None))  # wakes a reader waiting for a buffer, to see `stop`
-            reader.join(READ_STALL_S)
+            for _ in range(len(self.staging) + len(threads)):
+                free.put((None, None))  # wakes the readers waiting for a buffer, to see `stop`
+            for t in threads:
+                t.join(READ_STALL_S)
             if self.stream is not None:
                 self.stream.synchronize()  # (also on failure: no copy may still read a buffer freed below)
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)
             self.staging = []
         return total
 
-    def _read_files(self, files: list[Path], placer: WeightPlacer, free: queue.Queue, filled: queue.Queue,
-                    stop: threading.Event) -> None:
+    def _read_files(self, todo: queue.Queue, placer: WeightPlacer, free: queue.Queue, filled: queue.Queue,
+                    stop: threading.Event, lock: threading.Lock, left: list[int]) -> None:
         try:
-            for path in files:
-                jobs = _plan(path, placer)
+            while not stop.is_set():
+                try:
+                    path = todo.get_nowait()
+                except queue.Empty:
+                    break
+                with lock:  # the placer is not shared between threads otherwise
+                    jobs = _plan(path, placer)
                 filled.put(("file", path, jobs))
                 with _open(path) as f:
                     for first, last in _runs(jobs):
@@ -274,35 +294,43 @@ class ChunkedReader:
                                 copied.synchronize()  # its copies are done: it may be overwritten
                             n = min(self.chunk_bytes, end - pos)
                             _read_into(f, memoryview(self.staging[k].numpy())[:n], path)
-                            filled.put(("chunk", k, pos, n))
+                            filled.put(("chunk", path, k, pos, n))
                             pos += n
-            filled.put(("done",))
+                filled.put(("end", path))
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    filled.put(("done",))
         except BaseException as e:  # raised again on the loading thread
             filled.put(("error", e))
 
     def _copy_chunks(self, placer: WeightPlacer, free: queue.Queue, filled: queue.Queue) -> int:
-        total, path, jobs, j, pending = 0, None, [], 0, {}
+        """Each file's chunks arrive in order (one reader reads a file); files interleave."""
+        total, files = 0, {}  # path -> [jobs, the first job not finished, {job: its bytes gathered on the host}]
         while True:
             try:
                 item = filled.get(timeout=READ_STALL_S)
             except queue.Empty:
-                raise RuntimeError(f"reading {path or 'the checkpoint'} stalled: nothing read in "
-                                   f"{READ_STALL_S:.0f} s") from None
-            if item[0] == "error":
+                raise RuntimeError(f"reading {', '.join(map(str, files)) or 'the checkpoint'} stalled: nothing read "
+                                   f"in {READ_STALL_S:.0f} s") from None
+            kind = item[0]
+            if kind == "error":
                 raise item[1]
-            if item[0] == "chunk":
-                _, k, pos, n = item
-                j = self._scatter(jobs, j, pos, self.staging[k][:n], pending, placer)
+            if kind == "done":
+                return total
+            if kind == "file":
+                files[item[1]] = [item[2], 0, {}]
+            elif kind == "chunk":
+                _, path, k, pos, n = item
+                state = files[path]
+                state[1] = self._scatter(state[0], state[1], pos, self.staging[k][:n], state[2], placer)
                 free.put((k, self.stream.record_event() if self.stream is not None else None))
                 total += n
-                continue
-            for entry, target in jobs[j:]:  # a file is over: what no chunk reached holds no bytes
-                assert entry.nbytes == 0, f"{path}: {entry.name} was not read"
-                placer.done(target)
-            if item[0] == "done":
-                return total
-            _, path, jobs = item
-            j, pending = 0, {}
+            else:  # "end": what no chunk of the file reached holds no bytes
+                jobs, j, _ = files.pop(item[1])
+                for entry, target in jobs[j:]:
+                    assert entry.nbytes == 0, f"{item[1]}: {entry.name} was not read"
+                    placer.done(target)
 
     def _scatter(self, jobs: list[tuple[TensorEntry, Placement]], j: int, pos: int, chunk: torch.Tensor,
                  pending: dict[int, torch.Tensor], placer: WeightPlacer) -> int:
