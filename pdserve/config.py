@@ -21,6 +21,9 @@ class ModelConfig(_Strict):
     # per layer and plane (half of bfloat16's bytes per token, a quarter of float32's; moved as such).
     # A model setting, so that every replica of a cluster (both ends of a transfer) caches alike.
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
+    # `pdserve up` on one host reads the checkpoint's files into the page cache while Ray starts
+    # and the workers spawn (as much as half the available memory holds; control/prefetch.py).
+    prefetch: bool = True
 
 
 class EngineConfig(_Strict):

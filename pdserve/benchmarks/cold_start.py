@@ -19,7 +19,7 @@ against the disk's.
    without a disk: on a GPU the pinned host-to-device copy rate; on the CPU the first write to
    new memory (page faults), which reading into freshly allocated parameters pays.
 4. `pdserve up` on the checkpoint (one colocated replica on --device, or --cluster FILE with its
-   model.path set to the checkpoint), files evicted first: the wall time from the command to
+   model.path set to the checkpoint), files evicted first, with model.prefetch on and off (--prefetch): the wall time from the command to
    /health 200, and the parts as `pdserve up` prints them (Ray, each worker's process start,
    weights and GB/s, CUDA graphs, engine; all workers; KV handshake; routers). One request checks
    that it serves; then Ctrl-C.
@@ -166,6 +166,7 @@ _LINES = {
     "workers_s": re.compile(r" workers ready in ([\d.]+) s"),
     "handshake_s": re.compile(r" KV handshake done \([^)]*\) in ([\d.]+) s"),
     "routers_s": re.compile(r" routers ready in ([\d.]+) s"),
+    "prefetch_s": re.compile(r" checkpoint prefetch done: [\d.]+ GB into the page cache in ([\d.]+) s"),
     "up_s": re.compile(r"\] up in ([\d.]+) s"),
 }
 _WORKER = re.compile(
@@ -192,14 +193,16 @@ def parse_up(output: str) -> dict:
     return parts
 
 
-def cluster_file(checkpoint: Path, device: str, dtype: str, base: Path | None, out: Path) -> Path:
+def cluster_file(checkpoint: Path, device: str, dtype: str, base: Path | None, out: Path, prefetch: bool = True
+                 ) -> Path:
     """The cluster to start: --cluster's file with model.path set to the checkpoint, or one
     colocated replica on the device; routers on any free port."""
     cfg = yaml.safe_load(base.read_text()) if base else {
         "colocated": {"replicas": 1, "gpus": 1 if device.startswith("cuda") else 0}}
-    cfg.setdefault("model", {}).update({"path": str(checkpoint), "load_format": "auto", "dtype": dtype})
+    cfg.setdefault("model", {}).update({"path": str(checkpoint), "load_format": "auto", "dtype": dtype,
+                                        "prefetch": prefetch})
     cfg.setdefault("router", {}).update({"host": "127.0.0.1", "http_port": 0, "grpc_port": None})
-    path = out / "cluster.yaml"
+    path = out / f"cluster{'' if prefetch else '.no-prefetch'}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -235,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--cluster", type=Path, help="cluster.yaml to start (its model.path is replaced)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds `pdserve up` may take to serve")
+    p.add_argument("--no-loader-reads", action="store_true",
+                   help="skip the loader's reads in this process (dd, the reference, still runs): a full-size "
+                        "checkpoint's `pdserve up` runs in less time")
+    p.add_argument("--prefetch", choices=["on", "off", "both"], default="both",
+                   help="model.prefetch of the `pdserve up` runs: both = one of each, files evicted before each")
     p.add_argument("--json", type=Path, help="write the results here")
     a = p.parse_args(argv)
 
@@ -256,19 +264,24 @@ def main(argv: list[str] | None = None) -> int:
 
     result["memory"] = memory_ceiling(result["checkpoint"]["bytes"], a.device)
     streams = min(weight_stream.READERS, len(files))
-    reads = [("dd", lambda: dd_read(files)), ("loader", lambda: loader_read(ck, dtype, a.device))]
+    reads = [("dd", lambda: dd_read(files))]
+    if not a.no_loader_reads:
+        reads.append(("loader", lambda: loader_read(ck, dtype, a.device)))
     if streams > 1:  # the parallel reads beside the one-stream ones: what more streams add
         reads.append(("dd_parallel", lambda: dd_parallel(files, streams)))
-        if a.device.startswith("cuda"):  # (the CPU's reader is one stream of scatter reads)
+        if a.device.startswith("cuda") and not a.no_loader_reads:  # (the CPU's reader is one stream of scatter reads)
             reads.append(("loader_one_reader", lambda: loader_read(ck, dtype, a.device, readers=1)))
     for name, read in reads:
         evict(files)
         cached = cached_fraction(files)
         result[name] = {**read(), "cached_before": None if cached is None else round(cached, 4)}
         result[f"{name}_page_cache"] = {**read(), "cached_before": _round(cached_fraction(files))}
-    evict(files)
-    result["up"] = {"cached_before": _round(cached_fraction(files)),
-                    **up_to_ready(cluster_file(ck, a.device, a.dtype, a.cluster, out), out, a.timeout)}
+    for key, prefetch in (("up", True), ("up_no_prefetch", False)):
+        if a.prefetch != "both" and prefetch != (a.prefetch == "on"):
+            continue
+        evict(files)
+        result[key] = {"cached_before": _round(cached_fraction(files)), "prefetch": prefetch,
+                       **up_to_ready(cluster_file(ck, a.device, a.dtype, a.cluster, out, prefetch), out, a.timeout)}
     _report(result)
     if a.json:
         a.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -286,7 +299,7 @@ def _device_name(device: str) -> str:
 
 
 def _report(r: dict) -> None:
-    ck, up = r["checkpoint"], r["up"]
+    ck = r["checkpoint"]
     print(f"cold start on {r['device']}, {r['dtype']}, {r['date']}: {ck['dir']} ({ck['bytes'] / 1e9:.2f} GB, "
           f"{ck['files']} files)")
     if "write" in r:
@@ -299,21 +312,29 @@ def _report(r: dict) -> None:
               f"{cold['cached_before']}),  from the page cache {warm['s']:6.2f} s {warm['gb_per_s']:6.2f} GB/s")
     m = r["memory"]
     print(f"  {m['what']}: {m['gb_per_s']:.2f} GB/s (no disk: the loader's other ceiling)")
-    if "dd_parallel" in r:
+    if "dd_parallel" in r and "loader" in r:
         print(f"  loader / {r['dd_parallel']['streams']} dd at once from disk: "
               f"{r['loader']['gb_per_s'] / r['dd_parallel']['gb_per_s']:.2f}")
-    print(f"  loader / dd from disk: {r['loader']['gb_per_s'] / r['dd']['gb_per_s']:.2f}; loader / min(dd, memory): "
-          f"{r['loader']['gb_per_s'] / min(r['dd']['gb_per_s'], m['gb_per_s']):.2f}")
-    print(f"  pdserve up to /health 200: {up['wall_to_healthy_s']:.2f} s (its own count: {up.get('up_s')} s); "
-          f"Ray {up.get('ray_s')} s, workers {up.get('workers_s')} s, KV handshake {up.get('handshake_s', '-')} s, "
-          f"routers {up.get('routers_s')} s")
+    if "loader" in r:
+        print(f"  loader / dd from disk: {r['loader']['gb_per_s'] / r['dd']['gb_per_s']:.2f}; loader / min(dd, memory): "
+              f"{r['loader']['gb_per_s'] / min(r['dd']['gb_per_s'], m['gb_per_s']):.2f}")
+    for key in ("up", "up_no_prefetch"):
+        if key in r:
+            _report_up(r[key])
+
+
+def _report_up(up: dict) -> None:
+    prefetch = f", prefetch {up['prefetch_s']} s" if up.get("prefetch_s") is not None else ""
+    print(f"  pdserve up (model.prefetch: {str(up['prefetch']).lower()}) to /health 200: {up['wall_to_healthy_s']:.2f} s "
+          f"(its own count: {up.get('up_s')} s); Ray {up.get('ray_s')} s, workers {up.get('workers_s')} s, "
+          f"KV handshake {up.get('handshake_s', '-')} s, routers {up.get('routers_s')} s{prefetch}")
     for w in up["workers"]:
         graphs = "" if w["graphs_s"] is None else f", graphs {w['graphs_s']:.2f} s"
         graphs += "" if w.get("warm_up_s") is None else f", warm-up {w['warm_up_s']:.2f} s"
         print(f"    {w['name']}: process up {w['process_s']:.2f} s, weights {w['weights_gb']:.2f} GB in "
               f"{w['weights_s']:.2f} s ({w['weights_gb_per_s']:.2f} GB/s), model {w['model_s']:.2f} s{graphs}, "
               f"engine {w['engine_s']:.2f} s")
-    print(f"  served: {up['served_tokens']} tokens; stopped: {up['stopped']}")
+    print(f"    served: {up['served_tokens']} tokens; stopped: {up['stopped']}")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,11 @@ def up(path: str | None) -> int:
         check_free(cfg.router.host, cfg.router.http_port, "router.http_port")
         if cfg.router.grpc_port is not None:
             check_free(cfg.router.host, cfg.router.grpc_port, "router.grpc_port")
+    prefetch = None
+    if cfg.model.prefetch and cfg.ray.address == "local":  # every worker reads on this host
+        from pdserve.control.prefetch import checkpoint_files, start_prefetch
+
+        prefetch = start_prefetch(checkpoint_files(cfg.model.path, cfg.model.load_format), _log)
     _log("starting Ray" if cfg.ray.address == "local" else f"joining Ray at {cfg.ray.address}")
     t0 = time.monotonic()
     _connect(None if cfg.ray.address == "local" else cfg.ray.address)  # before Ray's import: see _connect
@@ -103,6 +108,8 @@ def up(path: str | None) -> int:
     except KeyboardInterrupt:
         _log("stopping")
     finally:
+        if prefetch is not None:
+            prefetch.stop()
         _stop(controller)
         ray.shutdown()
     return 0
