@@ -55,8 +55,10 @@ class Router:
         self.endpoints: dict[str, str] = {}
 
     async def start(self, shared: bool = False, http_port: int | None = None,
-                    grpc_port: int | None = None) -> dict[str, str]:
-        """Serve HTTP (and gRPC); returns the endpoints once both listen.
+                    grpc_port: int | None = None, replicas: list[ReplicaChange] | None = None) -> dict[str, str]:
+        """Serve HTTP (and gRPC); returns the endpoints once both listen. `replicas`: every replica
+        as it is now, where the router was made before they were ready (its process starts while
+        the workers load).
 
         shared: one of several routers serving the same ports (router.replicas > 1). The first is
         started with no ports and claims the configured ones; the others (and any router that
@@ -65,6 +67,8 @@ class Router:
         and /health are read."""
         cfg = self.config
         host = cfg.router.host
+        if replicas is not None:
+            self.replicas = replicas
         # Bound first and here, not by uvicorn: a taken port raises at once, naming it (PortInUseError).
         if not shared:
             port = cfg.router.http_port if http_port is None else http_port

@@ -46,6 +46,7 @@ class Controller:
         self.endpoints: dict[str, str] = {}
         self.replicas: dict[str, Incarnation] = {}  # replica name -> its live incarnation
         self.routers: dict[str, dict] = {}  # router slot (pdserve-router-i) -> {generation, name, handle, ends}
+        self._spawned: dict[str, object] = {}  # router slot -> its actor, made while the workers load, not started
         self._restarting: dict[str, str] = {}  # replica or router -> why it is being replaced
         self._retry_at: dict[str, tuple[float, float]] = {}  # -> (when to try again, backoff)
         self._life = threading.RLock()  # one change of the replica set at a time (watch, scale, shutdown)
@@ -74,6 +75,8 @@ class Controller:
             self.replicas[incs[-1].replica] = incs[-1]
         n = sum(len(inc.ranks) + len(inc.followers) for inc in incs)
         self._note(f"loading {cfg.model.path} on {n} workers")
+        # The routers' processes start (Ray's worker, their imports: seconds) while the workers load.
+        self._spawned = {slot: self._spawn_router(slot, 0) for slot in self._router_slots()}
         self._wait_ready(incs, show=True, launched=launched)
         self._note(f"workers ready in {time.monotonic() - t0:.2f} s")
         if cfg.prefill.replicas:
@@ -137,14 +140,17 @@ class Controller:
                 for b, rec in zip(inc.ranks, ray.get([ah.add_peer.remote(theirs[b]) for b in inc.ranks], timeout=60)):
                     self.kv_pairs[(a, b)] = rec
 
+    def _router_slots(self) -> list[str]:
+        return [f"pdserve-router-{i}" for i in range(self.config.router.replicas)]
+
     def _start_routers(self) -> None:
         """router.replicas routers on this node, serving one HTTP and one gRPC port. The first
         claims the configured ports (0: any), the others bind the ports it got (SO_REUSEPORT)."""
-        slots = [f"pdserve-router-{i}" for i in range(self.config.router.replicas)]
-        first = self._start_router(slots[0], 0)
+        slots = self._router_slots()
+        first = self._start_router(slots[0], 0, self._spawned.pop(slots[0], None))
         self._ports = {k: int(first[k].rsplit(":", 1)[1]) for k in ("http", "grpc") if k in first}
         for slot in slots[1:]:
-            self._start_router(slot, 0)
+            self._start_router(slot, 0, self._spawned.pop(slot, None))
         self.endpoints = {k: v for k, v in first.items() if k != "own"}
         self._note("router listening: " + ", ".join(f"{k} {v}" for k, v in self.endpoints.items()))
         if len(slots) > 1:
@@ -152,18 +158,25 @@ class Controller:
                 r = self.routers[slot]
                 self._note(f"{r['name']}: own http {r['ends']['own']} (its /metrics and /health)")
 
-    def _start_router(self, slot: str, generation: int) -> dict[str, str]:
-        """Start one router (on this node: processes share a port only on one host, and `pdserve
-        up` checked the ports free here) with every replica as it is now; returns its endpoints."""
+    def _spawn_router(self, slot: str, generation: int):
+        """A router's actor (on this node: processes share a port only on one host, and `pdserve
+        up` checked the ports free here), not yet serving: `_start_router` starts it."""
         from pdserve.router.server import Router
 
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        return ray.remote(Router).options(name=worker_name(slot, generation), num_cpus=0,
+                                          scheduling_strategy=here).remote(
+            worker_name(slot, generation), self.config, [], NAMESPACE, self.api_keys)
+
+    def _start_router(self, slot: str, generation: int, handle=None) -> dict[str, str]:
+        """Start one router (spawned now, or `handle`, spawned before) with every replica as it is
+        now; returns its endpoints."""
         shared = self.config.router.replicas > 1
         name = worker_name(slot, generation)
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        handle = ray.remote(Router).options(name=name, num_cpus=0, scheduling_strategy=here).remote(
-            name, self.config, [inc.change() for inc in self.replicas.values()], NAMESPACE, self.api_keys)
+        handle = handle or self._spawn_router(slot, generation)
+        replicas = [inc.change() for inc in self.replicas.values()]
         try:
-            ends = ray.get(handle.start.remote(shared, self._ports.get("http"), self._ports.get("grpc")),
+            ends = ray.get(handle.start.remote(shared, self._ports.get("http"), self._ports.get("grpc"), replicas),
                            timeout=ROUTER_START_S)
         except ray.exceptions.GetTimeoutError:
             ray.kill(handle)
@@ -427,8 +440,8 @@ class Controller:
             self.state = "stopping"
             stops = [r["handle"].stop.remote() for r in self.routers.values()]
             ray.wait(stops, num_returns=len(stops), timeout=10)  # a dead router's fails at once; killed below
-            for r in self.routers.values():
-                ray.kill(r["handle"])
+            for handle in [r["handle"] for r in self.routers.values()] + list(self._spawned.values()):
+                ray.kill(handle)  # (and a router spawned for a start that failed before it served)
             for inc in self.replicas.values():
                 Launcher.stop(inc)
             self.state = "stopped"
