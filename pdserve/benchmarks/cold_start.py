@@ -241,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-loader-reads", action="store_true",
                    help="skip the loader's reads in this process (dd, the reference, still runs): a full-size "
                         "checkpoint's `pdserve up` runs in less time")
+    p.add_argument("--warm-first", action="store_true",
+                   help="one `pdserve up` on dummy weights before the timed ones: Triton's kernel cache and Ray's "
+                        "files are then warm for both, as for any start after the first on a host (the first pays "
+                        "for compiling kernels; it is reported too)")
     p.add_argument("--prefetch", choices=["on", "off", "both"], default="both",
                    help="model.prefetch of the `pdserve up` runs: both = one of each, files evicted before each")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -276,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         cached = cached_fraction(files)
         result[name] = {**read(), "cached_before": None if cached is None else round(cached, 4)}
         result[f"{name}_page_cache"] = {**read(), "cached_before": _round(cached_fraction(files))}
+    if a.warm_first:
+        cfg = yaml.safe_load(cluster_file(ck, a.device, a.dtype, a.cluster, out, False).read_text())
+        cfg["model"]["load_format"] = "dummy"
+        (warm := out / "cluster.warm.yaml").write_text(yaml.safe_dump(cfg))
+        result["up_first_dummy"] = {"prefetch": False, **up_to_ready(warm, out, a.timeout)}
     for key, prefetch in (("up", True), ("up_no_prefetch", False)):
         if a.prefetch != "both" and prefetch != (a.prefetch == "on"):
             continue
@@ -318,8 +327,10 @@ def _report(r: dict) -> None:
     if "loader" in r:
         print(f"  loader / dd from disk: {r['loader']['gb_per_s'] / r['dd']['gb_per_s']:.2f}; loader / min(dd, memory): "
               f"{r['loader']['gb_per_s'] / min(r['dd']['gb_per_s'], m['gb_per_s']):.2f}")
-    for key in ("up", "up_no_prefetch"):
+    for key in ("up_first_dummy", "up", "up_no_prefetch"):
         if key in r:
+            if key == "up_first_dummy":
+                print("  first, on dummy weights (compiles the kernels; warms Triton's cache and Ray's files):")
             _report_up(r[key])
 
 
