@@ -639,15 +639,17 @@ class RayCore:
         held = self._cached(run, request, {w: n for n, w in worker.items()})
         cost = {n: tokens - held[worker[n]] * self.block_size + QUEUE_WEIGHT * self._prompt_tokens.get(n, 0)
                 for n in names}
-        name = min(names, key=lambda n: (cost[n], self._loads[n]))
-        # The cost counts tokens, not requests: a replica whose every prompt is cached would take all
-        # of them, however many (each still a step, a KV transfer). Past a spread of requests, the
-        # least-loaded replica takes it (an operator who scales up sees the new replica used).
-        least = min(names, key=lambda n: self._loads[n])
-        if self._loads[name] > BALANCE_SLACK + BALANCE_RATIO * self._loads[least]:
-            name = least
+        name = self._balanced(min(names, key=lambda n: (cost[n], self._loads[n])), names)
         run.to_compute = max(1, tokens - held[worker[name]] * self.block_size)
         return name
+
+    def _balanced(self, best: str, names: list[str]) -> str:
+        """The prefix-aware costs count tokens, not requests: a replica whose every prompt is cached
+        would take all of them, however many (each still a step, a slot, a KV transfer). Past a
+        spread of requests, the least-loaded replica takes it instead (an operator who scales up
+        sees the new replica used)."""
+        least = min(names, key=lambda n: self._loads[n])
+        return least if self._loads[best] > BALANCE_SLACK + BALANCE_RATIO * self._loads[least] else best
 
     def _order(self, replicas: dict, run: _Attempt, request: GenerateRequest) -> list[tuple[str, list[str]]]:
         """Live decode replicas to try for a reservation, best candidates first, each with its ranks
@@ -669,7 +671,9 @@ class RayCore:
                 used = (s.total_blocks - s.free_blocks if s else 0) + self._reserved.get(n, 0)
                 pressure = used * used / s.total_blocks if s and s.total_blocks else 0.0
                 order.append((len(run.hashes) - held[mine[0]] + pressure, n, mine))
-            return [(n, mine) for _, n, mine in sorted(order, key=lambda o: (o[0], self._loads[o[1]]))]
+            ranked = [(n, mine) for _, n, mine in sorted(order, key=lambda o: (o[0], self._loads[o[1]]))]
+            first = self._balanced(ranked[0][0], names)  # the same guard as the prompt's replica
+            return sorted(ranked, key=lambda r: r[0] != first)
         # kv-aware: most free KV blocks first (as last reported), then fewest requests from us.
         names = sorted(names, key=lambda n: (-getattr(self.stats.get(n), "free_blocks", 0), self._loads[n]))
         return [(n, self.decode[n].rank_order()) for n in names]

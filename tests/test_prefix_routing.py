@@ -105,6 +105,8 @@ def test_a_lookup_in_an_index_of_100k_blocks_takes_microseconds():
 # -- a multi-turn workload through `pdserve up` -------------------------------------------------------
 
 SESSIONS, TURNS, BLOCK = 8, 5, 16
+# A pool as large as a GPU's is to its requests: its pressure term (used² / total) stays small.
+DECODE = {"replicas": 2, "num_kv_blocks": 8192}
 PLAN = plan("multi-turn", SESSIONS * TURNS, float("inf"), random.Random(5), 16, 8, prefix_len=32, turns=TURNS)
 
 
@@ -164,10 +166,20 @@ def counters(c: Cluster) -> dict[str, float]:
     return out
 
 
+def placed(c: Cluster) -> dict[str, float]:
+    """Requests placed on each replica so far (pdserve_replica_requests_total)."""
+    out: dict[str, float] = {}
+    for line in c.metrics().splitlines():
+        if line.startswith("pdserve_replica_requests_total{"):
+            name = line.split('replica="', 1)[1].split('"', 1)[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 @pytest.fixture(scope="module")
 def kv_aware(tmp_path_factory):
     """The same workload under the kv-aware policy: texts and counters."""
-    c = Cluster(tmp_path_factory.mktemp("kv-aware"), prefill={"replicas": 2}, decode={"replicas": 2},
+    c = Cluster(tmp_path_factory.mktemp("kv-aware"), prefill={"replicas": 2}, decode=DECODE,
                 router={"policy": "kv-aware"})
     try:
         c.wait_ready()
@@ -180,7 +192,7 @@ def kv_aware(tmp_path_factory):
 
 def test_turns_go_where_their_prefix_is_cached(tmp_path, kv_aware):
     texts_kv, kv = kv_aware
-    c = Cluster(tmp_path, prefill={"replicas": 2}, decode={"replicas": 2})  # prefix-aware: the default
+    c = Cluster(tmp_path, prefill={"replicas": 2}, decode=DECODE)  # prefix-aware: the default
     try:
         c.wait_ready()
         texts = run_sessions(c)
@@ -200,6 +212,26 @@ def test_turns_go_where_their_prefix_is_cached(tmp_path, kv_aware):
         # after the first reuses its last prompt's full blocks there (the last token's block is
         # always written).
         assert mine["reused"] >= 0.85 * reused_at_best() and mine["moved"] <= kv["moved"], (mine, kv)
+        # A burst over one cached 24-block prefix: the replicas that hold it are the cheapest, on both
+        # sides, yet one carrying BALANCE_SLACK more requests than an idle one hands the next to it.
+        # (The decode side's cost counts blocks, not requests: without the guard there, in a pool this
+        # large, all 24 went to one decode replica; with it 17 and 7.)
+        shared = random.Random(9).choices(range(3, 500), k=24 * BLOCK)
+        oa = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+        def ask(suffix: list[int]) -> str:
+            return oa.completions.create(model="tiny-moe", prompt=shared + suffix, max_tokens=48, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+        ask([7])  # cached on one replica of each side
+        time.sleep(1.0)  # its KV events reach the router
+        before = placed(c)
+        with ThreadPoolExecutor(24) as pool:
+            list(pool.map(ask, [[100 + i, 200 + i] for i in range(24)]))
+        burst = {n: v - before.get(n, 0) for n, v in placed(c).items()}
+        for role in ("prefill", "decode"):
+            took = [burst.get(f"pdserve-{role}-{i}", 0) for i in range(2)]
+            assert sum(took) == 24 and min(took) > 0, (role, burst)
         stats = c.wait_idle()
         assert len(stats) == 4 and all(s["used"] == 0 for s in stats.values()), stats
     finally:
