@@ -9,8 +9,8 @@ against the disk's.
    config.json's; timed) into --dir, or an existing one (--checkpoint).
 2. `dd` (bs 64 MiB to /dev/null) of the same files, one after another: the disk's sequential rate,
    the reference; and (with several files) as many `dd`s at once as the loader has readers: the
-   disk's rate for parallel streams. Before each timed read every file is evicted from this host's page cache
-   (posix_fadvise DONTNEED: no root needed; what stays resident is measured with mincore and
+   disk's rate for parallel streams. Before each timed read every file is evicted from this host's
+   page cache (posix_fadvise DONTNEED: no root needed; what stays resident is measured with mincore and
    reported as `cached_before`). A cache below this host — a VM's host, a network file system's
    server — is out of reach and not accounted for.
 3. The loader in this process (`load_model` onto --device): bytes, seconds, GB/s (cold, then again
@@ -19,7 +19,8 @@ against the disk's.
    without a disk: on a GPU the pinned host-to-device copy rate; on the CPU the first write to
    new memory (page faults), which reading into freshly allocated parameters pays.
 4. `pdserve up` on the checkpoint (one colocated replica on --device, or --cluster FILE with its
-   model.path set to the checkpoint), files evicted first, with model.prefetch on and off (--prefetch): the wall time from the command to
+   model.path set to the checkpoint), files evicted first, with model.prefetch on and off
+   (--prefetch; --warm-first: after one start on dummy weights): the wall time from the command to
    /health 200, and the parts as `pdserve up` prints them (Ray, each worker's process start,
    weights and GB/s, CUDA graphs, engine; all workers; KV handshake; routers). One request checks
    that it serves; then Ctrl-C.
@@ -44,8 +45,8 @@ import torch
 import yaml
 
 from pdserve.benchmarks.up_process import UpProcess
-from pdserve.models.checkpoint_writer import DTYPE_NAMES, parse_size, write_checkpoint
 from pdserve.models import weight_stream
+from pdserve.models.checkpoint_writer import DTYPE_NAMES, parse_size, write_checkpoint
 from pdserve.models.loader import load_model, safetensors_files
 
 DD_BLOCK = "64M"
