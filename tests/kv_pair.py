@@ -29,8 +29,11 @@ def engine_config(role: str, seed: int, device: str, model: str = "tiny-moe",
 
 def _engine(role: str, seed: int, fragment: bool, device: str = "cpu", model: str = "tiny-moe",
             kv_cache_dtype: str = "auto"):
+    import torch
+
     from pdserve.engine.engine import Engine
 
+    torch.set_num_threads(1)  # the pair shares the test machine's cores (with the test and its neighbours)
     engine = Engine(engine_config(role, seed, device, model, kv_cache_dtype))
     if fragment:
         # Hold every third block: each allocation afterwards is scattered over small runs.
