@@ -27,8 +27,16 @@ def reference() -> Engine:
     return Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=512))
 
 
+_GREEDY: dict[tuple[int, str, int], str] = {}
+
+
 def greedy(engine: Engine, prompt: str, max_tokens: int) -> str:
-    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))[0].text
+    """The engine's greedy text, generated alone; each (prompt, max_tokens) once per module: every
+    cluster here is checked against the same prompts (the 64 streams' alone 64 generations a cluster)."""
+    key = (id(engine), prompt, max_tokens)
+    if key not in _GREEDY:
+        _GREEDY[key] = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))[0].text
+    return _GREEDY[key]
 
 
 # These start clusters of their own: they run before the shared one exists (one Ray at a time).
