@@ -22,6 +22,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 4, 2, 8
 SRC_BLOCKS, DST_BLOCKS = 12, 20  # different on purpose: each side indexes with its own count
 TIMEOUT_S = 15.0  # per command; generous, since a loaded CI box can be slow to spawn
+# The child's first answer comes after its spawn and its imports (torch, NIXL): on 2 cores beside the
+# suite's clusters that took more than 15 s (three setup errors in one README run).
+START_S = 60.0
 
 
 def _layout(num_blocks: int) -> KVLayout:
@@ -143,7 +146,7 @@ def pair():
     """A writer holding random KV and a reader with zeros, handshaken both ways."""
     a, b = Node(source=True), Node(source=False)
     try:
-        ma, mb = a.recv("meta"), b.recv("meta")
+        ma, mb = a.recv("meta", START_S), b.recv("meta", START_S)
         a.call("add_peer", mb)
         b.call("add_peer", ma)  # so that notices can go back too
         yield a, b
