@@ -7,6 +7,7 @@ Each incarnation of a replica has workers of its own names (`pdserve-decode-0`, 
 KV peer, a router's handle or a worker's list of dead routers can never mistake one for the other.
 """
 
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -23,6 +24,7 @@ from pdserve.messages import ReplicaChange
 WORKER_CONCURRENCY = 256
 NAMESPACE = "pdserve"
 PLACE_S = 120  # a replica's placement group is placed within this, or its start fails naming what it asked
+PLACE_CHECK_S = 1.0  # meanwhile, this often: is the node chosen for it still in the cluster?
 
 
 @dataclass
@@ -52,6 +54,22 @@ class Incarnation:
         return sorted({n["node_id"] for n in self.nodes.values()}) or ([self.chosen_node] if self.chosen_node else [])
 
 
+def _wait_placed(pg, node: str | None) -> str | None:
+    """None once `pg` is placed; else why not: PLACE_S passed, or its node left the cluster. A node
+    that dies between its choice and the placement (a replacement for a replica of that very node,
+    chosen before Ray marked it dead) can never take it: the start fails at once, and the
+    controller's retry chooses among the live nodes, where it waited out PLACE_S before (120 s)."""
+    deadline = time.monotonic() + PLACE_S
+    while True:
+        left = deadline - time.monotonic()
+        if pg.wait(timeout_seconds=max(0.0, min(PLACE_CHECK_S, left))):
+            return None
+        if node is not None and node not in {n.node_id for n in cluster_nodes()}:
+            return "(that node left the Ray cluster)"
+        if left <= PLACE_CHECK_S:
+            return f"within {PLACE_S} s"
+
+
 def worker_name(replica: str, generation: int) -> str:
     return replica if generation == 0 else f"{replica}@{generation}"
 
@@ -73,11 +91,11 @@ class Launcher:
         placed = [(o.role, node, o.held) for o in others for node in o.node_ids()[:1]]
         node = choose_node(demand, cluster_nodes(), placed)
         pg = placement_group_for(demand, node, name)
-        if not pg.wait(timeout_seconds=PLACE_S):
+        if (why := _wait_placed(pg, node)) is not None:
             remove_placement_group(pg)
             where = f"node {node[:8]}" if node else "any node"
             raise RuntimeError(f"{replica}: no room for {demand.ranks} x {demand.bundle} "
-                               f"(labels {demand.labels or '{}'}) on {where} within {PLACE_S} s")
+                               f"(labels {demand.labels or '{}'}) on {where} {why}")
         custom = dict(getattr(cfg, role).placement.resources)
         opts = dict(num_cpus=0, num_gpus=getattr(cfg, role).gpus, resources=custom,
                     max_concurrency=WORKER_CONCURRENCY)
