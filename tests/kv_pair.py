@@ -13,6 +13,20 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.protocol import SamplingParams
 
 NUM_BLOCKS = 160
+# The children fork from one server process (multiprocessing's forkserver) that imported these once:
+# a spawned child imported torch, NIXL and the engine itself (on 2 cores beside the suite, 10-12 s to
+# start a pair) and tore its interpreter down on exit (4 s to stop one); forked, 2-5 s and 0.1 s. Each
+# child is still a process of its own, killed and stopped as before; the server never runs a step (no
+# thread pool, no CUDA), so what it hands down is imported modules only. Missing ones are skipped.
+PRELOAD = ["torch", "nixl", "pdserve.engine.engine", "pdserve.kvtransfer", "pdserve.kvtransfer.backends.nixl",
+           "pdserve.kvtransfer.backends.tcp", "pdserve.prefill.kv_stream", "pdserve.decode.kv_intake"]
+
+
+def context():
+    """The multiprocessing context the children of kv_pair (and test_nixl_backend) start from."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # (read when the server starts: the first child of this process)
+    return ctx
 
 
 def engine_config(role: str, seed: int, device: str, model: str = "tiny-moe",
@@ -168,7 +182,7 @@ class Worker:
 
     def __init__(self, target, backend: str, seed: int = 0, fragment: bool = False, device: str = "cpu",
                  model: str = "tiny-moe", kv_cache_dtype: str = "auto"):
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=target, args=(child, backend, seed, fragment, device, model, kv_cache_dtype),
                                 daemon=True)

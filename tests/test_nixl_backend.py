@@ -5,7 +5,6 @@ timeout, so a hang fails the test in seconds instead of blocking CI.
 """
 
 import importlib.util
-import multiprocessing as mp
 import time
 import traceback
 import uuid
@@ -13,6 +12,7 @@ import uuid
 import pytest
 import torch
 
+import kv_pair
 from pdserve.kvtransfer.blocks import runs
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
@@ -106,7 +106,7 @@ class Node:
     """A child process with its command pipe; `call` fails fast instead of hanging."""
 
     def __init__(self, source: bool):
-        ctx = mp.get_context("spawn")
+        ctx = kv_pair.context()  # forked from a server that imported torch and NIXL once
         self.conn, child = ctx.Pipe()
         self.engine_id = f"{'src' if source else 'dst'}-{uuid.uuid4().hex[:8]}"  # unique under xdist
         self.proc = ctx.Process(target=_node, args=(child, self.engine_id, source), daemon=True)
