@@ -1,6 +1,7 @@
 """Start `pdserve up FILE` as a user would (a subprocess), wait until it serves, stop it with Ctrl-C."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -70,6 +71,17 @@ class Cluster:
     def output(self) -> str:
         """What `pdserve up` printed so far (also after stop)."""
         return self.up.output()
+
+    def noted(self, text: str) -> bool:
+        """Whether `pdserve up` printed `text`: the cheap first condition of a poll of `pdserve status`,
+        whose every call is a process joining Ray (2 s, 1.4 s of CPU on 2 cores, taken from the
+        replacement being waited for)."""
+        return text in self.output()
+
+    def replacements(self, name: str) -> int:
+        """How many times `pdserve up` printed a replica or router replaced ("pdserve-decode-0 replaced
+        (...)", "pdserve-router-1@2 replaced ..."): one a restart, printed once it serves again."""
+        return len(re.findall(rf"(?m)^\[pdserve\] \S+ {re.escape(name)}(?:@\d+)? replaced\b", self.output()))
 
     def stop(self, timeout: float = 60) -> int:
         """Ctrl-C, as a user stops it; returns the exit code."""

@@ -86,7 +86,8 @@ def test_a_killed_decode_replica_ends_its_streams_naming_it_and_is_replaced(clus
     assert r.json()["error"]["code"] == "replica_unavailable" and "decode" in r.json()["error"]["message"], r.text
 
     # The controller replaced it: `pdserve status`, the `pdserve up` terminal, /metrics; it serves.
-    out = until(lambda: replaced(cluster.status(), "pdserve-decode-0"), timeout_s=120, what="the replacement")
+    out = until(lambda: cluster.replacements("pdserve-decode-0") and replaced(cluster.status(), "pdserve-decode-0"),
+                timeout_s=120, what="the replacement")
     assert "state: running" in out and f"pdserve-decode-0 (pid {decode_pid})" not in out, out
     assert "pdserve-decode-0 is down (its process died); starting a replacement" in cluster.output()
     until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200, timeout_s=10)
@@ -104,8 +105,8 @@ def test_the_controller_kills_and_replaces_a_worker_whose_heartbeats_stop(cluste
     pid = cluster.pid("pdserve-prefill-0")
     os.kill(pid, signal.SIGSTOP)
     try:
-        out = until(lambda: replaced(cluster.status(), "pdserve-prefill-0"), timeout_s=120,
-                    what="the replacement")
+        out = until(lambda: cluster.replacements("pdserve-prefill-0")
+                    and replaced(cluster.status(), "pdserve-prefill-0"), timeout_s=120, what="the replacement")
     finally:
         try:
             os.kill(pid, signal.SIGCONT)
@@ -131,7 +132,8 @@ def test_a_prefill_killed_while_the_decode_is_replaced_leaves_both_replaced(clus
     time.sleep(1.5)  # the controller is starting the decode replacement now
     os.kill(prefill, signal.SIGKILL)
     want = {n: restarts(before, n) + 1 for n in ("pdserve-decode-0", "pdserve-prefill-0")}
-    until(lambda: all(restarts(s := cluster.status(), n) == k for n, k in want.items()) and "state: running" in s,
+    until(lambda: all(cluster.replacements(n) >= k for n, k in want.items())
+          and all(restarts(s := cluster.status(), n) == k for n, k in want.items()) and "state: running" in s,
           timeout_s=120, what="both replaced")
     assert "replacement failed" not in cluster.output(), cluster.output()
     r = httpx.post(f"{cluster.url}/v1/completions", json=LONG | {"stream": False, "max_tokens": 4}, timeout=60)

@@ -178,16 +178,18 @@ def placed(c: Cluster) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def kv_aware(tmp_path_factory):
-    """The same workload under the kv-aware policy: texts and counters."""
+    """The same workload under the kv-aware policy: texts and counters. Its cluster stops before the
+    test's own starts (two clusters of 4 replicas at once on 2 cores, one of them idle)."""
     c = Cluster(tmp_path_factory.mktemp("kv-aware"), prefill={"replicas": 2}, decode=DECODE,
                 router={"policy": "kv-aware"})
     try:
         c.wait_ready()
         texts = run_sessions(c)
         time.sleep(1.5)  # the router's stats polls (0.5 s) bring the replicas' last counts
-        yield texts, counters(c)
+        result = texts, counters(c)
     finally:
         assert c.stop() == 0, c.output()
+    return result
 
 
 def test_turns_go_where_their_prefix_is_cached(tmp_path, kv_aware):

@@ -86,6 +86,8 @@ def alive(pid: int) -> bool:
 def replaced(cluster: Cluster, name: str, times: int = 1) -> str:
     """Until `pdserve status` shows the replica (or router) serving again, restarted `times`."""
     def check():
+        if cluster.replacements(name) < times:  # until `pdserve up` printed it, status is not worth asking
+            return None
         s = cluster.status()
         line = next((ln for ln in s.splitlines() if ln.startswith(f"{name} (pid ")), "")
         return s if f"restarted {times}x" in line and "state: running" in s else None
@@ -95,6 +97,77 @@ def replaced(cluster: Cluster, name: str, times: int = 1) -> str:
 def idle(cluster: Cluster) -> None:
     stats = cluster.wait_idle(timeout=60)
     assert stats and all(s["used"] == 0 for s in stats.values()), stats
+
+
+# These two start clusters of their own: they run before the shared one below exists, so that no
+# idle cluster takes the cores their load and their replacements need (one Ray at a time, as in
+# test_serving.py).
+
+
+def test_down_with_grace_lets_the_streams_in_flight_finish(tmp_path):
+    c = Cluster(tmp_path, colocated={"replicas": 1})
+    try:
+        c.wait_ready()
+        texts = prompts(6, 6, seed=5)
+        expected = undisturbed(c.url, texts, 400)
+
+        async def scenario():
+            load = Load(c.url, 400)
+            task = asyncio.create_task(load.run(texts))
+            while len(load.streaming) < len(texts):
+                await asyncio.sleep(0.02)
+            down = asyncio.create_task(asyncio.to_thread(c.cli, "down", "--grace", "60"))
+            async with httpx.AsyncClient(timeout=30) as client:  # draining: /health says so, new requests 503
+                while (await client.get(f"{c.url}/health")).status_code == 200:
+                    assert not task.done(), "the streams finished before the drain began: make them longer"
+                    await asyncio.sleep(0.1)
+                refused = await client.post(f"{c.url}/v1/completions",
+                                            json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            return await task, await down, refused
+
+        t0 = time.monotonic()
+        got, down, refused = asyncio.run(scenario())
+        assert got == expected  # every stream in flight finished, whole
+        assert down.returncode == 0 and time.monotonic() - t0 < 60, down.stderr
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"], refused.text
+        assert c.proc.wait(timeout=60) == 0  # `pdserve up` ends with the cluster
+    finally:
+        c.stop()
+
+
+def test_chaos_random_kills_of_workers_under_load_lose_and_leak_nothing(tmp_path):
+    """Bounded in time: ~40 s of load, a worker SIGKILLed every few seconds at random."""
+    c = Cluster(tmp_path, decode={"replicas": 2})
+    try:
+        c.wait_ready()
+        texts = prompts(12, 8, seed=6)
+        expected = undisturbed(c.url, texts, 40)
+        rng = random.Random(7)
+        results: list[bool] = []
+        kills: list[str] = []
+        deadline = time.monotonic() + 40
+
+        async def chaos() -> None:
+            while time.monotonic() < deadline - 8:
+                await asyncio.sleep(rng.uniform(3, 6))
+                s = await asyncio.to_thread(c.status)
+                victims = [ln.split(" (pid ")[0] for ln in s.splitlines()
+                           if ln.startswith(("pdserve-prefill", "pdserve-decode")) and " (pid " in ln]
+                if victims:
+                    v = rng.choice(victims)
+                    kills.append(v)
+                    killed(int(s.split(f"{v} (pid ", 1)[1].split(")", 1)[0]))
+
+        async def scenario():
+            await asyncio.gather(repeated(c.url, expected, 40, lambda: time.monotonic() < deadline, results), chaos())
+
+        asyncio.run(scenario())
+        assert kills, "nothing was killed"
+        assert results and all(results), f"{results.count(False)} of {len(results)} requests failed or differed"
+        until(lambda: "state: running" in c.status(), timeout_s=120, what="every replica replaced")
+        idle(c)
+    finally:
+        c.stop()
 
 
 @pytest.fixture(scope="module")
@@ -206,69 +279,3 @@ def _placed(metrics: str) -> dict[str, float]:
         if line.startswith("pdserve_replica_requests_total{"):
             out[line.split('replica="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
     return out
-
-
-def test_down_with_grace_lets_the_streams_in_flight_finish(tmp_path):
-    c = Cluster(tmp_path, colocated={"replicas": 1})
-    try:
-        c.wait_ready()
-        texts = prompts(6, 6, seed=5)
-        expected = undisturbed(c.url, texts, 400)
-
-        async def scenario():
-            load = Load(c.url, 400)
-            task = asyncio.create_task(load.run(texts))
-            while len(load.streaming) < len(texts):
-                await asyncio.sleep(0.02)
-            down = asyncio.create_task(asyncio.to_thread(c.cli, "down", "--grace", "60"))
-            async with httpx.AsyncClient(timeout=30) as client:  # draining: /health says so, new requests 503
-                while (await client.get(f"{c.url}/health")).status_code == 200:
-                    assert not task.done(), "the streams finished before the drain began: make them longer"
-                    await asyncio.sleep(0.1)
-                refused = await client.post(f"{c.url}/v1/completions",
-                                            json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
-            return await task, await down, refused
-
-        t0 = time.monotonic()
-        got, down, refused = asyncio.run(scenario())
-        assert got == expected  # every stream in flight finished, whole
-        assert down.returncode == 0 and time.monotonic() - t0 < 60, down.stderr
-        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"], refused.text
-        assert c.proc.wait(timeout=60) == 0  # `pdserve up` ends with the cluster
-    finally:
-        c.stop()
-
-
-def test_chaos_random_kills_of_workers_under_load_lose_and_leak_nothing(tmp_path):
-    """Bounded in time: ~40 s of load, a worker SIGKILLed every few seconds at random."""
-    c = Cluster(tmp_path, decode={"replicas": 2})
-    try:
-        c.wait_ready()
-        texts = prompts(12, 8, seed=6)
-        expected = undisturbed(c.url, texts, 40)
-        rng = random.Random(7)
-        results: list[bool] = []
-        kills: list[str] = []
-        deadline = time.monotonic() + 40
-
-        async def chaos() -> None:
-            while time.monotonic() < deadline - 8:
-                await asyncio.sleep(rng.uniform(3, 6))
-                s = await asyncio.to_thread(c.status)
-                victims = [ln.split(" (pid ")[0] for ln in s.splitlines()
-                           if ln.startswith(("pdserve-prefill", "pdserve-decode")) and " (pid " in ln]
-                if victims:
-                    v = rng.choice(victims)
-                    kills.append(v)
-                    killed(int(s.split(f"{v} (pid ", 1)[1].split(")", 1)[0]))
-
-        async def scenario():
-            await asyncio.gather(repeated(c.url, expected, 40, lambda: time.monotonic() < deadline, results), chaos())
-
-        asyncio.run(scenario())
-        assert kills, "nothing was killed"
-        assert results and all(results), f"{results.count(False)} of {len(results)} requests failed or differed"
-        until(lambda: "state: running" in c.status(), timeout_s=120, what="every replica replaced")
-        idle(c)
-    finally:
-        c.stop()
