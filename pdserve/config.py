@@ -34,7 +34,7 @@ class EngineConfig(_Strict):
     device: str = "cpu"
     block_size: int = Field(default=16, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)  # default: from kv_cache_gb
-    kv_cache_gb: float | None = Field(default=None, gt=0)  # default: 0.25 on CPU, 90 % of free memory on GPU
+    kv_cache_gb: float | None = Field(default=None, gt=0)  # default: 0.25 on CPU; on a GPU what is free after the weights less a tenth of the card
     max_num_seqs: int = Field(default=256, ge=1)
     max_num_batched_tokens: int = Field(default=8192, ge=1)  # token budget of one step
     chunk_size: int = Field(default=2048, ge=1)  # most prompt tokens of one request in one step

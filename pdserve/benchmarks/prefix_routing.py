@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(a.input_len, a.output_len, a.num_prompts, seed=a.seed, warmup=0, kind="multi-turn",
                         prefix_len=a.prefix_len, turns=a.turns, think_s=a.think_time)
     log_dir = Path(tempfile.mkdtemp(prefix="prefix-routing-"))
+    log(f"clusters' configs and `pdserve up` logs in {log_dir}")
     rows = [row for p in a.policies for row in run_policy(p, cluster, workload, a.rates, log_dir)]
 
     print(f"\nmulti-turn: {a.num_prompts} requests per rate, {a.turns} turns, system {a.prefix_len}, "

@@ -175,8 +175,17 @@ class Engine:
             return self.config.num_kv_blocks
         gb = self.config.kv_cache_gb
         if gb is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.9)
+            # What is free less a tenth of the card (vLLM's gpu_memory_utilization 0.9): left for the
+            # largest step's activations, the graphs' pools, and the CUDA contexts that peers open
+            # on this GPU later (a cuda_ipc decode replica maps a prefill GPU's KV: ~0.5 GiB each).
+            # 90 % of the free memory left an 80 GB card 1.7 GiB after 61 GB of weights: too little.
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - 0.1 * total)
+            if budget <= 0:
+                raise RuntimeError(
+                    f"no GPU memory left for the KV cache on {self.device}: {free / 2**30:.1f} GiB free of "
+                    f"{total / 2**30:.1f} after the weights, and a tenth of the card stays free for activations; "
+                    "set kv_cache_gb or num_kv_blocks, or give the replica more GPUs")
         else:
             budget = int((gb or 0.25) * 2**30)
         kind, planes, heads, dim = self.args.kv_cache_entry()
