@@ -90,7 +90,8 @@ def assert_close_cache(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_buckets_and_the_steps_they_take():
     assert prefill_buckets(2048) == [128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048]
     assert prefill_buckets(1000) == [128, 256, 384, 512, 768, 1000] and prefill_buckets(64) == [64]
-    assert prefill_buckets(4096)[-4:] == [2560, 3072, 3584, 4096]
+    assert prefill_buckets(4096)[-8:] == [2304, 2560, 2816, 3072, 3328, 3584, 3840, 4096]
+    assert prefill_buckets(5000)[-3:] == [4096, 4608, 5000]
     pad = padded(engine())
     assert pad.shape(8, 1) == (8, SINGLE) and pad.shape(9, 1) == (32, SINGLE)
     assert pad.shape(9, 2) == (32, VARLEN) and pad.shape(64, 4) == (64, VARLEN)

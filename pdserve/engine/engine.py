@@ -16,12 +16,12 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes
 from pdserve.engine.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache, num_blocks_for
-from pdserve.engine.model_runner import PENDING, Launched, ModelRunner
+from pdserve.engine.model_runner import Launched, ModelRunner
 from pdserve.engine.outputs import Completion, RequestOutput, TextStream
 from pdserve.protocol import TokenLogprob
 from pdserve.protocol import InvalidRequestError, SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
-from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
+from pdserve.engine.sequence import PENDING, FinishReason, Sequence, SeqStatus
 from pdserve.models.loader import load_model, model_fingerprint
 from pdserve.ops.backends import make_backends
 from pdserve.engine.step_profile import StepProfile
@@ -304,6 +304,7 @@ class Engine:
         seq.block_ids = cached + fresh
         # Registered already: start_decode registers the blocks after them, each once.
         seq.block_hashes = hashes[:len(cached)]
+        seq.lookup_hashes = hashes  # (a fresh prompt: no PENDING token among them)
         seq.num_cached_tokens = len(cached) * bs
         self._reserved.add(request_id)
         return Reservation(list(seq.block_ids), len(cached))

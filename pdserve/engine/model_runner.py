@@ -10,7 +10,7 @@ from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.sampler import Sampled, Sampler
 from pdserve.protocol import TokenLogprob
 from pdserve.engine.scheduler import ScheduledSeq
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sequence import PENDING, Sequence
 
 
 def _host(xs: list[int], code: str) -> torch.Tensor:
@@ -19,9 +19,6 @@ def _host(xs: list[int], code: str) -> torch.Tensor:
         return torch.empty(0, dtype=torch.long if code == "q" else torch.int32)
     return torch.frombuffer(array(code, xs), dtype=torch.long if code == "q" else torch.int32)
 
-
-# A sampled token the host has not seen yet: the next step reads it on the device (overlap).
-PENDING = -1
 
 
 @dataclass
@@ -74,7 +71,8 @@ class ModelRunner:
             else:
                 ids += seq.token_ids[lo:hi]
                 positions += range(lo, hi)
-                slots += [blocks[p // bs] * bs + p % bs for p in range(lo, hi)]
+                for j in range(lo // bs, (hi - 1) // bs + 1):  # block by block: a 4k chunk is 256 ranges
+                    slots += range(blocks[j] * bs + max(lo - j * bs, 0), blocks[j] * bs + min(hi - j * bs, bs))
             if ids[-1] == PENDING:  # only ever a sequence's newest token
                 pending_at.append(len(ids) - 1)
                 pending_rows.append(prev.rows[seq.request_id])

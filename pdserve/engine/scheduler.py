@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes
-from pdserve.engine.sequence import Sequence, SeqStatus
+from pdserve.engine.sequence import PENDING, Sequence, SeqStatus
 from pdserve.engine.step_profile import StepProfile
 
 APART_MAX_DECODERS = 8  # prompts step apart from at most this many decoding sequences
@@ -179,6 +179,12 @@ class Scheduler:
         hits = self.pool.lookup(hashes)
         seq.block_ids = hits
         seq.block_hashes = hashes[: len(hits)]
+        # Keys over a PENDING placeholder (a preempted sequence's token still being sampled) are
+        # not its content's: none of those is kept for registering.
+        known = seq.num_tokens - 1
+        while known > 0 and seq.token_ids[known - 1] == PENDING:
+            known -= 1
+        seq.lookup_hashes = hashes[: known // self.block_size]
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
 
     def _grow(self, seq: Sequence, n: int) -> bool:
@@ -229,11 +235,16 @@ class Scheduler:
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: put the blocks this step filled into the prefix cache."""
         full = seq.num_computed_tokens // self.block_size
-        if full > len(seq.block_hashes):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            new = block_hashes(seq.token_ids[: full * self.block_size], self.block_size, parent,
-                               start=len(seq.block_hashes))
-            for k, h in enumerate(new, start=len(seq.block_hashes)):
+        done = len(seq.block_hashes)
+        if full > done:
+            # The lookup's keys where it hashed these blocks (their tokens were known then: it
+            # hashes only what precedes a sequence's newest token), the rest hashed now.
+            new = seq.lookup_hashes[done:full]
+            if done + len(new) < full:
+                parent = new[-1] if new else seq.block_hashes[-1] if seq.block_hashes else None
+                new += block_hashes(seq.token_ids[: full * self.block_size], self.block_size, parent,
+                                    start=done + len(new))
+            for k, h in enumerate(new, start=done):
                 self.pool.register(seq.block_ids[k], h)
             seq.block_hashes += new
 

