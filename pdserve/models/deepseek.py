@@ -65,8 +65,14 @@ class DeepseekMoE(SparseMoE):
     def route(self, x: torch.Tensor, shared: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> weights, ids [T, k (+ the shared slots, once folded, unless not `shared`)]."""
         # The router's logits in float32 from float32 inputs, as transformers computes them.
-        w = self.gate.weight.float() if self.gate_weight_f32 is None else self.gate_weight_f32
-        logits = F.linear(x.float(), w)
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.gate.weight.dtype == x.dtype:
+            # Products of 16-bit floats are exact in float32, so a GEMM that accumulates and writes
+            # float32 gives those logits (up to summation order) without converting x first: one
+            # H100, a 4k prompt, the conversion and a float32 SIMT GEMM took 1.7 ms of a 50 ms step.
+            logits = torch.mm(x, self.gate.weight.t(), out_dtype=torch.float32)
+        else:
+            w = self.gate.weight.float() if self.gate_weight_f32 is None else self.gate_weight_f32
+            logits = F.linear(x.float(), w)
         return self.backend.grouped_route(logits, self.top_k, num_shared=self.num_shared_slots if shared else 0,
                                           scoring=self.scoring, method=self.topk_method,
                                           n_group=self.n_group, topk_group=self.topk_group,
