@@ -20,7 +20,6 @@ def _host(xs: list[int], code: str) -> torch.Tensor:
     return torch.frombuffer(array(code, xs), dtype=torch.long if code == "q" else torch.int32)
 
 
-
 @dataclass
 class Launched:
     """A step whose forward and sampling are queued on the device."""
