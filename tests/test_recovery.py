@@ -114,7 +114,10 @@ def test_down_with_grace_lets_the_streams_in_flight_finish(tmp_path):
         async def scenario():
             load = Load(c.url, 400)
             task = asyncio.create_task(load.run(texts))
-            while len(load.streaming) < len(texts):
+            started = time.monotonic() + 60
+            while len(load.streaming) < len(texts):  # every stream under way, or a clear failure
+                assert not task.done() and time.monotonic() < started, \
+                    f"{len(load.streaming)} of {len(texts)} streams started within 60 s"
                 await asyncio.sleep(0.02)
             down = asyncio.create_task(asyncio.to_thread(c.cli, "down", "--grace", "60"))
             async with httpx.AsyncClient(timeout=30) as client:  # draining: /health says so, new requests 503
