@@ -8,6 +8,7 @@ import time
 import pytest
 import ray
 
+from pdserve.control import ray_start
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import FinishReason
 from pdserve.worker.router_streams import RouterStreams
@@ -36,7 +37,7 @@ class SlowRouter:
 
 @pytest.fixture(scope="module")
 def router():
-    ray.init(num_cpus=1, namespace=NAMESPACE, include_dashboard=False)
+    ray_start.init(num_cpus=1, namespace=NAMESPACE, include_dashboard=False)
     yield SlowRouter.options(name="router-0", namespace=NAMESPACE).remote()
     ray.shutdown()
 

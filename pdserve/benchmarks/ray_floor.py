@@ -33,6 +33,8 @@ import time
 import msgpack
 import ray
 
+from pdserve.control import ray_start
+
 PROMPT = list(range(4096))
 
 
@@ -198,7 +200,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128, help="deltas per worker -> router message (streams)")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray_start.init(include_dashboard=False, log_to_driver=False)
     rows = measure(a.messages, a.period_ms / 1e3, a.batch)
     print(f"{'way':17} {'transport':24} {'p50 ms':>7} {'p90 ms':>7} {'router CPU ms/msg':>18}")
     for r in rows:

@@ -36,6 +36,7 @@ import time
 import ray
 
 from pdserve.config import ClusterConfig, ColocatedConfig, ModelConfig, RouterConfig
+from pdserve.control import ray_start
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import FinishReason
 from pdserve.messages import NewRequest, Refusal, ReplicaChange, ReplicaStats
@@ -204,7 +205,7 @@ def start(max_ahead: int, step_s: float, routers: int = 1, workers: int = 1) -> 
     actor once its creator's handles are gone: keep them."""
     from pdserve.router.server import Router  # the router's process imports it too: here only for the class
 
-    ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    ray_start.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     names = [f"pdserve-colocated-{i}" for i in range(workers)]
     pool = [ray.remote(SyntheticWorker).options(name=n, num_cpus=0, max_concurrency=4).remote(
         n, NAMESPACE, max_ahead, step_s) for n in names]

@@ -16,12 +16,11 @@ def _log(msg: str) -> None:
 def _connect(address: str | None) -> None:
     if address not in (None, "auto"):
         _use_token_if_present()
-    import ray
-
+    from pdserve.control import ray_start
     from pdserve.control.controller import NAMESPACE
 
-    ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, logging_level="WARNING",
-             log_to_driver=False, configure_logging=True)
+    ray_start.init(address, _log, namespace=NAMESPACE, include_dashboard=False, logging_level="WARNING",
+                   log_to_driver=False, configure_logging=True)
 
 
 def _use_token_if_present() -> None:
