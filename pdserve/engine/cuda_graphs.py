@@ -31,6 +31,12 @@ from pdserve.ops.mla_decode import mla_num_splits
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
+# Every capture is "thread_local": only the capturing thread's unsafe CUDA calls end it. In "global"
+# mode any thread's call does, and a worker has others making CUDA calls at any time (NCCL's and
+# torch's watchdog threads, the KV connector's, an engine being torn down beside it in tests): a
+# decode capture then failed at random, and a prefill capture silently fell back to eager steps.
+CAPTURE_MODE = "thread_local"
+
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, attention, max_batch: int,
@@ -92,12 +98,7 @@ class DecodeGraphs:
                         self.model(batch)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 g = torch.cuda.CUDAGraph()
-                # Expert or tensor parallel (NCCL inside the graph): NCCL's own threads (and torch's
-                # watchdog) make CUDA calls while we capture; "global" mode would let them
-                # invalidate the capture.
-                collective = self.exchange is not None or getattr(self.model, "tp", None) is not None
-                mode = "thread_local" if collective else "global"
-                with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=mode):
+                with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=CAPTURE_MODE):
                     self.outputs[b] = self.model(batch)
                 self.graphs[b] = g
         finally:

@@ -42,6 +42,7 @@ from dataclasses import replace
 
 import torch
 
+from pdserve.engine.cuda_graphs import CAPTURE_MODE
 from pdserve.engine.forward_batch import ForwardBatch
 
 SINGLE, VARLEN = "single", "varlen"
@@ -181,7 +182,7 @@ class PrefillGraphs(PaddedPrefill):
                             self.model(batch)
                     torch.cuda.current_stream(self.device).wait_stream(stream)
                     g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool, stream=stream):
+                    with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=CAPTURE_MODE):
                         self.outputs[(b, layout)] = self.model(batch)
                     self.graphs[(b, layout)] = g
                 except RuntimeError as e:  # the replica still serves: these steps run eagerly
