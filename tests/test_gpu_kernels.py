@@ -33,7 +33,6 @@ from pdserve.ops.activation import silu_and_mul  # noqa: E402
 from pdserve.ops.attention import TorchAttention, gather, write_kv, write_latent  # noqa: E402
 from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention  # noqa: E402
 from pdserve.ops.fused_moe import fused_moe, moe_align  # noqa: E402
-from pdserve.ops.gemv_linear import GEMV_LINEAR_MAX_TOKENS, gemv_linear, linear  # noqa: E402
 from pdserve.ops.gemv_moe import gemv_moe  # noqa: E402
 from pdserve.ops.grouped_mm_moe import grouped_mm_moe  # noqa: E402
 from pdserve.ops.kv_write import write_kv_triton, write_latent_triton  # noqa: E402
@@ -861,41 +860,6 @@ def test_gemv_moe(shape, tokens, config, dtype):
     out = poisoned(x.shape, dtype)
     gemv_moe(x, w13, w2, weights, ids, config=GEMV_CONFIGS[config], out=out)
     check(out, ref, dtype, f"gemv_moe T={tokens} {shape} cfg{config}")
-
-
-LINEAR_SHAPES = pick([(5120, 2048), (2048, 4096), (128, 2048), (200, 333)], [(40, 64), (33, 100)])
-LINEAR_CONFIGS = [None,  # the default table
-                  dict(BLOCK_N=32, BLOCK_K=pick(128, 32), num_warps=4, num_stages=2),
-                  dict(BLOCK_N=16, BLOCK_K=pick(1024, 64), num_warps=8, num_stages=4)]
-
-
-@pytest.mark.parametrize("shape", LINEAR_SHAPES)
-@pytest.mark.parametrize("tokens", pick([1, 2, 5, 8], [1, 3]))
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("config", range(len(LINEAR_CONFIGS)))
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_linear(shape, tokens, bias, config, dtype):
-    n, k = shape
-    g = gen(5 + tokens)
-    x = torch.randn(tokens, k, generator=g, device=DEVICE).to(dtype)
-    w = (torch.randn(n, k, generator=g, device=DEVICE) * k ** -0.5).to(dtype)
-    b = torch.randn(n, generator=g, device=DEVICE).to(dtype) if bias else None
-    ref = F.linear(x.to(REF_DTYPE), w.to(REF_DTYPE), b.to(REF_DTYPE) if bias else None)
-    out = poisoned((tokens, n), dtype)
-    gemv_linear(x, w, b, config=LINEAR_CONFIGS[config], out=out)
-    check(out, ref, dtype, f"gemv_linear T={tokens} {shape} cfg{config}")
-
-
-def test_linear_takes_the_gemv_up_to_its_row_limit_only():
-    g = gen(3)
-    w = torch.randn(48, 64, generator=g, device=DEVICE)
-    for rows in (1, GEMV_LINEAR_MAX_TOKENS, GEMV_LINEAR_MAX_TOKENS + 1):
-        x = torch.randn(rows, 64, generator=g, device=DEVICE)
-        ref = F.linear(x.double(), w.double())
-        check(linear(x, w), ref, torch.float32, f"linear rows={rows}")
-        # The GEMV accumulates chunk by chunk, F.linear (on the CPU) in its own order: equal only off the GEMV.
-        if rows > GEMV_LINEAR_MAX_TOKENS or not x.is_cuda:
-            assert torch.equal(linear(x, w), F.linear(x, w))
 
 
 @pytest.mark.parametrize("shape", MOE_SHAPES)

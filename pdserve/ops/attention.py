@@ -84,9 +84,6 @@ def _planes(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class TorchAttention:
     """Reference attention backend."""
 
-    # The layers' dense projections (fused q/k/v, o): transformers' own op.
-    linear = staticmethod(F.linear)
-
     # It computes Multi-head Latent Attention (`forward_mla`), as the Triton backend does.
     supports_mla = True
 

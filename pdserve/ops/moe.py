@@ -63,8 +63,6 @@ class TorchMoE:
     # transformers; a test process may turn this on to check the fold on the CPU
     # (DeepseekMoE.fold_shared_experts: this backend computes any slots it is given).
     fold_shared_experts = False
-    # The router's projection: transformers' own op.
-    linear = staticmethod(F.linear)
 
     def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:

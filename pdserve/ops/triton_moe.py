@@ -6,7 +6,6 @@ tokens: no sort/align pass), the Triton fused MoE (small batches, decode) or `to
 import torch
 
 from pdserve.ops.fused_moe import fused_moe
-from pdserve.ops.gemv_linear import linear
 from pdserve.ops.gemv_moe import gemv_moe
 from pdserve.ops.grouped_mm_moe import grouped_mm_moe
 from pdserve.ops.routing import fused_topk, grouped_topk
@@ -28,8 +27,6 @@ class TritonMoE:
     # DeepSeek's shared experts ride in the routed experts' fused call (DeepseekMoE.fold_shared_experts):
     # a layer's MoE is then the router GEMM, one routing launch and the experts' kernels.
     fold_shared_experts = True
-    # The router's projection: a GEMV launch for a handful of rows (pdserve.ops.gemv_linear).
-    linear = staticmethod(linear)
 
     def __init__(self, grouped_mm_min_tokens: int = GROUPED_MM_MIN_TOKENS, gemv_max_tokens: int = GEMV_MAX_TOKENS):
         self.grouped_mm_min_tokens = grouped_mm_min_tokens
