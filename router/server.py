@@ -1,7 +1,9 @@
 """The router (a Ray actor): HTTP and gRPC front ends over the request lifecycle in one asyncio loop."""
 
 import asyncio
+import importlib
 import os
+import threading
 
 import uvicorn
 
@@ -31,6 +33,15 @@ async def _quietly(ref) -> None:
         pass
 
 
+def _import_all(modules: list[str]) -> None:
+    """Import each module; one that fails is left to fail where it is needed, with Ray's own error."""
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception:
+            pass
+
+
 def http_config(app, tls: dict | None = None) -> uvicorn.Config:
     """How a router serves its HTTP app: uvicorn (with httptools, its C parser), no lifespan, and no
     access log: at log level warning uvicorn writes none, but without this it still gathers each
@@ -40,10 +51,15 @@ def http_config(app, tls: dict | None = None) -> uvicorn.Config:
 
 class Router:
     def __init__(self, name: str, config: ClusterConfig, replicas: list[ReplicaChange], namespace: str,
-                 api_keys: list[ApiKey] | None = None):
+                 api_keys: list[ApiKey] | None = None, preload: list[str] = ()):
         """replicas: every replica as it is now (prefill and decode ones, or colocated ones only);
         the controller sends each later change (`apply`). api_keys: the keys every request must
-        carry (`pdserve up` read them); none: the service is open."""
+        carry (`pdserve up` read them); none: the service is open. preload: the workers' actor
+        modules (launcher.WORKER_MODULES), imported now on a thread of their own: the first
+        replica handles this router receives would otherwise import them inside `start`."""
+        self.preloaded = threading.Thread(target=_import_all, args=(list(preload),), name="pdserve-preload",
+                                          daemon=True)
+        self.preloaded.start()
         self.name = name
         self.api_keys = api_keys or []
         self.config = config

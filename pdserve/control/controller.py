@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.config import ClusterConfig
 from pdserve.control.health import PROBE_INTERVAL_S, Heartbeats
-from pdserve.control.launcher import NAMESPACE, Incarnation, Launcher, worker_name
+from pdserve.control.launcher import NAMESPACE, WORKER_MODULES, Incarnation, Launcher, worker_name
 from pdserve.control.load import LoadWindow
 from pdserve.control.planner import Limits, Measured
 from pdserve.messages import ReplicaChange, ReplicaStats
@@ -164,9 +164,11 @@ class Controller:
         from pdserve.router.server import Router
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        cfg = self.config
+        preload = [WORKER_MODULES[role] for role in WORKER_MODULES if getattr(cfg, role).replicas]
         return ray.remote(Router).options(name=worker_name(slot, generation), num_cpus=0,
                                           scheduling_strategy=here).remote(
-            worker_name(slot, generation), self.config, [], NAMESPACE, self.api_keys)
+            worker_name(slot, generation), cfg, [], NAMESPACE, self.api_keys, preload)
 
     def _start_router(self, slot: str, generation: int, handle=None) -> dict[str, str]:
         """Start one router (spawned now, or `handle`, spawned before) with every replica as it is
