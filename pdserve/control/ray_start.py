@@ -35,14 +35,20 @@ def init(address: str | None = None, log=None, **kwargs) -> None:
 
 
 def _stop_ray_children(ray_dir: str, grace_s: float = 10.0) -> int:
-    """SIGKILL this process's descendants that run Ray's own programs (GCS, raylet, monitors)."""
+    """SIGKILL this process's descendants that run Ray's own programs (GCS, raylet, monitors) for a
+    session this process started: Ray names a session's directory session_<date>_<pid of its
+    starter>, and every such program is given it. A cluster another child started (a `pdserve up`
+    this process spawned) has that child's pid there, and is left alone."""
+    mine = f"_{os.getpid()}"
     procs = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if any(ray_dir in part for part in p.cmdline()):
-                procs.append(p)
+            cmdline = p.cmdline()
         except psutil.Error:
             continue
+        ours = any("session_" in part and (mine + "/" in part or part.endswith(mine)) for part in cmdline)
+        if ours and any(ray_dir in part for part in cmdline):
+            procs.append(p)
     for p in procs:
         try:
             p.kill()
