@@ -65,6 +65,36 @@ def test_fit_never_goes_negative():
     assert c.fixed >= 0 and c.per_unit > 0 and c.time(1) > 0
 
 
+def test_a_prefill_step_costs_at_least_what_a_decode_step_does():
+    # Steps of 16 and 32 tokens, the 32s measured twice as slow (a busy host): alone, the fit puts
+    # all of it on the tokens and a full 8192-token step at 8192 x 1.9 ms.
+    short = {16: [40, 640, 40 * 0.030], 32: [4, 128, 4 * 0.060]}
+    alone = fit(short, "prefill")
+    assert alone.fixed == 0.0 and alone.time(8192) > 10
+    floored = fit(short, "prefill", fixed_floor=0.025)
+    mean_size, mean_step = 768 / 44, (1.2 + 0.24) / 44
+    assert floored.fixed == 0.025 and floored.per_unit == pytest.approx((mean_step - 0.025) / mean_size)
+    assert floored.time(mean_size) == pytest.approx(mean_step) and floored.time(8192) < alone.time(8192) / 4
+    # Never above the steps themselves: a floor past the mean step leaves no per-token cost.
+    assert fit(short, "prefill", fixed_floor=1.0).fixed == pytest.approx(mean_step)
+    # A fit already above the floor keeps its own numbers.
+    assert fit(steps_of(PREFILL_COST, [100, 300, 900]), "prefill", fixed_floor=0.001).fixed == pytest.approx(PREFILL_COST[0])
+
+
+def test_short_noisy_prompts_keep_the_decode_heavy_split():
+    # tests/test_tune.py's decode-heavy phase as a CI host measured it: 16-token prompts in steps
+    # about as long as a decode step's fixed cost, the few 32-token steps 3x slower. Without the
+    # floor one prefill replica was estimated at 66 prompts/s and the planner moved to 2P+1D.
+    traffic = Traffic(rate=6, input_len=16, output_len=64, requests=120, finished=120)
+    decode_cost = (0.010, 0.0002)
+    m = dataclasses.replace(measured(traffic, replicas=(1, 2), budget=3),
+                            steps={"prefill": {16: [40, 640, 40 * 0.012], 32: [4, 128, 4 * 0.036]},
+                                   "decode": steps_of(decode_cost, [1, 2, 4, 8])})
+    p = plan(m)
+    assert p.costs["prefill"].fixed == pytest.approx(decode_cost[0])
+    assert p.best.counts == (1, 2) and not p.change, render(p, m)
+
+
 # -- the split ------------------------------------------------------------------------------------
 
 

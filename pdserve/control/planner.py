@@ -138,10 +138,17 @@ class StepCost:
         return self.fixed + self.per_unit * size
 
 
-def fit(buckets: dict[int, list], phase: str) -> StepCost | None:
+def fit(buckets: dict[int, list], phase: str, fixed_floor: float = 0.0) -> StepCost | None:
     """Weighted least squares over the buckets' mean (size, seconds). With one size only the split
     into fixed and per-unit cost is unknown: prefill is then taken as all per-token (it computes
-    each token), decode as all fixed (a batch reads the same weights). None: no step measured."""
+    each token), decode as all fixed (a batch reads the same weights). None: no step measured.
+
+    fixed_floor: what the fixed cost cannot be below (`plan` gives prefill decode's: every step of
+    the model reads the same weights and launches the same kernels, whatever its size). Where the
+    fit lands under it, the floor (or the mean step, if smaller) is the fixed cost and the rest of
+    the mean step is per unit. It matters for short prompts: steps of 16-48 tokens cannot separate
+    the two costs, and one noisy bucket used to put all of a step's time on its tokens, so a full
+    step of max_batch_tokens was extrapolated at ~100x its real cost."""
     pts = [(row[1] / row[0], row[2] / row[0], row[0]) for row in buckets.values() if row[0] > 0]
     if not pts:
         return None
@@ -151,13 +158,17 @@ def fit(buckets: dict[int, list], phase: str) -> StepCost | None:
     sxx = sum(n * (x - xm) ** 2 for x, _, n in pts)
     largest = max(p[0] for p in pts)
     if sxx <= 1e-12 * max(1.0, xm * xm):
-        return StepCost(0.0, ym / xm, int(w), largest) if phase == "prefill" else StepCost(ym, 0.0, int(w), largest)
-    b = sum(n * (x - xm) * (y - ym) for x, y, n in pts) / sxx
-    a = ym - b * xm
-    if b < 0:  # bigger steps measured faster (noise): no per-unit cost
-        a, b = ym, 0.0
-    elif a < 0:  # through the origin instead
-        a, b = 0.0, sum(n * x * y for x, y, n in pts) / sum(n * x * x for x, _, n in pts)
+        a, b = (0.0, ym / xm) if phase == "prefill" else (ym, 0.0)
+    else:
+        b = sum(n * (x - xm) * (y - ym) for x, y, n in pts) / sxx
+        a = ym - b * xm
+        if b < 0:  # bigger steps measured faster (noise): no per-unit cost
+            a, b = ym, 0.0
+        elif a < 0:  # through the origin instead
+            a, b = 0.0, sum(n * x * y for x, y, n in pts) / sum(n * x * x for x, _, n in pts)
+    if a < fixed_floor:
+        a = min(fixed_floor, ym)
+        b = (ym - a) / xm
     return StepCost(a, b, int(w), largest)
 
 
@@ -277,7 +288,8 @@ def plan(m: Measured, traffic: Traffic | None = None, budget: int | None = None)
     if traffic.rate <= 0 or traffic.input_len <= 0:
         raise PlannerError(f"no requests arrived in the last {m.window_s:.0f} s: nothing to size the pools for "
                            f"(send traffic, or use --offline with --rate/--input-len/--output-len)")
-    costs = {phase: fit(m.steps.get(phase, {}), phase) for phase in ("prefill", "decode")}
+    decode = fit(m.steps.get("decode", {}), "decode")
+    costs = {"prefill": fit(m.steps.get("prefill", {}), "prefill", decode.fixed if decode else 0.0), "decode": decode}
     for phase, cost in costs.items():
         if cost is None:
             raise PlannerError(f"no {phase} steps measured yet: send traffic first (e.g. `pdserve bench`), "
