@@ -147,8 +147,8 @@ def fit(buckets: dict[int, list], phase: str, fixed_floor: float = 0.0) -> StepC
     the model reads the same weights and launches the same kernels, whatever its size). Where the
     fit lands under it, the floor (or the mean step, if smaller) is the fixed cost and the rest of
     the mean step is per unit. It matters for short prompts: steps of 16-48 tokens cannot separate
-    the two costs, and one noisy bucket used to put all of a step's time on its tokens, so a full
-    step of max_batch_tokens was extrapolated at ~100x its real cost."""
+    the two costs, and one noisy bucket used to put all of a step's time on its tokens, and a full
+    step of max_batch_tokens was extrapolated at that per-token rate."""
     pts = [(row[1] / row[0], row[2] / row[0], row[0]) for row in buckets.values() if row[0] > 0]
     if not pts:
         return None
