@@ -116,6 +116,8 @@ def test_down_with_grace_lets_the_streams_in_flight_finish(tmp_path):
             task = asyncio.create_task(load.run(texts))
             started = time.monotonic() + 60
             while len(load.streaming) < len(texts):  # every stream under way, or a clear failure
+                if task.done():
+                    task.result()  # the load's own error, if it failed
                 assert not task.done() and time.monotonic() < started, \
                     f"{len(load.streaming)} of {len(texts)} streams started within 60 s"
                 await asyncio.sleep(0.02)
