@@ -810,7 +810,7 @@ def test_grouped_routing_ties(renormalize, dtype):
     torch.testing.assert_close(w.sort(1).values, ref_w.sort(1).values, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_moe_align(block_m):
     experts, tokens, top_k = pick(128, 16), pick(300, 21), pick(8, 4)
     ids = torch.stack([torch.randperm(experts, device="cpu")[:top_k] for _ in range(tokens)]).to(DEVICE)
