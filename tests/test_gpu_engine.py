@@ -181,31 +181,31 @@ def test_prefill_graphs_equal_eager(family, dtype, kv, root):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
 def test_prefill_graphs_on_the_grouped_gemm_path_equal_eager(family, root):
-    """bf16 steps of 2,048 tokens and more take the grouped-GEMM MoE (torch._grouped_mm over
+    """bf16 steps of 3,072 tokens and more take the grouped-GEMM MoE (torch._grouped_mm over
     device-side group offsets) inside the graph, with the padding rows routed like any token: the
     greedy tokens are the eager engine's."""
     path = checkpoint(family, root, sharp=True, max_position_embeddings=4096)
     g = torch.Generator().manual_seed(5)
-    lens = [[2100], [2304]] + ([] if family == "deepseek_v2" else [[900, 1300]])  # MLA: one prompt a graph
+    lens = [[3100], [3328]] + ([] if family == "deepseek_v2" else [[1400, 1800]])  # MLA: one prompt a graph
     steps = [[torch.randint(0, 128, (n,), generator=g).tolist() for n in ls] for ls in lens]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
     def engine(graph_tokens):
         return Engine(EngineConfig(model=ModelConfig(path=str(path), dtype="bfloat16"), device="cuda:0",
-                                   num_kv_blocks=640, max_num_seqs=8, max_num_batched_tokens=2304,
-                                   chunk_size=2304, prefill_graph_max_tokens=graph_tokens))
+                                   num_kv_blocks=896, max_num_seqs=8, max_num_batched_tokens=3328,
+                                   chunk_size=3328, prefill_graph_max_tokens=graph_tokens))
 
     eager = engine(0)
     want = [[c.token_ids for c in eager.generate(ps, params)] for ps in steps]
     del eager
-    e = engine(2304)
+    e = engine(3328)
     graphs = e.runner.prefill_graphs
-    assert not graphs.failed and e.runner.prefill_graphs.buckets[-2:] == [2048, 2304]
+    assert not graphs.failed and e.runner.prefill_graphs.buckets[-2:] == [3072, 3328]
     from pdserve.ops.triton_moe import GROUPED_MM_MIN_TOKENS
-    assert GROUPED_MM_MIN_TOKENS <= 2100, "the premise: these steps take the grouped GEMM"
+    assert GROUPED_MM_MIN_TOKENS <= 3100, "the premise: these steps take the grouped GEMM"
     got = [[c.token_ids for c in e.generate(ps, params)] for ps in steps]
     assert got == want
-    assert all(b == 2304 for b, _ in graphs.replays), graphs.replays
+    assert all(b == 3328 for b, _ in graphs.replays), graphs.replays
 
 
 def test_prefill_graph_max_tokens_needs_the_triton_kernels(root):

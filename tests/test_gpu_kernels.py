@@ -718,7 +718,7 @@ def test_prefill_graph_batches_match_torch_backend(family, tmp_path):
 
 MOE_SHAPES = pick(  # (experts, top_k, hidden, intermediate)
     [(8, 2, 1024, 512), (128, 8, 2048, 768), (128, 2, 512, 256)], [(8, 2, 64, 32), (16, 4, 48, 40)])
-MOE_TOKENS = pick([1, 5, 64, 257, 600], [1, 3, 17])
+MOE_TOKENS = pick([1, 5, 64, 257, 600, 1100], [1, 3, 17])  # 1100: 128-row tiles on 8 experts
 
 
 def reference_moe(x, w13, w2, weights, ids) -> torch.Tensor:
@@ -810,7 +810,7 @@ def test_grouped_routing_ties(renormalize, dtype):
     torch.testing.assert_close(w.sort(1).values, ref_w.sort(1).values, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 def test_moe_align(block_m):
     experts, tokens, top_k = pick(128, 16), pick(300, 21), pick(8, 4)
     ids = torch.stack([torch.randperm(experts, device="cpu")[:top_k] for _ in range(tokens)]).to(DEVICE)

@@ -10,11 +10,13 @@ from pdserve.ops.gemv_moe import gemv_moe
 from pdserve.ops.grouped_mm_moe import grouped_mm_moe
 from pdserve.ops.routing import fused_topk, grouped_topk
 
-# From this many tokens on, bf16 batches take torch._grouped_mm (check_kernels.py's MoE rows, H200:
-# fused 346 us against _grouped_mm 501 us at 256 tokens, fused 443-457 us at 1k, _grouped_mm ahead
-# only at 4k, 974 against 1,038 us). Was 512: decode batches of 512 and the gathered rows of
-# expert-parallel steps (N ranks x 256) then took the slower path.
-GROUPED_MM_MIN_TOKENS = 2048
+# From this many tokens on, bf16 batches take torch._grouped_mm. The whole MoE on one H200, fused
+# (its 128-row tiles from 128 rows an expert) against _grouped_mm: Qwen3-30B-A3B 409 / 502 us at 1k
+# tokens, 558 / 677 at 2k, 739 / 702 at 3k, 928 / 919 at 4k; DeepSeek-V2-Lite 442 / 453 at 1k, 591 /
+# 590 at 2k, 1,083 / 1,059 at 4k. A 2k-token Qwen3 prompt's step: 36.8 -> 33.1 ms with the fused path.
+# Was 512, then 2048: decode batches of 512, the gathered rows of expert-parallel steps (N ranks x
+# 256) and 2k-token prompts then took the slower path.
+GROUPED_MM_MIN_TOKENS = 3072
 # Up to this many tokens, the GEMV path (check_kernels.py's "moe gemv" rows against "moe fused"). On an
 # H200 replayed from a graph the two tie at T=1 (36.6 vs 36.7 us) and fused wins from T=2; run
 # eagerly GEMV wins at T=1 (120 vs 193 us): its one fewer launch.
