@@ -370,29 +370,6 @@ def sweep_gemv_moe(c: Checker, a, tokens: int) -> None:
                   note=("default " if cfg is default else "") + " ".join(f"{n}={v}" for n, v in cfg.items())))
 
 
-def sweep_moe(c: Checker, a, tokens: int) -> None:
-    """A few fixed tile configs of the fused MoE (no autotuning in the code: pick one from here)."""
-    from pdserve.ops.fused_moe import fused_moe
-    from pdserve.ops.moe import route
-
-    e, k, hid, inter = a.num_experts, a.num_experts_per_tok, a.hidden_size, a.moe_intermediate_size
-    x, w13, w2, logits = random_moe_inputs(tokens, e, hid, inter, torch.bfloat16, c.device, _gen(c.device, 4))
-    weights, ids = route(logits, k, True)
-    touched = int(torch.unique(ids).numel())
-    nbytes = touched * 3 * inter * hid * 2
-    sets = [(w13, w2), (w13.clone(), w2.clone())]
-    configs = [(16, 64, 128, 4, 3), (16, 32, 128, 4, 4), (16, 128, 64, 4, 3),
-               (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 8, 3)]
-    if tokens >= 1024:  # prefill sizes: tens to hundreds of rows per expert, against torch._grouped_mm
-        configs += [(64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3),
-                    (128, 128, 32, 4, 4)]
-    for bm, bn, bk, warps, stages in configs:
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        t = c.bench(_cycle(lambda i: fused_moe(x, *sets[i], weights, ids, config=cfg), 2))
-        c.add(Row("sweep fused_moe", f"T={tokens}", None, t, None, bytes=nbytes,
-                  flops=2 * tokens * k * 3 * inter * hid, note=f"BM{bm} BN{bn} BK{bk} w{warps} s{stages}"))
-
-
 def check_routing(c: Checker, a, tokens: int) -> None:
     from pdserve.ops.moe import route
     from pdserve.ops.routing import fused_topk
@@ -543,7 +520,8 @@ def main() -> None:
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--json", default=None)
     p.add_argument("--sweep", action="store_true",
-                   help="also time a few fused-MoE tile configs and decode split counts")
+                   help="also time decode split counts and GEMV-MoE configs (the fused MoE's tiles: "
+                        "python -m pdserve.benchmarks.moe_tiles)")
     p.add_argument("--only", default="",
                    help="comma-separated groups: write,decode,prefill,mla,moe,routing,norm; "
                         "small = the small-batch old/new rows only (decode B=1/8/64/256, MoE T=1..16)")
@@ -605,9 +583,6 @@ def main() -> None:
         if "moe" in groups:
             for t in (1, 64, 256, 4096) if "small" not in groups else (64, 256, 4096):
                 c.run(f"moe T={t}", lambda t=t: check_moe(c, a, t))
-            if args.sweep:
-                for t in (1, 64, 256, 1024, 4096):
-                    c.run(f"sweep moe T={t}", lambda t=t: sweep_moe(c, a, t))
         if "routing" in groups:
             for t in (1, 256, 4096):
                 c.run(f"routing T={t}", lambda t=t: check_routing(c, a, t))
