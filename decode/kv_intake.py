@@ -49,9 +49,9 @@ class KVIntake:
         """Leases open or settling: poll() has work."""
         return self.connector.busy()
 
-    def poll(self) -> list[str]:
+    def poll(self) -> list[tuple[str, str]]:
         """Start the requests whose KV arrived, free the blocks of leases that settled; returns the
-        requests that failed (their KV will not come), aborted ones left out."""
+        requests that failed (their KV will not come) and why, aborted ones left out."""
         p = self.connector.poll()
         for f in p.done:
             seq = self.engine.seqs[f.request_id]
@@ -64,4 +64,4 @@ class KVIntake:
         for rid in p.settled:
             self.engine.release(rid)
             self._aborted.discard(rid)
-        return [rid for rid in p.failed if rid not in self._aborted]
+        return [(rid, p.why.get(rid, "the KV transfer failed")) for rid in p.failed if rid not in self._aborted]

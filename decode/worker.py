@@ -13,7 +13,7 @@ from pdserve.decode.kv_intake import KVIntake
 from pdserve.config import EngineConfig
 from pdserve.protocol import InvalidRequestError
 from pdserve.worker.engine_loop import IDLE_S
-from pdserve.messages import LOST, NewRequest, Refusal, ReplicaStats, ReserveResult
+from pdserve.messages import KV_FAILED, NewRequest, Refusal, ReplicaStats, ReserveResult, Unpaired
 from pdserve.models import resolve_model_args
 from pdserve.worker.inbox import Abort, Reserve
 from pdserve.worker.replica import Replica, assigned_device
@@ -49,6 +49,11 @@ class DecodeWorker(Replica):
         items: list[Reserve | ReserveResult] = []
         for r in requests:
             refused = self._refusal(r)
+            if refused is None and r.prefill_id and r.prefill_id not in self.connector.peers:
+                # Its KV could never arrive (no handshake with that prefill worker): answered now, so
+                # that the router reserves over another pair instead of waiting out a lease.
+                items.append(ReserveResult(None, unpaired=Unpaired(self.name, r.prefill_id)))
+                continue
             items.append(ReserveResult(None, refused) if refused else
                          Reserve(r.request_id, r.prompt_ids, r.params, r.prefill_id, router, r.output_ids,
                                  r.priority))
@@ -94,8 +99,8 @@ class DecodeWorker(Replica):
         if self.ep is None and not leases:
             return self.streams.flush_nap(IDLE_S)  # the last tokens may still wait for a router
         # Only with leases: an idle rank of a group steps without touching the connector.
-        for rid in self.intake.poll() if leases else []:  # their KV never came: the router hears it failed
-            self.streams.fail(rid, "the KV transfer from the prefill replica failed", LOST)
+        for rid, why in self.intake.poll() if leases else []:  # their KV never came: the router hears why
+            self.streams.fail(rid, why, KV_FAILED)
         if self.ep is None:
             outputs = self.engine.step()
             busy = self._busy()

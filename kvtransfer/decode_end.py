@@ -28,6 +28,7 @@ class DecodePoll:
 
     done: list[Finished] = field(default_factory=list)  # KV arrived: decode may start
     failed: list[str] = field(default_factory=list)  # the transfer failed (prefill abort, lease ran out)
+    why: dict[str, str] = field(default_factory=dict)  # failed request -> why, for its router
     settled: list[str] = field(default_factory=list)  # blocks of ended leases that may be reused now
 
 
@@ -98,6 +99,7 @@ class DecodeConnector:
                 out.done.append(Finished(n.request_id, n.first_token, n.logprob()))
             else:  # the prefill end gave up, and its writes have stopped
                 out.failed.append(n.request_id)
+                out.why[n.request_id] = f"the prefill worker {n.sender} gave up the KV transfer"
                 out.settled.append(n.request_id)
         now = time.monotonic()
         for rid, lease in list(self._leases.items()):
@@ -107,6 +109,8 @@ class DecodeConnector:
             elif not lease.closing and lease.handle.deadline < now:
                 self._close(rid, lease)
                 out.failed.append(rid)
+                out.why[rid] = (f"no KV from the prefill worker {lease.prefill_id} within its "
+                                f"{lease.handle.lease_s:g} s lease")
         return out
 
     def progress(self) -> None:

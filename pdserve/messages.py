@@ -39,16 +39,34 @@ class NewRequest:
 
 
 @dataclass
+class Unpaired:
+    """A worker cannot take a request over a KV pair it has no handshake with (yet): the prefill
+    worker that would send the KV, or the decode worker it would go to, is not its peer. Not the
+    request's fault and not a dead replica: the router places it over another pair at once."""
+
+    worker: str  # the worker that answered
+    peer: str  # the one it is not paired with
+
+    def __str__(self) -> str:
+        return f"{self.worker} is not paired with {self.peer}"
+
+
+@dataclass
 class ReserveResult:
     """A decode replica's answer to a reservation: the handle, or why not."""
 
     handle: bytes | None  # kvtransfer.ReserveHandle, packed; None when the replica is full
     refused: Refusal | None = None
+    unpaired: Unpaired | None = None  # this rank has no KV pair with the request's prefill worker
 
 
 # A RequestDelta's finish_reason when the replica serving the request was lost (its process died, a
 # KV transfer from a dead prefill replica never came): the request is not over, the router moves it.
 LOST = "lost"
+# A RequestDelta's finish_reason when the request's KV transfer failed while both replicas live (the
+# prefill end gave up, or the lease ran out): not a lost replica, but the request moves all the same.
+# `error` says why.
+KV_FAILED = "kv_failed"
 
 
 class RequestDelta(NamedTuple):
@@ -59,7 +77,7 @@ class RequestDelta(NamedTuple):
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | LOST
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | LOST | KV_FAILED
     error: str | None = None  # why it failed, when finish_reason == "error"
     logprobs: list | tuple = ()  # TokenLogprob per token when asked for; () pickles as one byte, builds nothing
 
@@ -105,6 +123,9 @@ class ReplicaStats:
     # reserved for KV still on its way: what the router's admission control counts room by.
     max_num_seqs: int = 0
     reserved: int = 0
+    # The workers of the other KV role this worker has a handshake with (its KV pairs): a router
+    # sends a request only over a pair both of whose ends list each other.
+    kv_peers: list[str] = field(default_factory=list)
 
     @classmethod
     def combine(cls, name: str, ranks: list["ReplicaStats"]) -> "ReplicaStats":
@@ -124,7 +145,8 @@ class ReplicaStats:
                                                                        for r in ranks)},
                    kv_blocks_reused=total("kv_blocks_reused"),
                    kv_bytes_received=total("kv_bytes_received"),
-                   max_num_seqs=total("max_num_seqs"), reserved=total("reserved"))
+                   max_num_seqs=total("max_num_seqs"), reserved=total("reserved"),
+                   kv_peers=sorted(set.intersection(*(set(r.kv_peers) for r in ranks))))  # peers of every rank
 
 
 @dataclass

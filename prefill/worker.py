@@ -2,7 +2,7 @@
 
 from pdserve.kvtransfer import ReserveHandle
 from pdserve.config import EngineConfig
-from pdserve.messages import NewRequest, Refusal
+from pdserve.messages import NewRequest, Refusal, Unpaired
 from pdserve.protocol import InvalidRequestError
 from pdserve.worker.engine_loop import IDLE_S
 from pdserve.worker.inbox import Abort, Prefill
@@ -24,15 +24,19 @@ class PrefillWorker(Replica):
         self._transfers_total = 0
         self._start_loop()
 
-    def prefill(self, requests: list[NewRequest]) -> list[Refusal | None]:
+    def prefill(self, requests: list[NewRequest]) -> list[Refusal | Unpaired | None]:
         """Prefill requests into the decode blocks their handles name; returns at once, without
-        waiting for a step (per request None, or why this replica can never run it)."""
+        waiting for a step (per request None, why this replica can never run it, or Unpaired)."""
         answers = []
         for r in requests:
             answers.append(self._refusal(r))
+            handle = ReserveHandle.unpack(r.handle)
+            if answers[-1] is None and handle.engine_id not in self.connector.peers:
+                # No handshake with the decode worker holding its blocks: its KV could not move. Said
+                # at once (the router aborts the reservation and places the request over another pair).
+                answers[-1] = Unpaired(self.name, handle.engine_id)
             if answers[-1] is None:
-                self.loop.submit(Prefill(r.request_id, r.prompt_ids, r.params, ReserveHandle.unpack(r.handle),
-                                         r.output_ids, r.priority))
+                self.loop.submit(Prefill(r.request_id, r.prompt_ids, r.params, handle, r.output_ids, r.priority))
         return answers
 
     def _take(self, item) -> None:

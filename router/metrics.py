@@ -28,6 +28,7 @@ class Metrics:
     def __init__(self, router: str = "") -> None:
         """router: the name of the router whose metrics these are (several may share a port)."""
         self.router = router  # (the dashboard names the router that answered it)
+        self._pairing_seen: dict[str, int] = {}  # the controller's pairing failures counted so far, by reason
         self.registry = CollectorRegistry()
         r = self.registry
         if router:
@@ -72,6 +73,15 @@ class Metrics:
                               registry=r)
         self.migrations = LoopCounter("pdserve_request_migrations", "Requests moved to another replica after the one "
                                   "serving them was lost, by the role that was lost", ["role"], registry=r)
+        self.transfer_failures = LoopCounter(
+            "pdserve_kv_transfer_failures", "KV transfers that failed between two live replicas, by reason: "
+            "unpaired (a worker had no KV handshake with the other end: placed over another pair at once), "
+            "failed (the prefill end gave up, or the lease ran out); the request moves to another pair",
+            ["reason"], registry=r)
+        self.pairing_failures = LoopCounter(
+            "pdserve_kv_pairing_failures", "KV handshakes between a prefill and a decode worker that failed "
+            "(the controller retries them with backoff), by reason: timeout, refused (a mismatch), died",
+            ["reason"], registry=r)
         # Labelled by expert but summed over MoE layers: replicas x experts series, not x layers too.
         self.expert_tokens = LoopCounter("pdserve_expert_tokens", "Tokens routed to each expert at an expert-parallel "
                                      "decode replica, summed over MoE layers", ["replica", "expert"], registry=r)
@@ -197,6 +207,18 @@ class Metrics:
 
     def count_migration(self, role: str) -> None:
         self.migrations.labels(role=role).inc()
+
+    def count_transfer_failure(self, reason: str) -> None:
+        self.transfer_failures.labels(reason=reason).inc()
+
+    def set_pairing_failures(self, counts: dict[str, int]) -> None:
+        """The controller's count of failed KV handshakes by reason, so far (it only grows)."""
+        for reason, n in counts.items():
+            series = self.pairing_failures.labels(reason=reason)
+            seen = self._pairing_seen.get(reason, 0)
+            if n > seen:
+                series.inc(n - seen)
+                self._pairing_seen[reason] = n
 
     def forget_replica(self, role: str, replica: str) -> None:
         """A replica scaled away: every series of it goes (not shown as down: it left on purpose)."""

@@ -41,12 +41,14 @@ from ray.exceptions import ActorDiedError
 
 from pdserve.engine.block_pool import block_hashes
 from pdserve.messages import (
+    KV_FAILED,
     LOST,
     NewRequest,
     Refusal,
     ReplicaChange,
     ReplicaStats,
     RequestDelta,
+    Unpaired,
 )
 from pdserve.protocol import InvalidRequestError
 
@@ -276,6 +278,10 @@ class RayCore:
                     run = await self._move(request, run, sent, _Lost(d.error or "a replica serving the "
                                                                      "request was lost", self._lost_role(run)))
                     continue
+                if d.finish_reason == KV_FAILED:  # both replicas live: the transfer failed, not a replica
+                    run = await self._move(request, run, sent, _Lost(d.error or "its KV transfer failed",
+                                                                     "decode", transfer="failed"))
+                    continue
                 if not run.streaming:
                     if run.move == 0:
                         self._phase("first_token", dispatched)
@@ -324,7 +330,10 @@ class RayCore:
         if run.move >= self.migration_limit:
             raise ServingError(f"{lost}; the request moved {run.move} times and is given up" if run.move
                                else f"{lost}; the request was cut short (router.migration_limit is 0)")
-        self._count_migration(lost.role)
+        if lost.transfer is not None:  # a lost transfer is not a lost replica: counted as what it is
+            self._count_transfer_failure(lost.transfer, f"{request.request_id}: {lost}")
+        else:
+            self._count_migration(lost.role)
         return await self._start(request, _Attempt(f"{request.request_id}~{run.move + 1}", run.move + 1, lost=lost),
                                  sent)
 
@@ -370,6 +379,11 @@ class RayCore:
     def _replicas_of(self, role: str) -> dict:
         return {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[role]
 
+    def _count_transfer_failure(self, reason: str, what: str) -> None:
+        log.warning("a KV transfer failed (%s), the request moves to another pair: %s", reason, what)
+        if self.metrics:
+            self.metrics.count_transfer_failure(reason)
+
     def _count_migration(self, role: str) -> None:
         log.info("a request moves: its %s replica was lost", role)
         if self.metrics:
@@ -385,16 +399,22 @@ class RayCore:
         run.holders |= {d_name: d_rank, p_name: p_worker}
         for name in (d_name, p_name):
             self.health.wait_on(name, run.request_id, run.queue)
-        _raise_refused(await self._call(p_name, p_worker, self._send[p_worker](
+        answer = await self._call(p_name, p_worker, self._send[p_worker](
             NewRequest(run.request_id, request.prompt_ids, request.params, handle=handle, output_ids=sent,
-                       priority=request.priority))))
+                       priority=request.priority)))
+        if isinstance(answer, Unpaired):  # the pair lost its handshake since the stats said so
+            raise _Lost(str(answer), "prefill", transfer="unpaired")
+        _raise_refused(answer)
         self._phase("dispatch", t1)
 
     async def _try_disaggregated(self, request: GenerateRequest, run: _Attempt,
                                  sent: list[int]) -> tuple[str, str, tuple[str, str, bytes]] | None:
         """One try at placing the attempt: a prefill replica with room for it, KV blocks on a
         decode replica -> (prefill replica, its worker, the reservation); None when none has room."""
-        p_name = self._pick(self.prefill, "prefill", moving=run.move > 0, room=run.move == 0, run=run,
+        prefill = {n: h for n, h in self.prefill.items() if self._paired(n)}  # only over a KV pair
+        if not prefill and self.health.live(self.prefill):  # paired to none yet: handshakes under way
+            return None
+        p_name = self._pick(prefill or self.prefill, "prefill", moving=run.move > 0, room=run.move == 0, run=run,
                             request=request, sent=sent)
         if p_name is None:
             return None
@@ -405,7 +425,7 @@ class RayCore:
         p_worker = next(iter(self._workers[p_name]))
         t0 = time.perf_counter()
         run.slot = ""  # reserving one
-        reserved = await self._reserve(request, run, sent, p_worker)
+        reserved = await self._reserve(request, run, sent, p_name, p_worker)
         if reserved is None:
             run.slot = None
             self._prompt_done(run, wake=False)
@@ -522,12 +542,14 @@ class RayCore:
         return now
 
     async def _reserve(self, request: GenerateRequest, run: _Attempt, sent: list[int],
-                       p_worker: str) -> tuple[str, str, bytes] | None:
+                       p_name: str, p_worker: str) -> tuple[str, str, bytes] | None:
         """Reserve KV blocks on a decode replica's rank, best candidates first -> (replica, rank,
         handle); None when all are full; raises when none is live. The handle names the rank: the
         KV goes there."""
         for d_name, ranks in self._order(self.decode, run, request):
             for rank in ranks:
+                if not self._paired(p_name, d_name, rank):  # its KV could not move there
+                    continue
                 # Held from the call on: a client that leaves while the reservation is answered
                 # still has it aborted on the rank (not left to its lease).
                 run.holders[d_name] = rank
@@ -539,15 +561,17 @@ class RayCore:
                     run.holders.pop(d_name, None)
                     break  # this replica is down: try the next one
                 _raise_refused(res.refused)
+                if res.unpaired is not None:  # the stats we routed by were older than its handshakes
+                    self._count_transfer_failure("unpaired", f"{request.request_id}: {res.unpaired}")
                 if res.handle is not None:
                     run.slot = d_name
                     self._reserved[d_name] = self._reserved.get(d_name, 0) + self._blocks(request, sent)
                     return d_name, rank, res.handle
                 run.holders.pop(d_name, None)
         if not self.health.live(self.decode):
-            if run.move > 0:
-                raise _Lost("no live decode replica", "decode")
-            raise self.health.unavailable("decode")
+            # (One died under this very reservation: the request waits for its replacement, as a
+            # moving one does, rather than hear a 503 that a request a moment later would not.)
+            raise _Lost("no live decode replica", "decode")
         return None
 
     # -- admission control --------------------------------------------------------------------------
@@ -644,6 +668,22 @@ class RayCore:
         name = self._balanced(min(names, key=lambda n: (cost[n], self._loads[n])), names)
         run.to_compute = max(1, tokens - held[worker[name]] * self.block_size)
         return name
+
+    def _paired(self, p_name: str, d_name: str | None = None, rank: str | None = None) -> bool:
+        """Whether a prefill replica has a KV pair with the decode rank (any rank of any live decode
+        replica, where none is named): both ends list each other among their peers, as their latest
+        stats said. A pair that is not (yet) handshaked takes no request: its KV could not move."""
+        p = self.stats.get(p_name)
+        if p is None:
+            return False
+        p_worker = next(iter(self._workers.get(p_name, {})), None)
+        pairs = [(d_name, rank)] if rank is not None else \
+            [(n, r) for n in self.health.live(self.decode) for r in self.decode[n].ranks]
+        for n, r in pairs:
+            d = self.decode[n].rank_stats.get(r) if n in self.decode else None
+            if d is not None and r in p.kv_peers and p_worker in d.kv_peers:
+                return True
+        return False
 
     def _balanced(self, best: str, names: list[str]) -> str:
         """The prefix-aware costs count tokens, not requests: a replica whose every prompt is cached
@@ -794,12 +834,14 @@ class RayCore:
 
 
 class _Lost(ServingError):
-    """An attempt cannot go on: a replica it needs was lost. The request moves (or, past the
-    migration limit or the wait, ends with this error)."""
+    """An attempt cannot go on: a replica it needs was lost, or (`transfer`: why) its KV transfer
+    failed between two live replicas. The request moves (or, past the migration limit or the wait,
+    ends with this error)."""
 
-    def __init__(self, message: str, role: str):
+    def __init__(self, message: str, role: str, transfer: str | None = None):
         super().__init__(message)
         self.role = role
+        self.transfer = transfer
 
 
 def _raise_refused(refused: Refusal | None) -> None:

@@ -164,6 +164,11 @@ class Router:
                 self.metrics.count_restarts("router", slot, n - seen)
                 self._router_restarts[slot] = n
 
+    def pairing_failures(self, counts: dict[str, int]) -> None:
+        """The controller's count of failed KV pairings so far, by reason, for /metrics."""
+        if self.core is not None:  # (a router starting now is told once it serves)
+            self.metrics.set_pairing_failures(counts)
+
     def placed(self, replica: str) -> int:
         """This router's requests on the replica now (a drain waits for none)."""
         return self.core.placed(replica) if self.core else 0

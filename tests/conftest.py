@@ -19,6 +19,7 @@ import torch
 # the longest by their seconds in one README run on 2 cores, go first; the rest follow in collection
 # order. Only the order changes (an entry no longer true costs balance, nothing else).
 LONGEST_FIRST = [
+    "test_chaos.py",  # ~330 s (not yet measured in a README run)
     "test_recovery.py",  # 445 s
     "test_serving.py",  # 320 s
     "test_multinode.py",  # 315 s

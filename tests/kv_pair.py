@@ -151,7 +151,7 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str, mod
                 finished: set[str] = set()
                 # ... and until the blocks of every lease that ended without its KV are back
                 while (len(finished | failed) < len(tokens) or intake.busy()) and time.time() < deadline:
-                    failed.update(intake.poll())
+                    failed.update(rid for rid, _ in intake.poll())
                     for out in engine.step():
                         tokens[out.request_id] += out.token_ids
                         logprobs.setdefault(out.request_id, []).append(out.logprobs)

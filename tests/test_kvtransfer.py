@@ -535,7 +535,7 @@ def test_a_dead_posting_thread_fails_every_transfer_and_says_so(caplog):
         while not done():
             assert time.monotonic() < deadline, f"hung: {failed}"
             failed["prefill"].update(streamer.step()[2])
-            failed["decode"].update(intake.poll())
+            failed["decode"].update(rid for rid, _ in intake.poll())
             time.sleep(0.002)
 
     try:

@@ -1,21 +1,25 @@
 """`pdserve status --watch`: the windowed latency math on known histograms (no cluster), and the live
-view against a real `pdserve up`, its output piped, stopped with Ctrl-C."""
+view against a real `pdserve up`, its output piped, stopped with Ctrl-C; then another, which ends by
+itself, saying so, once `pdserve down` took the cluster away."""
 
 import math
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 
 import httpx
+import pytest
 from prometheus_client import generate_latest
 
-from pdserve.control.watch import (TPOT, TTFT, Snapshot, Window, combine, difference, latency, parse_metrics,
-                                   percentile, render_text, replica_snapshots, router_urls, slo_mark, view)
+from pdserve.control.watch import (TPOT, TTFT, Gone, Snapshot, Unanswered, Window, call, combine, difference,
+                                   gcs_answers, latency, parse_metrics, percentile, render_text, replica_snapshots,
+                                   router_urls, slo_mark, view)
 from pdserve.messages import ReplicaStats
 from pdserve.router.metrics import Metrics
-from serving_cluster import Cluster
+from serving_cluster import Cluster, until
 
 
 def test_percentile_interpolates_inside_the_bucket():
@@ -123,16 +127,22 @@ def test_a_p90_above_the_slo_is_marked():
     assert tpot.endswith("ok") and "9.0 ms" in tpot  # p90 9 ms against 50 ms
 
 
-def test_watch_shows_replicas_and_latency_until_ctrl_c(tmp_path):
+def _watch(cluster: Cluster, interval: float) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+    """`pdserve status --watch` of the cluster, its stdout read as it comes (into the list)."""
+    watch = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "status", "--watch", "--interval", str(interval),
+                              "--address", cluster.up.ray_address()],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(watch.stdout), daemon=True)
+    reader.start()
+    return watch, out, reader
+
+
+def test_watch_shows_replicas_and_latency_until_ctrl_c_and_ends_once_the_cluster_is_down(tmp_path):
     cluster = Cluster(tmp_path, colocated={"replicas": 1})
     try:
         cluster.wait_ready()
-        watch = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "status", "--watch", "--interval", "0.5",
-                                  "--address", cluster.up.ray_address()],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        out: list[str] = []
-        reader = threading.Thread(target=lambda: out.extend(watch.stdout), daemon=True)
-        reader.start()
+        watch, out, reader = _watch(cluster, 0.5)
         body = {"model": "tiny-moe", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True}
         deadline = time.monotonic() + 40
@@ -154,8 +164,47 @@ def test_watch_shows_replicas_and_latency_until_ctrl_c(tmp_path):
         ttft = [ln.split() for ln in text.splitlines() if ln.startswith("TTFT")]
         assert any(f[1] != "-" and f[2] == "ms" for f in ttft), text  # a p50 figure, in ms
         assert "requests/s" in text and "1000 ms" in text  # against the default slo.ttft_ms
+
+        # Issue 37: after `pdserve down` the watch went on showing "running" for a minute, then Ray
+        # ended it. Now it sees the cluster go within its interval, says so, and exits 1.
+        watch, out, reader = _watch(cluster, 1)
+        until(lambda: any(ln.startswith("state: running") for ln in list(out)), 30, "the watch's first view")
+        down = cluster.cli("down", timeout=120)
+        assert down.returncode == 0, down.stderr
+        try:
+            rc = watch.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            watch.kill()
+            raise AssertionError(f"the watch still ran 10 s after `pdserve down`:\n{''.join(out)}") from None
+        reader.join(timeout=10)
+        err = watch.stderr.read()
+        assert rc == 1, err
+        assert "the cluster is gone" in err and "`pdserve up` starts one" in err, err
+        assert "Traceback" not in err and "Failed to connect to GCS" not in err, err
+        assert cluster.proc.wait(timeout=60) == 0, cluster.output()  # `pdserve up` ends by itself after down
     finally:
         assert cluster.stop() == 0, cluster.output()
+
+
+def test_the_gcs_is_asked_by_tcp_and_a_call_is_waited_on_with_a_deadline():
+    hung = threading.Event()  # a Ray call that never returns (until set, at the end: its threads end)
+    with socket.create_server(("127.0.0.1", 0)) as server:  # port 0: any free one
+        gcs = f"127.0.0.1:{server.getsockname()[1]}"
+        assert gcs_answers(gcs)
+        assert call(lambda: 42, time.monotonic() + 5, gcs, 0.1) == 42
+        with pytest.raises(ZeroDivisionError):  # the call's own error, raised here
+            call(lambda: 1 / 0, time.monotonic() + 5, gcs, 0.1)
+        t0 = time.monotonic()
+        with pytest.raises(Unanswered):
+            call(hung.wait, time.monotonic() + 0.5, gcs, 0.1)
+        assert time.monotonic() - t0 < 2
+        threading.Timer(0.3, server.close).start()  # the GCS goes while the call hangs
+        t0 = time.monotonic()
+        with pytest.raises(Gone, match=gcs):
+            call(hung.wait, time.monotonic() + 30, gcs, 0.1)
+        assert time.monotonic() - t0 < 2
+    hung.set()
+    assert not gcs_answers(gcs) and not gcs_answers("not-an-address")
 
 
 def test_the_terminal_view_draws_the_same_rows():

@@ -73,7 +73,9 @@ def up(path: str | None) -> int:
     # The controller, and the routers it starts beside it, run on this node: the endpoints are
     # where `pdserve up` runs (on KubeRay, the head pod, which the Service points at).
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    controller = ray.remote(Controller).options(name=CONTROLLER, lifetime="detached", num_cpus=0,
+    # Restarted by Ray if its process dies (max_restarts): the restarted one takes the running
+    # replicas and routers back (Controller._recover), which serve on meanwhile.
+    controller = ray.remote(Controller).options(name=CONTROLLER, lifetime="detached", num_cpus=0, max_restarts=-1,
                                                 max_concurrency=8, scheduling_strategy=here).remote(
         cfg, cluster_token(), api_keys)
     # Ctrl-C stops the cluster even where SIGINT arrives ignored: a shell starts background jobs
@@ -90,12 +92,16 @@ def up(path: str | None) -> int:
         now = time.monotonic()
         _log(f"up in {now - t0:.2f} s: Ray {ray_s:.2f} s, cluster start {now - t1:.2f} s")
         _log("ready; Ctrl-C stops everything")
-        shown = len(ray.get(controller.status.remote(), timeout=30)["progress"])
+        s = ask(controller, "status")
+        shown, pid = len(s["progress"]), s["pid"]
         while True:  # until Ctrl-C, or `pdserve down` from elsewhere
             try:
-                s = ray.get(controller.status.remote(), timeout=30)
+                s = ask(controller, "status")
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 break
+            if s["pid"] != pid:  # a restarted controller: its progress starts afresh
+                _log(f"the controller's process died; Ray restarted it (pid {s['pid']})")
+                shown, pid = 0, s["pid"]
             # What the controller did since (a replica down and replaced, a scale, a drain).
             for line in s["progress"][shown:]:
                 _log(line)
@@ -192,6 +198,30 @@ def _wait_started(controller) -> dict[str, str]:
                 raise RuntimeError(f"the cluster failed to start: {_cause(e)}") from None
 
 
+RESTART_S = 60  # a controller whose process died is back within this: Ray restarts it, it takes the cluster back
+
+
+def ask(controller, method: str, *args, timeout: float = 30):
+    """controller.<method>(*args), waited for at most `timeout` s. A call that met the controller's
+    death is asked again while Ray restarts it (the actor is still named), for at most RESTART_S."""
+    import ray
+
+    from pdserve.control.controller import CONTROLLER, NAMESPACE
+
+    deadline = time.monotonic() + RESTART_S
+    while True:
+        try:
+            return ray.get(getattr(controller, method).remote(*args), timeout=timeout)
+        except ray.exceptions.RayActorError:
+            try:
+                ray.get_actor(CONTROLLER, namespace=NAMESPACE)  # gone for good (stopped, or no restarts left): raises
+            except ValueError:
+                raise
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def _cause(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return text[-1] if text else type(e).__name__
@@ -238,7 +268,7 @@ def scale(address: str, counts: dict[str, int], grace_s: float) -> int:
     controller = _controller(address)  # first: it readies the environment Ray reads once, on import
     import ray
 
-    s = ray.get(controller.status.remote(), timeout=30)
+    s = ask(controller, "status")
     roles = {n.rsplit("-", 1)[0].removeprefix("pdserve-") for n in s["replicas"]}
     for role, n in counts.items():
         if role not in roles:
@@ -253,12 +283,12 @@ def scale_with(controller, counts: dict[str, int], grace_s: float) -> int:
     """One `scale` call on the controller, its progress shown as it goes (also `pdserve tune --apply`)."""
     import ray
 
-    shown = len(ray.get(controller.status.remote(), timeout=30)["progress"])
+    shown = len(ask(controller, "status")["progress"])
     done = controller.scale.remote(counts, grace_s)
     while True:  # (the controller bounds a scale: its replicas' start and the drain's --grace)
         ready, _ = ray.wait([done], timeout=0.5)
         try:
-            lines = ray.get(controller.status.remote(), timeout=30)["progress"]
+            lines = ask(controller, "status")["progress"]
         except ray.exceptions.RayError as e:
             raise RuntimeError(f"the controller stopped answering ({_cause(e)}); `pdserve status` "
                                f"shows what the cluster has now") from None
@@ -305,7 +335,7 @@ def status(address: str, watch: bool = False, interval: float = 2.0) -> int:
 
         return live.run(controller, interval)
 
-    s = ray.get(controller.status.remote(), timeout=30)
+    s = ask(controller, "status")
     restarts = s.get("restarts", {})
 
     def restarted(name: str) -> str:
@@ -313,6 +343,7 @@ def status(address: str, watch: bool = False, interval: float = 2.0) -> int:
         return f", restarted {n}x" if n else ""
 
     print(f"state: {s['state']}")
+    print(f"pdserve-controller (pid {s['pid']})")
     for kind, url in s["endpoints"].items():
         print(f"{kind}: {url}")
     for name, r in s["replicas"].items():
@@ -330,7 +361,10 @@ def status(address: str, watch: bool = False, interval: float = 2.0) -> int:
             own = f", own {r['endpoints']['own']}" if "own" in r["endpoints"] else ""
             print(f"{name} (pid {r['pid']}): streaming {r['in_flight']}{own}{restarted(name)}")
     for p in s.get("kv_pairs", []):
-        if p["worker"].startswith("pdserve-prefill"):  # each pair once, as prefill -> decode
+        if p.get("state") == "failed":  # takes no requests until a retry pairs it
+            print(f"KV {p['worker']} -> {p['peer']}: not paired ({p['reason']}: {p['why']}); attempt "
+                  f"{p['attempts']} failed, next in {p['retry_in_s']:.0f} s")
+        elif p["worker"].startswith("pdserve-prefill"):  # each pair once, as prefill -> decode
             print(f"KV {p['worker']} -> {p['peer']}: {p['backend']} ({p['why']})")
     return 0
 

@@ -13,6 +13,7 @@ only, and no handshake: no KV moves between them.
 """
 
 import os
+import re
 import threading
 import time
 
@@ -22,6 +23,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pdserve.config import ClusterConfig
 from pdserve.control.health import PROBE_INTERVAL_S, Heartbeats
 from pdserve.control.launcher import NAMESPACE, WORKER_MODULES, Incarnation, Launcher, worker_name
+from pdserve.control.placement import Demand
+from pdserve.control.kv_pairs import PairBook
 from pdserve.control.load import LoadWindow
 from pdserve.control.planner import Limits, Measured
 from pdserve.messages import ReplicaChange, ReplicaStats
@@ -56,9 +59,12 @@ class Controller:
         cfg = config
         n = cfg.prefill.replicas + cfg.decode.replicas * cfg.decode.ep_size + cfg.colocated.replicas  # processes
         self.launcher = Launcher(config, max(1, (os.cpu_count() or 1) // max(1, n)), cluster_token)
-        # The KV handshakes' records: (worker, peer) -> the backend the pair chose, and why.
-        self.kv_pairs: dict[tuple[str, str], dict] = {}
+        # The KV pairs: each handshake's record (the backend the pair chose, and why), failed ones.
+        self.pairs = PairBook()
+        self._metas: dict[str, bytes] = {}  # worker -> its KV handshake metadata (fixed for its life)
         self._ports: dict[str, int] = {}
+        if _restarted():  # Ray restarted this actor (its process died): the cluster runs on without it
+            self._recover()
 
     # -- starting --------------------------------------------------------------------------------
 
@@ -81,8 +87,8 @@ class Controller:
         self._note(f"workers ready in {time.monotonic() - t0:.2f} s")
         if cfg.prefill.replicas:
             t0 = time.monotonic()
-            self._handshake([i for i in incs if i.role == "prefill"], "decode")
-            used = sorted({r["backend"] for r in self.kv_pairs.values()})
+            self._handshake([i for i in incs if i.role != "colocated"])
+            used = sorted({r["backend"] for r in self.pairs.records.values()})
             self._note(f"KV handshake done ({cfg.kv_transfer.backend}: {', '.join(used)}) "
                        f"in {time.monotonic() - t0:.2f} s")
         t0 = time.monotonic()
@@ -118,27 +124,104 @@ class Controller:
             if show:
                 self._note(f"{inc.replica} on node {_where(inc)}")
 
-    def _handshake(self, incs: list[Incarnation], role: str, states=("serving", "draining")) -> None:
-        """Introduce each worker of `incs` to each live worker of the replicas of `role` (the other
-        KV role), and back. A peer that is dead (or dies meanwhile) is left out: it is being
-        replaced, and its replacement will introduce itself to these. A failure of `incs`' own
-        workers raises."""
-        mine = {n: h for inc in incs for n, h in inc.ranks.items()}
-        metas = {n: ray.get(h.metadata.remote(), timeout=60) for n, h in mine.items()}
-        for inc in [i for i in list(self.replicas.values()) if i.role == role and i.state in states]:
-            if inc.replica in self._restarting:
-                continue
+    def _handshake(self, incs: list[Incarnation], states=("serving", "draining")) -> None:
+        """Pair every worker of `incs` with every worker of the other KV role: those of the live
+        replicas (in `states`, not being replaced) and those of `incs` themselves (a scale-up of
+        both roles pairs the new with the new). A failure of `incs`' own workers raises; a peer that
+        is dead (or dies meanwhile) is left out: it is being replaced, and its replacement will pair
+        with these. A pairing that fails otherwise is retried by the watch (kv_pairs.py)."""
+        others = [i for i in list(self.replicas.values()) if i.state in states and i.replica not in self._restarting
+                  and i.role in ("prefill", "decode") and all(i is not j for j in incs)]
+        pairs = []
+        for a in incs:
+            for b in others + incs:
+                if {a.role, b.role} != {"prefill", "decode"}:
+                    continue
+                if a.role == "decode" and any(b is j for j in incs):  # two new ones: paired from the prefill side
+                    continue
+                p, d = (a, b) if a.role == "prefill" else (b, a)
+                pairs += [(p, pw, d, dw) for pw in p.ranks for dw in d.ranks]
+        self._pair(pairs, incs)
+
+    def _pair(self, pairs: list[tuple[Incarnation, str, Incarnation, str]], own: list[Incarnation] = ()) -> None:
+        """Handshake each (prefill replica, its worker, decode replica, its worker): the decode end
+        takes the prefill end's metadata first, then the prefill end the decode end's, each batch
+        in parallel. A worker of `own` that fails raises; another replica's dead worker marks that
+        replica for replacement; any other failure is the pair's (PairBook.failed: retried)."""
+        if not pairs:
+            return
+        mine = {w for inc in own for w in inc.ranks}
+        handles = {w: inc.ranks[w] for p, pw, d, dw in pairs for inc, w in ((p, pw), (d, dw))}
+        replica_of = {w: inc for p, pw, d, dw in pairs for inc, w in ((p, pw), (d, dw))}
+        dead: set[str] = set()
+
+        def died(worker: str, e: BaseException) -> None:
+            if worker in mine:
+                raise RuntimeError(f"{worker} failed its KV handshake: {_cause(e)}") from None
+            inc = replica_of[worker]
+            dead.add(worker)
+            self._restarting.setdefault(inc.replica, f"it failed its KV handshake ({type(e).__name__})")
+
+        want = [w for w in handles if w not in self._metas]
+        refs = {w: handles[w].metadata.remote() for w in want}
+        for w, ref in refs.items():
             try:
-                theirs = {n: ray.get(h.metadata.remote(), timeout=60) for n, h in inc.ranks.items()}
-                for b, bh in inc.ranks.items():
-                    for a, rec in zip(mine, ray.get([bh.add_peer.remote(metas[a]) for a in mine], timeout=60)):
-                        self.kv_pairs[(b, a)] = rec
+                self._metas[w] = ray.get(ref, timeout=60)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                self._restarting.setdefault(inc.replica, f"it failed its KV handshake ({type(e).__name__})")
-                continue
-            for a, ah in mine.items():
-                for b, rec in zip(inc.ranks, ray.get([ah.add_peer.remote(theirs[b]) for b in inc.ranks], timeout=60)):
-                    self.kv_pairs[(a, b)] = rec
+                died(w, e)
+        for end in ("decode", "prefill"):  # the decode end first: it then takes reservations naming the prefill end
+            todo = [(p, pw, d, dw) for p, pw, d, dw in pairs if pw not in dead and dw not in dead and
+                    (end == "decode" or (dw, pw) in self.pairs.records)]
+            calls = {(pw, dw): (handles[dw].add_peer.remote(self._metas[pw]) if end == "decode"
+                                else handles[pw].add_peer.remote(self._metas[dw])) for _, pw, _, dw in todo}
+            ray.wait(list(calls.values()), num_returns=len(calls), timeout=60)
+            for (pw, dw), ref in calls.items():
+                caller = dw if end == "decode" else pw
+                try:
+                    rec = ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError as e:
+                    if caller not in dead:
+                        died(caller, e)
+                    self.pairs.failed(pw, dw, "died", f"{caller}'s process died")
+                    continue
+                except ray.exceptions.GetTimeoutError:
+                    self._pair_failed(pw, dw, "timeout", f"{caller} did not answer the handshake within 60 s")
+                    continue
+                except ray.exceptions.RayTaskError as e:
+                    self._pair_failed(pw, dw, "refused", _cause(e))
+                    continue
+                if end == "decode":
+                    self.pairs.half(dw, pw, rec)
+                else:
+                    self.pairs.paired(pw, dw, rec, self.pairs.records[(dw, pw)])
+
+    def _pair_failed(self, prefill: str, decode: str, reason: str, why: str) -> None:
+        f = self.pairs.failed(prefill, decode, reason, why)
+        self._note(f"KV pair {prefill} -> {decode} failed ({reason}: {why}); trying again in {f.backoff:.0f} s "
+                   f"(attempt {f.attempts})")
+        self._tell_pairing()
+
+    def _tell_pairing(self) -> None:
+        """Every router's /metrics counts the failed pairings (not awaited past TELL_S)."""
+        refs = [r["handle"].pairing_failures.remote(dict(self.pairs.failures)) for r in self.routers.values()]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=TELL_S)
+
+    def _repair(self) -> None:
+        """Pairings that failed, tried again once due (their two ends still live)."""
+        due = self.pairs.due()
+        if not due:
+            return
+        where = {w: inc for inc in self.replicas.values() if inc.replica not in self._restarting for w in inc.ranks}
+        pairs = [(where[p], p, where[d], d) for p, d in due if p in where and d in where]
+        for p, d in due:
+            if p not in where or d not in where:
+                self.pairs.forget([w for w in (p, d) if w not in where])
+        if pairs:
+            self._pair(pairs)
+            for _, p, _, d in pairs:
+                if (p, d) not in self.pairs.failing:
+                    self._note(f"KV pair {p} -> {d} paired")
 
     def _router_slots(self) -> list[str]:
         return [f"pdserve-router-{i}" for i in range(self.config.router.replicas)]
@@ -166,7 +249,7 @@ class Controller:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         cfg = self.config
         preload = [WORKER_MODULES[role] for role in WORKER_MODULES if getattr(cfg, role).replicas]
-        return ray.remote(Router).options(name=worker_name(slot, generation), num_cpus=0,
+        return ray.remote(Router).options(name=worker_name(slot, generation), num_cpus=0, lifetime="detached",
                                           scheduling_strategy=here).remote(
             worker_name(slot, generation), cfg, [], NAMESPACE, self.api_keys, preload)
 
@@ -185,6 +268,8 @@ class Controller:
             raise RuntimeError(f"{name} did not listen within {ROUTER_START_S} s; its log (Ray's session "
                                f"logs, worker-*.err) says why") from None
         self.routers[slot] = {"generation": generation, "name": name, "handle": handle, "ends": ends}
+        if self.pairs.failures:
+            handle.pairing_failures.remote(dict(self.pairs.failures))  # (its /metrics counts from here)
         return ends
 
     # -- watching and replacing ------------------------------------------------------------------
@@ -206,6 +291,9 @@ class Controller:
                     return
                 if time.monotonic() >= self._retry_at.get(name, (0.0, 0.0))[0]:
                     self._replace(name, why)
+            with self._life:
+                if self._watching.is_set():
+                    self._repair()
             time.sleep(max(0.0, PROBE_INTERVAL_S - (time.monotonic() - t0)))
 
     def _replace(self, name: str, why: str) -> None:
@@ -243,7 +331,7 @@ class Controller:
         try:
             self._wait_ready([new])
             if new.role != "colocated":
-                self._handshake([new], "decode" if new.role == "prefill" else "prefill")
+                self._handshake([new])
         except Exception:
             Launcher.stop(new)
             raise
@@ -274,8 +362,87 @@ class Controller:
 
     def _forget_pairs(self, inc: Incarnation) -> None:
         """The KV handshakes' records of a stopped incarnation's workers."""
-        for key in [k for k in list(self.kv_pairs) if set(k) & set(inc.ranks)]:
-            self.kv_pairs.pop(key, None)
+        self.pairs.forget(inc.ranks)
+        for w in inc.ranks:
+            self._metas.pop(w, None)
+
+    # -- recovering after a restart ----------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Take the running cluster back after this actor's process died and Ray restarted it: the
+        replicas and routers are detached actors of their own, and go on serving meanwhile (the
+        requests' path never crosses the controller). Each replica's newest incarnation is found by
+        its workers' names, its KV pairs from its workers' own handshake records (the missing ones
+        are made now), the routers by theirs; every router is told every replica again. Nothing
+        healthy is restarted; the watch resumes."""
+        t0 = time.monotonic()
+        self._note("the controller restarted: taking the running cluster back")
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE]
+        found: dict[tuple[str, str], dict[int, list[str]]] = {}  # (role, replica) -> generation -> its actors
+        for name in names:
+            if m := _ACTOR.match(name):
+                found.setdefault((m["role"], m["replica"]), {}).setdefault(int(m["gen"] or 0), []).append(name)
+        for (role, replica), gens in sorted(found.items()):
+            gen = max(gens)
+            for old in [n for g, ns in gens.items() if g != gen for n in ns]:  # a replacement's leftovers
+                _kill(old)
+            if role == "router":
+                self._adopt_router(replica, gen)
+            else:
+                self._adopt_replica(role, replica, gen, gens[gen])
+        for inc in list(self.replicas.values()):  # their KV pairs as the workers recorded them
+            for w, h in inc.ranks.items():
+                if inc.role in ("prefill", "decode"):
+                    try:
+                        for peer, rec in ray.get(h.kv_pairs.remote(), timeout=30).items():
+                            self.pairs.records[(w, peer)] = rec
+                    except Exception as e:
+                        self._restarting.setdefault(inc.replica, f"it did not answer the controller ({_cause(e)})")
+        kv = [i for i in self.replicas.values() if i.role in ("prefill", "decode") and i.replica not in self._restarting]
+        self._pair([(p, pw, d, dw) for p in kv if p.role == "prefill" for d in kv if d.role == "decode"
+                    for pw in p.ranks for dw in d.ranks
+                    if (pw, dw) not in self.pairs.records or (dw, pw) not in self.pairs.records])
+        for inc in self.replicas.values():
+            self._tell(inc.change())
+        self.state = "running"
+        self._note(f"recovered {len(self.replicas)} replicas and {len(self.routers)} routers in "
+                   f"{time.monotonic() - t0:.2f} s; none restarted")
+        self._watching.set()
+        threading.Thread(target=self._watch, name="pdserve-watch", daemon=True).start()
+
+    def _adopt_replica(self, role: str, replica: str, gen: int, actors: list[str]) -> None:
+        name = worker_name(replica, gen)
+        ranks = {n: ray.get_actor(n, namespace=NAMESPACE) for n in sorted(actors) if not _TP_FOLLOWER.search(n)}
+        followers = {n: ray.get_actor(n, namespace=NAMESPACE) for n in sorted(actors) if _TP_FOLLOWER.search(n)}
+        demand = Demand.of(self.config, role)
+        try:
+            pg = ray.util.get_placement_group(name)
+        except ValueError:  # (none by that name: its workers are all that is left of it)
+            pg = None
+        inc = Incarnation(role, replica, gen, ranks, placement_group=pg, followers=followers, restarts=gen,
+                          held={k: v * demand.ranks for k, v in demand.bundle.items()})
+        self.replicas[replica] = inc
+        try:
+            self._wait_ready([inc])
+        except Exception as e:  # the watch replaces it
+            self._restarting.setdefault(replica, f"it was not ready when the controller restarted ({_cause(e)})")
+            return
+        self._note(f"{replica}: taken back ({', '.join(ranks)})")
+
+    def _adopt_router(self, slot: str, gen: int) -> None:
+        name = worker_name(slot, gen)
+        handle = ray.get_actor(name, namespace=NAMESPACE)
+        try:
+            ends = ray.get(handle.info.remote(), timeout=30)["endpoints"]
+        except Exception as e:
+            self.routers[slot] = {"generation": gen, "name": name, "handle": handle, "ends": {}, "restarts": gen}
+            self._restarting.setdefault(slot, f"it did not answer the controller ({_cause(e)})")
+            return
+        self.routers[slot] = {"generation": gen, "name": name, "handle": handle, "ends": ends, "restarts": gen}
+        if not self.endpoints or slot == "pdserve-router-0":
+            self.endpoints = {k: v for k, v in ends.items() if k != "own"}
+            self._ports = {k: int(v.rsplit(":", 1)[1]) for k, v in self.endpoints.items() if k in ("http", "grpc")}
+        self._note(f"{name}: taken back")
 
     # -- scaling ---------------------------------------------------------------------------------
 
@@ -301,10 +468,10 @@ class Controller:
                 self._note(f"scale: starting {', '.join(i.replica for i in started)}")
                 try:
                     self._wait_ready(started)
-                    for inc in started:
-                        if inc.role != "colocated":
-                            peer = "decode" if inc.role == "prefill" else "prefill"
-                            self._handshake([inc], peer, ("serving",))
+                    # The new with the serving and with each other: a scale-up of both roles made no
+                    # pair between its new prefill and new decode replicas, whose requests then
+                    # waited out the lease (kv_transfer.lease_s) and moved.
+                    self._handshake([i for i in started if i.role != "colocated"], ("serving",))
                 except Exception:
                     for inc in started:
                         Launcher.stop(inc)
@@ -395,8 +562,8 @@ class Controller:
                                       for r in [*replicas.values(), *routers.values()]):
             state = "degraded"
         live = {w for inc in list(self.replicas.values()) for w in inc.ranks}
-        pairs = [{"worker": a, **rec} for (a, b), rec in list(self.kv_pairs.items()) if a in live and b in live]
-        return {"state": state, "progress": list(self.progress), "endpoints": self.endpoints,
+        pairs = self.pairs.status(live)
+        return {"state": state, "progress": list(self.progress), "endpoints": self.endpoints, "pid": os.getpid(),
                 "replicas": replicas, "routers": routers, "restarts": restarts,
                 "slo": self.config.slo.model_dump(),
                 # Where each replica's workers run, and what each KV pair moves over (and why).
@@ -454,6 +621,27 @@ class Controller:
 
     def _note(self, line: str) -> None:
         self.progress.append(f"{time.strftime('%H:%M:%S')} {line}")
+
+
+# The actors of a cluster, by name (launcher.py): pdserve-<role>-<i>[@<generation>][-rank<r> | -tp<r>].
+_ACTOR = re.compile(r"^(?P<replica>pdserve-(?P<role>prefill|decode|colocated|router)-\d+)(?:@(?P<gen>\d+))?"
+                    r"(?:-rank\d+|-tp\d+)?$")
+_TP_FOLLOWER = re.compile(r"-tp\d+$")
+
+
+def _restarted() -> bool:
+    """Whether this is a controller Ray restarted (after its process died), not the first."""
+    try:
+        return ray.get_runtime_context().was_current_actor_reconstructed
+    except Exception:  # (built outside an actor)
+        return False
+
+
+def _kill(name: str) -> None:
+    try:
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+    except Exception:
+        pass
 
 
 def _took(worker, launched: float) -> str:

@@ -102,8 +102,10 @@ class Launcher:
             raise RuntimeError(f"{replica}: no room for {demand.ranks} x {demand.bundle} "
                                f"(labels {demand.labels or '{}'}) on {where} {why}")
         custom = dict(getattr(cfg, role).placement.resources)
+        # Detached: Ray would otherwise end a replica with the controller that started it; a
+        # controller that dies is restarted and takes the running replicas back (controller.py).
         opts = dict(num_cpus=0, num_gpus=getattr(cfg, role).gpus, resources=custom,
-                    max_concurrency=WORKER_CONCURRENCY)
+                    max_concurrency=WORKER_CONCURRENCY, lifetime="detached")
         held = {k: v * demand.ranks for k, v in demand.bundle.items()}
         inc = Incarnation(role, replica, generation, {}, placement_group=pg, chosen_node=node, held=held)
         if role == "decode":

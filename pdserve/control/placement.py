@@ -125,5 +125,6 @@ def placement_group_for(d: Demand, node_id: str | None, name: str):
 
     selector = dict(d.labels) | ({NODE_ID: node_id} if node_id else {})
     kw = {"bundle_label_selector": [selector] * d.ranks} if selector else {}
+    # Detached, as the workers in it: a replica outlives a controller that dies (and is restarted).
     return placement_group([dict(d.bundle)] * d.ranks, strategy="STRICT_PACK" if d.one_node else "PACK",
-                           name=name, **kw)
+                           name=name, lifetime="detached", **kw)

@@ -70,13 +70,13 @@ def main(a: argparse.Namespace) -> int:
     _check(a)
     if a.offline:
         return offline(a)
-    from pdserve.control.commands import _controller
+    from pdserve.control.commands import _controller, ask
 
     controller = _controller(a.address)  # first: it readies the environment Ray reads once, on import
     import ray
 
     if a.record:
-        m = ray.get(controller.load.remote(a.window), timeout=30)
+        m = ask(controller, "load", a.window)
         with open(a.record, "w") as f:
             json.dump(m.to_json(), f, indent=1)
         print(f"wrote {a.record}: {sum(r[0] for b in m.steps.values() for r in b.values()):,} steps measured, "
@@ -84,7 +84,7 @@ def main(a: argparse.Namespace) -> int:
         return 0
     if a.watch:
         return watch(controller, a)
-    m = ray.get(controller.load.remote(a.window), timeout=30)
+    m = ask(controller, "load", a.window)
     p = plan(m, budget=a.budget)
     print(render(p, m))
     if a.apply and p.change:
@@ -142,13 +142,13 @@ def watch(controller, a: argparse.Namespace) -> int:
     """Until Ctrl-C: a line per look; with --apply, moves that pass the hysteresis."""
     import ray
 
-    from pdserve.control.commands import _log
+    from pdserve.control.commands import _log, ask
 
     h = Hysteresis(a.confirm, a.cooldown, a.margin)
     try:
         while True:
             t0 = time.monotonic()
-            m = ray.get(controller.load.remote(a.window), timeout=30)
+            m = ask(controller, "load", a.window)
             t = m.traffic
             head = (f"{t.rate:.2f} req/s, prompts {t.input_len:,.0f}, outputs {t.output_len:,.0f}, now "
                     f"{m.replicas.get('prefill', 0)}P+{m.replicas.get('decode', 0)}D")

@@ -1,6 +1,7 @@
 """`pdserve status --watch`: the cluster's state, replicas and routers, and the service's latency over
-the last minute, redrawn until Ctrl-C. The router's /dashboard (router/dashboard.py) shows the same
-figures, computed by the same functions.
+the last minute, redrawn until Ctrl-C, or until the cluster is gone (`pdserve down`, its controller
+dead, Ray's GCS unreachable), which it says within an interval and exits 1. The router's /dashboard
+(router/dashboard.py) shows the same figures, computed by the same functions.
 
 The latency comes from the routers' Prometheus histograms: each router's /metrics is scraped every
 interval, and the window is the difference between the newest scrape and the oldest one at most
@@ -9,10 +10,18 @@ interpolation inside the bucket (as Prometheus' histogram_quantile does). The pr
 rate over the window comes the same way from each replica's cumulative lookups (ReplicaStats.profile
 in the controller's status), a window source of its own per replica. The scraping and the math are
 plain functions (unit-tested without a cluster); the drawing (rich, imported only here) is apart.
+
+On a dead cluster Ray's own calls do not fail fast: they wait on Ray's reconnect to the GCS, which
+ends the process after 60 s. So each interval first asks the GCS's port directly (a TCP connect),
+every Ray call runs in a daemon thread waited on with a deadline (the main thread keeps taking
+Ctrl-C), and leaving disconnects from Ray only where that cannot hang (see _leave).
 """
 
 import math
+import os
+import socket
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -325,29 +334,176 @@ def render_rich(v: dict):
 
 # -- the loop -------------------------------------------------------------------------------------
 
+# How long the controller may go without answering while Ray's GCS still takes connections (a
+# controller wedged, or its node cut off) before the watch gives up on it: what `pdserve status` waits.
+ANSWER_S = 30.0
+# A TCP connect to the GCS is refused at once where its process is gone; this bounds one to a host
+# that no longer answers at all.
+PROBE_S = 2.0
+# How long leaving may wait for Ray's disconnect (ray.shutdown) before the process ends without it.
+SHUTDOWN_S = 5.0
+# The controller's states once `pdserve down` (or a stopped `pdserve up`) is taking the cluster away.
+GONE_STATES = ("stopping", "stopped")
+CALL_THREAD = "pdserve-watch-call"
 
-def run(controller, interval: float) -> int:
-    """Until Ctrl-C (exit 0): a redrawn view on a terminal, else one plain snapshot per interval."""
+
+class Gone(Exception):
+    """The cluster is no more: its controller stopped or died, or Ray's GCS went away. Says which."""
+
+
+class Unanswered(Exception):
+    """The controller has not answered for ANSWER_S, though Ray's GCS is up."""
+
+
+def gcs_answers(address: str, timeout: float = PROBE_S) -> bool:
+    """Whether Ray's GCS at HOST:PORT still accepts a TCP connection. Asked outside Ray on purpose: a
+    Ray call on a dead GCS waits on Ray's own reconnect, which gives up only after 60 s, by ending
+    the process."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def call(fn, until: float, gcs: str, probe_every: float):
+    """fn()'s result, fn run in a daemon thread and waited on here: the main thread stays free to take
+    Ctrl-C (a Ray call blocks in C++, where no KeyboardInterrupt is raised), the GCS is probed every
+    probe_every seconds meanwhile (Gone once it refuses), and past `until` (time.monotonic()) the
+    call is abandoned (Unanswered): a daemon thread does not keep the process."""
+    out: dict = {}
+    done = threading.Event()
+
+    def work():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # (raised again in the caller's thread)
+            out["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name=CALL_THREAD, daemon=True).start()
+    while not done.wait(max(0.0, min(probe_every, until - time.monotonic()))):
+        if not gcs_answers(gcs):
+            raise Gone(f"Ray's GCS at {gcs} no longer accepts connections")
+        if time.monotonic() >= until:
+            raise Unanswered
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _calls_in_flight() -> bool:
+    return any(t.name == CALL_THREAD and t.is_alive() for t in threading.enumerate())
+
+
+def _cause(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[-1] if lines else type(e).__name__
+
+
+def _restarting() -> bool:
+    """Whether the controller that failed a call is still named: Ray is restarting it (one stopped
+    for good is no longer found)."""
     import ray
 
-    window = Window()
+    from pdserve.control.controller import CONTROLLER, NAMESPACE
 
-    def tick():
-        s = ray.get(controller.status.remote(), timeout=30)
-        window.add(time.monotonic(), scrape(router_urls(s)) | replica_snapshots(s))
+    try:
+        ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+    except Exception:
+        return False
+    return True
+
+
+def fetch(controller, timeout: float) -> tuple[dict, dict[str, Snapshot]]:
+    """The controller's status, and each router's and replica's figures for the window."""
+    import ray
+
+    s = ray.get(controller.status.remote(), timeout=timeout)
+    return s, scrape(router_urls(s)) | replica_snapshots(s)
+
+
+def run(controller, interval: float, gcs: str | None = None) -> int:
+    """A redrawn view on a terminal, else one plain snapshot per interval: until Ctrl-C (0), or until
+    the cluster is gone or its controller stops answering (1, saying so). `gcs` is Ray's GCS
+    HOST:PORT (by default the one this process is connected to). Either way the process ends
+    promptly: see _leave."""
+    import ray
+
+    gcs = gcs or ray.get_runtime_context().gcs_address
+    window = Window()
+    answered = time.monotonic()
+
+    def tick() -> dict | None:
+        """The view to draw now; None when the controller did not answer this time."""
+        nonlocal answered
+        if not gcs_answers(gcs):  # before any Ray call: one on a dead GCS would wait out Ray's reconnect
+            raise Gone(f"Ray's GCS at {gcs} no longer accepts connections")
+        until = answered + ANSWER_S
+        try:
+            s, snaps = call(lambda: fetch(controller, max(0.1, until - time.monotonic())), until, gcs, interval)
+        except ray.exceptions.ActorUnavailableError:  # for now (its node unreachable): asked again next time
+            if time.monotonic() >= until:
+                raise Unanswered from None
+            return None
+        except ray.exceptions.RayActorError as e:
+            if _restarting() and time.monotonic() < until:  # its process died and Ray restarts it: ask again
+                return None
+            raise Gone(f"its controller died: {_cause(e)}") from None
+        except ray.exceptions.GetTimeoutError:
+            raise Unanswered from None
+        answered = time.monotonic()
+        if s["state"] in GONE_STATES:
+            raise Gone(f"its controller is {s['state']}: `pdserve down` ran, or its `pdserve up` was stopped")
+        window.add(answered, snaps)
         return view(s, window.latency())
+
+    def views():
+        while True:
+            if (v := tick()) is not None:
+                yield v
+            time.sleep(interval)
 
     try:
         if sys.stdout.isatty():
             from rich.live import Live
 
-            with Live(render_rich(tick()), auto_refresh=False, screen=False) as live:
-                while True:
-                    time.sleep(interval)
-                    live.update(render_rich(tick()), refresh=True)
+            with Live(auto_refresh=False, screen=False) as live:
+                for v in views():
+                    live.update(render_rich(v), refresh=True)
         else:
-            while True:
-                print(render_text(tick()), end="\n\n", flush=True)
-                time.sleep(interval)
+            for v in views():
+                print(render_text(v), end="\n\n", flush=True)
     except KeyboardInterrupt:
-        return 0
+        return _leave(0, gcs)
+    except Gone as e:
+        print(f"pdserve: the cluster is gone ({e}); `pdserve up` starts one", file=sys.stderr, flush=True)
+        return _leave(1, None)  # nothing left to disconnect from
+    except Unanswered:
+        print(f"pdserve: the controller has not answered for {ANSWER_S:g} s though Ray is up; `pdserve up`'s "
+              f"output says why, `pdserve down` stops the cluster", file=sys.stderr, flush=True)
+        return _leave(1, gcs)
+
+
+def _leave(code: int, gcs: str | None) -> int:
+    """`code`, once Ray is let go. Left to itself, Ray's atexit ray.shutdown waits on a dead GCS (its
+    reconnect thread ends the process 60 s later, with its own message), and one beside a call
+    still in flight can hang. So the disconnect is made here, only where the GCS (`gcs`; None: it
+    is gone) answers and no call is in flight, in a daemon thread for at most SHUTDOWN_S; where it
+    is not done by then, the process ends at once, its output flushed."""
+    import ray
+
+    if gcs is not None and not _calls_in_flight() and gcs_answers(gcs):
+        done = threading.Thread(target=ray.shutdown, name="pdserve-watch-shutdown", daemon=True)
+        done.start()
+        try:
+            done.join(SHUTDOWN_S)
+        except KeyboardInterrupt:  # a second Ctrl-C: no more waiting
+            pass
+        if not done.is_alive():
+            return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -208,6 +208,10 @@ class Replica:
             peer = self.connector.add_peer(meta)
             return self.connector.pairs[peer]
 
+    def kv_pairs(self) -> dict[str, dict]:
+        """This worker's KV handshakes: peer -> its record (what a restarted controller takes back)."""
+        return dict(self.connector.pairs) if self.connector is not None else {}
+
     def node(self) -> dict:
         """Where this worker runs: its Ray node's id and address."""
         ctx = ray.get_runtime_context()
@@ -222,4 +226,5 @@ class Replica:
         return ReplicaStats(self.name, self.role, len(e.scheduler.running), len(e.scheduler.waiting),
                             e.pool.num_free_blocks, e.pool.num_blocks, self.aborted, pid=os.getpid(),
                             held=len(e.seqs) + self.loop.queued() + self._held(), profile=e.profile.snapshot(),
-                            max_num_seqs=e.config.max_num_seqs, reserved=e.num_reserved)
+                            max_num_seqs=e.config.max_num_seqs, reserved=e.num_reserved,
+                            kv_peers=sorted(self.connector.peers) if self.connector is not None else [])
