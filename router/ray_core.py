@@ -37,7 +37,7 @@ from pdserve.router.types import (
     ReplicaUnavailableError,
     ServingError,
 )
-from ray.exceptions import ActorDiedError
+from ray.exceptions import RayActorError
 
 from pdserve.engine.block_pool import block_hashes
 from pdserve.messages import (
@@ -527,7 +527,7 @@ class RayCore:
         (unless a replacement took its place meanwhile), and the attempt is lost (it moves)."""
         try:
             return await ref
-        except ActorDiedError as e:
+        except RayActorError as e:  # died, or unreachable (ActorUnavailableError: its node died)
             if worker in self._workers.get(replica, {}) and self.health.failed(replica, e):
                 self._count_down(replica)
             role = self.health.roles.get(replica, "replica")

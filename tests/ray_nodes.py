@@ -37,12 +37,17 @@ class LocalRayCluster:
     nodes: list[Node]
     temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdrn-", dir="/tmp")))
     address: str = ""
+    # How soon the head gives up a node whose heartbeats stop: period x threshold (Ray's default:
+    # 3 s x 5); until then a call to an actor on it waits, unanswered.
+    health_check_period_ms: int = 500
+    health_check_failure_threshold: int = 4
 
     def start(self) -> "LocalRayCluster":
         head, *workers = self.nodes
         try:
             self._ray_start(head, ["--head", "--port", "0", "--include-dashboard", "false", "--system-config",
-                                   json.dumps({"health_check_period_ms": 500, "health_check_failure_threshold": 4})])
+                                   json.dumps({"health_check_period_ms": self.health_check_period_ms,
+                                              "health_check_failure_threshold": self.health_check_failure_threshold})])
             self.address = (self.temp_dir / "ray_current_cluster").read_text().strip()
             for node in workers:
                 self._ray_start(node, ["--address", self.address])

@@ -45,6 +45,9 @@ class Window:
     def errors(self) -> list[str]:
         return [r.error for r in self.requests if r.error is not None]
 
+    def ttft_max(self) -> float:
+        return max((r.ttft for r in self.requests if r.ttft is not None), default=0.0)
+
     def ttft_p99(self) -> float:
         """Of the requests that completed (nearest rank); 0 where none did."""
         ttfts = sorted(r.ttft for r in self.requests if r.ttft is not None)

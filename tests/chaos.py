@@ -1,0 +1,95 @@
+"""What every chaos test shares (test_chaos.py, test_chaos_node.py): a change made under a steady load,
+and what it must leave: 0 requests failed, TTFT p99 of the requests sent during the change within
+2 x the steady p99 + 1 s and none over STALL_S, every KV block back to idle, and `pdserve status`
+showing every replica serving and every KV pair paired."""
+
+import json
+import os
+import time
+
+from serving_cluster import Cluster
+from steady_load import SteadyLoad
+
+RATE = 3.0  # requests a second: steady on 2 cores beside a replica that starts
+STEADY_S = 12.0  # the reference window, before any change
+AFTER_S = 2.0
+STALL_S = 5.0  # no request's first token takes longer, whatever the change  # the change's window runs this long past its end (requests sent then still see it)
+
+
+def steady(cluster: Cluster) -> None:
+    """Start the cluster's steady load and measure its TTFT p99 before any change."""
+    cluster.load = SteadyLoad(cluster.url, RATE)
+    cluster.load.start()
+    time.sleep(STEADY_S)
+    cluster.steady_p99 = cluster.load.window(0, time.monotonic()).ttft_p99()
+
+
+def pairs(status: str) -> set[tuple[str, str]]:
+    """(prefill worker, decode worker) of every KV pair `pdserve status` lists as paired."""
+    out = set()
+    for line in status.splitlines():
+        if line.startswith("KV ") and ": not paired" not in line:
+            a, b = line[3:].split(": ", 1)[0].split(" -> ")
+            out.add((a, b))
+    return out
+
+
+def replicas(status: str, role: str) -> list[str]:
+    return sorted({ln.split(" ", 1)[0].rstrip(":") for ln in status.splitlines()
+                   if ln.startswith(f"pdserve-{role}-")})
+
+
+def settled(cluster: Cluster, prefill: int, decode: int, timeout_s: float = 120) -> str | None:
+    """Until `pdserve status` shows the cluster running with these replicas, every one serving,
+    and every prefill worker paired with every decode worker; that status, or None after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = cluster.status()
+        if "state: running" in s and "down:" not in s and "draining" not in s and \
+                (len(replicas(s, "prefill")), len(replicas(s, "decode"))) == (prefill, decode) and \
+                len(pairs(s)) == prefill * decode:
+            return s
+        time.sleep(0.3)
+    return None
+
+
+def change(cluster: Cluster, do, prefill: int, decode: int, what: str = "") -> dict:
+    """Do the change under the load; check what the requests sent meanwhile saw (each waited for to
+    its end: one that stalls shows as its TTFT), and the cluster after it. Returns the figures
+    (benchmarks.md's table)."""
+    t0 = time.monotonic()
+    do()
+    t1 = time.monotonic()
+    status = settled(cluster, prefill, decode)
+    paired = time.monotonic() - t0
+    time.sleep(AFTER_S)
+    t2 = max(t1, time.monotonic() - AFTER_S)
+    cluster.load.drain(timeout_s=180)  # (a stalled request ends after the lease: 60 s)
+    w = cluster.load.window(t0, t2)
+    figures = {"sent": w.sent, "failed": w.failed, "resent": cluster.load.resent, "p99_s": round(w.ttft_p99(), 3),
+               "max_s": round(w.ttft_max(), 3), "steady_p99_s": round(cluster.steady_p99, 3),
+               "paired_s": round(paired, 2)}
+    print("chaos:", what, figures)
+    if log := os.environ.get("PDSERVE_CHAOS_LOG"):  # benchmarks.md's table: a JSON line per change
+        with open(log, "a") as f:
+            f.write(json.dumps({"case": what, "backend": cluster.backend, **figures}) + "\n")
+    assert w.failed == 0, f"{w.failed} of {w.sent} requests failed: {w.errors[:3]}"
+    assert w.sent > 0
+    assert w.ttft_p99() <= 2 * cluster.steady_p99 + 1.0, figures
+    # None stalls: a request that waited out a KV lease (the bug: 30 s) hides in a p99 of hundreds.
+    assert w.ttft_max() <= STALL_S, figures
+    assert status is not None, f"`pdserve status` never showed {prefill} + {decode} serving, every pair paired:\n" \
+                               f"{cluster.status()}"
+    stats = cluster.wait_idle(timeout=60)  # (nothing in flight: every block back)
+    assert stats and all(s.get("used") == 0 for s in stats.values()), stats
+    cluster.load.resume()
+    return figures
+
+
+def scale(cluster: Cluster, **counts):
+    args = [x for role, n in counts.items() for x in (f"--{role}", str(n))]
+
+    def do():
+        r = cluster.cli("scale", *args, "--grace", "60")
+        assert r.returncode == 0, r.stderr
+    return do
