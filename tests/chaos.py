@@ -11,7 +11,7 @@ from serving_cluster import Cluster
 from steady_load import SteadyLoad
 
 RATE = 3.0  # requests a second: steady on 2 cores beside a replica that starts
-STEADY_S = 12.0  # the reference window, before any change
+STEADY_S = 10.0  # the reference window, before any change
 AFTER_S = 2.0
 STALL_S = 5.0  # no request's first token takes longer, whatever the change  # the change's window runs this long past its end (requests sent then still see it)
 
@@ -39,28 +39,33 @@ def replicas(status: str, role: str) -> list[str]:
                    if ln.startswith(f"pdserve-{role}-")})
 
 
-def settled(cluster: Cluster, prefill: int, decode: int, timeout_s: float = 120) -> str | None:
+def settled(cluster: Cluster, prefill: int, decode: int, timeout_s: float = 120, after=lambda: True) -> str | None:
     """Until `pdserve status` shows the cluster running with these replicas, every one serving,
-    and every prefill worker paired with every decode worker; that status, or None after timeout_s."""
+    and every prefill worker paired with every decode worker; that status, or None after timeout_s.
+    `after`: a cheap condition (on `pdserve up`'s output) that must hold before status is worth
+    asking — each `pdserve status` is a process joining Ray, seconds of the 2 cores' CPU."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if not after():
+            time.sleep(0.2)
+            continue
         s = cluster.status()
         if "state: running" in s and "down:" not in s and "draining" not in s and \
                 (len(replicas(s, "prefill")), len(replicas(s, "decode"))) == (prefill, decode) and \
                 len(pairs(s)) == prefill * decode:
             return s
-        time.sleep(0.3)
+        time.sleep(0.5)
     return None
 
 
-def change(cluster: Cluster, do, prefill: int, decode: int, what: str = "") -> dict:
+def change(cluster: Cluster, do, prefill: int, decode: int, what: str = "", after=lambda: True) -> dict:
     """Do the change under the load; check what the requests sent meanwhile saw (each waited for to
     its end: one that stalls shows as its TTFT), and the cluster after it. Returns the figures
     (benchmarks.md's table)."""
     t0 = time.monotonic()
     do()
     t1 = time.monotonic()
-    status = settled(cluster, prefill, decode)
+    status = settled(cluster, prefill, decode, after=after)
     paired = time.monotonic() - t0
     time.sleep(AFTER_S)
     t2 = max(t1, time.monotonic() - AFTER_S)

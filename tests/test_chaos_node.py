@@ -36,7 +36,8 @@ def test_a_node_dies_under_load_and_its_replicas_come_back_on_the_other(tmp_path
             where = placed(c.status())
             assert list(where.values()).count("127.0.0.2") == 2, where  # spread: one of each role there
             steady(c)
-            change(c, lambda: nodes.kill_node("127.0.0.2"), 2, 2, "a Ray node's processes SIGKILLed")
+            change(c, lambda: nodes.kill_node("127.0.0.2"), 2, 2, "a Ray node's processes SIGKILLed",
+                   after=lambda: c.output().count("serving again") >= 2)  # its prefill and decode replaced
             assert "127.0.0.2" not in placed(c.status()).values()  # the lost ones came back on the head
         finally:
             if getattr(c, "load", None) is not None:

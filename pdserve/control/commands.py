@@ -328,45 +328,50 @@ def status(address: str, watch: bool = False, interval: float = 2.0) -> int:
     if watch and interval <= 0:
         raise ValueError(f"--interval: {interval:g}; it must be above 0 seconds")
     controller = _controller(address)  # first: it readies the environment Ray reads once, on import
-    import ray
-
     if watch:
         from pdserve.control import watch as live
 
         return live.run(controller, interval)
 
-    s = ask(controller, "status")
+    for line in status_lines(ask(controller, "status")):
+        print(line)
+    return 0
+
+
+def status_lines(s: dict) -> list[str]:
+    """`pdserve status`'s lines, from the controller's status."""
     restarts = s.get("restarts", {})
+    out = []
 
     def restarted(name: str) -> str:
         n = restarts.get(name, 0)
         return f", restarted {n}x" if n else ""
 
-    print(f"state: {s['state']}")
-    print(f"pdserve-controller (pid {s['pid']})")
+    out.append(f"state: {s['state']}")
+    out.append(f"pdserve-controller (pid {s['pid']})")
     for kind, url in s["endpoints"].items():
-        print(f"{kind}: {url}")
+        out.append(f"{kind}: {url}")
     for name, r in s["replicas"].items():
         on = _on_nodes(s.get("nodes", {}).get(name, {}))
         if isinstance(r, str):
-            print(f"{name}{on}: {r}{restarted(name)}")
+            out.append(f"{name}{on}: {r}{restarted(name)}")
         else:
             group = f" ({r.ranks} expert-parallel ranks)" if r.ranks > 1 else f" (pid {r.pid})"
-            print(f"{name}{group}{on}: running {r.running}, waiting {r.waiting}, KV blocks used "
-                  f"{r.total_blocks - r.free_blocks}/{r.total_blocks}{restarted(name)}")
+            out.append(f"{name}{group}{on}: running {r.running}, waiting {r.waiting}, KV blocks used "
+                       f"{r.total_blocks - r.free_blocks}/{r.total_blocks}{restarted(name)}")
     for name, r in s.get("routers", {}).items():
         if isinstance(r, str):
-            print(f"{name}: {r}")
+            out.append(f"{name}: {r}")
         else:
             own = f", own {r['endpoints']['own']}" if "own" in r["endpoints"] else ""
-            print(f"{name} (pid {r['pid']}): streaming {r['in_flight']}{own}{restarted(name)}")
+            out.append(f"{name} (pid {r['pid']}): streaming {r['in_flight']}{own}{restarted(name)}")
     for p in s.get("kv_pairs", []):
         if p.get("state") == "failed":  # takes no requests until a retry pairs it
-            print(f"KV {p['worker']} -> {p['peer']}: not paired ({p['reason']}: {p['why']}); attempt "
-                  f"{p['attempts']} failed, next in {p['retry_in_s']:.0f} s")
+            out.append(f"KV {p['worker']} -> {p['peer']}: not paired ({p['reason']}: {p['why']}); attempt "
+                       f"{p['attempts']} failed, next in {p['retry_in_s']:.0f} s")
         elif p["worker"].startswith("pdserve-prefill"):  # each pair once, as prefill -> decode
-            print(f"KV {p['worker']} -> {p['peer']}: {p['backend']} ({p['why']})")
-    return 0
+            out.append(f"KV {p['worker']} -> {p['peer']}: {p['backend']} ({p['why']})")
+    return out
 
 
 def _on_nodes(nodes: dict[str, dict]) -> str:

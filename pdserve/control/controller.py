@@ -174,6 +174,8 @@ class Controller:
                     (end == "decode" or (dw, pw) in self.pairs.records)]
             calls = {(pw, dw): (handles[dw].add_peer.remote(self._metas[pw]) if end == "decode"
                                 else handles[pw].add_peer.remote(self._metas[dw])) for _, pw, _, dw in todo}
+            if not calls:
+                continue
             ray.wait(list(calls.values()), num_returns=len(calls), timeout=60)
             for (pw, dw), ref in calls.items():
                 caller = dw if end == "decode" else pw
@@ -182,7 +184,7 @@ class Controller:
                 except ray.exceptions.RayActorError as e:
                     if caller not in dead:
                         died(caller, e)
-                    self.pairs.failed(pw, dw, "died", f"{caller}'s process died")
+                    self._pair_failed(pw, dw, "died", f"{caller}'s process died; it is being replaced")
                     continue
                 except ray.exceptions.GetTimeoutError:
                     self._pair_failed(pw, dw, "timeout", f"{caller} did not answer the handshake within 60 s")
