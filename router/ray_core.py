@@ -370,7 +370,7 @@ class RayCore:
         deadline = time.monotonic() + self.replica_wait_s
         while missing := [r for r in roles if not self.health.live(self._replicas_of(r))]:
             if time.monotonic() >= deadline or self.draining:
-                if run.lost is None:
+                if run.lost is None or not run.tokens:  # nothing streamed yet: the 503 a new request gets
                     raise self.health.unavailable(missing[0])
                 raise ServingError(f"{run.lost}; no live {missing[0]} replica took it over within "
                                    f"{self.replica_wait_s:g} s")
