@@ -39,16 +39,11 @@ def replicas(status: str, role: str) -> list[str]:
                    if ln.startswith(f"pdserve-{role}-")})
 
 
-def settled(cluster: Cluster, prefill: int, decode: int, timeout_s: float = 120, after=lambda: True) -> str | None:
+def settled(cluster: Cluster, prefill: int, decode: int, timeout_s: float = 60) -> str | None:
     """Until `pdserve status` shows the cluster running with these replicas, every one serving,
-    and every prefill worker paired with every decode worker; that status, or None after timeout_s.
-    `after`: a cheap condition (on `pdserve up`'s output) that must hold before status is worth
-    asking — each `pdserve status` is a process joining Ray, seconds of the 2 cores' CPU."""
+    and every prefill worker paired with every decode worker; that status, or None after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not after():
-            time.sleep(0.2)
-            continue
         s = cluster.status()
         if "state: running" in s and "down:" not in s and "draining" not in s and \
                 (len(replicas(s, "prefill")), len(replicas(s, "decode"))) == (prefill, decode) and \
@@ -60,17 +55,23 @@ def settled(cluster: Cluster, prefill: int, decode: int, timeout_s: float = 120,
 
 def change(cluster: Cluster, do, prefill: int, decode: int, what: str = "", after=lambda: True) -> dict:
     """Do the change under the load; check what the requests sent meanwhile saw (each waited for to
-    its end: one that stalls shows as its TTFT), and the cluster after it. Returns the figures
-    (benchmarks.md's table)."""
+    its end: one that stalls shows as its TTFT), and the cluster after it. `after`: a cheap
+    condition on `pdserve up`'s output that says the change is over (a replacement serving).
+    Returns the figures (benchmarks.md's table)."""
     t0 = time.monotonic()
     do()
-    t1 = time.monotonic()
-    status = settled(cluster, prefill, decode, after=after)
-    paired = time.monotonic() - t0
+    # The change is over once `after` holds (a `pdserve scale` call returns once its new replicas
+    # serve, every pair made, or its removed ones stopped). `pdserve status` is asked only after the
+    # window: each call is a process joining Ray, seconds of the 2 cores' CPU the load would feel.
+    deadline = time.monotonic() + 120
+    while not after() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    end = time.monotonic()
     time.sleep(AFTER_S)
-    t2 = max(t1, time.monotonic() - AFTER_S)
     cluster.load.drain(timeout_s=180)  # (a stalled request ends after the lease: 60 s)
-    w = cluster.load.window(t0, t2)
+    w = cluster.load.window(t0, end + AFTER_S)
+    status = settled(cluster, prefill, decode)
+    paired = end - t0 if status is not None else float("inf")
     figures = {"sent": w.sent, "failed": w.failed, "resent": cluster.load.resent, "p99_s": round(w.ttft_p99(), 3),
                "max_s": round(w.ttft_max(), 3), "steady_p99_s": round(cluster.steady_p99, 3),
                "paired_s": round(paired, 2)}

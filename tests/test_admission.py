@@ -7,7 +7,7 @@ import time
 import pytest
 
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.messages import NewRequest
+from pdserve.messages import NewRequest, Unpaired
 from pdserve.protocol import SamplingParams
 from pdserve.worker.colocated import ColocatedWorker
 
@@ -93,9 +93,17 @@ def test_a_reservation_overtaken_by_its_abort_is_answered_and_holds_no_blocks():
     try:
         worker.abort(["r7"])
         t0 = time.monotonic()
-        [answer] = worker.reserve([NewRequest("r7", [1, 2, 3], PARAMS, prefill_id="p")], "router")
+        [answer] = worker.reserve([NewRequest("r7", [1, 2, 3], PARAMS)], "router")
         assert time.monotonic() - t0 < 5  # answered at the next boundary, not left to hang
         assert answer.handle is None and answer.refused is not None
         assert "r7" not in worker.engine.seqs and worker.engine.pool.num_free_blocks == 64
+
+        # A reservation naming a prefill worker this one has no KV handshake with: its KV could never
+        # come, so it is answered Unpaired at once (the router reserves over another pair), holding nothing.
+        [answer] = worker.reserve([NewRequest("r8", [1, 2, 3], PARAMS, prefill_id="p")], "router")
+        assert answer.handle is None and answer.refused is None
+        assert answer.unpaired == Unpaired("reserve-abort-test", "p")
+        assert "r8" not in worker.engine.seqs and worker.engine.pool.num_free_blocks == 64
+        assert worker.stats().kv_peers == []
     finally:
         worker.loop.stop()

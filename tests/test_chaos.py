@@ -9,12 +9,15 @@ a user sees: 0 requests failed, TTFT p99 of the requests sent during the change 
 The cases share the module's cluster: each starts from the 1 + 1 it found and leaves it so.
 """
 
+import asyncio
 import os
 import signal
+import time
 
+import openai
 import pytest
 
-from chaos import change, pairs, scale, steady
+from chaos import STALL_S, change, pairs, scale, steady
 from serving_cluster import Cluster
 
 
@@ -46,6 +49,8 @@ def test_scale_both_up_pairs_the_new_with_the_new_and_nothing_stalls(cluster):
     change(cluster, scale(cluster, prefill=2, decode=2), 2, 2, "both 1+1 -> 2+2")
     s = cluster.status()
     assert ("pdserve-prefill-1", "pdserve-decode-1") in pairs(s), s
+    # The issue's probe: 16 requests at once spread over every pair; none may wait out a lease.
+    assert max(probe(cluster.url, 16)) <= STALL_S
     assert _metric(cluster, "pdserve_request_migrations_total") == before
     assert _metric(cluster, "pdserve_kv_transfer_failures_total") == 0
     change(cluster, scale(cluster, prefill=1, decode=1), 1, 1, "both 2+2 -> 1+1")
@@ -83,6 +88,20 @@ def test_kill_the_controller(cluster):
     assert "recovered 2 replicas and 2 routers" in cluster.output(), cluster.output()
     change(cluster, scale(cluster, prefill=2), 2, 1, "prefill 1 -> 2 (restarted controller)")
     change(cluster, scale(cluster, prefill=1), 1, 1, "prefill 2 -> 1 (restarted controller)")
+
+
+def probe(url: str, n: int) -> list[float]:
+    """n greedy requests sent at once (with the steady load); each one's seconds to its answer."""
+    async def one(client, i):
+        t0 = time.monotonic()
+        await client.completions.create(model="tiny-moe", prompt=f"probe {i} " * (1 + i % 5), max_tokens=4,
+                                        temperature=0)
+        return time.monotonic() - t0
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(n)))
+    return asyncio.run(all_of_them())
 
 
 def _metric(cluster: Cluster, series: str) -> float:
