@@ -17,6 +17,7 @@ from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.warm_up import WarmUp, warm_up
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.inbox import Abort, Reserve
+from pdserve.worker.start_priority import back_to, yield_while_starting
 from pdserve.messages import KVEvents, NewRequest, Refusal, ReplicaStats, ReserveResult, WorkerStartup
 from pdserve.protocol import InvalidRequestError
 
@@ -78,6 +79,7 @@ class Replica:
         group (the followers, pdserve/worker/tp_follower.py, join it too) and hands each step's
         batch to them."""
         self._began = (time.time(), time.perf_counter())  # for startup(): the process is up, its imports done
+        self._priority = yield_while_starting()  # back to it once ready (start_priority.py)
         if engine_config.device == "cpu":
             torch.set_num_threads(cpu_threads)  # several workers share the host's cores
         engine_config = engine_config.model_copy(update={"device": assigned_device(engine_config.device)})
@@ -113,6 +115,7 @@ class Replica:
         if _in_actor():  # (a worker built in a test's own process leaves that process's collector be)
             heap.settle()  # the engine, its KV cache and connector are built: no collection walks them (heap.py)
         self._early_aborts: dict[str, float] = {}  # request id -> when its abort came, before the request
+        back_to(self._priority)  # every thread the start made; the loop's thread is made after
         self.loop = EngineLoop(self._step, self._admit, f"{self.name}-engine", on_death=self._engine_died)
         self._ready_s = time.perf_counter() - self._began[1]
 
