@@ -186,10 +186,23 @@ def test_watch_shows_replicas_and_latency_until_ctrl_c_and_ends_once_the_cluster
         assert cluster.stop() == 0, cluster.output()
 
 
+def _reuse_port_socket(port: int = 0) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", port))
+    return s
+
+
 def test_the_gcs_is_asked_by_tcp_and_a_call_is_waited_on_with_a_deadline():
     hung = threading.Event()  # a Ray call that never returns (until set, at the end: its threads end)
-    with socket.create_server(("127.0.0.1", 0)) as server:  # port 0: any free one
-        gcs = f"127.0.0.1:{server.getsockname()[1]}"
+    # The "GCS": a listener on port 0 (any free one), beside a socket bound to the same port that
+    # never listens: once the listener closes, connections are refused and the port stays ours (no
+    # other test can take it and answer in its place).
+    with _reuse_port_socket() as holder:
+        port = holder.getsockname()[1]
+        gcs = f"127.0.0.1:{port}"
+        server = _reuse_port_socket(port)
+        server.listen()
         assert gcs_answers(gcs)
         assert call(lambda: 42, time.monotonic() + 5, gcs, 0.1) == 42
         with pytest.raises(ZeroDivisionError):  # the call's own error, raised here
@@ -203,8 +216,8 @@ def test_the_gcs_is_asked_by_tcp_and_a_call_is_waited_on_with_a_deadline():
         with pytest.raises(Gone, match=gcs):
             call(hung.wait, time.monotonic() + 30, gcs, 0.1)
         assert time.monotonic() - t0 < 2
+        assert not gcs_answers(gcs) and not gcs_answers("not-an-address")
     hung.set()
-    assert not gcs_answers(gcs) and not gcs_answers("not-an-address")
 
 
 def test_the_terminal_view_draws_the_same_rows():
