@@ -137,8 +137,6 @@ class NixlBackend:
         if name != peer.engine_id:
             self.agent.remove_remote_agent(name)
             raise ValueError(f"peer {peer.engine_id!r} sent NIXL metadata of agent {name!r}")
-        # The connection now, at the handshake, not on the request whose KV moves first.
-        self._quietly(lambda: self.agent.make_connection(peer.engine_id), "connect to", peer.engine_id)
         mem, dev = _mem(peer.device)
         try:
             dlist = self.agent.prep_xfer_dlist(
