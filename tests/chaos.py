@@ -74,7 +74,10 @@ def change(cluster: Cluster, do, prefill: int, decode: int, what: str = "", afte
     paired = end - t0 if status is not None else float("inf")
     figures = {"sent": w.sent, "failed": w.failed, "resent": cluster.load.resent, "p99_s": round(w.ttft_p99(), 3),
                "max_s": round(w.ttft_max(), 3), "steady_p99_s": round(cluster.steady_p99, 3),
-               "paired_s": round(paired, 2)}
+               "paired_s": round(paired, 2),
+               # the slowest three: when each was sent after the change began, and its TTFT (s)
+               "slowest": [(round(r.at - t0, 2), round(r.ttft, 3)) for r in
+                           sorted((r for r in w.requests if r.ttft is not None), key=lambda r: -r.ttft)[:3]]}
     print("chaos:", what, figures)
     if log := os.environ.get("PDSERVE_CHAOS_LOG"):  # benchmarks.md's table: a JSON line per change
         with open(log, "a") as f:
