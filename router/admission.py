@@ -1,123 +1,24 @@
-"""The router's admission queue: new requests that no replica can take now (every decode replica's
-sequence slots or KV blocks taken, every prefill or colocated replica holding its share of this
-router's requests) wait here, in order of priority (the lower first, as vLLM's `priority`) and then
-of arrival, instead of being refused at once.
+"""Admission: whether a new request enters now, waits, or is refused — the router's one door.
 
-Bounded in number and in time: at most router.max_queued wait, each at most router.queue_wait_s.
-A new request that finds the queue full takes the place of the last sleeping one of a lower
-priority, if any — that one gets the 429 (`displaced`): the queue then holds what matters most, and
-the request refused is one that would have been served after the newcomer anyway — else it gets
-the 429 itself (`queue_full`). A request whose client leaves is simply dropped (its coroutine is
-cancelled where it sleeps).
-
-Waiters sleep; nothing polls. The router wakes them when room may have appeared — one of its
-requests gave back a slot or got its first token (its prefill replica has room), or fresh replica
-stats came in (other routers' requests finish too) — one at a time, the first sleeping one in
-order first. A woken waiter tries to place its request; when that fails it sleeps again, keeping
-its place, and when it succeeds the next is woken (there may be room for more)."""
+A new request that no replica can take now (every decode replica's sequence slots or KV blocks
+taken, every prefill or colocated replica holding router.max_queued_per_replica of this router's
+requests) waits in the queue (router/admission_queue.py) rather than being refused; a 429 when the
+queue is full or its wait ends. With router.refuse_over_slo, one whose forecast time to first token
+(router/forecast.py) is over the SLO is refused at once. A moving request was admitted once: it
+waits behind nobody. While the router drains, nothing new enters (503).
+"""
 
 import asyncio
-import bisect
-import itertools
 import time
 from dataclasses import dataclass
 
-from pdserve.router.types import GenerateRequest, OverloadedError
+from pdserve.router.admission_queue import AdmissionQueue
+from pdserve.router.attempt import Attempt
+from pdserve.router.forecast import SlotHolder, TTFTForecast
+from pdserve.router.replica_set import ReplicaSet
+from pdserve.router.types import GenerateRequest, NoCapacityError, OverloadedError, ReplicaUnavailableError
 
-
-@dataclass(eq=False)
-class Waiter:
-    request: GenerateRequest
-    number: int  # arrival order at this router
-    deadline: float  # time.monotonic() by which it is placed, or refused
-    wake: asyncio.Future | None = None  # while it sleeps
-    refused: OverloadedError | None = None  # displaced by a request of a higher priority
-
-    @property
-    def order(self) -> tuple[int, int]:
-        return self.request.priority, self.number
-
-    @property
-    def sleeping(self) -> bool:
-        return self.wake is not None and not self.wake.done()
-
-
-class AdmissionQueue:
-    def __init__(self, limit: int, wait_s: float, metrics=None):
-        self.limit = limit  # router.max_queued
-        self.wait_s = wait_s  # router.queue_wait_s
-        self.metrics = metrics
-        self.waiters: list[Waiter] = []  # in order: priority, then arrival
-        self._numbers = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self.waiters)
-
-    def ahead(self, priority: int) -> list[Waiter]:
-        """Those a new request of `priority` would wait behind: every waiter of its priority or a lower value."""
-        return self.waiters[:bisect.bisect_right(self.waiters, (priority, float("inf")), key=lambda w: w.order)]
-
-    def join(self, request: GenerateRequest, retry_after_s: float = 1.0) -> Waiter:
-        """Queue a request; raises OverloadedError when the queue is full of requests that go first."""
-        if len(self.waiters) >= self.limit:
-            victim = next((w for w in reversed(self.waiters) if w.sleeping and w.request.priority > request.priority),
-                          None)
-            if victim is None:
-                raise OverloadedError(f"the router's queue is full: {len(self.waiters)} requests wait "
-                                      f"(router.max_queued), none of a lower priority", "queue_full", retry_after_s)
-            self._refuse(victim, OverloadedError(
-                f"a request of a higher priority took this one's place in the router's full queue "
-                f"(router.max_queued {self.limit})", "displaced", retry_after_s))
-        w = Waiter(request, next(self._numbers), time.monotonic() + self.wait_s)
-        bisect.insort(self.waiters, w, key=lambda q: q.order)
-        self._depth()
-        return w
-
-    def leave(self, w: Waiter) -> None:
-        """The waiter's request is placed, refused or gone."""
-        i = bisect.bisect_left(self.waiters, w.order, key=lambda q: q.order)
-        if i < len(self.waiters) and self.waiters[i] is w:
-            del self.waiters[i]
-            self._depth()
-
-    async def wait(self, w: Waiter) -> None:
-        """Sleep until woken (room may have appeared); raises OverloadedError at the waiter's
-        deadline or when it was displaced."""
-        if w.refused is not None:
-            raise w.refused
-        loop = asyncio.get_running_loop()
-        w.wake = loop.create_future()
-        try:
-            async with asyncio.timeout(max(0.0, w.deadline - time.monotonic())):
-                await w.wake
-        except TimeoutError:
-            raise OverloadedError(f"no replica had room for the request within router.queue_wait_s "
-                                  f"({self.wait_s:g} s)", "queue_timeout") from None
-        finally:
-            w.wake = None
-        if w.refused is not None:
-            raise w.refused
-
-    def wake(self, n: int = 1) -> None:
-        """Wake the first `n` sleeping waiters, in order."""
-        for w in self.waiters:
-            if n <= 0:
-                break
-            if w.sleeping:
-                w.wake.set_result(None)
-                n -= 1
-
-    def wake_all(self) -> None:
-        self.wake(len(self.waiters))
-
-    def _refuse(self, w: Waiter, error: OverloadedError) -> None:
-        self.leave(w)
-        w.refused = error
-        w.wake.set_result(None)  # (it sleeps: only a sleeping waiter is displaced)
-
-    def _depth(self) -> None:
-        if self.metrics:
-            self.metrics.set_queue_depth(len(self.waiters))
+MOVE_RETRY_S = 0.05  # how often a moving request whose decode replicas are all full asks again
 
 
 @dataclass
@@ -138,3 +39,130 @@ class AdmissionPolicy:
         step = cfg.colocated.max_batch_tokens if cfg.colocated.replicas else cfg.prefill.max_batch_tokens
         return cls(r.max_queued, r.max_queued_per_replica, r.queue_wait_s, r.refuse_over_slo,
                    cfg.slo.ttft_ms / 1000.0, step)
+
+
+class AdmissionGate:
+    def __init__(self, policy: AdmissionPolicy, replicas: ReplicaSet, metrics=None, replica_wait_s: float = 30.0):
+        """replica_wait_s: router.replica_wait_s, how long a moving request asks for room."""
+        self.policy = policy
+        self.replicas = replicas
+        self.metrics = metrics
+        self.replica_wait_s = replica_wait_s
+        self.queue = AdmissionQueue(policy.max_queued, policy.queue_wait_s, metrics)
+        self.forecast = TTFTForecast(policy.prefill_step_tokens)
+        self._draining = False  # shutting down: nothing new enters
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        if value:  # the queued hear it now (503), not at their deadline
+            self.queue.wake_all()
+
+    def closed_error(self) -> ReplicaUnavailableError:
+        return ReplicaUnavailableError("the service is shutting down; retry on another instance")
+
+    def has_room(self, replica: str) -> bool:
+        """Whether a prefill (or colocated) replica holds fewer than router.max_queued_per_replica of
+        our requests without a first token."""
+        return self.replicas.prompts.get(replica, 0) < self.policy.max_queued_per_replica
+
+    def wake(self) -> None:
+        """Room may have come free: the first waiter tries again."""
+        if self.queue:
+            self.queue.wake()
+
+    async def admit(self, request: GenerateRequest, run: Attempt, place):
+        """`place()` until it places the attempt (each call one try; None: no replica has room now).
+
+        A new request that finds no room — or others waiting already — waits in the queue and tries
+        again each time it is woken. A moving request asks again every MOVE_RETRY_S up to
+        replica_wait_s (the blocks its lost attempt reserved are being freed by the abort sent as it
+        ended, and that abort may reach the decode worker after this reservation does)."""
+        if run.move > 0:
+            deadline = time.monotonic() + self.replica_wait_s
+            while (placed := await place()) is None:
+                if time.monotonic() >= deadline or self.draining:
+                    raise NoCapacityError("every decode replica is full; retry later")
+                await asyncio.sleep(MOVE_RETRY_S)
+            return placed
+        since = time.monotonic()
+        waiter = placed = None
+        try:
+            if not self.queue and (placed := await place()) is not None:
+                return placed
+            waiter = self.queue.join(request)
+            while True:
+                await self.queue.wait(waiter)
+                if self.draining:
+                    raise self.closed_error()
+                if (placed := await place()) is not None:
+                    self.queue.wake()  # there may be room for the next one too
+                    return placed
+        except OverloadedError as e:
+            self.count_refused(e.reason)
+            raise
+        finally:
+            if waiter is not None:
+                self.queue.leave(waiter)
+            if placed is not None and self.metrics:
+                self.metrics.observe_queue_wait(time.monotonic() - since)
+
+    def refuse_over_slo(self, request: GenerateRequest, attempts) -> None:
+        """Refuse (429) a new request whose forecast time to first token is over slo.ttft_ms
+        (router.refuse_over_slo); nothing is refused before the replicas have measured their steps.
+        attempts: this router's attempts under way."""
+        if not self.policy.refuse_over_slo:
+            return
+        ttft = self.forecast_ttft(request, attempts)
+        if ttft is None:
+            return
+        if self.metrics:
+            self.metrics.observe_forecast(ttft)
+        slo = self.policy.ttft_slo_s
+        if ttft > slo:
+            self.count_refused("predicted_ttft")
+            raise OverloadedError(f"its first token would come in about {ttft * 1000:.0f} ms, over the service's "
+                                  f"{slo * 1000:g} ms objective (slo.ttft_ms)", "predicted_ttft",
+                                  retry_after_s=max(1.0, ttft - slo))
+
+    def forecast_ttft(self, request: GenerateRequest, attempts) -> float | None:
+        """Seconds a new request would wait for its first token (router/forecast.py), or None
+        without the measurements to tell."""
+        rs = self.replicas
+        colocated = rs.colocated_cluster
+        slot_replicas, prompt_replicas = (rs.colocated, rs.colocated) if colocated else (rs.decode, rs.prefill)
+        holders, line = [], []
+        for run in attempts:  # this router's requests: in a slot, or first in line for one
+            if run.slot is None:
+                continue
+            r = run.request
+            if colocated and not run.streaming:  # at its replica, but perhaps queued there for a slot
+                line.append((r.params, len(r.prompt_ids)))
+            else:
+                holders.append(SlotHolder(r.params, len(r.prompt_ids), len(run.tokens), run.streaming))
+        pool = self.forecast.pool([rs.stats[n] for n in rs.health.live(slot_replicas) if n in rs.stats], len(holders))
+        prompt_at = min(rs.health.live(prompt_replicas), key=lambda n: rs.prompt_tokens.get(n, 0), default=None)
+        if pool is None or prompt_at is None:
+            return None
+        line += [(w.request.params, len(w.request.prompt_ids)) for w in self.queue.ahead(request.priority)]
+        wait = self.forecast.slot_wait(pool, holders, line, prompt_at, request.params)
+        # Its prompt is computed behind those queued at the prefill replica now, if it gets a slot now;
+        # later, that queue has moved on: alone.
+        ahead = rs.prompt_tokens.get(prompt_at, 0) if wait == 0 else 0
+        ttft = wait + self.forecast.prefill_s(prompt_at, ahead + len(request.prompt_ids))
+        if not colocated:  # the KV's way to the decode replica, and the step that hands out the first token
+            ttft += self.forecast.transfer_s.get(prompt_at, 0.0) + pool.step_s
+        return ttft
+
+    def replica_stats(self, name: str, s) -> None:
+        """A replica's fresh stats (the replica set's poll): the forecast's fit of its step costs."""
+        if self.policy.refuse_over_slo:
+            self.forecast.refit(name, s)
+
+    def count_refused(self, reason: str) -> None:
+        if self.metrics:
+            self.metrics.count_refused(reason)

@@ -96,7 +96,7 @@ class Dashboard:
             return None
 
     def _own_status(self) -> dict:
-        """What this router knows, in the shape of the controller's status. A RayCore has the replicas'
+        """What this router knows, in the shape of the controller's status. A RouterCore has the replicas'
         latest stats, their restarts and its streams; a core without them (LocalCore) shows none."""
         core = self.core
         replicas: dict = dict(getattr(core, "stats", {}))

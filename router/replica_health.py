@@ -1,7 +1,7 @@
 """Which replicas a router may use, and which of its requests wait on each. A replica found down
 (its process died, its engine loop stopped, or it stopped answering) takes no new work, and the
 requests waiting on it hear at once that it is lost (the router then moves them to a live replica:
-ray_core.py) instead of waiting forever. A draining replica takes no new work but keeps what it
+lifecycle.py) instead of waiting forever. A draining replica takes no new work but keeps what it
 holds. Bringing a replica back is the controller's job: it tells the router (`join`)."""
 
 import asyncio

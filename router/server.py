@@ -17,7 +17,7 @@ from pdserve.router.admission import AdmissionPolicy
 from pdserve.router.http_api import build_app
 from pdserve.router.listen import bind_listener, claim_shared
 from pdserve.router.metrics import Metrics
-from pdserve.router.ray_core import RayCore
+from pdserve.router.core import RouterCore
 from pdserve.router.tenants import ApiKey, Tenants
 from pdserve.router.tls import grpc_credentials, uvicorn_options
 
@@ -65,7 +65,7 @@ class Router:
         self.config = config
         self.replicas = replicas
         self.namespace = namespace
-        self.core: RayCore | None = None
+        self.core: RouterCore | None = None
         self._router_restarts: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
         self.endpoints: dict[str, str] = {}
@@ -99,7 +99,7 @@ class Router:
         tokenizer = load_tokenizer(cfg.model.path, eos_token_ids=args.eos_token_ids)
         max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         self.metrics = Metrics(self.name)
-        self.core = RayCore(self.name, cfg.model.path, max_len, tokenizer, self.replicas, cfg.router.policy,
+        self.core = RouterCore(self.name, cfg.model.path, max_len, tokenizer, self.replicas, cfg.router.policy,
                             self.metrics, cfg.router.migration_limit, cfg.router.replica_wait_s,
                             AdmissionPolicy.of(cfg), cfg.kv_transfer.block_size)
         await self._meet(self.replicas)  # (their empty deliver reaches the core: after it is built)

@@ -1,4 +1,4 @@
-"""The router's admission queue (router/admission.py) and TTFT forecast (router/forecast.py) on their
+"""The router's admission queue (router/admission_queue.py) and TTFT forecast (router/forecast.py) on their
 own: the order waiters are served in, the bounds, and the forecast's arithmetic against sums done by
 hand. The cluster tests (test_overload.py, test_router_queue.py) run both for real."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.messages import ReplicaStats
 from pdserve.protocol import SamplingParams
-from pdserve.router.admission import AdmissionQueue
+from pdserve.router.admission_queue import AdmissionQueue
 from pdserve.router.forecast import SlotHolder, TTFTForecast
 from pdserve.router.types import GenerateRequest, OverloadedError
 

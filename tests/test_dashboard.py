@@ -17,7 +17,7 @@ from pdserve.engine.engine import Engine
 from pdserve.messages import ReplicaStats
 from pdserve.router.http_api import build_app
 from pdserve.router.metrics import Metrics
-from pdserve.router.ray_core import RayCore
+from pdserve.router.core import RouterCore
 from local_core import LocalCore, Served
 from serving_cluster import Cluster
 
@@ -84,15 +84,15 @@ def test_the_page_and_its_files_are_served_from_the_package(app_url):
 
 def test_prefix_cache_counters_follow_the_replicas_cumulative_tokens():
     metrics = Metrics("r")
-    core = RayCore("r", "tiny-moe", 64, None, [], "kv-aware", metrics)
+    core = RouterCore("r", "tiny-moe", 64, None, [], "kv-aware", metrics)
 
     def stats(queries: int, hits: int) -> ReplicaStats:
         return ReplicaStats("pdserve-prefill-0", "prefill", 0, 0, 10, 10, 0,
                             profile={"prefix_queries": queries, "prefix_hits": hits})
 
-    core._record(stats(100, 0), None)
-    core._record(stats(250, 96), stats(100, 0))
-    core._record(stats(40, 16), None)  # a replacement counts from 0 again: its first report is all new
+    core.replicas.record(stats(100, 0), None)
+    core.replicas.record(stats(250, 96), stats(100, 0))
+    core.replicas.record(stats(40, 16), None)  # a replacement counts from 0 again: its first report is all new
 
     def value(name: str) -> float:
         return metrics.registry.get_sample_value(name, {"replica": "pdserve-prefill-0"})

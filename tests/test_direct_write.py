@@ -1,4 +1,4 @@
-"""A stream's ordinary deltas written by the router's `deliver` at once (RayCore -> _DirectSSE),
+"""A stream's ordinary deltas written by the router's `deliver` at once (RouterCore -> _DirectSSE),
 without a wake of the stream's coroutine: every stream still gets every token once and in order,
 also when the client reads slowly and the transport makes writes wait; and `run_now`, which runs
 the ASGI send in its caller, behaves as awaiting it would."""
@@ -23,7 +23,7 @@ def expected_text(n: int) -> str:
 
 @pytest.fixture(scope="module")
 def served():
-    # One real router (RayCore, the OpenAI front end, uvicorn) over a synthetic worker that steps
+    # One real router (RouterCore, the OpenAI front end, uvicorn) over a synthetic worker that steps
     # through the real RouterStreams: deltas come one step at a time, as from an engine (each test
     # sets the pace: `pace`).
     actors, url, _pids = router_stream.start(max_ahead=64, step_s=0.02)

@@ -6,7 +6,7 @@ import sys
 
 # Every module the Router actor loads (pdserve.router.server and what it imports, gRPC included; the
 # dashboard's watch.py figures, and the controller module it looks the controller's name up in).
-ROUTER_MODULES = ["pdserve.router.server", "pdserve.router.ray_core", "pdserve.router.http_api",
+ROUTER_MODULES = ["pdserve.router.server", "pdserve.router.core", "pdserve.router.http_api",
                   "pdserve.router.grpc_server", "pdserve.router.metrics", "pdserve.router.replica_health",
                   "pdserve.router.decode_replica", "pdserve.router.dashboard", "pdserve.control.watch",
                   "pdserve.control.controller", "pdserve.config", "pdserve.tokenizer", "pdserve.models",

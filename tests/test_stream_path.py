@@ -32,7 +32,7 @@ MODEL = "scripted"
 
 class ScriptedCore:
     """A ServingCore that plays every request one script: wakes of deltas (all of a wake but its
-    last marked `more`, as RayCore marks the deltas it already holds), a pause before each later
+    last marked `more`, as RouterCore marks the deltas it already holds), a pause before each later
     wake. An exception in a wake is raised there, as the core raises a failure."""
 
     model_name = MODEL
@@ -150,7 +150,7 @@ def test_a_client_leaving_between_wakes_closes_the_request_at_once():
     t0 = time.monotonic()
     asyncio.run(call_asgi(build_app(core, metrics), STREAM, leave_after_sends=2))  # headers, the first wake
     assert time.monotonic() - t0 < 10
-    assert core.closed == [False]  # closed unfinished: RayCore aborts it on its replica
+    assert core.closed == [False]  # closed unfinished: RouterCore aborts it on its replica
     assert metrics.registry.get_sample_value("pdserve_requests_aborted_total", {"role": "router"}) == 1
 
 

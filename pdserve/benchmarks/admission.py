@@ -12,10 +12,10 @@ With `--rate inf` and equal output lengths a whole batch of requests ends in one
 their successors reach the router as one burst; each is parsed, validated and handed off on the
 router's one event loop, so the last of a burst waits for all the others (issue 18). This measures
 that cost alone. The router runs in a process of its own, as in a cluster: the real OpenAI app
-(`build_app`), served by uvicorn (httptools, uvloop as in a Ray actor), over the real `RayCore`
+(`build_app`), served by uvicorn (httptools, uvloop as in a Ray actor), over the real `RouterCore`
 and its `HandOff` batching, behind which one synthetic colocated replica stands in for the Ray
 actor: it answers each batched hand-off at once, delivers every request's first token with the
-answer and its last after `--step-ms` (an engine step), through `RayCore.deliver`. Ray's own cost
+answer and its last after `--step-ms` (an engine step), through `RouterCore.deliver`. Ray's own cost
 (pickling, the actor call) is not in the figure; everything the router's code does is.
 
 The client, in this process, opens C keep-alive connections, then sends C streaming
@@ -66,7 +66,7 @@ class SyntheticReplica:
 
     def __init__(self, name: str, step_s: float):
         self.name, self.step_s = name, step_s
-        self.core = None  # the RayCore it delivers to, set once built
+        self.core = None  # the RouterCore it delivers to, set once built
         self.generate = _Remote(self._generate)
         self.abort = _Remote(lambda request_ids: None)
         self.stats = _Remote(self._stats)
@@ -93,7 +93,7 @@ class SyntheticReplica:
 
 
 def serve(step_s: float, loop_kind: str) -> None:
-    """The router: the real app over a RayCore whose one replica is synthetic. Prints `READY <port>`,
+    """The router: the real app over a RouterCore whose one replica is synthetic. Prints `READY <port>`,
     then serves until SIGTERM; SIGUSR1 starts a cProfile of the process's loop, SIGUSR2 writes it
     to the path in $ADMISSION_PROFILE."""
     import uvicorn
@@ -102,13 +102,13 @@ def serve(step_s: float, loop_kind: str) -> None:
     from pdserve.router.http_api import build_app
     from pdserve.router.listen import bind_listener
     from pdserve.router.metrics import Metrics
-    from pdserve.router.ray_core import RayCore
+    from pdserve.router.core import RouterCore
     from pdserve.tokenizer import load_tokenizer
 
     async def main() -> None:
         replica = SyntheticReplica("pdserve-colocated-0", step_s)
         metrics = Metrics("bench-router")
-        core = RayCore("bench-router", MODEL, MAX_MODEL_LEN, load_tokenizer(MODEL),
+        core = RouterCore("bench-router", MODEL, MAX_MODEL_LEN, load_tokenizer(MODEL),
                        [ReplicaChange("colocated", replica.name, {replica.name: replica})], "kv-aware", metrics)
         replica.core = core
         core.stats[replica.name] = await replica.stats.remote()  # live: what refresh_stats would find

@@ -10,7 +10,7 @@ before the router does, and the figure would be the engine's; here one Ray actor
 colocated replica, makes one token per live request per step as fast as it can and streams them
 through the real `RouterStreams` (pdserve/worker/router_streams.py), so everything from the
 worker's `Router.deliver` call to the client's socket is the real path: Ray, the router actor
-(pdserve.router.server.Router over RayCore), the OpenAI front end, uvicorn. The end-to-end
+(pdserve.router.server.Router over RouterCore), the OpenAI front end, uvicorn. The end-to-end
 figure, with the real engine behind the router, is the serving benchmarks' (docs/benchmarks.md).
 
 A client in a process of its own keeps C streaming /v1/completions requests open (token-id

@@ -1,0 +1,344 @@
+"""A request's life across replicas: reserve on a decode replica, prefill on a prefill replica that
+streams the KV there, then relay the decode replica's per-step deltas. In a colocated cluster one
+replica does both phases: hand it the request, relay its deltas.
+
+The router owns a request's life: when a replica serving it is lost (its process died, its KV
+never came, it was cut off at the end of a drain) the request *moves* — its prompt and every token
+already streamed are prefilled again on a live replica (waiting for one, e.g. the replacement the
+controller starts), and the stream goes on from the next token: no gap, no repeated token, and
+greedy output as if nothing happened. Each move is an attempt of its own (router/attempt.py).
+
+Where each decision lives: which replicas — the routing policy (router/routing.py); whether now —
+admission (router/admission.py); which replicas exist and are live, and what we hold at each — the
+replica set (router/replica_set.py). This file strings them together for one request.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from pdserve.messages import KV_FAILED, LOST, NewRequest, RequestDelta, Unpaired
+from pdserve.protocol import InvalidRequestError
+from pdserve.router.admission import AdmissionGate
+from pdserve.router.attempt import Attempt, Lost, raise_refused
+from pdserve.router.routing import RoutingPolicy
+from pdserve.router.replica_set import ReplicaSet
+from pdserve.router.types import Delta, DirectWriter, GenerateRequest, ServingError
+
+log = logging.getLogger(__name__)
+LIVE_POLL_S = 0.1  # how often a request waiting for a live replica looks
+
+
+class Lifecycle:
+    def __init__(self, replicas: ReplicaSet, routing: RoutingPolicy, gate: AdmissionGate, max_model_len: int,
+                 block_size: int, metrics=None, migration_limit: int = 3, replica_wait_s: float = 30.0):
+        self.replicas = replicas
+        self.routing = routing
+        self.gate = gate
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.metrics = metrics
+        self.migration_limit = migration_limit
+        self.replica_wait_s = replica_wait_s
+        self.live: dict[str, Attempt] = {}  # attempt id -> the attempt, from its start to its end
+        self._queues: dict[str, asyncio.Queue] = {}  # attempt id -> its deltas
+        self._direct: dict[str, Attempt] = {}  # attempt id -> the attempt, while its deltas may be written at once
+        self.direct_writes = 0  # deltas `deliver` wrote at once (the rest went through a queue)
+
+    def in_flight(self) -> int:
+        """Requests this router streams now."""
+        return len(self._queues)
+
+    def deliver(self, deltas: list[RequestDelta]) -> None:
+        """A decode (or colocated) replica's output of one step, for the requests this router streams.
+        A streaming request's ordinary delta (not its first, not its last, nothing lost) whose stream
+        waits with nothing in hand goes straight to the front end's writer, here, in this call: no
+        queue, no wake of the stream's coroutine — what each token costs the router is mostly that
+        wake. Anything else, or a writer that cannot write now, goes through the queue, in order."""
+        queues, direct = self._queues, self._direct
+        written = 0
+        for d in deltas:
+            run = direct.get(d.request_id)
+            if (run is not None and run.parked and d.finish_reason is None and run.queue.empty()
+                    and run.direct.write(d)):
+                run.sent.extend(d.token_ids)
+                written += 1
+                continue
+            q = queues.get(d.request_id)
+            if q is not None:
+                q.put_nowait(d)
+        self.direct_writes += written
+
+    async def generate(self, request: GenerateRequest, direct: DirectWriter | None = None) -> AsyncIterator[Delta]:
+        if len(request.prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError("prompt", f"is {len(request.prompt_ids)} tokens; the model's context is "
+                                                f"{self.max_model_len} tokens")
+        if self.gate.draining:
+            raise self.gate.closed_error()
+        run = Attempt(request.request_id)
+        sent: list[int] = []  # token ids the client has (a move prefills them again)
+        finished = False
+        try:
+            self.gate.refuse_over_slo(request, self.live.values())  # at once: nothing placed, nothing to undo
+            run = await self._start(request, run, sent)
+            dispatched = time.perf_counter()
+            while not finished:
+                run.parked = True
+                try:
+                    d: RequestDelta = await run.queue.get()
+                finally:
+                    run.parked = False
+                if d.finish_reason == LOST:
+                    run = await self._move(request, run, sent, Lost(d.error or "a replica serving the "
+                                                                    "request was lost", self._lost_role(run)))
+                    continue
+                if d.finish_reason == KV_FAILED:  # both replicas live: the transfer failed, not a replica
+                    run = await self._move(request, run, sent, Lost(d.error or "its KV transfer failed",
+                                                                    "decode", transfer="failed"))
+                    continue
+                if not run.streaming:
+                    self._first_delta(run, dispatched, direct, sent)
+                if d.finish_reason == "error":  # left unfinished: the live holders drop it too
+                    raise ServingError(d.error or "the request failed")
+                finished = d.finish_reason is not None
+                sent.extend(d.token_ids)
+                if finished:
+                    self.gate.forecast.finished(len(sent))
+                yield Delta(d.text, d.token_ids, d.finish_reason, d.logprobs, more=not run.queue.empty())
+        finally:
+            self._end(run, finished)
+
+    def _first_delta(self, run: Attempt, dispatched: float, direct: DirectWriter | None, sent: list[int]) -> None:
+        """The attempt's first token came: its prefill replica's part is done."""
+        if run.move == 0:
+            self._phase("first_token", dispatched)
+        health = self.replicas.health
+        for name in self.replicas.prefill.keys() & run.holders.keys():
+            health.done_with(name, run.request_id)
+        if self.replicas.prompt_done(run):
+            self.gate.wake()
+        run.streaming = True
+        if direct is not None:  # from the next delta on, deliver may write it at once
+            run.direct, run.sent = direct, sent
+            self._direct[run.request_id] = run
+
+    # -- attempts -----------------------------------------------------------------------------------
+
+    async def _start(self, request: GenerateRequest, run: Attempt, sent: list[int]) -> Attempt:
+        """Hand the attempt to replicas (once each role it needs has a live one); returns the
+        attempt under way. A replica lost under the hand-off makes the request move."""
+        self._queues[run.request_id] = run.queue
+        self.live[run.request_id] = run
+        run.request, run.tokens = request, sent
+        try:
+            await self._wait_live(run)
+            self.routing.prepare(run, request, sent)
+            if self.replicas.colocated_cluster:
+                await self._start_colocated(request, run, sent)
+            else:
+                await self._start_disaggregated(request, run, sent)
+            return run
+        except Lost as lost:
+            return await self._move(request, run, sent, lost)
+        except BaseException:  # refused, no replica in time, the client left: this attempt ends here
+            self._end(run, False)  # (the request's own `finally` holds an earlier attempt, if any)
+            raise
+
+    async def _move(self, request: GenerateRequest, run: Attempt, sent: list[int], lost: Lost) -> Attempt:
+        """The attempt's replica was lost: another attempt from the tokens streamed so far, once
+        a replica of each role it needs is live; at most migration_limit of them."""
+        self._end(run, False)
+        if run.move >= self.migration_limit:
+            raise ServingError(f"{lost}; the request moved {run.move} times and is given up" if run.move
+                               else f"{lost}; the request was cut short (router.migration_limit is 0)")
+        if lost.transfer is not None:  # a lost transfer is not a lost replica: counted as what it is
+            self._count_transfer_failure(lost.transfer, f"{request.request_id}: {lost}")
+        else:
+            self._count_migration(lost.role)
+        return await self._start(request, Attempt(f"{request.request_id}~{run.move + 1}", run.move + 1, lost=lost),
+                                 sent)
+
+    def _lost_role(self, run: Attempt) -> str:
+        """The role of the replica an attempt lost (one of its holders that is down)."""
+        health = self.replicas.health
+        return next((health.roles[n] for n in run.holders if n in health.down), "decode")
+
+    def _end(self, run: Attempt, finished: bool) -> None:
+        """The attempt is over: counts and waits dropped; unless it finished, every live holder stops it."""
+        rs = self.replicas
+        self._queues.pop(run.request_id, None)
+        self._direct.pop(run.request_id, None)
+        self.live.pop(run.request_id, None)
+        rs.prompt_done(run)
+        if run.slot is not None or run.placed:  # a slot, or room at a replica, came free
+            run.slot = None
+            self.gate.wake()
+        rs.unplace(run)
+        for name in run.holders:
+            rs.health.done_with(name, run.request_id)
+        if not finished:  # the client left, it failed, or it moves: stop it everywhere
+            for name, worker in run.holders.items():
+                if name not in rs.health.down and worker in rs.send_abort:
+                    rs.send_abort[worker](run.request_id)
+        run.holders.clear()
+
+    async def _wait_live(self, run: Attempt) -> None:
+        """Until every role the request needs has a live replica (a replacement the controller
+        starts), at most replica_wait_s; then a new request gets the 503 naming the role, a moving
+        one an error naming what it lost."""
+        rs = self.replicas
+        roles = ["colocated"] if rs.colocated_cluster else ["prefill", "decode"]
+        deadline = time.monotonic() + self.replica_wait_s
+        while missing := [r for r in roles if not rs.health.live(rs.of_role(r))]:
+            if time.monotonic() >= deadline or self.gate.draining:
+                if run.lost is None or not run.tokens:  # nothing streamed yet: the 503 a new request gets
+                    raise rs.health.unavailable(missing[0])
+                raise ServingError(f"{run.lost}; no live {missing[0]} replica took it over within "
+                                   f"{self.replica_wait_s:g} s")
+            await asyncio.sleep(LIVE_POLL_S)
+
+    def _count_transfer_failure(self, reason: str, what: str) -> None:
+        log.warning("a KV transfer failed (%s), the request moves to another pair: %s", reason, what)
+        if self.metrics:
+            self.metrics.count_transfer_failure(reason)
+
+    def _count_migration(self, role: str) -> None:
+        log.info("a request moves: its %s replica was lost", role)
+        if self.metrics:
+            self.metrics.count_migration(role)
+
+    def _phase(self, phase: str, since: float) -> float:
+        """Record that a request spent the time from `since` until now in `phase`; returns now."""
+        now = time.perf_counter()
+        if self.metrics:
+            self.metrics.observe_phase(phase, now - since)
+        return now
+
+    # -- placing an attempt ------------------------------------------------------------------------
+
+    def _prompt_replica(self, replicas: dict, role: str, run: Attempt, request: GenerateRequest,
+                        sent: list[int]) -> str | None:
+        """A live replica to compute the attempt's prompt (prefill or colocated), as the routing policy picks;
+        a new attempt only among those with room (None: none has room)."""
+        names = self.replicas.health.live(replicas)
+        if not names:
+            if run.move > 0:  # a request already under way waits for a replacement; a new one hears 503 now
+                raise Lost(f"no live {role} replica", role)
+            raise self.replicas.health.unavailable(role)
+        if run.move == 0 and not (names := [n for n in names if self.gate.has_room(n)]):
+            return None
+        run.to_compute = None
+        return self.routing.prompt_replica(names, role, run, request, sent)
+
+    async def _start_disaggregated(self, request: GenerateRequest, run: Attempt, sent: list[int]) -> None:
+        """Reserve KV on a decode replica, then have a prefill replica stream the prompt's KV there."""
+        rs = self.replicas
+        p_name, p_worker, (d_name, d_rank, handle) = await self.gate.admit(
+            request, run, lambda: self._try_disaggregated(request, run, sent))
+        t1 = time.perf_counter()
+        rs.count_placed(p_name)
+        rs.place(d_name, run)
+        rs.count_placed(d_name)
+        run.holders |= {d_name: d_rank, p_name: p_worker}
+        for name in (d_name, p_name):
+            rs.health.wait_on(name, run.request_id, run.queue)
+        answer = await rs.call(p_name, p_worker, rs.send[p_worker](
+            NewRequest(run.request_id, request.prompt_ids, request.params, handle=handle, output_ids=sent,
+                       priority=request.priority)))
+        if isinstance(answer, Unpaired):  # the pair lost its handshake since the stats said so
+            raise Lost(str(answer), "prefill", transfer="unpaired")
+        raise_refused(answer)
+        self._phase("dispatch", t1)
+
+    async def _try_disaggregated(self, request: GenerateRequest, run: Attempt,
+                                 sent: list[int]) -> tuple[str, str, tuple[str, str, bytes]] | None:
+        """One try at placing the attempt: a prefill replica with room for it, KV blocks on a
+        decode replica -> (prefill replica, its worker, the reservation); None when none has room."""
+        rs = self.replicas
+        prefill = {n: h for n, h in rs.prefill.items() if rs.paired(n)}  # only over a KV pair
+        if not prefill and rs.health.live(rs.prefill):  # paired to none yet: handshakes under way
+            return None
+        p_name = self._prompt_replica(prefill or rs.prefill, "prefill", run, request, sent)
+        if p_name is None:
+            return None
+        # Counted before the reservation's await, so that a burst spreads over the prefill replicas.
+        rs.place(p_name, run)
+        rs.await_prompt(run, p_name, len(request.prompt_ids) + len(sent))
+        p_worker = rs.worker(p_name)
+        t0 = time.perf_counter()
+        run.slot = ""  # reserving one
+        reserved = await self._reserve(request, run, sent, p_name, p_worker)
+        if reserved is None:
+            run.slot = None
+            rs.prompt_done(run)
+            run.placed.remove(p_name)
+            rs.loads[p_name] -= 1
+            return None
+        self._phase("reserve", t0)
+        self.routing.routed(run, request, {p_name: p_worker, reserved[0]: reserved[1]})
+        return p_name, p_worker, reserved
+
+    async def _start_colocated(self, request: GenerateRequest, run: Attempt, sent: list[int]) -> None:
+        """Hand the whole request to a colocated replica. Placed by the requests in flight from us, not
+        by free KV blocks as for decode: a colocated replica never refuses (it queues), so a burst
+        routed by stats up to 0.5 s old would all land on one replica; our own counts are exact."""
+        rs = self.replicas
+        name = await self.gate.admit(request, run, lambda: self._try_colocated(request, run, sent))
+        worker = rs.worker(name)
+        run.holders[name] = worker  # before the call: a client leaving during it must still stop the request
+        rs.health.wait_on(name, run.request_id, run.queue)
+        t0 = time.perf_counter()
+        raise_refused(await rs.call(name, worker, rs.send[worker](
+            NewRequest(run.request_id, request.prompt_ids, request.params, output_ids=sent,
+                       priority=request.priority))))
+        self._phase("dispatch", t0)
+
+    async def _try_colocated(self, request: GenerateRequest, run: Attempt, sent: list[int]) -> str | None:
+        """A colocated replica with room for the attempt (it is placed there), or None."""
+        rs = self.replicas
+        name = self._prompt_replica(rs.colocated, "colocated", run, request, sent)
+        if name is not None:
+            self.routing.routed(run, request, {name: rs.worker(name)})
+            rs.place(name, run)
+            rs.count_placed(name)
+            run.slot = name
+            rs.await_prompt(run, name, len(request.prompt_ids) + len(sent))
+        return name
+
+    async def _reserve(self, request: GenerateRequest, run: Attempt, sent: list[int],
+                       p_name: str, p_worker: str) -> tuple[str, str, bytes] | None:
+        """Reserve KV blocks on a decode replica's rank, best candidates first -> (replica, rank,
+        handle); None when all are full; raises when none is live. The handle names the rank: the
+        KV goes there."""
+        rs = self.replicas
+        for d_name, ranks in self.routing.decode_order(rs.health.live(rs.decode), run, request):
+            for rank in ranks:
+                if not rs.paired(p_name, d_name, rank):  # its KV could not move there
+                    continue
+                # Held from the call on: a client that leaves while the reservation is answered
+                # still has it aborted on the rank (not left to its lease).
+                run.holders[d_name] = rank
+                try:
+                    res = await rs.call(d_name, rank, rs.send[rank](
+                        NewRequest(run.request_id, request.prompt_ids, request.params, prefill_id=p_worker,
+                                   output_ids=sent, priority=request.priority)))
+                except Lost:
+                    run.holders.pop(d_name, None)
+                    break  # this replica is down: try the next one
+                raise_refused(res.refused)
+                if res.unpaired is not None:  # the stats we routed by were older than its handshakes
+                    self._count_transfer_failure("unpaired", f"{request.request_id}: {res.unpaired}")
+                if res.handle is not None:
+                    run.slot = d_name
+                    rs.reserved[d_name] = rs.reserved.get(d_name, 0) + self._blocks(request, sent)
+                    return d_name, rank, res.handle
+                run.holders.pop(d_name, None)
+        if not rs.health.live(rs.decode):
+            # (One died under this very reservation: the request waits for its replacement, as a
+            # moving one does, rather than hear a 503 that a request a moment later would not.)
+            raise Lost("no live decode replica", "decode")
+        return None
+
+    def _blocks(self, request: GenerateRequest, sent: list[int]) -> int:
+        return -(-(len(request.prompt_ids) + len(sent) + 1) // self.block_size)

@@ -1,0 +1,155 @@
+"""The router's parts on their own, without Ray or replicas: routing policies (router/routing.py)
+choosing among replicas whose figures are set by hand, the replica set's counts and KV pairs
+(router/replica_set.py), and admission's gate (router/admission.py). The cluster tests
+(test_prefix_routing.py, test_router_queue.py, test_overload.py, test_faults.py) run them for real."""
+
+import asyncio
+
+import pytest
+
+from pdserve.messages import KVEvents, ReplicaStats
+from pdserve.protocol import SamplingParams
+from pdserve.router.admission import AdmissionGate, AdmissionPolicy
+from pdserve.router.attempt import Attempt
+from pdserve.router.decode_replica import DecodeReplica
+from pdserve.router.routing import KVAware, PrefixAware, RoundRobin, routing_policy
+from pdserve.router.replica_set import ReplicaSet
+from pdserve.router.types import GenerateRequest, OverloadedError
+
+BLOCK = 4
+
+
+def stats(name: str, role: str, free: int = 100, total: int = 100, peers=()) -> ReplicaStats:
+    return ReplicaStats(name, role, 0, 0, free, total, 0, kv_peers=list(peers))
+
+
+def cluster(prefill=("p0", "p1"), decode=("d0", "d1")) -> ReplicaSet:
+    """A replica set as the controller and the stats poll would leave it (no workers behind it: the
+    policies read figures, never call)."""
+    rs = ReplicaSet("router")
+    for p in prefill:
+        rs.prefill[p] = None
+        rs.workers[p] = {f"{p}-w": None}
+        rs.health.join(p, "prefill", fresh=True)
+        rs.loads[p] = 0
+        rs.stats[p] = stats(p, "prefill", peers=[f"{d}-r" for d in decode])
+    for d in decode:
+        rs.decode[d] = DecodeReplica(d, {f"{d}-r": None})
+        rs.workers[d] = {f"{d}-r": None}
+        rs.health.join(d, "decode", fresh=True)
+        rs.loads[d] = 0
+        rs.stats[d] = stats(d, "decode", peers=[f"{p}-w" for p in prefill])
+        rs.decode[d].rank_stats[f"{d}-r"] = rs.stats[d]
+    return rs
+
+
+def request(prompt: list[int], session: str | None = None) -> GenerateRequest:
+    return GenerateRequest("r", prompt, SamplingParams(max_tokens=4), session=session)
+
+
+def test_round_robin_takes_turns_per_role():
+    rs = cluster()
+    rr = RoundRobin(rs)
+    run, req = Attempt("r"), request([1, 2, 3])
+    picks = [(rr.prompt_replica(["p0", "p1"], "prefill", run, req, []),
+              rr.decode_order(["d0", "d1"], run, req)[0][0]) for _ in range(4)]
+    # Each role has its own turn: with as many replicas per role, every pair comes up.
+    assert picks == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
+
+
+def test_kv_aware_fewest_requests_and_most_free_blocks():
+    rs = cluster()
+    rs.loads.update(p0=3, p1=1)
+    rs.stats["d0"].free_blocks, rs.stats["d1"].free_blocks = 10, 90
+    kv = KVAware(rs)
+    run, req = Attempt("r"), request([1, 2, 3])
+    assert kv.prompt_replica(["p0", "p1"], "prefill", run, req, []) == "p1"
+    assert [n for n, _ in kv.decode_order(["d0", "d1"], run, req)] == ["d1", "d0"]
+
+
+def test_prefix_aware_goes_where_the_prompt_is_cached_until_the_balance_guard():
+    rs = cluster()
+    pa = PrefixAware(rs, BLOCK)
+    prompt = list(range(32))  # 8 blocks
+    run, req = Attempt("r"), request(prompt)
+    pa.prepare(run, req, [])
+    assert len(run.hashes) == 8
+    # p1's worker announced every block of it (its KV events): p1 computes 0 of 32 tokens, p0 all.
+    pa.index.apply("p1-w", KVEvents("e", 1, True, [(True, h) for h in run.hashes]))
+    assert pa.prompt_replica(["p0", "p1"], "prefill", run, req, []) == "p1"
+    assert run.to_compute == 1  # (at least the last token is computed)
+    # Past SLACK + RATIO x the least-loaded replica's requests, the other one takes it.
+    rs.loads.update(p0=0, p1=9)
+    assert pa.prompt_replica(["p0", "p1"], "prefill", run, req, []) == "p0"
+
+
+def test_prefix_aware_remembers_a_session_for_its_next_turn():
+    rs = cluster()
+    pa = PrefixAware(rs, BLOCK)
+    first = request(list(range(16)), session="s")
+    run = Attempt("r")
+    pa.prepare(run, first, [])
+    pa.routed(run, first, {"p1": "p1-w", "d1": "d1-r"})  # (the index learns it too)
+    pa.index.drop("p1-w"), pa.index.drop("d1-r")  # its events not come yet: only the session says so
+    nxt = request(list(range(16)) + [7, 7, 7, 7], session="s")
+    run2 = Attempt("r2")
+    pa.prepare(run2, nxt, [])
+    assert pa.prompt_replica(["p0", "p1"], "prefill", run2, nxt, []) == "p1"
+    assert pa.decode_order(["d0", "d1"], run2, nxt)[0][0] == "d1"
+
+
+def test_routing_policy_names_the_key_of_an_unknown_policy():
+    assert isinstance(routing_policy("kv-aware", cluster(), BLOCK), KVAware)
+    with pytest.raises(ValueError, match="router.policy"):
+        routing_policy("random", cluster(), BLOCK)
+
+
+def test_replica_set_pairs_only_where_both_ends_list_each_other():
+    rs = cluster()
+    assert rs.paired("p0") and rs.paired("p0", "d1", "d1-r")
+    rs.decode["d1"].rank_stats["d1-r"].kv_peers = ["p1-w"]  # d1 has no handshake with p0 (yet)
+    assert not rs.paired("p0", "d1", "d1-r") and rs.paired("p0")  # (d0 still pairs with it)
+    rs.health.failed("d0", RuntimeError("no answer"))  # a missed poll is not down yet
+    assert rs.paired("p0")
+
+
+def test_replica_set_counts_what_an_attempt_holds_and_gives_it_back():
+    rs = cluster()
+    run = Attempt("r")
+    rs.place("p0", run)
+    rs.await_prompt(run, "p0", 100)
+    assert (rs.placed("p0"), rs.prompts["p0"], rs.prompt_tokens["p0"]) == (1, 1, 100)
+    assert rs.prompt_done(run) and not rs.prompt_done(run)  # once
+    rs.unplace(run)
+    assert (rs.placed("p0"), rs.prompts["p0"], rs.prompt_tokens["p0"], run.placed) == (0, 0, 0, [])
+
+
+def test_admission_gate_queues_until_placed_and_refuses_when_full():
+    async def main():
+        rs = cluster()
+        gate = AdmissionGate(AdmissionPolicy(max_queued=1, queue_wait_s=5, max_queued_per_replica=1), rs)
+        rs.prompts["p0"] = 1
+        assert not gate.has_room("p0") and gate.has_room("p1")
+        room = asyncio.Event()
+
+        async def place():
+            return "p1" if room.is_set() else None
+
+        waiting = asyncio.create_task(gate.admit(request([1]), Attempt("a"), place))
+        await asyncio.sleep(0.01)
+        assert len(gate.queue) == 1
+        with pytest.raises(OverloadedError) as e:  # the queue (max_queued 1) is full
+            await gate.admit(request([1]), Attempt("b"), place)
+        assert e.value.reason == "queue_full"
+        room.set()
+        gate.wake()
+        assert await asyncio.wait_for(waiting, 5) == "p1"
+        assert len(gate.queue) == 0
+        # A drain: the one waiting hears it at once (503), not at its deadline.
+        waiting = asyncio.create_task(gate.admit(request([1]), Attempt("c"), lambda: asyncio.sleep(0)))
+        await asyncio.sleep(0.01)
+        gate.draining = True
+        with pytest.raises(Exception, match="shutting down"):
+            await asyncio.wait_for(waiting, 1)
+
+    asyncio.run(main())
