@@ -7,8 +7,9 @@ request, each paying a launch. Here one launch covers every (layer, plane, block
 each program moves one block with wide loads and stores, the stores going over NVLink into the
 peer's memory (mapped through CUDA IPC), so fresh and fragmented allocations cost the same.
 Measured on two H200s: 88-94 % of the copy engine's peer rate from 4k tokens up, in one process
-(pdserve.benchmarks.p2p_probe). 16 warps per program looked a few points faster in one sweep
-(p2p_sweep) but made the two-process transfer slower end to end (docs/benchmarks-history.md): 4 it is.
+(pdserve.benchmarks.p2p_probe, in git history at eccf932). 16 warps per program looked a few
+points faster in one sweep (p2p_sweep) but made the two-process transfer slower end to end
+(docs/benchmarks-history.md): 4 it is.
 """
 
 import torch
