@@ -58,6 +58,7 @@ def change(cluster: Cluster, do, prefill: int, decode: int, what: str = "", afte
     its end: one that stalls shows as its TTFT), and the cluster after it. `after`: a cheap
     condition on `pdserve up`'s output that says the change is over (a replacement serving).
     Returns the figures (benchmarks.md's table)."""
+    mark = len(cluster.output())  # what `pdserve up` prints from here on explains a failure
     t0 = time.monotonic()
     do()
     # The change is over once `after` holds (a `pdserve scale` call returns once its new replicas
@@ -84,9 +85,10 @@ def change(cluster: Cluster, do, prefill: int, decode: int, what: str = "", afte
             f.write(json.dumps({"case": what, "backend": cluster.backend, **figures}) + "\n")
     assert w.failed == 0, f"{w.failed} of {w.sent} requests failed: {w.errors[:3]}"
     assert w.sent > 0
-    assert w.ttft_p99() <= 2 * cluster.steady_p99 + 1.0, figures
+    said = "\n".join(cluster.output()[mark:].splitlines()[-60:])
+    assert w.ttft_p99() <= 2 * cluster.steady_p99 + 1.0, f"{figures}\n`pdserve up` meanwhile:\n{said}"
     # None stalls: a request that waited out a KV lease (the bug: 30 s) hides in a p99 of hundreds.
-    assert w.ttft_max() <= STALL_S, figures
+    assert w.ttft_max() <= STALL_S, f"{figures}\n`pdserve up` meanwhile:\n{said}"
     assert status is not None, f"`pdserve status` never showed {prefill} + {decode} serving, every pair paired:\n" \
                                f"{cluster.status()}"
     stats = cluster.wait_idle(timeout=60)  # (nothing in flight: every block back)
