@@ -2,7 +2,7 @@
 set, the routing policy, admission and the request lifecycle, built together for one router process.
 
 Each decision lives in one of them (see each module): which replicas exist and are live
-(router/replica_set.py), where an attempt goes (router/routing.py), whether a new request enters
+(router/replica_set.py), where an attempt goes (router/policy.py), whether a new request enters
 now (router/admission.py), and a request's life across replicas (router/lifecycle.py). This file
 wires them and answers the front ends' other questions (tokenizing, readiness).
 """
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from pdserve.messages import ReplicaChange, RequestDelta
 from pdserve.router.admission import AdmissionGate, AdmissionPolicy
 from pdserve.router.lifecycle import Lifecycle
-from pdserve.router.routing import routing_policy
+from pdserve.router.policy import routing_policy
 from pdserve.router.replica_set import ReplicaSet
 from pdserve.router.types import Delta, DirectWriter, GenerateRequest
 

@@ -8,7 +8,7 @@ already streamed are prefilled again on a live replica (waiting for one, e.g. th
 controller starts), and the stream goes on from the next token: no gap, no repeated token, and
 greedy output as if nothing happened. Each move is an attempt of its own (router/attempt.py).
 
-Where each decision lives: which replicas — the routing policy (router/routing.py); whether now —
+Where each decision lives: which replicas — the routing policy (router/policy.py); whether now —
 admission (router/admission.py); which replicas exist and are live, and what we hold at each — the
 replica set (router/replica_set.py). This file strings them together for one request.
 """
@@ -22,7 +22,7 @@ from pdserve.messages import KV_FAILED, LOST, NewRequest, RequestDelta, Unpaired
 from pdserve.protocol import InvalidRequestError
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.attempt import Attempt, Lost, raise_refused
-from pdserve.router.routing import RoutingPolicy
+from pdserve.router.policy import RoutingPolicy
 from pdserve.router.replica_set import ReplicaSet
 from pdserve.router.types import Delta, DirectWriter, GenerateRequest, ServingError
 

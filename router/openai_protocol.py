@@ -52,7 +52,7 @@ class SamplingRequest(BaseModel):
     repetition_penalty: FiniteFloat | None = 1.0  # vLLM extension
     logit_bias: dict[str, float] | None = None
     # OpenAI's end-user id. The router's session key: a conversation's turns go where its prefix is
-    # cached (router/routing.py, prefix-aware placement).
+    # cached (router/policy.py, prefix-aware placement).
     user: Annotated[str, Field(max_length=512)] | None = None
     # vLLM extension: the lower, the sooner the request is admitted and scheduled, and the later it
     # is preempted; unset means 0. The range is gRPC's int32, so that both front ends take the same.

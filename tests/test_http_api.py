@@ -244,7 +244,7 @@ def test_chat_logprobs(served):
 
 
 def test_a_session_is_named_by_its_header_or_by_user(served):
-    """Routing affinity's key (router/routing.py): the x-session-id header, else OpenAI's `user`."""
+    """Routing affinity's key (router/policy.py): the x-session-id header, else OpenAI's `user`."""
     body = {"model": "tiny-moe", "prompt": "Hi", "max_tokens": 2, "temperature": 0}
     chat = {"model": "tiny-moe", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "user": "u-2"}
     for path, b, headers, want in [("/v1/completions", body, {}, None),

@@ -1,4 +1,4 @@
-"""The router's parts on their own, without Ray or replicas: routing policies (router/routing.py)
+"""The router's parts on their own, without Ray or replicas: routing policies (router/policy.py)
 choosing among replicas whose figures are set by hand, the replica set's counts and KV pairs
 (router/replica_set.py), and admission's gate (router/admission.py). The cluster tests
 (test_prefix_routing.py, test_router_queue.py, test_overload.py, test_faults.py) run them for real."""
@@ -12,7 +12,7 @@ from pdserve.protocol import SamplingParams
 from pdserve.router.admission import AdmissionGate, AdmissionPolicy
 from pdserve.router.attempt import Attempt
 from pdserve.router.decode_replica import DecodeReplica
-from pdserve.router.routing import KVAware, PrefixAware, RoundRobin, routing_policy
+from pdserve.router.policy import KVAware, PrefixAware, RoundRobin, routing_policy
 from pdserve.router.replica_set import ReplicaSet
 from pdserve.router.types import GenerateRequest, OverloadedError
 
