@@ -20,8 +20,17 @@ def steady(cluster: Cluster) -> None:
     """Start the cluster's steady load and measure its TTFT p99 before any change."""
     cluster.load = SteadyLoad(cluster.url, RATE)
     cluster.load.start()
+    t0 = time.monotonic()
     time.sleep(STEADY_S)
-    cluster.steady_p99 = cluster.load.window(0, time.monotonic()).ttft_p99()
+    w = cluster.load.window(0, time.monotonic())
+    cluster.steady_p99 = w.ttft_p99()
+    cluster.steady_slowest = slowest(w, t0)
+
+
+def slowest(w, t0: float, n: int = 3) -> list[tuple[float, float]]:
+    """The window's slowest requests: when each was sent after t0, and its TTFT (s)."""
+    done = sorted((r for r in w.requests if r.ttft is not None), key=lambda r: -r.ttft)
+    return [(round(r.at - t0, 2), round(r.ttft, 3)) for r in done[:n]]
 
 
 def pairs(status: str) -> set[tuple[str, str]]:
@@ -76,9 +85,7 @@ def change(cluster: Cluster, do, prefill: int, decode: int, what: str = "", afte
     figures = {"sent": w.sent, "failed": w.failed, "resent": cluster.load.resent, "p99_s": round(w.ttft_p99(), 3),
                "max_s": round(w.ttft_max(), 3), "steady_p99_s": round(cluster.steady_p99, 3),
                "paired_s": round(paired, 2),
-               # the slowest three: when each was sent after the change began, and its TTFT (s)
-               "slowest": [(round(r.at - t0, 2), round(r.ttft, 3)) for r in
-                           sorted((r for r in w.requests if r.ttft is not None), key=lambda r: -r.ttft)[:3]]}
+               "slowest": slowest(w, t0), "steady_slowest": cluster.steady_slowest}
     print("chaos:", what, figures)
     if log := os.environ.get("PDSERVE_CHAOS_LOG"):  # benchmarks.md's table: a JSON line per change
         with open(log, "a") as f:
