@@ -71,6 +71,10 @@ def _blocks(ids, num_blocks: int, side: str) -> np.ndarray:
     return a
 
 
+class _Bound(threading.local):
+    bound = False  # per thread: our GPU's context made current on it
+
+
 @dataclass
 class _Peer:
     meta: KVAgentMetadata
@@ -107,7 +111,7 @@ class NixlBackend(KVBackend):
         self._tokens = itertools.count()
         self._notices: list[bytes] = []
         self.refused = 0  # notices dropped: their sender was not a handshaked peer
-        self._cuda_thread = threading.local()
+        self._cuda_thread = _Bound()
 
         # No NIXL progress thread by default: it spins a core even when idle (seen: ~100 % per
         # worker on a 2-core host), and the connector already drives progress by polling
@@ -307,7 +311,7 @@ class NixlBackend(KVBackend):
 
     def _bind_cuda(self) -> None:
         """Make our GPU's context current on the calling thread: UCX's CUDA transports use it."""
-        if getattr(self._cuda_thread, "bound", False):
+        if self._cuda_thread.bound:
             return
         torch.cuda.set_device(self._dev)
         self._cuda_thread.bound = True
