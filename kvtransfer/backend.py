@@ -20,6 +20,8 @@ Part = tuple[int, list[int], list[int]]
 
 @runtime_checkable
 class KVBackend(Protocol):
+    """What a connector end needs of a byte mover; a backend subclasses it for its defaults."""
+
     # -- capabilities: declared by every backend, read by the prefill end ------------------------
 
     # write_range only enqueues device work, ordered after the caller's stream, and never blocks:

@@ -57,7 +57,8 @@ class DecodeConnector:
     # are poll()'s, on the engine's thread, where an exception stops the loop).
     error: BaseException | None = None
 
-    def __init__(self, backend: KVBackend, meta: KVAgentMetadata, settle_s: float = 5.0, cluster_token: str | None = None):
+    def __init__(self, backend: KVBackend, meta: KVAgentMetadata, settle_s: float = 5.0,
+                 cluster_token: str | None = None):
         self.backend = backend
         self.meta = meta
         self.cluster_token = cluster_token

@@ -3,6 +3,7 @@ method the ends call, with a signature they can call it by, and each capability 
 class itself. The ends trust it: they read capabilities and never probe a backend for methods."""
 
 import importlib
+import importlib.util
 import inspect
 import pathlib
 import pkgutil
@@ -57,13 +58,15 @@ def breaches(cls: type) -> list[str]:
             continue
         owner = next(c for c in cls.__mro__ if name in vars(c))
         needed_by = OPTIONAL.get(name, "always")
-        if owner is KVBackend and (needed_by == "always" or (needed_by and inspect.getattr_static(cls, needed_by, False))):
+        owed = needed_by == "always" or (needed_by is not None and inspect.getattr_static(cls, needed_by, False))
+        if owner is KVBackend and owed:
             out.append(f"{name}() left to KVBackend, but the backend " +
                        ("must define it" if needed_by == "always" else f"declares {needed_by}"))
             continue
         want, have = list(sig.parameters.values())[1:], _params(cls, name)
         names = [p.name for p in have[:len(want)]]
-        extra = [p.name for p in have[len(want):] if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        extra = [p.name for p in have[len(want):]
+                 if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         if names != [p.name for p in want] or extra:
             out.append(f"{name}{inspect.signature(getattr(cls, name))} cannot be called as {name}{sig}")
     return out
