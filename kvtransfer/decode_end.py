@@ -8,6 +8,7 @@ when they may be freed, it never frees them.
 import time
 from dataclasses import dataclass, field
 
+from pdserve.kvtransfer.backend import KVBackend
 from pdserve.kvtransfer.messages import FirstLogprob, Notice, NoticeKind, ReserveHandle
 from pdserve.kvtransfer.metadata import KVAgentMetadata, accept_peer
 from pdserve.kvtransfer.pairing import choose_backend
@@ -56,7 +57,8 @@ class DecodeConnector:
     # are poll()'s, on the engine's thread, where an exception stops the loop).
     error: BaseException | None = None
 
-    def __init__(self, backend, meta: KVAgentMetadata, settle_s: float = 5.0, cluster_token: str | None = None):
+    def __init__(self, backend: KVBackend, meta: KVAgentMetadata, settle_s: float = 5.0,
+                 cluster_token: str | None = None):
         self.backend = backend
         self.meta = meta
         self.cluster_token = cluster_token

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pdserve.kvtransfer.backend import Part
 from pdserve.kvtransfer.messages import FirstLogprob, ReserveHandle
 
 
@@ -32,10 +33,6 @@ class Transfer:
     nbytes: int = 0
     started: float = field(default_factory=time.monotonic)  # when the caller posted its first layer
     state: State = State.OPEN
-
-
-# (layer, source block ids, destination block ids): one layer's part of a post.
-Part = tuple[int, list[int], list[int]]
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 PostThread: every backend call of the prefill end happens on it, except for the two below. It waits
 for a layer's CUDA event and folds the queued layers of a request into one backend post.
-InlinePoster: a backend that only enqueues device work (cuda_ipc) posts on the engine's thread.
-CompletionThread: for a backend that can block until a post is done, it does, and sends the finish
-notice at once rather than at the next poll.
+InlinePoster: a backend that is `inline` (only enqueues device work: cuda_ipc) posts on the engine's
+thread.
+CompletionThread: for a backend that `waits` (can block until a post is done), it does, and sends
+the finish notice at once rather than at the next poll.
 
 Either thread dying (an exception from a backend call it makes outside a request's own guard, or a
 bug) is loud and bounded: it is logged, every transfer the prefill end holds fails, so does every
@@ -18,6 +19,7 @@ import threading
 import time
 from collections import deque
 
+from pdserve.kvtransfer.backend import KVBackend
 from pdserve.kvtransfer.messages import ReserveHandle
 from pdserve.kvtransfer.ops import Call, Died, Op, Opened, PostFailed, PostLayers, Settled
 from pdserve.kvtransfer.transfers import Transfer, Transfers
@@ -38,7 +40,7 @@ def fold(ops: list[Op]) -> list[Op]:
 
 
 class PostThread:
-    def __init__(self, backend, transfers: Transfers, name: str):
+    def __init__(self, backend: KVBackend, transfers: Transfers, name: str):
         self.backend = backend
         self.transfers = transfers
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
@@ -136,10 +138,7 @@ class PostThread:
             op.ready.synchronize()
         t.nbytes += op.nbytes
         try:
-            if hasattr(self.backend, "write_layers"):
-                t.tokens.append(self.backend.write_layers(op.handle.engine_id, op.parts))
-            else:
-                t.tokens += [self.backend.write(op.handle.engine_id, *p) for p in op.parts]
+            t.tokens += self.backend.write_layers(op.handle.engine_id, op.parts)
         except Exception:  # a bad handle or a broken peer fails this request, not the thread
             self.transfers.fail(op.request_id)
 
@@ -148,7 +147,7 @@ class InlinePoster:
     """Posts on the engine's thread; the posting thread hears of a request once (its first post), not
     per layer: a hand-off per layer would ping-pong the GIL between the two threads."""
 
-    def __init__(self, backend, transfers: Transfers, post: PostThread):
+    def __init__(self, backend: KVBackend, transfers: Transfers, post: PostThread):
         self.backend = backend
         self.transfers = transfers
         self.post_thread = post
@@ -187,7 +186,7 @@ class InlinePoster:
 class CompletionThread:
     """Waits for each finished request's copies, then tells the decode side."""
 
-    def __init__(self, backend, transfers: Transfers, post: PostThread, waits: queue.SimpleQueue, name: str):
+    def __init__(self, backend: KVBackend, transfers: Transfers, post: PostThread, waits: queue.SimpleQueue, name: str):
         self.backend = backend
         self.transfers = transfers
         self.post_thread = post

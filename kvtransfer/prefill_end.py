@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from pdserve.kvtransfer.backend import KVBackend
 from pdserve.kvtransfer.messages import FirstLogprob, ReserveHandle
 from pdserve.kvtransfer.metadata import KVAgentMetadata, accept_peer
 from pdserve.kvtransfer.pairing import choose_backend
@@ -20,7 +21,7 @@ from pdserve.kvtransfer.transfers import Outcomes, Transfers
 
 
 class PrefillConnector:
-    def __init__(self, backend, meta: KVAgentMetadata, cluster_token: str | None = None):
+    def __init__(self, backend: KVBackend, meta: KVAgentMetadata, cluster_token: str | None = None):
         self.backend = backend
         self.meta = meta
         self.cluster_token = cluster_token
@@ -29,13 +30,13 @@ class PrefillConnector:
         self._outcomes = Outcomes()
         # A backend that can block until a post is done gets a completion thread, so delivery is
         # noticed at once rather than at the next poll.
-        waits = queue.SimpleQueue() if hasattr(backend, "wait") else None
+        waits = queue.SimpleQueue() if backend.waits else None
         self._transfers = Transfers(backend, meta.engine_id, self._outcomes, waits)
         self._post = PostThread(backend, self._transfers, name=f"kv-post-{meta.engine_id}")
         # A backend that posts on the caller's thread (device-ordered, never blocking) skips the
         # hand-off to the posting thread.
         self._inline = None
-        if getattr(backend, "inline", False):
+        if backend.inline:
             self._inline = InlinePoster(backend, self._transfers, self._post)
         self._completion = None
         if waits is not None:

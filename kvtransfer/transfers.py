@@ -6,6 +6,7 @@ import threading
 import time
 from collections import OrderedDict
 
+from pdserve.kvtransfer.backend import KVBackend
 from pdserve.kvtransfer.messages import Notice, NoticeKind
 from pdserve.kvtransfer.ops import Finish, Opened, PostFailed, PostLayers, Release, Settled, State, Transfer
 
@@ -52,7 +53,7 @@ class Transfers:
     """Posting thread only, but for what `lock` guards: a transfer's state (the completion thread and
     inline posting read or move it) and the sets of requests that have no transfer (any more)."""
 
-    def __init__(self, backend, engine_id: str, outcomes: Outcomes, waits: queue.SimpleQueue | None):
+    def __init__(self, backend: KVBackend, engine_id: str, outcomes: Outcomes, waits: queue.SimpleQueue | None):
         self.backend = backend
         self.engine_id = engine_id
         self.outcomes = outcomes
@@ -239,8 +240,7 @@ class Transfers:
 
     def _settled(self, t: Transfer) -> bool:
         """No write of this (released) transfer can still land in the peer's blocks."""
-        settled = getattr(self.backend, "settled", None)
-        return settled is None or all(settled(tok) for tok in t.tokens)
+        return all(self.backend.settled(tok) for tok in t.tokens)
 
     def _drop(self, t: Transfer) -> None:
         for tok in t.tokens:

@@ -10,6 +10,7 @@ import time
 import traceback
 
 from pdserve.config import EngineConfig, ModelConfig
+from pdserve.kvtransfer.backend import KVBackend
 from pdserve.protocol import SamplingParams
 
 NUM_BLOCKS = 160
@@ -227,10 +228,12 @@ def start_pair(backend: str, fragment: bool = False, prefill_seed: int = 0,
     return p, d
 
 
-class LoopbackBackend:
+class LoopbackBackend(KVBackend):
     """Both ends of a KV transfer in one process: a write copies blocks between the two engines'
     caches, a notice goes into the peer's inbox as bytes (packed and unpacked as on any wire)."""
 
+    inline = False
+    waits = False
     _ends: dict = {}
 
     def __init__(self, meta, kv_cache):
@@ -239,6 +242,9 @@ class LoopbackBackend:
         LoopbackBackend._ends[meta.engine_id] = self
 
     def add_peer(self, peer) -> None:
+        pass
+
+    def remove_peer(self, engine_id: str) -> None:
         pass
 
     def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> None:

@@ -556,6 +556,8 @@ def test_a_dead_posting_thread_fails_every_transfer_and_says_so(caplog):
 class WaitingLoopback(LoopbackBackend):
     """A loopback backend that can block until a post is done: the connector runs a completion thread."""
 
+    waits = True
+
     @staticmethod
     def wait(token) -> bool:
         return True

@@ -1,18 +1,10 @@
-"""Byte movers behind the connector. A backend writes runs of blocks of one layer into a peer's
-KV allocation and carries small notices; leases, ordering and bookkeeping are the connector's.
+"""Byte movers behind the connector: nixl, tcp, cuda_ipc, and auto (one of them per peer). Each is
+a KVBackend (kvtransfer/backend.py), the contract the connector ends rely on."""
 
-Every backend offers:
-    add_peer(meta) / remove_peer(engine_id)
-    write(peer_id, layer, src_blocks, dst_blocks) -> token     # posts, returns at once
-    state(token) -> "done" | "pending" | "failed";  release(token)
-    settled(token) -> bool   # optional: a released write can no longer land (absent: at once)
-    notify(peer_id, payload: bytes);  notifications() -> list[bytes]
-    progress()    # drive the transport while waiting for a peer's writes (NIXL has no thread for it)
-    close()
-"""
+from pdserve.kvtransfer.backend import KVBackend
 
 
-def make_backend(name: str, meta, kv_cache, **kw):
+def make_backend(name: str, meta, kv_cache, **kw) -> KVBackend:
     """Create backend `name` for this KV allocation; fills meta's backend-specific fields."""
     if name == "nixl":
         from pdserve.kvtransfer.backends.nixl import NixlBackend

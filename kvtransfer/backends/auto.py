@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kvtransfer.backend import KVBackend, Part
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 from pdserve.kvtransfer.pairing import choose_backend
 
@@ -35,14 +36,17 @@ class _Token:
     tokens: list  # the backend's own tokens of one post
 
 
-class AutoBackend:
+class AutoBackend(KVBackend):
+    inline = False  # cuda_ipc's posts too go through the posting thread (see above)
+    waits = False  # the posting thread polls state(), whichever backend a peer has
+
     def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, host: str = "127.0.0.1",
                  cluster_token: str | None = None, offer: list[str] | None = None):
         from pdserve.kvtransfer.backends import make_backend
 
         self.meta = meta
         self._device = kv_cache.device
-        self.backends = {}
+        self.backends: dict[str, KVBackend] = {}
         try:
             for name in offer or available(kv_cache):
                 own = dataclasses.replace(meta, backend=name, offers={})
@@ -71,18 +75,17 @@ class AutoBackend:
         if name is not None:
             self.backends[name].remove_peer(engine_id)
 
-    def write_layers(self, peer_id: str, parts: list[tuple[int, list[int], list[int]]]) -> _Token:
+    def write_layers(self, peer_id: str, parts: list[Part]) -> list[_Token]:
+        """One token of all the posts the peer's backend made."""
         name = self._route[peer_id]
         be = self.backends[name]
         if name == "cuda_ipc":  # on the posting thread, whose current device need not be the cache's
             with torch.cuda.device(self._device):
-                return _Token(name, [be.write_layers(peer_id, parts)])
-        if hasattr(be, "write_layers"):
-            return _Token(name, [be.write_layers(peer_id, parts)])
-        return _Token(name, [be.write(peer_id, *p) for p in parts])
+                return [_Token(name, be.write_layers(peer_id, parts))]
+        return [_Token(name, be.write_layers(peer_id, parts))]
 
     def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> _Token:
-        return self.write_layers(peer_id, [(layer, src_blocks, dst_blocks)])
+        return self.write_layers(peer_id, [(layer, src_blocks, dst_blocks)])[0]
 
     def state(self, token: _Token) -> str:
         states = [self.backends[token.backend].state(t) for t in token.tokens]
@@ -93,8 +96,8 @@ class AutoBackend:
             self.backends[token.backend].release(t)
 
     def settled(self, token: _Token) -> bool:
-        settled = getattr(self.backends[token.backend], "settled", None)
-        return settled is None or all(settled(t) for t in token.tokens)
+        be = self.backends[token.backend]
+        return all(be.settled(t) for t in token.tokens)
 
     def notify(self, peer_id: str, payload: bytes) -> None:
         self.backends[self._route[peer_id]].notify(peer_id, payload)

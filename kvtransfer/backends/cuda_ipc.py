@@ -17,6 +17,7 @@ import struct
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from pdserve.kvtransfer.backend import KVBackend, Part
 from pdserve.kvtransfer.backends.block_copy import BlockCopy
 from pdserve.kvtransfer.backends.notices import NoticeInbox, NoticeOutbox
 from pdserve.kvtransfer.metadata import KVAgentMetadata
@@ -25,8 +26,9 @@ _STORAGE_DEVICE = 6  # position of the storage's device index in reduce_tensor's
 _RING = 8  # staging slots for block ids (pinned host memory, read by the copy kernel)
 
 
-class CudaIpcBackend:
-    inline = True
+class CudaIpcBackend(KVBackend):
+    inline = True  # write_range enqueues a copy on our stream after the caller's: see above
+    waits = True  # a post's token is a CUDA event, synchronized with the GIL released
 
     def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor):
         if not kv_cache.is_cuda:
@@ -144,9 +146,10 @@ class CudaIpcBackend:
         self._staged = (list(src), list(dst), slot)
         return slot
 
-    def write_layers(self, peer_id: str, parts: list[tuple[int, list[int], list[int]]]):
-        """Several (layer, src, dst) at once (the worker-thread interface); consecutive layers with
-        the same blocks are one kernel."""
+    def write_layers(self, peer_id: str, parts: list[Part]) -> list[torch.cuda.Event]:
+        """Several (layer, src, dst) at once (the posting thread's interface); consecutive layers
+        with the same blocks are one kernel. One token: our stream runs the copies in order, so the
+        last one's event covers them all."""
         done = None
         i = 0
         while i < len(parts):
@@ -155,7 +158,7 @@ class CudaIpcBackend:
                 j += 1
             done = self.write_range(peer_id, parts[i][0], j - i, parts[i][1], parts[i][2])
             i = j
-        return done
+        return [] if done is None else [done]
 
     def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]):
         return self.write_range(peer_id, layer, 1, src_blocks, dst_blocks)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.kvtransfer.backend import KVBackend, Part
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,10 @@ def _blocks(ids, num_blocks: int, side: str) -> np.ndarray:
     return a
 
 
+class _Bound(threading.local):
+    bound = False  # per thread: our GPU's context made current on it
+
+
 @dataclass
 class _Peer:
     meta: KVAgentMetadata
@@ -83,8 +88,11 @@ class _Xfer:
     state: str  # "pending" | "done" | "failed" — cached once final
 
 
-class NixlBackend:
+class NixlBackend(KVBackend):
     """Writes runs of KV blocks into peers' allocations through one NIXL agent (UCX backend)."""
+
+    inline = False  # a post is host work (descriptor lists, a UCX request): the posting thread's
+    waits = False  # NIXL has no blocking wait: the posting thread polls state(), driving progress
 
     def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, telemetry: bool = False,
                  close_timeout_s: float = 2.0, num_workers: int = 1, progress_thread: bool = False):
@@ -103,7 +111,7 @@ class NixlBackend:
         self._tokens = itertools.count()
         self._notices: list[bytes] = []
         self.refused = 0  # notices dropped: their sender was not a handshaked peer
-        self._cuda_thread = threading.local()
+        self._cuda_thread = _Bound()
 
         # No NIXL progress thread by default: it spins a core even when idle (seen: ~100 % per
         # worker on a 2-core host), and the connector already drives progress by polling
@@ -164,11 +172,15 @@ class NixlBackend:
     def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> int:
         """Post one WRITE of `layer`'s planes (K and V, or the latent) from src_blocks into the peer's
         dst_blocks; returns a token."""
-        return self.write_layers(peer_id, [(layer, src_blocks, dst_blocks)])
+        return self._post(peer_id, [(layer, src_blocks, dst_blocks)])
 
-    def write_layers(self, peer_id: str, parts: list[tuple[int, list[int], list[int]]]) -> int:
+    def write_layers(self, peer_id: str, parts: list[Part]) -> list[int]:
         """Post one WRITE covering several (layer, src_blocks, dst_blocks): one NIXL request, so
         layers that queued up together pay the per-request cost once."""
+        return [self._post(peer_id, parts)]
+
+    def _post(self, peer_id: str, parts: list[Part]) -> int:
+        """One WRITE of these parts; its token."""
         for layer, src_blocks, dst_blocks in parts:
             if len(src_blocks) != len(dst_blocks):
                 raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
@@ -299,7 +311,7 @@ class NixlBackend:
 
     def _bind_cuda(self) -> None:
         """Make our GPU's context current on the calling thread: UCX's CUDA transports use it."""
-        if getattr(self._cuda_thread, "bound", False):
+        if self._cuda_thread.bound:
             return
         torch.cuda.set_device(self._dev)
         self._cuda_thread.bound = True

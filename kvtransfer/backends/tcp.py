@@ -22,6 +22,7 @@ import threading
 import msgpack
 import torch
 
+from pdserve.kvtransfer.backend import KVBackend
 from pdserve.kvtransfer.blocks import runs
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 
@@ -45,7 +46,10 @@ def frame(header: dict, payload: bytes) -> bytes:
     return _LEN.pack(len(h)) + h + payload
 
 
-class TcpBackend:
+class TcpBackend(KVBackend):
+    inline = False  # a post copies the layer to the host: the posting thread's
+    waits = False  # the posting thread polls each post's Future
+
     def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, host: str = "127.0.0.1", port: int = 0,
                  cluster_token: str | None = None):
         self.meta = meta
@@ -100,8 +104,8 @@ class TcpBackend:
 
     @staticmethod
     def release(token) -> None:
-        """Unsent frames are dropped; no settled(): whatever was sent precedes any later notice on
-        the same connection, so the peer has placed it before it reads that notice."""
+        """Unsent frames are dropped. settled() at once (KVBackend's): whatever was sent precedes
+        any later notice on the same connection, so the peer has placed it before it reads that notice."""
         token.cancel()
 
     def notify(self, peer_id: str, payload: bytes) -> None:

@@ -111,10 +111,7 @@ def side(role: str, kind: str, host: str, workdir: Path, total_mb: int, reps: in
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        if hasattr(be, "write_layers"):
-            tokens = [be.write_layers("decode", [(layer, blocks, blocks) for layer in range(layout.num_layers)])]
-        else:
-            tokens = [be.write("decode", layer, blocks, blocks) for layer in range(layout.num_layers)]
+        tokens = be.write_layers("decode", [(layer, blocks, blocks) for layer in range(layout.num_layers)])
         while any(be.state(t) == "pending" for t in tokens):
             be.progress()
         assert all(be.state(t) == "done" for t in tokens), [be.state(t) for t in tokens]

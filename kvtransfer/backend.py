@@ -1,0 +1,94 @@
+"""The contract between the connector ends and a KV backend (kvtransfer/backends/): a byte mover
+that writes runs of blocks of some layers into a peer's KV allocation and carries small notices.
+Leases, ordering and bookkeeping are the connector's.
+
+A backend subclasses KVBackend and declares every capability (tests/test_kv_backend_contract.py
+checks each backend). The ends read the capabilities, never probe for methods: an operation only
+some backends have is a capability, and what a backend without it does is stated here, once.
+"""
+
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from pdserve.kvtransfer.metadata import KVAgentMetadata
+
+# A backend's own handle of one post (an int, a Future, a CUDA event, None): opaque to the ends.
+Token = Any
+
+# (layer, source block ids, destination block ids): one layer's part of a post.
+Part = tuple[int, list[int], list[int]]
+
+
+@runtime_checkable
+class KVBackend(Protocol):
+    """What a connector end needs of a byte mover; a backend subclasses it for its defaults."""
+
+    # -- capabilities: declared by every backend, read by the prefill end ------------------------
+
+    # write_range only enqueues device work, ordered after the caller's stream, and never blocks:
+    # the engine's thread posts it itself, without waiting for the layer's kernels on the host or
+    # handing off to the posting thread.
+    inline: ClassVar[bool]
+    # wait(token) blocks (the GIL released) until a post is done: a completion thread delivers each
+    # request the moment its copies end. Otherwise the posting thread polls state().
+    waits: ClassVar[bool]
+
+    # -- peers -----------------------------------------------------------------------------------
+
+    def add_peer(self, peer: KVAgentMetadata) -> None:
+        """Accept a handshaked peer's metadata (again after a restart: start afresh)."""
+        ...
+
+    def remove_peer(self, engine_id: str) -> None:
+        """Forget a peer; its writes in flight read as failed from then on."""
+        ...
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> Token:
+        """Post one layer's planes from src_blocks into the peer's dst_blocks; returns at once."""
+        ...
+
+    def write_layers(self, peer_id: str, parts: list[Part]) -> list[Token]:
+        """Post several layers; returns the tokens of the posts made (as few as the backend can)."""
+        return [self.write(peer_id, *p) for p in parts]
+
+    def write_range(self, peer_id: str, first_layer: int, num_layers: int, src_blocks: list[int],
+                    dst_blocks: list[int]) -> Token:
+        """Post layers [first_layer, first_layer + num_layers) of the same blocks as one, on the
+        caller's thread, after the work its stream has queued: only where `inline`."""
+        raise NotImplementedError(f"{type(self).__name__} does not post inline")
+
+    def state(self, token: Token) -> str:
+        """'done' | 'pending' | 'failed' of a post."""
+        ...
+
+    def wait(self, token: Token) -> bool:
+        """Block until a post is done; True when it landed: only where `waits`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot block on a post")
+
+    def release(self, token: Token) -> None:
+        """Let go of a post (one still in flight is cancelled where the transport can)."""
+        ...
+
+    def settled(self, token: Token) -> bool:
+        """No write of this released post can land in the peer's blocks any more: at once unless
+        the backend says otherwise (a copy it could not cancel)."""
+        return True
+
+    # -- notices ---------------------------------------------------------------------------------
+
+    def notify(self, peer_id: str, payload: bytes) -> None:
+        """Send a small message to a peer; raises where the peer cannot be told."""
+        ...
+
+    def notifications(self) -> list[bytes]:
+        """Every notice received since the last call, from any peer."""
+        ...
+
+    def progress(self) -> None:
+        """Drive the transport while waiting for a peer's writes (where no thread of its own does)."""
+        ...
+
+    def close(self) -> None:
+        """Stop, letting go of peers and memory; idempotent."""
+        ...
