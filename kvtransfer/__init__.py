@@ -1,7 +1,7 @@
 """KV transfer: the connector API (handshake, decode end, prefill end) and its backends (NIXL, TCP, CUDA IPC)."""
 
 from pdserve.kvtransfer.decode_end import DecodeConnector, DecodePoll, Finished
-from pdserve.kvtransfer.messages import ReserveHandle
+from pdserve.kvtransfer.wire import ReserveHandle
 from pdserve.kvtransfer.metadata import HandshakeError, KVAgentMetadata
 from pdserve.kvtransfer.prefill_end import PrefillConnector
 

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.kvtransfer.backend import KVBackend
-from pdserve.kvtransfer.messages import FirstLogprob, Notice, NoticeKind, ReserveHandle
+from pdserve.kvtransfer.wire import FirstLogprob, Notice, NoticeKind, ReserveHandle
 from pdserve.kvtransfer.metadata import KVAgentMetadata, accept_peer
 from pdserve.kvtransfer.pairing import choose_backend
 

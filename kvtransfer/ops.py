@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from pdserve.kvtransfer.backend import Part
-from pdserve.kvtransfer.messages import FirstLogprob, ReserveHandle
+from pdserve.kvtransfer.wire import FirstLogprob, ReserveHandle
 
 
 class State(Enum):

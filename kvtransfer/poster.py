@@ -20,7 +20,7 @@ import time
 from collections import deque
 
 from pdserve.kvtransfer.backend import KVBackend
-from pdserve.kvtransfer.messages import ReserveHandle
+from pdserve.kvtransfer.wire import ReserveHandle
 from pdserve.kvtransfer.ops import Call, Died, Op, Opened, PostFailed, PostLayers, Settled
 from pdserve.kvtransfer.transfers import Transfer, Transfers
 

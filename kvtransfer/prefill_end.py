@@ -12,7 +12,7 @@ import time
 import torch
 
 from pdserve.kvtransfer.backend import KVBackend
-from pdserve.kvtransfer.messages import FirstLogprob, ReserveHandle
+from pdserve.kvtransfer.wire import FirstLogprob, ReserveHandle
 from pdserve.kvtransfer.metadata import KVAgentMetadata, accept_peer
 from pdserve.kvtransfer.pairing import choose_backend
 from pdserve.kvtransfer.ops import Finish, PostLayers, Release

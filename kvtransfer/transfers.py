@@ -7,7 +7,7 @@ import time
 from collections import OrderedDict
 
 from pdserve.kvtransfer.backend import KVBackend
-from pdserve.kvtransfer.messages import Notice, NoticeKind
+from pdserve.kvtransfer.wire import Notice, NoticeKind
 from pdserve.kvtransfer.ops import Finish, Opened, PostFailed, PostLayers, Release, Settled, State, Transfer
 
 RECENT_DONE = 4096  # delivered requests remembered, for late aborts

@@ -16,7 +16,7 @@ from hf_checkpoints import build_checkpoint, write_tokenizer
 from kv_pair import loopback_pair, start_pair
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
-from pdserve.kvtransfer.messages import ReserveHandle
+from pdserve.kvtransfer.wire import ReserveHandle
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 from pdserve.protocol import SamplingParams
 

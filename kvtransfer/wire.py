@@ -1,4 +1,4 @@
-"""Typed messages of the KV-transfer protocol (msgpack on the wire)."""
+"""Typed messages of the KV-transfer protocol, as they go on the wire (msgpack): handles, notices, metadata records."""
 
 import time
 from dataclasses import asdict, dataclass, field
