@@ -1,4 +1,4 @@
-"""Typed messages of the KV-transfer protocol, as they go on the wire (msgpack): handles, notices, metadata records."""
+"""Typed messages of the KV-transfer protocol, as they go on the wire (msgpack): the reservation handle, the notices."""
 
 import time
 from dataclasses import asdict, dataclass, field
