@@ -139,7 +139,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from pdserve.benchmarks.load.cli import main
+    from pdserve.benchmarks.load.command import main
 
     return main(args.args)
 

@@ -425,7 +425,7 @@ def _decode_batch(a, engine, cost: ModelCost, batch: int, copy_rate: float) -> d
 
 
 def _profile(a, label: str, step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
-    from pdserve.benchmarks.step_profile import profile_step, summary
+    from pdserve.benchmarks.step_kernels import profile_step, summary
 
     p = profile_step(step, device, trace=Path(a.profile) / f"{label}.trace.json")
     log(summary(label, p))

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.benchmarks.load import plot
-from pdserve.benchmarks.load.cli import add_load_args, args_json, check_load_args, fmt, slo_of, workload_of, write_json
+from pdserve.benchmarks.load.command import add_load_args, args_json, check_load_args, fmt, slo_of, workload_of, write_json
 from pdserve.benchmarks.load.client import BenchError
 from pdserve.benchmarks.load.records import RateSummary, rate_json, rate_label
 from pdserve.benchmarks.load.sweep import Sweep, run_sweep

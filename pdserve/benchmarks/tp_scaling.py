@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from pdserve.benchmarks.step_profile import profile_step, summary
+from pdserve.benchmarks.step_kernels import profile_step, summary
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.protocol import SamplingParams
 from pdserve.worker.tp_local import run_replica

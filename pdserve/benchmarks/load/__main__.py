@@ -2,6 +2,6 @@
 
 import sys
 
-from pdserve.benchmarks.load.cli import main
+from pdserve.benchmarks.load.command import main
 
 sys.exit(main())

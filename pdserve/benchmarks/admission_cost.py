@@ -1,11 +1,11 @@
 """Admission cost on the router's loop: router CPU per admitted request, and how long a burst
 waits for its first events, on CPU.
 
-    python -m pdserve.benchmarks.admission                        # bursts of 256 and 512, both prompt kinds
-    python -m pdserve.benchmarks.admission --bursts 512 --kinds ids --json out.json
-    python -m pdserve.benchmarks.admission --tree /path/to/other/checkout --tree .   # A/B in one run
-    python -m pdserve.benchmarks.admission --callgrind /tmp/cg --repeats 2   # instructions (valgrind), not µs
-    python -m pdserve.benchmarks.admission --profile /tmp/router.prof   # cProfile of the router's loop
+    python -m pdserve.benchmarks.admission_cost                        # bursts of 256 and 512, both prompt kinds
+    python -m pdserve.benchmarks.admission_cost --bursts 512 --kinds ids --json out.json
+    python -m pdserve.benchmarks.admission_cost --tree /path/to/other/checkout --tree .   # A/B in one run
+    python -m pdserve.benchmarks.admission_cost --callgrind /tmp/cg --repeats 2   # instructions (valgrind), not µs
+    python -m pdserve.benchmarks.admission_cost --profile /tmp/router.prof   # cProfile of the router's loop
                                                   # (ADMISSION_PROFILE_CPU=1: by CPU time, not wall)
 
 With `--rate inf` and equal output lengths a whole batch of requests ends in one engine step and

@@ -2,7 +2,7 @@
 serving, and the longest gap between two tokens of a stream that moved, against the longest gap of
 the same streams undisturbed (the reference, measured in the same run).
 
-    python -m pdserve.benchmarks.recovery [--streams 16] [--max-tokens 160] [--cluster FILE]
+    python -m pdserve.benchmarks.recovery_gap [--streams 16] [--max-tokens 160] [--cluster FILE]
 
 It starts `pdserve up` (default: tiny-moe, 1 prefill + 1 decode, ports 0), runs the streams once
 undisturbed, then again killing the decode worker once every stream is a quarter through, then
