@@ -42,7 +42,7 @@ class KVAgentMetadata:
     @classmethod
     def for_cache(cls, engine_id: str, backend: str, kv_cache: torch.Tensor, layout, fingerprint: str,
                   host: str = "", cluster_token: str | None = None) -> "KVAgentMetadata":
-        """Describe an engine's KV allocation (`layout` is its pdserve.engine.kv_cache.KVLayout) on
+        """Describe an engine's KV allocation (`layout` is its pdserve.forward.kv_cache.KVLayout) on
         `host`, in the cluster of `cluster_token`."""
         assert kv_cache.is_contiguous() and tuple(kv_cache.shape) == layout.shape
         assert kv_cache.dtype == layout.dtype

@@ -293,7 +293,7 @@ def tiny_kv(num_blocks: int = 8):
     """A small KV cache without an engine, for tests of the connectors alone: (cache, layout, fingerprint)."""
     import torch
 
-    from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
+    from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 
     layout = KVLayout(2, num_blocks, 4, 2, 8, torch.float32)
     return allocate_kv_cache(layout, torch.device("cpu")), layout, "tiny"

@@ -16,8 +16,8 @@ from hf_checkpoints import build_checkpoint, checkpoint_path, clear_prompts, wri
 from kv_pair import start_pair
 from pdserve.config import ConfigError, EngineConfig, ModelConfig, load_cluster_config
 from pdserve.engine.engine import Engine
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.kv_cache import FP8, KVLayout, allocate_kv_cache
+from pdserve.forward.forward_batch import ForwardBatch
+from pdserve.forward.kv_cache import FP8, KVLayout, allocate_kv_cache
 from pdserve.kvtransfer.metadata import HandshakeError, KVAgentMetadata, accept_peer
 from pdserve.models import resolve_model_args
 from pdserve.models.loader import load_model

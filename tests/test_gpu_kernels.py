@@ -26,7 +26,7 @@ if not INTERPRET and not torch.cuda.is_available():
                 allow_module_level=True)
 triton = pytest.importorskip("triton")
 
-from pdserve.engine.forward_batch import ForwardBatch  # noqa: E402
+from pdserve.forward.forward_batch import ForwardBatch  # noqa: E402
 from pdserve.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
 from pdserve.ops.norms import apply_rotary  # noqa: E402
 from pdserve.ops.activation import silu_and_mul  # noqa: E402

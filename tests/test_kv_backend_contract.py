@@ -13,7 +13,7 @@ import uuid
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
+from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.kvtransfer import backends
 from pdserve.kvtransfer.backend import KVBackend
 from pdserve.kvtransfer.backends import make_backend

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
+from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.kvtransfer import make_connector
 from pdserve.kvtransfer.backends.tcp import PeerRefused, TcpBackend
 from pdserve.kvtransfer.metadata import HandshakeError, KVAgentMetadata, accept_peer

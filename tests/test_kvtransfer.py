@@ -18,7 +18,7 @@ import torch
 from hf_checkpoints import build_checkpoint, write_tokenizer
 from kv_pair import (LoopbackBackend, Worker, _decode_main, _prefill_main, loopback_connectors, loopback_pair,
                      start_pair, tiny_kv)
-from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
+from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.kvtransfer.wire import Notice, ReserveHandle
 from pdserve.kvtransfer.metadata import HandshakeError, KVAgentMetadata, accept_peer
 from pdserve.config import EngineConfig, ModelConfig

@@ -7,8 +7,8 @@ import torch
 import transformers
 
 from hf_checkpoints import FAMILIES, LLAMA3_ROPE, build_checkpoint, write_old_layout
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
+from pdserve.forward.forward_batch import ForwardBatch
+from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.models import PRESETS, SUPPORTED_ARCHITECTURES, ModelArgs, resolve_model_args
 from pdserve.models.loader import MODEL_CLASSES, load_model, model_fingerprint
 from pdserve.models.decoder import WeightPlacer

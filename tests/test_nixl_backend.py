@@ -15,7 +15,7 @@ import torch
 import kv_pair
 from pdserve.kvtransfer.blocks import runs
 from pdserve.kvtransfer.metadata import KVAgentMetadata
-from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
+from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
 

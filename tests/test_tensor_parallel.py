@@ -9,8 +9,8 @@ import torch
 
 from hf_checkpoints import FAMILIES, checkpoint_path
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.kv_cache import KVLayout, allocate_kv_cache
+from pdserve.forward.forward_batch import ForwardBatch
+from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.models.checkpoint_writer import write_checkpoint
 from pdserve.models.loader import load_model
 from pdserve.models.tensor_parallel import TensorParallel, check_tp_size

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.models import resolve_model_args
 from pdserve.ops.testing import random_moe_inputs, random_paged_case, rel_err
 

@@ -29,7 +29,7 @@ NUM_LAYERS = 8
 
 
 def _layout(total_mb: int):
-    from pdserve.engine.kv_cache import KVLayout
+    from pdserve.forward.kv_cache import KVLayout
 
     bytes_per_block = BLOCK_TOKENS * HEADS * DIM * 4
     blocks = max(1, total_mb * 2**20 // (NUM_LAYERS * 2 * bytes_per_block))

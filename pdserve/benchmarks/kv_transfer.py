@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from pdserve.engine.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
+from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
 from pdserve.models import resolve_model_args
 from pdserve.models.loader import model_fingerprint
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.ops.decode_attention import decode_num_splits
 from pdserve.ops.mla_decode import mla_num_splits
 

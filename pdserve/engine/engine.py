@@ -15,7 +15,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes
-from pdserve.engine.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache, num_blocks_for
+from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache, num_blocks_for
 from pdserve.engine.model_runner import Launched, ModelRunner
 from pdserve.engine.outputs import Completion, RequestOutput, TextStream
 from pdserve.protocol import TokenLogprob

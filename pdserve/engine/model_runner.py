@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.engine.sampler import Sampled, Sampler
 from pdserve.protocol import TokenLogprob
 from pdserve.engine.scheduler import ScheduledSeq

@@ -43,7 +43,7 @@ from dataclasses import replace
 import torch
 
 from pdserve.engine.cuda_graphs import CAPTURE_MODE
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.forward.forward_batch import ForwardBatch
 
 SINGLE, VARLEN = "single", "varlen"
 # Prompts one `varlen` graph holds; a step of more fresh prompts runs eagerly. Each slot costs the

@@ -104,7 +104,7 @@ class ModelArgs:
 
         ("kv", 2, kv_heads, head_dim): a K and a V plane. ("latent", 1, 1, kv_lora_rank +
         qk_rope_head_dim): MLA's one plane, the normalised latent c_kv followed by the roped shared
-        key; no V. pdserve.engine.kv_cache.KVLayout is built from this."""
+        key; no V. pdserve.forward.kv_cache.KVLayout is built from this."""
         if self.is_mla:
             return "latent", 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
         return "kv", 2, self.num_kv_heads, self.head_dim

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.models.args import ModelArgs
 from pdserve.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE
 from pdserve.models.tensor_parallel import TensorParallel, slice_full

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.models.args import ModelArgs
 from pdserve.models.tensor_parallel import (TensorParallel, row_parallel, shard_linear_in, shard_linear_out,
                                             shard_param)

@@ -4,7 +4,7 @@ It is the CPU path and the oracle for the GPU kernels. Decode rows (one query to
 into one padded SDPA call; prefill chunks run one sequence at a time with a causal mask offset by
 the cached prefix.
 
-Two kinds of cache (pdserve.engine.kv_cache): K/V planes (MHA, GQA: `forward`), and MLA's latent
+Two kinds of cache (pdserve.forward.kv_cache): K/V planes (MHA, GQA: `forward`), and MLA's latent
 plane (`forward_mla`, DeepSeek-V2/V3). Both gather the context's cache entries the same way; an
 `expand` function turns them into keys and values — for K/V the planes themselves, for a latent
 the up-projection through the layer's kv_b_proj.
@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.kv_cache import FP8
+from pdserve.forward.forward_batch import ForwardBatch
+from pdserve.forward.kv_cache import FP8
 from pdserve.ops.kv_quant import dequantize_planes, quantize
 
 # entries [planes, ..., L, heads, dim] gathered from the cache -> keys [..., L, h, Dk], values [..., L, h, Dv]

@@ -2,12 +2,12 @@
 
 A value is stored as clamp(value / scale, ±448) in float8 e4m3 (round to nearest even, saturating
 as the GPU's conversion does) and read as stored * scale, in float32 and then the model's dtype.
-One scale per layer and plane (pdserve.engine.kv_cache.KVLayout.scales).
+One scale per layer and plane (pdserve.forward.kv_cache.KVLayout.scales).
 """
 
 import torch
 
-from pdserve.engine.kv_cache import FP8, FP8_MAX
+from pdserve.forward.kv_cache import FP8, FP8_MAX
 
 
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:

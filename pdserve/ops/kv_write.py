@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.kv_cache import FP8
+from pdserve.forward.kv_cache import FP8
 
 
 @triton.jit

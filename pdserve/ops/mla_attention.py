@@ -24,7 +24,7 @@ its rows of the head's nope key and of its value) and attends over them. Two for
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.ops.attention import gather
 from pdserve.ops.kv_quant import round_trip
 from pdserve.ops.mla_decode import mla_num_splits, paged_mla_decode

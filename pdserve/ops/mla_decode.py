@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.kv_cache import FP8
+from pdserve.forward.kv_cache import FP8
 from pdserve.ops.decode_attention import decode_num_splits, merge_splits
 from pdserve.ops.kv_write import quantize
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.kv_cache import FP8
+from pdserve.forward.kv_cache import FP8
 
 _LOG2E = 1.4426950408889634
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.forward.forward_batch import ForwardBatch
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -22,7 +22,7 @@ the layer's one scale, on every path.
 
 import torch
 
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention
 from pdserve.ops.kv_quant import round_trip
 from pdserve.ops.kv_write import write_kv_triton, write_latent_triton

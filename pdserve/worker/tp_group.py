@@ -34,8 +34,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.kv_cache import allocate_kv_cache
+from pdserve.forward.forward_batch import ForwardBatch
+from pdserve.forward.kv_cache import allocate_kv_cache
 from pdserve.models.tensor_parallel import TensorParallel
 
 KEEPALIVE_S = 1.0  # an idle rank 0 broadcasts an empty step at least this often
