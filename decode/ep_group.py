@@ -36,17 +36,6 @@ class EPRank:
     replicated: list[int] = field(default_factory=list)  # hot experts with a copy on every rank
 
 
-def rendezvous_store(host: str | None = None) -> dist.TCPStore:
-    """A group's rendezvous, hosted by the caller: a TCPStore bound to port 0 and listening from now
-    on, so no port is picked and given up. The caller holds it for the group's life (dropping it
-    closes the port); every rank joins it at (host, store.port). `host`: default Ray's node IP."""
-    if host is None:
-        import ray
-
-        host = ray.util.get_node_ip_address()
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-
-
 class EPGroup:
     def __init__(self, me: EPRank, num_experts: int, device: torch.device, timeout_s: float = 600):
         """Join the group: returns once every rank has joined. Gloo on CPU, NCCL on GPUs."""
@@ -54,7 +43,7 @@ class EPGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":  # NCCL binds the current device: ours, where a worker sees several GPUs
             torch.cuda.set_device(device)
-        # A client of the store rendezvous_store made (rank 0 too): nobody here binds a port.
+        # A client of the store rendezvous_store made (worker/rendezvous.py; rank 0 too): nobody here binds a port.
         store = dist.TCPStore(me.store_host, me.store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=me.rank, world_size=me.size,
                                 timeout=timedelta(seconds=timeout_s))

@@ -9,10 +9,11 @@ from datetime import timedelta
 import pytest
 import torch
 
-from pdserve.decode.ep_group import rendezvous_store
+from pdserve.worker.rendezvous import rendezvous_store
 from ep_ranks import Request, Run, engine_config, run_ranks
 from hf_checkpoints import build_checkpoint, write_tokenizer
-from pdserve.config import ClusterConfig, ConfigError, check_model_fit
+from pdserve.config import ClusterConfig, ConfigError
+from pdserve.control.model_fit import check_model_fit
 from pdserve.engine.engine import Engine
 from pdserve.protocol import SamplingParams
 from pdserve.messages import ReplicaStats

@@ -200,7 +200,8 @@ def _serves_one_engines_text(tmp_path, replicas: int, reuse: bool = False, **sec
 
 
 def test_tp_size_config_errors_name_the_key(tmp_path):
-    from pdserve.config import ClusterConfig, ConfigError, check_model_fit
+    from pdserve.config import ClusterConfig, ConfigError
+    from pdserve.control.model_fit import check_model_fit
     from pdserve.models import resolve_model_args
 
     args = resolve_model_args("tiny-moe")

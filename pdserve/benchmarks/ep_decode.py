@@ -205,7 +205,7 @@ def _worker(rank: int, setup: str, opts, store_port: int, results) -> None:
 
 def _run(setup: str, opts) -> list[list[dict]]:
     """Each worker's rows for one setup; the workers of a setup run at the same time."""
-    from pdserve.decode.ep_group import rendezvous_store
+    from pdserve.worker.rendezvous import rendezvous_store
 
     n = _size(setup)
     store = rendezvous_store("127.0.0.1")  # the workers' rendezvous, held here (port 0) until they are done

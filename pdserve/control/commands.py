@@ -136,7 +136,7 @@ def _interrupt(signum, frame) -> None:
 
 def _check_model(cfg: ClusterConfig) -> None:
     """Fail before anything starts when the model cannot be found."""
-    from pdserve.config import check_model_fit
+    from pdserve.control.model_fit import check_model_fit
     from pdserve.models import resolve_model_args
 
     try:

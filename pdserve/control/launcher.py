@@ -129,7 +129,7 @@ class Launcher:
         for the group's life, as an expert-parallel group's."""
         if tp_size == 1:
             return None
-        from pdserve.decode.ep_group import rendezvous_store
+        from pdserve.worker.rendezvous import rendezvous_store
         from pdserve.worker.tp_follower import TPFollower
         from pdserve.worker.tp_group import TPRank
 
@@ -155,7 +155,8 @@ class Launcher:
 
     def _start_decode(self, inc: Incarnation, name: str, opts: dict) -> Incarnation:
         """One decode replica: its worker, or the ranks of its expert-parallel group."""
-        from pdserve.decode.ep_group import EPRank, rendezvous_store
+        from pdserve.decode.ep_group import EPRank
+        from pdserve.worker.rendezvous import rendezvous_store
         from pdserve.decode.worker import DecodeWorker
 
         cfg, d = self.config, self.config.decode

@@ -14,7 +14,7 @@ def run_rank_processes(main: Callable, rank_args: list[tuple], timeout: float, j
     traceback). Returns {rank: value}; raises naming the first rank that failed, or queue.Empty
     when none says anything within `timeout` s. `before_start(host, port)` sees the store's address
     before any rank starts."""
-    from pdserve.decode.ep_group import rendezvous_store
+    from pdserve.worker.rendezvous import rendezvous_store
 
     size = len(rank_args)
     store = rendezvous_store("127.0.0.1")
