@@ -118,7 +118,7 @@ class Dashboard:
 def _find_controller():
     import ray
 
-    from pdserve.control.controller import CONTROLLER, NAMESPACE  # light: Ray and the config, no torch
+    from pdserve.actors import CONTROLLER, NAMESPACE
 
     return ray.get_actor(CONTROLLER, namespace=NAMESPACE)
 

@@ -6,23 +6,11 @@ holds. Bringing a replica back is the controller's job: it tells the router (`jo
 
 import asyncio
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
-
+from pdserve.actors import down_reason
 from pdserve.messages import LOST, RequestDelta
 from pdserve.router.types import ReplicaUnavailableError
 
 MISSED_LIMIT = 3  # stats polls in a row a replica may leave unanswered (timeouts) before it counts as down
-
-
-def down_reason(error: BaseException) -> str | None:
-    """Why a failed call to a replica means it is down, or None when it may only be slow."""
-    if isinstance(error, ActorDiedError):
-        return "its process died"
-    if isinstance(error, ActorUnavailableError):  # its node died (Ray has not said so yet) or is cut off
-        return "it is unreachable (its node died or is cut off)"
-    if isinstance(error, RayTaskError):  # a worker's stats() raises only when its engine loop stopped
-        return "its engine loop stopped"
-    return None
 
 
 class ReplicaHealth:

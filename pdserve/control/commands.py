@@ -17,7 +17,7 @@ def _connect(address: str | None) -> None:
     if address not in (None, "auto"):
         _use_token_if_present()
     from pdserve.control import ray_start
-    from pdserve.control.controller import NAMESPACE
+    from pdserve.actors import NAMESPACE
 
     ray_start.init(address, _log, namespace=NAMESPACE, include_dashboard=False, logging_level="WARNING",
                    log_to_driver=False, configure_logging=True)
@@ -57,7 +57,8 @@ def up(path: str | None) -> int:
     _log(f"Ray {'started' if cfg.ray.address == 'local' else 'joined'} in {ray_s:.2f} s")
     import ray
 
-    from pdserve.control.controller import CONTROLLER, Controller
+    from pdserve.actors import CONTROLLER
+    from pdserve.control.controller import Controller
 
     # Named so `pdserve down --address` reaches this cluster where a host runs several: with no
     # address, Ray picks the cluster started last on the host.
@@ -206,7 +207,7 @@ def ask(controller, method: str, *args, timeout: float = 30):
     death is asked again while Ray restarts it (the actor is still named), for at most RESTART_S."""
     import ray
 
-    from pdserve.control.controller import CONTROLLER, NAMESPACE
+    from pdserve.actors import CONTROLLER, NAMESPACE
 
     deadline = time.monotonic() + RESTART_S
     while True:
@@ -248,7 +249,7 @@ def _controller(address: str):
         raise SystemExit(_fail("no Ray cluster is running here")) from None
     import ray
 
-    from pdserve.control.controller import CONTROLLER, NAMESPACE
+    from pdserve.actors import CONTROLLER, NAMESPACE
 
     try:
         return ray.get_actor(CONTROLLER, namespace=NAMESPACE)

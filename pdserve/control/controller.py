@@ -19,23 +19,23 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from pdserve.actors import NAMESPACE
 from pdserve.config import ClusterConfig
 from pdserve.control.health import PROBE_INTERVAL_S, Heartbeats
-from pdserve.control.launcher import NAMESPACE, WORKER_MODULES, Incarnation, Launcher, worker_name
+from pdserve.control.launcher import WORKER_MODULES, Incarnation, Launcher, worker_name
 from pdserve.control.kv_pairs import PairBook
 from pdserve.control.load import LoadWindow
 from pdserve.control.planner import Limits, Measured
 from pdserve.control.recovery import Recovery, _cause, restarted
 from pdserve.messages import ReplicaChange, ReplicaStats
 
-CONTROLLER = "pdserve-controller"
 ROUTER_START_S = 120  # a router binds its ports and loads the tokenizer: seconds, never minutes
 REPLICA_START_S = 900  # loading a model onto a GPU: minutes at most
 TELL_S = 10  # a router takes a ReplicaChange at once; one that does not is dead or hung (the watch sees it)
 RETRY_S = (2.0, 60.0)  # a replacement that failed to start is tried again after this, doubling to the max
 DRAIN_POLL_S = 0.5
 
-__all__ = ["CONTROLLER", "NAMESPACE", "Controller"]
+__all__ = ["Controller"]
 
 
 class Controller(Recovery):
@@ -455,7 +455,7 @@ class Controller(Recovery):
         "stopping", "stopped"), progress lines, endpoints, each replica's stats or why it is down
         ("down: ..."), each router's info, restarts per replica and router, and the config's slo
         targets (ttft_ms, tpot_ms: what `pdserve status --watch` shows the latencies against)."""
-        from pdserve.router.replica_health import down_reason
+        from pdserve.actors import down_reason
 
         replicas: dict[str, ReplicaStats | str] = {}
         restarts: dict[str, int] = {}

@@ -5,7 +5,7 @@ it is killed and replaced like a dead one)."""
 
 import ray
 
-from pdserve.router.replica_health import down_reason
+from pdserve.actors import down_reason
 
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 5.0

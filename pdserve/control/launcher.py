@@ -14,6 +14,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve.actors import NAMESPACE
 from pdserve.config import ClusterConfig
 from pdserve.control.placement import Demand, choose_node, cluster_nodes, placement_group_for
 from pdserve.messages import ReplicaChange
@@ -22,7 +23,6 @@ from pdserve.messages import ReplicaChange
 # step boundary, so a burst of them holds a thread each until then: many, not the 8 that capped
 # hand-offs at 8 per step.
 WORKER_CONCURRENCY = 256
-NAMESPACE = "pdserve"
 PLACE_S = 120  # a replica's placement group is placed within this, or its start fails naming what it asked
 PLACE_CHECK_S = 1.0  # meanwhile, this often: is the node chosen for it still in the cluster?
 # Each role's module holding its ranks' actor class. A process that receives their handles (a

@@ -12,7 +12,8 @@ import time
 
 import ray
 
-from pdserve.control.launcher import NAMESPACE, Incarnation, worker_name
+from pdserve.actors import NAMESPACE
+from pdserve.control.launcher import Incarnation, worker_name
 from pdserve.control.placement import Demand
 
 

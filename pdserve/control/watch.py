@@ -408,7 +408,7 @@ def _restarting() -> bool:
     for good is no longer found)."""
     import ray
 
-    from pdserve.control.controller import CONTROLLER, NAMESPACE
+    from pdserve.actors import CONTROLLER, NAMESPACE
 
     try:
         ray.get_actor(CONTROLLER, namespace=NAMESPACE)

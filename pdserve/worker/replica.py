@@ -51,7 +51,7 @@ def _progress(replica: str) -> Callable[[str], None]:
     `pdserve up` prints) when there is one."""
     controller = None
     if _in_actor():
-        from pdserve.control.controller import CONTROLLER
+        from pdserve.actors import CONTROLLER
 
         try:
             controller = ray.get_actor(CONTROLLER)
