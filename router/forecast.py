@@ -3,7 +3,7 @@ once (429) what would miss slo.ttft_ms rather than queue it into a miss.
 
 Built from what the router knows without asking anyone:
 - the replicas' measured step costs: each one's step profile (engine/step_profile.py, on its
-  stats) fitted as the planner fits it (control/planner.py `fit`: fixed + per unit × size);
+  stats) fitted as the planner fits it (pdserve/step_cost.py `fit`: fixed + per unit × size);
 - their sequence slots and occupancy (stats, polled every 0.5 s);
 - this router's own requests: which hold a slot, how far each has got, what each still awaits.
 
@@ -23,7 +23,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from pdserve.control.planner import StepCost, fit
+from pdserve.step_cost import StepCost, fit
 from pdserve.messages import ReplicaStats
 from pdserve.protocol import SamplingParams
 

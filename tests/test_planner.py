@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from pdserve.control.load import LoadWindow
-from pdserve.control.planner import (Hysteresis, Limits, Measured, PlannerError, Traffic, fit, plan, render,
-                                     scale_steps)
+from pdserve.control.planner import Hysteresis, Limits, Measured, PlannerError, Traffic, plan, render, scale_steps
 from pdserve.engine.step_profile import StepProfile, bucket
 from pdserve.messages import ReplicaStats
+from pdserve.step_cost import fit
 
 PREFILL_COST = (0.005, 0.0002)  # 5 ms + 0.2 ms per token
 DECODE_COST = (0.008, 0.0005)  # 8 ms + 0.5 ms per sequence

@@ -1,0 +1,53 @@
+"""What an engine step costs, as a line fitted to its measured step buckets: prefill `fixed +
+per_token x tokens`, decode `fixed + per_seq x batch`. The planner (control/planner.py) sizes the
+phases from it; each router (router/forecast.py) forecasts a new request's time to first token
+from it. Plain data and arithmetic: no Ray, no torch."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepCost:
+    """Seconds of a step of `size` (tokens for prefill, sequences for decode) = fixed + per_unit × size."""
+
+    fixed: float
+    per_unit: float
+    steps: int  # steps it was fitted on
+    largest: float  # the largest mean size of a bucket it saw
+
+    def time(self, size: float) -> float:
+        return self.fixed + self.per_unit * size
+
+
+def fit(buckets: dict[int, list], phase: str, fixed_floor: float = 0.0) -> StepCost | None:
+    """Weighted least squares over the buckets' mean (size, seconds). With one size only the split
+    into fixed and per-unit cost is unknown: prefill is then taken as all per-token (it computes
+    each token), decode as all fixed (a batch reads the same weights). None: no step measured.
+
+    fixed_floor: what the fixed cost cannot be below (`plan` gives prefill decode's: every step of
+    the model reads the same weights and launches the same kernels, whatever its size). Where the
+    fit lands under it, the floor (or the mean step, if smaller) is the fixed cost and the rest of
+    the mean step is per unit. It matters for short prompts: steps of 16-48 tokens cannot separate
+    the two costs, and one noisy bucket used to put all of a step's time on its tokens, and a full
+    step of max_batch_tokens was extrapolated at that per-token rate."""
+    pts = [(row[1] / row[0], row[2] / row[0], row[0]) for row in buckets.values() if row[0] > 0]
+    if not pts:
+        return None
+    w = sum(p[2] for p in pts)
+    xm = sum(x * n for x, _, n in pts) / w
+    ym = sum(y * n for _, y, n in pts) / w
+    sxx = sum(n * (x - xm) ** 2 for x, _, n in pts)
+    largest = max(p[0] for p in pts)
+    if sxx <= 1e-12 * max(1.0, xm * xm):
+        a, b = (0.0, ym / xm) if phase == "prefill" else (ym, 0.0)
+    else:
+        b = sum(n * (x - xm) * (y - ym) for x, y, n in pts) / sxx
+        a = ym - b * xm
+        if b < 0:  # bigger steps measured faster (noise): no per-unit cost
+            a, b = ym, 0.0
+        elif a < 0:  # through the origin instead
+            a, b = 0.0, sum(n * x * y for x, y, n in pts) / sum(n * x * x for x, _, n in pts)
+    if a < fixed_floor:
+        a = min(fixed_floor, ym)
+        b = (ym - a) / xm
+    return StepCost(a, b, int(w), largest)
