@@ -3,8 +3,8 @@ HTTP port; /dashboard/data is its JSON.
 
 The page (static/dashboard.html and .js, with uPlot vendored beside them: it works offline) polls
 /dashboard/data every 2 s and keeps the history itself. The router keeps only the scrapes of the last
-minute that the figures are computed over — watch.py's Window, the same functions the terminal view
-uses. The cluster's status comes from the controller (the named detached actor), as `pdserve status`
+minute that the figures are computed over — cluster_view.py's Window, the same functions the terminal
+view uses. The cluster's status comes from the controller (the named detached actor), as `pdserve status`
 gets it. Without one — an app built in a test, or a controller that does not answer — the router
 answers with what it knows itself: the replicas it polls and its own /metrics.
 """
@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from starlette.staticfiles import StaticFiles
 
-from pdserve.control import watch
+from pdserve import cluster_view
 from pdserve.router.metrics import Metrics
 from pdserve.router.types import ServingCore
 
@@ -40,16 +40,16 @@ class DashboardData:
     router: str  # the router that answered ("" in an app with no name)
     source: str  # "controller": the cluster's status; "router": this router's own view
     state: str  # the cluster's state ("running", "degraded", "draining", ...)
-    replicas: list[watch.ReplicaRow]
-    routers: list[watch.RouterRow]
-    latency: watch.Latency | None  # over the last minute; None until two samples were taken
+    replicas: list[cluster_view.ReplicaRow]
+    routers: list[cluster_view.RouterRow]
+    latency: cluster_view.Latency | None  # over the last minute; None until two samples were taken
     slo: dict = field(default_factory=dict)  # ttft_ms, tpot_ms (the config's slo:; {} without the controller)
 
 
 class Dashboard:
     def __init__(self, core: ServingCore, metrics: Metrics):
         self.core, self.metrics = core, metrics
-        self.window = watch.Window()
+        self.window = cluster_view.Window()
         self.source = ""
         self._controller = None
         self._look_again_at = 0.0
@@ -67,14 +67,15 @@ class Dashboard:
         source = "router" if status is None else "controller"
         if status is None:
             status = self._own_status()
-            scrapes = {"": watch.parse_metrics(self.metrics.render().decode())}
+            scrapes = {"": cluster_view.parse_metrics(self.metrics.render().decode())}
         else:  # every router's own /metrics (this one's too: over HTTP, which its loop answers meanwhile)
-            scrapes = await asyncio.to_thread(watch.scrape, watch.router_urls(status))
+            scrapes = await asyncio.to_thread(cluster_view.scrape, cluster_view.router_urls(status))
         if source != self.source:  # the scrapes' keys change with the source: difference nothing across it
-            self.window, self.source = watch.Window(), source
-        self.window.add(time.monotonic(), scrapes | watch.replica_snapshots(status))
-        return DashboardData(time.time(), self.metrics.router, source, status["state"], watch.replica_rows(status),
-                             watch.router_rows(status), self.window.latency(), status.get("slo") or {})
+            self.window, self.source = cluster_view.Window(), source
+        self.window.add(time.monotonic(), scrapes | cluster_view.replica_snapshots(status))
+        return DashboardData(time.time(), self.metrics.router, source, status["state"],
+                             cluster_view.replica_rows(status), cluster_view.router_rows(status),
+                             self.window.latency(), status.get("slo") or {})
 
     async def _cluster_status(self) -> dict | None:
         """The controller's status(), or None when there is no controller or it does not answer."""

@@ -5,12 +5,12 @@ import subprocess
 import sys
 
 # Every module the Router actor loads (pdserve.router.server and what it imports, gRPC included; the
-# dashboard's watch.py figures, and the controller module it looks the controller's name up in).
+# dashboard's figures, the actors' names, the forecast's step costs).
 ROUTER_MODULES = ["pdserve.router.server", "pdserve.router.core", "pdserve.router.http_api",
                   "pdserve.router.grpc_server", "pdserve.router.metrics", "pdserve.router.replica_health",
-                  "pdserve.router.decode_replica", "pdserve.router.dashboard", "pdserve.control.watch",
-                  "pdserve.control.controller", "pdserve.config", "pdserve.tokenizer", "pdserve.models",
-                  "pdserve.messages", "pdserve.protocol"]
+                  "pdserve.router.decode_replica", "pdserve.router.dashboard", "pdserve.router.forecast",
+                  "pdserve.cluster_view", "pdserve.actors", "pdserve.step_cost", "pdserve.config",
+                  "pdserve.tokenizer", "pdserve.models", "pdserve.messages", "pdserve.protocol"]
 
 
 def python(code: str, cwd) -> subprocess.CompletedProcess:

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 
-from pdserve.control.watch import (TPOT, TTFT, Gone, Snapshot, Unanswered, Window, call, combine, difference,
-                                   gcs_answers, latency, parse_metrics, percentile, render_text, replica_snapshots,
-                                   router_urls, slo_mark, view)
+from pdserve.cluster_view import (TPOT, TTFT, Snapshot, Window, combine, difference, latency, parse_metrics, percentile,
+                                  replica_snapshots, router_urls)
+from pdserve.control.watch import Gone, Unanswered, call, gcs_answers, render_text, slo_mark, view
 from pdserve.messages import ReplicaStats
 from pdserve.router.metrics import Metrics
 from serving_cluster import Cluster, until
@@ -56,7 +56,7 @@ def _router_metrics(ttfts, itls, requests):
 
 
 def test_two_routers_add_up_over_the_window():
-    # The router's real metrics, through the text a scrape reads: the names watch.py reads are the router's.
+    # The router's real metrics, through the text a scrape reads: the names cluster_view.py reads are the router's.
     a, b = _router_metrics([0.03] * 2, [0.004] * 10, 2), _router_metrics([0.03] * 2, [], 2)
     w = Window(window_s=60)
     w.add(0.0, {"http://a": parse_metrics(generate_latest(a.registry).decode()),

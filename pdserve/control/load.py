@@ -17,8 +17,8 @@ import threading
 import time
 from collections import deque
 
+from pdserve.cluster_view import percentile
 from pdserve.control.planner import Limits, Measured, Traffic, merge_steps
-from pdserve.control.watch import percentile
 
 KEEP_S = 600.0
 
