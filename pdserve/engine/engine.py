@@ -15,7 +15,9 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes
-from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache, num_blocks_for
+from pdserve.engine.graph_capture import capture_graphs
+from pdserve.engine.kv_budget import kv_cache_blocks
+from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
 from pdserve.engine.model_runner import Launched, ModelRunner
 from pdserve.engine.outputs import Completion, RequestOutput, TextStream
 from pdserve.protocol import TokenLogprob
@@ -65,14 +67,13 @@ class Engine:
                                            moe_backend=moe_backend, seed=mc.seed, ep=ep, norms=norms,
                                            tp=self.tp, log=log)
         self.load_stats = self.model.load_stats  # what loading took (bytes, seconds): workers report it
-        self.graphs_s: float | None = None  # seconds capturing CUDA graphs, where they are
         self.tokenizer = load_tokenizer(mc.path, eos_token_ids=self.args.eos_token_ids)
         self.fingerprint = model_fingerprint(mc.path, self.args, dtype, mc.load_format, mc.seed)
         self.max_model_len = min(mc.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
         kv_dtype = KV_CACHE_DTYPES.get(mc.kv_cache_dtype, dtype)  # "auto": the model's dtype
-        self.layout = KVLayout.for_model(self.args, self._num_blocks(kv_dtype), config.block_size, kv_dtype,
-                                         tp=self.tp)
+        num_blocks = kv_cache_blocks(config, self.args, self.device, self.tp, kv_dtype)
+        self.layout = KVLayout.for_model(self.args, num_blocks, config.block_size, kv_dtype, tp=self.tp)
         self.kv_cache = allocate_kv_cache(self.layout, self.device)
         self.pool = BlockPool(self.layout.num_blocks, config.enable_prefix_cache)
         self.profile = StepProfile()  # what steps cost, by size (the planner reads it)
@@ -80,7 +81,8 @@ class Engine:
                                    config.max_num_batched_tokens, config.chunk_size,
                                    whole_prompt=config.role == "prefill", profile=self.profile)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.layout.scales)
-        self._capture_graphs(attn_backend, moe_backend, ep, log)
+        # Seconds capturing CUDA graphs, where they are (None: none here).
+        self.graphs_s: float | None = capture_graphs(self, attn_backend, moe_backend, ep, log)
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, TextStream] = {}
         self._ready: list[RequestOutput] = []  # outputs produced outside a step (start_decode)
@@ -95,72 +97,6 @@ class Engine:
             log(f"KV cache: {self.layout.num_blocks} blocks of {config.block_size} tokens "
                 f"({self.layout.num_blocks * config.block_size} tokens, {str(kv_dtype).removeprefix('torch.')})")
 
-    def _capture_graphs(self, attn_backend, moe_backend, ep, log) -> None:
-        """CUDA graphs of fresh-prompt steps and of decode steps, in one memory pool: a step
-        replays one graph at a time, and the largest activations (the prefill graphs') are
-        captured first, so the decode graphs fit in memory they reserved."""
-        prefill_tokens = self._prefill_graph_tokens(attn_backend, moe_backend, ep)
-        decode = self._wants_graphs(attn_backend, ep)
-        if not (prefill_tokens or decode):
-            return
-        t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        c = self.config
-        if prefill_tokens:
-            from pdserve.engine.prefill_graphs import PREFILL_GRAPH_MAX_SEQS, PrefillGraphs, prefill_buckets
-            # MLA has no varlen kernel for fresh prompts: its graphs hold one prompt each.
-            seqs = 1 if self.args.is_mla else min(c.max_num_seqs, PREFILL_GRAPH_MAX_SEQS)
-            self.runner.prefill_graphs = PrefillGraphs(self.model, self.kv_cache, self.layout.scales,
-                                                       prefill_buckets(prefill_tokens), seqs, self.device,
-                                                       log, pool)
-        if decode:
-            from pdserve.engine.cuda_graphs import DecodeGraphs
-            self.runner.graphs = DecodeGraphs(
-                self.model, self.kv_cache, attn_backend, min(c.max_num_seqs, c.cuda_graph_max_batch),
-                -(-self.max_model_len // c.block_size), self.max_model_len, self.device, log, exchange=ep,
-                kv_scales=self.layout.scales, pool=pool)
-        self.graphs_s = time.perf_counter() - t0
-        if prefill_tokens and decode:  # fresh prompts and decoders then step apart, each in its graphs
-            self.scheduler.graph_limits(prefill_tokens, seqs, self.runner.graphs.buckets[-1])
-        if log:
-            log(f"CUDA graphs captured in {self.graphs_s:.2f} s")
-
-    def _prefill_graph_tokens(self, attn_backend, moe_backend, ep) -> int:
-        """The largest fresh-prompt step replayed from a CUDA graph (engine/prefill_graphs.py); 0:
-        none. Roles that prefill, on a GPU with the Triton kernels (the torch reference reads
-        host-side lengths and syncs), not expert- or tensor-parallel ranks (their steps stay eager).
-        Never more than one step's token budget."""
-        from pdserve.engine.prefill_graphs import DEFAULT_MAX_TOKENS
-
-        c = self.config
-        want = c.prefill_graph_max_tokens
-        if want == 0 or not c.cuda_graphs or c.role == "decode" or ep is not None or self.tp is not None:
-            return 0
-        if not self._triton_backends(attn_backend, moe_backend):
-            if want is not None:
-                raise ValueError(f"prefill_graph_max_tokens={want} needs the Triton kernels on a GPU (CUDA graphs); "
-                                 f"attention_backend={c.attention_backend!r}, moe_backend={c.moe_backend!r} "
-                                 f"on {str(self.device)!r}: set both 'auto' or 'triton', or set 0")
-            return 0
-        most = min(DEFAULT_MAX_TOKENS if want is None else want, c.max_num_batched_tokens)
-        return most if most >= 2 else 0  # (a step of one token is decode-shaped)
-
-    @staticmethod
-    def _triton_backends(attn_backend, moe_backend) -> bool:
-        from pdserve.ops.attention import TorchAttention
-        from pdserve.ops.moe import TorchMoE
-
-        return not isinstance(attn_backend, TorchAttention) and not isinstance(moe_backend, TorchMoE)
-
-    def _wants_graphs(self, attn_backend, ep) -> bool:
-        """Decode steps replay CUDA graphs on a GPU with the Triton kernels (the torch reference
-        reads host-side lengths); not for prefill-only engines, nor for expert-parallel ranks whose
-        every step exchanges by all-to-all (threshold 1 or less: no static shapes)."""
-        from pdserve.ops.attention import TorchAttention
-
-        return (self.config.cuda_graphs and self.device.type == "cuda" and self.config.role != "prefill"
-                and (ep is None or ep.threshold > 1) and not isinstance(attn_backend, TorchAttention))
-
     def _wants_overlap(self) -> bool:
         """Overlap the host's work with the device's: on by default on a GPU. Not for the prefill
         role (a request's one step hands its KV to the connector right away). An expert-parallel
@@ -169,34 +105,6 @@ class Engine:
         if want is None:
             want = self.device.type == "cuda"
         return want and self.config.role != "prefill"
-
-    def _num_blocks(self, dtype: torch.dtype) -> int:
-        if self.config.num_kv_blocks:
-            return self.config.num_kv_blocks
-        gb = self.config.kv_cache_gb
-        if gb is None and self.device.type == "cuda":
-            # What is free less a tenth of the card (vLLM's gpu_memory_utilization 0.9): left for the
-            # largest step's activations, the graphs' pools, and the CUDA contexts that peers open
-            # on this GPU later (a cuda_ipc decode replica maps a prefill GPU's KV: ~0.5 GiB each).
-            # 90 % of the free memory left an 80 GB card 1.7 GiB after 61 GB of weights: too little.
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - 0.1 * total)
-            if budget <= 0:
-                raise RuntimeError(
-                    f"no GPU memory left for the KV cache on {self.device}: {free / 2**30:.1f} GiB free of "
-                    f"{total / 2**30:.1f} after the weights, and a tenth of the card stays free for activations; "
-                    "set kv_cache_gb or num_kv_blocks, or give the replica more GPUs")
-        else:
-            budget = int((gb or 0.25) * 2**30)
-        kind, planes, heads, dim = self.args.kv_cache_entry()
-        if self.tp is not None and kind == "kv":
-            heads = len(self.tp.kv_heads(self.args.num_heads, heads))
-        n = num_blocks_for(budget, self.args.num_layers, self.config.block_size, heads, dim, dtype, planes)
-        if self.tp is not None and self.config.kv_cache_gb is None and self.device.type == "cuda":
-            # Sized from each GPU's free memory, which differs between ranks; rank 0's block ids
-            # address every rank's cache, so all take the smallest.
-            n = self.tp.agree_min(n, self.device)
-        return n
 
     # -- requests -----------------------------------------------------------------------------
 
