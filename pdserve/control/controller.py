@@ -10,6 +10,10 @@ they hold, then stop); `shutdown(grace)` drains the routers first. A decode repl
 DecodeWorker, or with `decode.ep_size` N > 1 an expert-parallel group of N (one dead rank takes
 its group down with it: the group is replaced whole). A colocated cluster has ColocatedWorkers
 only, and no handshake: no KV moves between them.
+
+Three of its parts are files of their own, mixed into the one actor class (Ray calls every method
+on it, whichever file holds it): the KV handshake (handshake.py), scaling and draining
+(scaling.py), and taking the cluster back after Ray restarted the actor (recovery.py).
 """
 
 import os
@@ -21,24 +25,25 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.actors import NAMESPACE
 from pdserve.config import ClusterConfig
+from pdserve.control.handshake import Handshake
 from pdserve.control.health import PROBE_INTERVAL_S, Heartbeats
 from pdserve.control.launcher import WORKER_MODULES, Incarnation, Launcher, worker_name
 from pdserve.control.kv_pairs import PairBook
 from pdserve.control.load import LoadWindow
 from pdserve.control.planner import Limits, Measured
 from pdserve.control.recovery import Recovery, _cause, restarted
+from pdserve.control.scaling import DRAIN_POLL_S, Scaling
 from pdserve.messages import ReplicaChange, ReplicaStats
 
 ROUTER_START_S = 120  # a router binds its ports and loads the tokenizer: seconds, never minutes
 REPLICA_START_S = 900  # loading a model onto a GPU: minutes at most
 TELL_S = 10  # a router takes a ReplicaChange at once; one that does not is dead or hung (the watch sees it)
 RETRY_S = (2.0, 60.0)  # a replacement that failed to start is tried again after this, doubling to the max
-DRAIN_POLL_S = 0.5
 
 __all__ = ["Controller"]
 
 
-class Controller(Recovery):
+class Controller(Recovery, Handshake, Scaling):
     def __init__(self, config: ClusterConfig, cluster_token: str | None = None, api_keys: list | None = None):
         """api_keys: the routers' API keys (router/tenants.py ApiKey: names, hashes, limits); none: open."""
         self.config = config
@@ -122,107 +127,6 @@ class Controller(Recovery):
             inc.nodes = dict(zip(inc.ranks, ray.get([w.node.remote() for w in inc.ranks.values()], timeout=60)))
             if show:
                 self._note(f"{inc.replica} on node {_where(inc)}")
-
-    def _handshake(self, incs: list[Incarnation], states=("serving", "draining")) -> None:
-        """Pair every worker of `incs` with every worker of the other KV role: those of the live
-        replicas (in `states`, not being replaced) and those of `incs` themselves (a scale-up of
-        both roles pairs the new with the new). A failure of `incs`' own workers raises; a peer that
-        is dead (or dies meanwhile) is left out: it is being replaced, and its replacement will pair
-        with these. A pairing that fails otherwise is retried by the watch (kv_pairs.py)."""
-        others = [i for i in list(self.replicas.values()) if i.state in states and i.replica not in self._restarting
-                  and i.role in ("prefill", "decode") and all(i is not j for j in incs)]
-        pairs = []
-        for a in incs:
-            for b in others + incs:
-                if {a.role, b.role} != {"prefill", "decode"}:
-                    continue
-                if a.role == "decode" and any(b is j for j in incs):  # two new ones: paired from the prefill side
-                    continue
-                p, d = (a, b) if a.role == "prefill" else (b, a)
-                pairs += [(p, pw, d, dw) for pw in p.ranks for dw in d.ranks]
-        self._pair(pairs, incs)
-
-    def _pair(self, pairs: list[tuple[Incarnation, str, Incarnation, str]], own: list[Incarnation] = ()) -> None:
-        """Handshake each (prefill replica, its worker, decode replica, its worker): the decode end
-        takes the prefill end's metadata first, then the prefill end the decode end's, each batch
-        in parallel. A worker of `own` that fails raises; another replica's dead worker marks that
-        replica for replacement; any other failure is the pair's (PairBook.failed: retried)."""
-        if not pairs:
-            return
-        mine = {w for inc in own for w in inc.ranks}
-        handles = {w: inc.ranks[w] for p, pw, d, dw in pairs for inc, w in ((p, pw), (d, dw))}
-        replica_of = {w: inc for p, pw, d, dw in pairs for inc, w in ((p, pw), (d, dw))}
-        dead: set[str] = set()
-
-        def died(worker: str, e: BaseException) -> None:
-            if worker in mine:
-                raise RuntimeError(f"{worker} failed its KV handshake: {_cause(e)}") from None
-            inc = replica_of[worker]
-            dead.add(worker)
-            self._restarting.setdefault(inc.replica, f"it failed its KV handshake ({type(e).__name__})")
-
-        want = [w for w in handles if w not in self._metas]
-        refs = {w: handles[w].metadata.remote() for w in want}
-        for w, ref in refs.items():
-            try:
-                self._metas[w] = ray.get(ref, timeout=60)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                died(w, e)
-        for end in ("decode", "prefill"):  # the decode end first: it then takes reservations naming the prefill end
-            todo = [(p, pw, d, dw) for p, pw, d, dw in pairs if pw not in dead and dw not in dead and
-                    (end == "decode" or (dw, pw) in self.pairs.records)]
-            calls = {(pw, dw): (handles[dw].add_peer.remote(self._metas[pw]) if end == "decode"
-                                else handles[pw].add_peer.remote(self._metas[dw])) for _, pw, _, dw in todo}
-            if not calls:
-                continue
-            ray.wait(list(calls.values()), num_returns=len(calls), timeout=60)
-            for (pw, dw), ref in calls.items():
-                caller = dw if end == "decode" else pw
-                try:
-                    rec = ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError as e:
-                    if caller not in dead:
-                        died(caller, e)
-                    self._pair_failed(pw, dw, "died", f"{caller}'s process died; it is being replaced")
-                    continue
-                except ray.exceptions.GetTimeoutError:
-                    self._pair_failed(pw, dw, "timeout", f"{caller} did not answer the handshake within 60 s")
-                    continue
-                except ray.exceptions.RayTaskError as e:
-                    self._pair_failed(pw, dw, "refused", _cause(e))
-                    continue
-                if end == "decode":
-                    self.pairs.half(dw, pw, rec)
-                else:
-                    self.pairs.paired(pw, dw, rec, self.pairs.records[(dw, pw)])
-
-    def _pair_failed(self, prefill: str, decode: str, reason: str, why: str) -> None:
-        f = self.pairs.failed(prefill, decode, reason, why)
-        self._note(f"KV pair {prefill} -> {decode} failed ({reason}: {why}); trying again in {f.backoff:.0f} s "
-                   f"(attempt {f.attempts})")
-        self._tell_pairing()
-
-    def _tell_pairing(self) -> None:
-        """Every router's /metrics counts the failed pairings (not awaited past TELL_S)."""
-        refs = [r["handle"].pairing_failures.remote(dict(self.pairs.failures)) for r in self.routers.values()]
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=TELL_S)
-
-    def _repair(self) -> None:
-        """Pairings that failed, tried again once due (their two ends still live)."""
-        due = self.pairs.due()
-        if not due:
-            return
-        where = {w: inc for inc in self.replicas.values() if inc.replica not in self._restarting for w in inc.ranks}
-        pairs = [(where[p], p, where[d], d) for p, d in due if p in where and d in where]
-        for p, d in due:
-            if p not in where or d not in where:
-                self.pairs.forget([w for w in (p, d) if w not in where])
-        if pairs:
-            self._pair(pairs)
-            for _, p, _, d in pairs:
-                if (p, d) not in self.pairs.failing:
-                    self._note(f"KV pair {p} -> {d} paired")
 
     def _router_slots(self) -> list[str]:
         return [f"pdserve-router-{i}" for i in range(self.config.router.replicas)]
@@ -361,92 +265,11 @@ class Controller(Recovery):
         refs = [r["handle"].apply.remote(change) for r in self.routers.values()]
         ray.wait(refs, num_returns=len(refs), timeout=TELL_S)
 
-    def _forget_pairs(self, inc: Incarnation) -> None:
-        """The KV handshakes' records of a stopped incarnation's workers."""
-        self.pairs.forget(inc.ranks)
-        for w in inc.ranks:
-            self._metas.pop(w, None)
-
-    # -- scaling ---------------------------------------------------------------------------------
-
-    def scale(self, counts: dict[str, int], grace_s: float) -> dict[str, list[str]]:
-        """Replicas per role as asked: new ones start, handshake and join the routers; removed ones
-        (the newest first) drain — no new work, what they hold finishes, at most grace_s — then
-        stop. Returns the replicas started and removed."""
-        with self._life:
-            if self.state not in ("running", "degraded"):
-                raise RuntimeError(f"the cluster is {self.state}")
-            started, removed = [], []
-            for role, want in counts.items():
-                have = sorted((inc for inc in self.replicas.values() if inc.role == role and inc.state == "serving"),
-                              key=lambda inc: _index(inc.replica))
-                for inc in have[want:][::-1]:
-                    removed.append(inc)
-                taken = {_index(inc.replica) for inc in self.replicas.values() if inc.role == role}
-                free = (i for i in range(1 << 20) if i not in taken)
-                for _ in range(max(0, want - len(have))):
-                    others = list(self.replicas.values()) + started
-                    started.append(self.launcher.start(role, f"pdserve-{role}-{next(free)}", 0, others))
-            if started:
-                self._note(f"scale: starting {', '.join(i.replica for i in started)}")
-                try:
-                    self._wait_ready(started)
-                    # The new with the serving and with each other: a scale-up of both roles made no
-                    # pair between its new prefill and new decode replicas, whose requests then
-                    # waited out the lease (kv_transfer.lease_s) and moved.
-                    self._handshake([i for i in started if i.role != "colocated"], ("serving",))
-                except Exception:
-                    for inc in started:
-                        Launcher.stop(inc)
-                    raise
-                for inc in started:
-                    self.replicas[inc.replica] = inc
-                    self._tell(inc.change())
-                    self._note(f"scale: {inc.replica} serving")
-            for inc in removed:
-                inc.state = "draining"
-                self._tell(inc.change())
-                self._note(f"scale: draining {inc.replica}")
-        self._drain(removed, grace_s)  # (not holding _life: a dead replica meanwhile is still replaced)
-        with self._life:
-            for inc in removed:
-                self._remove(inc)
-        return {"started": [i.replica for i in started], "removed": [i.replica for i in removed]}
-
-    def _drain(self, incs: list[Incarnation], grace_s: float) -> None:
-        """Until the draining replicas hold no request (their workers and every router say so),
-        or grace_s passed: what is left is then cut off (and migrates, as from a dead replica)."""
-        deadline = time.monotonic() + grace_s
-        left = {inc.replica: inc for inc in incs}
-        quiet: dict[str, int] = {}
-        while left and time.monotonic() < deadline:
-            for name, inc in list(left.items()):
-                try:
-                    held = sum(s.held for s in ray.get([w.stats.remote() for w in inc.ranks.values()], timeout=5))
-                    held += sum(ray.get([r["handle"].placed.remote(name) for r in self.routers.values()], timeout=5))
-                except Exception:  # dead (the watch replaces nothing draining) or slow: look again
-                    held = -1
-                # Twice in a row: a request handed over just before the routers heard of the drain
-                # may still be on its way to the worker.
-                quiet[name] = quiet.get(name, 0) + 1 if held == 0 else 0
-                if quiet[name] >= 2:
-                    del left[name]
-                    self._note(f"{name} drained")
-            time.sleep(DRAIN_POLL_S)
-        for name in left:
-            self._note(f"{name}: not drained within {grace_s:g} s; stopping it (its requests move elsewhere)")
-
-    def _remove(self, inc: Incarnation) -> None:
-        if self.replicas.get(inc.replica) is not inc:  # removed already (it died while draining)
-            return
-        inc.state = "gone"
-        self._tell(inc.change())
-        Launcher.stop(inc)
-        self._forget_pairs(inc)
-        self.replicas.pop(inc.replica, None)
-        self._restarting.pop(inc.replica, None)
-        self._beats.forget(inc.replica)
-        self._note(f"{inc.replica} stopped")
+    def _tell_pairing(self) -> None:
+        """Every router's /metrics counts the failed pairings (not awaited past TELL_S)."""
+        refs = [r["handle"].pairing_failures.remote(dict(self.pairs.failures)) for r in self.routers.values()]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=TELL_S)
 
     # -- status and shutdown ---------------------------------------------------------------------
 
@@ -558,10 +381,6 @@ def _took(worker, launched: float) -> str:
 def _where(inc: Incarnation) -> str:
     nodes = {(n["ip"], n["node_id"][:8]) for n in inc.nodes.values()}
     return ", ".join(f"{ip} ({nid})" for ip, nid in sorted(nodes))
-
-
-def _index(replica: str) -> int:
-    return int(replica.rsplit("-", 1)[1])
 
 
 def _alive(handle) -> bool:
