@@ -1,6 +1,6 @@
 """Run a coroutine in its caller, at once, until it finishes or must wait.
 
-A stream's direct write (http_api's _DirectSSE) calls the ASGI `send` from plain code — the core's
+A stream's direct write (http_stream's _DirectSSE) calls the ASGI `send` from plain code — the core's
 `deliver` — where it cannot await. `send` waits only while the transport is paused (the client
 reads slower than it is sent to); otherwise it finishes without ever suspending. So run it in the
 caller, and only when it does suspend, hand the rest to a task (Python 3.12's eager tasks do this;

@@ -46,8 +46,8 @@ def pace(worker, step_s: float) -> None:
 
 
 def router_counts(router) -> tuple[int, int]:
-    return ray.get(router.__ray_call__.remote(
-        lambda r: (r.core.direct_writes, __import__("pdserve.router.http_api").router.http_api._DirectSSE.waited)))
+    return ray.get(router.__ray_call__.remote(lambda r: (
+        r.core.direct_writes, __import__("pdserve.router.http_stream").router.http_stream._DirectSSE.waited)))
 
 
 def test_streams_written_at_once_keep_every_token_in_order(served):
@@ -121,7 +121,7 @@ def test_a_client_reading_slowly_still_gets_every_token_in_order(served):
 
 def test_a_direct_write_the_transport_makes_wait_goes_out_before_any_later_one():
     from pdserve.messages import RequestDelta
-    from pdserve.router.http_api import _DirectSSE
+    from pdserve.router.http_stream import _DirectSSE
     from pdserve.router.metrics import Metrics
     from pdserve.router.openai_responses import CompletionShape
 

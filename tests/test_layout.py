@@ -7,6 +7,7 @@ import sys
 # Every module the Router actor loads (pdserve.router.server and what it imports, gRPC included; the
 # dashboard's figures, the actors' names, the forecast's step costs).
 ROUTER_MODULES = ["pdserve.router.server", "pdserve.router.core", "pdserve.router.http_api",
+                  "pdserve.router.http_errors", "pdserve.router.http_stream",
                   "pdserve.router.grpc_server", "pdserve.router.metrics", "pdserve.router.replica_health",
                   "pdserve.router.decode_replica", "pdserve.router.dashboard", "pdserve.router.forecast",
                   "pdserve.cluster_view", "pdserve.actors", "pdserve.step_cost", "pdserve.config",
