@@ -7,7 +7,7 @@ thus moves only its new tokens' KV."""
 
 from pdserve.engine.engine import Engine
 from pdserve.protocol import TokenLogprob
-from pdserve.protocol import SamplingParams
+from pdserve.messages import Request
 
 from pdserve.kvtransfer import DecodeConnector, ReserveHandle
 
@@ -26,16 +26,14 @@ class KVIntake:
         layout = engine.layout
         self._block_bytes = layout.bytes_per_token * layout.block_size  # one block, every layer and plane
 
-    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
-                prefill_id: str | None = None, output_ids: list[int] = (),
-                priority: int = 0) -> ReserveHandle | None:
+    def reserve(self, request: Request, prefill_id: str | None = None) -> ReserveHandle | None:
         """Blocks for the KV of the prompt (and of a resumed request's `output_ids`) under a lease,
         or None when this replica is full. The handle lists only the blocks to be written, after
         the `cached_blocks` this engine holds already."""
-        r = self.engine.reserve(request_id, prompt, params, output_ids, priority)
+        r = self.engine.reserve(request)
         if r is None:
             return None
-        return self.connector.reserve(request_id, r.new_block_ids, self.lease_s, prefill_id, r.cached_blocks)
+        return self.connector.reserve(request.request_id, r.new_block_ids, self.lease_s, prefill_id, r.cached_blocks)
 
     def abort(self, request_id: str) -> None:
         if self.connector.release(request_id):

@@ -55,8 +55,7 @@ class DecodeWorker(Replica):
                 items.append(ReserveResult(None, unpaired=Unpaired(self.name, r.prefill_id)))
                 continue
             items.append(ReserveResult(None, refused) if refused else
-                         Reserve(r.request_id, r.prompt_ids, r.params, r.prefill_id, router, r.output_ids,
-                                 r.priority))
+                         Reserve(r.request, r.prefill_id, router))
             if isinstance(items[-1], Reserve):
                 self.loop.submit(items[-1])
         deadline = time.monotonic() + RESERVE_TIMEOUT_S
@@ -71,8 +70,7 @@ class DecodeWorker(Replica):
         match item:
             case Reserve():
                 try:
-                    handle = self.intake.reserve(item.request_id, item.prompt_ids, item.params, item.prefill_id,
-                                                 item.output_ids, item.priority)
+                    handle = self.intake.reserve(item.request, item.prefill_id)
                 except InvalidRequestError as e:  # what only the engine knows, e.g. an id in use
                     item.answer.set_result(ReserveResult(None, Refusal.of(e)))
                     return

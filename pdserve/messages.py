@@ -23,19 +23,29 @@ class Refusal:
 
 
 @dataclass
-class NewRequest:
-    """A request handed to a worker. Calls carry lists of them: a router sends everything that
-    arrived in one turn of its event loop as one message."""
+class Request:
+    """A request, as every process that serves it knows it: the router's front ends make it, each
+    attempt at serving it hands it to workers (with the attempt's id and the tokens streamed so
+    far), a worker's inbox carries it, the engine queues it."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    handle: bytes | None = None  # to a prefill worker: where its KV goes (a packed kvtransfer.ReserveHandle)
-    prefill_id: str = ""  # to a decode worker: the prefill replica that will send the KV
-    # Tokens this request generated already elsewhere (a migrated request): they follow the prompt,
+    # Tokens this request generated already elsewhere (a moved request): they follow the prompt,
     # and generation goes on after them.
     output_ids: list[int] = field(default_factory=list)
-    priority: int = 0  # lower is scheduled first and preempted last (vLLM's `priority`)
+    priority: int = 0  # lower is admitted, scheduled first and preempted last (vLLM's `priority`)
+    session: str | None = None  # a conversation's key (x-session-id, or OpenAI's `user`): the router's routing affinity
+
+
+@dataclass
+class NewRequest:
+    """A request handed to a worker, with what its role needs besides. Calls carry lists of them: a
+    router sends everything that arrived in one turn of its event loop as one message."""
+
+    request: Request
+    handle: bytes | None = None  # to a prefill worker: where its KV goes (a packed kvtransfer.ReserveHandle)
+    prefill_id: str = ""  # to a decode worker: the prefill worker that will send the KV
 
 
 @dataclass

@@ -9,7 +9,7 @@ cache does not hold them) but never sent.
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.protocol import SamplingParams
+from pdserve.messages import Request
 from pdserve.engine.scheduler import ScheduledSeq
 
 from pdserve.kvtransfer import PrefillConnector, ReserveHandle
@@ -25,13 +25,12 @@ class KVStreamer:
         self._step_ranges: dict[str, tuple[int, int]] = {}
         engine.layer_hook = self._on_layer
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams, handle: ReserveHandle,
-            output_ids: list[int] = (), priority: int = 0) -> None:
+    def add(self, request: Request, handle: ReserveHandle) -> None:
         """Prefill a request whose decode-side blocks are reserved (handle). A resumed request's
         `output_ids` are prefilled after the prompt, and their blocks streamed with its."""
-        self.engine.add_request(request_id, prompt, params, output_ids, priority)
-        self.handles[request_id] = handle
-        self._sent[request_id] = handle.cached_blocks  # the decode side has those
+        self.engine.add(request)
+        self.handles[request.request_id] = handle
+        self._sent[request.request_id] = handle.cached_blocks  # the decode side has those
 
     def abort(self, request_id: str) -> None:
         """Stop a request here and on its decode worker; frees our blocks."""

@@ -36,15 +36,14 @@ class PrefillWorker(Replica):
                 # at once (the router aborts the reservation and places the request over another pair).
                 answers[-1] = Unpaired(self.name, handle.engine_id)
             if answers[-1] is None:
-                self.loop.submit(Prefill(r.request_id, r.prompt_ids, r.params, handle, r.output_ids, r.priority))
+                self.loop.submit(Prefill(r.request, handle))
         return answers
 
     def _take(self, item) -> None:
         match item:
             case Prefill():
                 try:
-                    self.streamer.add(item.request_id, item.prompt_ids, item.params, item.handle, item.output_ids,
-                                      item.priority)
+                    self.streamer.add(item.request, item.handle)
                 except InvalidRequestError:  # what only the engine knows, e.g. an id in use:
                     self.connector.release(item.request_id, item.handle)  # the decode side fails it
             case Abort() if item.request_id in self.streamer.handles:

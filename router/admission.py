@@ -16,7 +16,8 @@ from pdserve.router.admission_queue import AdmissionQueue
 from pdserve.router.attempt import Attempt
 from pdserve.router.forecast import SlotHolder, TTFTForecast
 from pdserve.router.replica_set import ReplicaSet
-from pdserve.router.types import GenerateRequest, NoCapacityError, OverloadedError, ReplicaUnavailableError
+from pdserve.messages import Request
+from pdserve.router.types import NoCapacityError, OverloadedError, ReplicaUnavailableError
 
 MOVE_RETRY_S = 0.05  # how often a moving request whose decode replicas are all full asks again
 
@@ -75,7 +76,7 @@ class AdmissionGate:
         if self.queue:
             self.queue.wake()
 
-    async def admit(self, request: GenerateRequest, run: Attempt, place):
+    async def admit(self, request: Request, run: Attempt, place):
         """`place()` until it places the attempt (each call one try; None: no replica has room now).
 
         A new request that finds no room — or others waiting already — waits in the queue and tries
@@ -111,7 +112,7 @@ class AdmissionGate:
             if placed is not None and self.metrics:
                 self.metrics.observe_queue_wait(time.monotonic() - since)
 
-    def refuse_over_slo(self, request: GenerateRequest, attempts) -> None:
+    def refuse_over_slo(self, request: Request, attempts) -> None:
         """Refuse (429) a new request whose forecast time to first token is over slo.ttft_ms
         (router.refuse_over_slo); nothing is refused before the replicas have measured their steps.
         attempts: this router's attempts under way."""
@@ -129,7 +130,7 @@ class AdmissionGate:
                                   f"{slo * 1000:g} ms objective (slo.ttft_ms)", "predicted_ttft",
                                   retry_after_s=max(1.0, ttft - slo))
 
-    def forecast_ttft(self, request: GenerateRequest, attempts) -> float | None:
+    def forecast_ttft(self, request: Request, attempts) -> float | None:
         """Seconds a new request would wait for its first token (router/forecast.py), or None
         without the measurements to tell."""
         rs = self.replicas

@@ -22,12 +22,13 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from pdserve.router.types import GenerateRequest, OverloadedError
+from pdserve.messages import Request
+from pdserve.router.types import OverloadedError
 
 
 @dataclass(eq=False)
 class Waiter:
-    request: GenerateRequest
+    request: Request
     number: int  # arrival order at this router
     deadline: float  # time.monotonic() by which it is placed, or refused
     wake: asyncio.Future | None = None  # while it sleeps
@@ -57,7 +58,7 @@ class AdmissionQueue:
         """Those a new request of `priority` would wait behind: every waiter of its priority or a lower value."""
         return self.waiters[:bisect.bisect_right(self.waiters, (priority, float("inf")), key=lambda w: w.order)]
 
-    def join(self, request: GenerateRequest, retry_after_s: float = 1.0) -> Waiter:
+    def join(self, request: Request, retry_after_s: float = 1.0) -> Waiter:
         """Queue a request; raises OverloadedError when the queue is full of requests that go first."""
         if len(self.waiters) >= self.limit:
             victim = next((w for w in reversed(self.waiters) if w.sleeping and w.request.priority > request.priority),

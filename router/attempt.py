@@ -9,8 +9,8 @@ of an earlier one (a late delta, a settling reservation) can mix with it. The li
 import asyncio
 from dataclasses import dataclass, field
 
-from pdserve.messages import Refusal
-from pdserve.router.types import DirectWriter, GenerateRequest, ServingError
+from pdserve.messages import Refusal, Request
+from pdserve.router.types import DirectWriter, ServingError
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Attempt:
     # every attempt of it shares), the decode or colocated replica whose sequence slot it holds (""
     # while it reserves one), and the prefill or colocated replica computing its prompt, until its
     # first token.
-    request: GenerateRequest | None = None
+    request: Request | None = None
     tokens: list[int] = field(default_factory=list)
     slot: str | None = None
     prompt_at: str | None = None

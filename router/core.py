@@ -9,12 +9,12 @@ wires them and answers the front ends' other questions (tokenizing, readiness).
 
 from collections.abc import AsyncIterator
 
-from pdserve.messages import ReplicaChange, RequestDelta
+from pdserve.messages import ReplicaChange, Request, RequestDelta
 from pdserve.router.admission import AdmissionGate, AdmissionPolicy
 from pdserve.router.lifecycle import Lifecycle
 from pdserve.router.policy import routing_policy
 from pdserve.router.replica_set import ReplicaSet
-from pdserve.router.types import Delta, DirectWriter, GenerateRequest
+from pdserve.router.types import Delta, DirectWriter
 
 
 class RouterCore:
@@ -51,7 +51,7 @@ class RouterCore:
 
     # -- what the front ends ask -------------------------------------------------------------------
 
-    def generate(self, request: GenerateRequest, direct: DirectWriter | None = None) -> AsyncIterator[Delta]:
+    def generate(self, request: Request, direct: DirectWriter | None = None) -> AsyncIterator[Delta]:
         return self.lifecycle.generate(request, direct)
 
     @property

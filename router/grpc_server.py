@@ -20,7 +20,8 @@ from pdserve.router import limits
 from pdserve.router.listen import PortInUseError, check_free, holder
 from pdserve.router.rate_limits import RateLimited
 from pdserve.router.tenants import Admission, Tenants, Unauthenticated
-from pdserve.router.types import GenerateRequest, NoCapacityError, OverloadedError, ServingCore, ServingError, off_loop
+from pdserve.messages import Request
+from pdserve.router.types import NoCapacityError, OverloadedError, ServingCore, ServingError, off_loop
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Completion"].full_name  # "pdserve.v1.Completion"
@@ -81,7 +82,7 @@ class CompletionServicer(pb_grpc.CompletionServicer):
                         raise
 
     async def _admit(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext,
-                     ) -> tuple[GenerateRequest, Admission | None]:
+                     ) -> tuple[Request, Admission | None]:
         """The request, checked, and charged to its API key where keys are configured."""
         if self.tenants is None:
             return await self._generate_request(request, 0), None
@@ -90,7 +91,7 @@ class CompletionServicer(pb_grpc.CompletionServicer):
         req = await self._generate_request(request, tenant.priority)
         return req, self.tenants.admit(tenant, len(req.prompt_ids), req.params.max_tokens)
 
-    async def _generate_request(self, request: pb.CompletionRequest, default_priority: int) -> GenerateRequest:
+    async def _generate_request(self, request: pb.CompletionRequest, default_priority: int) -> Request:
         """`default_priority`: the API key's, for a request that sets none of its own."""
         if request.model and request.model != self.core.model_name:
             raise ModelNotFoundError(
@@ -111,10 +112,10 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             ignore_eos=request.ignore_eos,
         )
         priority = request.priority if request.HasField("priority") else default_priority
-        return GenerateRequest(f"grpc-{uuid.uuid4().hex}", prompt_ids, params, priority)
+        return Request(f"grpc-{uuid.uuid4().hex}", prompt_ids, params, priority=priority)
 
     @staticmethod
-    def _chunk(req: GenerateRequest, text: str, token_ids: list[int], finish_reason: str | None,
+    def _chunk(req: Request, text: str, token_ids: list[int], finish_reason: str | None,
                num_tokens: int) -> pb.CompletionChunk:
         chunk = pb.CompletionChunk(id=req.request_id, text=text, token_ids=token_ids, finish_reason=finish_reason or "")
         if finish_reason is not None:
@@ -122,7 +123,7 @@ class CompletionServicer(pb_grpc.CompletionServicer):
         return chunk
 
 
-def _usage(req: GenerateRequest, num_tokens: int) -> pb.Usage:
+def _usage(req: Request, num_tokens: int) -> pb.Usage:
     return pb.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=num_tokens)
 
 

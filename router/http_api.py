@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP front end over a ServingCore: the app and its routes (completions, chat completions,
 models, health, metrics; the dashboard's are dashboard.py's), and the generation endpoints' handlers, from a
-validated body to a GenerateRequest (its prompt tokenized or rendered by the chat template, max_tokens checked,
+validated body to a Request (its prompt tokenized or rendered by the chat template, max_tokens checked,
 charged to its API key). Errors in OpenAI's shape are http_errors.py's, each request's life (streaming, client
 disconnects) http_stream.py's. The request bodies are in openai_protocol.py, the response shapes in
 openai_responses.py; the generation endpoints' requests are admitted past FastAPI by the app's fast door
@@ -11,7 +11,8 @@ import time
 import uuid
 from collections.abc import Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope
 
@@ -27,7 +28,8 @@ from pdserve.router.openai_protocol import (CHAT, COMPLETIONS, GENERATION_ENDPOI
                                             CompletionRequest, ErrorBody)
 from pdserve.router.openai_responses import ChatShape, CompletionShape
 from pdserve.router.tenants import Admission, Tenants
-from pdserve.router.types import GenerateRequest, ServingCore, off_loop
+from pdserve.messages import Request
+from pdserve.router.types import ServingCore, off_loop
 
 
 async def _tokenize(core: ServingCore, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
@@ -117,7 +119,7 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
     rid = f"cmpl-{uuid.uuid4().hex}"
     shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
     return await serve(receive, core, metrics, shape,
-                        GenerateRequest(rid, prompt_ids, params, session=_session(body, scope),
+                        Request(rid, prompt_ids, params, session=_session(body, scope),
                                         priority=_priority(body, scope)),
                         bool(body.stream), admission)
 
@@ -138,7 +140,7 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     shape = ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
     return await serve(receive, core, metrics, shape,
-                        GenerateRequest(rid, prompt_ids, params, session=_session(body, scope),
+                        Request(rid, prompt_ids, params, session=_session(body, scope),
                                         priority=_priority(body, scope)),
                         bool(body.stream), admission)
 
@@ -179,11 +181,11 @@ def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int, ten
     document_errors(app)
 
     @app.post(COMPLETIONS, responses=GENERATION_ERRORS)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
         return await complete(core, metrics, tenants, body, request.scope, request.receive)
 
     @app.post(CHAT, responses=GENERATION_ERRORS)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
         return await chat_complete(core, metrics, tenants, body, request.scope, request.receive)
 
     @app.get("/v1/models")

@@ -20,7 +20,8 @@ from pdserve.router.http_errors import as_api_error
 from pdserve.router.metrics import Metrics, RequestTimer
 from pdserve.router.openai_responses import DONE_EVENT, ResponseShape, sse_event, token_usage
 from pdserve.router.tenants import Admission
-from pdserve.router.types import Delta, GenerateRequest, NoCapacityError, ServingCore, ServingError
+from pdserve.messages import Request
+from pdserve.router.types import Delta, NoCapacityError, ServingCore, ServingError
 
 T = TypeVar("T")
 
@@ -205,7 +206,7 @@ class _EventStream(Response):
 
 
 async def serve(receive: Receive, core: ServingCore, metrics: Metrics, shape: ResponseShape,
-                 req: GenerateRequest, stream: bool, admission: Admission | None = None) -> Response:
+                 req: Request, stream: bool, admission: Admission | None = None) -> Response:
     """admission: the request's charge under its API key, settled when the request ends (the timer's end)."""
     timer = metrics.request_started(shape.endpoint, len(req.prompt_ids), admission and admission.end)
     headers = admission.headers if admission else None

@@ -17,14 +17,15 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
-from pdserve.messages import KV_FAILED, LOST, NewRequest, RequestDelta, Unpaired
+from pdserve.messages import KV_FAILED, LOST, NewRequest, Request, RequestDelta, Unpaired
 from pdserve.protocol import InvalidRequestError
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.attempt import Attempt, Lost, raise_refused
 from pdserve.router.policy import RoutingPolicy
 from pdserve.router.replica_set import ReplicaSet
-from pdserve.router.types import Delta, DirectWriter, GenerateRequest, ServingError
+from pdserve.router.types import Delta, DirectWriter, ServingError
 
 log = logging.getLogger(__name__)
 LIVE_POLL_S = 0.1  # how often a request waiting for a live replica looks
@@ -70,7 +71,7 @@ class Lifecycle:
                 q.put_nowait(d)
         self.direct_writes += written
 
-    async def generate(self, request: GenerateRequest, direct: DirectWriter | None = None) -> AsyncIterator[Delta]:
+    async def generate(self, request: Request, direct: DirectWriter | None = None) -> AsyncIterator[Delta]:
         if len(request.prompt_ids) >= self.max_model_len:
             raise InvalidRequestError("prompt", f"is {len(request.prompt_ids)} tokens; the model's context is "
                                                 f"{self.max_model_len} tokens")
@@ -125,7 +126,7 @@ class Lifecycle:
 
     # -- attempts -----------------------------------------------------------------------------------
 
-    async def _start(self, request: GenerateRequest, run: Attempt, sent: list[int]) -> Attempt:
+    async def _start(self, request: Request, run: Attempt, sent: list[int]) -> Attempt:
         """Hand the attempt to replicas (once each role it needs has a live one); returns the
         attempt under way. A replica lost under the hand-off makes the request move."""
         self._queues[run.request_id] = run.queue
@@ -145,7 +146,7 @@ class Lifecycle:
             self._end(run, False)  # (the request's own `finally` holds an earlier attempt, if any)
             raise
 
-    async def _move(self, request: GenerateRequest, run: Attempt, sent: list[int], lost: Lost) -> Attempt:
+    async def _move(self, request: Request, run: Attempt, sent: list[int], lost: Lost) -> Attempt:
         """The attempt's replica was lost: another attempt from the tokens streamed so far, once
         a replica of each role it needs is live; at most migration_limit of them."""
         self._end(run, False)
@@ -217,7 +218,7 @@ class Lifecycle:
 
     # -- placing an attempt ------------------------------------------------------------------------
 
-    def _prompt_replica(self, replicas: dict, role: str, run: Attempt, request: GenerateRequest,
+    def _prompt_replica(self, replicas: dict, role: str, run: Attempt, request: Request,
                         sent: list[int]) -> str | None:
         """A live replica to compute the attempt's prompt (prefill or colocated), as the routing policy picks;
         a new attempt only among those with room (None: none has room)."""
@@ -231,7 +232,7 @@ class Lifecycle:
         run.to_compute = None
         return self.routing.prompt_replica(names, role, run, request, sent)
 
-    async def _start_disaggregated(self, request: GenerateRequest, run: Attempt, sent: list[int]) -> None:
+    async def _start_disaggregated(self, request: Request, run: Attempt, sent: list[int]) -> None:
         """Reserve KV on a decode replica, then have a prefill replica stream the prompt's KV there."""
         rs = self.replicas
         p_name, p_worker, (d_name, d_rank, handle) = await self.gate.admit(
@@ -243,15 +244,14 @@ class Lifecycle:
         run.holders |= {d_name: d_rank, p_name: p_worker}
         for name in (d_name, p_name):
             rs.health.wait_on(name, run.request_id, run.queue)
-        answer = await rs.call(p_name, p_worker, rs.send[p_worker](
-            NewRequest(run.request_id, request.prompt_ids, request.params, handle=handle, output_ids=sent,
-                       priority=request.priority)))
+        answer = await rs.call(p_name, p_worker, rs.send[p_worker](NewRequest(_attempted(request, run, sent),
+                                                                             handle=handle)))
         if isinstance(answer, Unpaired):  # the pair lost its handshake since the stats said so
             raise Lost(str(answer), "prefill", transfer="unpaired")
         raise_refused(answer)
         self._phase("dispatch", t1)
 
-    async def _try_disaggregated(self, request: GenerateRequest, run: Attempt,
+    async def _try_disaggregated(self, request: Request, run: Attempt,
                                  sent: list[int]) -> tuple[str, str, tuple[str, str, bytes]] | None:
         """One try at placing the attempt: a prefill replica with room for it, KV blocks on a
         decode replica -> (prefill replica, its worker, the reservation); None when none has room."""
@@ -279,7 +279,7 @@ class Lifecycle:
         self.routing.routed(run, request, {p_name: p_worker, reserved[0]: reserved[1]})
         return p_name, p_worker, reserved
 
-    async def _start_colocated(self, request: GenerateRequest, run: Attempt, sent: list[int]) -> None:
+    async def _start_colocated(self, request: Request, run: Attempt, sent: list[int]) -> None:
         """Hand the whole request to a colocated replica. Placed by the requests in flight from us, not
         by free KV blocks as for decode: a colocated replica never refuses (it queues), so a burst
         routed by stats up to 0.5 s old would all land on one replica; our own counts are exact."""
@@ -289,12 +289,10 @@ class Lifecycle:
         run.holders[name] = worker  # before the call: a client leaving during it must still stop the request
         rs.health.wait_on(name, run.request_id, run.queue)
         t0 = time.perf_counter()
-        raise_refused(await rs.call(name, worker, rs.send[worker](
-            NewRequest(run.request_id, request.prompt_ids, request.params, output_ids=sent,
-                       priority=request.priority))))
+        raise_refused(await rs.call(name, worker, rs.send[worker](NewRequest(_attempted(request, run, sent)))))
         self._phase("dispatch", t0)
 
-    async def _try_colocated(self, request: GenerateRequest, run: Attempt, sent: list[int]) -> str | None:
+    async def _try_colocated(self, request: Request, run: Attempt, sent: list[int]) -> str | None:
         """A colocated replica with room for the attempt (it is placed there), or None."""
         rs = self.replicas
         name = self._prompt_replica(rs.colocated, "colocated", run, request, sent)
@@ -306,7 +304,7 @@ class Lifecycle:
             rs.await_prompt(run, name, len(request.prompt_ids) + len(sent))
         return name
 
-    async def _reserve(self, request: GenerateRequest, run: Attempt, sent: list[int],
+    async def _reserve(self, request: Request, run: Attempt, sent: list[int],
                        p_name: str, p_worker: str) -> tuple[str, str, bytes] | None:
         """Reserve KV blocks on a decode replica's rank, best candidates first -> (replica, rank,
         handle); None when all are full; raises when none is live. The handle names the rank: the
@@ -321,8 +319,7 @@ class Lifecycle:
                 run.holders[d_name] = rank
                 try:
                     res = await rs.call(d_name, rank, rs.send[rank](
-                        NewRequest(run.request_id, request.prompt_ids, request.params, prefill_id=p_worker,
-                                   output_ids=sent, priority=request.priority)))
+                        NewRequest(_attempted(request, run, sent), prefill_id=p_worker)))
                 except Lost:
                     run.holders.pop(d_name, None)
                     break  # this replica is down: try the next one
@@ -340,5 +337,11 @@ class Lifecycle:
             raise Lost("no live decode replica", "decode")
         return None
 
-    def _blocks(self, request: GenerateRequest, sent: list[int]) -> int:
+    def _blocks(self, request: Request, sent: list[int]) -> int:
         return -(-(len(request.prompt_ids) + len(sent) + 1) // self.block_size)
+
+
+def _attempted(request: Request, run: Attempt, sent: list[int]) -> Request:
+    """The request as this attempt hands it to workers: under the attempt's id, with the tokens the
+    client has (a move prefills them again)."""
+    return replace(request, request_id=run.request_id, output_ids=sent, session=None)

@@ -22,7 +22,7 @@ from pdserve.engine.block_pool import block_hashes
 from pdserve.router.attempt import Attempt
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.replica_set import ReplicaSet
-from pdserve.router.types import GenerateRequest
+from pdserve.messages import Request
 
 # prefix-aware: a token queued requests leave a replica to compute, against one of ours
 QUEUE_WEIGHT = 1.0
@@ -37,17 +37,17 @@ SESSIONS = 100_000  # conversations remembered for affinity, least recently used
 class RoutingPolicy(Protocol):
     index: PrefixIndex | None  # the workers' cached blocks, where the policy reads them (else None)
 
-    def prepare(self, run: Attempt, request: GenerateRequest, sent: list[int]) -> None:
+    def prepare(self, run: Attempt, request: Request, sent: list[int]) -> None:
         """Before the attempt is placed (prefix-aware: its prompt's block hashes)."""
 
-    def prompt_replica(self, names: list[str], role: str, run: Attempt, request: GenerateRequest,
+    def prompt_replica(self, names: list[str], role: str, run: Attempt, request: Request,
                        sent: list[int]) -> str:
         """Of `names` (live, with room; at least one), the replica to compute the attempt's prompt."""
 
-    def decode_order(self, names: list[str], run: Attempt, request: GenerateRequest) -> list[tuple[str, list[str]]]:
+    def decode_order(self, names: list[str], run: Attempt, request: Request) -> list[tuple[str, list[str]]]:
         """The live decode replicas `names`, best candidates first, each with its ranks in the order to try."""
 
-    def routed(self, run: Attempt, request: GenerateRequest, workers: dict[str, str]) -> None:
+    def routed(self, run: Attempt, request: Request, workers: dict[str, str]) -> None:
         """The attempt went to these replicas (-> the worker of each that holds it)."""
 
 
@@ -57,7 +57,7 @@ class KVAware:
     def __init__(self, replicas: ReplicaSet):
         self.replicas = replicas
 
-    def prepare(self, run: Attempt, request: GenerateRequest, sent: list[int]) -> None:
+    def prepare(self, run: Attempt, request: Request, sent: list[int]) -> None:
         pass
 
     def prompt_replica(self, names, role, run, request, sent) -> str:
@@ -160,7 +160,7 @@ class PrefixAware(KVAware):
         least = min(names, key=lambda n: loads[n])
         return least if loads[best] > BALANCE_SLACK + BALANCE_RATIO * loads[least] else best
 
-    def _cached(self, run: Attempt, request: GenerateRequest, workers: dict[str, str]) -> dict[str, int]:
+    def _cached(self, run: Attempt, request: Request, workers: dict[str, str]) -> dict[str, int]:
         """Per worker (-> its replica), the leading blocks of the request's prompt its cache holds: as
         its KV events say, or, on the replicas that served the session's last turn, that turn's prompt
         where this one continues it (their events may not have come yet, or went to another router)."""

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from pdserve.protocol import SamplingParams
+from pdserve.messages import Request
 
 
 class NoCapacityError(RuntimeError):
@@ -43,15 +43,6 @@ class ServingError(RuntimeError):
 
 class ReplicaUnavailableError(ServingError):
     """No live replica of a role can take the request (HTTP 503, gRPC UNAVAILABLE); the message names the role."""
-
-
-@dataclass
-class GenerateRequest:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    priority: int = 0  # lower is admitted, scheduled first and preempted last (vLLM's `priority`)
-    session: str | None = None  # a conversation's key (x-session-id, or OpenAI's `user`): its turns go to the same replicas
 
 
 @dataclass(slots=True)
@@ -97,7 +88,7 @@ class ServingCore(Protocol):
         sets itself (messages, add_generation_prompt, bos_token, ...), or the template rejects its input."""
         ...
 
-    def generate(self, request: GenerateRequest, direct: DirectWriter | None = None) -> AsyncIterator[Delta]:
+    def generate(self, request: Request, direct: DirectWriter | None = None) -> AsyncIterator[Delta]:
         """Stream the request's output; closing the iterator early (aclose) aborts the request
         everywhere. Raises NoCapacityError before the first delta when nothing can take it,
         InvalidRequestError for a request the engine refuses (e.g. a prompt over the context).

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.messages import Request as EngineRequest
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.protocol import SamplingParams
 
@@ -146,9 +147,9 @@ def _disaggregated_rank(rank: int, size: int, store_port: int, model: str, first
         while True:  # every rank steps until the whole group is idle
             if prompt is not None:
                 rid = f"turn{len(tokens)}"
-                handle = intake.reserve(rid, prompt, sampling)
+                handle = intake.reserve(EngineRequest(rid, prompt, sampling))
                 cached.append(handle.cached_blocks)
-                streamer.add(rid, prompt, sampling, handle)
+                streamer.add(EngineRequest(rid, prompt, sampling), handle)
                 tokens.append([])
                 prompt = None
             streamer.step()

@@ -9,6 +9,7 @@ import multiprocessing as mp
 import time
 import traceback
 
+from pdserve.messages import Request
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.kvtransfer.backend import KVBackend
 from pdserve.protocol import SamplingParams
@@ -77,7 +78,7 @@ def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str, mo
                 conn.send(connector.add_peer(args[0]))
             elif cmd == "prefill":
                 rid, prompt, params, handle = args
-                streamer.add(rid, prompt, SamplingParams(**params), ReserveHandle.unpack(handle))
+                streamer.add(Request(rid, prompt, SamplingParams(**params)), ReserveHandle.unpack(handle))
                 conn.send(None)
             elif cmd == "abort":
                 streamer.abort(args[0])
@@ -139,7 +140,7 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str, mod
             elif cmd == "reserve":
                 rid, prompt, params, lease_s, prefill_id = args
                 intake.lease_s = lease_s
-                h = intake.reserve(rid, prompt, SamplingParams(**params), prefill_id)
+                h = intake.reserve(Request(rid, prompt, SamplingParams(**params)), prefill_id)
                 if h is not None:
                     tokens[rid] = []
                 conn.send(h.pack() if h else None)

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 
-from pdserve.router.types import Delta, GenerateRequest
+from pdserve.messages import Request
+from pdserve.router.types import Delta
 
 
 class LocalCore:
@@ -39,7 +40,7 @@ class LocalCore:
     def degraded(self) -> dict[str, str]:
         return {} if self._thread.is_alive() else {"engine": "down: its thread stopped"}
 
-    async def generate(self, request: GenerateRequest, direct=None) -> AsyncIterator[Delta]:
+    async def generate(self, request: Request, direct=None) -> AsyncIterator[Delta]:
         queue: asyncio.Queue = asyncio.Queue()
         self.sessions.append(request.session)
         self.priorities.append(request.priority)

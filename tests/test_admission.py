@@ -7,7 +7,7 @@ import time
 import pytest
 
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.messages import NewRequest, Unpaired
+from pdserve.messages import NewRequest, Request, Unpaired
 from pdserve.protocol import SamplingParams
 from pdserve.worker.colocated import ColocatedWorker
 
@@ -48,7 +48,7 @@ def timed(call) -> float:
 def test_work_handed_in_during_a_long_step_returns_at_once_and_runs_after_it(held):
     worker, release = held
     refusals = []
-    assert timed(lambda: refusals.append(worker.generate([NewRequest("r1", [1, 2, 3], PARAMS)], "router"))) < 0.5
+    assert timed(lambda: refusals.append(worker.generate([NewRequest(Request("r1", [1, 2, 3], PARAMS))], "router"))) < 0.5
     assert refusals == [[None]]
     assert timed(lambda: worker.abort(["nobody"])) < 0.5
     assert "r1" not in worker.engine.seqs  # not yet: the engine is inside its step
@@ -62,7 +62,7 @@ def test_work_handed_in_during_a_long_step_returns_at_once_and_runs_after_it(hel
 def test_a_request_that_can_never_run_is_refused_by_the_call_itself(held):
     worker, _ = held
     refused = []
-    batch = [NewRequest("r2", [1] * 5000, PARAMS), NewRequest("r3", [1, 2], PARAMS)]
+    batch = [NewRequest(Request("r2", [1] * 5000, PARAMS)), NewRequest(Request("r3", [1, 2], PARAMS))]
     assert timed(lambda: refused.append(worker.generate(batch, "router"))) < 0.5
     [[too_long, fine]] = refused
     assert too_long is not None and too_long.param == "prompt" and fine is None
@@ -72,10 +72,10 @@ def test_an_abort_that_overtakes_its_request_drops_the_request_when_it_comes(hel
     # Ray runs a worker's calls on many threads: a client that left while its request was being
     # handed over can have its abort arrive first. The request must not run for nobody.
     worker, release = held
-    added, add = [], worker.engine.add_request
-    worker.engine.add_request = lambda rid, *args, **kw: (added.append(rid), add(rid, *args, **kw))
+    added, add = [], worker.engine.add
+    worker.engine.add = lambda request: (added.append(request.request_id), add(request))
     worker.abort(["r5"])
-    worker.generate([NewRequest("r5", [1, 2, 3], PARAMS), NewRequest("r7", [1, 2, 3], PARAMS)], "router")
+    worker.generate([NewRequest(Request("r5", [1, 2, 3], PARAMS)), NewRequest(Request("r7", [1, 2, 3], PARAMS))], "router")
     release.set()
     deadline = time.monotonic() + 10
     while "r7" not in added:  # the request after it is taken: r5 was passed over
@@ -93,14 +93,14 @@ def test_a_reservation_overtaken_by_its_abort_is_answered_and_holds_no_blocks():
     try:
         worker.abort(["r7"])
         t0 = time.monotonic()
-        [answer] = worker.reserve([NewRequest("r7", [1, 2, 3], PARAMS)], "router")
+        [answer] = worker.reserve([NewRequest(Request("r7", [1, 2, 3], PARAMS))], "router")
         assert time.monotonic() - t0 < 5  # answered at the next boundary, not left to hang
         assert answer.handle is None and answer.refused is not None
         assert "r7" not in worker.engine.seqs and worker.engine.pool.num_free_blocks == 64
 
         # A reservation naming a prefill worker this one has no KV handshake with: its KV could never
         # come, so it is answered Unpaired at once (the router reserves over another pair), holding nothing.
-        [answer] = worker.reserve([NewRequest("r8", [1, 2, 3], PARAMS, prefill_id="p")], "router")
+        [answer] = worker.reserve([NewRequest(Request("r8", [1, 2, 3], PARAMS), prefill_id="p")], "router")
         assert answer.handle is None and answer.refused is None
         assert answer.unpaired == Unpaired("reserve-abort-test", "p")
         assert "r8" not in worker.engine.seqs and worker.engine.pool.num_free_blocks == 64

@@ -10,11 +10,12 @@ from pdserve.messages import ReplicaStats
 from pdserve.protocol import SamplingParams
 from pdserve.router.admission_queue import AdmissionQueue
 from pdserve.router.forecast import SlotHolder, TTFTForecast
-from pdserve.router.types import GenerateRequest, OverloadedError
+from pdserve.messages import Request
+from pdserve.router.types import OverloadedError
 
 
-def request(name: str, priority: int = 0, max_tokens: int = 100, ignore_eos: bool = True) -> GenerateRequest:
-    return GenerateRequest(name, [1] * 10, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), priority)
+def request(name: str, priority: int = 0, max_tokens: int = 100, ignore_eos: bool = True) -> Request:
+    return Request(name, [1] * 10, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), priority=priority)
 
 
 def test_waiters_are_woken_by_priority_then_arrival_and_a_full_queue_displaces_the_lowest():

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from pdserve.messages import Request
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.protocol import InvalidRequestError, SamplingParams
@@ -91,7 +92,7 @@ def test_disaggregated_seam_equals_colocated(reference):
             outs += prefill.step()
         (first,) = outs
         assert first.finished and first.kv_block_ids
-        reserved = decode.reserve(rid, p, GREEDY)
+        reserved = decode.reserve(Request(rid, p, GREEDY))
         assert reserved.cached_blocks == 0  # (prompts that share no block)
         dst = reserved.block_ids
         assert len(dst) == len(first.kv_block_ids)
@@ -133,7 +134,7 @@ def test_decode_engines_first_output_has_the_first_tokens_logprob():
     outputs: dict[str, list] = {f"r{i}": [] for i in range(len(ps))}
     try:
         for i, p in enumerate(ps):
-            streamer.add(f"r{i}", p, params, intake.reserve(f"r{i}", p, params))
+            streamer.add(Request(f"r{i}", p, params), intake.reserve(Request(f"r{i}", p, params)))
         deadline = time.monotonic() + 60
         while not all(o and o[-1].finished for o in outputs.values()):
             assert time.monotonic() < deadline, "the decode engine did not finish"
@@ -170,11 +171,11 @@ def test_logprob_entries_name_each_token_by_its_own_text():
 
 def test_decode_reservation_refused_when_full_and_released_on_abort():
     decode = make_engine(role="decode", num_kv_blocks=8)
-    assert decode.reserve("a", list(range(100)), GREEDY) is not None  # 7 blocks
-    assert decode.reserve("b", list(range(40)), GREEDY) is None
+    assert decode.reserve(Request("a", list(range(100)), GREEDY)) is not None  # 7 blocks
+    assert decode.reserve(Request("b", list(range(40)), GREEDY)) is None
     assert decode.abort("a")
     assert decode.pool.num_free_blocks == 8
-    assert decode.reserve("b", list(range(40)), GREEDY) is not None
+    assert decode.reserve(Request("b", list(range(40)), GREEDY)) is not None
     decode.release("b")
     assert decode.pool.num_free_blocks == 8
 

@@ -14,6 +14,7 @@ import torch
 from ep_ranks import run_disaggregated
 from hf_checkpoints import build_checkpoint, write_tokenizer
 from kv_pair import loopback_pair, start_pair
+from pdserve.messages import Request
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.kvtransfer.wire import ReserveHandle
@@ -47,26 +48,26 @@ def test_a_reservation_takes_the_cached_prefix_and_gives_every_reference_back():
         return out
 
     first = ids(40, 1)
-    r = decode.reserve("a", first, params)
+    r = decode.reserve(Request("a", first, params))
     assert r.cached_blocks == 0 and len(r.block_ids) == 3
     answer = finish("a", 7)
     assert len(pool.cached) == 2  # 43 tokens computed: two full blocks
     held = [pool.cached[h] for h in decode_hashes(first[:32])]
     # The next turn: prompt + answer + new text; its third block was never full, so two are cached.
     turn = first + answer + ids(10, 2)
-    r = decode.reserve("b", turn, params)
+    r = decode.reserve(Request("b", turn, params))
     assert r.cached_blocks == 2 and r.block_ids[:2] == held and len(r.new_block_ids) == 2
     assert [pool.ref_counts[b] for b in held] == [1, 1]
     # A request sharing only the prefix, at the same time: the same blocks, a reference more.
-    sibling = decode.reserve("c", first[:32] + ids(5, 3), params)
+    sibling = decode.reserve(Request("c", first[:32] + ids(5, 3), params))
     assert sibling.block_ids[:2] == held and sibling.cached_blocks == 2 and len(sibling.new_block_ids) == 1
     assert [pool.ref_counts[b] for b in held] == [2, 2]
     # 6 blocks, 2 cached: 4 more are not free (3 are): refused after the lookup, nothing kept.
-    assert decode.reserve("d", first[:32] + ids(60, 4), params) is None
+    assert decode.reserve(Request("d", first[:32] + ids(60, 4), params)) is None
     assert "d" not in decode.seqs and [pool.ref_counts[b] for b in held] == [2, 2]
     assert pool.num_free_blocks == 3
     # A resumed request (a migrated one): its output_ids' blocks are looked up with its prompt's.
-    resumed = decode.reserve("e", first[:20], SamplingParams(max_tokens=32), output_ids=first[20:36] + [5])
+    resumed = decode.reserve(Request("e", first[:20], SamplingParams(max_tokens=32), output_ids=first[20:36] + [5]))
     assert resumed.block_ids[:2] == held and len(resumed.new_block_ids) == 1
     decode.abort("e")
     decode.abort("c")  # a reservation dropped: its own block freed, its cached ones' references dropped
@@ -89,8 +90,8 @@ def run_in_process(streamer, intake, decode, requests: dict[str, list[int]], par
     """Prefill and decode `requests` (id -> prompt) through the real connectors of one process."""
     handles = {}
     for rid, prompt in requests.items():
-        handles[rid] = intake.reserve(rid, prompt, params)
-        streamer.add(rid, prompt, params, handles[rid])
+        handles[rid] = intake.reserve(Request(rid, prompt, params))
+        streamer.add(Request(rid, prompt, params), handles[rid])
     out: dict[str, list[int]] = {rid: [] for rid in requests}
     done: set[str] = set()
     deadline = time.monotonic() + timeout
@@ -133,14 +134,14 @@ def test_leases_that_end_without_their_kv_keep_the_cache_and_free_the_rest():
             assert decode.pool.num_free_blocks == idle and not any(decode.pool.ref_counts)
 
         intake.lease_s = 0.3  # never prefilled: the lease runs out, then settles
-        assert intake.reserve("expired", turn, params).cached_blocks == 3
+        assert intake.reserve(Request("expired", turn, params)).cached_blocks == 3
         ended("expired")
         intake.lease_s = 30.0
-        handle = intake.reserve("failed", turn, params, p.meta.engine_id)
-        streamer.add("failed", turn, params, handle)
+        handle = intake.reserve(Request("failed", turn, params), p.meta.engine_id)
+        streamer.add(Request("failed", turn, params), handle)
         streamer.abort("failed")  # the prefill side gives up: the decode side hears it at once
         ended("failed", timeout=5)
-        handle = intake.reserve("aborted", turn, params, p.meta.engine_id)
+        handle = intake.reserve(Request("aborted", turn, params), p.meta.engine_id)
         intake.abort("aborted")  # the client left: the prefill side answers the abort at once
         ended("aborted", timeout=5)
         got, handles = run_in_process(streamer, intake, decode, {"t2": turn}, params)

@@ -18,6 +18,7 @@ import torch
 from hf_checkpoints import build_checkpoint, write_tokenizer
 from kv_pair import (LoopbackBackend, Worker, _decode_main, _prefill_main, loopback_connectors, loopback_pair,
                      start_pair, tiny_kv)
+from pdserve.messages import Request
 from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.kvtransfer.wire import Notice, ReserveHandle
 from pdserve.kvtransfer.metadata import HandshakeError, KVAgentMetadata, accept_peer
@@ -482,7 +483,7 @@ def test_a_prefill_engine_short_of_blocks_never_hands_out_blocks_its_kv_writes_s
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ps))}
     try:
         for i, prompt in enumerate(ps):
-            streamer.add(f"r{i}", prompt, params, intake.reserve(f"r{i}", prompt, params))
+            streamer.add(Request(f"r{i}", prompt, params), intake.reserve(Request(f"r{i}", prompt, params)))
         for _ in range(12):  # the network holds every write meanwhile
             streamer.step()
         assert p.backend.reading()
@@ -539,11 +540,11 @@ def test_a_dead_posting_thread_fails_every_transfer_and_says_so(caplog):
             time.sleep(0.002)
 
     try:
-        streamer.add("held", prompt, params, intake.reserve("held", prompt, params))
+        streamer.add(Request("held", prompt, params), intake.reserve(Request("held", prompt, params)))
         run_until(lambda: "held" in failed["prefill"] and "held" in failed["decode"], 5)
         assert p.error is fault
         assert any(r.levelname == "ERROR" and "posting thread" in r.getMessage() for r in caplog.records)
-        streamer.add("later", prompt, params, intake.reserve("later", prompt, params))
+        streamer.add(Request("later", prompt, params), intake.reserve(Request("later", prompt, params)))
         run_until(lambda: "later" in failed["prefill"], 5)
         run_until(lambda: "later" in failed["decode"] and not intake.busy(), 10)  # its lease, then settling
     finally:

@@ -5,6 +5,7 @@ output of every request is still what it generates alone; every block comes back
 import pytest
 import torch
 
+from pdserve.messages import Request
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.protocol import SamplingParams
@@ -159,7 +160,7 @@ def hand_over(prefill: Engine, decode: Engine, rid: str, i: int, priority: int) 
     """What a router, a prefill replica and the KV transfer do for one request: reserve its blocks
     on the decode engine (None: refused), prefill it, copy its KV there, start it decoding; its
     tokens so far (the first)."""
-    reserved = decode.reserve(rid, prompt(i), GREEDY, priority=priority)
+    reserved = decode.reserve(Request(rid, prompt(i), GREEDY, priority=priority))
     if reserved is None:
         return None
     prefill.add_request(rid, prompt(i), GREEDY, priority=priority)
@@ -214,7 +215,7 @@ def test_a_reservation_that_preemption_would_not_make_room_for_preempts_nothing(
     assert hand_over(prefill, decode, "low1", 1, LOW) is not None
     steps(decode, 4, tokens)
     assert decode.pool.num_free_blocks == 0
-    assert decode.reserve("mid", list(range(13)), GREEDY, priority=0) is None
+    assert decode.reserve(Request("mid", list(range(13)), GREEDY, priority=0)) is None
     assert decode.scheduler.num_preemptions == 0 and "mid" not in decode.seqs
     more, _ = drain(decode)
     for rid, t in more.items():

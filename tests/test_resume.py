@@ -1,4 +1,4 @@
-"""Resuming a request from the tokens it generated already (NewRequest.output_ids: the router
+"""Resuming a request from the tokens it generated already (Request.output_ids: the router
 migrating a request whose decode replica died). With greedy sampling the resumed request's tokens
 and text go on exactly where the undisturbed run's stopped, at every split point: those where the
 client's text ended in held-back bytes of an unfinished character (tiny-moe's byte-level tokenizer
@@ -15,7 +15,7 @@ from test_engine import make_engine
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import FinishReason
-from pdserve.messages import NewRequest
+from pdserve.messages import NewRequest, Request
 from pdserve.protocol import InvalidRequestError, SamplingParams
 from pdserve.worker.colocated import ColocatedWorker
 
@@ -115,10 +115,10 @@ def test_a_request_resumed_across_a_prefill_and_a_decode_engine_goes_on_exactly(
     got: dict = {}
     try:
         for k in splits:
-            handle = intake.reserve(f"k{k}", ids, GREEDY, output_ids=tokens[:k])
+            handle = intake.reserve(Request(f"k{k}", ids, GREEDY, tokens[:k]))
             # Blocks for every token so far: the prefill engine sends the KV of all of them.
             assert len(handle.block_ids) == -(-(len(ids) + k) // decode.config.block_size)
-            streamer.add(f"k{k}", ids, GREEDY, handle, tokens[:k])
+            streamer.add(Request(f"k{k}", ids, GREEDY, tokens[:k]), handle)
         deadline = time.monotonic() + 120
         while len(got) < len(splits) or any(r is None for _, _, r in got.values()):
             assert time.monotonic() < deadline, "the decode engine did not finish"
@@ -152,8 +152,8 @@ def test_a_colocated_worker_resumes_from_the_requests_output_ids():
     worker.streams.output = output
     try:
         ids = worker.engine.tokenize(PROMPT)
-        over = NewRequest("over", ids, GREEDY, output_ids=tokens)  # nothing left to generate
-        assert [r and r.param for r in worker.generate([NewRequest("r", ids, GREEDY, output_ids=tokens[:k]), over],
+        over = NewRequest(Request("over", ids, GREEDY, output_ids=tokens))  # nothing left to generate
+        assert [r and r.param for r in worker.generate([NewRequest(Request("r", ids, GREEDY, output_ids=tokens[:k])), over],
                                                        "router")] == [None, "output_ids"]
         assert done.wait(60), "the request did not finish"
     finally:
@@ -164,7 +164,7 @@ def test_a_colocated_worker_resumes_from_the_requests_output_ids():
 @pytest.mark.parametrize("role", ["colocated", "decode"])
 def test_a_resume_that_can_never_run_is_refused_naming_the_field(role):
     engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe", max_model_len=64), num_kv_blocks=64, role=role))
-    add = engine.reserve if role == "decode" else engine.add_request
+    add = engine.reserve if role == "decode" else engine.add
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for prompt, output_ids, param, match in [
         ([1, 2], [3] * 8, "output_ids", "max_tokens is 8"),  # max_tokens reached: nothing to resume
@@ -174,7 +174,7 @@ def test_a_resume_that_can_never_run_is_refused_naming_the_field(role):
         ([1, 2], [3, 512], "output_ids", r"token ids must be in \[0, 512\)"),
     ]:
         with pytest.raises(InvalidRequestError, match=match) as e:
-            add("x", prompt, params, output_ids)
+            add(Request("x", prompt, params, output_ids))
         assert e.value.param == param
     assert not engine.seqs and engine.pool.num_free_blocks == 64
     if role == "colocated":  # the context counts the tokens generated before too: one more fits
@@ -188,7 +188,7 @@ def test_a_resume_that_can_never_run_is_refused_naming_the_field(role):
 def test_a_resume_whose_kv_can_never_fit_is_refused_naming_output_ids():
     engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=3))  # 48 tokens
     params = SamplingParams(max_tokens=32, temperature=0)
-    engine.check_request(list(range(30)), params, [3] * 17)  # 47 tokens and the next one: 3 blocks
+    engine.check_request(Request("r", list(range(30)), params, [3] * 17))  # 47 tokens and the next one: 3 blocks
     with pytest.raises(InvalidRequestError, match="make 48 tokens, which need 4 KV blocks") as e:
-        engine.check_request(list(range(30)), params, [3] * 18)
+        engine.check_request(Request("r", list(range(30)), params, [3] * 18))
     assert e.value.param == "output_ids"

@@ -7,14 +7,14 @@ import asyncio
 
 import pytest
 
-from pdserve.messages import KVEvents, ReplicaStats
+from pdserve.messages import KVEvents, ReplicaStats, Request
 from pdserve.protocol import SamplingParams
 from pdserve.router.admission import AdmissionGate, AdmissionPolicy
 from pdserve.router.attempt import Attempt
 from pdserve.router.decode_replica import DecodeReplica
 from pdserve.router.policy import KVAware, PrefixAware, RoundRobin, routing_policy
 from pdserve.router.replica_set import ReplicaSet
-from pdserve.router.types import GenerateRequest, OverloadedError
+from pdserve.router.types import OverloadedError
 
 BLOCK = 4
 
@@ -43,8 +43,8 @@ def cluster(prefill=("p0", "p1"), decode=("d0", "d1")) -> ReplicaSet:
     return rs
 
 
-def request(prompt: list[int], session: str | None = None) -> GenerateRequest:
-    return GenerateRequest("r", prompt, SamplingParams(max_tokens=4), session=session)
+def request(prompt: list[int], session: str | None = None) -> Request:
+    return Request("r", prompt, SamplingParams(max_tokens=4), session=session)
 
 
 def test_round_robin_takes_turns_per_role():

@@ -6,6 +6,7 @@ import random
 import httpx
 import pytest
 
+from pdserve.messages import Request
 from pdserve.config import ClusterConfig, EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.warm_up import signature, warm_up
@@ -34,7 +35,7 @@ def workload_shapes(e: Engine, rng: random.Random, tag: str, steps: int = 100) -
                 prefixes.append(ids[:32])
             params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=0, ignore_eos=True)
             if e.config.role == "decode":
-                if e.reserve(f"{tag}-{n}", ids, params) is not None:
+                if e.reserve(Request(f"{tag}-{n}", ids, params)) is not None:
                     e.start_decode(f"{tag}-{n}", 5)
             else:
                 e.add_request(f"{tag}-{n}", ids, params)

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from pdserve.messages import Request
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.models import ModelArgs, resolve_model_args
 
@@ -400,7 +401,7 @@ def _decode_batch(a, engine, cost: ModelCost, batch: int, copy_rate: float) -> d
     firsts = _random_ids(gen, (batch,), cost.args.vocab_size).tolist()
     for i, prompt in enumerate(prompts):
         # The KV of these blocks is whatever the cache holds (random): no prefill needed.
-        assert engine.reserve(f"decode-{batch}-{i}", prompt, params) is not None, "KV cache too small"
+        assert engine.reserve(Request(f"decode-{batch}-{i}", prompt, params)) is not None, "KV cache too small"
     for i, tok in enumerate(firsts):
         engine.start_decode(f"decode-{batch}-{i}", tok)
     assert len(engine.scheduler.running) == batch

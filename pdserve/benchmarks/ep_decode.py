@@ -30,6 +30,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from pdserve.messages import Request
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.protocol import SamplingParams
 
@@ -89,7 +90,7 @@ def _decode_rate(engine, group, batch: int, opts) -> dict:
             first = int(torch.randint(0, vocab, (1,), generator=gen))
         else:
             prompt, first = [2 + i % 200] + [1] * (opts.context - 1), 1
-        assert engine.reserve(rid, prompt, params) is not None, "KV cache too small"
+        assert engine.reserve(Request(rid, prompt, params)) is not None, "KV cache too small"
         engine.start_decode(rid, first)
 
     def step():

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from pdserve.messages import Request
 from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
 from pdserve.models import resolve_model_args
 from pdserve.models.loader import model_fingerprint
@@ -459,7 +460,7 @@ def part2_run(args, decode, engine, conn) -> dict:
         handle = ReserveHandle.unpack(decode_call(decode, "reserve", rid, list(range(1, 1 + -(-n // BLOCK)))))
         sync()
         t0 = time.perf_counter()
-        streamer.add(rid, prompt, params, handle)
+        streamer.add(Request(rid, prompt, params), handle)
         while True:
             _, done, failed = streamer.step()
             if done or failed:

@@ -77,7 +77,7 @@ class SyntheticWorker:
 
     def generate(self, requests: list[NewRequest], router: str) -> list[Refusal | None]:
         for r in requests:
-            self.loop.submit(Generate(r.request_id, r.prompt_ids, r.params, router))
+            self.loop.submit(Generate(r.request, router))
         return [None] * len(requests)
 
     def meet_router(self, router: str) -> None:
@@ -91,7 +91,7 @@ class SyntheticWorker:
         match item:
             case Generate():
                 self.streams.add(item.request_id, item.router)
-                self.live[item.request_id] = [0, item.params.max_tokens]
+                self.live[item.request_id] = [0, item.request.params.max_tokens]
             case Abort() if self.streams.drop(item.request_id):
                 self.live.pop(item.request_id, None)
                 self.aborted += 1

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from pdserve.messages import Request
 from pdserve.benchmarks.step_kernels import profile_step, summary
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.protocol import SamplingParams
@@ -124,7 +125,7 @@ def _decode(engine, o: dict, batch: int) -> dict:
     row = {"batch": batch, "context": o["context"]}
     try:
         for i, p in enumerate(prompts):
-            if engine.reserve(f"d{batch}-{i}", p, params) is None:
+            if engine.reserve(Request(f"d{batch}-{i}", p, params)) is None:
                 row["error"] = f"KV cache holds {engine.layout.num_blocks} blocks: batch {batch} does not fit"
                 return row
         for i, t in enumerate(firsts):  # the KV of these blocks is whatever the cache holds (random)

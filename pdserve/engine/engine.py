@@ -27,6 +27,7 @@ from pdserve.engine.sequence import PENDING, FinishReason, Sequence, SeqStatus
 from pdserve.models.loader import load_model, model_fingerprint
 from pdserve.ops.backends import make_backends
 from pdserve.engine.step_profile import StepProfile
+from pdserve.messages import Request
 from pdserve.tokenizer import load_tokenizer
 
 
@@ -113,25 +114,24 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                      output_ids: list[int], priority: int) -> Sequence:
-        if request_id in self.seqs:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        ids = self.tokenize(prompt)
-        output_ids = list(output_ids)
-        self.check_request(ids, params, output_ids)
+    def _new_sequence(self, request: Request) -> Sequence:
+        rid, ids, params, output_ids = request.request_id, request.prompt_ids, request.params, request.output_ids
+        if rid in self.seqs:
+            raise InvalidRequestError("request_id", f"{rid!r} is already in use")
+        self.check_request(request)
         # A resumed request's tokens so far follow its prompt: their KV is computed (or placed) with
         # the prompt's, and max_tokens and the context count them, as in the undisturbed run.
-        seq = Sequence(request_id, ids + output_ids, len(ids), params, arrival=time.monotonic(), priority=priority,
-                       arrival_no=next(self._arrivals))
-        self.seqs[request_id] = seq
-        self._streams[request_id] = TextStream(self.tokenizer, ids, params.stop, output_ids)
+        seq = Sequence(rid, list(ids) + list(output_ids), len(ids), params, arrival=time.monotonic(),
+                       priority=request.priority, arrival_no=next(self._arrivals))
+        self.seqs[rid] = seq
+        self._streams[rid] = TextStream(self.tokenizer, ids, params.stop, output_ids)
         return seq
 
-    def check_request(self, ids: list[int], params: SamplingParams, output_ids: list[int] = ()) -> None:
+    def check_request(self, request: Request) -> None:
         """Raise InvalidRequestError if a prompt (followed by the tokens a resumed request generated
         already) can never run here. Reads no state that steps change: callable from any thread,
         before the request is handed to the engine's."""
+        ids, params, output_ids = request.prompt_ids, request.params, request.output_ids
         if not ids:
             raise InvalidRequestError("prompt", "must not be empty")
         for param, part in (("prompt", ids), ("output_ids", output_ids)):
@@ -158,14 +158,19 @@ class Engine:
                 param, f"{counts} {n} tokens, which need {blocks} KV blocks; this replica's cache has "
                        f"{self.pool.num_blocks}")
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    output_ids: list[int] = (), priority: int = 0) -> None:
-        """Queue a request (colocated and prefill roles). `output_ids`: the tokens it generated
-        already elsewhere (a migrated request): their KV is computed with the prompt's (as a
-        sequence preempted by recompute is), and the next token continues the stream after them.
+    def add(self, request: Request) -> None:
+        """Queue a request (colocated and prefill roles). Its `output_ids`: the tokens it generated
+        already elsewhere (a moved request): their KV is computed with the prompt's (as a sequence
+        preempted by recompute is), and the next token continues the stream after them. Its
         `priority`: lower is admitted first and preempted last (vLLM's meaning; 0 by default)."""
         assert self.config.role != "decode", "a decode engine takes requests through reserve()"
-        self.scheduler.add(self._new_sequence(request_id, prompt, params, output_ids, priority))
+        self.scheduler.add(self._new_sequence(request))
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    output_ids: list[int] = (), priority: int = 0) -> None:
+        """`add` for a caller holding text or loose fields (the offline engine's callers: tests,
+        benchmarks, the warm-up): a text prompt is tokenized here."""
+        self.add(Request(request_id, self.tokenize(prompt), params, list(output_ids), priority))
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks; False if it is unknown (already done)."""
@@ -184,18 +189,17 @@ class Engine:
         """Decode role: reservations waiting for their KV (each holds a sequence slot)."""
         return len(self._reserved)
 
-    def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                output_ids: list[int] = (), priority: int = 0) -> Reservation | None:
+    def reserve(self, request: Request) -> Reservation | None:
         """Decode role: blocks for the KV of the prompt and of `output_ids` (a resumed request's
         tokens so far; same ids in every layer), or None if full. The longest prefix of full blocks
         this engine's prefix cache holds is reused (a reference taken on each, as a colocated
         admission does), so only the rest's KV has to come: a conversation's next turn moves only
         its new tokens' KV. As in a colocated admission the last token is not looked up: at least
         one block is always placed, and with it comes the finish that says the KV is complete.
-        `priority` as add_request's: once decoding, a lower priority is preempted first — and to
+        Its `priority` as add's: once decoding, a lower priority is preempted first — and to
         make room for this reservation, where it outranks them (vLLM's priority scheduling: the
         victims recompute their KV here later, as any preempted sequence does)."""
-        seq = self._new_sequence(request_id, prompt, params, output_ids, priority)
+        seq = self._new_sequence(request)
         cached: list[int] = []
         try:
             bs = self.config.block_size
@@ -214,7 +218,7 @@ class Engine:
         seq.block_hashes = hashes[:len(cached)]
         seq.lookup_hashes = hashes  # (a fresh prompt: no PENDING token among them)
         seq.num_cached_tokens = len(cached) * bs
-        self._reserved.add(request_id)
+        self._reserved.add(seq.request_id)
         return Reservation(list(seq.block_ids), len(cached))
 
     def _victims_for(self, seq: Sequence, need: int) -> int:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve.messages import Request
 from pdserve.protocol import SamplingParams
 
 _FIRST_ID = 3  # token ids from here: below every vocabulary's size, clear of the usual specials 0..2
@@ -241,7 +242,7 @@ def _decode(st: _Stepper, batch: int) -> None:
     if e.config.role == "decode":
         for _ in range(batch):
             rid = _rid()
-            if e.reserve(rid, _ids(e, 2, next(_salt)), _params(3)) is None:
+            if e.reserve(Request(rid, _ids(e, 2, next(_salt)), _params(3))) is None:
                 break
             e.start_decode(rid, _FIRST_ID)
     else:

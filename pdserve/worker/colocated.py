@@ -28,7 +28,7 @@ class ColocatedWorker(Replica):
         for r in requests:
             answers.append(self._refusal(r))
             if answers[-1] is None:
-                self.loop.submit(Generate(r.request_id, r.prompt_ids, r.params, router, r.output_ids, r.priority))
+                self.loop.submit(Generate(r.request, router))
         return answers
 
     def _take(self, item) -> None:
@@ -36,8 +36,7 @@ class ColocatedWorker(Replica):
             case Generate():
                 self.streams.add(item.request_id, item.router)
                 try:
-                    self.engine.add_request(item.request_id, item.prompt_ids, item.params, item.output_ids,
-                                            item.priority)
+                    self.engine.add(item.request)
                 except InvalidRequestError as e:  # what only the engine knows, e.g. an id in use
                     self.streams.fail(item.request_id, str(e))
             case Abort() if self.streams.drop(item.request_id):

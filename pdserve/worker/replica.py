@@ -116,7 +116,7 @@ class Replica:
             heap.settle()  # the engine, its KV cache and connector are built: no collection walks them (heap.py)
         self._early_aborts: dict[str, float] = {}  # request id -> when its abort came, before the request
         back_to(self._priority)  # every thread the start made; the loop's thread is made after
-        self.loop = EngineLoop(self._step, self._admit, f"{self.name}-engine", on_death=self._engine_died)
+        self.loop = EngineLoop(self._step, self._receive, f"{self.name}-engine", on_death=self._engine_died)
         self._ready_s = time.perf_counter() - self._began[1]
 
     def _warm_up(self) -> None:
@@ -128,7 +128,7 @@ class Replica:
         if want and self._ep is None:
             self.warmed = warm_up(self.engine, _progress(self.name))
 
-    def _admit(self, item) -> None:
+    def _receive(self, item) -> None:
         """Take one inbox item. Ray runs a worker's calls on many threads, so a request's abort (its
         client left while the request was being handed over) may reach the inbox before the
         request: it is remembered a while, and the request is dropped when it comes, instead of
@@ -181,7 +181,7 @@ class Replica:
         as the router's 400; checked on the caller's thread, so that a call that brings work can
         answer at once."""
         try:
-            self.engine.check_request(r.prompt_ids, r.params, r.output_ids)
+            self.engine.check_request(r.request)
         except InvalidRequestError as e:
             return Refusal.of(e)
         return None
