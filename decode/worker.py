@@ -16,7 +16,7 @@ from pdserve.worker.engine_loop import IDLE_S
 from pdserve.messages import KV_FAILED, NewRequest, Refusal, ReplicaStats, ReserveResult, Unpaired
 from pdserve.models import resolve_model_args
 from pdserve.worker.inbox import Abort, Reserve
-from pdserve.worker.replica import Replica, assigned_device
+from pdserve.worker.engine_worker import EngineWorker, assigned_device
 from pdserve.worker.router_streams import RouterStreams
 
 # An idle expert-parallel group naps less: a reservation wakes only its own rank, and the step
@@ -26,7 +26,7 @@ RESERVE_TIMEOUT_S = 60.0  # a loop that reaches no step boundary for this long i
 KV_POLL_S = 0.002
 
 
-class DecodeWorker(Replica):
+class DecodeWorker(EngineWorker):
     role = "decode"
 
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, lease_s: float,

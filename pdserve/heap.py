@@ -1,5 +1,5 @@
 """A serving process's garbage collector, set once the process has built what it keeps for life:
-the router (an event loop that admits bursts of requests) and every worker (an engine thread whose
+the router (an event loop that takes in bursts of requests) and every worker (an engine thread whose
 steps are host-bound for short batches and long prompts).
 
 CPython's defaults collect the youngest generation every 700 allocations; each collection promotes

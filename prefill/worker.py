@@ -6,13 +6,13 @@ from pdserve.messages import NewRequest, Refusal, Unpaired
 from pdserve.protocol import InvalidRequestError
 from pdserve.worker.engine_loop import IDLE_S
 from pdserve.worker.inbox import Abort, Prefill
-from pdserve.worker.replica import Replica
+from pdserve.worker.engine_worker import EngineWorker
 from pdserve.prefill.kv_stream import KVStreamer
 
 RECENT_TRANSFERS = 1024  # transfer records kept for readers of stats()
 
 
-class PrefillWorker(Replica):
+class PrefillWorker(EngineWorker):
     role = "prefill"
 
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, cpu_threads: int = 1,

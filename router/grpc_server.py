@@ -16,10 +16,10 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.protocol import InvalidRequestError, SamplingParams
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
-from pdserve.router import limits
+from pdserve.router import token_budget
 from pdserve.router.listen import PortInUseError, check_free, holder
 from pdserve.router.rate_limits import RateLimited
-from pdserve.router.tenants import Admission, Tenants, Unauthenticated
+from pdserve.router.tenants import Charge, Tenants, Unauthenticated
 from pdserve.messages import Request
 from pdserve.router.types import NoCapacityError, OverloadedError, ServingCore, ServingError, off_loop
 
@@ -43,9 +43,9 @@ class CompletionServicer(pb_grpc.CompletionServicer):
                        ) -> pb.CompletionResponse:
         """Generate to the end; one response."""
         async with _errors_as_status(context):
-            req, admission = await self._admit(request, context)
+            req, charge = await self._charged_request(request, context)
             text, token_ids, finish_reason = [], [], ""
-            with _settled(admission, token_ids):
+            with _settled(charge, token_ids):
                 async with aclosing(self.core.generate(req)) as deltas:
                     async for delta in deltas:
                         text.append(delta.text)
@@ -62,9 +62,9 @@ class CompletionServicer(pb_grpc.CompletionServicer):
         # await inside the `aclosing` block, so the core's generator (and the request) is closed
         # right away instead of whenever the handler generator is garbage-collected.
         async with _errors_as_status(context):
-            req, admission = await self._admit(request, context)
+            req, charge = await self._charged_request(request, context)
             text, token_ids, generated = [], [], []  # generated: every token so far (what the key is charged)
-            with _settled(admission, generated):
+            with _settled(charge, generated):
                 async with aclosing(self.core.generate(req)) as deltas:
                     try:
                         async for delta in deltas:
@@ -81,15 +81,15 @@ class CompletionServicer(pb_grpc.CompletionServicer):
                             await context.write(self._chunk(req, "".join(text), token_ids, None, len(generated)))
                         raise
 
-    async def _admit(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext,
-                     ) -> tuple[Request, Admission | None]:
+    async def _charged_request(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext,
+                     ) -> tuple[Request, Charge | None]:
         """The request, checked, and charged to its API key where keys are configured."""
         if self.tenants is None:
             return await self._generate_request(request, 0), None
         authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
         tenant = self.tenants.authenticate(authorization if isinstance(authorization, str) else None)
         req = await self._generate_request(request, tenant.priority)
-        return req, self.tenants.admit(tenant, len(req.prompt_ids), req.params.max_tokens)
+        return req, self.tenants.charge(tenant, len(req.prompt_ids), req.params.max_tokens)
 
     async def _generate_request(self, request: pb.CompletionRequest, default_priority: int) -> Request:
         """`default_priority`: the API key's, for a request that sets none of its own."""
@@ -100,7 +100,7 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             raise InvalidRequestError("prompt", "must not be empty")
         prompt_ids = await off_loop(self.core.tokenize, request.prompt)
         # The HTTP API's rule: checked here, in front of a replica pick and a KV reservation.
-        max_tokens = limits.max_tokens(request.max_tokens or None, "max_tokens", DEFAULT_MAX_TOKENS,
+        max_tokens = token_budget.max_tokens(request.max_tokens or None, "max_tokens", DEFAULT_MAX_TOKENS,
                                        len(prompt_ids), self.core.max_model_len)
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -128,10 +128,10 @@ def _usage(req: Request, num_tokens: int) -> pb.Usage:
 
 
 @contextmanager
-def _settled(admission: Admission | None, generated: list[int]) -> Iterator[None]:
+def _settled(charge: Charge | None, generated: list[int]) -> Iterator[None]:
     """Settle the call's charge under its key once it ends, however it ends (`generated`: its tokens,
     filled in meanwhile)."""
-    if admission is None:
+    if charge is None:
         yield
         return
     outcome = "error"
@@ -145,7 +145,7 @@ def _settled(admission: Admission | None, generated: list[int]) -> Iterator[None
         outcome = "error" if generated else "refused"
         raise
     finally:
-        admission.end(len(generated), outcome)
+        charge.end(len(generated), outcome)
 
 
 @asynccontextmanager

@@ -3,7 +3,7 @@ models, health, metrics; the dashboard's are dashboard.py's), and the generation
 validated body to a Request (its prompt tokenized or rendered by the chat template, max_tokens checked,
 charged to its API key). Errors in OpenAI's shape are http_errors.py's, each request's life (streaming, client
 disconnects) http_stream.py's. The request bodies are in openai_protocol.py, the response shapes in
-openai_responses.py; the generation endpoints' requests are admitted past FastAPI by the app's fast door
+openai_responses.py; the generation endpoints' requests are taken past FastAPI by the app's fast door
 (http_fast.py) into the same handlers."""
 
 import functools
@@ -16,18 +16,18 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope
 
-from pdserve.router import limits
+from pdserve.router import token_budget
 from pdserve.router.dashboard import add_dashboard
 from pdserve.router.http_auth import ApiKeyAuth, tenant_of
 from pdserve.router.http_errors import GENERATION_ERRORS, ApiError, add_error_handlers, answer_error, document_errors
 from pdserve.router.http_fast import FastDoor
-from pdserve.router.http_limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
+from pdserve.router.http_body import DEFAULT_MAX_BODY_BYTES, BodyGuard
 from pdserve.router.http_stream import serve
 from pdserve.router.metrics import Metrics
 from pdserve.router.openai_protocol import (CHAT, COMPLETIONS, GENERATION_ENDPOINTS, ChatCompletionRequest,
                                             CompletionRequest, ErrorBody)
 from pdserve.router.openai_responses import ChatShape, CompletionShape
-from pdserve.router.tenants import Admission, Tenants
+from pdserve.router.tenants import Charge, Tenants
 from pdserve.messages import Request
 from pdserve.router.types import ServingCore, off_loop
 
@@ -79,13 +79,13 @@ def _check_model(core: ServingCore, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _admit(tenants: Tenants | None, scope: Scope, prompt_tokens: int, max_tokens: int, prompt_param: str,
-           max_tokens_param: str) -> Admission | None:
+def _charge(tenants: Tenants | None, scope: Scope, prompt_tokens: int, max_tokens: int, prompt_param: str,
+           max_tokens_param: str) -> Charge | None:
     """The request charged to its API key's limits (RateLimited: 429); None without keys."""
     tenant = tenant_of(scope)
     if tenant is None:
         return None
-    return tenants.admit(tenant, prompt_tokens, max_tokens, prompt_param, max_tokens_param)
+    return tenants.charge(tenant, prompt_tokens, max_tokens, prompt_param, max_tokens_param)
 
 
 SESSION_HEADER = b"x-session-id"
@@ -113,15 +113,15 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
     `scope` its ASGI scope, which holds its API key's tenant (http_auth.py) where keys are configured."""
     _check_model(core, body.model)
     prompt_ids = await _tokenize(core, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
-    max_tokens = limits.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
+    max_tokens = token_budget.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
     params = body.sampling_params(max_tokens, body.logprobs)
-    admission = _admit(tenants, scope, len(prompt_ids), max_tokens, "prompt", "max_tokens")
+    charge = _charge(tenants, scope, len(prompt_ids), max_tokens, "prompt", "max_tokens")
     rid = f"cmpl-{uuid.uuid4().hex}"
     shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
     return await serve(receive, core, metrics, shape,
                         Request(rid, prompt_ids, params, session=_session(body, scope),
                                         priority=_priority(body, scope)),
-                        bool(body.stream), admission)
+                        bool(body.stream), charge)
 
 
 async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None, body: ChatCompletionRequest,
@@ -133,16 +133,16 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
     requested, param = ((body.max_completion_tokens, "max_completion_tokens")
                         if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
     # No default cap, as OpenAI and vLLM: generate until a stop or the end of the context.
-    max_tokens = limits.max_tokens(requested, param, None, len(prompt_ids), core.max_model_len)
+    max_tokens = token_budget.max_tokens(requested, param, None, len(prompt_ids), core.max_model_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(max_tokens, logprobs)
-    admission = _admit(tenants, scope, len(prompt_ids), max_tokens, "messages", param)
+    charge = _charge(tenants, scope, len(prompt_ids), max_tokens, "messages", param)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     shape = ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
     return await serve(receive, core, metrics, shape,
                         Request(rid, prompt_ids, params, session=_session(body, scope),
                                         priority=_priority(body, scope)),
-                        bool(body.stream), admission)
+                        bool(body.stream), charge)
 
 
 # -- the app ------------------------------------------------------------------------------------
@@ -151,14 +151,14 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
 def build_app(core: ServingCore, metrics: Metrics | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenants: Tenants | None = None) -> FastDoor:
     """The OpenAI-compatible app serving `core`: the FastAPI app (`.app`) behind its fast door
-    (http_fast.py), which admits the generation endpoints' everyday requests past FastAPI.
+    (http_fast.py), which takes the generation endpoints' everyday requests past FastAPI.
     tenants: the API keys every /v1 request must carry (http_auth.py) and their limits; None: open."""
     metrics = metrics or Metrics()
     routes = {COMPLETIONS: (CompletionRequest, functools.partial(complete, core, metrics, tenants)),
               CHAT: (ChatCompletionRequest, functools.partial(chat_complete, core, metrics, tenants))}
     app = _build_fastapi(core, metrics, max_body_bytes, tenants)
     # The door checks a key as the app's middleware does (the same check, the same answer).
-    guard = ApiKeyAuth(None, tenants, _refusal_counter(metrics)).admit if tenants is not None else None
+    guard = ApiKeyAuth(None, tenants, _refusal_counter(metrics)).authorize if tenants is not None else None
     return FastDoor(app, routes, functools.partial(answer_error, metrics=metrics), max_body_bytes, guard)
 
 
@@ -175,7 +175,7 @@ def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int, ten
     app.state.core, app.state.metrics = core, metrics
     created = int(time.time())  # /v1/models: when this server started serving the model
     add_error_handlers(app, metrics)
-    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, on_refused=_refusal_counter(metrics))
+    app.add_middleware(BodyGuard, max_body_bytes=max_body_bytes, on_refused=_refusal_counter(metrics))
     if tenants is not None:  # outermost (added last): a request without a valid key is refused first
         app.add_middleware(ApiKeyAuth, tenants=tenants, on_refused=_refusal_counter(metrics))
     document_errors(app)

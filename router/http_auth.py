@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.router.tenants import Tenant, Tenants, Unauthenticated
 
-TENANT = "pdserve.tenant"  # the scope's entry holding the request's Tenant, once admitted
+TENANT = "pdserve.tenant"  # the scope's entry holding the request's Tenant, once authorized
 
 
 def protected(path: str) -> bool:
@@ -28,11 +28,11 @@ class ApiKeyAuth:
         self.app, self.tenants, self.on_refused = app, tenants, on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and TENANT not in scope and not await self.admit(scope, send):
+        if scope["type"] == "http" and TENANT not in scope and not await self.authorize(scope, send):
             return
         await self.app(scope, receive, send)
 
-    async def admit(self, scope: Scope, send: Send) -> bool:
+    async def authorize(self, scope: Scope, send: Send) -> bool:
         """Puts the request's tenant in scope[TENANT], or answers 401 itself (False)."""
         if not protected(scope["path"]):
             return True

@@ -1,4 +1,4 @@
-"""The HTTP app's fast door: a plain ASGI callable in front of the FastAPI app that admits the
+"""The HTTP app's fast door: a plain ASGI callable in front of the FastAPI app that takes the
 generation endpoints' requests itself when their body is a JSON object its model validates, and
 hands everything else to the app unchanged. With API keys configured, a request's key is checked
 at the door (before its body is read) by the app's own check (http_auth.py), so a request the door
@@ -38,7 +38,7 @@ class FastDoor:
         self.routes = routes
         self.on_error = on_error
         self.max_body_bytes = max_body_bytes
-        self.guard = guard  # the app's API-key check (http_auth.ApiKeyAuth.admit), or None
+        self.guard = guard  # the app's API-key check (http_auth.ApiKeyAuth.authorize), or None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -51,7 +51,7 @@ class FastDoor:
         while more:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return  # (as the app's RequestLimits: nobody to answer)
+                return  # (as the app's BodyGuard: nobody to answer)
             read.append(message)
             size += len(message.get("body", b""))
             more = message.get("more_body", False)

@@ -19,7 +19,7 @@ from pdserve.router.eager import run_now
 from pdserve.router.http_errors import as_api_error
 from pdserve.router.metrics import Metrics, RequestTimer
 from pdserve.router.openai_responses import DONE_EVENT, ResponseShape, sse_event, token_usage
-from pdserve.router.tenants import Admission
+from pdserve.router.tenants import Charge
 from pdserve.messages import Request
 from pdserve.router.types import Delta, NoCapacityError, ServingCore, ServingError
 
@@ -36,7 +36,7 @@ class _Presence:
     client goes away). While the request's own task awaits work under `guard`, a disconnect cancels
     that work where it waits — the core's stream then aborts the request — and the guard raises
     _ClientGone. (Before, each wait ran its work in a task of its own beside a watcher task, under
-    asyncio.wait: four tasks for a streaming request's two waits, on the loop that admits the burst.)"""
+    asyncio.wait: four tasks for a streaming request's two waits, on the loop that takes in the burst.)"""
 
     def __init__(self, receive: Receive):
         self.gone = False
@@ -206,10 +206,10 @@ class _EventStream(Response):
 
 
 async def serve(receive: Receive, core: ServingCore, metrics: Metrics, shape: ResponseShape,
-                 req: Request, stream: bool, admission: Admission | None = None) -> Response:
-    """admission: the request's charge under its API key, settled when the request ends (the timer's end)."""
-    timer = metrics.request_started(shape.endpoint, len(req.prompt_ids), admission and admission.end)
-    headers = admission.headers if admission else None
+                 req: Request, stream: bool, charge: Charge | None = None) -> Response:
+    """charge: the request's charge under its API key, settled when the request ends (the timer's end)."""
+    timer = metrics.request_started(shape.endpoint, len(req.prompt_ids), charge and charge.end)
+    headers = charge.headers if charge else None
     direct = _DirectSSE(shape, timer) if stream else None
     wakes = _Wakes(core.generate(req, direct), timer)
     presence = _Presence(receive)

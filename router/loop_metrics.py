@@ -4,7 +4,7 @@ writers ever race.
 
 A request is observed seven times (its prompt, phases, first token, inter-token gaps, end) and
 counted twice. prometheus_client takes a lock for each add, and finds a histogram's bucket with
-a Python loop over its bounds: on the loop that admits a burst, that was most of what the metrics
+a Python loop over its bounds: on the loop that takes in a burst, that was most of what the metrics
 cost a request. These add to the same values without the lock and find the bucket by bisection;
 everything else — children, collection, the exposition — is prometheus_client's own
 (tests/test_loop_metrics.py compares the two). Where values are not plain floats behind a mutex

@@ -97,7 +97,7 @@ class Metrics:
                                         "error, aborted (the client left), rate_limited (over a limit: 429; or "
                                         "one that can never fit: 400)", ["key", "outcome"], registry=r)
         self.key_prompt_tokens = LoopCounter("pdserve_api_key_prompt_tokens", "Prompt tokens of the requests "
-                                             "admitted under each API key", ["key"], registry=r)
+                                             "charged to each API key", ["key"], registry=r)
         self.key_generation_tokens = LoopCounter("pdserve_api_key_generation_tokens", "Tokens generated for each "
                                                  "API key", ["key"], registry=r)
         self.auth_failures = LoopCounter("pdserve_auth_failures", "Requests refused for want of a valid API key "
@@ -160,7 +160,7 @@ class Metrics:
         series.inc()
 
     def count_key_tokens(self, key: str, prompt: int = 0, generation: int = 0) -> None:
-        """Prompt tokens admitted, or tokens generated, under the key named `key`."""
+        """Prompt tokens charged, or tokens generated, under the key named `key`."""
         if (series := self._key_tokens_by.get(key)) is None:
             series = self._key_tokens_by[key] = (self.key_prompt_tokens.labels(key),
                                                  self.key_generation_tokens.labels(key))

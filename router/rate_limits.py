@@ -2,7 +2,7 @@
 enforce them, on the monotonic clock (a wall clock stepped by NTP would hand out or withhold a
 minute's worth at once).
 
-A request is charged at admission: one request, and its prompt tokens plus its max_tokens (what it
+A request is charged as it arrives: one request, and its prompt tokens plus its max_tokens (what it
 may cost at most: its real cost is not known until it ends). The part of max_tokens it did not
 generate is given back when it ends. A bucket starts full, holds at most a minute's limit and
 refills at limit / 60 per second; with several routers on one port each enforces its share
@@ -73,7 +73,7 @@ class KeyLimits:
         self.requests = TokenBucket(requests_per_minute / routers, clock) if requests_per_minute else None
         self.tokens = TokenBucket(tokens_per_minute / routers, clock) if tokens_per_minute else None
 
-    def admit(self, prompt_tokens: int, max_tokens: int, prompt_param: str, max_tokens_param: str,
+    def charge(self, prompt_tokens: int, max_tokens: int, prompt_param: str, max_tokens_param: str,
               ) -> dict[str, str]:
         """Charge one request and prompt_tokens + max_tokens; returns the x-ratelimit-* headers after
         it. Raises RateLimited (nothing charged) when a bucket lacks them now, InvalidRequestError

@@ -10,7 +10,7 @@ The keys file:
       - name: team-a              # the key's name in /metrics and in errors (never the key)
         key: sk-team-a-0123456789
         requests_per_minute: 600  # optional: no limit when left out
-        tokens_per_minute: 200000 # optional: prompt + max_tokens charged at admission, the unused part refunded
+        tokens_per_minute: 200000 # optional: prompt + max_tokens charged as a request arrives, the unused part refunded
         priority: 1               # optional (0): the default priority of this key's requests
 
 PDSERVE_API_KEYS: keys separated by commas, each `key` or `name:key` (split at the first colon; an
@@ -101,7 +101,7 @@ def load_api_keys(path: str | None, env: str | None, routers: int = 1) -> list[A
             value = getattr(e, limit)
             if value is not None and value < routers:
                 raise ConfigError(f"{where}: {limit}: {value} is not allowed — router.replicas is {routers}, "
-                                  f"each router enforces limit / {routers}, and a share below 1 admits nothing; "
+                                  f"each router enforces limit / {routers}, and a share below 1 lets nothing through; "
                                   f"set at least {routers}")
         keys.append(ApiKey(e.name, key_digest(e.key), e.requests_per_minute, e.tokens_per_minute, e.priority))
     return keys
@@ -201,8 +201,8 @@ class Tenant:
                        if key.requests_per_minute or key.tokens_per_minute else None)
 
 
-class Admission:
-    """A request admitted under a key, from its admission to its end: what it was charged, and what
+class Charge:
+    """A request charged to a key, from its arrival to its end: what it was charged, and what
     goes back (the unused part of max_tokens; all its tokens when the service refused it) once."""
 
     __slots__ = ("tenant", "metrics", "prompt_tokens", "max_tokens", "headers", "done")
@@ -246,7 +246,7 @@ class Tenants:
         # Looked up by the key's SHA-256, then compared in constant time: whatever a lookup's timing
         # could tell is about the hash of what the client sent, which it cannot steer toward a stored
         # one (that would take a preimage), so no key leaks a character at a time. A lookup, not a
-        # comparison with every key: admission stays O(1) with thousands of keys.
+        # comparison with every key: a key's check stays O(1) with thousands of keys.
         digest = key_digest(token)
         tenant = self._by_digest.get(digest)
         if tenant is None or not hmac.compare_digest(tenant.digest, digest):
@@ -254,21 +254,21 @@ class Tenants:
             raise Unauthenticated("invalid", "invalid API key: it is not one this service accepts")
         return tenant
 
-    def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int, prompt_param: str = "prompt",
-              max_tokens_param: str = "max_tokens") -> Admission:
-        """Charge a request to its key (rate_limits.KeyLimits.admit: raises RateLimited or, for a
+    def charge(self, tenant: Tenant, prompt_tokens: int, max_tokens: int, prompt_param: str = "prompt",
+              max_tokens_param: str = "max_tokens") -> Charge:
+        """Charge a request to its key (rate_limits.KeyLimits.charge: raises RateLimited or, for a
         request that can never fit, InvalidRequestError naming the field)."""
         headers = {}
         if tenant.limits is not None:
             try:
-                headers = tenant.limits.admit(prompt_tokens, max_tokens, prompt_param, max_tokens_param)
+                headers = tenant.limits.charge(prompt_tokens, max_tokens, prompt_param, max_tokens_param)
             except (RateLimited, InvalidRequestError):  # over a limit now, or ever
                 if self.metrics is not None:
                     self.metrics.count_key_request(tenant.name, "rate_limited")
                 raise
         if self.metrics is not None:
             self.metrics.count_key_tokens(tenant.name, prompt=prompt_tokens)
-        return Admission(tenant, self.metrics, prompt_tokens, max_tokens, headers)
+        return Charge(tenant, self.metrics, prompt_tokens, max_tokens, headers)
 
     def _failed(self, reason: str) -> None:
         if self.metrics is not None:

@@ -201,20 +201,20 @@ def test_pdserve_up_refuses_a_bad_keys_file_before_anything_starts(tmp_path):
 def test_token_buckets_charge_refill_refund_and_say_when():
     clock = Clock()
     limits = KeyLimits("k", requests_per_minute=3, tokens_per_minute=600, clock=clock)  # 10 tokens/s
-    assert limits.admit(100, 100, "prompt", "max_tokens") == {
+    assert limits.charge(100, 100, "prompt", "max_tokens") == {
         "x-ratelimit-limit-requests": "3", "x-ratelimit-remaining-requests": "2", "x-ratelimit-reset-requests": "20s",
         "x-ratelimit-limit-tokens": "600", "x-ratelimit-remaining-tokens": "400", "x-ratelimit-reset-tokens": "20s"}
-    limits.admit(100, 200, "prompt", "max_tokens")  # 100 tokens left
+    limits.charge(100, 200, "prompt", "max_tokens")  # 100 tokens left
     with pytest.raises(RateLimited) as e:
-        limits.admit(50, 100, "prompt", "max_tokens")  # 150 needed: 5 s away
+        limits.charge(50, 100, "prompt", "max_tokens")  # 150 needed: 5 s away
     assert e.value.limit == "tokens" and e.value.retry_after_s == 5.0 and e.value.headers["Retry-After"] == "5"
     assert e.value.headers["x-ratelimit-remaining-tokens"] == "100"
     assert "tokens per minute" in str(e.value) and "tokens_per_minute 600: requested 150, remaining 100" in str(e.value)
     limits.refund(40)  # a request that used 40 fewer tokens than its max_tokens
     clock.advance(1)  # +10
-    assert limits.admit(50, 100, "prompt", "max_tokens")["x-ratelimit-remaining-tokens"] == "0"
+    assert limits.charge(50, 100, "prompt", "max_tokens")["x-ratelimit-remaining-tokens"] == "0"
     with pytest.raises(RateLimited) as e:  # the requests bucket is empty too, and frees last: it names the error
-        limits.admit(1, 1, "prompt", "max_tokens")
+        limits.charge(1, 1, "prompt", "max_tokens")
     assert e.value.limit == "requests" and e.value.headers["Retry-After"] == str(math.ceil(20 - 1))
     assert "on requests and tokens per minute" in str(e.value)
     limits.refund(10_000)
@@ -224,24 +224,24 @@ def test_token_buckets_charge_refill_refund_and_say_when():
     assert limits.headers()["x-ratelimit-remaining-requests"] == "1"
     # More than the whole bucket: a 400 naming the field to lower, since no wait could help.
     with pytest.raises(InvalidRequestError) as e:
-        limits.admit(100, 501, "prompt", "max_completion_tokens")
+        limits.charge(100, 501, "prompt", "max_completion_tokens")
     assert e.value.param == "max_completion_tokens" and "can never fit" in str(e.value)
     assert "set max_completion_tokens to at most 500" in str(e.value)
     with pytest.raises(InvalidRequestError) as e:
-        limits.admit(600, 1, "messages", "max_tokens")
+        limits.charge(600, 1, "messages", "max_tokens")
     assert e.value.param == "messages" and "the prompt alone is too long" in str(e.value)
 
 
 def test_several_routers_each_enforce_their_share():
     clock = Clock()
     limits = KeyLimits("k", requests_per_minute=60, tokens_per_minute=900, routers=3, clock=clock)
-    headers = limits.admit(10, 290, "prompt", "max_tokens")
+    headers = limits.charge(10, 290, "prompt", "max_tokens")
     assert headers["x-ratelimit-limit-requests"] == "20" and headers["x-ratelimit-limit-tokens"] == "300"
     assert headers["x-ratelimit-remaining-tokens"] == "0" and headers["x-ratelimit-reset-tokens"] == "1m0s"
     with pytest.raises(RateLimited, match=r"tokens_per_minute 900 \(this router's share of 3: 300\)"):
-        limits.admit(1, 1, "prompt", "max_tokens")
+        limits.charge(1, 1, "prompt", "max_tokens")
     with pytest.raises(InvalidRequestError, match="set max_tokens to at most 290"):
-        limits.admit(10, 291, "prompt", "max_tokens")
+        limits.charge(10, 291, "prompt", "max_tokens")
     assert [duration(s) for s in (0.0004, 0.25, 1, 1.5, 59.5, 60, 360.25)] == [
         "1ms", "250ms", "1s", "1.5s", "59.5s", "1m0s", "6m0.25s"]
 

@@ -98,7 +98,7 @@ def test_warm_up_leaves_nothing_behind():
 
 def test_warm_up_is_on_by_default_only_where_kernels_compile():
     cfg = ClusterConfig()
-    assert cfg.engine_config("prefill").warm_up is None  # None: on a GPU (Replica._warm_up), off on a CPU
+    assert cfg.engine_config("prefill").warm_up is None  # None: on a GPU (EngineWorker._warm_up), off on a CPU
     cfg = ClusterConfig(prefill={"warm_up": True}, decode={"warm_up": False})
     assert cfg.engine_config("prefill").warm_up is True and cfg.engine_config("decode").warm_up is False
 

@@ -152,7 +152,7 @@ class TcpBackend(KVBackend):
 
     # -- receiving ------------------------------------------------------------------------------
 
-    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """The connection's hello: a handshaked peer proving our cluster's token, or refused."""
         nonce = os.urandom(NONCE_BYTES)
         writer.write(nonce)
@@ -183,7 +183,7 @@ class TcpBackend(KVBackend):
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._serving.add(asyncio.current_task())
         try:
-            if not await self._admit(reader, writer):
+            if not await self._authenticate(reader, writer):
                 return
             while True:
                 (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))

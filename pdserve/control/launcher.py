@@ -144,12 +144,12 @@ class Launcher:
     def _kv_env(self) -> dict:
         """Actor options for a KV worker. cuda_ipc opens the peer's GPU memory in the prefill worker,
         which must therefore see that GPU: Ray is told to leave CUDA_VISIBLE_DEVICES alone, and the
-        worker takes the GPU Ray assigned it by index (Replica). `auto` may pick cuda_ipc for a pair."""
+        worker takes the GPU Ray assigned it by index (EngineWorker). `auto` may pick cuda_ipc for a pair."""
         if self.config.kv_transfer.backend not in ("cuda_ipc", "auto"):
             return {}
         if self.config.kv_transfer.backend == "auto" and not (self.config.prefill.gpus and self.config.decode.gpus):
             return {}
-        from pdserve.worker.replica import ALL_GPUS_VISIBLE
+        from pdserve.worker.engine_worker import ALL_GPUS_VISIBLE
 
         return {"runtime_env": {"env_vars": {ALL_GPUS_VISIBLE: "1"}}}
 

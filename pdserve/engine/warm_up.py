@@ -9,7 +9,7 @@ against 40–80 ms for the next ones, and 20 lone 4k prompts after 8 others stil
 worker's time compiling (a prompt with a cached prefix: 101 ms steps). Those costs belong before
 "ready", not on a user's request.
 
-So a worker runs this script on its engine before its loop starts (pdserve/worker/replica.py): real
+So a worker runs this script on its engine before its loop starts (pdserve/worker/engine_worker.py): real
 requests through the engine's own entry points — `add_request` (colocated, prefill) or
 `reserve` + `start_decode` (decode, whose KV would come from a prefill replica; here the reserved
 blocks hold whatever they hold: only the shapes matter) — sized to reach each kind and each

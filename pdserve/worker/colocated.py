@@ -7,11 +7,11 @@ from pdserve.protocol import InvalidRequestError
 from pdserve.worker.engine_loop import IDLE_S
 from pdserve.messages import NewRequest, Refusal
 from pdserve.worker.inbox import Abort, Generate
-from pdserve.worker.replica import Replica
+from pdserve.worker.engine_worker import EngineWorker
 from pdserve.worker.router_streams import RouterStreams
 
 
-class ColocatedWorker(Replica):
+class ColocatedWorker(EngineWorker):
     role = "colocated"
 
     def __init__(self, name: str, engine_config: EngineConfig, namespace: str, cpu_threads: int = 1, tp=None):

@@ -18,7 +18,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.messages import WorkerStartup
 from pdserve.engine.warm_up import warm_up_attention
-from pdserve.worker.replica import assigned_device
+from pdserve.worker.engine_worker import assigned_device
 from pdserve.worker.tp_group import TPGroup, TPRank, join_tp_group
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class TPFollower:
         if engine_config.role == "prefill":
             self.group.stage_kv(self.engine)  # this rank's heads go to rank 0's staging cache each step
         if engine_config.warm_up if engine_config.warm_up is not None else self.engine.device.type == "cuda":
-            warm_up_attention(self.engine)  # what rank 0's warm-up (Replica._warm_up) compiles outside its steps
+            warm_up_attention(self.engine)  # what rank 0's warm-up (EngineWorker._warm_up) compiles outside its steps
         self.steps = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"{name}-follow", daemon=True)

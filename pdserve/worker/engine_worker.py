@@ -1,4 +1,6 @@
-"""What every worker (prefill, decode, colocated) shares: one engine in a role, its KV connector, its loop."""
+"""EngineWorker: what every worker process (prefill, decode, colocated) shares — one engine in a role, its KV
+connector, its loop, its stats. A replica is one worker, or several (the ranks of an expert-parallel or
+tensor-parallel group)."""
 
 import logging
 import os
@@ -66,7 +68,7 @@ def _progress(replica: str) -> Callable[[str], None]:
     return say
 
 
-class Replica:
+class EngineWorker:
     role: str  # "prefill" | "decode" | "colocated", set by the subclass
 
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str | None, cpu_threads: int,

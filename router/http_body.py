@@ -9,7 +9,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # router.max_request_bytes; a 128k-tok
 DRAIN_FACTOR = 16  # how much of a refused body is read (and dropped) before answering, in limits
 
 
-class RequestLimits:
+class BodyGuard:
     def __init__(self, app, max_body_bytes: int, on_refused: Callable[[str, int], None]):
         """on_refused(path, status): counts what was refused (the generation endpoints' metrics)."""
         self.app = app

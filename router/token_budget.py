@@ -1,4 +1,4 @@
-"""Request rules both front ends (HTTP and gRPC) apply the same way, before a request reaches a replica."""
+"""How many tokens a request may generate: the rule both front ends (HTTP and gRPC) apply the same way, before a request reaches a replica."""
 
 from pdserve.protocol import InvalidRequestError
 
