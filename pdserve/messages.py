@@ -81,8 +81,9 @@ KV_FAILED = "kv_failed"
 
 class RequestDelta(NamedTuple):
     """New output of one request: one decode step's, or those of the steps a router had not taken
-    yet, joined. A tuple: a router takes thousands a second, and a dataclass cost it several times
-    as much to unpickle (an instance dict each, more for its garbage collector to walk)."""
+    yet, joined — from a worker to its router, and from the router's core to its front ends. A tuple:
+    a router takes thousands a second, and a dataclass cost it several times as much to unpickle (an
+    instance dict each, more for its garbage collector to walk)."""
 
     request_id: str
     text: str
@@ -90,6 +91,10 @@ class RequestDelta(NamedTuple):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | LOST | KV_FAILED
     error: str | None = None  # why it failed, when finish_reason == "error"
     logprobs: list | tuple = ()  # TokenLogprob per token when asked for; () pickles as one byte, builds nothing
+    # (Router core -> front end.) The core holds the request's next delta already: a front end may
+    # hold this one's output back and write both in one send, one write per wake of a stream, not
+    # one per token. Workers leave it False.
+    more: bool = False
 
 
 class KVEvents(NamedTuple):

@@ -14,7 +14,7 @@ from pdserve.router.admission import AdmissionGate, AdmissionPolicy
 from pdserve.router.lifecycle import Lifecycle
 from pdserve.router.policy import routing_policy
 from pdserve.router.replica_set import ReplicaSet
-from pdserve.router.types import Delta, DirectWriter
+from pdserve.router.types import DirectWriter
 
 
 class RouterCore:
@@ -51,7 +51,7 @@ class RouterCore:
 
     # -- what the front ends ask -------------------------------------------------------------------
 
-    def generate(self, request: Request, direct: DirectWriter | None = None) -> AsyncIterator[Delta]:
+    def generate(self, request: Request, direct: DirectWriter | None = None) -> AsyncIterator[RequestDelta]:
         return self.lifecycle.generate(request, direct)
 
     @property

@@ -56,7 +56,7 @@ class CompletionServicer(pb_grpc.CompletionServicer):
 
     async def CompleteStream(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext
                              ) -> None:
-        """Stream one chunk per wake: a delta, with those the core already held after it (Delta.more)
+        """Stream one chunk per wake: a delta, with those the core already held after it (RequestDelta.more)
         joined into it; usage on the last."""
         # context.write rather than an async-generator handler: a client's cancel then lands on an
         # await inside the `aclosing` block, so the core's generator (and the request) is closed

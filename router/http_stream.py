@@ -20,8 +20,8 @@ from pdserve.router.http_errors import as_api_error
 from pdserve.router.metrics import Metrics, RequestTimer
 from pdserve.router.openai_responses import DONE_EVENT, ResponseShape, sse_event, token_usage
 from pdserve.router.tenants import Charge
-from pdserve.messages import Request
-from pdserve.router.types import Delta, NoCapacityError, ServingCore, ServingError
+from pdserve.messages import Request, RequestDelta
+from pdserve.router.types import NoCapacityError, ServingCore, ServingError
 
 T = TypeVar("T")
 
@@ -72,16 +72,16 @@ class _Presence:
 
 class _Wakes:
     """A request's deltas a wake at a time: the next delta and those the core already holds after
-    it (Delta.more), what one write can carry. The metrics timer counts tokens by wake."""
+    it (RequestDelta.more), what one write can carry. The metrics timer counts tokens by wake."""
 
-    def __init__(self, deltas: AsyncIterator[Delta], timer: RequestTimer):
+    def __init__(self, deltas: AsyncIterator[RequestDelta], timer: RequestTimer):
         self.deltas, self.timer = deltas, timer
         self._error: Exception | None = None  # raised by the core behind deltas this wake still returns
 
-    async def next(self) -> list[Delta]:
+    async def next(self) -> list[RequestDelta]:
         if self._error is not None:
             raise self._error
-        wake: list[Delta] = []
+        wake: list[RequestDelta] = []
         while not wake or (wake[-1].more and wake[-1].finish_reason is None):
             try:
                 wake.append(await anext(self.deltas))
@@ -96,7 +96,7 @@ class _Wakes:
         self.timer.tokens(sum(len(d.token_ids) for d in wake))
         return wake
 
-    async def all(self) -> list[Delta]:
+    async def all(self) -> list[RequestDelta]:
         out = await self.next()
         while out[-1].finish_reason is None:
             out += await self.next()
@@ -148,7 +148,7 @@ class _EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, wakes: _Wakes, first: list[Delta], shape: ResponseShape, timer: RequestTimer,
+    def __init__(self, wakes: _Wakes, first: list[RequestDelta], shape: ResponseShape, timer: RequestTimer,
                  prompt_tokens: int, presence: _Presence, direct: _DirectSSE, headers: dict[str, str] | None):
         self.status_code, self.background = 200, None
         self.raw_headers = _EVENT_STREAM_HEADERS

@@ -25,7 +25,7 @@ from pdserve.router.admission import AdmissionGate
 from pdserve.router.attempt import Attempt, Lost, raise_refused
 from pdserve.router.policy import RoutingPolicy
 from pdserve.router.replica_set import ReplicaSet
-from pdserve.router.types import Delta, DirectWriter, ServingError
+from pdserve.router.types import DirectWriter, ServingError
 
 log = logging.getLogger(__name__)
 LIVE_POLL_S = 0.1  # how often a request waiting for a live replica looks
@@ -71,7 +71,7 @@ class Lifecycle:
                 q.put_nowait(d)
         self.direct_writes += written
 
-    async def generate(self, request: Request, direct: DirectWriter | None = None) -> AsyncIterator[Delta]:
+    async def generate(self, request: Request, direct: DirectWriter | None = None) -> AsyncIterator[RequestDelta]:
         if len(request.prompt_ids) >= self.max_model_len:
             raise InvalidRequestError("prompt", f"is {len(request.prompt_ids)} tokens; the model's context is "
                                                 f"{self.max_model_len} tokens")
@@ -106,7 +106,7 @@ class Lifecycle:
                 sent.extend(d.token_ids)
                 if finished:
                     self.gate.forecast.finished(len(sent))
-                yield Delta(d.text, d.token_ids, d.finish_reason, d.logprobs, more=not run.queue.empty())
+                yield d if run.queue.empty() else d._replace(more=True)
         finally:
             self._end(run, finished)
 

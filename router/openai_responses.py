@@ -8,7 +8,7 @@ from typing import Any
 
 from pdserve.protocol import TokenLogprob
 from pdserve.router.openai_protocol import CHAT, COMPLETIONS
-from pdserve.router.types import Delta
+from pdserve.messages import RequestDelta
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value
 
@@ -50,7 +50,7 @@ class ResponseShape:
         self.created = int(time.time())
         self._text_event: tuple[str, str] | None = None  # a text-only chunk's event around its JSON text
 
-    def event(self, delta: Delta) -> str | None:
+    def event(self, delta: RequestDelta) -> str | None:
         """The stream event (`data: ...` and its blank line) for one delta, or None when it has nothing
         to show. Most deltas of a stream are text only: their event is a per-request template around
         the text's JSON, the bytes json.dumps would give for the whole chunk."""
@@ -65,20 +65,20 @@ class ResponseShape:
         return None if chunk is None else sse_event(chunk)
 
     def _cut_template(self) -> tuple[str, str]:
-        head, tail = sse_event(self.chunk(Delta(_TEXT_SLOT, []))).split(json.dumps(_TEXT_SLOT))
+        head, tail = sse_event(self.chunk(RequestDelta("", _TEXT_SLOT, []))).split(json.dumps(_TEXT_SLOT))
         return head, tail
 
     def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def response(self, deltas: list[Delta], usage: dict) -> dict:
+    def response(self, deltas: list[RequestDelta], usage: dict) -> dict:
         return self._envelope(self.object, [self._choice(deltas)], usage=usage)
 
     def opening_chunks(self) -> list[dict]:
         return []
 
-    def chunk(self, delta: Delta) -> dict | None:
+    def chunk(self, delta: RequestDelta) -> dict | None:
         """The stream chunk for one delta, or None when it has nothing to show."""
         if not delta.text and delta.finish_reason is None and not (self.want_logprobs and delta.logprobs):
             return None
@@ -88,10 +88,10 @@ class ResponseShape:
     def usage_chunk(self, usage: dict) -> dict:
         return self._envelope(self.chunk_object, [], usage=usage)
 
-    def _choice(self, deltas: list[Delta]) -> dict:
+    def _choice(self, deltas: list[RequestDelta]) -> dict:
         raise NotImplementedError
 
-    def _choice_delta(self, delta: Delta) -> dict:
+    def _choice_delta(self, delta: RequestDelta) -> dict:
         raise NotImplementedError
 
 
@@ -104,7 +104,7 @@ class CompletionShape(ResponseShape):
         # chunks' (text that may begin a stop string is held back from a chunk, never from its token).
         self._next_offset = 0
 
-    def _choice(self, deltas: list[Delta]) -> dict:
+    def _choice(self, deltas: list[RequestDelta]) -> dict:
         logprobs, offset = None, 0
         if self.want_logprobs:
             logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -115,7 +115,7 @@ class CompletionShape(ResponseShape):
         text = "".join(d.text for d in deltas)
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": deltas[-1].finish_reason}
 
-    def _choice_delta(self, delta: Delta) -> dict:
+    def _choice_delta(self, delta: RequestDelta) -> dict:
         logprobs = None
         if self.want_logprobs:
             logprobs, self._next_offset = self._logprobs(delta.logprobs, self._next_offset)
@@ -144,13 +144,13 @@ class ChatShape(ResponseShape):
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return [self._envelope(self.chunk_object, [first], **extra)]
 
-    def _choice(self, deltas: list[Delta]) -> dict:
+    def _choice(self, deltas: list[RequestDelta]) -> dict:
         text = "".join(d.text for d in deltas)
         logprobs = self._logprobs([t for d in deltas for t in d.logprobs]) if self.want_logprobs else None
         return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": deltas[-1].finish_reason}
 
-    def _choice_delta(self, delta: Delta) -> dict:
+    def _choice_delta(self, delta: RequestDelta) -> dict:
         logprobs = self._logprobs(delta.logprobs) if self.want_logprobs else None
         return {"index": 0, "delta": {"content": delta.text} if delta.text else {}, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}

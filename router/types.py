@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from pdserve.messages import Request
+from pdserve.messages import Request, RequestDelta
 
 
 class NoCapacityError(RuntimeError):
@@ -45,20 +45,6 @@ class ReplicaUnavailableError(ServingError):
     """No live replica of a role can take the request (HTTP 503, gRPC UNAVAILABLE); the message names the role."""
 
 
-@dataclass(slots=True)
-class Delta:
-    """New output of one request: text and tokens since the last delta, and how it ended if it did."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
-    logprobs: list = field(default_factory=list)
-    # The core holds the request's next delta already. A front end may hold this one's output back
-    # and write both in one send: a router behind its workers then pays one write per wake of a
-    # stream, not one per token.
-    more: bool = False
-
-
 class DirectWriter(Protocol):
     """A front end's writer of one request's stream, which a core may hand an ordinary delta (text
     and tokens, unfinished) at once, in the call that brought it, instead of through the iterator."""
@@ -88,7 +74,7 @@ class ServingCore(Protocol):
         sets itself (messages, add_generation_prompt, bos_token, ...), or the template rejects its input."""
         ...
 
-    def generate(self, request: Request, direct: DirectWriter | None = None) -> AsyncIterator[Delta]:
+    def generate(self, request: Request, direct: DirectWriter | None = None) -> AsyncIterator[RequestDelta]:
         """Stream the request's output; closing the iterator early (aclose) aborts the request
         everywhere. Raises NoCapacityError before the first delta when nothing can take it,
         InvalidRequestError for a request the engine refuses (e.g. a prompt over the context).

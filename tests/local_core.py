@@ -8,8 +8,12 @@ from collections.abc import AsyncIterator
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 
-from pdserve.messages import Request
-from pdserve.router.types import Delta
+from pdserve.messages import Request, RequestDelta
+
+
+def delta(text: str, token_ids: list[int], finish_reason: str | None = None, logprobs=()) -> RequestDelta:
+    """A core's output for a front end (request id, error and `more` as a worker leaves them)."""
+    return RequestDelta("", text, token_ids, finish_reason, None, logprobs)
 
 
 class LocalCore:
@@ -40,20 +44,20 @@ class LocalCore:
     def degraded(self) -> dict[str, str]:
         return {} if self._thread.is_alive() else {"engine": "down: its thread stopped"}
 
-    async def generate(self, request: Request, direct=None) -> AsyncIterator[Delta]:
+    async def generate(self, request: Request, direct=None) -> AsyncIterator[RequestDelta]:
         queue: asyncio.Queue = asyncio.Queue()
         self.sessions.append(request.session)
         self.priorities.append(request.priority)
         with self._lock:
-            self.engine.add_request(request.request_id, request.prompt_ids, request.params)
+            self.engine.add(request)
             self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
         self._wake.set()
         finished = False
         try:
             while not finished:
-                delta = await queue.get()
-                finished = delta.finish_reason is not None
-                yield delta
+                d = await queue.get()
+                finished = d.finish_reason is not None
+                yield d
         finally:
             with self._lock:
                 self._streams.pop(request.request_id, None)
@@ -81,7 +85,7 @@ class LocalCore:
             return
         loop, queue = stream
         reason = out.finish_reason.value if out.finish_reason else None
-        loop.call_soon_threadsafe(queue.put_nowait, Delta(out.text, out.token_ids, reason, out.logprobs))
+        loop.call_soon_threadsafe(queue.put_nowait, delta(out.text, out.token_ids, reason, out.logprobs))
 
 
 class Served:

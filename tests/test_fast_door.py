@@ -23,9 +23,15 @@ from pdserve.router.http_fast import FastDoor
 from pdserve.router.metrics import Metrics
 from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.tenants import ApiKey, Tenants, key_digest
-from pdserve.router.types import Delta, NoCapacityError, ServingError
+from pdserve.router.types import NoCapacityError, ServingError
 from local_core import LocalCore, Served
 from test_http_api import BAD, MODEL, OK, OK_CHAT, PROMPT
+from pdserve.messages import RequestDelta
+
+
+def delta(text: str, token_ids: list[int], finish_reason: str | None = None, logprobs=()) -> RequestDelta:
+    """A core's output for a front end (request id, error and `more` as a worker leaves them)."""
+    return RequestDelta("", text, token_ids, finish_reason, None, logprobs)
 
 MAX_BODY = 3 << 19  # 1.5 MiB: the costliest bodies of BAD (1 MB) within it, one over it cheap to send
 
@@ -203,7 +209,7 @@ def test_a_serving_error_is_answered_as_the_app_would(pair, monkeypatch):
             assert status == (500 if type(error) is RuntimeError else 503) and not past
 
     async def fail_later(request, direct=None):
-        yield Delta("x", [120])
+        yield delta("x", [120])
         raise ServingError("decode replica died")
     monkeypatch.setattr(core, "generate", fail_later)
     assert same_answers(pair, [("/v1/completions", OK | {"stream": True})]) == [(200, False)]

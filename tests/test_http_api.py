@@ -24,7 +24,13 @@ from pdserve.protocol import SamplingParams
 from pdserve.router.http_api import build_app
 from local_core import LocalCore
 from pdserve.router.metrics import Metrics
-from pdserve.router.types import Delta, NoCapacityError, OverloadedError, ServingError
+from pdserve.router.types import NoCapacityError, OverloadedError, ServingError
+from pdserve.messages import RequestDelta
+
+
+def delta(text: str, token_ids: list[int], finish_reason: str | None = None, logprobs=()) -> RequestDelta:
+    """A core's output for a front end (request id, error and `more` as a worker leaves them)."""
+    return RequestDelta("", text, token_ids, finish_reason, None, logprobs)
 
 MODEL = "tiny-moe"
 PROMPT = "Once upon a time"
@@ -552,7 +558,7 @@ def test_overload_is_429_with_retry_after(served, monkeypatch):
 
 def test_error_mid_stream_is_reported_in_stream(served, monkeypatch):
     async def fail_later(request, direct=None):
-        yield Delta("x", [120])
+        yield delta("x", [120])
         raise ServingError("decode replica died")
     monkeypatch.setattr(served.core, "generate", fail_later)
     r = post(served, "/v1/completions", OK | {"stream": True})

@@ -3,7 +3,6 @@ goes out in one write with the events it always had, a worker joins the steps a 
 taken, and tokenizing or templating never stalls the event loop that writes every stream."""
 
 import asyncio
-import dataclasses
 import itertools
 import json
 import socket
@@ -24,8 +23,14 @@ from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_api import build_app
 from pdserve.router.metrics import Metrics
 from pdserve.router.openai_responses import ChatShape, CompletionShape, sse_event
-from pdserve.router.types import Delta, ServingError
+from pdserve.router.types import ServingError
 from pdserve.worker.router_streams import RouterStreams
+from pdserve.messages import RequestDelta
+
+
+def delta(text: str, token_ids: list[int], finish_reason: str | None = None, logprobs=()) -> RequestDelta:
+    """A core's output for a front end (request id, error and `more` as a worker leaves them)."""
+    return RequestDelta("", text, token_ids, finish_reason, None, logprobs)
 
 MODEL = "scripted"
 
@@ -69,15 +74,15 @@ class ScriptedCore:
                     if isinstance(item, Exception):
                         raise item
                     finished = item.finish_reason is not None
-                    yield dataclasses.replace(item, more=j < len(wake) - 1)
+                    yield item._replace(more=j < len(wake) - 1)
         finally:
             self.closed.append(finished)
 
 
-def text_wakes(*wakes: str, finish: str = "length") -> list[list[Delta]]:
+def text_wakes(*wakes: str, finish: str = "length") -> list[list[RequestDelta]]:
     """Wakes of one-token text deltas, e.g. ("ab", "c") -> [[a, b], [c]]; the last delta finishes."""
-    out = [[Delta(ch, [ord(ch)]) for ch in wake] for wake in wakes]
-    out[-1][-1] = Delta(out[-1][-1].text, out[-1][-1].token_ids, finish)
+    out = [[delta(ch, [ord(ch)]) for ch in wake] for wake in wakes]
+    out[-1][-1] = delta(out[-1][-1].text, out[-1][-1].token_ids, finish)
     return out
 
 
@@ -138,7 +143,7 @@ def test_a_wake_is_one_write_and_every_delta_keeps_its_event():
 
 
 def test_a_failure_behind_held_deltas_comes_after_them_in_the_stream():
-    core = ScriptedCore([[Delta("x", [1]), Delta("y", [2]), ServingError("decode replica died")]])
+    core = ScriptedCore([[delta("x", [1]), delta("y", [2]), ServingError("decode replica died")]])
     events = events_of(asyncio.run(call_asgi(build_app(core, Metrics()), STREAM)))
     assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["x", "y"]
     assert json.loads(events[2])["error"]["code"] == "service_error" and events[3] == "[DONE]"
@@ -168,17 +173,17 @@ def test_a_text_event_is_the_bytes_json_dumps_gives(shape, include_usage):
     texts = ["plain", ' "quoted" ', "back\\slash", "new\nline\ttab", "\x00\x1f", "é", "😀", "\u2028", "</script>"]
     for text in texts:
         s = shape("cmpl-1", MODEL, want_logprobs=False, include_usage=include_usage)
-        delta = Delta(text, [1])
-        assert s.event(delta) == sse_event(s.chunk(delta))
+        d = delta(text, [1])
+        assert s.event(d) == sse_event(s.chunk(d))
     s = shape("cmpl-1", MODEL, want_logprobs=False, include_usage=include_usage)
-    assert s.event(Delta("", [1])) is None  # a token whose text is held back shows nothing yet
+    assert s.event(delta("", [1])) is None  # a token whose text is held back shows nothing yet
 
 
 def test_logprob_events_keep_their_offsets():
     s = CompletionShape("cmpl-1", MODEL, want_logprobs=True, include_usage=False)
     lps = [TokenLogprob(token_id=i, logprob=-1.0, text=t, top=[], top_texts=[]) for i, t in enumerate(["ab", "c"])]
-    first = json.loads(s.event(Delta("abc", [0, 1], logprobs=lps)).removeprefix("data: "))
-    second = json.loads(s.event(Delta("d", [2], logprobs=[lps[0]])).removeprefix("data: "))
+    first = json.loads(s.event(delta("abc", [0, 1], logprobs=lps)).removeprefix("data: "))
+    second = json.loads(s.event(delta("d", [2], logprobs=[lps[0]])).removeprefix("data: "))
     assert first["choices"][0]["logprobs"]["text_offset"] == [0, 2]
     assert second["choices"][0]["logprobs"]["text_offset"] == [3]
 
@@ -294,7 +299,7 @@ def grpc_stream(core: ScriptedCore) -> tuple[list, grpc.RpcError | None, int]:
 
 
 def test_grpc_sends_the_tokens_held_before_a_failure_then_its_status():
-    chunks, error, _ = grpc_stream(ScriptedCore([[Delta("x", [1]), Delta("y", [2]), ServingError("decode died")]]))
+    chunks, error, _ = grpc_stream(ScriptedCore([[delta("x", [1]), delta("y", [2]), ServingError("decode died")]]))
     assert [c.text for c in chunks] == ["xy"] and list(chunks[0].token_ids) == [1, 2]
     assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
 

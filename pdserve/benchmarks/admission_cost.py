@@ -102,8 +102,12 @@ def serve(step_s: float, loop_kind: str) -> None:
     from pdserve.router.http_api import build_app
     from pdserve.router.listen import bind_listener
     from pdserve.router.metrics import Metrics
-    from pdserve.router.core import RouterCore
     from pdserve.tokenizer import load_tokenizer
+
+    try:
+        from pdserve.router.core import RouterCore
+    except ImportError:  # a tree from before the router's split (2026-11-28)
+        from pdserve.router.ray_core import RayCore as RouterCore
 
     async def main() -> None:
         replica = SyntheticReplica("pdserve-colocated-0", step_s)
