@@ -44,8 +44,8 @@ class EngineConfig(_Strict):
     cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs (batch-size buckets); false: no graphs at all
     # The largest decode batch captured (larger ones run eagerly); capture goes up to
     # min(max_num_seqs, this). Each bucket's graph holds its activations and decode attention's
-    # split-K buffers, so larger captures cost memory; an eager step at 512 ran 2.5x slower than
-    # its graph for an EP rank (docs/benchmarks-history.md), hence 512.
+    # split-K buffers, so larger captures cost memory; an eager step at 512 ran several times slower
+    # than its graph for an EP rank (docs/benchmarks-history.md, expert-parallel decode), hence 512.
     cuda_graph_max_batch: int = Field(default=512, ge=1)
     # Steps of fresh prompts (no cached prefix, no decode rows) of up to this many tokens replay CUDA
     # graphs, padded to a token-count bucket (engine/prefill_graphs.py); 0: off. Default: 2048 on a
@@ -229,8 +229,8 @@ class DecodeConfig(_Strict):
     ep_size: int = Field(default=1, ge=1)
     ep_threshold: int = Field(default=1024, ge=0)  # tokens per rank from which MoE layers exchange by
     # all-to-all; below it by all-gather / reduce-scatter, replayed from CUDA graphs up to batch 256
-    # (0: always all-to-all). On 2-4 H200s the all-gather path led at every batch measured, 64-512
-    # per rank, graphed or eager (docs/benchmarks-history.md): all-to-all is for batches beyond those.
+    # (0: always all-to-all). The all-gather path led at every batch per rank measured, graphed or
+    # eager (docs/benchmarks-history.md, expert-parallel decode): all-to-all is for batches beyond those.
     ep_replicated_experts: list[int] = Field(default_factory=list)  # hot experts copied to every rank
     # The ranks of one EP replica share a node (their exchange is NVLink's), unless this is true:
     # then they fill as few nodes as hold them (their exchange crosses the network).

@@ -98,7 +98,7 @@ class PrefixAware(KVAware):
         self._sessions: OrderedDict[str, tuple[tuple[str, ...], int, bytes]] = OrderedDict()
 
     def prepare(self, run, request, sent) -> None:
-        run.hashes = block_hashes(request.prompt_ids + sent, self.block_size)  # (~1 us a block)
+        run.hashes = block_hashes(request.prompt_ids + sent, self.block_size)
 
     def prompt_replica(self, names, role, run, request, sent) -> str:
         """The least work before this request's first token there, in prompt tokens to compute: those

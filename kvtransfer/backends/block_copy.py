@@ -6,10 +6,10 @@ request, each paying a launch. Here one launch covers every (layer, plane, block
 (the planes are K and V, or MLA's one latent):
 each program moves one block with wide loads and stores, the stores going over NVLink into the
 peer's memory (mapped through CUDA IPC), so fresh and fragmented allocations cost the same.
-Measured on two H200s: 88-94 % of the copy engine's peer rate from 4k tokens up, in one process
-(pdserve.benchmarks.p2p_probe, in git history at eccf932). 16 warps per program looked a few
-points faster in one sweep (p2p_sweep) but made the two-process transfer slower end to end
-(docs/benchmarks-history.md): 4 it is.
+It comes close to the copy engine's peer rate from 4k tokens up, in one process
+(pdserve.benchmarks.p2p_probe, in git history at eccf932). 16 warps per program looked faster in
+one sweep (p2p_sweep) but made the two-process transfer slower end to end
+(docs/benchmarks-history.md, KV transfer between two GPUs): 4 it is.
 """
 
 import torch
@@ -64,8 +64,8 @@ class BlockCopy:
 
     The first call goes through Triton's JIT (compiling or finding the kernel); later calls hand
     the arguments straight to the compiled kernel's launcher: the JIT's per-call binding,
-    specialisation key and cache lookup cost 15-25 us of host time per post on the GPU host, on a
-    path where every microsecond delays the copy's start (docs/benchmarks-history.md, KV transfer). The
+    specialisation key and cache lookup cost host time on every post, on a path where every
+    microsecond delays the copy's start (docs/benchmarks-history.md, KV transfer between two GPUs). The
     specialisation the kernel was compiled for stays valid: the caches are the same tensors and
     the ids pointers are checked to keep the 16-byte alignment Triton assumed."""
 

@@ -1,8 +1,8 @@
 """KV between GPUs of one host through CUDA IPC: the prefill worker maps the decode worker's KV
 allocation and copies into it over NVLink; notices go over a Unix socket.
 
-Why besides NIXL: on one host, NIXL/UCX's cuda_ipc path pays about a millisecond per request
-and reaches 60-70 % of the peer-copy rate (docs/benchmarks-history.md); here a request's blocks move in
+Why besides NIXL: on one host, NIXL/UCX's cuda_ipc path pays per descriptor and stays well below
+the peer-copy rate (docs/benchmarks-history.md, KV transfer between two GPUs); here a request's blocks move in
 one copy kernel per post (kvtransfer/backends/block_copy.py), whatever their fragmentation.
 
 Posting is *inline*: `write_range` runs on the caller's (the engine's) thread and only enqueues
@@ -120,7 +120,7 @@ class CudaIpcBackend(KVBackend):
     def _stage(self, src: list[int], dst: list[int], dst_num_blocks: int) -> int:
         """Put the ids where the kernel reads them; the layers of one step reuse them. Returns the slot.
 
-        struct packs a list straight into the slot (2-3 us for 256 ids, numpy's conversion 8), and
+        struct packs a list straight into the slot (faster than numpy's conversion), and
         its unsigned format refuses negative ids on the way; max() bounds the rest."""
         staged = self._staged
         if staged is not None and staged[0] == src and staged[1] == dst:
@@ -171,8 +171,8 @@ class CudaIpcBackend(KVBackend):
     def wait(token) -> bool:
         """Block until the copy is done (the GIL released meanwhile); True when it succeeded.
 
-        cudaEventSynchronize returns within ~5 us of the copy's end on the H200 hosts (the
-        `waited_ms` split of pdserve.benchmarks.kv_transfer); polling the event from Python was
+        cudaEventSynchronize returns soon after the copy's end (the `waited_ms` split of
+        pdserve.benchmarks.kv_transfer shows it); polling the event from Python was
         no faster and would take the GIL from the engine's thread while it spins."""
         if token is not None:
             token.synchronize()

@@ -7,7 +7,8 @@ address order. A write then only
 picks indices. NIXL merges descriptors that are adjacent on both sides (`skip_desc_merge=False`),
 so a run of consecutive blocks moves as one descriptor: checked with NIXL's telemetry
 (`descCount` is 1 for a 4000-block run, 4000 with merging skipped; tests/test_nixl_backend.py
-asserts it), which matters because UCX pays per descriptor (docs/benchmarks.md, KV transfer).
+asserts it), which matters because UCX pays per descriptor (docs/benchmarks-history.md, KV transfer
+between two GPUs).
 """
 
 import itertools
@@ -49,8 +50,9 @@ def _descs(base: int, num_layers: int, num_blocks: int, bytes_per_block: int, de
 def _regions(meta: KVAgentMetadata, dev: int) -> list[tuple[int, int, int, str]]:
     """The KV allocation as registered memory: one region per layer (its K and V, or latent, blocks).
 
-    Measured on two H200s, per-layer regions and one region for the whole 12.9 GB allocation move
-    KV equally fast (docs/benchmarks-history.md); per layer keeps each region within what a peer maps.
+    Per-layer regions and one region for the whole allocation move KV equally fast
+    (docs/benchmarks-history.md, KV transfer between two GPUs); per layer keeps each region within
+    what a peer maps.
     """
     size = meta.num_planes * meta.num_blocks * meta.bytes_per_block
     return [(meta.base_addr + layer * size, size, dev, "") for layer in range(meta.num_layers)]
@@ -113,8 +115,8 @@ class NixlBackend(KVBackend):
         self.refused = 0  # notices dropped: their sender was not a handshaked peer
         self._cuda_thread = _Bound()
 
-        # No NIXL progress thread by default: it spins a core even when idle (seen: ~100 % per
-        # worker on a 2-core host), and the connector already drives progress by polling
+        # No NIXL progress thread by default: it spins a core even when idle, and the connector
+        # already drives progress by polling
         # transfer states and notifications (`progress`).
         self.agent = nixl_agent(meta.engine_id, nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
                                                                   capture_telemetry=telemetry))

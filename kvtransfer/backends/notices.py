@@ -2,9 +2,9 @@
 reads its inbox when its connector polls, the sender never waits for the receiver.
 
 Why no receiving thread (the TCP backend has one): with a thread asleep on the socket, the
-sender's 60-byte "finish" took 10-60 us on the GPU hosts (the send wakes that thread, and the
-scheduler may well run it on the sender's core first); without one, 4-15 us — on the path
-between the copy's end and the request's delivery (docs/benchmarks-history.md, KV transfer). Nobody
+sender's 60-byte "finish" took several times as long (the send wakes that thread, and the
+scheduler may well run it on the sender's core first) — on the path between the copy's end and
+the request's delivery (docs/benchmarks-history.md, KV transfer between two GPUs). Nobody
 waits on a notice anyway: the connectors read them when they poll. So the receiver reads the
 socket then, and a send only copies bytes into a socket buffer.
 

@@ -27,7 +27,7 @@ PLACE_S = 120  # a replica's placement group is placed within this, or its start
 PLACE_CHECK_S = 1.0  # meanwhile, this often: is the node chosen for it still in the cluster?
 # Each role's module holding its ranks' actor class. A process that receives their handles (a
 # router) has Ray load that class to read its methods, which imports the module (torch, the
-# engine): ~3 s. A router imports them while the workers load (`Router(preload=...)`).
+# engine): seconds, not milliseconds. A router imports them while the workers load (`Router(preload=...)`).
 WORKER_MODULES = {"prefill": "pdserve.prefill.worker", "decode": "pdserve.decode.worker",
                   "colocated": "pdserve.worker.colocated"}
 

@@ -1,10 +1,10 @@
 """The checkpoint read into this host's page cache while Ray starts and the workers spawn.
 
-`pdserve up` spends ~15 s before any worker reads a weight (Ray's start, the worker processes'
+`pdserve up` spends many seconds before any worker reads a weight (Ray's start, the worker processes'
 imports, building the model); the disk idles all that time, and then the weights take as long
 as the disk takes. Reading the files from the command's first second on moves that wait under
 the rest: a worker on this host then finds the first files in the page cache (its reader goes at
-memory speed there: 11 GB/s against the disk's 1.5 on one H200 machine) and meets the disk only
+memory speed there, several times the disk's) and meets the disk only
 where the prefetch has not yet been.
 
 Only as much as the page cache can keep: files, in the loaders' order, up to half of the host's

@@ -17,7 +17,8 @@ def kv_cache_blocks(config: EngineConfig, args, device: torch.device, tp, dtype:
         # What is free less a tenth of the card (vLLM's gpu_memory_utilization 0.9): left for the
         # largest step's activations, the graphs' pools, and the CUDA contexts that peers open
         # on this GPU later (a cuda_ipc decode replica maps a prefill GPU's KV: ~0.5 GiB each).
-        # 90 % of the free memory left an 80 GB card 1.7 GiB after 61 GB of weights: too little.
+        # 90 % of the free memory left too little on a card nearly filled by its weights
+        # (docs/benchmarks-history.md, routing by cached prefix, 2026-11-27: an OOM on four H100s).
         free, total = torch.cuda.mem_get_info(device)
         budget = int(free - 0.1 * total)
         if budget <= 0:

@@ -1,8 +1,7 @@
 """Steps of fresh prompts padded to a token-count bucket, replayed from CUDA graphs.
 
 A prefill step of up to ~4k tokens is host-bound: ~50 kernel launches per layer cost more than the
-GPU's work (one H200, qwen3-30b-a3b: 32 ms for 128 tokens, 57 ms for 2k, against ~14 ms to read
-every expert's weights once; one H100: 71 ms eager for 2,304 tokens, 41.6 ms replayed). A captured
+GPU's work (docs/benchmarks-history.md, light load and first requests). A captured
 graph launches the whole forward at once. Only steps of *fresh* prompts are graphed: every prompt
 starts at position 0 (no cached prefix, no later chunk, no decode row beside it), so its attention
 needs nothing but its own K/V, and the step's shape is just (tokens, prompts). Everything else runs

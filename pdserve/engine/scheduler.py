@@ -12,13 +12,13 @@ Engine.reserve). A prefill-role engine admits a prompt only with all of its bloc
 preempts.
 
 Where CUDA graphs cover both kinds of step (`graph_limits`), fresh prompts that a prefill graph
-takes are not mixed into a step of decoding sequences: a mixed step runs eagerly, and on one H200
-one took 35-60 ms of host time where the prefill graph (9-13 ms for 128-512 tokens) and then the
-decode graph (~4 ms at batch 1) take far less, for the newcomer and for the decoders alike. They
+takes are not mixed into a step of decoding sequences: a mixed step runs eagerly, and its host
+time is far more than the prefill graph's and then the decode graph's together, for the newcomer
+and for the decoders alike (docs/benchmarks-history.md, light load and first requests). They
 go in a step of their own, and the step after it is the decoders' alone (no two prompt-only
 steps in a row: decoding never waits more than one). Only under a light load (APART_MAX_DECODERS):
-with 64-512 streams (one H200, `control_plane.sh`) stepping apart delivered 6-12 % fewer tokens
-than mixing, whose steps carry many decoders with each prompt.
+under many streams stepping apart delivered fewer tokens than mixing, whose steps carry many
+decoders with each prompt (docs/benchmarks-history.md, control plane under load).
 """
 
 import bisect

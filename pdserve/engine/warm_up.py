@@ -4,10 +4,10 @@ On a GPU, the first step of each new shape pays for its kernels: Triton compiles
 new specialization of its integer arguments (a value of 1, a multiple of 16, anything else), the
 tile configuration picked by the longest prompt, a paged prefill over a cached prefix rather than
 a fresh prompt's attention, a mixed prefill + decode step, an eager decode batch beyond the CUDA
-graphs. Measured on one H200 (docs/benchmarks.md): the first request after "ready" took 902 ms
-against 40–80 ms for the next ones, and 20 lone 4k prompts after 8 others still spent 18 % of the
-worker's time compiling (a prompt with a cached prefix: 101 ms steps). Those costs belong before
-"ready", not on a user's request.
+graphs. Without this, the first request after "ready" took many times as long as the next ones,
+and lone long prompts after others still spent a good part of the worker's time compiling (a
+prompt with a cached prefix) (docs/benchmarks-history.md: light load and first requests, control
+plane under load). Those costs belong before "ready", not on a user's request.
 
 So a worker runs this script on its engine before its loop starts (pdserve/worker/engine_worker.py): real
 requests through the engine's own entry points — `add_request` (colocated, prefill) or

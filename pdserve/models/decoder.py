@@ -65,7 +65,7 @@ class DecoderLM(nn.Module):
         self.moe_backend = moe_backend or TorchMoE()
         self.norms = norms or TorchNorms()
         # Given its (uninitialised) weight, not drawn: the loader sets every parameter, and a normal_
-        # draw on the meta device imports torch._dynamo, 1-2 s of every worker's start.
+        # draw on the meta device imports torch._dynamo, a cost on every worker's start.
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
                                          _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(

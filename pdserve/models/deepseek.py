@@ -22,9 +22,9 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 # apart from the routed ones, as dense GEMMs over every token: in the fused kernel each tile of
 # BLOCK_M rows reads the shared weights again (at a decode batch of 256, 16 reads of 35 MB a layer
 # for DeepSeek-V2-Lite, half again the routed experts' own traffic). Below it the fold saves the
-# launches (batch 64 on one H200: 10.33 ms a step folded, 10.75 apart); from the grouped-GEMM size
-# on the shared slots are two full groups there, and apart's extra passes cost more (4k prefill:
-# 53.3 ms folded, 56.4 apart). (Env: to measure both ways.)
+# launches; from the grouped-GEMM size on the shared slots are two full groups there, and apart's
+# extra passes cost more (docs/benchmarks-history.md, DeepSeek-V2-Lite, 2026-11-24). (Env: to
+# measure both ways.)
 SHARED_APART_TOKENS = int(os.environ.get("PDSERVE_SHARED_APART_TOKENS", "128"))
 # Hub and transformers names -> ours: the block's shared experts are one MLP `shared_expert` (as
 # Qwen2-MoE's, without its gate), the router's bias lives beside the experts.
@@ -58,8 +58,7 @@ class DeepseekMoE(SparseMoE):
         # The shared slots (w13 [n, 2I, H], w2 [n, H, I] after the routed ones), each weight read once:
         # their gate/up rows are one [n x 2I, H] matrix, so one GEMM; SiLU-and-mul in one pass; each
         # slot's down projection accumulated into `out` by its GEMM (beta = 1). Before: batched GEMMs,
-        # float32 elementwise passes and a sum over the slots, 43 us of kernels a layer at a V2-Lite
-        # decode batch of 256 on one H200 (floor 8 us); ~20 us a layer less now.
+        # float32 elementwise passes and a sum over the slots, several times the floor of a layer.
         e = self.w13.shape[0] - n
         t, hidden, inter = x.shape[0], self.w2.shape[1], self.w2.shape[2]
         gate_up = torch.mm(x, self.w13[e:].reshape(n * 2 * inter, hidden).t())  # [T, n x 2I]
@@ -79,8 +78,8 @@ class DeepseekMoE(SparseMoE):
         # The router's logits in float32 from float32 inputs, as transformers computes them.
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.gate.weight.dtype == x.dtype:
             # Products of 16-bit floats are exact in float32, so a GEMM that accumulates and writes
-            # float32 gives those logits (up to summation order) without converting x first: one
-            # H100, a 4k prompt, the conversion and a float32 SIMT GEMM took 1.7 ms of a 50 ms step.
+            # float32 gives those logits (up to summation order) without converting x first: the
+            # conversion and a float32 SIMT GEMM were a visible part of a long prompt's step.
             logits = torch.mm(x, self.gate.weight.t(), out_dtype=torch.float32)
         else:
             w = self.gate.weight.float() if self.gate_weight_f32 is None else self.gate_weight_f32

@@ -53,9 +53,9 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, curso
         tl.store(sorted_ptr + slot, i, mask=placed)
 
 
-# One program does the whole sort; with 16 warps its histogram, scatter and padding passes take half
-# the time of 4 (one H200, graph replays: 8,192 pairs 49 -> 28 us, a prompt's MoE layer at 1k tokens
-# on Qwen3-30B-A3B; 1,536 pairs 11.5 -> 7.3 us, a V2-Lite decode batch of 256).
+# One program does the whole sort; with 16 warps its histogram, scatter and padding passes run
+# faster than with 4, at a prompt's MoE layer and at a decode batch alike
+# (docs/benchmarks-history.md, light load and first requests, 2026-11-27).
 ALIGN_WARPS, ALIGN_CHUNK = 16, 2048
 
 
@@ -177,13 +177,11 @@ def _gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     """Tile sizes by the number of (token, expert) pairs and rows per expert; fixed table, no autotuning.
 
     Decode reads each expert's weights once per BLOCK_M tile of its rows (L2 catches only part of
-    the second read), so the tile grows with the rows an expert gets. One H200, DeepSeek-V2-Lite's
-    experts (64, top-6), each GEMM alone: at 256 tokens (24 rows an expert) BLOCK_M 32 took the
-    gate/up GEMM from 237 to 188 us and the down GEMM from 128 to 105 us (floors 174 / 87), at 192
-    tokens 214 -> 188 and 115 -> 104; at 128 tokens (12 rows) 16 stays best. Qwen3-30B-A3B's (128,
-    top-8) at 256 tokens (16 rows): 217 -> 199 and 116 -> 112 us. Past 2,048 pairs 64, and from 128
-    rows an expert 128-row tiles with 8 warps: Qwen3-30B-A3B at 2,048 tokens, 316 + 215 us -> 318 +
-    181 us (at 1,024 tokens, 64 rows, no config beat 64 by more than 2 %)."""
+    the second read), so the tile grows with the rows an expert gets: BLOCK_M 32 from 16 rows an
+    expert (it won for DeepSeek-V2-Lite's experts and Qwen3-30B-A3B's alike), 16 below (at 12 rows
+    16 stayed best). Past 2,048 pairs 64, and from 128 rows an expert 128-row tiles with 8 warps; at
+    64 rows no config beat 64 by more than noise. Each the best of a sweep of each GEMM alone
+    (docs/benchmarks-history.md: DeepSeek-V2-Lite, and light load and first requests, 2026-11-27)."""
     if dtype == torch.float32:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
     if num_pairs <= 2048:  # decode: a handful of rows per expert, weight reads dominate

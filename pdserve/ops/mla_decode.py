@@ -33,8 +33,8 @@ BLOCK_H = 16  # query heads per program: tl.dot's smallest M; all of V2-Lite's 1
 # From this many programs per split (sequences x blocks of BLOCK_H heads) on, the context is not
 # split. A program here holds 16 heads' 512-wide accumulator (the GQA kernel's holds one group of
 # 128), so fewer of them fill an SM, and a second split costs a wave plus the merge's float32
-# partials: check_kernels --preset deepseek-v2-lite --only mla --sweep, one H200, batch 256 at 1k
-# context: 128 us per layer with one split against 140 us with the two decode_num_splits picks.
+# partials: at V2-Lite's decode batch of 256 one split beats the two decode_num_splits picks
+# (check_kernels --preset deepseek-v2-lite --only mla --sweep; docs/benchmarks-history.md).
 MLA_ONE_SPLIT_PROGRAMS = 256
 
 

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 # SDPA's cuDNN backend (torch's pick for fresh prompts on Hopper) builds an execution plan the first
-# time it meets a sequence length: 55-90 ms more on one H200 for a 129- to 4095-token prompt of a new
-# length (docs/benchmarks-history.md, 2026-11-24), on every new length, where flash attention
-# instead cost 11 ms more on every 4k prompt. So each prompt's rows are padded at the end to a multiple of FRESH_BUCKET:
+# time it meets a sequence length, a cost paid by the first prompt of every new length
+# (docs/benchmarks-history.md, 2026-11-24), where flash attention instead costs more on every long
+# prompt. So each prompt's rows are padded at the end to a multiple of FRESH_BUCKET:
 # causal attention keeps every real row exact (a row attends to keys at or before it, and the
 # padding comes after it), the plans are few (chunk_size / FRESH_BUCKET), and the warm-up builds
 # each before the replica is ready (TritonAttention.warm_up). The cost: at most FRESH_BUCKET - 1

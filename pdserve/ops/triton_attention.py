@@ -35,9 +35,9 @@ from pdserve.ops.sdpa import FRESH_BUCKET, padded_len, prompt_attention
 class TritonAttention:
     """Paged attention with Triton kernels; `decode_splits` fixes the split count (CUDA graphs)."""
 
-    # The model computes q, k and v with one GEMM (Attention.fuse_qkv): a batch-1 decode step on
-    # an H200 went from 744 kernels / 3.94 ms GPU time to 648 / 3.47 ms (docs/benchmarks-history.md). k and
-    # v arrive as strided views; every kernel here takes strides.
+    # The model computes q, k and v with one GEMM (Attention.fuse_qkv): fewer kernels and less GPU
+    # time in a decode step (docs/benchmarks-history.md). k and v arrive as strided views; every
+    # kernel here takes strides.
     fuse_qkv = True
     # Multi-head Latent Attention (DeepSeek-V2/V3) over a latent cache: `forward_mla`.
     supports_mla = True

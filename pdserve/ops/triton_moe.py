@@ -10,16 +10,15 @@ from pdserve.ops.gemv_moe import gemv_moe
 from pdserve.ops.grouped_mm_moe import grouped_mm_moe
 from pdserve.ops.routing import fused_topk, grouped_topk
 
-# From this many tokens on, bf16 batches take torch._grouped_mm. The whole MoE on one H200, fused
-# (its 128-row tiles from 128 rows an expert) against _grouped_mm: Qwen3-30B-A3B 409 / 502 us at 1k
-# tokens, 558 / 677 at 2k, 739 / 702 at 3k, 928 / 919 at 4k; DeepSeek-V2-Lite 442 / 453 at 1k, 591 /
-# 590 at 2k, 1,083 / 1,059 at 4k. A 2k-token Qwen3 prompt's step: 36.8 -> 33.1 ms with the fused path.
-# Was 512, then 2048: decode batches of 512, the gathered rows of expert-parallel steps (N ranks x
-# 256) and 2k-token prompts then took the slower path.
+# From this many tokens on, bf16 batches take torch._grouped_mm. Below it the fused path (its 128-row
+# tiles from 128 rows an expert) is the faster one for the whole MoE, Qwen3-30B-A3B's and
+# DeepSeek-V2-Lite's; from 3k tokens the two are even or _grouped_mm leads (docs/benchmarks-history.md,
+# light load and first requests, 2026-11-27). Was 512, then 2048: decode batches of 512, the gathered
+# rows of expert-parallel steps (N ranks x 256) and 2k-token prompts then took the slower path.
 GROUPED_MM_MIN_TOKENS = 3072
-# Up to this many tokens, the GEMV path (check_kernels.py's "moe gemv" rows against "moe fused"). On an
-# H200 replayed from a graph the two tie at T=1 (36.6 vs 36.7 us) and fused wins from T=2; run
-# eagerly GEMV wins at T=1 (120 vs 193 us): its one fewer launch.
+# Up to this many tokens, the GEMV path (check_kernels.py's "moe gemv" rows against "moe fused").
+# Replayed from a graph the two tie at T=1 and fused wins from T=2; run eagerly GEMV wins at T=1:
+# its one fewer launch.
 GEMV_MAX_TOKENS = 1
 
 

@@ -126,9 +126,8 @@ class RouterStreams:
 
     def meet(self, router: str) -> None:
         """`router` introduced itself: its handle looked up and one empty `deliver` sent, now, on the
-        caller's thread. Ray's name lookup and first connection to an actor cost ~150 ms (the trace of
-        a first request on the development machine), which the first token of the router's first
-        request here paid otherwise. Bounded: a router that does not take it is met by its first
+        caller's thread. Ray's name lookup and first connection to an actor are slow, and the first
+        token of the router's first request here paid for them otherwise. Bounded: a router that does not take it is met by its first
         request's tokens instead."""
         try:
             ray.get(self._router(router).deliver.remote([]), timeout=MEET_S)

@@ -1,8 +1,9 @@
 """A starting worker yields the CPU to the serving ones.
 
-A worker's start (its model, its KV connector: NIXL's import and UCX's context alone are ~1.4 s of
+A worker's start (its model, its KV connector: NIXL's import and UCX's context alone take much
 CPU) runs beside the replicas that serve, on the same cores where the host has few: a scale-up of
-two NIXL replicas on 2 cores put ~1-2 s on the TTFT of requests served meanwhile (tests/test_chaos.py).
+two NIXL replicas on a small host lengthened the TTFT of requests served meanwhile
+(tests/test_chaos.py; docs/benchmarks-history.md, the chaos suite).
 So a worker starts at a lower priority (nice +STARTING_NICE) and returns to its own once ready.
 
 Linux keeps a priority per thread, and a thread inherits its creator's: returning means every
