@@ -1,10 +1,9 @@
 """KV over NIXL (UCX): one-sided WRITEs straight into the peer's registered KV allocation.
 
-The whole allocation is registered once as one region, and both descriptor lists (ours and each
-peer's) are prepared once: one descriptor per (layer, plane, block) — the planes are K and V, or
-MLA's one latent —, index `(layer * planes + plane) * num_blocks + block`, so that index order is
-address order. A write then only
-picks indices. NIXL merges descriptors that are adjacent on both sides (`skip_desc_merge=False`),
+The allocation is registered once, one region per layer (`_regions`), and both descriptor lists
+(ours and each peer's) are prepared once: one descriptor per (layer, plane, block) — the planes are
+K and V, or MLA's one latent —, index `(layer * planes + plane) * num_blocks + block`, so that index
+order is address order. A write then only picks indices. NIXL merges descriptors that are adjacent on both sides (`skip_desc_merge=False`),
 so a run of consecutive blocks moves as one descriptor: checked with NIXL's telemetry
 (`descCount` is 1 for a 4000-block run, 4000 with merging skipped; tests/test_nixl_backend.py
 asserts it), which matters because UCX pays per descriptor (docs/benchmarks-history.md, KV transfer
