@@ -1,4 +1,6 @@
-"""Block-id bookkeeping shared by the backends."""
+"""Block-id bookkeeping shared by the backends: a request's source and destination block ids as
+runs of consecutive ids on both sides, each run one contiguous region per (layer, plane) and so
+one transfer descriptor."""
 
 
 def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -3,6 +3,12 @@
 reserve(request, blocks) -> ReserveHandle; poll() -> DecodePoll (done, failed, settled); release()
 -> whether the blocks must wait to be settled. The blocks belong to the engine: the connector says
 when they may be freed, it never frees them.
+
+A lease is counted on this process's monotonic clock (the handle carries its length, not a time).
+A reservation whose finish notice has not come by its deadline fails. A lease that ends without
+its KV (an abort here, expiry) keeps its blocks *closing* until no write can land in them: until
+the prefill end answers with its own abort (sent once its writes stopped), or for a silent one
+until deadline + `settle_s`; poll() then lists it as settled and the engine frees the blocks.
 """
 
 import time

@@ -1,4 +1,11 @@
-"""The handshake: what a worker publishes about its KV allocation, and the check a peer must pass."""
+"""The handshake: what a worker publishes about its KV allocation, and the check a peer must pass.
+
+KVAgentMetadata (msgpack) carries the engine id, the backend and what it offers, the model
+fingerprint, the layout (K/V or MLA's latent, planes, heads, dim), the cache dtype and an FP8
+cache's scales, the block geometry, the base address, the worker's host, and a proof of the
+cluster token (an HMAC of the engine id under it: the token itself never travels). `accept_peer`
+checks a peer's record in this order: it proves our cluster's token, a backend can work between
+the two (pairing.py), the KV's shape matches (`check_peer`); each refusal names what differs."""
 
 import dataclasses
 import hashlib

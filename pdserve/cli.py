@@ -1,4 +1,6 @@
-"""The `pdserve` command."""
+"""The `pdserve` command: generate (offline, one process), write-checkpoint, up, down, scale,
+status, tune, bench-engine and bench. The cluster commands are pdserve/control/commands.py's and
+tune.py's; each subcommand imports what it needs when it runs, so that `--help` stays fast."""
 
 import argparse
 import sys

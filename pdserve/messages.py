@@ -1,4 +1,12 @@
-"""Typed messages between the router and the workers (Ray actor calls; no tensors)."""
+"""Typed messages between the router and the workers (Ray actor calls; no tensors, no torch: the
+router imports them).
+
+Request is what the front ends build and what each attempt hands a worker (NewRequest wraps it
+with the role's extras: the KV handle, the prefill worker); Refusal and Unpaired say why a worker
+will not take one, ReserveResult answers a reservation; RequestDelta (a NamedTuple: cheap to
+unpickle, one per request per step) carries new tokens back; ReplicaStats is a worker's answer to
+the stats poll and the heartbeat; ReplicaChange is the controller's word to routers that a
+replica started, was replaced, drains or is gone; WorkerStartup says what a worker's start took."""
 
 from dataclasses import dataclass, field
 from typing import NamedTuple

@@ -1,4 +1,4 @@
-"""A worker's stream of deltas to a router (pdserve/router_streams.py) keeps each request's tokens
+"""A worker's stream of deltas to a router (pdserve/worker/router_streams.py) keeps each request's tokens
 in order, though Ray runs an async actor's calls (the router is one) in any order."""
 
 import asyncio

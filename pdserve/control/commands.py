@@ -1,4 +1,8 @@
-"""`pdserve up`, `down` and `status`: drive the controller of a running cluster."""
+"""`pdserve up`, `down`, `scale` and `status` (`--watch`: watch.py): drive the controller of a
+running cluster, and show its progress, its replicas' restarts and its KV pairs.
+
+A call that meets the controller's death (`ask`) is asked again while Ray restarts the actor (it
+takes the running cluster back, recovery.py), for at most RESTART_S."""
 
 import faulthandler
 import os

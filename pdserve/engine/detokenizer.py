@@ -1,4 +1,8 @@
-"""Streaming token ids -> text, and stop strings that may span tokens."""
+"""Streaming token ids -> text, and stop strings that may span tokens.
+
+An HF tokenizer decodes through `tokenizers`' own DecodeStream, primed with the prompt's last
+tokens; the byte-level tokenizer through ByteDecodeStream. Both hold back an incomplete UTF-8
+character until its last byte comes."""
 
 from tokenizers.decoders import DecodeStream
 

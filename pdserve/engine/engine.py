@@ -4,6 +4,17 @@ colocated: prompt in, tokens out (continuous batching with chunked prefill).
 prefill:   prompt in, first token out; the prompt's KV stays in its blocks until `release`.
 decode:    `reserve` blocks, someone places the prompt's KV there, `start_decode` with the first
            token; from then on the request decodes like any other.
+
+A resumed request (one the router moved, `Request.output_ids`: the tokens it streamed already) is
+prompt + output_ids: their KV is computed as a preempted sequence's is (prefill, colocated) or
+reserved and placed with the prompt's (decode), and its text stream takes them silently, so the
+next token's text goes on as in the undisturbed run.
+
+A step is launched (forward and sampling queued on the device, `ModelRunner.launch`) and then
+completed (tokens in place, full blocks registered in the prefix cache, text and stops). With
+`overlap_scheduling` (colocated and decode roles on a GPU) `step()` launches step N+1 before it
+completes step N, so the host's work of one step runs while the device computes the next; its
+outputs come one `step()` later.
 """
 
 import itertools

@@ -1,4 +1,11 @@
-"""Builds a step's batch from the scheduler's choice, runs the model, samples."""
+"""Builds a step's batch from the scheduler's choice, runs the model, samples.
+
+`launch` queues a step (its ForwardBatch, the forward, the sampling, the tokens' copy to pinned host
+memory) without waiting for the device and returns a `Launched`; the engine reads its tokens later.
+A sequence sampled in a step not yet read carries a PENDING token, which the next step's batch
+takes from that step's sampled ids on the device (overlap scheduling). The layer hook (`layer_done`)
+lets a prefill engine stream each layer's KV as soon as it is written; CUDA graphs replace the
+forward where a captured bucket holds the step."""
 
 from array import array
 from collections.abc import Callable

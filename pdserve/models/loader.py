@@ -1,4 +1,11 @@
-"""From a preset name or a HF model directory to a model with weights on the target device."""
+"""From a preset name or a HF model directory to a model with weights on the target device.
+
+`load_model` reads config.json into ModelArgs, builds the family's module on the meta device,
+allocates it once in the dtype on the device, and streams the safetensors files into it
+(weight_stream.py). Dummy weights (`load_format: dummy`, or a preset) are the real shapes drawn by
+one seeded generator in parameter order, so every rank of a sharded model holds exactly its slice
+of the single-rank model. `model_fingerprint` names the weights for the KV handshake; what the load
+took is `model.load_stats` (LoadStats)."""
 
 import dataclasses
 import hashlib
