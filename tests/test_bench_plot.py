@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.benchmarks.load import cli, plot
+from pdserve.benchmarks.load import command, plot
 from pdserve.benchmarks.load.client import Server
 from pdserve.benchmarks.load.records import RequestRecord, Slo, Workload, summarize
 from pdserve.benchmarks.load.sweep import RateRun, Sweep
@@ -44,8 +44,8 @@ def bench(monkeypatch):
             assert sweep is not None, "the sweep ran"
             on_run(sweep)
             return sweep
-        monkeypatch.setattr(cli, "run_sweep", run_sweep)
-        return cli.main([*args])
+        monkeypatch.setattr(command, "run_sweep", run_sweep)
+        return command.main([*args])
     return run
 
 
@@ -108,15 +108,15 @@ def test_bench_without_plot_imports_no_matplotlib(tmp_path):
 import sys, math
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 import test_bench_plot as t
-from pdserve.benchmarks.load import cli
+from pdserve.benchmarks.load import command
 from pdserve.benchmarks.load.records import Slo
 async def run_sweep(*a, on_run=None, **k):
     s = t.fake_sweep([1, math.inf], Slo())
     on_run(s)
     return s
-cli.run_sweep = run_sweep
+command.run_sweep = run_sweep
 import pdserve.benchmarks.pd_goodput
-assert cli.main(["--rate", "1", "inf", "--json", {str(tmp_path / 'o.json')!r}]) == 0
+assert command.main(["--rate", "1", "inf", "--json", {str(tmp_path / 'o.json')!r}]) == 0
 assert "matplotlib" not in sys.modules, "matplotlib was imported"
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
