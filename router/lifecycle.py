@@ -17,7 +17,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from pdserve.messages import KV_FAILED, LOST, NewRequest, Request, RequestDelta, Unpaired
 from pdserve.protocol import InvalidRequestError
@@ -81,7 +80,8 @@ class Lifecycle:
         sent: list[int] = []  # token ids the client has (a move prefills them again)
         finished = False
         try:
-            self.gate.refuse_over_slo(request, self.live.values())  # at once: nothing placed, nothing to undo
+            if self.gate.policy.refuse_over_slo:
+                self.gate.refuse_over_slo(request, self.live.values())  # at once: nothing placed, nothing to undo
             run = await self._start(request, run, sent)
             dispatched = time.perf_counter()
             while not finished:
@@ -344,4 +344,4 @@ class Lifecycle:
 def _attempted(request: Request, run: Attempt, sent: list[int]) -> Request:
     """The request as this attempt hands it to workers: under the attempt's id, with the tokens the
     client has (a move prefills them again)."""
-    return replace(request, request_id=run.request_id, output_ids=sent, session=None)
+    return Request(run.request_id, request.prompt_ids, request.params, sent, request.priority)

@@ -77,11 +77,13 @@ class SyntheticReplica:
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
 
+        # (A tree from before 2026-11-28 hands the request's fields loose; since, the request whole.)
+        ids = [r.request.request_id if hasattr(r, "request") else r.request_id for r in requests]
+
         def step() -> None:
             answer.set_result([None] * len(requests))
-            self.core.deliver([RequestDelta(r.request_id, " the", [1]) for r in requests])
-            loop.call_later(self.step_s, self.core.deliver,
-                            [RequestDelta(r.request_id, " end", [2], "length") for r in requests])
+            self.core.deliver([RequestDelta(rid, " the", [1]) for rid in ids])
+            loop.call_later(self.step_s, self.core.deliver, [RequestDelta(rid, " end", [2], "length") for rid in ids])
 
         loop.call_soon(step)
         return answer
