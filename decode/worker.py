@@ -1,5 +1,7 @@
 """The decode worker (a Ray actor): the engine in its decode role. Requests arrive as
-reservations, their KV through kvtransfer; new tokens go back to each router once per step.
+reservations, their KV through kvtransfer — or whole (`generate`), their prompt prefilled here
+(local prefill: the router's choice, router/prefill_site.py); new tokens go back to each router
+once per step.
 
 A worker is a whole decode replica, or one rank of an expert-parallel one (decode/ep_group.py):
 then it owns its requests and their KV, and steps in lockstep with the other ranks."""
@@ -15,9 +17,10 @@ from pdserve.protocol import InvalidRequestError
 from pdserve.worker.engine_loop import IDLE_S
 from pdserve.messages import KV_FAILED, NewRequest, Refusal, ReplicaStats, ReserveResult, Unpaired
 from pdserve.models import resolve_model_args
-from pdserve.worker.inbox import Abort, Reserve
+from pdserve.worker.inbox import Abort, Generate, Reserve
 from pdserve.worker.engine_worker import EngineWorker, assigned_device
 from pdserve.worker.router_streams import RouterStreams
+from pdserve.worker.whole_requests import WholeRequests
 
 # An idle expert-parallel group naps less: a reservation wakes only its own rank, and the step
 # waits for the others to wake on their own.
@@ -26,7 +29,7 @@ RESERVE_TIMEOUT_S = 60.0  # a loop that reaches no step boundary for this long i
 KV_POLL_S = 0.002
 
 
-class DecodeWorker(EngineWorker):
+class DecodeWorker(WholeRequests, EngineWorker):
     role = "decode"
 
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, lease_s: float,
@@ -77,8 +80,10 @@ class DecodeWorker(EngineWorker):
                 if handle is not None:
                     self.streams.add(item.request_id, item.router)
                 item.answer.set_result(ReserveResult(handle.pack() if handle else None))
+            case Generate():
+                self._take_whole(item)
             case Abort() if self.streams.drop(item.request_id):
-                self.intake.abort(item.request_id)
+                self.intake.abort(item.request_id)  # (a local prefill's: the engine's abort)
                 self.aborted += 1
 
     def stats(self) -> ReplicaStats:

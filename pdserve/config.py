@@ -158,6 +158,12 @@ class RouterConfig(_Strict):
     # queued ahead of it and the replicas' measured step costs — is over slo.ttft_ms, rather than
     # queue it into a miss. Off by default: the SLO must be one the service is meant to keep.
     refuse_over_slo: bool = False
+    # Where a disaggregated cluster's prompts are computed (router/prefill_site.py). A prompt with at
+    # most this many tokens to compute is prefilled on the decode replica that decodes it (its
+    # steps mix the prompt's chunks with the decoding sequences'; no KV moves); a longer one on a
+    # prefill replica. Whatever this is, a request is prefilled locally while no prefill replica
+    # can take it (every one down, draining or unpaired) instead of waiting for one. 0: only then.
+    local_prefill_tokens: int = Field(default=0, ge=0)
 
 
 class PlacementConfig(_Strict):

@@ -13,6 +13,7 @@ from pdserve.messages import ReplicaChange, Request, RequestDelta
 from pdserve.router.admission import AdmissionGate, AdmissionPolicy
 from pdserve.router.lifecycle import Lifecycle
 from pdserve.router.policy import routing_policy
+from pdserve.router.prefill_site import PrefillSite
 from pdserve.router.replica_set import ReplicaSet
 from pdserve.router.types import DirectWriter
 
@@ -20,10 +21,11 @@ from pdserve.router.types import DirectWriter
 class RouterCore:
     def __init__(self, name: str, model_name: str, max_model_len: int, tokenizer, replicas: list[ReplicaChange],
                  policy: str, metrics=None, migration_limit: int = 3, replica_wait_s: float = 30.0,
-                 admission: AdmissionPolicy | None = None, block_size: int = 16):
+                 admission: AdmissionPolicy | None = None, block_size: int = 16, local_prefill_tokens: int = 0):
         """name: this router's actor name (where decode replicas send deltas). replicas: every replica
         as the controller last described it; later changes come by `apply`. block_size: the engines'
-        KV block (the prefix cache's unit, which its hashes cover)."""
+        KV block (the prefix cache's unit, which its hashes cover). local_prefill_tokens:
+        router.local_prefill_tokens (router/prefill_site.py)."""
         self.name = name
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -33,7 +35,7 @@ class RouterCore:
         self.gate = AdmissionGate(admission or AdmissionPolicy(), self.replicas, metrics, replica_wait_s)
         self.replicas.follow(self.routing.index, self.gate.replica_stats, self.gate.forecast.forget)
         self.lifecycle = Lifecycle(self.replicas, self.routing, self.gate, max_model_len, block_size, metrics,
-                                   migration_limit, replica_wait_s)
+                                   migration_limit, replica_wait_s, PrefillSite(local_prefill_tokens))
         for change in replicas:
             self.apply(change)
 

@@ -22,6 +22,7 @@ from pdserve.messages import KV_FAILED, LOST, NewRequest, Request, RequestDelta,
 from pdserve.protocol import InvalidRequestError
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.attempt import Attempt, Lost, raise_refused
+from pdserve.router.prefill_site import LOCAL, REMOTE, PrefillSite
 from pdserve.router.policy import RoutingPolicy
 from pdserve.router.replica_set import ReplicaSet
 from pdserve.router.types import DirectWriter, ServingError
@@ -32,8 +33,10 @@ LIVE_POLL_S = 0.1  # how often a request waiting for a live replica looks
 
 class Lifecycle:
     def __init__(self, replicas: ReplicaSet, routing: RoutingPolicy, gate: AdmissionGate, max_model_len: int,
-                 block_size: int, metrics=None, migration_limit: int = 3, replica_wait_s: float = 30.0):
+                 block_size: int, metrics=None, migration_limit: int = 3, replica_wait_s: float = 30.0,
+                 prefill_site: PrefillSite | None = None):
         self.replicas = replicas
+        self.prefill_site = prefill_site or PrefillSite()
         self.routing = routing
         self.gate = gate
         self.max_model_len = max_model_len
@@ -189,7 +192,8 @@ class Lifecycle:
         starts), at most replica_wait_s; then a new request gets the 503 naming the role, a moving
         one an error naming what it lost."""
         rs = self.replicas
-        roles = ["colocated"] if rs.colocated_cluster else ["prefill", "decode"]
+        # (A disaggregated attempt needs no prefill replica where a decode replica can prefill it.)
+        roles = ["colocated"] if rs.colocated_cluster else ["decode"] if self._local_replicas() else ["prefill", "decode"]
         deadline = time.monotonic() + self.replica_wait_s
         while missing := [r for r in roles if not rs.health.live(rs.of_role(r))]:
             if time.monotonic() >= deadline or self.gate.draining:
@@ -233,10 +237,18 @@ class Lifecycle:
         return self.routing.prompt_replica(names, role, run, request, sent)
 
     async def _start_disaggregated(self, request: Request, run: Attempt, sent: list[int]) -> None:
-        """Reserve KV on a decode replica, then have a prefill replica stream the prompt's KV there."""
+        """Reserve KV on a decode replica, then have a prefill replica stream the prompt's KV there;
+        or hand the request whole to a decode replica that prefills it itself (router/prefill_site.py)."""
         rs = self.replicas
-        p_name, p_worker, (d_name, d_rank, handle) = await self.gate.admit(
-            request, run, lambda: self._try_disaggregated(request, run, sent))
+        placed = await self.gate.admit(request, run, lambda: self._try_disaggregated(request, run, sent))
+        site, why = placed[0], placed[1]
+        if self.metrics:
+            self.metrics.count_prefill_site(site, why)
+        if site == LOCAL:
+            _, _, d_name, d_rank = placed
+            await self._hand_whole(request, run, sent, d_name, d_rank, rs.send_whole)
+            return
+        _, _, p_name, p_worker, (d_name, d_rank, handle) = placed
         t1 = time.perf_counter()
         rs.count_placed(p_name)
         rs.place(d_name, run)
@@ -251,12 +263,18 @@ class Lifecycle:
         raise_refused(answer)
         self._phase("dispatch", t1)
 
-    async def _try_disaggregated(self, request: Request, run: Attempt,
-                                 sent: list[int]) -> tuple[str, str, tuple[str, str, bytes]] | None:
-        """One try at placing the attempt: a prefill replica with room for it, KV blocks on a
-        decode replica -> (prefill replica, its worker, the reservation); None when none has room."""
+    async def _try_disaggregated(self, request: Request, run: Attempt, sent: list[int]) -> tuple | None:
+        """One try at placing the attempt: (LOCAL, why, decode replica, its worker) where its prompt
+        is computed on its decode replica; else (REMOTE, why, prefill replica, its worker, the KV
+        reservation on a decode replica); None when none has room."""
         rs = self.replicas
         prefill = {n: h for n, h in rs.prefill.items() if rs.paired(n)}  # only over a KV pair
+        site, why = self.prefill_site.choose(len(request.prompt_ids) + len(sent), bool(rs.health.live(prefill)))
+        if site == LOCAL and self._local_replicas():
+            if (local := self._try_local(request, run, sent)) is not None:
+                return (LOCAL, why, *local)
+            if why == "no_prefill":
+                return None  # (room on a decode replica comes, or a prefill replica)
         if not prefill and rs.health.live(rs.prefill):  # paired to none yet: handshakes under way
             return None
         p_name = self._prompt_replica(prefill or rs.prefill, "prefill", run, request, sent)
@@ -277,19 +295,46 @@ class Lifecycle:
             return None
         self._phase("reserve", t0)
         self.routing.routed(run, request, {p_name: p_worker, reserved[0]: reserved[1]})
-        return p_name, p_worker, reserved
+        return REMOTE, why, p_name, p_worker, reserved
+
+    def _local_replicas(self) -> list[str]:
+        """Live decode replicas that can prefill a request themselves (one worker each)."""
+        rs = self.replicas
+        return [n for n in rs.health.live(rs.decode) if len(rs.decode[n].ranks) == 1]
+
+    def _try_local(self, request: Request, run: Attempt, sent: list[int]) -> tuple[str, str] | None:
+        """A decode replica to prefill the attempt itself -> (replica, its worker); None when none has
+        room (a new attempt: fewer than router.max_queued_per_replica of ours without a first token)."""
+        rs = self.replicas
+        names = self._local_replicas()
+        if run.move == 0:
+            names = [n for n in names if self.gate.has_room(n)]
+        if not names:
+            return None
+        name, ranks = self.routing.decode_order(names, run, request)[0]
+        rank = ranks[0]
+        rs.place(name, run)
+        rs.count_placed(name)
+        run.slot = name
+        rs.await_prompt(run, name, len(request.prompt_ids) + len(sent))
+        self.routing.routed(run, request, {name: rank})
+        return name, rank
 
     async def _start_colocated(self, request: Request, run: Attempt, sent: list[int]) -> None:
         """Hand the whole request to a colocated replica. Placed by the requests in flight from us, not
         by free KV blocks as for decode: a colocated replica never refuses (it queues), so a burst
         routed by stats up to 0.5 s old would all land on one replica; our own counts are exact."""
-        rs = self.replicas
         name = await self.gate.admit(request, run, lambda: self._try_colocated(request, run, sent))
-        worker = rs.worker(name)
+        await self._hand_whole(request, run, sent, name, self.replicas.worker(name), self.replicas.send)
+
+    async def _hand_whole(self, request: Request, run: Attempt, sent: list[int], name: str, worker: str,
+                          send: dict) -> None:
+        """The attempt, placed at the replica, goes to its worker whole: prompt and decode there."""
+        rs = self.replicas
         run.holders[name] = worker  # before the call: a client leaving during it must still stop the request
         rs.health.wait_on(name, run.request_id, run.queue)
         t0 = time.perf_counter()
-        raise_refused(await rs.call(name, worker, rs.send[worker](NewRequest(_attempted(request, run, sent)))))
+        raise_refused(await rs.call(name, worker, send[worker](NewRequest(_attempted(request, run, sent)))))
         self._phase("dispatch", t0)
 
     async def _try_colocated(self, request: Request, run: Attempt, sent: list[int]) -> str | None:

@@ -73,6 +73,10 @@ class Metrics:
                               registry=r)
         self.migrations = LoopCounter("pdserve_request_migrations", "Requests moved to another replica after the one "
                                   "serving them was lost, by the role that was lost", ["role"], registry=r)
+        self.prefill_sites = LoopCounter(
+            "pdserve_prefill_site", "Attempts by where their prompt was computed: remote (a prefill replica, "
+            "its KV moved), local (the decode replica that decodes it: router.local_prefill_tokens, or no "
+            "prefill replica could take it)", ["site", "why"], registry=r)
         self.transfer_failures = LoopCounter(
             "pdserve_kv_transfer_failures", "KV transfers that failed between two live replicas, by reason: "
             "unpaired (a worker had no KV handshake with the other end: placed over another pair at once), "
@@ -207,6 +211,9 @@ class Metrics:
 
     def count_migration(self, role: str) -> None:
         self.migrations.labels(role=role).inc()
+
+    def count_prefill_site(self, site: str, why: str) -> None:
+        self.prefill_sites.labels(site=site, why=why).inc()
 
     def count_transfer_failure(self, reason: str) -> None:
         self.transfer_failures.labels(reason=reason).inc()

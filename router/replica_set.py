@@ -41,6 +41,7 @@ class ReplicaSet:
         # One hand-off per worker and kind of call: a turn's requests go out in one Ray call.
         self.send: dict[str, HandOff] = {}  # worker -> its calls that bring work
         self.send_abort: dict[str, HandOff] = {}
+        self.send_whole: dict[str, HandOff] = {}  # decode worker -> its whole requests (local prefill)
         # What this router's requests hold at each replica: requests placed there in flight (a drain
         # waits for 0); at a prefill (or colocated) replica, those without a first token yet and the
         # prompt tokens they leave it to compute; at a decode replica, the blocks reserved since its
@@ -80,6 +81,7 @@ class ReplicaSet:
                 self.decode[name] = DecodeReplica(name, dict(change.ranks))
                 for rank, w in change.ranks.items():
                     self.send[rank] = HandOff(lambda items, w=w: w.reserve.remote(items, self.router))
+                    self.send_whole[rank] = HandOff(lambda items, w=w: w.generate.remote(items, self.router))
             for worker, w in change.ranks.items():
                 self.send_abort[worker] = HandOff(w.abort.remote, answered=False)
             self.loads.setdefault(name, 0)
@@ -99,6 +101,7 @@ class ReplicaSet:
         for worker in self.workers.get(replica, {}):
             self.send.pop(worker, None)
             self.send_abort.pop(worker, None)
+            self.send_whole.pop(worker, None)
             if self.index is not None:
                 self.index.drop(worker)  # a new incarnation's cache starts empty
 

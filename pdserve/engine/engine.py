@@ -170,11 +170,11 @@ class Engine:
                        f"{self.pool.num_blocks}")
 
     def add(self, request: Request) -> None:
-        """Queue a request (colocated and prefill roles). Its `output_ids`: the tokens it generated
+        """Queue a request: its prompt is computed here (every role; on a decode engine, a local
+        prefill, in steps mixed with its decoding sequences'). Its `output_ids`: the tokens it generated
         already elsewhere (a moved request): their KV is computed with the prompt's (as a sequence
         preempted by recompute is), and the next token continues the stream after them. Its
         `priority`: lower is admitted first and preempted last (vLLM's meaning; 0 by default)."""
-        assert self.config.role != "decode", "a decode engine takes requests through reserve()"
         self.scheduler.add(self._new_sequence(request))
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

@@ -3,15 +3,14 @@ prefill), the baseline every disaggregated figure is compared with. A request go
 in whole; new tokens go back to each router once per step, as from a decode worker."""
 
 from pdserve.config import EngineConfig
-from pdserve.protocol import InvalidRequestError
 from pdserve.worker.engine_loop import IDLE_S
-from pdserve.messages import NewRequest, Refusal
-from pdserve.worker.inbox import Abort, Generate
 from pdserve.worker.engine_worker import EngineWorker
+from pdserve.worker.inbox import Abort, Generate
 from pdserve.worker.router_streams import RouterStreams
+from pdserve.worker.whole_requests import WholeRequests
 
 
-class ColocatedWorker(EngineWorker):
+class ColocatedWorker(WholeRequests, EngineWorker):
     role = "colocated"
 
     def __init__(self, name: str, engine_config: EngineConfig, namespace: str, cpu_threads: int = 1, tp=None):
@@ -20,25 +19,10 @@ class ColocatedWorker(EngineWorker):
         self.streams = RouterStreams(namespace, orphaned=self.abort)  # a dead router's requests stop
         self._start_loop()
 
-    def generate(self, requests: list[NewRequest], router: str) -> list[Refusal | None]:
-        """Queue requests whose output streams to `router`; returns at once, without waiting for
-        a step. The engine queues what its KV cache cannot take yet, so a replica is never full:
-        only a request that is unacceptable in itself is refused (its entry)."""
-        answers = []
-        for r in requests:
-            answers.append(self._refusal(r))
-            if answers[-1] is None:
-                self.loop.submit(Generate(r.request, router))
-        return answers
-
     def _take(self, item) -> None:
         match item:
             case Generate():
-                self.streams.add(item.request_id, item.router)
-                try:
-                    self.engine.add(item.request)
-                except InvalidRequestError as e:  # what only the engine knows, e.g. an id in use
-                    self.streams.fail(item.request_id, str(e))
+                self._take_whole(item)
             case Abort() if self.streams.drop(item.request_id):
                 self.engine.abort(item.request_id)
                 self.aborted += 1
