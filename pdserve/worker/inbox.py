@@ -17,7 +17,8 @@ class _OfRequest:
 
 @dataclass
 class Generate(_OfRequest):
-    """A whole request for a colocated engine; its output streams to `router`."""
+    """A whole request for an engine to prefill and decode (a colocated one, or a decode one prefilling
+    it locally); its output streams to `router`."""
 
     request: Request
     router: str
