@@ -305,20 +305,25 @@ class Lifecycle:
     def _try_local(self, request: Request, run: Attempt, sent: list[int]) -> tuple[str, str] | None:
         """A decode replica to prefill the attempt itself -> (replica, its worker); None when none has
         room (a new attempt: fewer than router.max_queued_per_replica of ours without a first token)."""
-        rs = self.replicas
         names = self._local_replicas()
         if run.move == 0:
             names = [n for n in names if self.gate.has_room(n)]
         if not names:
             return None
         name, ranks = self.routing.decode_order(names, run, request)[0]
-        rank = ranks[0]
+        run.to_compute = None  # (all of it: what a remote try before this one counted was another replica's)
+        self._place_whole(request, run, sent, name, ranks[0])
+        return name, ranks[0]
+
+    def _place_whole(self, request: Request, run: Attempt, sent: list[int], name: str, worker: str) -> None:
+        """The attempt is placed whole at the replica: it holds a sequence slot there and leaves it
+        its prompt to compute."""
+        rs = self.replicas
         rs.place(name, run)
         rs.count_placed(name)
         run.slot = name
         rs.await_prompt(run, name, len(request.prompt_ids) + len(sent))
-        self.routing.routed(run, request, {name: rank})
-        return name, rank
+        self.routing.routed(run, request, {name: worker})
 
     async def _start_colocated(self, request: Request, run: Attempt, sent: list[int]) -> None:
         """Hand the whole request to a colocated replica. Placed by the requests in flight from us, not
@@ -342,11 +347,7 @@ class Lifecycle:
         rs = self.replicas
         name = self._prompt_replica(rs.colocated, "colocated", run, request, sent)
         if name is not None:
-            self.routing.routed(run, request, {name: rs.worker(name)})
-            rs.place(name, run)
-            rs.count_placed(name)
-            run.slot = name
-            rs.await_prompt(run, name, len(request.prompt_ids) + len(sent))
+            self._place_whole(request, run, sent, name, rs.worker(name))
         return name
 
     async def _reserve(self, request: Request, run: Attempt, sent: list[int],
