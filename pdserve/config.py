@@ -54,6 +54,10 @@ class EngineConfig(_Strict):
     prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
     # Queue step N+1 on the device before handing out step N's tokens (default: on a GPU).
     overlap_scheduling: bool | None = None
+    # A step with decoding sequences takes prompt tokens only up to the budget that keeps it within
+    # this many ms, from the engine's fitted step costs (engine/tpot_guard.py); None: no bound. Set
+    # from slo.tpot_ms for decode and colocated replicas (slo.tpot_guard).
+    tpot_guard_ms: float | None = Field(default=None, gt=0)
     # Run every kind of step once before the replica is ready (engine/warm_up.py; default: on a GPU,
     # where kernels compile on first use; on CPU nothing does, and it would only cost time).
     warm_up: bool | None = None
@@ -158,11 +162,14 @@ class RouterConfig(_Strict):
     # queued ahead of it and the replicas' measured step costs — is over slo.ttft_ms, rather than
     # queue it into a miss. Off by default: the SLO must be one the service is meant to keep.
     refuse_over_slo: bool = False
-    # Where a disaggregated cluster's prompts are computed (router/prefill_site.py). A prompt with at
-    # most this many tokens to compute is prefilled on the decode replica that decodes it (its
-    # steps mix the prompt's chunks with the decoding sequences'; no KV moves); a longer one on a
-    # prefill replica. Whatever this is, a request is prefilled locally while no prefill replica
-    # can take it (every one down, draining or unpaired) instead of waiting for one. 0: only then.
+    # Where a disaggregated cluster's prompts are computed (router/prefill_site.py): on a prefill
+    # replica (remote: the KV moves), or on the decode replica that decodes it (local: its steps mix
+    # the prompt's chunks with its decoders', within slo.tpot_ms). adaptive: each request where its
+    # forecast first token comes sooner; remote: on a prefill replica while one can take it. Either
+    # way a request is prefilled locally while no prefill replica can take it (every one down,
+    # draining or unpaired) instead of waiting for one.
+    prefill_site: Literal["adaptive", "remote"] = "adaptive"
+    # A prompt with at most this many tokens to compute is prefilled locally, whatever the forecast.
     local_prefill_tokens: int = Field(default=0, ge=0)
 
 
@@ -295,6 +302,11 @@ class KVTransferConfig(_Strict):
 class SloConfig(_Strict):
     ttft_ms: float = Field(default=1000, gt=0)
     tpot_ms: float = Field(default=100, gt=0)
+    # Decode and colocated replicas take prompt tokens into a step of decoding sequences only up to
+    # the budget that keeps the step within tpot_ms (engine/tpot_guard.py): prompts computed beside
+    # decoding (a local prefill, a colocated replica's) never break the decoders' SLO. false: steps
+    # take prompt chunks up to chunk_size and max_batch_tokens whatever they cost the decoders.
+    tpot_guard: bool = True
 
 
 class ClusterConfig(_Strict):
@@ -362,7 +374,8 @@ class ClusterConfig(_Strict):
                       prefill_graph_max_tokens=r.prefill_graph_max_tokens)
         if role in ("decode", "colocated"):  # the generation phase
             kw.update(max_num_seqs=r.max_num_seqs, cuda_graphs=r.cuda_graphs,
-                      overlap_scheduling=r.overlap_scheduling)
+                      overlap_scheduling=r.overlap_scheduling,
+                      tpot_guard_ms=self.slo.tpot_ms if self.slo.tpot_guard else None)
         return EngineConfig(**kw)
 
 

@@ -5,6 +5,10 @@ from it. Plain data and arithmetic: no Ray, no torch."""
 
 from dataclasses import dataclass
 
+# The share of a TPOT target a guarded step may fill: the fits are means, and steps scatter around
+# them (a client's TPOT is a mean over its steps, its SLO a percentile over clients).
+HEADROOM = 0.9
+
 
 @dataclass
 class StepCost:
@@ -51,3 +55,22 @@ def fit(buckets: dict[int, list], phase: str, fixed_floor: float = 0.0) -> StepC
         a = min(fixed_floor, ym)
         b = (ym - a) / xm
     return StepCost(a, b, int(w), largest)
+
+
+def fit_phases(profile: dict) -> tuple[StepCost | None, StepCost | None]:
+    """(decode, prefill) step costs of a step profile (engine/step_profile.py's snapshot, or a
+    replica's stats' `profile`): prefill's fixed cost floored at decode's (see `fit`)."""
+    decode = fit(profile.get("decode", {}), "decode")
+    return decode, fit(profile.get("prefill", {}), "prefill", decode.fixed if decode else 0.0)
+
+
+def prompt_budget(decode: StepCost, prefill: StepCost, decoders: int, target_s: float, floor: int) -> int:
+    """The prompt tokens a step may compute beside `decoders` decoding sequences and stay within
+    target_s (a TPOT SLO) less HEADROOM: such a step costs the decoders' step plus each prompt
+    token's own cost (prefill's per-token slope), as Sarathi-Serve sizes its chunks. At least `floor` tokens, so that
+    a prompt still moves on where the decoders alone take the whole target (it then delays them by
+    as little as a step can)."""
+    room = HEADROOM * target_s - decode.time(decoders)
+    if prefill.per_unit <= 0:
+        return 1 << 30  # (no per-token cost measured: nothing to bound)
+    return max(floor, int(room / prefill.per_unit))

@@ -21,11 +21,12 @@ from pdserve.router.types import DirectWriter
 class RouterCore:
     def __init__(self, name: str, model_name: str, max_model_len: int, tokenizer, replicas: list[ReplicaChange],
                  policy: str, metrics=None, migration_limit: int = 3, replica_wait_s: float = 30.0,
-                 admission: AdmissionPolicy | None = None, block_size: int = 16, local_prefill_tokens: int = 0):
+                 admission: AdmissionPolicy | None = None, block_size: int = 16,
+                 prefill_site: PrefillSite | None = None):
         """name: this router's actor name (where decode replicas send deltas). replicas: every replica
         as the controller last described it; later changes come by `apply`. block_size: the engines'
-        KV block (the prefix cache's unit, which its hashes cover). local_prefill_tokens:
-        router.local_prefill_tokens (router/prefill_site.py)."""
+        KV block (the prefix cache's unit, which its hashes cover). prefill_site: where a
+        disaggregated attempt's prompt is computed (router/prefill_site.py)."""
         self.name = name
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -35,7 +36,7 @@ class RouterCore:
         self.gate = AdmissionGate(admission or AdmissionPolicy(), self.replicas, metrics, replica_wait_s)
         self.replicas.follow(self.routing.index, self.gate.replica_stats, self.gate.forecast.forget)
         self.lifecycle = Lifecycle(self.replicas, self.routing, self.gate, max_model_len, block_size, metrics,
-                                   migration_limit, replica_wait_s, PrefillSite(local_prefill_tokens))
+                                   migration_limit, replica_wait_s, prefill_site)
         for change in replicas:
             self.apply(change)
 

@@ -3,7 +3,7 @@ once (429) what would miss slo.ttft_ms rather than queue it into a miss.
 
 Built from what the router knows without asking anyone:
 - the replicas' measured step costs: each one's step profile (engine/step_profile.py, on its
-  stats) fitted as the planner fits it (pdserve/step_cost.py `fit`: fixed + per unit × size);
+  stats) fitted as the planner fits it (pdserve/step_cost.py `fit_phases`: fixed + per unit × size);
 - their sequence slots and occupancy (stats, polled every 0.5 s);
 - this router's own requests: which hold a slot, how far each has got, what each still awaits.
 
@@ -23,7 +23,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from pdserve.step_cost import StepCost, fit
+from pdserve.step_cost import StepCost, fit_phases
 from pdserve.messages import ReplicaStats
 from pdserve.protocol import SamplingParams
 
@@ -62,8 +62,8 @@ class TTFTForecast:
     def refit(self, name: str, s: ReplicaStats) -> None:
         """A replica's fresh stats: fit its step costs again (cumulative profiles: a step's cost
         depends on the model and the hardware, so every step measured helps)."""
-        for phase, costs in (("decode", self.decode_cost), ("prefill", self.prefill_cost)):
-            cost = fit(s.profile.get(phase, {}), phase) if s.profile else None
+        fitted = fit_phases(s.profile) if s.profile else (None, None)
+        for cost, costs in zip(fitted, (self.decode_cost, self.prefill_cost)):
             if cost is None:
                 costs.pop(name, None)
             else:

@@ -22,7 +22,7 @@ from pdserve.messages import KV_FAILED, LOST, NewRequest, Request, RequestDelta,
 from pdserve.protocol import InvalidRequestError
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.attempt import Attempt, Lost, raise_refused
-from pdserve.router.prefill_site import LOCAL, REMOTE, PrefillSite
+from pdserve.router.prefill_site import LOCAL, REMOTE, PrefillSite, SiteForecast, forecast_sites
 from pdserve.router.policy import RoutingPolicy
 from pdserve.router.replica_set import ReplicaSet
 from pdserve.router.types import DirectWriter, ServingError
@@ -269,10 +269,21 @@ class Lifecycle:
         reservation on a decode replica); None when none has room."""
         rs = self.replicas
         prefill = {n: h for n, h in rs.prefill.items() if rs.paired(n)}  # only over a KV pair
-        site, why = self.prefill_site.choose(len(request.prompt_ids) + len(sent), bool(rs.health.live(prefill)))
-        if site == LOCAL and self._local_replicas():
-            if (local := self._try_local(request, run, sent)) is not None:
-                return (LOCAL, why, *local)
+        local = self._local_replicas()
+        tokens = len(request.prompt_ids) + len(sent)
+        seen: list[SiteForecast] = []
+
+        def forecast() -> SiteForecast:
+            room = [n for n in rs.health.live(prefill) if run.move > 0 or self.gate.has_room(n)]
+            seen.append(forecast_sites(self.prefill_site, self.gate.forecast, rs, room, local, tokens,
+                                       lambda names: self._cached(run, names)))
+            return seen[0]
+
+        site, why = self.prefill_site.choose(tokens, bool(rs.health.live(prefill)), forecast if local else None)
+        if site == LOCAL and local:
+            prefer = seen[0].local_replica if seen else None
+            if (placed := self._try_local(request, run, sent, prefer)) is not None:
+                return (LOCAL, why, *placed)
             if why == "no_prefill":
                 return None  # (room on a decode replica comes, or a prefill replica)
         if not prefill and rs.health.live(rs.prefill):  # paired to none yet: handshakes under way
@@ -302,18 +313,33 @@ class Lifecycle:
         rs = self.replicas
         return [n for n in rs.health.live(rs.decode) if len(rs.decode[n].ranks) == 1]
 
-    def _try_local(self, request: Request, run: Attempt, sent: list[int]) -> tuple[str, str] | None:
-        """A decode replica to prefill the attempt itself -> (replica, its worker); None when none has
-        room (a new attempt: fewer than router.max_queued_per_replica of ours without a first token)."""
+    def _try_local(self, request: Request, run: Attempt, sent: list[int],
+                   prefer: str | None = None) -> tuple[str, str] | None:
+        """A decode replica to prefill the attempt itself -> (replica, its worker): `prefer` (the one
+        the forecast found quickest) if it has room, else the routing policy's first; None when none
+        has room (a new attempt: fewer than router.max_queued_per_replica of ours without a first token)."""
         names = self._local_replicas()
         if run.move == 0:
             names = [n for n in names if self.gate.has_room(n)]
         if not names:
             return None
-        name, ranks = self.routing.decode_order(names, run, request)[0]
+        if prefer in names:
+            name, ranks = prefer, self.replicas.decode[prefer].rank_order()
+        else:
+            name, ranks = self.routing.decode_order(names, run, request)[0]
         run.to_compute = None  # (all of it: what a remote try before this one counted was another replica's)
         self._place_whole(request, run, sent, name, ranks[0])
         return name, ranks[0]
+
+    def _cached(self, run: Attempt, names: list[str]) -> dict[str, int]:
+        """Per replica, the attempt's prompt tokens its prefix cache holds (as the routing policy's
+        index knows them; nothing without one)."""
+        index, rs = self.routing.index, self.replicas
+        if index is None or not run.hashes:
+            return {}
+        worker = {n: rs.decode[n].ranks[0] if n in rs.decode else rs.worker(n) for n in names}
+        held = index.match(run.hashes, worker.values())
+        return {n: held[w] * self.block_size for n, w in worker.items()}
 
     def _place_whole(self, request: Request, run: Attempt, sent: list[int], name: str, worker: str) -> None:
         """The attempt is placed whole at the replica: it holds a sequence slot there and leaves it

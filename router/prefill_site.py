@@ -1,30 +1,126 @@
 """Where an attempt's prompt is computed in a disaggregated cluster: on a prefill replica (remote:
 its KV then moves to the decode replica), or on the decode replica that will decode it (local: that
-replica's steps mix the prompt's chunks with its decoding sequences'; no KV moves).
+replica's steps mix the prompt's chunks with its decoding sequences', within its TPOT guard; no KV
+moves). Dynamo and llm-d call this conditional disaggregation.
 
-The rule, with router.local_prefill_tokens N:
-- local while no prefill replica can take the attempt — every one down, draining, or paired with
-  no live decode worker — rather than waiting for one (why: "no_prefill");
-- local when the prompt tokens it leaves to compute (a moved request's tokens so far included)
-  are at most N: a short prompt costs a decode step little, and its KV's trip more (why: "short");
-- remote otherwise.
+The rule (router.prefill_site, router.local_prefill_tokens N):
+1. local while no prefill replica can take the attempt — every one down, draining, or paired with
+   no live decode worker — rather than waiting for one (why: "no_prefill");
+2. local when the prompt tokens it leaves to compute are at most N (why: "short");
+3. adaptive (the default): the site whose forecast first token comes sooner (why: "sooner").
+   Remote: the quickest prefill replica's queue of prompt tokens and this prompt at its fitted
+   per-token cost, then its KV's move (its latest transfers' mean) and a decode step. Local: the
+   quickest decode replica's queue of local prompt tokens and this prompt, in steps that each
+   take at most its TPOT guard's budget of prompt tokens beside its decoders (the budget the
+   engine computes from the same fitted costs, pdserve/step_cost.py `prompt_budget`). A prompt
+   the replica's prefix cache holds in part counts only what it lacks. So short prompts, cached
+   prefixes and a backed-up prefill pool go local; long prompts go remote while the prefill pool
+   keeps up. Until both forecasts can be made (no steps measured yet), remote;
+4. remote otherwise (why: "long"), always so with router.prefill_site: remote.
 Only a decode replica of one worker takes a local prefill (an expert-parallel group's ranks step in
 lockstep; none is chosen there yet).
 """
 
+import math
 from dataclasses import dataclass
+from typing import Callable, Literal
+
+from pdserve.config import EngineConfig
+from pdserve.step_cost import StepCost, prompt_budget
 
 REMOTE, LOCAL = "remote", "local"
 
 
 @dataclass(frozen=True)
-class PrefillSite:
-    local_tokens: int = 0  # router.local_prefill_tokens
+class SiteForecast:
+    """Seconds to an attempt's first token at each site, and where (None: cannot be forecast yet)."""
 
-    def choose(self, tokens: int, prefill_can_take: bool) -> tuple[str, str]:
-        """(site, why) for an attempt leaving `tokens` prompt tokens to compute."""
+    remote_s: float | None = None
+    local_s: float | None = None
+    local_replica: str | None = None  # the decode replica of local_s
+
+
+@dataclass(frozen=True)
+class LocalCosts:
+    """What a decode replica's local prefill costs, as the router knows it."""
+
+    decode: StepCost | None  # its decode steps' fit
+    per_token_s: float | None  # a prompt token's cost in its steps (its own fit, else the prefill replicas')
+    decoders: int  # sequences decoding there (its stats)
+    queued_tokens: int  # prompt tokens of ours queued there for local prefill
+    cached_tokens: int = 0  # of this prompt, what its prefix cache holds
+
+
+@dataclass(frozen=True)
+class PrefillSite:
+    mode: Literal["adaptive", "remote"] = "adaptive"  # router.prefill_site
+    local_tokens: int = 0  # router.local_prefill_tokens
+    tpot_target_s: float | None = None  # slo.tpot_ms where slo.tpot_guard: the decode steps' guard
+    floor: int = 16  # the guard's fewest prompt tokens a step (the block size)
+    step_tokens: int = 8192  # a decode engine's token budget of a step
+    chunk_tokens: int = 2048  # its most prompt tokens of one request in a step
+
+    @classmethod
+    def of(cls, cfg) -> "PrefillSite":
+        """From a ClusterConfig. (A decode engine keeps the engine's default step and chunk sizes.)"""
+        e = EngineConfig()
+        return cls(cfg.router.prefill_site, cfg.router.local_prefill_tokens,
+                   cfg.slo.tpot_ms / 1e3 if cfg.slo.tpot_guard else None, cfg.kv_transfer.block_size,
+                   e.max_num_batched_tokens, e.chunk_size)
+
+    def choose(self, tokens: int, prefill_can_take: bool,
+               forecast: Callable[[], SiteForecast] | None = None) -> tuple[str, str]:
+        """(site, why) for an attempt leaving `tokens` prompt tokens to compute; `forecast` is asked
+        only where the cheaper rules leave the choice open."""
         if not prefill_can_take:
             return LOCAL, "no_prefill"
         if tokens <= self.local_tokens:
             return LOCAL, "short"
+        if self.mode == "adaptive" and forecast is not None:
+            f = forecast()
+            if f.remote_s is not None and f.local_s is not None:
+                return (LOCAL if f.local_s < f.remote_s else REMOTE), "sooner"
         return REMOTE, "long"
+
+    def local_s(self, tokens: int, c: LocalCosts) -> float | None:
+        """Seconds until a decode replica that prefills `tokens` prompt tokens itself (behind its queue
+        of local prompts) yields the first token; None before its costs are known."""
+        if c.decode is None or c.per_token_s is None:
+            return None
+        mine = max(1, tokens - c.cached_tokens)
+        total = c.queued_tokens + mine
+        per_step = self.step_tokens
+        if self.tpot_target_s is not None and c.decoders:
+            per_step = min(per_step, prompt_budget(c.decode, StepCost(0.0, c.per_token_s, 0, 0.0), c.decoders,
+                                                   self.tpot_target_s, self.floor))
+        steps = max(math.ceil(total / per_step), math.ceil(mine / self.chunk_tokens))
+        return steps * c.decode.time(c.decoders) + total * c.per_token_s
+
+
+def forecast_sites(site: PrefillSite, fc, rs, prefill: list[str], local: list[str], tokens: int,
+                   cached: Callable[[list[str]], dict[str, int]]) -> SiteForecast:
+    """Both sites' forecasts for an attempt leaving `tokens` to compute, over the live prefill
+    replicas `prefill` (paired, with room) and the decode replicas `local` that can prefill it:
+    `fc` the admission gate's TTFTForecast (the fitted step costs and KV transfer times of every
+    replica, from their stats), `rs` the ReplicaSet (stats, our queued prompt tokens per replica),
+    `cached` replica -> prompt tokens its prefix cache holds (the routing policy's index)."""
+    held = cached(prefill + local)
+    steps = [fc.decode_cost[d].time(_decoders(rs, d)) for d in local if d in fc.decode_cost]
+    decode_step = min(steps) if steps else 0.0
+    remote = [fc.prefill_s(p, rs.prompt_tokens.get(p, 0) + max(1, tokens - held.get(p, 0)))
+              + fc.transfer_s.get(p, 0.0) + decode_step for p in prefill if p in fc.prefill_cost]
+    measured = [fc.prefill_cost[p].per_unit for p in fc.prefill_cost if p in rs.prefill]
+    fallback = min(measured) if measured else None  # the same model's prompt tokens on a prefill replica
+    best: tuple[float, str] | None = None
+    for d in local:
+        own = fc.prefill_cost.get(d)
+        costs = LocalCosts(fc.decode_cost.get(d), own.per_unit if own and own.per_unit > 0 else fallback,
+                           _decoders(rs, d), rs.prompt_tokens.get(d, 0), held.get(d, 0))
+        if (t := site.local_s(tokens, costs)) is not None and (best is None or t < best[0]):
+            best = (t, d)
+    return SiteForecast(min(remote) if remote else None, best[0] if best else None, best[1] if best else None)
+
+
+def _decoders(rs, replica: str) -> int:
+    s = rs.stats.get(replica)
+    return s.running if s else 0

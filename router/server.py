@@ -18,6 +18,7 @@ from pdserve.router.http_api import build_app
 from pdserve.router.listen import bind_listener, claim_shared
 from pdserve.router.metrics import Metrics
 from pdserve.router.core import RouterCore
+from pdserve.router.prefill_site import PrefillSite
 from pdserve.router.tenants import ApiKey, Tenants
 from pdserve.router.tls import grpc_credentials, uvicorn_options
 
@@ -101,7 +102,7 @@ class Router:
         self.metrics = Metrics(self.name)
         self.core = RouterCore(self.name, cfg.model.path, max_len, tokenizer, self.replicas, cfg.router.policy,
                             self.metrics, cfg.router.migration_limit, cfg.router.replica_wait_s,
-                            AdmissionPolicy.of(cfg), cfg.kv_transfer.block_size, cfg.router.local_prefill_tokens)
+                            AdmissionPolicy.of(cfg), cfg.kv_transfer.block_size, PrefillSite.of(cfg))
         await self._meet(self.replicas)  # (their empty deliver reaches the core: after it is built)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
         # Each router enforces its share of a key's limits: the kernel spreads connections evenly over them.

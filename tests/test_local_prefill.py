@@ -29,7 +29,7 @@ def test_the_site_rule():
     assert site.choose(64, prefill_can_take=True) == (LOCAL, "short")
     assert site.choose(65, prefill_can_take=True) == (REMOTE, "long")
     assert site.choose(10_000, prefill_can_take=False) == (LOCAL, "no_prefill")
-    assert PrefillSite().choose(1, prefill_can_take=True) == (REMOTE, "long")  # 0: only when none can take it
+    assert PrefillSite().choose(1, prefill_can_take=True) == (REMOTE, "long")  # 0, and no forecast: remote
 
 
 def test_a_decode_engine_prefills_a_request_as_a_colocated_one_does():
@@ -70,7 +70,7 @@ def clusters(tmp_path_factory):
     """The same two replicas twice: prompts of up to 10,000 tokens prefilled locally, and none."""
     local = Cluster(tmp_path_factory.mktemp("local"), router={"local_prefill_tokens": 10_000},
                     kv_transfer={"lease_s": 30})
-    remote = Cluster(tmp_path_factory.mktemp("remote"), kv_transfer={"lease_s": 30})
+    remote = Cluster(tmp_path_factory.mktemp("remote"), router={"prefill_site": "remote"}, kv_transfer={"lease_s": 30})
     try:
         local.wait_ready()
         remote.wait_ready()

@@ -25,7 +25,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from pdserve.step_cost import StepCost, fit
+from pdserve.step_cost import StepCost, fit_phases
 
 RHO_MAX = 0.9  # no phase planned past 90 % busy: near 100 % its queue grows without bound
 PROFILE_KIND = "pdserve-profile"
@@ -240,8 +240,8 @@ def plan(m: Measured, traffic: Traffic | None = None, budget: int | None = None)
     if traffic.rate <= 0 or traffic.input_len <= 0:
         raise PlannerError(f"no requests arrived in the last {m.window_s:.0f} s: nothing to size the pools for "
                            f"(send traffic, or use --offline with --rate/--input-len/--output-len)")
-    decode = fit(m.steps.get("decode", {}), "decode")
-    costs = {"prefill": fit(m.steps.get("prefill", {}), "prefill", decode.fixed if decode else 0.0), "decode": decode}
+    decode, prefill = fit_phases(m.steps)
+    costs = {"prefill": prefill, "decode": decode}
     for phase, cost in costs.items():
         if cost is None:
             raise PlannerError(f"no {phase} steps measured yet: send traffic first (e.g. `pdserve bench`), "

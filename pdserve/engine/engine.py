@@ -38,6 +38,7 @@ from pdserve.engine.sequence import PENDING, FinishReason, Sequence, SeqStatus
 from pdserve.models.loader import load_model, model_fingerprint
 from pdserve.ops.backends import make_backends
 from pdserve.engine.step_profile import StepProfile
+from pdserve.engine.tpot_guard import TPOTGuard
 from pdserve.messages import Request
 from pdserve.tokenizer import load_tokenizer
 
@@ -89,9 +90,12 @@ class Engine:
         self.kv_cache = allocate_kv_cache(self.layout, self.device)
         self.pool = BlockPool(self.layout.num_blocks, config.enable_prefix_cache)
         self.profile = StepProfile()  # what steps cost, by size (the planner reads it)
+        # A prefill engine has no decoders to guard.
+        guard = (TPOTGuard(self.profile, config.tpot_guard_ms / 1e3, config.block_size)
+                 if config.tpot_guard_ms and config.role != "prefill" else None)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.chunk_size,
-                                   whole_prompt=config.role == "prefill", profile=self.profile)
+                                   whole_prompt=config.role == "prefill", profile=self.profile, guard=guard)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.layout.scales)
         # Seconds capturing CUDA graphs, where they are (None: none here).
         self.graphs_s: float | None = capture_graphs(self, attn_backend, moe_backend, ep, log)

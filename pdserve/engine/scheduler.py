@@ -11,6 +11,10 @@ would only trade places); so does a decode engine's reservation (`preempt_below`
 Engine.reserve). A prefill-role engine admits a prompt only with all of its blocks, so it never
 preempts.
 
+With a TPOT guard (engine/tpot_guard.py: a decode or colocated engine under slo.tpot_ms) a step that
+carries decoding sequences takes prompt tokens only up to the guard's budget for that many
+decoders; prompts beyond it wait for the next step.
+
 Where CUDA graphs cover both kinds of step (`graph_limits`), fresh prompts that a prefill graph
 takes are not mixed into a step of decoding sequences: a mixed step runs eagerly, and its host
 time is far more than the prefill graph's and then the decode graph's together, for the newcomer
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes
 from pdserve.engine.sequence import PENDING, Sequence, SeqStatus
 from pdserve.engine.step_profile import StepProfile
+from pdserve.engine.tpot_guard import TPOTGuard
 
 APART_MAX_DECODERS = 8  # prompts step apart from at most this many decoding sequences
 
@@ -45,8 +50,9 @@ class ScheduledSeq:
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, chunk_size: int, whole_prompt: bool = False,
-                 profile: StepProfile | None = None):
+                 profile: StepProfile | None = None, guard: TPOTGuard | None = None):
         self.pool = pool
+        self.guard = guard  # bounds the prompt tokens of a step with decoders (None: no bound)
         self.profile = profile or StepProfile()  # counts prefix-cache lookups and hits
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -102,6 +108,8 @@ class Scheduler:
         the first is not one (a cached prefix, too long, no blocks): the step then mixes as usual."""
         out: list[ScheduledSeq] = []
         budget = min(self.max_num_batched_tokens, self.prompt_graph_tokens)
+        if (room := self._prompt_room()) is not None:  # (the decoders' step follows this one)
+            budget = min(budget, room)
         while (self.waiting and len(out) < self.prompt_graph_seqs
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
@@ -128,6 +136,7 @@ class Scheduler:
         defer = apart and self._prompts_alone  # the decoders' step: the prompts go alone next
         self._prompts_alone = False
         budget = self.max_num_batched_tokens
+        room = self._prompt_room()  # prompt tokens this step may still take (None: no bound)
         out: list[ScheduledSeq] = []
         preempted = False
         i = 0
@@ -135,6 +144,12 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_size)
             assert n > 0
+            chunk = seq.num_tokens - seq.num_computed_tokens > 1  # a prompt's (a decoder computes one token)
+            if chunk and room is not None:
+                if room == 0:
+                    i += 1
+                    continue
+                n = min(n, room)
             while not self._grow(seq, n):
                 victim = self.running.pop()  # the lowest priority, latest arrival first
                 self._preempt(victim)
@@ -144,11 +159,13 @@ class Scheduler:
             else:
                 out.append(ScheduledSeq(seq, n))
                 budget -= n
+                if chunk and room is not None:
+                    room -= n
                 i += 1
                 continue
             break
         # Admitting while preempting would thrash: the victims wait in the queue (in their order).
-        while self.waiting and budget > 0 and not preempted and not defer:
+        while self.waiting and budget > 0 and room != 0 and not preempted and not defer:
             seq = self.waiting[0]
             if len(self.running) >= self.max_num_seqs:
                 if (freed := self._preempt_for(seq, out)) is None:
@@ -157,7 +174,7 @@ class Scheduler:
             if seq.num_computed_tokens == 0:
                 self._use_prefix_cache(seq)
             rest = seq.num_tokens - seq.num_computed_tokens
-            n = min(rest, budget, self.chunk_size)
+            n = min(rest, budget, self.chunk_size, room if room is not None else rest)
             if not self._grow(seq, rest if self.whole_prompt else n):
                 self._drop_blocks(seq)
                 if (freed := self._preempt_for(seq, out)) is None:
@@ -171,7 +188,15 @@ class Scheduler:
             self.profile.prefix_hits += seq.num_cached_tokens
             out.append(ScheduledSeq(seq, n))
             budget -= n
+            if room is not None:
+                room -= n
         return out
+
+    def _prompt_room(self) -> int | None:
+        """The TPOT guard's budget of prompt tokens for a step of the running decoders; None: no bound."""
+        if self.guard is None:
+            return None
+        return self.guard.budget(sum(1 for q in self.running if q.num_tokens - q.num_computed_tokens == 1))
 
     def _use_prefix_cache(self, seq: Sequence) -> None:
         # Leave at least one token to compute: its logits give the next token.
@@ -202,13 +227,14 @@ class Scheduler:
         """Make room for the waiting `seq` by preempting the last running sequence, if that one's
         priority is lower (a higher value); returns the tokens it had in this step's schedule (its
         budget back), or None when nothing may be preempted for `seq`. Every running sequence is
-        in `out` here: admission runs once they are all scheduled."""
+        in `out` here (admission runs once they are all scheduled), but for a prompt the TPOT guard
+        left out."""
         if self.whole_prompt or not self.running or self.running[-1].priority <= seq.priority:
             return None
         victim = self.running.pop()
-        k = next(k for k, s in enumerate(out) if s.seq is victim)
+        k = next((k for k, s in enumerate(out) if s.seq is victim), None)
         self._preempt(victim)
-        return out.pop(k).num_new_tokens
+        return 0 if k is None else out.pop(k).num_new_tokens  # (None: the guard left it out of this step)
 
     def preempt_below(self, seq: Sequence) -> bool:
         """Preempt the last running sequence if it ranks below `seq` (a decode reservation's

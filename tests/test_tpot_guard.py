@@ -1,0 +1,69 @@
+"""The TPOT guard (engine/tpot_guard.py): with a fitted step cost, a step that carries decoding
+sequences never takes more prompt tokens than the budget that keeps it within the TPOT target; a
+step with no decoders is not bounded; the budget never falls below a block (prompts move on); and
+the guarded engine's greedy output is the unguarded one's."""
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import Engine
+from pdserve.messages import Request
+from pdserve.protocol import SamplingParams
+from pdserve.step_cost import HEADROOM, StepCost, prompt_budget
+
+DECODE = StepCost(fixed=0.010, per_unit=0.001, steps=100, largest=64)  # 10 ms + 1 ms a sequence
+PREFILL = StepCost(fixed=0.010, per_unit=0.0001, steps=100, largest=2048)  # 0.1 ms a prompt token
+
+
+def test_the_budget_is_what_the_target_leaves_after_the_decoders():
+    # 8 decoders: 18 ms; 0.9 x 40 ms leaves 18 ms = 180 prompt tokens.
+    assert prompt_budget(DECODE, PREFILL, 8, 0.040, floor=16) == int((HEADROOM * 0.040 - 0.018) / 0.0001)
+    assert prompt_budget(DECODE, PREFILL, 8, 0.019, floor=16) == 16  # the decoders take it all: a block still
+    assert prompt_budget(DECODE, StepCost(0.01, 0.0, 1, 1), 8, 0.040, floor=16) > 1 << 20  # nothing per token
+
+
+def run(target_ms: float | None) -> tuple[dict, list[tuple[int, int, int | None]]]:
+    """Eight short requests decoding, then three long prompts arrive: each step's (decoders, prompt
+    tokens, the guard's budget), and every request's tokens."""
+    e = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=256, chunk_size=512,
+                            tpot_guard_ms=target_ms))
+    guard = e.scheduler.guard
+    if guard is not None:
+        guard.refit_steps = 1 << 30  # keep the test's costs (no refit from this CPU's steps)
+        guard.fitted(DECODE, PREFILL)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for i in range(8):
+        e.add(Request(f"short{i}", e.tokenize(f"request number {i} says"), params))
+    steps, done = [], {}
+    schedule = e.scheduler.schedule
+
+    def watched():
+        decoders = sum(1 for q in e.scheduler.running if q.num_tokens - q.num_computed_tokens == 1)
+        budget = guard.budget(decoders) if guard is not None else None
+        out = schedule()
+        prompt = sum(s.num_new_tokens for s in out if s.seq.num_tokens - s.seq.num_computed_tokens > 1)
+        steps.append((decoders, prompt, budget))
+        return out
+
+    e.scheduler.schedule = watched
+    n = 0
+    while e.has_unfinished():
+        if n == 3:
+            for i in range(3):
+                e.add(Request(f"long{i}", [(7 * i + k) % 200 + 3 for k in range(600)], params))
+        for o in e.step():
+            done.setdefault(o.request_id, []).extend(o.token_ids)
+        n += 1
+    assert e.pool.num_free_blocks == 256
+    return done, steps
+
+
+def test_a_decode_step_never_takes_more_prompt_tokens_than_the_budget():
+    out, steps = run(target_ms=40)
+    budget = prompt_budget(DECODE, PREFILL, 8, 0.040, floor=16)
+    assert 16 < budget < 600
+    guarded = [(d, p, b) for d, p, b in steps if d > 0 and p > 0]
+    assert guarded, steps  # the long prompts were computed beside decoders
+    for decoders, prompt, b in guarded:
+        assert b == prompt_budget(DECODE, PREFILL, decoders, 0.040, floor=16)
+        assert prompt <= b, (decoders, prompt, b)
+    unguarded, _ = run(target_ms=None)
+    assert out == unguarded  # the same tokens, in smaller chunks
