@@ -13,6 +13,12 @@ configuration = the highest rate at which >= --slo-attainment of the requests me
 `pdserve bench`'s (`pdserve bench --help` describes what is measured). --plot DIR draws every
 cluster file's curves on one set of charts (each named by its file); the saved JSON again, later:
 `python -m pdserve.benchmarks.load.plot out.json [other.json ...] --out DIR`.
+
+Last, the goodput of every configuration at each SLO pair of --slo-grid (default: issue 39's six,
+grid.DEFAULT_GRID), computed again from each request's record, and each one's ratio to the best of
+the others there: one sweep answers every SLO. --json saves those records (their ITL gaps only with
+--save-requests), so that the grid can be computed again, for other pairs, without a cluster:
+`python -m pdserve.benchmarks.load.grid out.json [other.json ...] --slo-grid 2000/50,1000/20`.
 """
 
 import argparse
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.benchmarks.load import plot
+from pdserve.benchmarks.load import grid, plot
 from pdserve.benchmarks.load.command import add_load_args, args_json, check_load_args, fmt, slo_of, workload_of, write_json
 from pdserve.benchmarks.load.client import BenchError
 from pdserve.benchmarks.load.records import RateSummary, rate_json, rate_label
@@ -88,11 +94,11 @@ class ConfigResult:
     def goodput(self) -> float | None:
         return self.sweep.goodput if self.sweep else None
 
-    def to_json(self, save_requests: bool) -> dict[str, Any]:
+    def to_json(self, save_requests: bool, itl: bool = True) -> dict[str, Any]:
         return {"name": self.name, "path": self.path, "log_path": self.log_path, "error": self.error,
                 "exit_code": self.exit_code, "stopped": self.stopped, "port_closed": self.port_closed,
                 "goodput": rate_json(self.goodput),
-                **(self.sweep.to_json(save_requests) if self.sweep else {"url": self.url, "runs": []})}
+                **(self.sweep.to_json(save_requests, itl) if self.sweep else {"url": self.url, "runs": []})}
 
 
 def run_config(path: Path, cfg: ClusterConfig, a: argparse.Namespace, log_dir: Path) -> ConfigResult:
@@ -160,8 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     results: list[ConfigResult] = []
     for path, cfg in configs.items():
         results.append(run_config(path, cfg, a, log_dir))
-        write_json(a.json, {"meta": meta, "configs": [r.to_json(a.save_requests) for r in results]})
+        # The records always: the grid is computed from them, and again from the file.
+        write_json(a.json, {"meta": meta, "configs": [r.to_json(True, itl=a.save_requests) for r in results]})
     print_table(results, a)
+    print("\n" + grid.table([grid.config_of(r.name, r.sweep, r.error) for r in results],
+                            a.slo_grid or grid.DEFAULT_GRID, a.slo_attainment))
     if a.json:
         log(f"wrote {a.json}")
     if a.plot:

@@ -4,6 +4,8 @@
     pdserve bench --rate 1 2 4 inf --num-prompts 200 --input-len 1024 --output-len 128 --json out.json
     pdserve bench ... --label pd2-2 --plot charts/ [--compare earlier.json ...]   (PNG charts; matplotlib)
     python -m pdserve.benchmarks.load.plot a.json b.json --out charts/             (charts of saved results)
+    pdserve bench ... --json a.json --slo-grid 2000/50,1000/20     (goodput at each SLO pair, from these runs)
+    python -m pdserve.benchmarks.load.grid a.json --slo-grid ...   (the same from the saved records)
     python -m pdserve.benchmarks.load ...          (the same command)
 
 Imports no torch: it runs on any client machine with httpx.
@@ -26,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdserve.benchmarks.load import plot, records, workloads
+from pdserve.benchmarks.load import grid, plot, records, workloads
 from pdserve.benchmarks.load.client import BenchError
 from pdserve.benchmarks.load.records import Slo, Workload, rate_json, rate_label
 from pdserve.benchmarks.load.sweep import Sweep, log, run_sweep
@@ -76,7 +78,13 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-below", type=float, metavar="ATTAINMENT",
                    help="end the sweep after a rate whose attainment is under this (e.g. 0.5)")
     p.add_argument("--json", help="write every figure here")
-    p.add_argument("--save-requests", action="store_true", help="also write each request's record to the JSON")
+    p.add_argument("--save-requests", action="store_true",
+                   help="also write each request's record to the JSON, its ITL gaps included (with a grid, "
+                        "the records are written anyway, without the gaps: the grid is computed from them)")
+    p.add_argument("--slo-grid", type=grid.parse_grid, metavar="TTFT/TPOT,...",
+                   help=f"{grid.SLO_GRID_HELP}. pd_goodput prints it always (default: {grid.DEFAULT_GRID_TEXT}), "
+                        f"`pdserve bench` only when given. From saved results: "
+                        f"python -m pdserve.benchmarks.load.grid FILE...")
     p.add_argument("--plot", metavar="DIR",
                    help="after the sweep, write charts into DIR (created if missing): ttft.png, tpot.png (and "
                         "ITL), goodput.png (and output tokens/s) against the rate, the SLO drawn; needs matplotlib "
@@ -159,10 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def result(sweep: Sweep, save_requests: bool) -> dict[str, Any]:
-        return {"meta": meta, "label": a.label, **sweep.to_json(save_requests)}
+        return {"meta": meta, "label": a.label, **sweep.to_json(save_requests, itl=a.save_requests)}
 
     def save(sweep: Sweep) -> None:
-        write_json(a.json, result(sweep, a.save_requests))
+        # A grid asked for now can be asked for again from the file, with other pairs.
+        write_json(a.json, result(sweep, a.save_requests or a.slo_grid is not None))
 
     try:
         sweep = asyncio.run(run_sweep(a.url, a.rates, workload_of(a), slo_of(a), a.model, a.stop_below,
@@ -171,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2
     print_table(sweep)
+    if a.slo_grid:
+        name = a.label or (Path(a.json).stem if a.json else "this run")
+        print("\n" + grid.table([grid.config_of(name, sweep)], a.slo_grid, a.slo_attainment))
     if a.json:
         log(f"wrote {a.json}")
     if a.plot:

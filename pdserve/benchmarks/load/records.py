@@ -82,8 +82,18 @@ class RequestRecord:
             return None
         return (self.e2e_ms - self.ttft_ms) / (self.output_tokens - 1)
 
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "tpot_ms": self.tpot_ms, "ok": self.ok}
+    def to_json(self, itl: bool = True) -> dict[str, Any]:
+        # Without `itl`: the gaps are the one field that grows with the output (a float per token),
+        # and the SLO grid (grid.py) needs only TTFT, e2e and the token count.
+        d = {**asdict(self), "tpot_ms": self.tpot_ms, "ok": self.ok}
+        if not itl:
+            del d["itl_ms"]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "RequestRecord":
+        """A record as to_json wrote it (the derived tpot_ms and ok are computed again)."""
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 @dataclass(frozen=True)
@@ -154,6 +164,10 @@ def goodput(summaries: list[RateSummary], slo: Slo) -> float | None:
 def rate_json(rate: float | None) -> float | str | None:
     """JSON has no infinity: an unbounded rate is written "inf"."""
     return "inf" if rate is not None and math.isinf(rate) else rate
+
+
+def rate_from_json(x: float | str) -> float:
+    return math.inf if x == "inf" else float(x)
 
 
 def rate_label(rate: float) -> str:

@@ -112,14 +112,14 @@ class Sweep:
     def goodput(self) -> float | None:
         return goodput([r.summary for r in self.runs], self.slo)
 
-    def to_json(self, save_requests: bool) -> dict[str, Any]:
+    def to_json(self, save_requests: bool, itl: bool = True) -> dict[str, Any]:
         runs = []
         for r in self.runs:
             runs.append(r.summary.to_json())
             runs[-1]["server_ms"] = r.server_ms
             runs[-1]["client_cpu"] = r.client_cpu
             if save_requests:
-                runs[-1]["requests"] = [rec.to_json() for rec in r.records]
+                runs[-1]["requests"] = [rec.to_json(itl) for rec in r.records]
         return {"url": self.server.url, "model": self.server.model, "max_model_len": self.server.max_model_len,
                 "workload": asdict(self.workload), "slo": asdict(self.slo), "runs": runs,
                 "goodput": rate_json(self.goodput)}
