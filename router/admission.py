@@ -160,9 +160,9 @@ class AdmissionGate:
         return ttft
 
     def replica_stats(self, name: str, s) -> None:
-        """A replica's fresh stats (the replica set's poll): the forecast's fit of its step costs."""
-        if self.policy.refuse_over_slo:
-            self.forecast.refit(name, s)
+        """A replica's fresh stats (the replica set's poll): the forecast's fit of its step costs
+        (refuse_over_slo's forecast reads it, and so does the adaptive prefill site's)."""
+        self.forecast.refit(name, s)
 
     def count_refused(self, reason: str) -> None:
         if self.metrics:

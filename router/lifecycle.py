@@ -337,7 +337,7 @@ class Lifecycle:
         index, rs = self.routing.index, self.replicas
         if index is None or not run.hashes:
             return {}
-        worker = {n: rs.decode[n].ranks[0] if n in rs.decode else rs.worker(n) for n in names}
+        worker = {n: next(iter(rs.decode[n].ranks)) if n in rs.decode else rs.worker(n) for n in names}
         held = index.match(run.hashes, worker.values())
         return {n: held[w] * self.block_size for n, w in worker.items()}
 

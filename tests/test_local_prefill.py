@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -67,21 +68,24 @@ def sites(c: Cluster) -> dict[tuple[str, str], float]:
 
 @pytest.fixture(scope="module")
 def clusters(tmp_path_factory):
-    """The same two replicas twice: prompts of up to 10,000 tokens prefilled locally, and none."""
+    """The same two replicas three times: prompts of up to 10,000 tokens prefilled locally; none
+    (router.prefill_site: remote); and each where the forecast says (adaptive, the default)."""
     local = Cluster(tmp_path_factory.mktemp("local"), router={"local_prefill_tokens": 10_000},
                     kv_transfer={"lease_s": 30})
     remote = Cluster(tmp_path_factory.mktemp("remote"), router={"prefill_site": "remote"}, kv_transfer={"lease_s": 30})
+    adaptive = Cluster(tmp_path_factory.mktemp("adaptive"), router={"prefill_site": "adaptive"},
+                       kv_transfer={"lease_s": 30}, slo={"tpot_ms": 50})
     try:
-        local.wait_ready()
-        remote.wait_ready()
-        yield local, remote
+        for c in (local, remote, adaptive):
+            c.wait_ready()
+        yield local, remote, adaptive
     finally:
-        assert local.stop() == 0, local.output()
-        assert remote.stop() == 0, remote.output()
+        for c in (local, remote, adaptive):
+            assert c.stop() == 0, c.output()
 
 
 def test_local_and_remote_prefill_give_the_same_greedy_tokens_and_logprobs(clusters):
-    local, remote = clusters
+    local, remote, _ = clusters
     for p in PROMPTS:
         a, b = complete(local.url, p), complete(remote.url, p)
         assert a["text"] == b["text"], p
@@ -89,13 +93,31 @@ def test_local_and_remote_prefill_give_the_same_greedy_tokens_and_logprobs(clust
         assert la == pytest.approx(lb, abs=1e-4), p
     assert sites(local).get((LOCAL, "short"), 0) >= len(PROMPTS) and not sites(local).get((REMOTE, "long"))
     assert sites(remote).get((REMOTE, "long"), 0) >= len(PROMPTS) and not sites(remote).get((LOCAL, "short"))
-    for c in clusters:
+    for c in (local, remote):
         stats = c.wait_idle()
         assert stats and all(s["used"] == 0 for s in stats.values()), stats
 
 
+def test_adaptive_chooses_by_forecast_and_gives_the_same_greedy_tokens(clusters):
+    """Under concurrent requests of short and long prompts, the adaptive router asks its forecast
+    (once both replicas have measured steps) and whatever site each request got, its tokens are the
+    remote path's."""
+    _, remote, adaptive = clusters
+    prompts = [p * k for p in PROMPTS for k in (1, 40)]  # a few tokens, and hundreds
+    expect = {p: complete(remote.url, p)["text"] for p in prompts}
+    for _ in range(2):  # the first round measures both replicas' steps; the second forecasts from them
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = dict(zip(prompts, pool.map(lambda p: complete(adaptive.url, p)["text"], prompts)))
+        assert got == expect
+        time.sleep(1.5)  # (the routers' stats poll: 0.5 s)
+    chosen = sites(adaptive)
+    assert chosen.get((LOCAL, "sooner"), 0) + chosen.get((REMOTE, "sooner"), 0) >= len(prompts), chosen
+    stats = adaptive.wait_idle()
+    assert stats and all(s["used"] == 0 for s in stats.values()), stats
+
+
 def test_with_the_prefill_replica_killed_every_request_is_prefilled_locally(clusters):
-    _, c = clusters
+    _, c, _ = clusters
     before = sites(c)
     results, errors, stop = [], [], threading.Event()
 

@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from pdserve.benchmarks.load import grid, plot
 from pdserve.benchmarks.load.command import add_load_args, args_json, check_load_args, fmt, slo_of, workload_of, write_json
 from pdserve.benchmarks.load.client import BenchError
@@ -85,6 +88,9 @@ class ConfigResult:
     exit_code: int | None = None  # of `pdserve up`
     stopped: str | None = None  # "interrupted" (Ctrl-C was enough) | "killed"
     port_closed: bool | None = None
+    # The router's pdserve_prefill_site_total after the sweep ("site/why" -> attempts): where the
+    # prompts were computed (an adaptive cluster's choices).
+    sites: dict[str, float] | None = None
 
     @property
     def runs(self) -> list[RateSummary]:
@@ -97,8 +103,25 @@ class ConfigResult:
     def to_json(self, save_requests: bool, itl: bool = True) -> dict[str, Any]:
         return {"name": self.name, "path": self.path, "log_path": self.log_path, "error": self.error,
                 "exit_code": self.exit_code, "stopped": self.stopped, "port_closed": self.port_closed,
+                "prefill_sites": self.sites,
                 "goodput": rate_json(self.goodput),
                 **(self.sweep.to_json(save_requests, itl) if self.sweep else {"url": self.url, "runs": []})}
+
+
+def prefill_sites(url: str) -> dict[str, float] | None:
+    """The router's pdserve_prefill_site_total by "site/why" (None: not read)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "pdserve_prefill_site":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = f"{sample.labels['site']}/{sample.labels['why']}"
+                    out[key] = out.get(key, 0.0) + sample.value
+    return out
 
 
 def run_config(path: Path, cfg: ClusterConfig, a: argparse.Namespace, log_dir: Path) -> ConfigResult:
@@ -120,6 +143,9 @@ def run_config(path: Path, cfg: ClusterConfig, a: argparse.Namespace, log_dir: P
         res.sweep = asyncio.run(run_sweep(
             url, a.rates, workload_of(a), slo_of(a), stop_below=a.stop_below,
             log=lambda m: log(f"{res.name}: {m}")))
+        res.sites = prefill_sites(url)
+        if res.sites:
+            log(f"{res.name}: prompts computed {res.sites}")
     except (BenchError, ClusterStartError) as e:
         res.error = str(e)
         log(f"{res.name}: {res.error}; the log's tail:\n{up.tail()}")
