@@ -1,7 +1,9 @@
 """What an engine step costs, as a line fitted to its measured step buckets: prefill `fixed +
-per_token x tokens`, decode `fixed + per_seq x batch`. The planner (control/planner.py) sizes the
-phases from it; each router (router/forecast.py) forecasts a new request's time to first token
-from it. Plain data and arithmetic: no Ray, no torch."""
+per_token x tokens`, decode `fixed + per_seq x batch`, and a step that mixes prompt tokens with
+decoders (MixedCost). The planner (control/planner.py) sizes the phases from it; each router
+(router/forecast.py) forecasts a new request's time to first token from it; the TPOT guard
+(engine/tpot_guard.py) and the adaptive prefill site (router/prefill_site.py) size prompt chunks
+beside decoders from it. Plain data and arithmetic: no Ray, no torch."""
 
 from dataclasses import dataclass
 
@@ -64,13 +66,42 @@ def fit_phases(profile: dict) -> tuple[StepCost | None, StepCost | None]:
     return decode, fit(profile.get("prefill", {}), "prefill", decode.fixed if decode else 0.0)
 
 
-def prompt_budget(decode: StepCost, prefill: StepCost, decoders: int, target_s: float, floor: int) -> int:
-    """The prompt tokens a step may compute beside `decoders` decoding sequences and stay within
-    target_s (a TPOT SLO) less HEADROOM: such a step costs the decoders' step plus each prompt
-    token's own cost (prefill's per-token slope), as Sarathi-Serve sizes its chunks. At least `floor` tokens, so that
-    a prompt still moves on where the decoders alone take the whole target (it then delays them by
-    as little as a step can)."""
-    room = HEADROOM * target_s - decode.time(decoders)
-    if prefill.per_unit <= 0:
-        return 1 << 30  # (no per-token cost measured: nothing to bound)
-    return max(floor, int(room / prefill.per_unit))
+@dataclass
+class MixedCost:
+    """A step of `decoders` decoding sequences and `tokens` prompt tokens: the decoders' step, plus
+    an overhead once there are prompt tokens in it, plus each token's own cost. The overhead is
+    real: a mixed step runs eagerly where the decoders alone replay a CUDA graph (an H200, 96
+    decoders of 4k context: 28 ms alone, 46 ms with 16 prompt tokens beside them;
+    docs/benchmarks.md, adaptive disaggregation)."""
+
+    decode: StepCost
+    overhead: float
+    per_token: float
+
+    def time(self, decoders: int, tokens: int) -> float:
+        return self.decode.time(decoders) + (self.overhead + self.per_token * tokens if tokens else 0.0)
+
+    def budget(self, decoders: int, target_s: float, floor: int) -> int:
+        """The prompt tokens a step may compute beside `decoders` decoding sequences and stay within
+        target_s (a TPOT SLO) less HEADROOM, as Sarathi-Serve sizes its chunks. At least `floor`
+        tokens, so that a prompt still moves on where the decoders alone fill the target (it then
+        delays them by as little as a mixed step can)."""
+        room = HEADROOM * target_s - self.time(decoders, 0) - self.overhead
+        if self.per_token <= 0:
+            return 1 << 30 if room > 0 else floor  # (no per-token cost measured: only the overhead counts)
+        return max(floor, int(room / self.per_token))
+
+
+def fit_mixed(profile: dict, decode: StepCost | None) -> MixedCost | None:
+    """The mixed-step cost of a step profile's "mixed" rows (bucket of prompt tokens -> [steps,
+    prompt tokens, decoders, seconds], summed): what each step took beyond its decoders' step (the
+    decode fit, linear in the batch, so a row's sums give it exactly) fitted as prefill is, against
+    its prompt tokens. None without a decode fit or a mixed step measured."""
+    rows = profile.get("mixed", {})
+    if decode is None or not rows:
+        return None
+    beyond = {b: [n, tokens, sec - n * decode.fixed - decode.per_unit * dec] for b, (n, tokens, dec, sec) in rows.items()}
+    extra = fit(beyond, "prefill")
+    if extra is None:
+        return None
+    return MixedCost(decode, max(0.0, extra.fixed), max(0.0, extra.per_unit))

@@ -23,7 +23,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from pdserve.step_cost import StepCost, fit_phases
+from pdserve.step_cost import MixedCost, StepCost, fit_mixed, fit_phases
 from pdserve.messages import ReplicaStats
 from pdserve.protocol import SamplingParams
 
@@ -54,6 +54,7 @@ class TTFTForecast:
         self.prefill_step_tokens = prefill_step_tokens  # a prefill step's token budget (max_batch_tokens)
         self.decode_cost: dict[str, StepCost] = {}  # replica -> its decode steps' fit
         self.prefill_cost: dict[str, StepCost] = {}  # replica -> its prompt steps' fit
+        self.mixed_cost: dict[str, MixedCost] = {}  # replica -> its steps of prompt tokens beside decoders
         self.transfer_s: dict[str, float] = {}  # prefill replica -> mean seconds of its latest KV transfers
         self.mean_generated: float | None = None  # running mean of tokens per finished request
 
@@ -63,7 +64,8 @@ class TTFTForecast:
         """A replica's fresh stats: fit its step costs again (cumulative profiles: a step's cost
         depends on the model and the hardware, so every step measured helps)."""
         fitted = fit_phases(s.profile) if s.profile else (None, None)
-        for cost, costs in zip(fitted, (self.decode_cost, self.prefill_cost)):
+        fitted += (fit_mixed(s.profile, fitted[0]) if s.profile else None,)
+        for cost, costs in zip(fitted, (self.decode_cost, self.prefill_cost, self.mixed_cost)):
             if cost is None:
                 costs.pop(name, None)
             else:
@@ -72,7 +74,7 @@ class TTFTForecast:
             self.transfer_s[name] = sum(sec for _, sec in s.transfers[-32:]) / len(s.transfers[-32:])
 
     def forget(self, name: str) -> None:
-        for d in (self.decode_cost, self.prefill_cost, self.transfer_s):
+        for d in (self.decode_cost, self.prefill_cost, self.mixed_cost, self.transfer_s):
             d.pop(name, None)
 
     def finished(self, generated: int) -> None:

@@ -11,8 +11,9 @@ The rule (router.prefill_site, router.local_prefill_tokens N):
    Remote: the quickest prefill replica's queue of prompt tokens and this prompt at its fitted
    per-token cost, then its KV's move (its latest transfers' mean) and a decode step. Local: the
    quickest decode replica's queue of local prompt tokens and this prompt, in steps that each
-   take at most its TPOT guard's budget of prompt tokens beside its decoders (the budget the
-   engine computes from the same fitted costs, pdserve/step_cost.py `prompt_budget`). A prompt
+   take at most its TPOT guard's budget of prompt tokens beside its decoders and cost its mixed
+   step (the engine's guard computes the same from the same fit, pdserve/step_cost.py MixedCost;
+   before the replica has measured a mixed step, a prior). A prompt
    the replica's prefix cache holds in part counts only what it lacks. So short prompts, cached
    prefixes and a backed-up prefill pool go local; long prompts go remote while the prefill pool
    keeps up. Until both forecasts can be made (no steps measured yet), remote;
@@ -26,7 +27,12 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 from pdserve.config import EngineConfig
-from pdserve.step_cost import StepCost, prompt_budget
+from pdserve.step_cost import MixedCost
+
+# A decode replica's mixed step before it has measured one: its decoders' step, plus this share of
+# it (the eager run's overhead: 0.36-0.64x on an H200 at 64-96 decoders), plus the prompt tokens at
+# a prefill replica's per-token cost.
+MIXED_OVERHEAD_PRIOR = 0.6
 
 REMOTE, LOCAL = "remote", "local"
 
@@ -44,8 +50,7 @@ class SiteForecast:
 class LocalCosts:
     """What a decode replica's local prefill costs, as the router knows it."""
 
-    decode: StepCost | None  # its decode steps' fit
-    per_token_s: float | None  # a prompt token's cost in its steps (its own fit, else the prefill replicas')
+    mixed: MixedCost | None  # its steps of prompt tokens beside decoders (measured, or the prior)
     decoders: int  # sequences decoding there (its stats)
     queued_tokens: int  # prompt tokens of ours queued there for local prefill
     cached_tokens: int = 0  # of this prompt, what its prefix cache holds
@@ -85,16 +90,15 @@ class PrefillSite:
     def local_s(self, tokens: int, c: LocalCosts) -> float | None:
         """Seconds until a decode replica that prefills `tokens` prompt tokens itself (behind its queue
         of local prompts) yields the first token; None before its costs are known."""
-        if c.decode is None or c.per_token_s is None:
+        if c.mixed is None:
             return None
         mine = max(1, tokens - c.cached_tokens)
         total = c.queued_tokens + mine
         per_step = self.step_tokens
         if self.tpot_target_s is not None and c.decoders:
-            per_step = min(per_step, prompt_budget(c.decode, StepCost(0.0, c.per_token_s, 0, 0.0), c.decoders,
-                                                   self.tpot_target_s, self.floor))
+            per_step = min(per_step, c.mixed.budget(c.decoders, self.tpot_target_s, self.floor))
         steps = max(math.ceil(total / per_step), math.ceil(mine / self.chunk_tokens))
-        return steps * c.decode.time(c.decoders) + total * c.per_token_s
+        return steps * c.mixed.time(c.decoders, 0) + steps * c.mixed.overhead + total * c.mixed.per_token
 
 
 def forecast_sites(site: PrefillSite, fc, rs, prefill: list[str], local: list[str], tokens: int,
@@ -110,12 +114,14 @@ def forecast_sites(site: PrefillSite, fc, rs, prefill: list[str], local: list[st
     remote = [fc.prefill_s(p, rs.prompt_tokens.get(p, 0) + max(1, tokens - held.get(p, 0)))
               + fc.transfer_s.get(p, 0.0) + decode_step for p in prefill if p in fc.prefill_cost]
     measured = [fc.prefill_cost[p].per_unit for p in fc.prefill_cost if p in rs.prefill]
-    fallback = min(measured) if measured else None  # the same model's prompt tokens on a prefill replica
+    per_token = min(measured) if measured else None  # the same model's prompt tokens on a prefill replica
     best: tuple[float, str] | None = None
     for d in local:
-        own = fc.prefill_cost.get(d)
-        costs = LocalCosts(fc.decode_cost.get(d), own.per_unit if own and own.per_unit > 0 else fallback,
-                           _decoders(rs, d), rs.prompt_tokens.get(d, 0), held.get(d, 0))
+        mixed = fc.mixed_cost.get(d)
+        if mixed is None and d in fc.decode_cost and per_token is not None:  # no local prefill measured there yet
+            mixed = MixedCost(fc.decode_cost[d], MIXED_OVERHEAD_PRIOR * fc.decode_cost[d].time(_decoders(rs, d)),
+                              per_token)
+        costs = LocalCosts(mixed, _decoders(rs, d), rs.prompt_tokens.get(d, 0), held.get(d, 0))
         if (t := site.local_s(tokens, costs)) is not None and (best is None or t < best[0]):
             best = (t, d)
     return SiteForecast(min(remote) if remote else None, best[0] if best else None, best[1] if best else None)

@@ -3,16 +3,21 @@ against forecasts built from fitted step costs as the router fits them: which re
 (short prompts, cached prefixes, a backed-up prefill pool), which remote (long prompts while the
 prefill pool keeps up, and whenever the forecasts cannot be made yet). Ray-free."""
 
+import pytest
+
 from pdserve.messages import ReplicaStats
 from pdserve.router.forecast import TTFTForecast
-from pdserve.router.prefill_site import LOCAL, REMOTE, LocalCosts, PrefillSite, SiteForecast, forecast_sites
+from pdserve.router.prefill_site import (LOCAL, MIXED_OVERHEAD_PRIOR, REMOTE, LocalCosts, PrefillSite,
+                                         SiteForecast, forecast_sites)
 from pdserve.router.replica_set import ReplicaSet
-from pdserve.step_cost import StepCost
+from pdserve.step_cost import MixedCost, StepCost
 
 # An H200-like replica of a 30B MoE: a prompt token 16 us beside a 4 ms step, a decode step
-# 12 ms + 0.1 ms a sequence; a 4k prompt's KV moves in 2 ms.
+# 12 ms + 0.1 ms a sequence, a mixed step 5 ms more and 25 us a prompt token; a 4k prompt's KV
+# moves in 2 ms.
 PREFILL = StepCost(0.004, 16e-6, 100, 8192)
 DECODE = StepCost(0.012, 1e-4, 100, 128)
+MIXED = MixedCost(DECODE, 0.005, 25e-6)
 SITE = PrefillSite(tpot_target_s=0.030, floor=16)  # slo.tpot_ms 30
 
 
@@ -21,6 +26,7 @@ def cluster(decoders: int, prefill_queue: int = 0, local_queue: int = 0) -> tupl
     fc.prefill_cost["p0"] = PREFILL
     fc.transfer_s["p0"] = 0.002
     fc.decode_cost["d0"] = DECODE
+    fc.mixed_cost["d0"] = MIXED
     rs = ReplicaSet("router")
     rs.prefill = {"p0": None}
     rs.stats["d0"] = ReplicaStats("d0", "decode", decoders, 0, 1000, 1000, 0)
@@ -35,19 +41,21 @@ def choose(tokens: int, decoders: int, prefill_queue: int = 0, local_queue: int 
                                                             lambda names: {"d0": cached}))
 
 
-def test_short_prompts_go_local_long_ones_remote_beside_many_decoders():
+def test_short_prompts_go_local_long_ones_remote():
     # 150 decoders: 27 ms a step, so the guard leaves a 30 ms target room for a block at a time:
-    # a 4k prompt would take 256 steps locally, on the prefill replica 70 ms.
+    # a 4k prompt would take 256 mixed steps locally, on the prefill replica 70 ms; 16 tokens take
+    # one mixed step (32 ms) against the prefill step, the KV's move and a decode step (33 ms).
     assert choose(16, decoders=150) == (LOCAL, "sooner")
     assert choose(4096, decoders=150) == (REMOTE, "sooner")
-    # With few decoders the guard leaves room for ~1,000 tokens a step: 4k in 4-5 steps, still slower
-    # than the prefill replica plus the KV's move; 512 tokens in one step, quicker.
-    assert choose(512, decoders=8) == (LOCAL, "sooner")
-    assert choose(4096, decoders=8) == (REMOTE, "sooner")
+    # Beside 8 decoders, 32 tokens are one mixed step (18.6 ms against 19.3 ms remote); 512 are two
+    # (the guard's budget is 368 tokens a step): 48 ms against 27 ms.
+    assert choose(32, decoders=8) == (LOCAL, "sooner")
+    assert choose(512, decoders=8) == (REMOTE, "sooner")
 
 
 def test_a_backed_up_prefill_pool_sends_prompts_local():
-    # 60k tokens queued at the prefill replica (~1 s): a 4k prompt is sooner beside 8 decoders.
+    # 60k tokens queued at the prefill replica (~1.07 s): a 4k prompt takes 12 mixed steps beside
+    # 8 decoders, 0.32 s.
     assert choose(4096, decoders=8, prefill_queue=60_000) == (LOCAL, "sooner")
     # ... but not once the decode replica's own local queue is as long.
     assert choose(4096, decoders=8, prefill_queue=60_000, local_queue=60_000) == (REMOTE, "sooner")
@@ -61,6 +69,7 @@ def test_a_cached_prefix_sends_the_prompt_local():
 def test_without_forecasts_or_in_remote_mode_prompts_go_remote():
     fc, rs = cluster(decoders=8)
     fc.decode_cost.clear()  # the decode replica has measured no step yet
+    fc.mixed_cost.clear()
     f = forecast_sites(SITE, fc, rs, ["p0"], ["d0"], 512, lambda names: {})
     assert f.local_s is None and f.remote_s is not None
     assert SITE.choose(512, True, lambda: f) == (REMOTE, "long")
@@ -72,10 +81,19 @@ def test_without_forecasts_or_in_remote_mode_prompts_go_remote():
     assert not asked
 
 
+def test_before_a_mixed_step_is_measured_the_prior_forecasts_it():
+    fc, rs = cluster(decoders=8)
+    fc.mixed_cost.clear()  # decode steps measured, no mixed one yet: 0.6 x the decode step more, and
+    f = forecast_sites(SITE, fc, rs, ["p0"], ["d0"], 32, lambda names: {})  # the prefill replica's per token
+    step = DECODE.time(8)
+    assert f.local_s == pytest.approx(step + MIXED_OVERHEAD_PRIOR * step + 32 * PREFILL.per_unit)
+
+
 def test_the_local_forecast_uses_the_guards_budget():
-    c = LocalCosts(DECODE, 16e-6, decoders=150, queued_tokens=0)
-    # 27 ms of decoders leave less than a block of a 30 ms target: 16 tokens (the floor) a step.
-    assert SITE.local_s(4096, c) == 256 * DECODE.time(150) + 4096 * 16e-6
+    c = LocalCosts(MIXED, decoders=150, queued_tokens=0)
+    # 27 ms of decoders and 5 ms of overhead leave nothing of a 30 ms target: 16 tokens (the floor) a step.
+    step = DECODE.time(150) + MIXED.overhead
+    assert SITE.local_s(4096, c) == pytest.approx(256 * step + 4096 * MIXED.per_token)
     unguarded = PrefillSite(tpot_target_s=None)  # slo.tpot_guard false: chunk_tokens a step
-    assert unguarded.local_s(4096, c) == 2 * DECODE.time(150) + 4096 * 16e-6
+    assert unguarded.local_s(4096, c) == pytest.approx(2 * step + 4096 * MIXED.per_token)
     assert SiteForecast().local_replica is None

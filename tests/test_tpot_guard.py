@@ -1,23 +1,39 @@
 """The TPOT guard (engine/tpot_guard.py): with a fitted step cost, a step that carries decoding
 sequences never takes more prompt tokens than the budget that keeps it within the TPOT target; a
 step with no decoders is not bounded; the budget never falls below a block (prompts move on); and
-the guarded engine's greedy output is the unguarded one's."""
+the guarded engine's greedy output is the unguarded one's. The mixed-step cost is fitted from what
+mixed steps took beyond their decoders' step (pdserve/step_cost.py fit_mixed)."""
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.messages import Request
 from pdserve.protocol import SamplingParams
-from pdserve.step_cost import HEADROOM, StepCost, prompt_budget
+from pdserve.engine.step_profile import StepProfile
+from pdserve.step_cost import HEADROOM, MixedCost, StepCost, fit_mixed, fit_phases
 
 DECODE = StepCost(fixed=0.010, per_unit=0.001, steps=100, largest=64)  # 10 ms + 1 ms a sequence
-PREFILL = StepCost(fixed=0.010, per_unit=0.0001, steps=100, largest=2048)  # 0.1 ms a prompt token
+MIXED = MixedCost(DECODE, overhead=0.004, per_token=0.0001)  # + 4 ms once mixed, + 0.1 ms a prompt token
 
 
-def test_the_budget_is_what_the_target_leaves_after_the_decoders():
-    # 8 decoders: 18 ms; 0.9 x 40 ms leaves 18 ms = 180 prompt tokens.
-    assert prompt_budget(DECODE, PREFILL, 8, 0.040, floor=16) == int((HEADROOM * 0.040 - 0.018) / 0.0001)
-    assert prompt_budget(DECODE, PREFILL, 8, 0.019, floor=16) == 16  # the decoders take it all: a block still
-    assert prompt_budget(DECODE, StepCost(0.01, 0.0, 1, 1), 8, 0.040, floor=16) > 1 << 20  # nothing per token
+def test_the_budget_is_what_the_target_leaves_after_the_decoders_and_the_overhead():
+    # 8 decoders: 18 ms, mixed 22 ms; 0.9 x 40 ms leaves 14 ms = 140 prompt tokens.
+    assert MIXED.budget(8, 0.040, floor=16) == int((HEADROOM * 0.040 - 0.022) / 0.0001)
+    assert MIXED.budget(8, 0.019, floor=16) == 16  # the decoders take it all: a block still
+    assert MixedCost(DECODE, 0.004, 0.0).budget(8, 0.040, floor=16) > 1 << 20  # nothing per token
+    assert MIXED.time(8, 0) == DECODE.time(8) and MIXED.time(8, 100) == DECODE.time(8) + 0.004 + 0.01
+
+
+def test_the_mixed_cost_is_fitted_beyond_the_decoders_step():
+    profile = StepProfile()
+    for decoders in (4, 8, 16):
+        profile.record(0, decoders, DECODE.time(decoders))
+        for tokens in (64, 512):
+            profile.record(tokens, decoders, MIXED.time(decoders, tokens))
+    snap = profile.snapshot()
+    decode, _ = fit_phases(snap)
+    mixed = fit_mixed(snap, decode)
+    assert abs(mixed.overhead - 0.004) < 1e-9 and abs(mixed.per_token - 0.0001) < 1e-12
+    assert fit_mixed({"decode": snap["decode"]}, decode) is None  # no mixed step measured: no fit
 
 
 def run(target_ms: float | None) -> tuple[dict, list[tuple[int, int, int | None]]]:
@@ -28,7 +44,7 @@ def run(target_ms: float | None) -> tuple[dict, list[tuple[int, int, int | None]
     guard = e.scheduler.guard
     if guard is not None:
         guard.refit_steps = 1 << 30  # keep the test's costs (no refit from this CPU's steps)
-        guard.fitted(DECODE, PREFILL)
+        guard.fitted(MIXED)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     for i in range(8):
         e.add(Request(f"short{i}", e.tokenize(f"request number {i} says"), params))
@@ -58,12 +74,12 @@ def run(target_ms: float | None) -> tuple[dict, list[tuple[int, int, int | None]
 
 def test_a_decode_step_never_takes_more_prompt_tokens_than_the_budget():
     out, steps = run(target_ms=40)
-    budget = prompt_budget(DECODE, PREFILL, 8, 0.040, floor=16)
+    budget = MIXED.budget(8, 0.040, floor=16)
     assert 16 < budget < 600
     guarded = [(d, p, b) for d, p, b in steps if d > 0 and p > 0]
     assert guarded, steps  # the long prompts were computed beside decoders
     for decoders, prompt, b in guarded:
-        assert b == prompt_budget(DECODE, PREFILL, decoders, 0.040, floor=16)
+        assert b == MIXED.budget(decoders, 0.040, floor=16)
         assert prompt <= b, (decoders, prompt, b)
     unguarded, _ = run(target_ms=None)
     assert out == unguarded  # the same tokens, in smaller chunks

@@ -3,7 +3,8 @@ and decode pools from.
 
 Every step is counted in one bucket of its size (powers of two): a step that computes prompt
 tokens under "prefill" by its number of new tokens, a step of generation only under "decode" by
-its batch (sequences). Each bucket holds [steps, size summed, seconds summed]: cumulative, so a
+its batch (sequences); a step of both is also counted under "mixed" by its prompt tokens, with its
+decoders. Each bucket holds [steps, size summed, seconds summed]: cumulative, so a
 reader differences two snapshots to get a window, and nothing is ever drained. Also counted: the
 prompt tokens looked up in the prefix cache and those found there (vLLM's prefix_cache_queries and
 prefix_cache_hits), and every token run through the model (on a prefill replica: the prompt tokens
@@ -13,7 +14,7 @@ token counts there too, though its bucket is decode's)."""
 import threading
 import time
 
-PREFILL, DECODE = "prefill", "decode"
+PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
 
 
 def bucket(n: int) -> int:
@@ -24,6 +25,9 @@ def bucket(n: int) -> int:
 class StepProfile:
     def __init__(self) -> None:
         self.phases: dict[str, dict[int, list[float]]] = {PREFILL: {}, DECODE: {}}
+        # Steps that carried prompt tokens and decoders both, by prompt tokens: [steps, prompt
+        # tokens, decoders, seconds] (the TPOT guard's and the adaptive site's mixed-step cost).
+        self.mixed: dict[int, list[float]] = {}
         self.busy_s = 0.0  # seconds spent in steps
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found there
@@ -48,11 +52,18 @@ class StepProfile:
             row[2] += seconds
             self.busy_s += seconds
             self.tokens_computed += prefill_tokens + decode_seqs
+            if prefill_tokens and decode_seqs:
+                row = self.mixed.setdefault(bucket(prefill_tokens), [0, 0, 0, 0.0])
+                row[0] += 1
+                row[1] += prefill_tokens
+                row[2] += decode_seqs
+                row[3] += seconds
 
     def reset(self) -> None:
         """Back to nothing counted (after a replica's warm-up: its steps are not traffic)."""
         with self._lock:
             self.phases = {PREFILL: {}, DECODE: {}}
+            self.mixed = {}
             self.busy_s = 0.0
             self.prefix_queries = self.prefix_hits = self.tokens_computed = 0
 
@@ -64,6 +75,7 @@ class StepProfile:
         "decode": {...}, "busy_s", "prefix_queries", "prefix_hits", "tokens_computed"}."""
         with self._lock:
             return {**{p: {b: list(row) for b, row in rows.items()} for p, rows in self.phases.items()},
+                    MIXED: {b: list(row) for b, row in self.mixed.items()},
                     "busy_s": self.busy_s, "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
                     "tokens_computed": self.tokens_computed}
 
