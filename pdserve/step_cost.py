@@ -68,12 +68,11 @@ def fit_phases(profile: dict) -> tuple[StepCost | None, StepCost | None]:
 
 @dataclass
 class MixedCost:
-    """The decoders' time between two tokens when `tokens` prompt tokens are computed meanwhile
-    (beside them in one step, or in a step of their own before theirs): the decoders' step, plus an
-    overhead once there are prompt tokens, plus each token's own cost. The overhead is real: a
-    mixed step runs eagerly where the decoders alone replay a CUDA graph (an H200, 96 decoders of
-    4k context: 28 ms alone, 46 ms with 16 prompt tokens beside them), and a step of prompts
-    alone has its own fixed cost (docs/benchmarks.md, adaptive disaggregation)."""
+    """A step of `decoders` decoding sequences and `tokens` prompt tokens: the decoders' step, plus
+    an overhead once there are prompt tokens in it, plus each token's own cost. The overhead is
+    real: a mixed step runs eagerly where the decoders alone replay a CUDA graph (an H200, 96
+    decoders of 4k context: 28 ms alone, 46 ms with 16 prompt tokens beside them;
+    docs/benchmarks.md, adaptive disaggregation)."""
 
     decode: StepCost
     overhead: float
@@ -94,20 +93,14 @@ class MixedCost:
 
 
 def fit_mixed(profile: dict, decode: StepCost | None) -> MixedCost | None:
-    """What prompt tokens add to the decoders' time between two tokens, from a step profile's rows
-    (bucket of prompt tokens -> [steps, prompt tokens, decoders, seconds], summed): its "apart"
-    rows where the engine steps prompt chunks apart from graphed decoders (each such step is all
-    extra), else its "mixed" rows (each step less its decoders' step: the decode fit is linear in
-    the batch, so a row's sums give it exactly); fitted as prefill is, against the prompt tokens.
-    None without a decode fit or such a step measured."""
-    apart, rows = profile.get("apart", {}), profile.get("mixed", {})
-    if decode is None or not (apart or rows):
+    """The mixed-step cost of a step profile's "mixed" rows (bucket of prompt tokens -> [steps,
+    prompt tokens, decoders, seconds], summed): what each step took beyond its decoders' step (the
+    decode fit, linear in the batch, so a row's sums give it exactly) fitted as prefill is, against
+    its prompt tokens. None without a decode fit or a mixed step measured."""
+    rows = profile.get("mixed", {})
+    if decode is None or not rows:
         return None
-    if apart:
-        beyond = {b: [n, tokens, sec] for b, (n, tokens, _, sec) in apart.items()}
-    else:
-        beyond = {b: [n, tokens, sec - n * decode.fixed - decode.per_unit * dec]
-                  for b, (n, tokens, dec, sec) in rows.items()}
+    beyond = {b: [n, tokens, sec - n * decode.fixed - decode.per_unit * dec] for b, (n, tokens, dec, sec) in rows.items()}
     extra = fit(beyond, "prefill")
     if extra is None:
         return None

@@ -34,26 +34,17 @@ def test_the_mixed_cost_is_fitted_beyond_the_decoders_step():
     mixed = fit_mixed(snap, decode)
     assert abs(mixed.overhead - 0.004) < 1e-9 and abs(mixed.per_token - 0.0001) < 1e-12
     assert fit_mixed({"decode": snap["decode"]}, decode) is None  # no mixed step measured: no fit
-    # Prompt chunks stepped apart while decoders waited: each such step is all extra.
-    for tokens in (64, 512):
-        profile.record(tokens, 0, 0.003 + 0.00002 * tokens, waited=8)
-    profile.record(2048, 0, 1.0)  # a prompt step nobody waited for: not the decoders' cost
-    apart = fit_mixed(profile.snapshot(), decode)
-    assert abs(apart.overhead - 0.003) < 1e-9 and abs(apart.per_token - 0.00002) < 1e-12
 
 
-def run(target_ms: float | None, split: bool = False) -> tuple[dict, list[tuple[int, int, int, int | None]]]:
-    """Eight short requests decoding, then three long prompts arrive: each step's (decoders running,
-    decoders in it, prompt tokens in it, the guard's budget), and every request's tokens. split: as
-    where decode steps replay CUDA graphs (prompt chunks then step apart from the decoders)."""
+def run(target_ms: float | None) -> tuple[dict, list[tuple[int, int, int | None]]]:
+    """Eight short requests decoding, then three long prompts arrive: each step's (decoders, prompt
+    tokens, the guard's budget), and every request's tokens."""
     e = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=256, chunk_size=512,
                             tpot_guard_ms=target_ms))
     guard = e.scheduler.guard
     if guard is not None:
         guard.refit_steps = 1 << 30  # keep the test's costs (no refit from this CPU's steps)
         guard.fitted(MIXED)
-    if split:
-        e.scheduler.decode_graphs(64)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     for i in range(8):
         e.add(Request(f"short{i}", e.tokenize(f"request number {i} says"), params))
@@ -65,8 +56,7 @@ def run(target_ms: float | None, split: bool = False) -> tuple[dict, list[tuple[
         budget = guard.budget(decoders) if guard is not None else None
         out = schedule()
         prompt = sum(s.num_new_tokens for s in out if s.seq.num_tokens - s.seq.num_computed_tokens > 1)
-        steps.append((decoders, len(out) - sum(1 for s in out if s.seq.num_tokens - s.seq.num_computed_tokens > 1),
-                      prompt, budget))
+        steps.append((decoders, prompt, budget))
         return out
 
     e.scheduler.schedule = watched
@@ -86,25 +76,10 @@ def test_a_decode_step_never_takes_more_prompt_tokens_than_the_budget():
     out, steps = run(target_ms=40)
     budget = MIXED.budget(8, 0.040, floor=16)
     assert 16 < budget < 600
-    guarded = [(d, p, b) for d, _, p, b in steps if d > 0 and p > 0]
+    guarded = [(d, p, b) for d, p, b in steps if d > 0 and p > 0]
     assert guarded, steps  # the long prompts were computed beside decoders
     for decoders, prompt, b in guarded:
         assert b == MIXED.budget(decoders, 0.040, floor=16)
         assert prompt <= b, (decoders, prompt, b)
     unguarded, _ = run(target_ms=None)
     assert out == unguarded  # the same tokens, in smaller chunks
-
-
-def test_where_decoders_replay_graphs_guarded_chunks_step_apart_from_them():
-    out, steps = run(target_ms=40, split=True)
-    chunks = [(d, p, b) for d, taken, p, b in steps if p > 0 and d > 0]
-    assert chunks, steps
-    for d, taken, p, b in steps:
-        assert not (taken and p), steps  # never both in one step
-    for decoders, prompt, b in chunks:
-        assert prompt <= b == MIXED.budget(decoders, 0.040, floor=16)
-    # Each step of chunks is followed by the decoders' own step (they wait out one step at most).
-    for i, (d, taken, p, _) in enumerate(steps[:-1]):
-        if p and d:
-            assert steps[i + 1][1] > 0 and steps[i + 1][2] == 0, steps[i:i + 2]
-    assert out == run(target_ms=None)[0]

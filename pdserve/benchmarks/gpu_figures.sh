@@ -11,10 +11,8 @@
 #   tp       tensor parallelism: TP = 2 against one GPU (deepseek-v2-lite, qwen3-30b-a3b; 2 GPUs)
 #   goodput  the P:D configurations of deploy/pd4 through `pdserve up` (4 GPUs; GOODPUT_RATES="24 32 48 64"
 #            to look past the 32 req/s that three of them held on 2026-11-22)
-#   adaptive the adaptive disaggregation sweep on 2 GPUs: what a prompt chunk costs a decode replica's
-#            decoders (mixed_step.py), then deploy/bench/adaptive (1 + 1 adaptive at two TPOT guards, 1 + 1
-#            fixed, 2 colocated) on 4k/256 (~12 minutes; ADAPTIVE_4K_ONLY=1 stops there), then 8k/128
-#            and 1k/1k (~15 minutes more);
+#   adaptive the adaptive disaggregation sweep on 2 GPUs (deploy/bench/adaptive: 1 + 1 adaptive at two TPOT
+#            guards, 1 + 1 fixed, 2 colocated) on 4k/256, then 8k/128 and 1k/1k (~25 minutes in all);
 #            each sweep's JSON holds the per-request records its goodput grid is printed from
 # Each part writes OUT_DIR/<part>*.json and a log; a failing part does not stop the others.
 set -u
@@ -74,12 +72,9 @@ for part in $parts; do
     adaptive)
         a=deploy/bench/adaptive
         common=(--duration 12 --stop-below 0.5 --start-timeout 180 --stop-timeout 20 --clients 4 --log-dir "$out")
-        run mixed-step python -m pdserve.benchmarks.mixed_step $a/1p1d-adaptive50.yaml --decoders 32 64 96 \
-            --chunks 0 16 256 512 1024 2048 --json "$out/mixed-step.json"
         run adaptive-4k python -m pdserve.benchmarks.pd_goodput $a/1p1d-adaptive50.yaml $a/1p1d-adaptive20.yaml \
-            $a/1p1d-fixed.yaml $a/colocated2.yaml --rates ${ADAPTIVE_RATES:-9 12 15 18 22} --input-len 4096 \
-            --output-len 256 "${common[@]}" --json "$out/adaptive-4k.json"
-        [ -n "${ADAPTIVE_4K_ONLY:-}" ] && continue
+            $a/1p1d-fixed.yaml $a/colocated2.yaml --rates 6 9 12 15 18 22 --input-len 4096 --output-len 256 \
+            "${common[@]}" --json "$out/adaptive-4k.json"
         run adaptive-8k python -m pdserve.benchmarks.pd_goodput $a/1p1d-adaptive50.yaml $a/1p1d-fixed.yaml \
             $a/colocated2.yaml --rates 3 5 7 9 12 --input-len 8192 --output-len 128 "${common[@]}" \
             --json "$out/adaptive-8k.json"

@@ -303,7 +303,7 @@ class Engine:
         else:
             prev, self._inflight = self._inflight, launched
             outputs += self._complete(prev) if prev else []
-        timer.done(prompt, decoding, waited=self.scheduler.apart_decoders if prompt and not decoding else 0)
+        timer.done(prompt, decoding)
         return outputs
 
     def _launch(self, scheduled: list[ScheduledSeq]) -> Launched:

@@ -38,8 +38,6 @@ def capture_graphs(engine: "Engine", attn_backend, moe_backend, ep, log: Callabl
             -(-engine.max_model_len // c.block_size), engine.max_model_len, engine.device, log, exchange=ep,
             kv_scales=layout.scales, pool=pool)
     seconds = time.perf_counter() - t0
-    if decode:
-        engine.scheduler.decode_graphs(runner.graphs.buckets[-1])
     if prefill_tokens and decode:  # fresh prompts and decoders then step apart, each in its graphs
         engine.scheduler.graph_limits(prefill_tokens, seqs, runner.graphs.buckets[-1])
     if log:

@@ -13,10 +13,7 @@ preempts.
 
 With a TPOT guard (engine/tpot_guard.py: a decode or colocated engine under slo.tpot_ms) a step that
 carries decoding sequences takes prompt tokens only up to the guard's budget for that many
-decoders; prompts beyond it wait for the next step. Where the decoders' step replays a CUDA graph,
-guarded prompt chunks step apart from them instead (a step of chunks, then the decoders' step): a
-step that mixes them runs eagerly, and its overhead over the graph alone was most of what a mixed
-step cost beside many decoders (docs/benchmarks.md, adaptive disaggregation).
+decoders; prompts beyond it wait for the next step.
 
 Where CUDA graphs cover both kinds of step (`graph_limits`), fresh prompts that a prefill graph
 takes are not mixed into a step of decoding sequences: a mixed step runs eagerly, and its host
@@ -73,8 +70,6 @@ class Scheduler:
         # decode graph; 0: no such graphs, every step mixes as it comes (set by the engine).
         self.prompt_graph_tokens = self.prompt_graph_seqs = self.decode_graph_batch = 0
         self._prompts_alone = False  # the last step was fresh prompts alone
-        self.decode_graph_max = 0  # the largest decode batch a CUDA graph replays (0: none)
-        self.apart_decoders = 0  # decoders that waited out the last step (prompts alone; the step profile counts them)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -100,47 +95,6 @@ class Scheduler:
         prompts, decode steps up to decode_batch sequences (of which APART_MAX_DECODERS count here)."""
         self.prompt_graph_tokens, self.prompt_graph_seqs = prompt_tokens, prompt_seqs
         self.decode_graph_batch = min(decode_batch, APART_MAX_DECODERS)
-
-    def decode_graphs(self, max_batch: int) -> None:
-        """The engine replays decode steps of up to max_batch sequences from CUDA graphs."""
-        self.decode_graph_max = max_batch
-
-    def _guard_split(self, decoders: int) -> bool:
-        """Guarded prompt chunks step apart from `decoders` a graph takes: some prompt work waits."""
-        return (self.guard is not None and 0 < decoders <= self.decode_graph_max
-                and (bool(self.waiting) or len(self.running) > decoders))
-
-    def _prompt_chunks(self) -> list[ScheduledSeq]:
-        """A step of prompt chunks alone, within the guard's budget: the prefilling sequences' next
-        chunks, then waiting ones admitted (no preemption here: a short pool is the usual step's)."""
-        room = self._prompt_room()
-        budget = self.max_num_batched_tokens if room is None else min(room, self.max_num_batched_tokens)
-        out: list[ScheduledSeq] = []
-        for seq in self.running:
-            rest = seq.num_tokens - seq.num_computed_tokens
-            if rest <= 1 or budget <= 0:
-                continue
-            n = min(rest, budget, self.chunk_size)
-            if not self._grow(seq, n):
-                return out
-            out.append(ScheduledSeq(seq, n))
-            budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_computed_tokens == 0:
-                self._use_prefix_cache(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_size)
-            if not self._grow(seq, n):
-                self._drop_blocks(seq)
-                break
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            _insert(self.running, seq)
-            self.profile.prefix_queries += seq.num_tokens
-            self.profile.prefix_hits += seq.num_cached_tokens
-            out.append(ScheduledSeq(seq, n))
-            budget -= n
-        return out
 
     def _graphs_apart(self) -> bool:
         """Decoders that one decode graph takes, and a fresh prompt waiting that a prefill graph may:
@@ -174,20 +128,15 @@ class Scheduler:
         return out
 
     def schedule(self) -> list[ScheduledSeq]:
-        self.apart_decoders = 0
-        decoders = sum(1 for q in self.running if q.num_tokens - q.num_computed_tokens == 1)
         apart = self._graphs_apart()
-        split = not apart and self._guard_split(decoders)
-        if (apart or split) and not self._prompts_alone:
-            if out := (self._prompts_only() if apart else self._prompt_chunks()):
+        if apart and not self._prompts_alone:
+            if out := self._prompts_only():
                 self._prompts_alone = True
-                self.apart_decoders = decoders
                 return out
-        defer = (apart or split) and self._prompts_alone  # the decoders' step: the prompts go alone next
+        defer = apart and self._prompts_alone  # the decoders' step: the prompts go alone next
         self._prompts_alone = False
         budget = self.max_num_batched_tokens
-        # Prompt tokens this step may still take (None: no bound); none in the decoders' step of a split.
-        room = 0 if split and defer else self._prompt_room()
+        room = self._prompt_room()  # prompt tokens this step may still take (None: no bound)
         out: list[ScheduledSeq] = []
         preempted = False
         i = 0

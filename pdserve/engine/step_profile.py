@@ -4,7 +4,7 @@ and decode pools from.
 Every step is counted in one bucket of its size (powers of two): a step that computes prompt
 tokens under "prefill" by its number of new tokens, a step of generation only under "decode" by
 its batch (sequences); a step of both is also counted under "mixed" by its prompt tokens, with its
-decoders, and a step of prompts alone while decoders waited for it under "apart". Each bucket holds [steps, size summed, seconds summed]: cumulative, so a
+decoders. Each bucket holds [steps, size summed, seconds summed]: cumulative, so a
 reader differences two snapshots to get a window, and nothing is ever drained. Also counted: the
 prompt tokens looked up in the prefix cache and those found there (vLLM's prefix_cache_queries and
 prefix_cache_hits), and every token run through the model (on a prefill replica: the prompt tokens
@@ -14,7 +14,7 @@ token counts there too, though its bucket is decode's)."""
 import threading
 import time
 
-PREFILL, DECODE, MIXED, APART = "prefill", "decode", "mixed", "apart"
+PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
 
 
 def bucket(n: int) -> int:
@@ -28,9 +28,6 @@ class StepProfile:
         # Steps that carried prompt tokens and decoders both, by prompt tokens: [steps, prompt
         # tokens, decoders, seconds] (the TPOT guard's and the adaptive site's mixed-step cost).
         self.mixed: dict[int, list[float]] = {}
-        # Steps of prompt tokens alone while decoders waited for them (engine/scheduler.py: apart),
-        # by prompt tokens: [steps, prompt tokens, decoders waiting, seconds].
-        self.apart: dict[int, list[float]] = {}
         self.busy_s = 0.0  # seconds spent in steps
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found there
@@ -39,9 +36,9 @@ class StepProfile:
         # mid-copy would break the copy, and a failed stats call reads as a dead worker.
         self._lock = threading.Lock()
 
-    def record(self, prefill_tokens: int, decode_seqs: int, seconds: float, waited: int = 0) -> None:
+    def record(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
         """One step that computed `prefill_tokens` prompt tokens and one token for `decode_seqs`
-        generating sequences, in `seconds`, while `waited` decoders waited for it."""
+        generating sequences, in `seconds`."""
         if prefill_tokens:  # a mixed step (colocated) counts as prefill: its prompt tokens dominate it
             phase, size = PREFILL, prefill_tokens + decode_seqs
         elif decode_seqs:
@@ -55,19 +52,18 @@ class StepProfile:
             row[2] += seconds
             self.busy_s += seconds
             self.tokens_computed += prefill_tokens + decode_seqs
-            if prefill_tokens and (decode_seqs or waited):
-                rows = self.mixed if decode_seqs else self.apart
-                row = rows.setdefault(bucket(prefill_tokens), [0, 0, 0, 0.0])
+            if prefill_tokens and decode_seqs:
+                row = self.mixed.setdefault(bucket(prefill_tokens), [0, 0, 0, 0.0])
                 row[0] += 1
                 row[1] += prefill_tokens
-                row[2] += decode_seqs or waited
+                row[2] += decode_seqs
                 row[3] += seconds
 
     def reset(self) -> None:
         """Back to nothing counted (after a replica's warm-up: its steps are not traffic)."""
         with self._lock:
             self.phases = {PREFILL: {}, DECODE: {}}
-            self.mixed, self.apart = {}, {}
+            self.mixed = {}
             self.busy_s = 0.0
             self.prefix_queries = self.prefix_hits = self.tokens_computed = 0
 
@@ -80,7 +76,6 @@ class StepProfile:
         with self._lock:
             return {**{p: {b: list(row) for b, row in rows.items()} for p, rows in self.phases.items()},
                     MIXED: {b: list(row) for b, row in self.mixed.items()},
-                    APART: {b: list(row) for b, row in self.apart.items()},
                     "busy_s": self.busy_s, "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
                     "tokens_computed": self.tokens_computed}
 
@@ -90,5 +85,5 @@ class _StepTimer:
         self.profile = profile
         self.t0 = time.perf_counter()
 
-    def done(self, prefill_tokens: int, decode_seqs: int, waited: int = 0) -> None:
-        self.profile.record(prefill_tokens, decode_seqs, time.perf_counter() - self.t0, waited)
+    def done(self, prefill_tokens: int, decode_seqs: int) -> None:
+        self.profile.record(prefill_tokens, decode_seqs, time.perf_counter() - self.t0)
