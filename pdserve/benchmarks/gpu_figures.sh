@@ -72,9 +72,12 @@ for part in $parts; do
     adaptive)
         a=deploy/bench/adaptive
         common=(--duration 12 --stop-below 0.5 --start-timeout 180 --stop-timeout 20 --clients 4 --log-dir "$out")
+        run mixed-step python -m pdserve.benchmarks.mixed_step $a/1p1d-adaptive50.yaml --decoders 32 64 96 \
+            --chunks 0 16 256 512 1024 2048 --json "$out/mixed-step.json"
         run adaptive-4k python -m pdserve.benchmarks.pd_goodput $a/1p1d-adaptive50.yaml $a/1p1d-adaptive20.yaml \
-            $a/1p1d-fixed.yaml $a/colocated2.yaml --rates 6 9 12 15 18 22 --input-len 4096 --output-len 256 \
-            "${common[@]}" --json "$out/adaptive-4k.json"
+            $a/1p1d-fixed.yaml $a/colocated2.yaml --rates ${ADAPTIVE_RATES:-9 12 15 18 22} --input-len 4096 \
+            --output-len 256 "${common[@]}" --json "$out/adaptive-4k.json"
+        [ -n "${ADAPTIVE_4K_ONLY:-}" ] && continue
         run adaptive-8k python -m pdserve.benchmarks.pd_goodput $a/1p1d-adaptive50.yaml $a/1p1d-fixed.yaml \
             $a/colocated2.yaml --rates 3 5 7 9 12 --input-len 8192 --output-len 128 "${common[@]}" \
             --json "$out/adaptive-8k.json"
