@@ -70,6 +70,10 @@ class Flipping:
                 "drain_s": drained - t0, "switch_s": took["total_s"], "pair_s": done - switched,
                 "free_blocks": took["free_blocks"], "total_blocks": took["total_blocks"]}
 
+    def flippable(self) -> str | None:
+        """None when this cluster's replicas can flip; else why not (`pdserve tune --apply` asks)."""
+        return self.launcher.flippable()
+
     def _to_flip(self, replica: str | None, role: str) -> Incarnation:
         other = ROLES[1 - ROLES.index(role)]
         serving = [i for i in self.replicas.values() if i.state == "serving" and i.replica not in self._restarting]
