@@ -5,11 +5,14 @@ A real `pdserve up` cluster of 2 prefill + 1 decode replicas over NIXL, a steady
 short greedy streams through the OpenAI client (tests/chaos.py, tests/steady_load.py) the whole
 time. Each flip must leave what every chaos change leaves: 0 requests failed, TTFT p99 of the
 requests sent during the flip within 2 x the steady p99 + 1 s, every KV block back to idle, every KV
-pair paired. Besides: the flipped worker keeps its process (same pid), a greedy answer after the
-flips equals the one before, and the command prints the time from the command to serving.
+pair paired; and none waits over 1 s for its first token. Besides: the flipped worker keeps its
+process (same pid), a greedy answer after the flips equals the one before, the command prints the
+time from the command to serving, and a restarted controller takes a flipped replica back as it is.
 """
 
+import os
 import re
+import signal
 
 import openai
 import pytest
@@ -18,6 +21,7 @@ from chaos import change, pairs, steady
 from pdserve.control.tune import flips
 from serving_cluster import Cluster
 
+STALL_S = 1.0  # the issue's bound: no request's first token waits longer than this during a flip
 PROMPT = "the quick brown fox jumps over the lazy dog and then"
 
 
@@ -57,18 +61,26 @@ def test_flip_prefill_to_decode_and_back_under_load(cluster):
     figures = change(cluster, flip(cluster, "pdserve-prefill-1", "decode", said), 1, 2, "flip prefill-1 -> decode")
     m = re.search(r"flipped: pdserve-prefill-1 serves as (pdserve-decode-\d+) ([\d.]+) s after the command", said[0])
     assert m, said[0]
-    as_decode, seconds = m[1], float(m[2])
-    print(f"flip: prefill -> decode serving after {seconds:.2f} s; {figures}")
+    as_decode = m[1]
+    print(said[0].strip().splitlines()[-1])  # "flipped: ... S s after the command (drain, switch, KV pairs)"
+    assert figures["max_s"] <= max(STALL_S, 2 * figures["steady_p99_s"]), figures  # no stall over 1 s
     assert cluster.pid(as_decode) == pid  # the same process: its weights and KV cache stayed
     s = cluster.status()
     assert ("pdserve-prefill-0", as_decode) in pairs(s), s
     assert greedy(cluster.url) == cluster.greedy_before
 
+    # A restarted controller takes the flipped worker back as what it is now, not as its actor's name says.
+    controller = cluster.pid("pdserve-controller")
+    change(cluster, lambda: os.kill(controller, signal.SIGKILL), 1, 2, "the controller SIGKILLed after a flip",
+           after=lambda: cluster.noted("; none restarted"))
+    assert "recovered 3 replicas" in cluster.output(), cluster.output()
+    assert cluster.pid(as_decode) == pid
+
     said.clear()
     change(cluster, flip(cluster, as_decode, "prefill", said), 2, 1, "flip decode -> prefill")
     m = re.search(r"flipped: \S+ serves as (pdserve-prefill-\d+) ([\d.]+) s after the command", said[0])
     assert m, said[0]
-    print(f"flip: decode -> prefill serving after {float(m[2]):.2f} s")
+    print(said[0].strip().splitlines()[-1])
     assert cluster.pid(m[1]) == pid
     assert greedy(cluster.url) == cluster.greedy_before
 

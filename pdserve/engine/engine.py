@@ -279,6 +279,7 @@ class Engine:
         whole prompts, holding a prefilled sequence's blocks) or set here (the step budget, overlap);
         the block count and model stay as built. CUDA graphs captured for the old role stay; the
         new role's steps that no graph covers run eagerly."""
+        self._ready = [o for o in self._ready if o.request_id in self.seqs]  # (outputs of requests aborted)
         if self.seqs or self.has_unfinished():
             raise RuntimeError(f"a role change needs an idle engine; {len(self.seqs)} requests are here")
         keep = {"model", "device", "num_kv_blocks", "kv_cache_gb", "block_size"}
