@@ -136,7 +136,7 @@ class EngineWorker:
         expert-parallel rank, whose steps are agreed with its group's."""
         cfg = self.engine.config
         want = cfg.warm_up if cfg.warm_up is not None else self.engine.device.type == "cuda"
-        if want and self._ep is None and not self._flipped:  # a flip serves at once (its kernels ran already)
+        if want and self._ep is None and not self._flipped:  # a flip serves within seconds: no warm-up
             self.warmed = warm_up(self.engine, _progress(self.name))
 
     def _receive(self, item) -> None:
