@@ -13,15 +13,18 @@ time from the command to serving, and a restarted controller takes a flipped rep
 import os
 import re
 import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 
-from chaos import change, pairs, steady
+from chaos import change, pairs, replicas, settled, steady
 from pdserve.control.tune import flips
 from serving_cluster import Cluster
 
 STALL_S = 1.0  # the issue's bound: no request's first token waits longer than this during a flip
+LONG, LONG_TOKENS = 4, 800  # streams outlasting a flip's start (the command joins Ray: ~2 s) and grace
 PROMPT = "the quick brown fox jumps over the lazy dog and then"
 
 
@@ -47,9 +50,20 @@ def greedy(url: str) -> list[str]:
                                           extra_body={"ignore_eos": True}).choices[0].text for n in (1, 3)]
 
 
-def flip(cluster: Cluster, replica: str, role: str, said: list):
+def long_answer(url: str, i: int) -> str:
+    """A long greedy answer (seconds of decoding on the CPU) to the i-th of LONG prompts."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120) as client:
+        return client.completions.create(model="tiny-moe", prompt=f"{i} {PROMPT} " * (1 + i), max_tokens=LONG_TOKENS,
+                                         temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+
+
+def _metric(cluster: Cluster, series: str) -> float:
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in cluster.metrics().splitlines() if ln.startswith(series))
+
+
+def flip(cluster: Cluster, replica: str, role: str, said: list, grace_s: float = 60):
     def do():
-        r = cluster.cli("scale", "--role", f"{replica}={role}", "--grace", "60")
+        r = cluster.cli("scale", "--role", f"{replica}={role}", "--grace", str(grace_s))
         assert r.returncode == 0, r.stderr
         said.append(r.stderr + r.stdout)
     return do
@@ -83,6 +97,35 @@ def test_flip_prefill_to_decode_and_back_under_load(cluster):
     print(said[0].strip().splitlines()[-1])
     assert cluster.pid(m[1]) == pid
     assert greedy(cluster.url) == cluster.greedy_before
+
+    said.clear()  # and once more: the worker, started as pdserve-prefill-1, flips under that name again
+    change(cluster, flip(cluster, m[1], "decode", said), 1, 2, "flip prefill -> decode again")
+    print(said[0].strip().splitlines()[-1])
+
+
+def test_a_flip_past_its_grace_moves_the_streams_left(cluster):
+    # From the 1 + 2 the test before left: long streams on both decode replicas, and a flip of one
+    # with a grace too short for them. The worker cuts them off; each moves to the other decode
+    # replica, where its greedy answer goes on as if it never moved. (The steady load runs on: none
+    # of its requests fails; the long streams load the 2 cores too much for its TTFT bound.)
+    decode = [r for r in replicas(cluster.status(), "decode") if r != "pdserve-decode-0"]
+    before = _metric(cluster, "pdserve_request_migrations_total")
+    t0, said = time.monotonic(), []
+    with ThreadPoolExecutor(LONG) as pool:
+        answers = [pool.submit(long_answer, cluster.url, i) for i in range(LONG)]
+        flip(cluster, decode[0], "prefill", said, grace_s=0.3)()
+        moved = [a.result() for a in answers]
+        assert moved == list(pool.map(lambda i: long_answer(cluster.url, i), range(LONG)))
+    print(said[0].strip().splitlines()[-1])
+    assert f"{decode[0]}: not drained within 0.3 s" in cluster.output()
+    assert _metric(cluster, "pdserve_request_migrations_total") > before  # the cut-off streams moved
+    cluster.load.drain(timeout_s=180)
+    w = cluster.load.window(t0, time.monotonic())
+    assert w.failed == 0, w.errors[:3]
+    assert settled(cluster, 2, 1) is not None, cluster.status()
+    stats = cluster.wait_idle(timeout=60)
+    assert stats and all(s.get("used") == 0 for s in stats.values()), stats
+    cluster.load.resume()
 
 
 def test_a_flip_refused_names_why(cluster):
