@@ -1,5 +1,5 @@
 """FlipWorker: the Ray actor of a disaggregated replica of one worker, in the prefill or the decode
-role, able to change role in place (a flip: `pdserve scale --flip`, `pdserve tune --apply`).
+role, able to change role in place (a flip: `pdserve scale --role`, `pdserve tune --apply`).
 
 A role's code is its worker class (prefill/worker.py PrefillWorker, decode/worker.py DecodeWorker);
 this actor holds one of them and hands it every call. A flip (asked by the controller, once the
