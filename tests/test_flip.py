@@ -81,6 +81,7 @@ def test_flip_prefill_to_decode_and_back_under_load(cluster):
     assert cluster.pid(as_decode) == pid  # the same process: its weights and KV cache stayed
     s = cluster.status()
     assert ("pdserve-prefill-0", as_decode) in pairs(s), s
+    assert f"{as_decode} (pid {pid})" in s and "flipped from pdserve-prefill-1, serving" in s, s
     assert greedy(cluster.url) == cluster.greedy_before
 
     # A restarted controller takes the flipped worker back as what it is now, not as its actor's name says.

@@ -386,8 +386,9 @@ def status_lines(s: dict) -> list[str]:
             out.append(f"{name}{on}: {r}{restarted(name)}")
         else:
             group = f" ({r.ranks} expert-parallel ranks)" if r.ranks > 1 else f" (pid {r.pid})"
+            flipped = f", {s['flips'][name]}" if name in s.get("flips", {}) else ""
             out.append(f"{name}{group}{on}: running {r.running}, waiting {r.waiting}, KV blocks used "
-                       f"{r.total_blocks - r.free_blocks}/{r.total_blocks}{restarted(name)}")
+                       f"{r.total_blocks - r.free_blocks}/{r.total_blocks}{restarted(name)}{flipped}")
     for name, r in s.get("routers", {}).items():
         if isinstance(r, str):
             out.append(f"{name}: {r}")

@@ -316,7 +316,8 @@ class Controller(Recovery, Handshake, Scaling, Flipping):
                 "slo": self.config.slo.model_dump(),
                 # Where each replica's workers run, and what each KV pair moves over (and why).
                 "nodes": {name: {w: dict(n) for w, n in inc.nodes.items()} for name, inc in list(self.replicas.items())},
-                "kv_pairs": pairs}
+                "kv_pairs": pairs,
+                "flips": {name: inc.flipped for name, inc in list(self.replicas.items()) if inc.flipped}}
 
     def load(self, window_s: float) -> Measured:
         """What the cluster measured (load.py): traffic over the last window_s, step costs over

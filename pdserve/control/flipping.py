@@ -64,6 +64,7 @@ class Flipping:
             self.replicas[new.replica] = new
             self._tell(new.change())
             done = time.monotonic()
+            new.flipped = f"flipped from {inc.replica}, serving {done - t0:.2f} s after the command"
             self._note(f"flip: {inc.replica} serves as {new.replica} {done - t0:.2f} s after the call (drain "
                        f"{drained - t0:.2f} s, switch {took['total_s']:.2f} s, KV pairs {done - switched:.2f} s)")
         return {"replica": inc.replica, "as": new.replica, "role": role, "serving_s": done - t0,

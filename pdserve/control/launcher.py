@@ -53,6 +53,7 @@ class Incarnation:
     # A flipped replica's worker: the Ray actor (and placement group) name it was started under, as
     # another replica (pdserve-prefill-1 serving as pdserve-decode-2). No new replica takes that name.
     born_as: str | None = None
+    flipped: str = ""  # how it came to be, for `pdserve status`: "flipped from pdserve-prefill-1 in 1.30 s"
 
     def change(self) -> ReplicaChange:
         return ReplicaChange(self.role, self.replica, dict(self.ranks), self.state, self.restarts)
