@@ -15,7 +15,7 @@ from pdserve.decode.kv_intake import KVIntake
 from pdserve.config import EngineConfig
 from pdserve.protocol import InvalidRequestError
 from pdserve.worker.engine_loop import IDLE_S
-from pdserve.messages import KV_FAILED, NewRequest, Refusal, ReplicaStats, ReserveResult, Unpaired
+from pdserve.messages import KV_FAILED, LOST, NewRequest, Refusal, ReplicaStats, ReserveResult, Unpaired
 from pdserve.models import resolve_model_args
 from pdserve.worker.inbox import Abort, Generate, Reserve
 from pdserve.worker.engine_worker import EngineWorker, assigned_device
@@ -27,19 +27,22 @@ from pdserve.worker.whole_requests import WholeRequests
 EP_IDLE_S = 0.02
 RESERVE_TIMEOUT_S = 60.0  # a loop that reaches no step boundary for this long is stuck
 KV_POLL_S = 0.002
+CUT_OFF_S = 5.0  # a flip's last deltas (the moves) reach routers that take them within this
 
 
 class DecodeWorker(WholeRequests, EngineWorker):
     role = "decode"
 
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, lease_s: float,
-                 namespace: str, cpu_threads: int = 1, ep: EPRank | None = None, cluster_token: str | None = None):
+                 namespace: str, cpu_threads: int = 1, ep: EPRank | None = None, cluster_token: str | None = None,
+                 engine=None):
+        """`engine`: a prefill worker's, taken over by a flip (EngineWorker)."""
         self.ep: EPGroup | None = None
         if ep is not None:  # returns once every rank of the group has joined
             num_experts = resolve_model_args(engine_config.model.path).num_experts
             self.ep = EPGroup(ep, num_experts, torch.device(assigned_device(engine_config.device)))
         super().__init__(name, engine_config, kv_backend, cpu_threads, ep=self.ep.exchange if self.ep else None,
-                         cluster_token=cluster_token)
+                         cluster_token=cluster_token, engine=engine)
         self._naps = {RUNNING: None, WAITING_FOR_KV: KV_POLL_S, IDLE: EP_IDLE_S if self.ep else IDLE_S}
         self.intake = KVIntake(self.engine, self.connector, lease_s)
         # Every reservation, from reserve until finished; a dead router's are aborted here.
@@ -96,6 +99,19 @@ class DecodeWorker(WholeRequests, EngineWorker):
 
     def _held(self) -> int:
         return len(self.streams) + int(self.intake.busy())
+
+    def _cut_off(self, left: list) -> None:
+        for item in left:
+            match item:
+                case Reserve():  # as if full: the router reserves elsewhere
+                    item.answer.set_result(ReserveResult(None))
+                case Generate():
+                    self.streams.add(item.request_id, item.router)
+        for rid in self.streams.requests():  # LOST: each router moves its request, tokens sent kept
+            self.streams.fail(rid, f"the decode replica {self.name} changed role", LOST)
+        deadline = time.monotonic() + CUT_OFF_S
+        while self.streams.flush() and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def _step(self) -> float | None:
         leases = bool(self.streams) or self.intake.busy()

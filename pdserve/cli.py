@@ -95,11 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--prefill", type=int, metavar="N")
     sc.add_argument("--decode", type=int, metavar="M")
     sc.add_argument("--colocated", type=int, metavar="K")
+    sc.add_argument("--role", action="append", default=[], metavar="REPLICA=ROLE",
+                    help="flip a replica in place between prefill and decode (e.g. pdserve-prefill-1=decode): it "
+                         "drains its role's work and serves in the new one, keeping its process and weights")
     sc.add_argument("--grace", type=float, default=120.0, metavar="S",
                     help="seconds a removed replica may take to finish what it holds; what is left then moves")
     sc.add_argument("--address", default="auto")
     sc.set_defaults(func=lambda a: cluster_cli.scale(a.address, {r: n for r in ("prefill", "decode", "colocated")
-                                                                 if (n := getattr(a, r)) is not None}, a.grace))
+                                                                 if (n := getattr(a, r)) is not None}, a.grace,
+                                                     a.role))
     st = sub.add_parser("status", help="replicas, their load and the endpoints")
     st.add_argument("--address", default="auto")
     st.add_argument("--watch", action="store_true",

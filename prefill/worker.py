@@ -16,9 +16,11 @@ class PrefillWorker(EngineWorker):
     role = "prefill"
 
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str, cpu_threads: int = 1,
-                 cluster_token: str | None = None, tp=None):
-        """`tp`: a TPRank (rank 0) when the replica is tensor parallel (pdserve/worker/tp_group.py)."""
-        super().__init__(name, engine_config, kv_backend, cpu_threads, cluster_token=cluster_token, tp=tp)
+                 cluster_token: str | None = None, tp=None, engine=None):
+        """`tp`: a TPRank (rank 0) when the replica is tensor parallel (pdserve/worker/tp_group.py).
+        `engine`: a decode worker's, taken over by a flip (EngineWorker)."""
+        super().__init__(name, engine_config, kv_backend, cpu_threads, cluster_token=cluster_token, tp=tp,
+                         engine=engine)
         self.streamer = KVStreamer(self.engine, self.connector)
         self._transfers: list[tuple[int, float]] = []
         self._transfers_total = 0
@@ -57,6 +59,14 @@ class PrefillWorker(EngineWorker):
         s = super().stats()
         s.transfers, s.transfers_total = list(self._transfers), self._transfers_total
         return s
+
+    def _cut_off(self, left: list) -> None:
+        # Releasing a handle tells its decode end: the lease fails (KV_FAILED), the router moves it.
+        for item in left:
+            if isinstance(item, Prefill):
+                self.connector.release(item.request_id, item.handle)
+        for rid in list(self.streamer.handles):
+            self.streamer.abort(rid)
 
     def _held(self) -> int:
         return len(self.streamer.handles)  # until their KV is delivered (or failed)

@@ -78,6 +78,10 @@ def test_a_shifting_workload_moves_the_split_there_and_back_and_fails_nothing(tm
             assert summary["completed"] == summary["sent"]
         moves = [ln for ln in log if "moving to" in ln]
         assert [m.split("moving to ")[1].strip() for m in moves] == ["2P+1D", "1P+2D"], "".join(log)
+        # Each move swapped one replica's role: a flip in place, not a start and a drain.
+        flipped = [ln for ln in log if "flipped: " in ln]
+        assert len(flipped) == 2 and not any("scaled: " in ln for ln in log), "".join(log)
+        print("".join(flipped))
         stats = cluster.wait_idle()
         assert stats and all(s["used"] == 0 for s in stats.values()), stats
     finally:

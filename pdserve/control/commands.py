@@ -266,13 +266,24 @@ def _fail(message: str) -> int:
     return 1
 
 
-def scale(address: str, counts: dict[str, int], grace_s: float) -> int:
-    """Replicas per role on a running cluster: new ones start and join, removed ones drain."""
-    if not counts:
-        raise ValueError("scale: name at least one of --prefill, --decode, --colocated")
+def scale(address: str, counts: dict[str, int], grace_s: float, flips: list[str] = ()) -> int:
+    """Replicas per role on a running cluster: new ones start and join, removed ones drain; and
+    flips (`REPLICA=ROLE`: a replica turned prefill or decode in place), done first."""
+    if not counts and not flips:
+        raise ValueError("scale: name at least one of --prefill, --decode, --colocated, --role")
+    asked = []
+    for f in flips:
+        replica, sep, role = f.partition("=")
+        if not sep or not replica or role not in ("prefill", "decode"):
+            raise ValueError(f"--role {f}: write REPLICA=prefill or REPLICA=decode (e.g. pdserve-prefill-1=decode)")
+        asked.append((replica, role))
     controller = _controller(address)  # first: it readies the environment Ray reads once, on import
     import ray
 
+    for replica, role in asked:
+        flip_with(controller, replica, role, grace_s)
+    if not counts:
+        return 0
     s = ask(controller, "status")
     roles = {n.rsplit("-", 1)[0].removeprefix("pdserve-") for n in s["replicas"]}
     for role, n in counts.items():
@@ -286,11 +297,27 @@ def scale(address: str, counts: dict[str, int], grace_s: float) -> int:
 
 def scale_with(controller, counts: dict[str, int], grace_s: float) -> int:
     """One `scale` call on the controller, its progress shown as it goes (also `pdserve tune --apply`)."""
+    result = _follow(controller, controller.scale.remote(counts, grace_s), "scale")
+    _log(f"scaled: started {', '.join(result['started']) or 'none'}; removed "
+         f"{', '.join(result['removed']) or 'none'}")
+    return 0
+
+
+def flip_with(controller, replica: str | None, role: str, grace_s: float) -> dict:
+    """One flip on the controller (`replica` None: its choice), its progress shown as it goes, and the
+    time from the command to serving in the new role (also `pdserve tune --apply`)."""
+    result = _follow(controller, controller.flip.remote(replica, role, grace_s), "flip")
+    _log(f"flipped: {result['replica']} serves as {result['as']} {result['serving_s']:.2f} s after the command "
+         f"(drain {result['drain_s']:.2f} s, switch {result['switch_s']:.2f} s, KV pairs {result['pair_s']:.2f} s)")
+    return result
+
+
+def _follow(controller, done, what: str):
+    """Wait for a controller call, showing its progress lines as they come; its answer."""
     import ray
 
     shown = len(ask(controller, "status")["progress"])
-    done = controller.scale.remote(counts, grace_s)
-    while True:  # (the controller bounds a scale: its replicas' start and the drain's --grace)
+    while True:  # (the controller bounds a scale or flip: its replicas' start and the drain's --grace)
         ready, _ = ray.wait([done], timeout=0.5)
         try:
             lines = ask(controller, "status")["progress"]
@@ -302,12 +329,9 @@ def scale_with(controller, counts: dict[str, int], grace_s: float) -> int:
             shown += 1
         if ready:
             try:
-                result = ray.get(done)
+                return ray.get(done)
             except ray.exceptions.RayError as e:
-                raise RuntimeError(f"scale failed: {_cause(e)}") from None
-            _log(f"scaled: started {', '.join(result['started']) or 'none'}; removed "
-                 f"{', '.join(result['removed']) or 'none'}")
-            return 0
+                raise RuntimeError(f"{what} failed: {_cause(e)}") from None
 
 
 def down(address: str, grace_s: float = 30.0) -> int:
@@ -362,8 +386,9 @@ def status_lines(s: dict) -> list[str]:
             out.append(f"{name}{on}: {r}{restarted(name)}")
         else:
             group = f" ({r.ranks} expert-parallel ranks)" if r.ranks > 1 else f" (pid {r.pid})"
+            flipped = f", {s['flips'][name]}" if name in s.get("flips", {}) else ""
             out.append(f"{name}{group}{on}: running {r.running}, waiting {r.waiting}, KV blocks used "
-                       f"{r.total_blocks - r.free_blocks}/{r.total_blocks}{restarted(name)}")
+                       f"{r.total_blocks - r.free_blocks}/{r.total_blocks}{restarted(name)}{flipped}")
     for name, r in s.get("routers", {}).items():
         if isinstance(r, str):
             out.append(f"{name}: {r}")

@@ -11,9 +11,10 @@ DecodeWorker, or with `decode.ep_size` N > 1 an expert-parallel group of N (one 
 its group down with it: the group is replaced whole). A colocated cluster has ColocatedWorkers
 only, and no handshake: no KV moves between them.
 
-Three of its parts are files of their own, mixed into the one actor class (Ray calls every method
+Four of its parts are files of their own, mixed into the one actor class (Ray calls every method
 on it, whichever file holds it): the KV handshake (handshake.py), scaling and draining
-(scaling.py), and taking the cluster back after Ray restarted the actor (recovery.py).
+(scaling.py), a replica's flip between prefill and decode (flipping.py), and taking the cluster
+back after Ray restarted the actor (recovery.py).
 """
 
 import os
@@ -25,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.actors import NAMESPACE
 from pdserve.config import ClusterConfig
+from pdserve.control.flipping import Flipping
 from pdserve.control.handshake import Handshake
 from pdserve.control.health import PROBE_INTERVAL_S, Heartbeats
 from pdserve.control.launcher import WORKER_MODULES, Incarnation, Launcher, worker_name
@@ -43,7 +45,7 @@ RETRY_S = (2.0, 60.0)  # a replacement that failed to start is tried again after
 __all__ = ["Controller"]
 
 
-class Controller(Recovery, Handshake, Scaling):
+class Controller(Recovery, Handshake, Scaling, Flipping):
     def __init__(self, config: ClusterConfig, cluster_token: str | None = None, api_keys: list | None = None):
         """api_keys: the routers' API keys (router/tenants.py ApiKey: names, hashes, limits); none: open."""
         self.config = config
@@ -314,7 +316,8 @@ class Controller(Recovery, Handshake, Scaling):
                 "slo": self.config.slo.model_dump(),
                 # Where each replica's workers run, and what each KV pair moves over (and why).
                 "nodes": {name: {w: dict(n) for w, n in inc.nodes.items()} for name, inc in list(self.replicas.items())},
-                "kv_pairs": pairs}
+                "kv_pairs": pairs,
+                "flips": {name: inc.flipped for name, inc in list(self.replicas.items()) if inc.flipped}}
 
     def load(self, window_s: float) -> Measured:
         """What the cluster measured (load.py): traffic over the last window_s, step costs over

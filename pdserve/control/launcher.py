@@ -50,6 +50,10 @@ class Incarnation:
     chosen_node: str | None = None  # the node placement chose (None: Ray's choice)
     held: dict = field(default_factory=dict)  # resources the replica holds on its node (all its bundles)
     nodes: dict[str, dict] = field(default_factory=dict)  # worker -> {node_id, ip}, once ready
+    # A flipped replica's worker: the Ray actor (and placement group) name it was started under, as
+    # another replica (pdserve-prefill-1 serving as pdserve-decode-2). No new replica takes that name.
+    born_as: str | None = None
+    flipped: str = ""  # how it came to be, for `pdserve status`: "flipped from pdserve-prefill-1 in 1.30 s"
 
     def change(self) -> ReplicaChange:
         return ReplicaChange(self.role, self.replica, dict(self.ranks), self.state, self.restarts)
@@ -79,6 +83,12 @@ def worker_name(replica: str, generation: int) -> str:
     return replica if generation == 0 else f"{replica}@{generation}"
 
 
+def taken_names(incs) -> set[str]:
+    """Replica names in use: the replicas', and those their flipped workers were started under (a Ray
+    actor's and placement group's name; `@generation` apart, which a replacement would take)."""
+    return {i.replica for i in incs} | {i.born_as.split("@")[0] for i in incs if i.born_as}
+
+
 class Launcher:
     def __init__(self, config: ClusterConfig, cpu_threads: int, cluster_token: str | None = None):
         self.config = config
@@ -90,6 +100,7 @@ class Launcher:
         own, on the node placement picks among those `others` (the other live replicas) leave room on."""
         from pdserve.prefill.worker import PrefillWorker
         from pdserve.worker.colocated import ColocatedWorker
+        from pdserve.worker.flip import FlipWorker
 
         cfg, name = self.config, worker_name(replica, generation)
         demand = Demand.of(cfg, role)
@@ -108,9 +119,13 @@ class Launcher:
                     max_concurrency=WORKER_CONCURRENCY, lifetime="detached")
         held = {k: v * demand.ranks for k, v in demand.bundle.items()}
         inc = Incarnation(role, replica, generation, {}, placement_group=pg, chosen_node=node, held=held)
+        in_pg = PlacementGroupSchedulingStrategy(pg, 0)
+        if role in ("prefill", "decode") and self.flippable() is None:
+            inc.ranks[name] = ray.remote(FlipWorker).options(
+                name=name, scheduling_strategy=in_pg, **opts, **self._kv_env()).remote(role, name, self.roles())
+            return inc
         if role == "decode":
             return self._start_decode(inc, name, opts)
-        in_pg = PlacementGroupSchedulingStrategy(pg, 0)
         if role == "prefill":
             tp = self._start_followers(inc, name, opts, cfg.engine_config("prefill"), cfg.prefill.tp_size)
             inc.ranks[name] = ray.remote(PrefillWorker).options(
@@ -122,6 +137,30 @@ class Launcher:
             inc.ranks[name] = ray.remote(ColocatedWorker).options(name=name, scheduling_strategy=in_pg, **opts).remote(
                 name, cfg.engine_config("colocated"), NAMESPACE, self.cpu_threads, tp=tp)
         return inc
+
+    def flippable(self) -> str | None:
+        """None when this cluster's prefill and decode replicas are one worker each, started as
+        FlipWorkers that can change role in place (a flip); else why not."""
+        cfg = self.config
+        if cfg.prefill.tp_size > 1:
+            return f"prefill.tp_size is {cfg.prefill.tp_size}: a flip needs a replica of one worker"
+        if cfg.decode.ep_size > 1:
+            return f"decode.ep_size is {cfg.decode.ep_size}: a flip needs a replica of one worker"
+        if cfg.prefill.gpus != cfg.decode.gpus:
+            return (f"prefill.gpus is {cfg.prefill.gpus:g} and decode.gpus {cfg.decode.gpus:g}: a flipped replica "
+                    f"keeps its device")
+        return None
+
+    def roles(self) -> dict[str, tuple[type, dict]]:
+        """What a FlipWorker builds for each role: the role's worker class and its arguments."""
+        from pdserve.decode.worker import DecodeWorker
+        from pdserve.prefill.worker import PrefillWorker
+
+        cfg, common = self.config, dict(kv_backend=self.config.kv_transfer.backend, cpu_threads=self.cpu_threads,
+                                        cluster_token=self.cluster_token)
+        return {"prefill": (PrefillWorker, dict(engine_config=cfg.engine_config("prefill"), **common)),
+                "decode": (DecodeWorker, dict(engine_config=cfg.engine_config("decode"), lease_s=cfg.kv_transfer.lease_s,
+                                              namespace=NAMESPACE, **common))}
 
     def _start_followers(self, inc: Incarnation, name: str, opts: dict, engine_config, tp_size: int):
         """A tensor-parallel replica's ranks 1 .. tp_size-1, in bundles 1 .. of its placement group,

@@ -64,13 +64,19 @@ class Recovery:
         name = worker_name(replica, gen)
         ranks = {n: ray.get_actor(n, namespace=NAMESPACE) for n in sorted(actors) if not _TP_FOLLOWER.search(n)}
         followers = {n: ray.get_actor(n, namespace=NAMESPACE) for n in sorted(actors) if _TP_FOLLOWER.search(n)}
+        born_as = None
+        if (now := _flipped(ranks)) is not None:  # its actor's name says its first role, not its role now
+            born_as, (role, name) = name, now
+            replica, _, g = name.partition("@")
+            gen = int(g or 0)
+            ranks = {name: next(iter(ranks.values()))}
         demand = Demand.of(self.config, role)
         try:
-            pg = ray.util.get_placement_group(name)
+            pg = ray.util.get_placement_group(born_as or name)
         except ValueError:  # (none by that name: its workers are all that is left of it)
             pg = None
         inc = Incarnation(role, replica, gen, ranks, placement_group=pg, followers=followers, restarts=gen,
-                          held={k: v * demand.ranks for k, v in demand.bundle.items()})
+                          held={k: v * demand.ranks for k, v in demand.bundle.items()}, born_as=born_as)
         self.replicas[replica] = inc
         try:
             self._wait_ready([inc])
@@ -99,6 +105,21 @@ class Recovery:
 _ACTOR = re.compile(r"^(?P<replica>pdserve-(?P<role>prefill|decode|colocated|router)-\d+)(?:@(?P<gen>\d+))?"
                     r"(?:-rank\d+|-tp\d+)?$")
 _TP_FOLLOWER = re.compile(r"-tp\d+$")
+
+
+def _flipped(ranks: dict) -> tuple[str, str] | None:
+    """A flipped worker's (role, worker name) now, where they differ from its actor's name; else None."""
+    if len(ranks) != 1:
+        return None
+    (actor, handle), = ranks.items()
+    ask = getattr(handle, "role", None)  # (FlipWorkers only: prefill and decode replicas of one worker)
+    if ask is None:
+        return None
+    try:
+        role, name = ray.get(ask.remote(), timeout=30)
+    except Exception:  # not answering: adopted as it is named; the watch replaces it if it is down
+        return None
+    return None if name == actor else (role, name)
 
 
 def restarted() -> bool:

@@ -9,7 +9,7 @@ import time
 
 import ray
 
-from pdserve.control.launcher import Incarnation, Launcher
+from pdserve.control.launcher import Incarnation, Launcher, taken_names
 
 DRAIN_POLL_S = 0.5
 
@@ -28,11 +28,11 @@ class Scaling:
                               key=lambda inc: _index(inc.replica))
                 for inc in have[want:][::-1]:
                     removed.append(inc)
-                taken = {_index(inc.replica) for inc in self.replicas.values() if inc.role == role}
-                free = (i for i in range(1 << 20) if i not in taken)
+                taken = taken_names(self.replicas.values())  # (a flipped worker's first name too: its actor's)
+                free = (n for i in range(1 << 20) if (n := f"pdserve-{role}-{i}") not in taken)
                 for _ in range(max(0, want - len(have))):
                     others = list(self.replicas.values()) + started
-                    started.append(self.launcher.start(role, f"pdserve-{role}-{next(free)}", 0, others))
+                    started.append(self.launcher.start(role, next(free), 0, others))
             if started:
                 self._note(f"scale: starting {', '.join(i.replica for i in started)}")
                 try:

@@ -2,7 +2,8 @@
 (planner.py has the model).
 
     pdserve tune                       what the running cluster measured, and the split it should have
-    pdserve tune --apply               ... and scale to it (removed replicas drain: nothing is dropped)
+    pdserve tune --apply               ... and move there: replicas changing role flip in place, others
+                                       start or drain (nothing is dropped)
     pdserve tune --watch [--apply]     every --interval s, with hysteresis and a cool-down
     pdserve tune --record FILE         write what the cluster measured as a profile
     pdserve tune --offline --profile FILE --input-len I --output-len O --rate R [--budget N]
@@ -116,15 +117,39 @@ def offline(a: argparse.Namespace) -> int:
 
 
 def apply(controller, p, m: Measured, grace_s: float) -> None:
+    """Move the cluster to the plan's split: replicas that change role flip in place (their process
+    and weights stay: seconds, not a model load), where the cluster's replicas can flip; the
+    rest of the change starts or drains replicas."""
     import ray
 
-    from pdserve.control.commands import _log, scale_with
+    from pdserve.control.commands import _log, ask, flip_with, scale_with
 
     now, target = p.current.counts, p.best.counts
+    n, role = flips(now, target)
+    if n and (why := ask(controller, "flippable")) is not None:
+        _log(f"tune: no flips ({why}); starting and draining replicas instead")
+        n = 0
+    for _ in range(n):
+        _log(f"tune: flipping a {'prefill' if role == 'decode' else 'decode'} replica to {role}")
+        flip_with(controller, None, role, grace_s)
+        now = (now[0] - 1, now[1] + 1) if role == "decode" else (now[0] + 1, now[1] - 1)
+    if now == target:
+        return
     free = ray.available_resources().get("GPU", 0.0)
     for counts in scale_steps(now, target, free, m.limits.ep_size, m.unit == "GPU"):
         _log(f"tune: scaling to {counts['prefill']} prefill + {counts['decode']} decode")
         scale_with(controller, counts, grace_s)
+
+
+def flips(now: tuple[int, int], target: tuple[int, int]) -> tuple[int, str | None]:
+    """How many replicas move from one role to the other between two (prefill, decode) splits, and
+    to which role: a role that shrinks while the other grows gives its replicas to it."""
+    dp, dd = target[0] - now[0], target[1] - now[1]
+    if dp < 0 < dd:
+        return min(-dp, dd), "decode"
+    if dd < 0 < dp:
+        return min(-dd, dp), "prefill"
+    return 0, None
 
 
 def too_little(t, window_s: float, min_requests: int) -> str | None:

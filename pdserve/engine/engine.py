@@ -275,6 +275,25 @@ class Engine:
             self.scheduler.remove(seq)
             self._finish(seq)
 
+    def change_role(self, config: EngineConfig) -> None:
+        """Serve in `config.role` from now on, keeping the weights, the KV cache and the prefix cache
+        (a replica's flip between prefill and decode, pdserve/worker/flip.py). Only an idle engine
+        flips: a prefill engine's sequences hold blocks until their KV is sent, a decode engine's
+        until they finish. What a role decides is read from the config at each step (scheduling
+        whole prompts, holding a prefilled sequence's blocks) or set here (the step budget, overlap);
+        the block count and model stay as built. CUDA graphs captured for the old role stay; the
+        new role's steps that no graph covers run eagerly."""
+        self._ready = [o for o in self._ready if o.request_id in self.seqs]  # (outputs of requests aborted)
+        if self.seqs or self.has_unfinished():
+            raise RuntimeError(f"a role change needs an idle engine; {len(self.seqs)} requests are here")
+        keep = {"model", "device", "num_kv_blocks", "kv_cache_gb", "block_size"}
+        self.config = config.model_copy(update={k: getattr(self.config, k) for k in keep})
+        s, c = self.scheduler, self.config
+        s.whole_prompt = c.role == "prefill"  # (scheduler.py says why the prefill role needs it)
+        s.max_num_seqs, s.max_num_batched_tokens, s.chunk_size = c.max_num_seqs, c.max_num_batched_tokens, c.chunk_size
+        self.overlap = self._wants_overlap()
+        self.layer_hook = None  # the prefill role's KV streamer installs its own
+
     # -- stepping -----------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:

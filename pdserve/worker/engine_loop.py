@@ -81,10 +81,14 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def stop(self) -> None:
+    def stop(self) -> list:
+        """Stop after the current step; returns the inbox's items not taken (a flip answers them)."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        left = list(self._inbox)
+        self._inbox.clear()
+        return left
 
     def _run(self) -> None:
         try:

@@ -72,17 +72,21 @@ class EngineWorker:
     role: str  # "prefill" | "decode" | "colocated", set by the subclass
 
     def __init__(self, name: str, engine_config: EngineConfig, kv_backend: str | None, cpu_threads: int,
-                 ep=None, cluster_token: str | None = None, tp=None):
+                 ep=None, cluster_token: str | None = None, tp=None, engine: Engine | None = None):
         """`kv_backend` None: no KV connector. A colocated worker does both phases in its own
         engine, so its KV never leaves it; a connector would only register memory and open ports.
         `ep`: an EPExchange when this worker is one rank of an expert-parallel decode replica.
         `cluster_token`: the KV handshake and TCP connections take peers of this cluster only.
         `tp`: a TPRank (rank 0) when this worker leads a tensor-parallel replica: it joins the
         group (the followers, pdserve/worker/tp_follower.py, join it too) and hands each step's
-        batch to them."""
+        batch to them.
+        `engine`: an engine built already, in another role (a flip, pdserve/worker/flip.py): it
+        changes role, keeping its weights and KV cache; only the connector and the role's parts are
+        made anew, and nothing is warmed up again."""
         self._began = (time.time(), time.perf_counter())  # for startup(): the process is up, its imports done
-        self._priority = yield_while_starting()  # back to it once ready (start_priority.py)
-        if engine_config.device == "cpu":
+        self._flipped = engine is not None
+        self._priority = None if self._flipped else yield_while_starting()  # back to it once ready (start_priority.py)
+        if engine_config.device == "cpu" and not self._flipped:
             torch.set_num_threads(cpu_threads)  # several workers share the host's cores
         engine_config = engine_config.model_copy(update={"device": assigned_device(engine_config.device)})
         self.name = name
@@ -92,7 +96,12 @@ class EngineWorker:
 
             assert tp.rank == 0, "a worker is rank 0 of its tensor-parallel replica; the others are followers"
             self.tp_group = join_tp_group(tp, engine_config.device)  # returns once every rank joined
-        self.engine = Engine(engine_config, ep=ep, tp=self.tp_group.tp if self.tp_group else None)
+        if self._flipped:
+            assert tp is None and ep is None, "a flip needs a replica of one worker"
+            engine.change_role(engine_config)
+            self.engine = engine
+        else:
+            self.engine = Engine(engine_config, ep=ep, tp=self.tp_group.tp if self.tp_group else None)
         kv_cache, layout = self.engine.kv_cache, self.engine.layout
         if self.tp_group is not None:
             self.engine.runner.on_batch = self.tp_group.send
@@ -127,7 +136,7 @@ class EngineWorker:
         expert-parallel rank, whose steps are agreed with its group's."""
         cfg = self.engine.config
         want = cfg.warm_up if cfg.warm_up is not None else self.engine.device.type == "cuda"
-        if want and self._ep is None:
+        if want and self._ep is None and not self._flipped:  # a flip serves within seconds: no warm-up
             self.warmed = warm_up(self.engine, _progress(self.name))
 
     def _receive(self, item) -> None:
@@ -160,6 +169,26 @@ class EngineWorker:
     def _held(self) -> int:
         """Requests the role holds outside the engine (streams to routers, KV in flight)."""
         return 0
+
+    def leave_role(self) -> Engine:
+        """Stop serving in this role (a flip, pdserve/worker/flip.py): the loop stops after its step,
+        what the role still holds is cut off (the drain's grace ran out, or work came as it ended:
+        the routers move it, as from a lost replica), the connector closes (its ports, its memory
+        registration: no KV write lands after this), and the blocks still held go back to the pool.
+        Returns the engine, idle, for the role that follows."""
+        left = self.loop.stop()
+        if self.loop.alive():
+            raise RuntimeError(f"{self.name}: the engine loop did not stop within 10 s")
+        self._cut_off(left)
+        if self.connector is not None:
+            self.connector.close()
+        for rid in list(self.engine.seqs):  # after the close: a write in flight might still have landed
+            self.engine.abort(rid)
+        return self.engine
+
+    def _cut_off(self, left: list) -> None:
+        """End the role's requests (and the inbox's items `left` untaken) so that their routers move them."""
+        raise NotImplementedError
 
     def _step(self) -> float | None:
         raise NotImplementedError

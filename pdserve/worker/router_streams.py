@@ -45,6 +45,10 @@ class RouterStreams:
     def add(self, request_id: str, router: str) -> None:
         self._owner[request_id] = router
 
+    def requests(self) -> list[str]:
+        """The requests streaming from here."""
+        return list(self._owner)
+
     def drop(self, request_id: str) -> bool:
         """Stop streaming a request (its client left); False if it was not streaming from here."""
         return self._owner.pop(request_id, None) is not None
