@@ -56,7 +56,7 @@ class EngineConfig(_Strict):
     overlap_scheduling: bool | None = None
     # A step with decoding sequences takes prompt tokens only up to the budget that keeps it within
     # this many ms, from the engine's fitted step costs (engine/tpot_guard.py); None: no bound. Set
-    # from slo.tpot_ms for decode and colocated replicas (slo.tpot_guard).
+    # from slo.tpot_ms for the replicas slo.tpot_guard names.
     tpot_guard_ms: float | None = Field(default=None, gt=0)
     # Run every kind of step once before the replica is ready (engine/warm_up.py; default: on a GPU,
     # where kernels compile on first use; on CPU nothing does, and it would only cost time).
@@ -164,11 +164,12 @@ class RouterConfig(_Strict):
     refuse_over_slo: bool = False
     # Where a disaggregated cluster's prompts are computed (router/prefill_site.py): on a prefill
     # replica (remote: the KV moves), or on the decode replica that decodes it (local: its steps mix
-    # the prompt's chunks with its decoders', within slo.tpot_ms). adaptive: each request where its
-    # forecast first token comes sooner; remote: on a prefill replica while one can take it. Either
-    # way a request is prefilled locally while no prefill replica can take it (every one down,
-    # draining or unpaired) instead of waiting for one.
-    prefill_site: Literal["adaptive", "remote"] = "adaptive"
+    # the prompt's chunks with its decoders', paced within slo.tpot_ms). adaptive: each request where
+    # its forecast first token comes sooner; remote: on a prefill replica while one can take it.
+    # Either way a request is prefilled locally while no prefill replica can take it (every one
+    # down, draining or unpaired) instead of waiting for one. Default remote: adaptive has not yet
+    # measured better on a GPU (docs/benchmarks.md, adaptive disaggregation).
+    prefill_site: Literal["adaptive", "remote"] = "remote"
     # A prompt with at most this many tokens to compute is prefilled locally, whatever the forecast.
     local_prefill_tokens: int = Field(default=0, ge=0)
 
@@ -302,11 +303,18 @@ class KVTransferConfig(_Strict):
 class SloConfig(_Strict):
     ttft_ms: float = Field(default=1000, gt=0)
     tpot_ms: float = Field(default=100, gt=0)
-    # Decode and colocated replicas take prompt tokens into a step of decoding sequences only up to
-    # the budget that keeps the step within tpot_ms (engine/tpot_guard.py): prompts computed beside
-    # decoding (a local prefill, a colocated replica's) never break the decoders' SLO. false: steps
-    # take prompt chunks up to chunk_size and max_batch_tokens whatever they cost the decoders.
-    tpot_guard: bool = True
+    # Which replicas take prompt tokens beside their decoding sequences only as the decoders'
+    # slack under tpot_ms pays for them (engine/tpot_guard.py): decode (a local prefill, a
+    # preempted sequence's recompute), all (colocated replicas' prompts too), off (chunks up to
+    # chunk_size and max_batch_tokens, whatever they cost the decoders). Colocated replicas are
+    # not guarded by default: their goodput with the guard has not been measured yet.
+    tpot_guard: Literal["decode", "all", "off"] = "decode"
+
+    @field_validator("tpot_guard", mode="before")
+    @classmethod
+    def _guard_words(cls, v):
+        """YAML reads a bare `off` as false (and `on` as true)."""
+        return {False: "off", True: "decode"}.get(v, v) if isinstance(v, bool) else v
 
 
 class ClusterConfig(_Strict):
@@ -375,7 +383,7 @@ class ClusterConfig(_Strict):
         if role in ("decode", "colocated"):  # the generation phase
             kw.update(max_num_seqs=r.max_num_seqs, cuda_graphs=r.cuda_graphs,
                       overlap_scheduling=r.overlap_scheduling,
-                      tpot_guard_ms=self.slo.tpot_ms if self.slo.tpot_guard else None)
+                      tpot_guard_ms=self.slo.tpot_ms if self.slo.tpot_guard in (role, "all") else None)
         return EngineConfig(**kw)
 
 

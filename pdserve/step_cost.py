@@ -72,7 +72,8 @@ class MixedCost:
     an overhead once there are prompt tokens in it, plus each token's own cost. The overhead is
     real: a mixed step runs eagerly where the decoders alone replay a CUDA graph (an H200, 96
     decoders of 4k context: 28 ms alone, 46 ms with 16 prompt tokens beside them;
-    docs/benchmarks.md, adaptive disaggregation)."""
+    docs/benchmarks.md, adaptive disaggregation). So a guard does not add a few prompt tokens to
+    every step: it banks each step's slack and spends it on a chunk worth the overhead."""
 
     decode: StepCost
     overhead: float
@@ -81,15 +82,33 @@ class MixedCost:
     def time(self, decoders: int, tokens: int) -> float:
         return self.decode.time(decoders) + (self.overhead + self.per_token * tokens if tokens else 0.0)
 
-    def budget(self, decoders: int, target_s: float, floor: int) -> int:
-        """The prompt tokens a step may compute beside `decoders` decoding sequences and stay within
-        target_s (a TPOT SLO) less HEADROOM, as Sarathi-Serve sizes its chunks. At least `floor`
-        tokens, so that a prompt still moves on where the decoders alone fill the target (it then
-        delays them by as little as a mixed step can)."""
-        room = HEADROOM * target_s - self.time(decoders, 0) - self.overhead
+    def slack(self, decoders: int, target_s: float) -> float:
+        """What a step of the decoders alone leaves of target_s (a TPOT SLO) less HEADROOM."""
+        return HEADROOM * target_s - self.decode.time(decoders)
+
+    def least_chunk(self, floor: int) -> int:
+        """The fewest prompt tokens worth a mixed step: as many as cost what the mixing itself does
+        (a smaller chunk pays more for the mixing than for its tokens), and at least `floor`."""
+        return max(floor, int(self.overhead / self.per_token)) if self.per_token > 0 else floor
+
+    def tokens_per_step(self, decoders: int, target_s: float, floor: int) -> float:
+        """The prompt tokens a guarded engine computes per step, on average, beside `decoders`
+        decoding sequences (engine/tpot_guard.py's pacing): every step banks its slack (at most
+        HEADROOM x target_s banked), and a mixed step spends the bank on its overhead and tokens,
+        at least least_chunk of them. Where the decoders alone fill the target, least_chunk every
+        STARVE_STEPS steps."""
+        s, least = self.slack(decoders, target_s), self.least_chunk(floor)
+        if s <= 0:
+            return least / STARVE_STEPS
         if self.per_token <= 0:
-            return 1 << 30 if room > 0 else floor  # (no per-token cost measured: only the overhead counts)
-        return max(floor, int(room / self.per_token))
+            return float("inf")
+        tokens = max(least, (HEADROOM * target_s + s - self.overhead) / self.per_token)
+        return tokens / max(1.0, (self.overhead + self.per_token * tokens) / s)
+
+
+# Steps a prompt waits, beside decoders that alone fill the TPOT target, before it may take a
+# least chunk anyway: it moves on, slowly, rather than never.
+STARVE_STEPS = 32
 
 
 def fit_mixed(profile: dict, decode: StepCost | None) -> MixedCost | None:

@@ -7,17 +7,17 @@ The rule (router.prefill_site, router.local_prefill_tokens N):
 1. local while no prefill replica can take the attempt — every one down, draining, or paired with
    no live decode worker — rather than waiting for one (why: "no_prefill");
 2. local when the prompt tokens it leaves to compute are at most N (why: "short");
-3. adaptive (the default): the site whose forecast first token comes sooner (why: "sooner").
+3. adaptive: the site whose forecast first token comes sooner (why: "sooner").
    Remote: the quickest prefill replica's queue of prompt tokens and this prompt at its fitted
    per-token cost, then its KV's move (its latest transfers' mean) and a decode step. Local: the
-   quickest decode replica's queue of local prompt tokens and this prompt, in steps that each
-   take at most its TPOT guard's budget of prompt tokens beside its decoders and cost its mixed
-   step (the engine's guard computes the same from the same fit, pdserve/step_cost.py MixedCost;
-   before the replica has measured a mixed step, a prior). A prompt
+   quickest decode replica's queue of local prompt tokens and this prompt at the pace its TPOT
+   guard allows beside its decoders (the engine's guard paces with the same model from the same
+   fit, pdserve/step_cost.py MixedCost; before the replica has measured a mixed step, a prior). A prompt
    the replica's prefix cache holds in part counts only what it lacks. So short prompts, cached
    prefixes and a backed-up prefill pool go local; long prompts go remote while the prefill pool
    keeps up. Until both forecasts can be made (no steps measured yet), remote;
-4. remote otherwise (why: "long"), always so with router.prefill_site: remote.
+4. remote otherwise (why: "long"), always so with router.prefill_site: remote (the default until
+   adaptive measures better on a GPU).
 Only a decode replica of one worker takes a local prefill (an expert-parallel group's ranks step in
 lockstep; none is chosen there yet).
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 from pdserve.config import EngineConfig
-from pdserve.step_cost import MixedCost
+from pdserve.step_cost import HEADROOM, STARVE_STEPS, MixedCost
 
 # A decode replica's mixed step before it has measured one: its decoders' step, plus this share of
 # it (the eager run's overhead: 0.36-0.64x on an H200 at 64-96 decoders), plus the prompt tokens at
@@ -60,7 +60,7 @@ class LocalCosts:
 class PrefillSite:
     mode: Literal["adaptive", "remote"] = "adaptive"  # router.prefill_site
     local_tokens: int = 0  # router.local_prefill_tokens
-    tpot_target_s: float | None = None  # slo.tpot_ms where slo.tpot_guard: the decode steps' guard
+    tpot_target_s: float | None = None  # slo.tpot_ms where slo.tpot_guard guards decode replicas
     floor: int = 16  # the guard's fewest prompt tokens a step (the block size)
     step_tokens: int = 8192  # a decode engine's token budget of a step
     chunk_tokens: int = 2048  # its most prompt tokens of one request in a step
@@ -70,7 +70,7 @@ class PrefillSite:
         """From a ClusterConfig. (A decode engine keeps the engine's default step and chunk sizes.)"""
         e = EngineConfig()
         return cls(cfg.router.prefill_site, cfg.router.local_prefill_tokens,
-                   cfg.slo.tpot_ms / 1e3 if cfg.slo.tpot_guard else None, cfg.kv_transfer.block_size,
+                   cfg.slo.tpot_ms / 1e3 if cfg.slo.tpot_guard != "off" else None, cfg.kv_transfer.block_size,
                    e.max_num_batched_tokens, e.chunk_size)
 
     def choose(self, tokens: int, prefill_can_take: bool,
@@ -90,15 +90,29 @@ class PrefillSite:
     def local_s(self, tokens: int, c: LocalCosts) -> float | None:
         """Seconds until a decode replica that prefills `tokens` prompt tokens itself (behind its queue
         of local prompts) yields the first token; None before its costs are known."""
-        if c.mixed is None:
+        m = c.mixed
+        if m is None:
             return None
         mine = max(1, tokens - c.cached_tokens)
         total = c.queued_tokens + mine
-        per_step = self.step_tokens
         if self.tpot_target_s is not None and c.decoders:
-            per_step = min(per_step, c.mixed.budget(c.decoders, self.tpot_target_s, self.floor))
-        steps = max(math.ceil(total / per_step), math.ceil(mine / self.chunk_tokens))
-        return steps * c.mixed.time(c.decoders, 0) + steps * c.mixed.overhead + total * c.mixed.per_token
+            return self._paced_s(total, m, c.decoders, self.tpot_target_s)
+        steps = max(math.ceil(total / self.step_tokens), math.ceil(mine / self.chunk_tokens))
+        return steps * (m.time(c.decoders, 0) + m.overhead) + total * m.per_token
+
+
+    def _paced_s(self, total: int, m: MixedCost, decoders: int, target_s: float) -> float:
+        """Seconds for a TPOT guard (engine/tpot_guard.py) to let `total` prompt tokens through beside
+        `decoders`: where the decoders fill the target, a least chunk every STARVE_STEPS of their
+        steps; where one mixed step can take them all, the steps that bank what it costs (from an
+        empty bank) and that step; else the guard's pace, at the decoders' mean step it keeps."""
+        slack, least = m.slack(decoders, target_s), m.least_chunk(self.floor)
+        if slack <= 0:
+            return math.ceil(total / least) * STARVE_STEPS * m.time(decoders, 0)
+        if m.per_token <= 0 or total <= (HEADROOM * target_s + slack - m.overhead) / m.per_token:
+            cost = m.overhead + m.per_token * max(total, least)
+            return max(0, math.ceil((cost - slack) / slack)) * m.time(decoders, 0) + m.time(decoders, total)
+        return math.ceil(total / m.tokens_per_step(decoders, target_s, self.floor)) * HEADROOM * target_s
 
 
 def forecast_sites(site: PrefillSite, fc, rs, prefill: list[str], local: list[str], tokens: int,

@@ -23,10 +23,6 @@ class Cluster:
             cfg["router"]["replicas"] = int(routers)
         if "colocated" not in sections:  # a colocated cluster has no prefill or decode replicas to size
             cfg |= {"prefill": {"num_kv_blocks": 512}, "decode": {"num_kv_blocks": 512}}
-            # Prompts on the prefill replicas, their KV moved: what the serving tests check is that
-            # path (the default, adaptive, may compute a prompt on its decode replica instead; the
-            # tests of that choice, and the embedded default's, ask for it).
-            cfg["router"]["prefill_site"] = "remote"
         for key, value in sections.items():
             cfg.setdefault(key, {}).update(value)
         self.path = tmp_path / "cluster.yaml"

@@ -3,6 +3,8 @@ against forecasts built from fitted step costs as the router fits them: which re
 (short prompts, cached prefixes, a backed-up prefill pool), which remote (long prompts while the
 prefill pool keeps up, and whenever the forecasts cannot be made yet). Ray-free."""
 
+import math
+
 import pytest
 
 from pdserve.messages import ReplicaStats
@@ -10,7 +12,7 @@ from pdserve.router.forecast import TTFTForecast
 from pdserve.router.prefill_site import (LOCAL, MIXED_OVERHEAD_PRIOR, REMOTE, LocalCosts, PrefillSite,
                                          SiteForecast, forecast_sites)
 from pdserve.router.replica_set import ReplicaSet
-from pdserve.step_cost import MixedCost, StepCost
+from pdserve.step_cost import HEADROOM, STARVE_STEPS, MixedCost, StepCost
 
 # An H200-like replica of a 30B MoE: a prompt token 16 us beside a 4 ms step, a decode step
 # 12 ms + 0.1 ms a sequence, a mixed step 5 ms more and 25 us a prompt token; a 4k prompt's KV
@@ -42,28 +44,26 @@ def choose(tokens: int, decoders: int, prefill_queue: int = 0, local_queue: int 
 
 
 def test_short_prompts_go_local_long_ones_remote():
-    # 150 decoders: 27 ms a step, so the guard leaves a 30 ms target room for a block at a time:
-    # a 4k prompt would take 256 mixed steps locally, on the prefill replica 70 ms; 16 tokens take
-    # one mixed step (32 ms) against the prefill step, the KV's move and a decode step (33 ms).
-    assert choose(16, decoders=150) == (LOCAL, "sooner")
-    assert choose(4096, decoders=150) == (REMOTE, "sooner")
-    # Beside 8 decoders, 32 tokens are one mixed step (18.6 ms against 19.3 ms remote); 512 are two
-    # (the guard's budget is 368 tokens a step): 48 ms against 27 ms.
+    # Beside 8 decoders (12.8 ms a step: 14.2 ms of slack under 0.9 x 30 ms), 32 tokens go in the
+    # next mixed step (18.6 ms) against the prefill step, the KV's move and a decode step (19.3 ms);
+    # 512 tokens wait a step for their mixed one (43 ms against 27 ms); 4k take 9 guarded steps.
     assert choose(32, decoders=8) == (LOCAL, "sooner")
     assert choose(512, decoders=8) == (REMOTE, "sooner")
+    assert choose(4096, decoders=8) == (REMOTE, "sooner")
+    # 150 decoders fill the target (27 ms a step): even 16 tokens wait for the guard's trickle.
+    assert choose(16, decoders=150) == (REMOTE, "sooner")
 
 
 def test_a_backed_up_prefill_pool_sends_prompts_local():
-    # 60k tokens queued at the prefill replica (~1.07 s): a 4k prompt takes 12 mixed steps beside
-    # 8 decoders, 0.32 s.
+    # 60k tokens queued at the prefill replica (~1.07 s): a 4k prompt is 9 guarded steps, 0.24 s.
     assert choose(4096, decoders=8, prefill_queue=60_000) == (LOCAL, "sooner")
     # ... but not once the decode replica's own local queue is as long.
     assert choose(4096, decoders=8, prefill_queue=60_000, local_queue=60_000) == (REMOTE, "sooner")
 
 
 def test_a_cached_prefix_sends_the_prompt_local():
-    assert choose(4096, decoders=150) == (REMOTE, "sooner")
-    assert choose(4096, decoders=150, cached=4080) == (LOCAL, "sooner")  # 16 tokens left to compute
+    assert choose(4096, decoders=8) == (REMOTE, "sooner")
+    assert choose(4096, decoders=8, cached=4080) == (LOCAL, "sooner")  # 16 tokens left to compute
 
 
 def test_without_forecasts_or_in_remote_mode_prompts_go_remote():
@@ -73,7 +73,7 @@ def test_without_forecasts_or_in_remote_mode_prompts_go_remote():
     f = forecast_sites(SITE, fc, rs, ["p0"], ["d0"], 512, lambda names: {})
     assert f.local_s is None and f.remote_s is not None
     assert SITE.choose(512, True, lambda: f) == (REMOTE, "long")
-    assert choose(16, decoders=150, site=PrefillSite(mode="remote")) == (REMOTE, "long")
+    assert choose(16, decoders=8, site=PrefillSite(mode="remote")) == (REMOTE, "long")
     # The rules before the forecast: none asked for where they decide.
     asked = []
     assert SITE.choose(99_999, False, lambda: asked.append(1)) == (LOCAL, "no_prefill")
@@ -83,17 +83,23 @@ def test_without_forecasts_or_in_remote_mode_prompts_go_remote():
 
 def test_before_a_mixed_step_is_measured_the_prior_forecasts_it():
     fc, rs = cluster(decoders=8)
-    fc.mixed_cost.clear()  # decode steps measured, no mixed one yet: 0.6 x the decode step more, and
+    fc.mixed_cost.clear()  # decode steps measured, no mixed one yet: 0.6 x the decode step more,
     f = forecast_sites(SITE, fc, rs, ["p0"], ["d0"], 32, lambda names: {})  # the prefill replica's per token
-    step = DECODE.time(8)
-    assert f.local_s == pytest.approx(step + MIXED_OVERHEAD_PRIOR * step + 32 * PREFILL.per_unit)
+    prior = MixedCost(DECODE, MIXED_OVERHEAD_PRIOR * DECODE.time(8), PREFILL.per_unit)
+    # Its least chunk (480 tokens) costs more than a step's slack: one step banks, the next mixes.
+    assert f.local_s == pytest.approx(DECODE.time(8) + prior.time(8, 32))
 
 
-def test_the_local_forecast_uses_the_guards_budget():
+def test_the_local_forecast_follows_the_guards_pace():
+    # 150 decoders fill a 30 ms target: a least chunk (200 tokens, worth the 5 ms overhead) every
+    # STARVE_STEPS steps.
     c = LocalCosts(MIXED, decoders=150, queued_tokens=0)
-    # 27 ms of decoders and 5 ms of overhead leave nothing of a 30 ms target: 16 tokens (the floor) a step.
-    step = DECODE.time(150) + MIXED.overhead
-    assert SITE.local_s(4096, c) == pytest.approx(256 * step + 4096 * MIXED.per_token)
-    unguarded = PrefillSite(tpot_target_s=None)  # slo.tpot_guard false: chunk_tokens a step
+    assert SITE.local_s(4096, c) == pytest.approx(21 * STARVE_STEPS * DECODE.time(150))
+    # 8 decoders: past what one mixed step takes, the guard's mean pace at 0.9 x the target a step.
+    c = LocalCosts(MIXED, decoders=8, queued_tokens=0)
+    pace = MIXED.tokens_per_step(8, 0.030, 16)
+    assert SITE.local_s(4096, c) == pytest.approx(math.ceil(4096 / pace) * HEADROOM * 0.030)
+    unguarded = PrefillSite(tpot_target_s=None)  # slo.tpot_guard off: chunk_tokens a step
+    step = DECODE.time(8) + MIXED.overhead
     assert unguarded.local_s(4096, c) == pytest.approx(2 * step + 4096 * MIXED.per_token)
     assert SiteForecast().local_replica is None

@@ -90,12 +90,10 @@ class Engine:
         self.kv_cache = allocate_kv_cache(self.layout, self.device)
         self.pool = BlockPool(self.layout.num_blocks, config.enable_prefix_cache)
         self.profile = StepProfile()  # what steps cost, by size (the planner reads it)
-        # A prefill engine has no decoders to guard.
-        guard = (TPOTGuard(self.profile, config.tpot_guard_ms / 1e3, config.block_size)
-                 if config.tpot_guard_ms and config.role != "prefill" else None)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.chunk_size,
-                                   whole_prompt=config.role == "prefill", profile=self.profile, guard=guard)
+                                   whole_prompt=config.role == "prefill", profile=self.profile,
+                                   guard=self._tpot_guard(config))
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.layout.scales)
         # Seconds capturing CUDA graphs, where they are (None: none here).
         self.graphs_s: float | None = capture_graphs(self, attn_backend, moe_backend, ep, log)
@@ -112,6 +110,12 @@ class Engine:
         if log:
             log(f"KV cache: {self.layout.num_blocks} blocks of {config.block_size} tokens "
                 f"({self.layout.num_blocks * config.block_size} tokens, {str(kv_dtype).removeprefix('torch.')})")
+
+    def _tpot_guard(self, config: EngineConfig) -> TPOTGuard | None:
+        """The TPOT guard of the role's steps (engine/tpot_guard.py); a prefill engine has no decoders to guard."""
+        if not config.tpot_guard_ms or config.role == "prefill":
+            return None
+        return TPOTGuard(self.profile, config.tpot_guard_ms / 1e3, config.block_size)
 
     def _wants_overlap(self) -> bool:
         """Overlap the host's work with the device's: on by default on a GPU. Not for the prefill
@@ -291,6 +295,7 @@ class Engine:
         s, c = self.scheduler, self.config
         s.whole_prompt = c.role == "prefill"  # (scheduler.py says why the prefill role needs it)
         s.max_num_seqs, s.max_num_batched_tokens, s.chunk_size = c.max_num_seqs, c.max_num_batched_tokens, c.chunk_size
+        s.guard = self._tpot_guard(c)
         self.overlap = self._wants_overlap()
         self.layer_hook = None  # the prefill role's KV streamer installs its own
 

@@ -13,7 +13,8 @@ preempts.
 
 With a TPOT guard (engine/tpot_guard.py: a decode or colocated engine under slo.tpot_ms) a step that
 carries decoding sequences takes prompt tokens only up to the guard's budget for that many
-decoders; prompts beyond it wait for the next step.
+decoders (none in a step whose decoders bank their slack for a later chunk); prompts beyond it
+wait.
 
 Where CUDA graphs cover both kinds of step (`graph_limits`), fresh prompts that a prefill graph
 takes are not mixed into a step of decoding sequences: a mixed step runs eagerly, and its host
@@ -128,6 +129,12 @@ class Scheduler:
         return out
 
     def schedule(self) -> list[ScheduledSeq]:
+        out = self._schedule()
+        if self.guard is not None:  # what the step takes of the prompts, the guard's bank pays for
+            self.guard.took(sum(s.num_new_tokens for s in out if s.seq.num_tokens - s.seq.num_computed_tokens > 1))
+        return out
+
+    def _schedule(self) -> list[ScheduledSeq]:
         apart = self._graphs_apart()
         if apart and not self._prompts_alone:
             if out := self._prompts_only():

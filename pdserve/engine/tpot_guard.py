@@ -1,22 +1,30 @@
 """The TPOT guard: a step that carries decoding sequences takes prompt tokens (a local prefill's
-chunks, a colocated replica's prompts, a preempted sequence's recompute) only up to the budget that
-keeps the step within the cluster's TPOT SLO (slo.tpot_ms), so that computing prompts beside
-decoding never breaks the decoders' SLO.
+chunks, a colocated replica's prompts, a preempted sequence's recompute) only as the decoders'
+time per token can pay for them within the cluster's TPOT SLO (slo.tpot_ms), so that computing
+prompts beside decoding does not break the decoders' SLO.
 
-The budget comes from the engine's own step costs (pdserve/step_cost.py): its decode steps by
-batch, and what its mixed steps took beyond their decoders' step (an overhead, for the mixed step
-runs eagerly where decoders alone replay a graph, and a cost per prompt token). It is refitted every
-REFIT_STEPS steps from the engine's cumulative step profile. Until a mixed step has been measured
-there is no budget: the first mixed steps take chunk_size and teach the fit (a smaller budget
-then adds the second size the fit needs to split overhead from per-token cost). A step of prompts
-alone (no decoders) is unbounded here: its chunks are sized by chunk_size and
-max_num_batched_tokens as before.
+The cost comes from the engine's own steps (pdserve/step_cost.py MixedCost): its decode steps by
+batch, and what its mixed steps took beyond their decoders' step — an overhead (a mixed step runs
+eagerly where decoders alone replay a CUDA graph) and a cost per prompt token. It is refitted
+every REFIT_STEPS steps from the engine's cumulative step profile. Until a mixed step has been
+measured there is no bound: the first mixed steps take chunk_size and teach the fit.
 
-The routers compute the same budget from the same profile (on the replica's stats) to forecast a
-local prefill's time to first token (router/prefill_site.py)."""
+Pacing. A client's TPOT is the mean of its gaps, so the guard keeps the decoders' mean step
+within HEADROOM x the target rather than every step: each step banks what its decoders leave of
+it (its slack; at most one target's worth banked, so that no one step is much over two targets),
+and a step takes prompt tokens only when the bank pays for the mixing overhead and a chunk worth
+it (MixedCost.least_chunk), spending the bank on as many tokens as it buys. Adding a few tokens
+to every step instead pays the overhead every step: beside 96 decoders on an H200 that made each
+local 4k prompt crawl through ~250 mixed steps, every one of them 12 ms slower than the decoders
+alone (docs/benchmarks.md, adaptive disaggregation). Where the decoders alone fill the target, a
+least chunk goes every STARVE_STEPS steps: prompts move on, slowly, rather than never.
+
+The routers forecast a local prefill's pace with the same model (MixedCost.tokens_per_step,
+router/prefill_site.py). A step of prompts alone (no decoders) is unbounded here: its chunks are
+sized by chunk_size and max_num_batched_tokens as before."""
 
 from pdserve.engine.step_profile import StepProfile
-from pdserve.step_cost import MixedCost, fit_mixed, fit_phases
+from pdserve.step_cost import HEADROOM, STARVE_STEPS, MixedCost, fit_mixed, fit_phases
 
 REFIT_STEPS = 64  # steps between two fits (a fit walks a few dozen buckets: cheap, but not per step)
 
@@ -25,9 +33,12 @@ class TPOTGuard:
     def __init__(self, profile: StepProfile, target_s: float, floor: int):
         self.profile = profile
         self.target_s = target_s
-        self.floor = floor  # the fewest prompt tokens a step takes (a block: a prompt always moves on)
+        self.floor = floor  # the fewest prompt tokens a mixed step takes (a block)
         self.mixed: MixedCost | None = None
         self.refit_steps = REFIT_STEPS  # (a test that sets its own costs keeps them with a larger one)
+        self.bank = 0.0  # seconds of slack the decoders' steps have banked (negative: owed)
+        self._slack: float | None = None  # the step being scheduled's own slack (None: not guarded)
+        self._starved = 0  # steps since prompt tokens last went, where the decoders fill the target
         self._steps = 0
 
     def fitted(self, mixed: MixedCost | None) -> None:
@@ -35,14 +46,35 @@ class TPOTGuard:
         self.mixed = mixed
 
     def budget(self, decoders: int) -> int | None:
-        """The most prompt tokens the next step may take beside `decoders` decoding sequences; None:
-        no bound (no decoders to protect, or no costs measured yet)."""
+        """The most prompt tokens the next step may take beside `decoders` decoding sequences (0:
+        none this step); None: no bound (no decoders to protect, or no costs measured yet). The
+        scheduler then says what it took (`took`)."""
         self._steps += 1
         # (Sooner while none is fitted: the unbounded mixed steps until then are the costly ones.)
         if self._steps >= (self.refit_steps if self.mixed is not None else min(8, self.refit_steps)):
             self._steps = 0
             snap = self.profile.snapshot()
             self.fitted(fit_mixed(snap, fit_phases(snap)[0]))
-        if decoders == 0 or self.mixed is None:
+        m = self._slack = None
+        if decoders == 0 or (m := self.mixed) is None:
+            self.bank = 0.0  # (no decoders: nothing owed, nothing banked for the next ones)
             return None
-        return self.mixed.budget(decoders, self.target_s, self.floor)
+        self._slack = slack = m.slack(decoders, self.target_s)
+        least = m.least_chunk(self.floor)
+        if slack <= 0:
+            return least if self._starved >= STARVE_STEPS else 0
+        if m.per_token <= 0:
+            return 1 << 30 if self.bank + slack >= m.overhead else 0
+        tokens = int((self.bank + slack - m.overhead) / m.per_token)
+        full = self.bank >= HEADROOM * self.target_s - 1e-12  # (it banks no more: spend it)
+        return max(tokens, least) if tokens >= least or full else 0
+
+    def took(self, tokens: int) -> None:
+        """The step just scheduled takes `tokens` prompt tokens: the bank pays for them."""
+        if self._slack is None:
+            return
+        m, cap = self.mixed, HEADROOM * self.target_s
+        spent = m.overhead + m.per_token * tokens if tokens else 0.0
+        self.bank = max(-cap, min(cap, self.bank + self._slack - spent))
+        self._starved = 0 if tokens or self._slack > 0 else self._starved + 1
+        self._slack = None
