@@ -58,7 +58,7 @@ class LocalCosts:
 
 @dataclass(frozen=True)
 class PrefillSite:
-    mode: Literal["adaptive", "remote"] = "adaptive"  # router.prefill_site
+    mode: Literal["adaptive", "remote"] = "remote"  # router.prefill_site
     local_tokens: int = 0  # router.local_prefill_tokens
     tpot_target_s: float | None = None  # slo.tpot_ms where slo.tpot_guard guards decode replicas
     floor: int = 16  # the guard's fewest prompt tokens a step (the block size)
@@ -99,7 +99,6 @@ class PrefillSite:
             return self._paced_s(total, m, c.decoders, self.tpot_target_s)
         steps = max(math.ceil(total / self.step_tokens), math.ceil(mine / self.chunk_tokens))
         return steps * (m.time(c.decoders, 0) + m.overhead) + total * m.per_token
-
 
     def _paced_s(self, total: int, m: MixedCost, decoders: int, target_s: float) -> float:
         """Seconds for a TPOT guard (engine/tpot_guard.py) to let `total` prompt tokens through beside

@@ -20,7 +20,7 @@ from pdserve.step_cost import HEADROOM, STARVE_STEPS, MixedCost, StepCost
 PREFILL = StepCost(0.004, 16e-6, 100, 8192)
 DECODE = StepCost(0.012, 1e-4, 100, 128)
 MIXED = MixedCost(DECODE, 0.005, 25e-6)
-SITE = PrefillSite(tpot_target_s=0.030, floor=16)  # slo.tpot_ms 30
+SITE = PrefillSite(mode="adaptive", tpot_target_s=0.030, floor=16)  # slo.tpot_ms 30
 
 
 def cluster(decoders: int, prefill_queue: int = 0, local_queue: int = 0) -> tuple[TTFTForecast, ReplicaSet]:
@@ -73,7 +73,7 @@ def test_without_forecasts_or_in_remote_mode_prompts_go_remote():
     f = forecast_sites(SITE, fc, rs, ["p0"], ["d0"], 512, lambda names: {})
     assert f.local_s is None and f.remote_s is not None
     assert SITE.choose(512, True, lambda: f) == (REMOTE, "long")
-    assert choose(16, decoders=8, site=PrefillSite(mode="remote")) == (REMOTE, "long")
+    assert choose(16, decoders=8, site=PrefillSite()) == (REMOTE, "long")  # (the default: remote)
     # The rules before the forecast: none asked for where they decide.
     asked = []
     assert SITE.choose(99_999, False, lambda: asked.append(1)) == (LOCAL, "no_prefill")
@@ -99,7 +99,7 @@ def test_the_local_forecast_follows_the_guards_pace():
     c = LocalCosts(MIXED, decoders=8, queued_tokens=0)
     pace = MIXED.tokens_per_step(8, 0.030, 16)
     assert SITE.local_s(4096, c) == pytest.approx(math.ceil(4096 / pace) * HEADROOM * 0.030)
-    unguarded = PrefillSite(tpot_target_s=None)  # slo.tpot_guard off: chunk_tokens a step
+    unguarded = PrefillSite(mode="adaptive", tpot_target_s=None)  # slo.tpot_guard off: chunk_tokens a step
     step = DECODE.time(8) + MIXED.overhead
     assert unguarded.local_s(4096, c) == pytest.approx(2 * step + 4096 * MIXED.per_token)
     assert SiteForecast().local_replica is None
