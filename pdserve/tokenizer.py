@@ -55,17 +55,19 @@ class Tokenizer:
         """Text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], /, tools: list[dict] | None = None, **template_kwargs) -> str:
-        """The prompt text for a chat (ending in the assistant's turn), rendered with the model's Jinja
-        template as transformers' `apply_chat_template` does: `tools` and every extra keyword (e.g. Qwen3's
-        `enable_thinking=False`) become template variables; a keyword pdserve sets itself raises ValueError."""
+    def apply_chat_template(self, messages: list[dict], /, tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """The prompt text for a chat (ending in the assistant's turn, unless not add_generation_prompt),
+        rendered with the model's Jinja template as transformers' `apply_chat_template` does: `tools` and
+        every extra keyword (e.g. Qwen3's `enable_thinking=False`) become template variables; a keyword
+        pdserve sets itself raises ValueError."""
         if self.chat_template is None:
             raise ValueError(
                 "this model has no chat template (none in tokenizer_config.json or chat_template.jinja); "
                 "use /v1/completions with a plain prompt instead"
             )
         special = {"bos_token": self.bos_token, "eos_token": self.eos_token}
-        return render_chat_template(self.chat_template, messages, True, special, tools, template_kwargs)
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, special, tools, template_kwargs)
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -150,11 +152,13 @@ class ByteTokenizer:
         stream = ByteDecodeStream(self, skip_special_tokens)
         return "".join([stream.step(i) or "" for i in ids]) + stream.flush()
 
-    def apply_chat_template(self, messages: list[dict], /, tools: list[dict] | None = None, **template_kwargs) -> str:
-        """The prompt text for a chat, in ChatML (ending in the assistant's turn); the same arguments as
-        `Tokenizer.apply_chat_template` (this template ignores tools and extra variables)."""
+    def apply_chat_template(self, messages: list[dict], /, tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """The prompt text for a chat, in ChatML (ending in the assistant's turn, unless not
+        add_generation_prompt); the same arguments as `Tokenizer.apply_chat_template` (this template
+        ignores tools and extra variables)."""
         special = {"bos_token": self.bos_token, "eos_token": self.eos_token}
-        return render_chat_template(self.chat_template, messages, True, special, tools, template_kwargs)
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, special, tools, template_kwargs)
 
     def is_skipped(self, token_id: int, skip_special_tokens: bool) -> bool:
         """Whether `decode` leaves `token_id` out (one of our special tokens, when they are skipped)."""

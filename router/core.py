@@ -86,8 +86,13 @@ class RouterCore:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            template_kwargs: dict | None = None) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, **(template_kwargs or {}))
+                            template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **(template_kwargs or {}))
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def ready(self) -> bool:
         return not self.draining and self.replicas.ready()

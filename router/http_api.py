@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP front end over a ServingCore: the app and its routes (completions, chat completions,
-models, health, metrics; the dashboard's are dashboard.py's), and the generation endpoints' handlers, from a
+models, health, metrics; the dashboard's are dashboard.py's, vLLM's tokenizer endpoints http_tokens.py's), and the generation endpoints' handlers, from a
 validated body to a Request (its prompt tokenized or rendered by the chat template, max_tokens checked,
 charged to its API key). Errors in OpenAI's shape are http_errors.py's, each request's life (streaming, client
 disconnects) http_stream.py's. The request bodies are in openai_protocol.py, the response shapes in
@@ -23,9 +23,10 @@ from pdserve.router.http_errors import GENERATION_ERRORS, ApiError, add_error_ha
 from pdserve.router.http_fast import FastDoor
 from pdserve.router.http_body import DEFAULT_MAX_BODY_BYTES, BodyGuard
 from pdserve.router.http_stream import serve
+from pdserve.router.http_tokens import add_token_routes
 from pdserve.router.metrics import Metrics
 from pdserve.router.openai_protocol import (CHAT, COMPLETIONS, GENERATION_ENDPOINTS, ChatCompletionRequest,
-                                            CompletionRequest, ErrorBody)
+                                            CompletionRequest, ErrorBody, TokenizeRequest)
 from pdserve.router.openai_responses import ChatShape, CompletionShape
 from pdserve.router.tenants import Charge, Tenants
 from pdserve.messages import Request
@@ -40,12 +41,14 @@ async def _tokenize(core: ServingCore, text: str, param: str, add_special_tokens
                        code="invalid_value") from e
 
 
-async def _chat_prompt(core: ServingCore, body: ChatCompletionRequest) -> str:
+async def _chat_prompt(core: ServingCore, body: ChatCompletionRequest | TokenizeRequest) -> str:
     """The chat rendered by the model's template, with the request's tools and template variables."""
     messages = [m.for_template() for m in body.messages]
     tools, template_kwargs = body.template_tools(), body.chat_template_kwargs
+    opened = getattr(body, "add_generation_prompt", True)  # (/tokenize may render a chat without it)
     try:
-        return await off_loop(core.apply_chat_template, messages, tools=tools, template_kwargs=template_kwargs)
+        return await off_loop(core.apply_chat_template, messages, tools=tools, template_kwargs=template_kwargs,
+                              add_generation_prompt=opened)
     except ValueError as e:  # no chat template, a reserved variable, or the template rejects its input
         param = await off_loop(_template_culprit, core, messages, tools, template_kwargs)
         message = str(e) if str(e).startswith(f"{param}:") else f"{param}: {e}"  # the tokenizer may name it
@@ -212,6 +215,7 @@ def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int, ten
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    add_token_routes(app, core, _tokenize, _chat_prompt, _check_model)  # /tokenize, /detokenize, /version
     add_dashboard(app, core, metrics)  # /dashboard: the live picture of `pdserve status --watch`, as charts
     return app
 

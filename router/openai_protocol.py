@@ -253,6 +253,44 @@ class ChatCompletionRequest(SamplingRequest):
         return [t.for_template() for t in self.tools] if self.tools else None
 
 
+# -- vLLM's tokenizer endpoints ----------------------------------------------------------------------
+
+TOKENIZE, DETOKENIZE, VERSION = "/tokenize", "/detokenize", "/version"
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: a prompt, as /v1/completions counts it; or messages, rendered by the model's
+    template as /v1/chat/completions renders them (add_generation_prompt: the assistant's turn
+    opened), then tokenized."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Annotated[str, Field(min_length=1)] | None = None  # (vLLM's may leave it out)
+    prompt: str | None = None
+    # (Validated when left out too: `_prompt_or_messages` says which of the two is missing.)
+    messages: Annotated[Annotated[list[ChatMessage], Field(min_length=1)] | None, Field(validate_default=True)] = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template writes its BOS)
+    return_token_strs: bool = False
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _prompt_or_messages(cls, v: Any, info: ValidationInfo) -> Any:
+        if (v is None) == (info.data.get("prompt") is None):
+            raise ValueError("send either prompt (a string) or messages (a chat), not both and not neither")
+        return v
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.for_template() for t in self.tools] if self.tools else None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: Annotated[str, Field(min_length=1)] | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

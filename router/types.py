@@ -67,11 +67,15 @@ class ServingCore(Protocol):
         ...
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            template_kwargs: dict | None = None) -> str:
+                            template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> str:
         """The prompt text of a chat, rendered by the model's template as HF's `apply_chat_template` does:
         `tools` (OpenAI tool definitions) as its `tools` variable, each key of `template_kwargs` as a variable
         of its own. Raises ValueError when there is no template, a key would replace a variable the renderer
         sets itself (messages, add_generation_prompt, bos_token, ...), or the template rejects its input."""
+        ...
+
+    def detokenize(self, ids: list[int]) -> str:
+        """The text of token ids, special tokens included (vLLM's /detokenize)."""
         ...
 
     def generate(self, request: Request, direct: DirectWriter | None = None) -> AsyncIterator[RequestDelta]:

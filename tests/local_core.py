@@ -35,8 +35,13 @@ class LocalCore:
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            template_kwargs: dict | None = None) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages, tools=tools, **(template_kwargs or {}))
+                            template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, tools=tools,
+                                                         add_generation_prompt=add_generation_prompt,
+                                                         **(template_kwargs or {}))
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
 
     def ready(self) -> bool:
         return self._thread.is_alive()

@@ -616,3 +616,53 @@ def test_concurrent_streams(served):
     assert [text for text, _ in results] == [c.text for c in served.expected["many"]]
     assert all(reason == "length" for _, reason in results)
     wait_idle(served)
+
+
+# -- vLLM's tokenizer endpoints (router/http_tokens.py) -----------------------------------------------
+
+
+def test_tokenize_counts_a_prompt_as_completions_does(served):
+    tok = served.engine.tokenizer
+    r = post(served, "/tokenize", {"model": MODEL, "prompt": PROMPT})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode(PROMPT) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == served.engine.max_model_len and body["token_strs"] is None
+    usage = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage
+    assert usage.prompt_tokens == body["count"]
+    bare = post(served, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False, "return_token_strs": True}).json()
+    assert bare["tokens"] == tok.encode(PROMPT, add_special_tokens=False)
+    assert "".join(bare["token_strs"]) == PROMPT
+
+
+def test_tokenize_renders_a_chat_as_chat_completions_does(served):
+    tok = served.engine.tokenizer
+    body = post(served, "/tokenize", {"model": MODEL, "messages": CHAT}).json()
+    assert body["tokens"] == tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False)
+    usage = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1).usage
+    assert usage.prompt_tokens == body["count"]
+    closed = post(served, "/tokenize", {"messages": CHAT, "add_generation_prompt": False}).json()
+    assert body["tokens"][:closed["count"]] == closed["tokens"] and closed["count"] < body["count"]
+
+
+def test_detokenize_gives_back_the_text_and_version_names_the_build(served):
+    ids = post(served, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"]
+    r = post(served, "/detokenize", {"model": MODEL, "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": PROMPT}
+    import pdserve
+    assert httpx.get(served.url + "/version").json() == {"version": pdserve.__version__}
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/tokenize", {"model": MODEL}, 400, "messages"),
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, 400, "messages"),
+    ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+])
+def test_tokenizer_endpoints_name_the_bad_field(served, path, body, status, param):
+    r = post(served, path, body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert post(served, "/tokenize", {"prompt": "still serving"}).status_code == 200

@@ -114,6 +114,18 @@ def test_completion_and_chat_equal_generate(cluster, reference):
     assert all(s["used"] == 0 for s in cluster.wait_idle().values())
 
 
+def test_tokenizer_endpoints_count_as_generation_does(cluster, reference):
+    # vLLM's /tokenize, /detokenize, /version, answered by the router (router/http_tokens.py).
+    prompt = PROMPTS[0]
+    body = httpx.post(f"{cluster.url}/tokenize", json={"model": "tiny-moe", "prompt": prompt}, timeout=30).json()
+    assert body["tokens"] == reference.tokenizer.encode(prompt)
+    assert client(cluster).completions.create(model="tiny-moe", prompt=prompt, max_tokens=1).usage.prompt_tokens \
+        == body["count"]
+    r = httpx.post(f"{cluster.url}/detokenize", json={"tokens": body["tokens"][1:]}, timeout=30)
+    assert r.json() == {"prompt": prompt}
+    assert httpx.get(f"{cluster.url}/version", timeout=30).json()["version"]
+
+
 LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 

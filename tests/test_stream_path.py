@@ -53,7 +53,8 @@ class ScriptedCore:
         time.sleep(self.slow_s)  # a long prompt holds its thread
         return list(text.encode())
 
-    def apply_chat_template(self, messages: list[dict], tools=None, template_kwargs=None) -> str:
+    def apply_chat_template(self, messages: list[dict], tools=None, template_kwargs=None,
+                            add_generation_prompt=True) -> str:
         self.tokenized_on.append(threading.get_ident())
         time.sleep(self.slow_s)
         return "".join(m["content"] for m in messages)
