@@ -55,9 +55,11 @@ class Tokenizer:
         """Text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], /, tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True, **template_kwargs) -> str:
-        """The prompt text for a chat (ending in the assistant's turn, unless not add_generation_prompt),
+    def apply_chat_template(self, messages: list[dict], /, tools: list[dict] | None = None, *,
+                            generation_prompt: bool = True, **template_kwargs) -> str:
+        """The prompt text for a chat (ending in the assistant's turn, unless not generation_prompt: the
+        template's add_generation_prompt, named apart so that a request's own variable of that name
+        reaches the renderer, which refuses it),
         rendered with the model's Jinja template as transformers' `apply_chat_template` does: `tools` and
         every extra keyword (e.g. Qwen3's `enable_thinking=False`) become template variables; a keyword
         pdserve sets itself raises ValueError."""
@@ -67,7 +69,7 @@ class Tokenizer:
                 "use /v1/completions with a plain prompt instead"
             )
         special = {"bos_token": self.bos_token, "eos_token": self.eos_token}
-        return render_chat_template(self.chat_template, messages, add_generation_prompt, special, tools, template_kwargs)
+        return render_chat_template(self.chat_template, messages, generation_prompt, special, tools, template_kwargs)
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -152,13 +154,13 @@ class ByteTokenizer:
         stream = ByteDecodeStream(self, skip_special_tokens)
         return "".join([stream.step(i) or "" for i in ids]) + stream.flush()
 
-    def apply_chat_template(self, messages: list[dict], /, tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True, **template_kwargs) -> str:
+    def apply_chat_template(self, messages: list[dict], /, tools: list[dict] | None = None, *,
+                            generation_prompt: bool = True, **template_kwargs) -> str:
         """The prompt text for a chat, in ChatML (ending in the assistant's turn, unless not
-        add_generation_prompt); the same arguments as `Tokenizer.apply_chat_template` (this template
+        generation_prompt); the same arguments as `Tokenizer.apply_chat_template` (this template
         ignores tools and extra variables)."""
         special = {"bos_token": self.bos_token, "eos_token": self.eos_token}
-        return render_chat_template(self.chat_template, messages, add_generation_prompt, special, tools, template_kwargs)
+        return render_chat_template(self.chat_template, messages, generation_prompt, special, tools, template_kwargs)
 
     def is_skipped(self, token_id: int, skip_special_tokens: bool) -> bool:
         """Whether `decode` leaves `token_id` out (one of our special tokens, when they are skipped)."""

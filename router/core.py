@@ -88,7 +88,7 @@ class RouterCore:
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools,
-                                                  add_generation_prompt=add_generation_prompt,
+                                                  generation_prompt=add_generation_prompt,
                                                   **(template_kwargs or {}))
 
     def detokenize(self, ids: list[int]) -> str:

@@ -446,7 +446,7 @@ def test_unknown_route_is_openai_shaped(served):
 
 
 def test_no_chat_template_is_400(served, monkeypatch):
-    def no_template(messages, tools=None, template_kwargs=None):
+    def no_template(messages, tools=None, template_kwargs=None, add_generation_prompt=True):
         raise ValueError("this model has no chat template")
     monkeypatch.setattr(served.core, "apply_chat_template", no_template)
     r = post(served, "/v1/chat/completions", OK_CHAT)
