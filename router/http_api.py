@@ -156,7 +156,7 @@ def build_app(core: ServingCore, metrics: Metrics | None = None,
     """The OpenAI-compatible app serving `core`: the FastAPI app (`.app`) behind its fast door
     (http_fast.py), which takes the generation endpoints' everyday requests past FastAPI.
     tenants: the API keys every /v1 request must carry (http_auth.py) and their limits; None: open."""
-    metrics = metrics or Metrics()
+    metrics = metrics or Metrics(model_name=core.model_name)
     routes = {COMPLETIONS: (CompletionRequest, functools.partial(complete, core, metrics, tenants)),
               CHAT: (ChatCompletionRequest, functools.partial(chat_complete, core, metrics, tenants))}
     app = _build_fastapi(core, metrics, max_body_bytes, tenants)

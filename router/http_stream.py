@@ -93,7 +93,7 @@ class _Wakes:
                 if not wake:  # else the tokens before the failure are shown first; the next call raises
                     raise self._error
                 break
-        self.timer.tokens(sum(len(d.token_ids) for d in wake))
+        self.timer.tokens(sum(len(d.token_ids) for d in wake), wake[-1].finish_reason)
         return wake
 
     async def all(self) -> list[RequestDelta]:
@@ -208,7 +208,8 @@ class _EventStream(Response):
 async def serve(receive: Receive, core: ServingCore, metrics: Metrics, shape: ResponseShape,
                  req: Request, stream: bool, charge: Charge | None = None) -> Response:
     """charge: the request's charge under its API key, settled when the request ends (the timer's end)."""
-    timer = metrics.request_started(shape.endpoint, len(req.prompt_ids), charge and charge.end)
+    timer = metrics.request_started(shape.endpoint, len(req.prompt_ids), charge and charge.end,
+                                    req.params.max_tokens)
     headers = charge.headers if charge else None
     direct = _DirectSSE(shape, timer) if stream else None
     wakes = _Wakes(core.generate(req, direct), timer)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from pdserve.router.loop_metrics import LoopCounter, LoopHistogram  # written from the router's loop only
+from pdserve.router.vllm_metrics import VLLMMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # A request's phases before its first token: fine below 10 ms, where a hand-off's cost shows (p99 read off them).
@@ -25,8 +26,9 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, router: str = "") -> None:
-        """router: the name of the router whose metrics these are (several may share a port)."""
+    def __init__(self, router: str = "", model_name: str = "") -> None:
+        """router: the name of the router whose metrics these are (several may share a port);
+        model_name: the served model's id (vLLM's series carry it, router/vllm_metrics.py)."""
         self.router = router  # (the dashboard names the router that answered it)
         self._pairing_seen: dict[str, int] = {}  # the controller's pairing failures counted so far, by reason
         self.registry = CollectorRegistry()
@@ -137,16 +139,21 @@ class Metrics:
         self._requests_by: dict[tuple[str, str], LoopCounter] = {}
         self._placed_by: dict[tuple[str, str], LoopCounter] = {}
         self._phase_by: dict[str, LoopHistogram] = {}
+        self.vllm = VLLMMetrics(r, model_name)  # vLLM's names for the same figures
         self._key_requests_by: dict[tuple[str, str], LoopCounter] = {}
         self._key_tokens_by: dict[str, tuple[LoopCounter, LoopCounter]] = {}  # (prompt, generation)
 
     # -- front end ----------------------------------------------------------------------------
 
     def request_started(self, endpoint: str, num_prompt_tokens: int,
-                        on_end: Callable[[int, str], None] | None = None) -> "RequestTimer":
+                        on_end: Callable[[int, str], None] | None = None, max_tokens: int = 0) -> "RequestTimer":
         """A timer for one request handed to the core; it records TTFT, ITL, E2E and its final status.
         on_end(tokens generated, outcome) is called once when it ends (RequestTimer's outcomes)."""
         self.prompt_tokens.observe(num_prompt_tokens)
+        self.vllm.prompt_len.observe(num_prompt_tokens)
+        self.vllm.prompt_tokens.inc(num_prompt_tokens)
+        if max_tokens:
+            self.vllm.max_tokens.observe(max_tokens)
         return RequestTimer(self, endpoint, on_end)
 
     def count_request(self, endpoint: str, status: int | str) -> None:
@@ -184,9 +191,11 @@ class Metrics:
         """A request aborted: role "router" (client disconnect), "prefill", "decode" or "colocated"."""
         self.aborts.labels(role=role).inc()
 
-    def set_replica_stats(self, role: str, replica: str, queue_len: int, kv_used: int, kv_total: int) -> None:
+    def set_replica_stats(self, role: str, replica: str, running: int, waiting: int, kv_used: int,
+                          kv_total: int) -> None:
         """Latest load figures of one replica."""
-        self.queue_length.labels(role=role, replica=replica).set(queue_len)
+        self.queue_length.labels(role=role, replica=replica).set(running + waiting)
+        self.vllm.replica(replica, (running, waiting, kv_used, kv_total))
         self.kv_blocks_used.labels(replica=replica).set(kv_used)
         self.kv_blocks_total.labels(replica=replica).set(kv_total)
 
@@ -195,6 +204,7 @@ class Metrics:
 
     def remove_replica(self, role: str, replica: str) -> None:
         """Drop a replica's series once it is gone (scaled down or dead), so it stops showing stale load."""
+        self.vllm.replica(replica, None)
         for gauge, labels in ((self.queue_length, (role, replica)), (self.kv_blocks_used, (replica,)),
                               (self.kv_blocks_total, (replica,))):
             try:
@@ -265,9 +275,11 @@ class Metrics:
 
     def set_queue_depth(self, n: int) -> None:
         self.queue_depth.set(n)
+        self.vllm.queued(n)
 
     def observe_queue_wait(self, seconds: float) -> None:
         self.queue_wait.observe(seconds)
+        self.vllm.queue_time.observe(seconds)
 
     def count_refused(self, reason: str) -> None:
         """A request refused by admission control (429): predicted_ttft, queue_full, displaced, queue_timeout."""
@@ -314,24 +326,32 @@ class RequestTimer:
         self.endpoint = endpoint
         self.on_end = on_end
         self.start = time.monotonic()
+        self.first: float | None = None  # time of the first token
         self.last: float | None = None  # time of the latest token
         self.num_tokens = 0
+        self.finish_reason: str | None = None  # as the last delta said
         self.done = False
 
-    def tokens(self, n: int) -> None:
+    def tokens(self, n: int, finish_reason: str | None = None) -> None:
         """`n` new tokens arrived now, in one wake of the request's stream: the first gives TTFT,
-        later wakes an inter-token latency each."""
+        later wakes an inter-token latency each; finish_reason: the wake's last delta's."""
+        self.finish_reason = finish_reason or self.finish_reason
         if n <= 0:
             return
         now = time.monotonic()
+        vllm = self.metrics.vllm
+        vllm.generation_tokens.inc(n)
         if self.last is None:
+            self.first = now
             self.metrics.ttft.observe(now - self.start)
+            vllm.ttft.observe(now - self.start)
         else:
             # One observation per wake, not per token: the wake's gap spread evenly over its tokens
             # (their mean ITL). While the router keeps up a wake carries one decode step's token;
             # a router behind its workers wakes once for several, and the histogram then counts
             # wakes, not tokens.
             self.metrics.itl.observe((now - self.last) / n)
+            vllm.itl.observe((now - self.last) / n)
         self.last = now
         self.num_tokens += n
 
@@ -340,9 +360,17 @@ class RequestTimer:
         if self.done:
             return
         self.done = True
-        self.metrics.e2e.observe(time.monotonic() - self.start)
+        now = time.monotonic()
+        self.metrics.e2e.observe(now - self.start)
         self.metrics.generation_tokens.observe(self.num_tokens)
         self.metrics.count_request(self.endpoint, status)
+        vllm = self.metrics.vllm
+        vllm.e2e.observe(now - self.start)
+        vllm.generation_len.observe(self.num_tokens)
+        if self.first is not None:
+            vllm.prefill_time.observe(self.first - self.start)
+            vllm.decode_time.observe(self.last - self.first)
+        vllm.finished(self.finish_reason if str(status) == "200" else None)
         if self.on_end is not None:
             self.on_end(self.num_tokens, "ok" if str(status) == "200" else "error")
 
@@ -352,6 +380,7 @@ class RequestTimer:
             return
         self.done = True
         self.metrics.count_abort("router")
+        self.metrics.vllm.finished("abort")
         self.metrics.count_request(self.endpoint, CLIENT_CLOSED)
         if self.on_end is not None:
             self.on_end(self.num_tokens, "aborted")

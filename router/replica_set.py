@@ -265,7 +265,7 @@ class ReplicaSet:
         if not self.metrics:
             return
         self.metrics.set_replica_up(s.role, s.name, True)
-        self.metrics.set_replica_stats(s.role, s.name, s.running + s.waiting, s.total_blocks - s.free_blocks,
+        self.metrics.set_replica_stats(s.role, s.name, s.running, s.waiting, s.total_blocks - s.free_blocks,
                                        s.total_blocks)
         for _ in range(s.aborted - (before.aborted if before else 0)):
             self.metrics.count_abort(s.role)

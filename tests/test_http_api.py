@@ -69,7 +69,7 @@ def _expected(engine: Engine) -> dict:
 def served():
     engine = Engine(EngineConfig(model=ModelConfig(path=MODEL), num_kv_blocks=256))
     expected = _expected(engine)  # before the core's loop owns the engine
-    core, metrics = LocalCore(engine, MODEL), Metrics()
+    core, metrics = LocalCore(engine, MODEL), Metrics(model_name=MODEL)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # handing uvicorn the bound socket leaves no race for the port
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -666,3 +666,28 @@ def test_tokenizer_endpoints_name_the_bad_field(served, path, body, status, para
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param, r.text
     assert post(served, "/tokenize", {"prompt": "still serving"}).status_code == 200
+
+
+def test_vllms_metric_names_count_what_pdserves_count(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict[tuple[str, tuple], float]:
+        text = httpx.get(served.url + "/metrics").text
+        return {(x.name, tuple(sorted(x.labels.items()))): x.value
+                for f in text_string_to_metric_families(text) for x in f.samples}
+
+    before = samples()
+    served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    after = samples()
+    m = (("model_name", MODEL),)
+
+    def grew(name: str, labels: tuple = m) -> float:
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert grew("vllm:request_success_total", (("finished_reason", "length"), ("model_name", MODEL))) == 1
+    assert grew("vllm:generation_tokens_total") == 5
+    assert grew("vllm:prompt_tokens_total") == len(served.engine.tokenizer.encode(PROMPT))
+    assert grew("vllm:time_to_first_token_seconds_count") == grew("pdserve_ttft_seconds_count", ()) == 1
+    assert grew("vllm:e2e_request_latency_seconds_count") == 1
+    assert grew("vllm:request_max_num_generation_tokens_sum") == 5
