@@ -37,7 +37,9 @@ class AdmissionPolicy:
     def of(cls, cfg) -> "AdmissionPolicy":
         """From a ClusterConfig."""
         r = cfg.router
-        step = cfg.colocated.max_batch_tokens if cfg.colocated.replicas else cfg.prefill.max_batch_tokens
+        # (A mixed cluster has both kinds of prompt replica: the smaller budget, the more steps foreseen.)
+        step = {"colocated": cfg.colocated.max_batch_tokens, "disaggregated": cfg.prefill.max_batch_tokens,
+                "mixed": min(cfg.colocated.max_batch_tokens, cfg.prefill.max_batch_tokens)}[cfg.topology]
         return cls(r.max_queued, r.max_queued_per_replica, r.queue_wait_s, r.refuse_over_slo,
                    cfg.slo.ttft_ms / 1000.0, step)
 
