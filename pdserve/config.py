@@ -207,7 +207,7 @@ class PlacementConfig(_Strict):
 
 
 # prefill.replicas and decode.replicas left out (None) are settled by ClusterConfig: 1 each in a
-# disaggregated cluster, 0 in a colocated one.
+# disaggregated cluster, 0 in a colocated one (a mixed cluster names both).
 
 
 class PrefillConfig(_Strict):
@@ -332,15 +332,19 @@ class ClusterConfig(_Strict):
     @field_validator("colocated")
     @classmethod
     def _one_topology(cls, colocated: ColocatedConfig, info: ValidationInfo) -> ColocatedConfig:
-        """Disaggregated (prefill and decode replicas, no colocated ones) or colocated (colocated
-        replicas only). Runs even when other sections are wrong, so that every error shows at once."""
+        """Disaggregated (prefill and decode replicas), colocated (colocated replicas only) or mixed
+        (all three: a request goes whole to a colocated replica or down the disaggregated path,
+        router/prefill_site.py). Prefill replicas never come without decode ones, nor decode without
+        prefill: their KV would have nowhere to go, or no prefill replica to come from. Runs even
+        when other sections are wrong, so that every error shows at once."""
         named = {f"{s}.replicas": info.data[s].replicas for s in ("prefill", "decode")
                  if s in info.data and info.data[s].replicas is not None}  # (a wrong section is reported already)
         if colocated.replicas:
-            bad = {k: v for k, v in named.items() if v > 0}
-            allowed = (f"with colocated.replicas: {colocated.replicas} the cluster is colocated: leave "
-                       f"prefill.replicas and decode.replicas out (or 0), or set colocated.replicas: 0 "
-                       f"for a disaggregated cluster")
+            given = {k: v for k, v in named.items() if v > 0}
+            bad = given if len(given) == 1 else {}  # one of the two: half a disaggregated path
+            allowed = (f"with colocated.replicas: {colocated.replicas}, prefill and decode replicas come together "
+                       f"(a mixed cluster: prefill.replicas and decode.replicas both >= 1) or not at all (a "
+                       f"colocated cluster: leave prefill.replicas and decode.replicas out, or 0)")
         else:
             bad = {k: v for k, v in named.items() if v < 1}
             allowed = ("a disaggregated cluster needs at least 1 prefill and 1 decode replica "
@@ -354,7 +358,10 @@ class ClusterConfig(_Strict):
     def _cuda_ipc_on_gpus(cls, kv: KVTransferConfig, info: ValidationInfo) -> KVTransferConfig:
         """cuda_ipc maps the decode replica's GPU memory into the prefill worker: both on GPUs."""
         on_cpu = [f"{s}.gpus" for s in ("prefill", "decode") if s in info.data and not info.data[s].gpus]
-        if kv.backend == "cuda_ipc" and on_cpu and not info.data.get("colocated", ColocatedConfig()).replicas:
+        # (A colocated cluster moves no KV; a mixed one does, between its prefill and decode replicas.)
+        moves_kv = not info.data.get("colocated", ColocatedConfig()).replicas or \
+            bool("prefill" in info.data and info.data["prefill"].replicas)
+        if kv.backend == "cuda_ipc" and on_cpu and moves_kv:
             raise PydanticCustomError("topology", "{allowed}", {
                 "keys": {"kv_transfer.backend": kv.backend},
                 "allowed": f"cuda_ipc moves KV between GPUs of one host, and {' and '.join(on_cpu)} "
@@ -369,6 +376,13 @@ class ClusterConfig(_Strict):
             if section.replicas is None:  # a copy: a section passed in by the caller stays as it was
                 setattr(self, key, section.model_copy(update={"replicas": n}))
         return self
+
+    @property
+    def topology(self) -> Literal["disaggregated", "colocated", "mixed"]:
+        """Which replicas serve a request: prefill and decode ones, colocated ones, or both kinds."""
+        if not self.colocated.replicas:
+            return "disaggregated"
+        return "mixed" if self.prefill.replicas else "colocated"
 
     def engine_config(self, role: str) -> EngineConfig:
         """The engine settings of one replica of `role` ('prefill', 'decode' or 'colocated')."""

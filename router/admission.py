@@ -37,7 +37,9 @@ class AdmissionPolicy:
     def of(cls, cfg) -> "AdmissionPolicy":
         """From a ClusterConfig."""
         r = cfg.router
-        step = cfg.colocated.max_batch_tokens if cfg.colocated.replicas else cfg.prefill.max_batch_tokens
+        # (A mixed cluster has both kinds of prompt replica: the smaller budget, the more steps foreseen.)
+        step = {"colocated": cfg.colocated.max_batch_tokens, "disaggregated": cfg.prefill.max_batch_tokens,
+                "mixed": min(cfg.colocated.max_batch_tokens, cfg.prefill.max_batch_tokens)}[cfg.topology]
         return cls(r.max_queued, r.max_queued_per_replica, r.queue_wait_s, r.refuse_over_slo,
                    cfg.slo.ttft_ms / 1000.0, step)
 
@@ -134,11 +136,22 @@ class AdmissionGate:
         """Seconds a new request would wait for its first token (router/forecast.py), or None
         without the measurements to tell."""
         rs = self.replicas
-        colocated = rs.colocated_cluster
+        if rs.mixed_cluster:  # it takes whichever path forecasts its first token sooner
+            paths = [t for t in (self._path_ttft(request, attempts, c) for c in (True, False)) if t is not None]
+            return min(paths) if paths else None
+        return self._path_ttft(request, attempts, rs.colocated_cluster)
+
+    def _path_ttft(self, request: Request, attempts, colocated: bool) -> float | None:
+        """forecast_ttft over colocated replicas, or over prefill and decode ones; in a mixed cluster
+        only the attempts holding (or reserving) a slot of that path's replicas count."""
+        rs = self.replicas
         slot_replicas, prompt_replicas = (rs.colocated, rs.colocated) if colocated else (rs.decode, rs.prefill)
+        mixed = rs.mixed_cluster
         holders, line = [], []
         for run in attempts:  # this router's requests: in a slot, or first in line for one
             if run.slot is None:
+                continue
+            if mixed and not (run.slot in slot_replicas or (run.slot == "" and not colocated)):
                 continue
             r = run.request
             if colocated and not run.streaming:  # at its replica, but perhaps queued there for a slot

@@ -1,6 +1,7 @@
 """A request's life across replicas: reserve on a decode replica, prefill on a prefill replica that
 streams the KV there, then relay the decode replica's per-step deltas. In a colocated cluster one
-replica does both phases: hand it the request, relay its deltas.
+replica does both phases: hand it the request, relay its deltas. In a mixed cluster each attempt
+takes one of the two paths (router/prefill_site.py decides which).
 
 The router owns a request's life: when a replica serving it is lost (its process died, its KV
 never came, it was cut off at the end of a drain) the request *moves* — its prompt and every token
@@ -22,7 +23,8 @@ from pdserve.messages import KV_FAILED, LOST, NewRequest, Request, RequestDelta,
 from pdserve.protocol import InvalidRequestError
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.attempt import Attempt, Lost, raise_refused
-from pdserve.router.prefill_site import LOCAL, REMOTE, PrefillSite, SiteForecast, forecast_sites
+from pdserve.router.prefill_site import (COLOCATED, LOCAL, REMOTE, PrefillSite, SiteForecast, forecast_paths,
+                                         forecast_sites, per_replica)
 from pdserve.router.policy import RoutingPolicy
 from pdserve.router.replica_set import ReplicaSet
 from pdserve.router.types import DirectWriter, ServingError
@@ -138,7 +140,9 @@ class Lifecycle:
         try:
             await self._wait_live(run)
             self.routing.prepare(run, request, sent)
-            if self.replicas.colocated_cluster:
+            if self.replicas.mixed_cluster:
+                await self._start_mixed(request, run, sent)
+            elif self.replicas.colocated_cluster:
                 await self._start_colocated(request, run, sent)
             else:
                 await self._start_disaggregated(request, run, sent)
@@ -192,16 +196,27 @@ class Lifecycle:
         starts), at most replica_wait_s; then a new request gets the 503 naming the role, a moving
         one an error naming what it lost."""
         rs = self.replicas
-        # (A disaggregated attempt needs no prefill replica where a decode replica can prefill it.)
-        roles = ["colocated"] if rs.colocated_cluster else ["decode"] if self._local_replicas() else ["prefill", "decode"]
         deadline = time.monotonic() + self.replica_wait_s
-        while missing := [r for r in roles if not rs.health.live(rs.of_role(r))]:
+        while missing := self._missing_roles():
             if time.monotonic() >= deadline or self.gate.draining:
                 if run.lost is None or not run.tokens:  # nothing streamed yet: the 503 a new request gets
                     raise rs.health.unavailable(missing[0])
                 raise ServingError(f"{run.lost}; no live {missing[0]} replica took it over within "
                                    f"{self.replica_wait_s:g} s")
             await asyncio.sleep(LIVE_POLL_S)
+
+    def _missing_roles(self) -> list[str]:
+        """The roles with no live replica that keep an attempt from starting now ([]: none): in a
+        mixed cluster, either path will do."""
+        rs = self.replicas
+        # (A disaggregated attempt needs no prefill replica where a decode replica can prefill it.)
+        split = ["decode"] if self._local_replicas() else ["prefill", "decode"]
+        paths = [["colocated"], split] if rs.mixed_cluster else [["colocated"]] if rs.colocated_cluster else [split]
+        missing: list[str] = []
+        for roles in paths:
+            if not (missing := [r for r in roles if not rs.health.live(rs.of_role(r))]):
+                return []
+        return missing
 
     def _count_transfer_failure(self, reason: str, what: str) -> None:
         log.warning("a KV transfer failed (%s), the request moves to another pair: %s", reason, what)
@@ -236,11 +251,73 @@ class Lifecycle:
         run.to_compute = None
         return self.routing.prompt_replica(names, role, run, request, sent)
 
+    async def _start_mixed(self, request: Request, run: Attempt, sent: list[int]) -> None:
+        """A mixed cluster: the attempt goes whole to a colocated replica, or down the disaggregated
+        path, as router/prefill_site.py's rule picks at each try."""
+        placed = await self.gate.admit(request, run, lambda: self._try_mixed(request, run, sent))
+        if placed[0] != COLOCATED:
+            await self._send_disaggregated(request, run, sent, placed)
+            return
+        _, why, name = placed
+        if self.metrics:
+            self.metrics.count_prefill_site(COLOCATED, why)
+        await self._hand_whole(request, run, sent, name, self.replicas.worker(name), self.replicas.send)
+
+    async def _try_mixed(self, request: Request, run: Attempt, sent: list[int]) -> tuple | None:
+        """One try at placing the attempt in a mixed cluster: (COLOCATED, why, replica) or what
+        `_try_disaggregated` places; the path the rule picks first, the other where it has no room."""
+        rs = self.replicas
+        colocated = rs.health.live(rs.colocated)
+        decode = rs.health.live(rs.decode)
+        split = bool(decode) and bool(rs.health.live(rs.prefill) or self._local_replicas())
+        if not colocated or not split:  # one path is down (a replacement is coming): the other
+            return await (self._try_disaggregated(request, run, sent) if split
+                          else self._try_colocated_path(request, run, sent, "room"))
+        tokens = len(request.prompt_ids) + len(sent)
+        room = [n for n in colocated if run.move > 0 or self.gate.has_room(n)]
+        cached = self._cached(run, room)
+        fc = forecast_paths(self.gate.forecast, rs, room, tokens, cached, None)
+        if fc.colocated_s is not None:  # the disaggregated side is asked only where it can be compared
+            prefill = {n: h for n, h in rs.prefill.items() if rs.paired(n)}
+            remote_s = self._site_forecast(run, prefill, self._local_replicas(), tokens).remote_s
+            fc = forecast_paths(self.gate.forecast, rs, room, tokens, cached, remote_s)
+        path, why = self.prefill_site.choose_path(fc, per_replica(rs, colocated), per_replica(rs, decode))
+        if path == COLOCATED:
+            if (placed := await self._try_colocated_path(request, run, sent, why, fc.colocated_replica)) is not None:
+                return placed
+            return await self._try_disaggregated(request, run, sent)
+        if (placed := await self._try_disaggregated(request, run, sent)) is not None:
+            return placed
+        return await self._try_colocated_path(request, run, sent, "room")
+
+    async def _try_colocated_path(self, request: Request, run: Attempt, sent: list[int], why: str,
+                                  prefer: str | None = None) -> tuple | None:
+        """(COLOCATED, why, replica) placed at a colocated replica with room (`prefer`, the one the
+        forecast found quickest, where it has room), or None."""
+        rs = self.replicas
+        if prefer is not None:  # (found among those with room, in this same turn of the loop)
+            run.to_compute = None
+            self._place_whole(request, run, sent, prefer, rs.worker(prefer))
+            return COLOCATED, why, prefer
+        name = await self._try_colocated(request, run, sent)
+        return None if name is None else (COLOCATED, why, name)
+
+    def _site_forecast(self, run: Attempt, prefill: dict, local: list[str], tokens: int) -> SiteForecast:
+        """Both sites' forecasts of the disaggregated path (remote, local) for the attempt."""
+        rs = self.replicas
+        room = [n for n in rs.health.live(prefill) if run.move > 0 or self.gate.has_room(n)]
+        return forecast_sites(self.prefill_site, self.gate.forecast, rs, room, local, tokens,
+                              lambda names: self._cached(run, names))
+
     async def _start_disaggregated(self, request: Request, run: Attempt, sent: list[int]) -> None:
         """Reserve KV on a decode replica, then have a prefill replica stream the prompt's KV there;
         or hand the request whole to a decode replica that prefills it itself (router/prefill_site.py)."""
-        rs = self.replicas
         placed = await self.gate.admit(request, run, lambda: self._try_disaggregated(request, run, sent))
+        await self._send_disaggregated(request, run, sent, placed)
+
+    async def _send_disaggregated(self, request: Request, run: Attempt, sent: list[int], placed: tuple) -> None:
+        """The attempt, placed by `_try_disaggregated`, goes to its workers."""
+        rs = self.replicas
         site, why = placed[0], placed[1]
         if self.metrics:
             self.metrics.count_prefill_site(site, why)
@@ -274,9 +351,7 @@ class Lifecycle:
         seen: list[SiteForecast] = []
 
         def forecast() -> SiteForecast:
-            room = [n for n in rs.health.live(prefill) if run.move > 0 or self.gate.has_room(n)]
-            seen.append(forecast_sites(self.prefill_site, self.gate.forecast, rs, room, local, tokens,
-                                       lambda names: self._cached(run, names)))
+            seen.append(self._site_forecast(run, prefill, local, tokens))
             return seen[0]
 
         site, why = self.prefill_site.choose(tokens, bool(rs.health.live(prefill)), forecast if local else None)

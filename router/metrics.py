@@ -77,9 +77,11 @@ class Metrics:
                                   "serving them was lost, by the role that was lost", ["role"], registry=r)
         self.prefill_sites = LoopCounter(
             "pdserve_prefill_site", "Attempts by where their prompt was computed: remote (a prefill replica, "
-            "its KV moved), local (the decode replica that decodes it), and why: sooner (the forecast first "
-            "token), short (router.local_prefill_tokens), no_prefill (no prefill replica could take it), long "
-            "(no forecast yet, or router.prefill_site: remote)", ["site", "why"], registry=r)
+            "its KV moved), local (the decode replica that decodes it), colocated (a mixed cluster's colocated "
+            "replica, whole), and why: sooner (the forecast first token), short (router.local_prefill_tokens), "
+            "no_prefill (no prefill replica could take it), long (no forecast yet, or router.prefill_site: "
+            "remote), balance (colocated: no forecast yet, fewer requests in flight per replica), room "
+            "(colocated: the other path had no room, or no live replica)", ["site", "why"], registry=r)
         self.transfer_failures = LoopCounter(
             "pdserve_kv_transfer_failures", "KV transfers that failed between two live replicas, by reason: "
             "unpaired (a worker had no KV handshake with the other end: placed over another pair at once), "

@@ -1,4 +1,4 @@
-"""Where an attempt's prompt is computed in a disaggregated cluster: on a prefill replica (remote:
+"""Where an attempt's prompt is computed (a disaggregated or mixed cluster): on a prefill replica (remote:
 its KV then moves to the decode replica), or on the decode replica that will decode it (local: that
 replica's steps mix the prompt's chunks with its decoding sequences', within its TPOT guard; no KV
 moves). Dynamo and llm-d call this conditional disaggregation.
@@ -20,6 +20,18 @@ The rule (router.prefill_site, router.local_prefill_tokens N):
    adaptive measures better on a GPU).
 Only a decode replica of one worker takes a local prefill (an expert-parallel group's ranks step in
 lockstep; none is chosen there yet).
+
+A mixed cluster (colocated replicas beside prefill and decode ones) first decides, per attempt,
+whether it goes whole to a colocated replica or down the disaggregated path (where the rule above
+then picks remote or local) — `PrefillSite.choose_path`:
+- where both forecasts exist, the path whose first token comes sooner (why: "sooner"). Colocated:
+  the quickest colocated replica's queue of our prompt tokens and this prompt at its fitted
+  per-token cost, then one of its decode steps (it hands out the first token itself; no KV moves).
+  Disaggregated: the remote forecast above (a prefill replica's queue and this prompt, the KV's
+  move, a decode step);
+- without them (no steps measured yet), the path whose replicas hold fewer of our requests in
+  flight per replica (why: "balance"), so that both kinds get traffic from the start;
+- a path whose replicas have no room for a new attempt gives it to the other (why: "room").
 """
 
 import math
@@ -35,6 +47,7 @@ from pdserve.step_cost import HEADROOM, STARVE_STEPS, MixedCost
 MIXED_OVERHEAD_PRIOR = 0.6
 
 REMOTE, LOCAL = "remote", "local"
+COLOCATED, DISAGGREGATED = "colocated", "disaggregated"  # a mixed cluster's two paths
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,15 @@ class SiteForecast:
     remote_s: float | None = None
     local_s: float | None = None
     local_replica: str | None = None  # the decode replica of local_s
+
+
+@dataclass(frozen=True)
+class PathForecast:
+    """A mixed cluster's two paths: seconds to an attempt's first token (None: cannot be forecast yet)."""
+
+    colocated_s: float | None = None
+    colocated_replica: str | None = None  # the colocated replica of colocated_s
+    disaggregated_s: float | None = None  # the remote site's forecast (SiteForecast.remote_s)
 
 
 @dataclass(frozen=True)
@@ -86,6 +108,16 @@ class PrefillSite:
             if f.remote_s is not None and f.local_s is not None:
                 return (LOCAL if f.local_s < f.remote_s else REMOTE), "sooner"
         return REMOTE, "long"
+
+    def choose_path(self, forecast: PathForecast, colocated_load: float,
+                    disaggregated_load: float) -> tuple[str, str]:
+        """(COLOCATED or DISAGGREGATED, why) for a new attempt in a mixed cluster; the loads are our
+        requests in flight per replica of each path (their decode or colocated replicas')."""
+        f = forecast
+        if f.colocated_s is not None and f.disaggregated_s is not None:
+            return (COLOCATED if f.colocated_s < f.disaggregated_s else DISAGGREGATED), "sooner"
+        # (A tie goes colocated: no KV moves.)
+        return (COLOCATED if colocated_load <= disaggregated_load else DISAGGREGATED), "balance"
 
     def local_s(self, tokens: int, c: LocalCosts) -> float | None:
         """Seconds until a decode replica that prefills `tokens` prompt tokens itself (behind its queue
@@ -138,6 +170,27 @@ def forecast_sites(site: PrefillSite, fc, rs, prefill: list[str], local: list[st
         if (t := site.local_s(tokens, costs)) is not None and (best is None or t < best[0]):
             best = (t, d)
     return SiteForecast(min(remote) if remote else None, best[0] if best else None, best[1] if best else None)
+
+
+def forecast_paths(fc, rs, colocated: list[str], tokens: int, cached: dict[str, int],
+                   disaggregated_s: float | None) -> PathForecast:
+    """A mixed cluster's forecasts for an attempt leaving `tokens` to compute, over the live
+    colocated replicas `colocated` (with room): `fc` the TTFTForecast, `rs` the ReplicaSet, `cached`
+    replica -> prompt tokens its prefix cache holds, `disaggregated_s` the remote site's forecast."""
+    best: tuple[float, str] | None = None
+    for c in colocated:
+        if c not in fc.prefill_cost or c not in fc.decode_cost:  # no prompt or decode step measured there yet
+            continue
+        t = fc.prefill_s(c, rs.prompt_tokens.get(c, 0) + max(1, tokens - cached.get(c, 0))) \
+            + fc.decode_cost[c].time(_decoders(rs, c))
+        if best is None or t < best[0]:
+            best = (t, c)
+    return PathForecast(best[0] if best else None, best[1] if best else None, disaggregated_s)
+
+
+def per_replica(rs, names: list[str]) -> float:
+    """Our requests in flight per replica of `names` (ReplicaSet.loads); 0 for none."""
+    return sum(rs.loads.get(n, 0) for n in names) / len(names) if names else 0.0
 
 
 def _decoders(rs, replica: str) -> int:

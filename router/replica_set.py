@@ -114,8 +114,13 @@ class ReplicaSet:
 
     @property
     def colocated_cluster(self) -> bool:
-        """Whether a request is served whole by one replica (no decode replicas: colocated)."""
-        return bool(self.colocated) or not self.decode
+        """Whether every request is served whole by one replica (no decode replicas: colocated)."""
+        return not self.decode
+
+    @property
+    def mixed_cluster(self) -> bool:
+        """Whether an attempt may go whole to a colocated replica or down the disaggregated path."""
+        return bool(self.colocated) and bool(self.decode)
 
     def placed(self, replica: str) -> int:
         """Requests of this router on the replica now (a drain waits for 0)."""

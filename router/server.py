@@ -53,7 +53,7 @@ def http_config(app, tls: dict | None = None) -> uvicorn.Config:
 class Router:
     def __init__(self, name: str, config: ClusterConfig, replicas: list[ReplicaChange], namespace: str,
                  api_keys: list[ApiKey] | None = None, preload: list[str] = ()):
-        """replicas: every replica as it is now (prefill and decode ones, or colocated ones only);
+        """replicas: every replica as it is now (prefill and decode ones, colocated ones, or all three);
         the controller sends each later change (`apply`). api_keys: the keys every request must
         carry (`pdserve up` read them); none: the service is open. preload: the workers' actor
         modules (launcher.WORKER_MODULES), imported now on a thread of their own: the first

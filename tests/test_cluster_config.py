@@ -1,5 +1,6 @@
-"""cluster.yaml topologies: disaggregated (prefill + decode replicas) or colocated (colocated
-replicas only); a wrong mix fails on load, naming the keys and what is allowed."""
+"""cluster.yaml topologies: disaggregated (prefill + decode replicas), colocated (colocated
+replicas only) or mixed (all three); a wrong mix (prefill without decode, or decode without
+prefill) fails on load, naming the keys and what is allowed."""
 
 import subprocess
 import sys
@@ -34,14 +35,27 @@ def test_colocated_replicas_leave_no_prefill_or_decode_replicas(tmp_path, named)
     assert (engine.role, engine.max_num_seqs, engine.chunk_size) == ("colocated", 32, 64)
 
 
-def test_colocated_with_prefill_or_decode_replicas_names_the_keys(tmp_path):
+def test_a_mixed_cluster_has_prefill_decode_and_colocated_replicas(tmp_path):
+    cfg = load(tmp_path, {"colocated": {"replicas": 1}, "prefill": {"replicas": 1}, "decode": {"replicas": 2}})
+    assert (cfg.prefill.replicas, cfg.decode.replicas, cfg.colocated.replicas) == (1, 2, 1)
+    assert cfg.topology == "mixed"
+    assert load(tmp_path, {"colocated": {"replicas": 1}}).topology == "colocated"
+    assert load(tmp_path, {}).topology == "disaggregated"
+    # Its prefill and decode replicas move KV: cuda_ipc still needs them on GPUs.
+    with pytest.raises(ConfigError, match=r"kv_transfer\.backend: 'cuda_ipc' is not allowed"):
+        load(tmp_path, {"colocated": {"replicas": 1}, "prefill": {"replicas": 1}, "decode": {"replicas": 1},
+                        "kv_transfer": {"backend": "cuda_ipc"}})
+
+
+@pytest.mark.parametrize("half", [{"prefill": {"replicas": 1}}, {"decode": {"replicas": 2}},
+                                  {"prefill": {"replicas": 1}, "decode": {"replicas": 0}}])
+def test_colocated_with_prefill_or_decode_alone_names_the_key(tmp_path, half):
     with pytest.raises(ConfigError) as e:
-        load(tmp_path, {"colocated": {"replicas": 1}, "prefill": {"replicas": 1}, "decode": {"replicas": 2}})
+        load(tmp_path, {"colocated": {"replicas": 1}, **half})
     msg = str(e.value)
-    assert "prefill.replicas: 1, decode.replicas: 2 are not allowed" in msg
-    assert "colocated.replicas: 1" in msg and "leave prefill.replicas and decode.replicas out" in msg
-    with pytest.raises(ConfigError, match=r"prefill\.replicas: 1 is not allowed"):
-        load(tmp_path, {"colocated": {"replicas": 1}, "prefill": {"replicas": 1}})
+    key, n = next((f"{s}.replicas", v["replicas"]) for s, v in half.items() if v["replicas"])
+    assert f"{key}: {n} is not allowed" in msg
+    assert "colocated.replicas: 1" in msg and "prefill and decode replicas come together" in msg
 
 
 def test_colocated_gpus_are_0_or_1(tmp_path):

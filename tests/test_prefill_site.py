@@ -9,8 +9,9 @@ import pytest
 
 from pdserve.messages import ReplicaStats
 from pdserve.router.forecast import TTFTForecast
-from pdserve.router.prefill_site import (LOCAL, MIXED_OVERHEAD_PRIOR, REMOTE, LocalCosts, PrefillSite,
-                                         SiteForecast, forecast_sites)
+from pdserve.router.prefill_site import (COLOCATED, DISAGGREGATED, LOCAL, MIXED_OVERHEAD_PRIOR, REMOTE,
+                                         LocalCosts, PathForecast, PrefillSite, SiteForecast, forecast_paths,
+                                         forecast_sites, per_replica)
 from pdserve.router.replica_set import ReplicaSet
 from pdserve.step_cost import HEADROOM, STARVE_STEPS, MixedCost, StepCost
 
@@ -103,3 +104,42 @@ def test_the_local_forecast_follows_the_guards_pace():
     step = DECODE.time(8) + MIXED.overhead
     assert unguarded.local_s(4096, c) == pytest.approx(2 * step + 4096 * MIXED.per_token)
     assert SiteForecast().local_replica is None
+
+
+def test_a_mixed_cluster_sends_each_attempt_down_the_path_whose_first_token_comes_sooner():
+    """Colocated replica c0 (prompt steps as p0's, decode steps as d0's) beside p0 and d0: with both
+    queues empty it is the sooner by the KV's move (no KV moves there); prompt tokens of ours queued
+    at c0 send the next attempt down the disaggregated path, and those at p0 send it back."""
+    fc, rs = cluster(decoders=8)
+    fc.prefill_cost["c0"], fc.decode_cost["c0"] = PREFILL, DECODE
+    rs.colocated = {"c0": None}
+    rs.stats["c0"] = ReplicaStats("c0", "colocated", 8, 0, 1000, 1000, 0)
+
+    def path(tokens: int, colocated_queue: int = 0, prefill_queue: int = 0) -> tuple[str, str]:
+        rs.prompt_tokens |= {"c0": colocated_queue, "p0": prefill_queue}
+        remote = forecast_sites(SITE, fc, rs, ["p0"], ["d0"], tokens, lambda names: {}).remote_s
+        f = forecast_paths(fc, rs, ["c0"], tokens, {}, remote)
+        assert f.colocated_replica == "c0"
+        return SITE.choose_path(f, 0, 0)
+
+    assert path(512) == (COLOCATED, "sooner")
+    assert path(512, colocated_queue=4096) == (DISAGGREGATED, "sooner")
+    assert path(512, colocated_queue=4096, prefill_queue=8192) == (COLOCATED, "sooner")
+    # A cached prefix at the colocated replica counts only what it lacks.
+    rs.prompt_tokens |= {"c0": 0, "p0": 0}
+    cached = forecast_paths(fc, rs, ["c0"], 4096, {"c0": 4080}, None).colocated_s
+    assert cached < forecast_paths(fc, rs, ["c0"], 4096, {}, None).colocated_s
+
+
+def test_without_forecasts_a_mixed_cluster_balances_requests_in_flight():
+    fc, rs = cluster(decoders=0)
+    rs.colocated = {"c0": None}  # no step measured there yet: no colocated forecast
+    f = forecast_paths(fc, rs, ["c0"], 512, {}, 0.02)
+    assert f.colocated_s is None
+    # Ours in flight per replica: a tie goes colocated (no KV moves), then to the emptier path.
+    assert SITE.choose_path(f, 0, 0) == (COLOCATED, "balance")
+    assert SITE.choose_path(f, 1, 0) == (DISAGGREGATED, "balance")
+    rs.loads = {"c0": 2, "c1": 0, "d0": 1}
+    assert per_replica(rs, ["c0", "c1"]) == 1 and per_replica(rs, ["d0"]) == 1
+    assert SITE.choose_path(f, per_replica(rs, ["c0", "c1"]), per_replica(rs, ["d0"])) == (COLOCATED, "balance")
+    assert SITE.choose_path(PathForecast(None, None, None), 3, 1) == (DISAGGREGATED, "balance")

@@ -287,10 +287,12 @@ def scale(address: str, counts: dict[str, int], grace_s: float, flips: list[str]
     s = ask(controller, "status")
     roles = {n.rsplit("-", 1)[0].removeprefix("pdserve-") for n in s["replicas"]}
     for role, n in counts.items():
-        if role not in roles:
+        # Colocated replicas may join a disaggregated cluster (it becomes mixed); prefill and decode
+        # replicas never join one without the other (cluster.yaml's rule, pdserve/config.py).
+        if role not in roles and not (role == "colocated" and n >= 1):
             have = " and ".join(sorted(roles))
             raise ValueError(f"--{role}: this cluster has {have} replicas; a {role} replica cannot join it")
-        if n < 1:
+        if n < 1 and not (role == "colocated" and {"prefill", "decode"} <= roles):
             raise ValueError(f"--{role}: {n}; a role the cluster has needs at least 1 replica")
     return scale_with(controller, counts, grace_s)
 

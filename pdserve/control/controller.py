@@ -9,7 +9,8 @@ are told (`ReplicaChange`). `scale` starts replicas or drains them (no new work;
 they hold, then stop); `shutdown(grace)` drains the routers first. A decode replica is one
 DecodeWorker, or with `decode.ep_size` N > 1 an expert-parallel group of N (one dead rank takes
 its group down with it: the group is replaced whole). A colocated cluster has ColocatedWorkers
-only, and no handshake: no KV moves between them.
+only, and no handshake: no KV moves between them. A mixed cluster has all three; its colocated
+replicas take no part in KV pairing.
 
 Four of its parts are files of their own, mixed into the one actor class (Ray calls every method
 on it, whichever file holds it): the KV handshake (handshake.py), scaling and draining

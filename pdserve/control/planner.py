@@ -235,8 +235,13 @@ def plan(m: Measured, traffic: Traffic | None = None, budget: int | None = None)
         "the workers running now; --budget N to change" if m.replicas else "the workers of the profiled cluster"
     budget = budget or m.budget
     if m.replicas.get("colocated"):
-        raise PlannerError("this cluster is colocated: `pdserve tune` sizes prefill and decode pools; start a "
-                           "disaggregated cluster (prefill.replicas, decode.replicas) to tune its split")
+        # (A mixed cluster's colocated replicas take a share of the traffic the fits cannot tell apart
+        # from the P:D pools' share: sizing those pools from it would be wrong, so none is offered.)
+        kind = "mixes colocated replicas with prefill and decode ones" if m.replicas.get("prefill") \
+            else "is colocated"
+        raise PlannerError(f"this cluster {kind}: `pdserve tune` sizes the prefill and decode pools of a "
+                           f"disaggregated cluster only; tune one without colocated replicas (colocated.replicas: "
+                           f"0), or size the colocated replicas with `pdserve scale --colocated N`")
     if traffic.rate <= 0 or traffic.input_len <= 0:
         raise PlannerError(f"no requests arrived in the last {m.window_s:.0f} s: nothing to size the pools for "
                            f"(send traffic, or use --offline with --rate/--input-len/--output-len)")
