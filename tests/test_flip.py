@@ -109,16 +109,20 @@ def test_a_flip_past_its_grace_moves_the_streams_left(cluster):
     # with a grace too short for them. The worker cuts them off; each moves to the other decode
     # replica, where its greedy answer goes on as if it never moved. (The steady load runs on: none
     # of its requests fails; the long streams load the 2 cores too much for its TTFT bound.)
-    decode = [r for r in replicas(cluster.status(), "decode") if r != "pdserve-decode-0"]
+    decode = replicas(cluster.status(), "decode")
     before = _metric(cluster, "pdserve_request_migrations_total")
     t0, said = time.monotonic(), []
     with ThreadPoolExecutor(LONG) as pool:
         answers = [pool.submit(long_answer, cluster.url, i) for i in range(LONG)]
-        flip(cluster, decode[0], "prefill", said, grace_s=0.3)()
+        # The one of the two holding more (the router's latest poll): the long streams are spread
+        # by load, and a flip of a replica that held none of them would cut nothing.
+        time.sleep(1.5)
+        target = max(decode, key=lambda r: _metric(cluster, f'pdserve_queue_length{{replica="{r}",role="decode"}}'))
+        flip(cluster, target, "prefill", said, grace_s=0.3)()
         moved = [a.result() for a in answers]
         assert moved == list(pool.map(lambda i: long_answer(cluster.url, i), range(LONG)))
     print(said[0].strip().splitlines()[-1])
-    assert f"{decode[0]}: not drained within 0.3 s" in cluster.output()
+    assert f"{target}: not drained within 0.3 s" in cluster.output()
     assert _metric(cluster, "pdserve_request_migrations_total") > before  # the cut-off streams moved
     cluster.load.drain(timeout_s=180)
     w = cluster.load.window(t0, time.monotonic())
@@ -130,7 +134,8 @@ def test_a_flip_past_its_grace_moves_the_streams_left(cluster):
 
 
 def test_a_flip_refused_names_why(cluster):
-    r = cluster.cli("scale", "--role", "pdserve-decode-0=prefill", "--grace", "5")
+    [only] = replicas(cluster.status(), "decode")
+    r = cluster.cli("scale", "--role", f"{only}=prefill", "--grace", "5")
     assert r.returncode != 0 and "the only serving decode replica" in r.stderr, r.stderr
     r = cluster.cli("scale", "--role", "pdserve-prefill-0=prefill")
     assert r.returncode != 0 and "is a prefill replica already" in r.stderr, r.stderr
