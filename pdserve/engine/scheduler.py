@@ -71,6 +71,7 @@ class Scheduler:
         # decode graph; 0: no such graphs, every step mixes as it comes (set by the engine).
         self.prompt_graph_tokens = self.prompt_graph_seqs = self.decode_graph_batch = 0
         self._prompts_alone = False  # the last step was fresh prompts alone
+        self._guarded = False  # the guard was asked for this step's budget
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -129,8 +130,9 @@ class Scheduler:
         return out
 
     def schedule(self) -> list[ScheduledSeq]:
+        self._guarded = False
         out = self._schedule()
-        if self.guard is not None:  # what the step takes of the prompts, the guard's bank pays for
+        if self._guarded:  # what the step takes of the prompts, the guard's bank pays for
             self.guard.took(sum(s.num_new_tokens for s in out if s.seq.num_tokens - s.seq.num_computed_tokens > 1))
         return out
 
@@ -203,7 +205,11 @@ class Scheduler:
         """The TPOT guard's budget of prompt tokens for a step of the running decoders; None: no bound."""
         if self.guard is None:
             return None
-        return self.guard.budget(sum(1 for q in self.running if q.num_tokens - q.num_computed_tokens == 1))
+        decoders = sum(1 for q in self.running if q.num_tokens - q.num_computed_tokens == 1)
+        if not self.waiting and decoders == len(self.running):
+            return None  # (decoders alone, the usual step: no prompt to bound, the guard not asked)
+        self._guarded = True
+        return self.guard.budget(decoders)
 
     def _use_prefix_cache(self, seq: Sequence) -> None:
         # Leave at least one token to compute: its logits give the next token.

@@ -10,8 +10,9 @@ every REFIT_STEPS steps from the engine's cumulative step profile. Until a mixed
 measured there is no bound: the first mixed steps take chunk_size and teach the fit.
 
 Pacing. A client's TPOT is the mean of its gaps, so the guard keeps the decoders' mean step
-within HEADROOM x the target rather than every step: each step banks what its decoders leave of
-it (its slack; at most one target's worth banked, so that no one step is much over two targets),
+within HEADROOM x the target rather than every step: while a prompt waits, each step banks what its decoders leave of
+it (its slack; at most one target's worth banked, so that no one step is much over two targets;
+a step of decoders alone, with no prompt waiting, asks the guard nothing),
 and a step takes prompt tokens only when the bank pays for the mixing overhead and a chunk worth
 it (MixedCost.least_chunk), spending the bank on as many tokens as it buys. Adding a few tokens
 to every step instead pays the overhead every step: beside 96 decoders on an H200 that made each
