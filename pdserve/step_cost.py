@@ -5,11 +5,20 @@ decoders (MixedCost). The planner (control/planner.py) sizes the phases from it;
 (engine/tpot_guard.py) and the adaptive prefill site (router/prefill_site.py) size prompt chunks
 beside decoders from it. Plain data and arithmetic: no Ray, no torch."""
 
+import math
 from dataclasses import dataclass
 
 # The share of a TPOT target a guarded step may fill: the fits are means, and steps scatter around
 # them (a client's TPOT is a mean over its steps, its SLO a percentile over clients).
 HEADROOM = 0.9
+
+# The most slack a TPOT guard banks, in HEADROOM x target steps: enough for a whole long prompt
+# in one mixed step where the decoders leave little per step (a 4k prompt's ~140 ms on an H200
+# beside decoders at 20 ms), so that its overhead is paid once, not on each of many small chunks.
+# A client's TPOT is the mean of its gaps: one long step within BANK_TARGETS steps of slack moves
+# the mean of a 64-token answer by at most ~BANK_TARGETS / 64 of the target (of a 256-token one by
+# 3 %); the headroom covers it.
+BANK_TARGETS = 8
 
 
 @dataclass
@@ -91,19 +100,31 @@ class MixedCost:
         (a smaller chunk pays more for the mixing than for its tokens), and at least `floor`."""
         return max(floor, int(self.overhead / self.per_token)) if self.per_token > 0 else floor
 
-    def tokens_per_step(self, decoders: int, target_s: float, floor: int) -> float:
-        """The prompt tokens a guarded engine computes per step, on average, beside `decoders`
-        decoding sequences (engine/tpot_guard.py's pacing): every step banks its slack (at most
-        HEADROOM x target_s banked), and a mixed step spends the bank on its overhead and tokens,
-        at least least_chunk of them. Where the decoders alone fill the target, least_chunk every
-        STARVE_STEPS steps."""
-        s, least = self.slack(decoders, target_s), self.least_chunk(floor)
-        if s <= 0:
-            return least / STARVE_STEPS
-        if self.per_token <= 0:
-            return float("inf")
-        tokens = max(least, (HEADROOM * target_s + s - self.overhead) / self.per_token)
-        return tokens / max(1.0, (self.overhead + self.per_token * tokens) / s)
+    def bank_cap(self, target_s: float) -> float:
+        """The most slack a guard banks (BANK_TARGETS steps of HEADROOM x target_s)."""
+        return BANK_TARGETS * HEADROOM * target_s
+
+    def buys(self, seconds: float) -> int:
+        """Prompt tokens `seconds` of banked slack pay for in one mixed step (its overhead first)."""
+        if seconds < self.overhead:
+            return 0
+        return 1 << 30 if self.per_token <= 0 else int((seconds - self.overhead) / self.per_token)
+
+    def paced_s(self, decoders: int, tokens: int, target_s: float, floor: int, chunk: int) -> float:
+        """Seconds for a TPOT guard (engine/tpot_guard.py) to compute `tokens` prompt tokens beside
+        `decoders` decoding sequences, in mixed steps of at most `chunk` tokens each, from an empty
+        bank: every step banks its slack, a mixed step goes once the bank buys its chunk (or, where a
+        full bank buys less, what a full bank buys). So over k steps, k x slack pays for the mixed
+        steps' overheads and tokens, and the time is k decoders' steps plus what the mixing costs.
+        Where the decoders alone fill the target: a least chunk every STARVE_STEPS steps."""
+        step, slack = self.decode.time(decoders), self.slack(decoders, target_s)
+        if slack <= 0:
+            least = self.least_chunk(floor)
+            return math.ceil(tokens / least) * (STARVE_STEPS * step + self.overhead) + self.per_token * tokens
+        size = max(1, min(chunk, self.buys(self.bank_cap(target_s) + slack)))
+        chunks = math.ceil(tokens / size)
+        cost = chunks * self.overhead + self.per_token * tokens
+        return max(chunks, math.ceil(cost / slack - 1e-9)) * step + cost
 
 
 # Steps a prompt waits, beside decoders that alone fill the TPOT target, before it may take a

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 from pdserve.config import EngineConfig
-from pdserve.step_cost import HEADROOM, STARVE_STEPS, MixedCost
+from pdserve.step_cost import MixedCost
 
 # A decode replica's mixed step before it has measured one: its decoders' step, plus this share of
 # it (the eager run's overhead: 0.36-0.64x on an H200 at 64-96 decoders), plus the prompt tokens at
@@ -128,23 +128,11 @@ class PrefillSite:
         mine = max(1, tokens - c.cached_tokens)
         total = c.queued_tokens + mine
         if self.tpot_target_s is not None and c.decoders:
-            return self._paced_s(total, m, c.decoders, self.tpot_target_s)
+            # At the guard's pace (engine/tpot_guard.py, the same model), from an empty bank: the
+            # router does not see the bank; a replica that has banked slack takes a prompt sooner.
+            return m.paced_s(c.decoders, total, self.tpot_target_s, self.floor, self.chunk_tokens)
         steps = max(math.ceil(total / self.step_tokens), math.ceil(mine / self.chunk_tokens))
         return steps * (m.time(c.decoders, 0) + m.overhead) + total * m.per_token
-
-    def _paced_s(self, total: int, m: MixedCost, decoders: int, target_s: float) -> float:
-        """Seconds for a TPOT guard (engine/tpot_guard.py) to let `total` prompt tokens through beside
-        `decoders`: where the decoders fill the target, a least chunk every STARVE_STEPS of their
-        steps; where one mixed step can take them all, the steps that bank what it costs (from an
-        empty bank) and that step; else the guard's pace, at the decoders' mean step it keeps."""
-        slack, least = m.slack(decoders, target_s), m.least_chunk(self.floor)
-        if slack <= 0:
-            return math.ceil(total / least) * STARVE_STEPS * m.time(decoders, 0)
-        if m.per_token <= 0 or total <= (HEADROOM * target_s + slack - m.overhead) / m.per_token:
-            cost = m.overhead + m.per_token * max(total, least)
-            return max(0, math.ceil((cost - slack) / slack)) * m.time(decoders, 0) + m.time(decoders, total)
-        return math.ceil(total / m.tokens_per_step(decoders, target_s, self.floor)) * HEADROOM * target_s
-
 
 def forecast_sites(site: PrefillSite, fc, rs, prefill: list[str], local: list[str], tokens: int,
                    cached: Callable[[list[str]], dict[str, int]]) -> SiteForecast:

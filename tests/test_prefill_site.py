@@ -13,7 +13,7 @@ from pdserve.router.prefill_site import (COLOCATED, DISAGGREGATED, LOCAL, MIXED_
                                          LocalCosts, PathForecast, PrefillSite, SiteForecast, forecast_paths,
                                          forecast_sites, per_replica)
 from pdserve.router.replica_set import ReplicaSet
-from pdserve.step_cost import HEADROOM, STARVE_STEPS, MixedCost, StepCost
+from pdserve.step_cost import STARVE_STEPS, MixedCost, StepCost
 
 # An H200-like replica of a 30B MoE: a prompt token 16 us beside a 4 ms step, a decode step
 # 12 ms + 0.1 ms a sequence, a mixed step 5 ms more and 25 us a prompt token; a 4k prompt's KV
@@ -47,7 +47,8 @@ def choose(tokens: int, decoders: int, prefill_queue: int = 0, local_queue: int 
 def test_short_prompts_go_local_long_ones_remote():
     # Beside 8 decoders (12.8 ms a step: 14.2 ms of slack under 0.9 x 30 ms), 32 tokens go in the
     # next mixed step (18.6 ms) against the prefill step, the KV's move and a decode step (19.3 ms);
-    # 512 tokens wait a step for their mixed one (43 ms against 27 ms); 4k take 9 guarded steps.
+    # 512 tokens wait a step for their mixed one (43 ms against 27 ms); 4k bank 6 steps for two
+    # mixed ones of 2048 tokens (0.21 s against 84 ms).
     assert choose(32, decoders=8) == (LOCAL, "sooner")
     assert choose(512, decoders=8) == (REMOTE, "sooner")
     assert choose(4096, decoders=8) == (REMOTE, "sooner")
@@ -56,7 +57,7 @@ def test_short_prompts_go_local_long_ones_remote():
 
 
 def test_a_backed_up_prefill_pool_sends_prompts_local():
-    # 60k tokens queued at the prefill replica (~1.07 s): a 4k prompt is 9 guarded steps, 0.24 s.
+    # 60k tokens queued at the prefill replica (~1.03 s): a 4k prompt is 8 guarded steps, 0.21 s.
     assert choose(4096, decoders=8, prefill_queue=60_000) == (LOCAL, "sooner")
     # ... but not once the decode replica's own local queue is as long.
     assert choose(4096, decoders=8, prefill_queue=60_000, local_queue=60_000) == (REMOTE, "sooner")
@@ -87,19 +88,22 @@ def test_before_a_mixed_step_is_measured_the_prior_forecasts_it():
     fc.mixed_cost.clear()  # decode steps measured, no mixed one yet: 0.6 x the decode step more,
     f = forecast_sites(SITE, fc, rs, ["p0"], ["d0"], 32, lambda names: {})  # the prefill replica's per token
     prior = MixedCost(DECODE, MIXED_OVERHEAD_PRIOR * DECODE.time(8), PREFILL.per_unit)
-    # Its least chunk (480 tokens) costs more than a step's slack: one step banks, the next mixes.
-    assert f.local_s == pytest.approx(DECODE.time(8) + prior.time(8, 32))
+    # Its 32 tokens and overhead (8.2 ms) cost less than a step's slack (14.2 ms): the next step mixes.
+    assert f.local_s == pytest.approx(prior.time(8, 32))
 
 
 def test_the_local_forecast_follows_the_guards_pace():
     # 150 decoders fill a 30 ms target: a least chunk (200 tokens, worth the 5 ms overhead) every
     # STARVE_STEPS steps.
     c = LocalCosts(MIXED, decoders=150, queued_tokens=0)
-    assert SITE.local_s(4096, c) == pytest.approx(21 * STARVE_STEPS * DECODE.time(150))
-    # 8 decoders: past what one mixed step takes, the guard's mean pace at 0.9 x the target a step.
+    assert SITE.local_s(4096, c) == pytest.approx(21 * (STARVE_STEPS * DECODE.time(150) + 0.005) + 4096 * 25e-6)
+    # 8 decoders: chunks of chunk_tokens (2048), each once the bank pays for it (its 5 ms overhead
+    # and 51.2 ms of tokens): 8 steps' slack (14.2 ms each) pay for both; 8 decoders' steps and the
+    # mixing's 112.4 ms.
     c = LocalCosts(MIXED, decoders=8, queued_tokens=0)
-    pace = MIXED.tokens_per_step(8, 0.030, 16)
-    assert SITE.local_s(4096, c) == pytest.approx(math.ceil(4096 / pace) * HEADROOM * 0.030)
+    assert SITE.local_s(4096, c) == pytest.approx(8 * DECODE.time(8) + 2 * 0.005 + 4096 * 25e-6)
+    # A queue ahead of it is paid for first.
+    assert SITE.local_s(4096, LocalCosts(MIXED, 8, queued_tokens=4096)) > 2 * SITE.local_s(4096, c) - 0.01
     unguarded = PrefillSite(mode="adaptive", tpot_target_s=None)  # slo.tpot_guard off: chunk_tokens a step
     step = DECODE.time(8) + MIXED.overhead
     assert unguarded.local_s(4096, c) == pytest.approx(2 * step + 4096 * MIXED.per_token)

@@ -23,7 +23,8 @@ def engine(role: str) -> Engine:
 
 def workload_shapes(e: Engine, rng: random.Random, tag: str, steps: int = 100) -> set[tuple]:
     """A random workload's step signatures: requests arriving at random steps with prompts of 1-150
-    tokens, some sharing a prefix, 1-6 tokens each (decode role: reservations started at once)."""
+    tokens, some sharing a prefix, 1-6 tokens each (decode role: reservations started at once, and
+    every third a local prefill, its prompt computed beside them)."""
     shapes, prefixes, n = set(), [], 0
     for _ in range(steps):
         for _ in range(rng.choice((0,) * 12 + (1, 1, 2, 3, 16, 17))):  # mostly quiet, now and then a burst
@@ -34,7 +35,7 @@ def workload_shapes(e: Engine, rng: random.Random, tag: str, steps: int = 100) -
             elif len(ids) >= 32:
                 prefixes.append(ids[:32])
             params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=0, ignore_eos=True)
-            if e.config.role == "decode":
+            if e.config.role == "decode" and n % 3:
                 if e.reserve(Request(f"{tag}-{n}", ids, params)) is not None:
                     e.start_decode(f"{tag}-{n}", 5)
             else:
@@ -56,7 +57,9 @@ def test_warm_up_covers_every_shape_a_random_workload_steps(role):
     seen = set()
     for seed in range(2):
         seen |= workload_shapes(e, random.Random(seed), f"s{seed}")
-    assert len(seen) >= (3 if role == "decode" else 8), seen  # the workload is varied enough to mean something
+    assert len(seen) >= (5 if role == "decode" else 8), seen  # the workload is varied enough to mean something
+    if role == "decode":
+        assert any(s[0] == "paged" for s in seen), seen  # local prompts' chunks beside decoders
     assert seen <= warmed.shapes, f"steps the warm-up never ran: {sorted(seen - warmed.shapes)}"
 
 

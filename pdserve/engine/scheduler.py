@@ -13,8 +13,8 @@ preempts.
 
 With a TPOT guard (engine/tpot_guard.py: a decode or colocated engine under slo.tpot_ms) a step that
 carries decoding sequences takes prompt tokens only up to the guard's budget for that many
-decoders (none in a step whose decoders bank their slack for a later chunk); prompts beyond it
-wait.
+decoders and the next prompt's chunk (none in a step whose decoders bank their slack for it);
+prompts beyond it wait.
 
 Where CUDA graphs cover both kinds of step (`graph_limits`), fresh prompts that a prefill graph
 takes are not mixed into a step of decoding sequences: a mixed step runs eagerly, and its host
@@ -209,7 +209,16 @@ class Scheduler:
         if not self.waiting and decoders == len(self.running):
             return None  # (decoders alone, the usual step: no prompt to bound, the guard not asked)
         self._guarded = True
-        return self.guard.budget(decoders)
+        return self.guard.budget(decoders, self._next_chunk())
+
+    def _next_chunk(self) -> int:
+        """Prompt tokens the next prompt in line would take in a step unguarded: a running prompt's
+        next chunk, else the first waiting one's (its cached prefix, not looked up yet, counted in:
+        the guard may wait for more than it needs)."""
+        q = next((q for q in self.running if q.num_tokens - q.num_computed_tokens > 1),
+                 self.waiting[0] if self.waiting else None)
+        rest = q.num_tokens - q.num_computed_tokens if q is not None else 0
+        return min(rest, self.chunk_size, self.max_num_batched_tokens)
 
     def _use_prefix_cache(self, seq: Sequence) -> None:
         # Leave at least one token to compute: its logits give the next token.

@@ -10,17 +10,18 @@ every REFIT_STEPS steps from the engine's cumulative step profile. Until a mixed
 measured there is no bound: the first mixed steps take chunk_size and teach the fit.
 
 Pacing. A client's TPOT is the mean of its gaps, so the guard keeps the decoders' mean step
-within HEADROOM x the target rather than every step: while a prompt waits, each step banks what its decoders leave of
-it (its slack; at most one target's worth banked, so that no one step is much over two targets;
-a step of decoders alone, with no prompt waiting, asks the guard nothing),
-and a step takes prompt tokens only when the bank pays for the mixing overhead and a chunk worth
-it (MixedCost.least_chunk), spending the bank on as many tokens as it buys. Adding a few tokens
-to every step instead pays the overhead every step: beside 96 decoders on an H200 that made each
-local 4k prompt crawl through ~250 mixed steps, every one of them 12 ms slower than the decoders
-alone (docs/benchmarks.md, adaptive disaggregation). Where the decoders alone fill the target, a
+within HEADROOM x the target rather than every step: while a prompt waits, each step banks what its
+decoders leave of it (its slack; at most BANK_TARGETS steps' worth banked; a step of decoders
+alone, with no prompt waiting, asks the guard nothing), and a step takes prompt tokens once the
+bank pays for the mixing overhead and the next prompt's whole chunk (`want`), or, where a full bank
+buys less, as much as it buys; it spends the bank on as many tokens as it buys. Small chunks pay the
+overhead each time: adding a few tokens to every step made each local 4k prompt crawl through ~250
+mixed steps beside 96 decoders on an H200, every one 12 ms slower than the decoders alone, and a
+bank of one target still cut a 4k prompt into chunks of a few hundred tokens beside decoders at
+20 ms (docs/benchmarks.md, adaptive disaggregation). Where the decoders alone fill the target, a
 least chunk goes every STARVE_STEPS steps: prompts move on, slowly, rather than never.
 
-The routers forecast a local prefill's pace with the same model (MixedCost.tokens_per_step,
+The routers forecast a local prefill's pace with the same model (MixedCost.paced_s,
 router/prefill_site.py). A step of prompts alone (no decoders) is unbounded here: its chunks are
 sized by chunk_size and max_num_batched_tokens as before."""
 
@@ -46,10 +47,11 @@ class TPOTGuard:
         """Use this cost (a refit's, or a test's)."""
         self.mixed = mixed
 
-    def budget(self, decoders: int) -> int | None:
+    def budget(self, decoders: int, want: int) -> int | None:
         """The most prompt tokens the next step may take beside `decoders` decoding sequences (0:
-        none this step); None: no bound (no decoders to protect, or no costs measured yet). The
-        scheduler then says what it took (`took`)."""
+        none this step), `want` being the next prompt's chunk (what it would take unguarded); None:
+        no bound (no decoders to protect, or no costs measured yet). The scheduler then says what it
+        took (`took`)."""
         self._steps += 1
         # (Sooner while none is fitted: the unbounded mixed steps until then are the costly ones.)
         if self._steps >= (self.refit_steps if self.mixed is not None else min(8, self.refit_steps)):
@@ -64,18 +66,19 @@ class TPOTGuard:
         least = m.least_chunk(self.floor)
         if slack <= 0:
             return least if self._starved >= STARVE_STEPS else 0
-        if m.per_token <= 0:
-            return 1 << 30 if self.bank + slack >= m.overhead else 0
-        tokens = int((self.bank + slack - m.overhead) / m.per_token)
-        full = self.bank >= HEADROOM * self.target_s - 1e-12  # (it banks no more: spend it)
-        return max(tokens, least) if tokens >= least or full else 0
+        tokens = m.buys(self.bank + slack)
+        if tokens >= max(1, want):
+            return tokens
+        full = self.bank >= m.bank_cap(self.target_s) - 1e-12  # (it banks no more: spend it)
+        return max(tokens, least) if full else 0
 
     def took(self, tokens: int) -> None:
         """The step just scheduled takes `tokens` prompt tokens: the bank pays for them."""
         if self._slack is None:
             return
-        m, cap = self.mixed, HEADROOM * self.target_s
+        m = self.mixed
         spent = m.overhead + m.per_token * tokens if tokens else 0.0
-        self.bank = max(-cap, min(cap, self.bank + self._slack - spent))
+        # (Owed, at most one target: a trickle past a full target is not paid back for long.)
+        self.bank = max(-HEADROOM * self.target_s, min(m.bank_cap(self.target_s), self.bank + self._slack - spent))
         self._starved = 0 if tokens or self._slack > 0 else self._starved + 1
         self._slack = None

@@ -11,8 +11,8 @@ plane under load). Those costs belong before "ready", not on a user's request.
 
 So a worker runs this script on its engine before its loop starts (pdserve/worker/engine_worker.py): real
 requests through the engine's own entry points — `add_request` (colocated, prefill) or
-`reserve` + `start_decode` (decode, whose KV would come from a prefill replica; here the reserved
-blocks hold whatever they hold: only the shapes matter) — sized to reach each kind and each
+`reserve` + `start_decode` (a decode replica's decoders, whose KV would come from a prefill replica;
+here the reserved blocks hold whatever they hold: only the shapes matter) — sized to reach each kind and each
 integer class the scheduler can produce for this engine's limits. Afterwards nothing of it is
 left: every request finished, every block free, the prefix cache empty, the step profile zeroed
 (the planner must not count warm-up steps as traffic).
@@ -80,13 +80,13 @@ class WarmUp:
 
 
 def warm_up_attention(engine, log: Callable[[str], None] = lambda msg: None) -> int:
-    """The attention backend's own per-length plans for fresh prompts (roles that prefill), at the
+    """The attention backend's own per-length plans for fresh prompts (every role prefills), at the
     heads this rank holds (a tensor-parallel rank's share); how many lengths it prepared. A
     tensor-parallel follower runs this alone: its steps are rank 0's warm-up steps."""
     from pdserve.models.tensor_parallel import rank_heads
 
     attention = engine.model.attn_backend
-    if engine.config.role == "decode" or not hasattr(attention, "warm_up"):
+    if not hasattr(attention, "warm_up"):
         return 0
     log("warm-up: fresh prompts' attention at every padded length")
     a, tp = engine.args, engine.tp
@@ -147,8 +147,10 @@ def _phases(engine) -> list[tuple[str, Callable[[_Stepper], None]]]:
     graphs = engine.runner.graphs
     eager = [graphs.buckets[-1] + 1] if graphs is not None and graphs.buckets[-1] < most else []
     phases: list = [(f"decode, batch {b}", lambda st, b=b: _decode(st, b)) for b in batches + eager]
-    if c.role == "decode":
-        return phases
+    # Every role prefills: a decode replica computes prompts itself (a local prefill: router.prefill_site
+    # adaptive, short prompts, the prefill pool down), alone or beside its decoders, and a flip
+    # makes it a prefill replica. Its first local prompts compiled for seconds on an H200 without this
+    # (TTFT p90 2.9 s in a sweep's first seconds; docs/benchmarks.md, adaptive disaggregation).
     for b, tokens in _fresh_steps(engine, budget, most, room):
         phases.append((f"{b} fresh prompts, {tokens} tokens", lambda st, b=b, t=tokens: _fresh(st, b, t)))
     for b in batches:
