@@ -167,9 +167,10 @@ class RouterConfig(_Strict):
     # the prompt's chunks with its decoders', paced within slo.tpot_ms). adaptive: each request where
     # its forecast first token comes sooner; remote: on a prefill replica while one can take it.
     # Either way a request is prefilled locally while no prefill replica can take it (every one
-    # down, draining or unpaired) instead of waiting for one. Default remote: adaptive has not yet
-    # measured better on a GPU (docs/benchmarks.md, adaptive disaggregation).
-    prefill_site: Literal["adaptive", "remote"] = "remote"
+    # down, draining or unpaired) instead of waiting for one. Default adaptive: on two H200s it met
+    # or beat every-prompt-remote at every SLO pair measured (docs/benchmarks.md, adaptive
+    # disaggregation).
+    prefill_site: Literal["adaptive", "remote"] = "adaptive"
     # A prompt with at most this many tokens to compute is prefilled locally, whatever the forecast.
     local_prefill_tokens: int = Field(default=0, ge=0)
 

@@ -14,6 +14,7 @@
 #   adaptive the adaptive disaggregation sweep on 2 GPUs (deploy/bench/adaptive: 1 + 1 adaptive at two TPOT
 #            guards, 1 + 1 fixed, 2 colocated) on 4k/256, then 8k/128 and 1k/1k (~25 minutes in all);
 #            each sweep's JSON holds the per-request records its goodput grid is printed from
+#   flip     a role flip under load, prefill -> decode and back (deploy/bench/flip: 2 prefill + 1 decode, 3 GPUs)
 # Each part writes OUT_DIR/<part>*.json and a log; a failing part does not stop the others.
 set -u
 out=${1:?usage: gpu_figures.sh OUT_DIR [PART ...]}
@@ -84,7 +85,10 @@ for part in $parts; do
         run adaptive-1k python -m pdserve.benchmarks.pd_goodput $a/1p1d-adaptive50.yaml $a/1p1d-fixed.yaml \
             $a/colocated2.yaml --rates 4 6 8 10 --input-len 1024 --output-len 1024 "${common[@]}" \
             --json "$out/adaptive-1k.json" ;;
+    flip)
+        run flip python -m pdserve.benchmarks.role_flip deploy/bench/flip/2p1d.yaml --rate 4 --input-len 1024 \
+            --output-len 64 --log "$out/flip-up.log" --json "$out/flip.json" ;;
     *)
-        echo "[gpu-figures] unknown part $part (tests, engine, ep, ep512, kv, goodput, adaptive)" ;;
+        echo "[gpu-figures] unknown part $part (tests, engine, ep, ep512, kv, goodput, adaptive, flip)" ;;
     esac
 done
