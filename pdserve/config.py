@@ -251,6 +251,10 @@ class DecodeConfig(_Strict):
     # then they fill as few nodes as hold them (their exchange crosses the network).
     ep_across_nodes: bool = False
     max_num_seqs: int = Field(default=256, ge=1)
+    # A local prefill's (router.prefill_site): the most tokens of a step, and of one prompt in a
+    # step; within them the TPOT guard (slo.tpot_guard) sizes each mixed step's chunk.
+    max_batch_tokens: int = Field(default=8192, ge=1)
+    chunk_size: int = Field(default=2048, ge=1)
     cuda_graphs: bool = True
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     num_kv_blocks: int | None = Field(default=None, ge=1)
@@ -392,9 +396,10 @@ class ClusterConfig(_Strict):
         kw = dict(model=self.model, role=role, device="cuda" if r.gpus else "cpu",
                   block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks, warm_up=r.warm_up,
                   enable_prefix_cache=r.prefix_cache)
+        # Every role computes prompts (a decode replica its local prefills).
+        kw.update(max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size)
         if role in ("prefill", "colocated"):  # the prompt phase
-            kw.update(max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size,
-                      prefill_graph_max_tokens=r.prefill_graph_max_tokens)
+            kw.update(prefill_graph_max_tokens=r.prefill_graph_max_tokens)
         if role in ("decode", "colocated"):  # the generation phase
             kw.update(max_num_seqs=r.max_num_seqs, cuda_graphs=r.cuda_graphs,
                       overlap_scheduling=r.overlap_scheduling,

@@ -38,7 +38,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-from pdserve.config import EngineConfig
 from pdserve.step_cost import MixedCost
 
 # A decode replica's mixed step before it has measured one: its decoders' step, plus this share of
@@ -89,11 +88,10 @@ class PrefillSite:
 
     @classmethod
     def of(cls, cfg) -> "PrefillSite":
-        """From a ClusterConfig. (A decode engine keeps the engine's default step and chunk sizes.)"""
-        e = EngineConfig()
+        """From a ClusterConfig (the decode replicas' step and chunk sizes)."""
         return cls(cfg.router.prefill_site, cfg.router.local_prefill_tokens,
                    cfg.slo.tpot_ms / 1e3 if cfg.slo.tpot_guard != "off" else None, cfg.kv_transfer.block_size,
-                   e.max_num_batched_tokens, e.chunk_size)
+                   cfg.decode.max_batch_tokens, cfg.decode.chunk_size)
 
     def choose(self, tokens: int, prefill_can_take: bool,
                forecast: Callable[[], SiteForecast] | None = None) -> tuple[str, str]:

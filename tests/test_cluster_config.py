@@ -98,6 +98,20 @@ def test_prefix_cache_is_on_by_default_and_off_per_role(tmp_path):
         load(tmp_path, {"prefill": {"prefix_cache": "sometimes"}})
 
 
+def test_adaptive_is_the_default_and_a_decode_replicas_local_prefill_takes_its_own_sizes(tmp_path):
+    from pdserve.router.prefill_site import PrefillSite
+
+    cfg = load_cluster_config(None)
+    assert cfg.router.prefill_site == "adaptive" and PrefillSite.of(cfg).mode == "adaptive"
+    cfg = load(tmp_path, {"decode": {"chunk_size": 4096, "max_batch_tokens": 16384}})
+    e = cfg.engine_config("decode")
+    assert (e.chunk_size, e.max_num_batched_tokens) == (4096, 16384)
+    site = PrefillSite.of(cfg)  # the routers forecast a local prefill in the decode replicas' chunks
+    assert (site.chunk_tokens, site.step_tokens) == (4096, 16384)
+    with pytest.raises(ConfigError, match=r"decode\.chunk_size"):
+        load(tmp_path, {"decode": {"chunk_size": 0}})
+
+
 @pytest.mark.parametrize("path", sorted(p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*.yaml")
                                         if "kuberay" not in p.parts))
 def test_every_cluster_file_in_deploy_loads(path):
