@@ -378,8 +378,9 @@ class Engine:
             seq.logprobs.append(logprob)
         stream = self._streams[seq.request_id]
         reason = stop_reason = None
-        # Short of min_tokens nothing stops it but the length (the sampler held stop tokens off too).
-        may_stop = at + 1 - seq.num_prompt_tokens > p.min_tokens
+        # Short of min_tokens nothing stops it but the length (the sampler held stop tokens off too;
+        # a stop string may end the min_tokens-th token, as in vLLM).
+        may_stop = at + 1 - seq.num_prompt_tokens >= p.min_tokens
         if may_stop and ((token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids):
             reason, text = FinishReason.STOP, stream.push_stop_token()  # its own text is not shown
             # vLLM's stop_reason: the stop token id that ended it (None for the model's EOS).
