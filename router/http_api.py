@@ -22,7 +22,8 @@ from pdserve.router.http_auth import ApiKeyAuth, tenant_of
 from pdserve.router.http_errors import GENERATION_ERRORS, ApiError, add_error_handlers, answer_error, document_errors
 from pdserve.router.http_fast import FastDoor
 from pdserve.router.http_body import DEFAULT_MAX_BODY_BYTES, BodyGuard
-from pdserve.router.http_choices import DEFAULT_MAX_N, Choice, check_n, child_params, serve_choices
+from pdserve.router.choices import DEFAULT_MAX_N, check_n, child_params
+from pdserve.router.http_choices import Choice, serve_choices
 from pdserve.router.http_stream import serve
 from pdserve.router.http_tokens import add_token_routes
 from pdserve.router.metrics import Metrics

@@ -127,7 +127,8 @@ class Router:
             port = cfg.router.grpc_port if grpc_port is None else grpc_port
             self.grpc = await start_grpc_server(self.core, port, host, shared=shared, first=grpc_port is None,
                                                 tenants=tenants, credentials=grpc_credentials(
-                                                    cfg.router.tls_certfile, cfg.router.tls_keyfile))
+                                                    cfg.router.tls_certfile, cfg.router.tls_keyfile),
+                                                max_n=cfg.router.max_n)
             endpoints["grpc"] = f"{host}:{self.grpc.port}"
         self.endpoints = endpoints
         heap.settle()  # everything built: the collector leaves it be (heap.py)

@@ -6,6 +6,7 @@ the same parameters (so disaggregated and colocated outputs equal each other); t
 disaggregated request is sampled on the prefill replica and the rest on the decode replica, which must count
 it in its penalties."""
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -13,6 +14,8 @@ import pytest
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.protocol import SamplingParams
+from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
+from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc
 from serving_cluster import Cluster
 
 MODEL = "tiny-moe"
@@ -199,3 +202,36 @@ def test_bad_sampling_parameters_are_400_naming_the_field(cluster, body, param):
     assert r.json()["error"]["param"] == param
     ok = cluster.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)  # still serving
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_grpc_takes_the_same_parameters(cluster, reference):
+    penalties = {"repetition_penalty": 1.8, "frequency_penalty": 0.5, "presence_penalty": 0.5}
+    want = generate(reference, PROMPTS[0], 24, **penalties)
+    stop_id = generate(reference, PROMPTS[0], 12).token_ids[2]
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
+        stub = completion_pb2_grpc.CompletionStub(channel)
+        req = pb.CompletionRequest(prompt=PROMPTS[0], max_tokens=24, temperature=0.0, **penalties)
+        r = stub.Complete(req, timeout=60)
+        assert r.text == want.text and list(r.token_ids) == want.token_ids
+        assert "".join(ch.text for ch in stub.CompleteStream(req, timeout=60)) == want.text
+        # stop_token_ids and its stop_reason; min_tokens; logit_bias.
+        r = stub.Complete(pb.CompletionRequest(prompt=PROMPTS[0], max_tokens=12, temperature=0.0,
+                                               stop_token_ids=[stop_id]), timeout=60)
+        assert r.finish_reason == "stop" and r.stop_token_id == stop_id and r.WhichOneof("stop_reason") == "stop_token_id"
+        r = stub.Complete(pb.CompletionRequest(prompt=PROMPTS[0], max_tokens=20, temperature=0.0, min_tokens=4,
+                                               logit_bias={EOS: 100.0}), timeout=60)
+        assert r.usage.completion_tokens == 5 and r.finish_reason == "stop" and r.WhichOneof("stop_reason") is None
+        # n = 3: three choices, each with its index; streamed, each chunk says whose it is.
+        req = pb.CompletionRequest(prompt=PROMPTS[1], max_tokens=8, temperature=1.0, seed=5, n=3)
+        r = stub.Complete(req, timeout=60)
+        assert [c.index for c in r.choices] == [0, 1, 2] and r.text == r.choices[0].text
+        assert r.usage.completion_tokens == sum(len(c.token_ids) for c in r.choices)
+        streamed: dict[int, str] = {}
+        for chunk in stub.CompleteStream(req, timeout=60):
+            streamed[chunk.index] = streamed.get(chunk.index, "") + chunk.text
+        assert streamed == {c.index: c.text for c in r.choices}
+        for bad, field in [({"n": 17}, "n"), ({"logit_bias": {100000: 1.0}}, "logit_bias"),
+                           ({"presence_penalty": 3.0}, "presence_penalty")]:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Complete(pb.CompletionRequest(prompt="hi", max_tokens=4, **bad), timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field)
