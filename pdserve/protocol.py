@@ -67,6 +67,9 @@ class SamplingParams:
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise InvalidRequestError("stop", f"each stop string may have at most {MAX_STOP_CHARS} characters")
         self._validate_processors()
+        # Read by the sampler for every row of every step: one attribute, so that a batch asking for
+        # none of the logits processors pays one look per row (set again by each validate()).
+        self.processed = bool(self.logit_bias or self.min_tokens or self.penalized)
 
     def _validate_processors(self) -> None:
         """The ranges vLLM takes for its logits processors' fields."""

@@ -57,9 +57,12 @@ class Sampler:
         """The logits after logit_bias, min_tokens and the penalties (vLLM's order), and the penalized
         rows (their batch rows, their TokenCounts rows) for counting the tokens sampled. A step
         where no request asks for any of them returns `logits` itself."""
-        bias = [i for i, p in enumerate(params) if p.logit_bias]
-        held = [i for i, (s, p) in enumerate(zip(seqs, params)) if s.num_output_tokens < p.min_tokens]
-        pen = [i for i, p in enumerate(params) if p.penalized]
+        rows = [i for i, p in enumerate(params) if p.processed]
+        if not rows:
+            return logits, None
+        bias = [i for i in rows if params[i].logit_bias]
+        held = [i for i in rows if seqs[i].num_output_tokens < params[i].min_tokens]
+        pen = [i for i in rows if params[i].penalized]
         if not (bias or held or pen):
             return logits, None
         logits = logits.clone()  # the raw logits stay for logprobs
