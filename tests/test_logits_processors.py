@@ -124,3 +124,33 @@ def test_min_tokens_over_max_and_vocab_checks():
         SamplingParams(logit_bias={"70": 1.0}).check_vocab(VOCAB)
     assert e.value.param == "logit_bias"
     SamplingParams(logit_bias={"49": 1.0}).check_vocab(VOCAB)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from pdserve.config import EngineConfig, ModelConfig
+    from pdserve.engine.engine import Engine
+    make = lambda **kw: Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=256, **kw))  # noqa: E731
+    return make(), make(overlap_scheduling=True)
+
+
+def test_penalties_survive_overlap_and_a_move(engines):
+    """The counts are kept on the device: an overlapped engine (step N+1 sampled before the host has
+    step N's token) gives the same greedy tokens; so does a request moved after 9 tokens (its counts
+    rebuilt from output_ids on the engine it moved to)."""
+    from pdserve.messages import Request
+    plain, overlapped = engines
+    params = SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.5, frequency_penalty=0.7,
+                            presence_penalty=0.3, min_tokens=3, logit_bias={65: 2.0})
+    prompt = "Once upon a time"
+    want = plain.generate([prompt], params)[0]
+    assert want.token_ids != plain.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0].token_ids
+    assert overlapped.generate([prompt], params)[0].token_ids == want.token_ids
+    moved = Request("moved", plain.tokenize(prompt), params, output_ids=want.token_ids[:9])
+    overlapped.add(moved)
+    got = []
+    while overlapped.has_unfinished():
+        got += [t for out in overlapped.step() for t in out.token_ids]
+    assert got == want.token_ids[9:]
+    assert overlapped.pool.num_free_blocks == overlapped.pool.num_blocks and not overlapped.seqs
+    assert not overlapped.runner.sampler._counts.rows  # every row given back
