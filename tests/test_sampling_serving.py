@@ -148,11 +148,16 @@ def test_usage_sums_choices_and_best_of(cluster, reference):
     r = cluster.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, n=3, temperature=0,
                                           extra_body={"ignore_eos": True})
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, 18)
-    # best_of 4, n 2: the two of the highest cumulative logprob; greedy is the most likely of all.
-    r = cluster.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, n=2, best_of=4,
-                                          temperature=1.0, seed=3)
+    # best_of 4, n 2: the two of the highest cumulative logprob among the 4 that n = 4 gives (the same
+    # seeds: choice j draws with seed + j), best first; logprobs shown only where asked for.
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=1.5, seed=3)
+    four = cluster.client.completions.create(n=4, logprobs=0, **kw).choices
+    ranked = sorted(four, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    assert len({c.text for c in four}) > 2
+    r = cluster.client.completions.create(n=2, best_of=4, **kw)
     assert [c.index for c in r.choices] == [0, 1] and r.choices[0].logprobs is None
-    assert r.usage.completion_tokens <= 24
+    assert [c.text for c in r.choices] == [c.text for c in ranked[:2]]
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in four)  # every one generated counts
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
