@@ -154,3 +154,4 @@ def test_penalties_survive_overlap_and_a_move(engines):
     assert got == want.token_ids[9:]
     assert overlapped.pool.num_free_blocks == overlapped.pool.num_blocks and not overlapped.seqs
     assert not overlapped.runner.sampler._counts.rows  # every row given back
+    assert not overlapped.runner.sampler._biases._of

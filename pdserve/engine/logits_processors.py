@@ -85,14 +85,31 @@ class TokenCounts:
         return logits - freq[:, None] * counts - pres[:, None] * output_seen
 
 
-def add_logit_bias(logits: torch.Tensor, rows: list[int], biases: list[dict[int, float]]) -> None:
-    """In place: logits [N, vocab] += each listed row's bias {token id: bias}."""
-    r = [row for row, b in zip(rows, biases) for _ in b]
-    ids = [t for b in biases for t in b]
-    vals = [v for b in biases for v in b.values()]
-    dev = logits.device
-    logits.index_put_((torch.tensor(r, device=dev), torch.tensor(ids, device=dev)),
-                      torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
+class LogitBiases:
+    """Each request's logit_bias as device tensors (token ids, biases), made the first time it is
+    sampled: a step's work is then one scatter, whatever the size of the maps."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._of: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+        """In place: logits [N, vocab] += the bias of each listed row's request (seqs[k] is rows[k]'s)."""
+        ids, vals, sizes = [], [], []
+        for s in seqs:
+            t = self._of.get(s.request_id)
+            if t is None:
+                bias = s.params.logit_bias
+                t = self._of[s.request_id] = (torch.tensor(list(bias), device=self.device),
+                                              torch.tensor(list(bias.values()), device=self.device))
+            ids.append(t[0])
+            vals.append(t[1])
+            sizes.append(len(t[0]))
+        r = torch.tensor(rows, device=self.device).repeat_interleave(torch.tensor(sizes, device=self.device))
+        logits.index_put_((r, torch.cat(ids)), torch.cat(vals).to(logits.dtype), accumulate=True)
+
+    def forget(self, request_id: str) -> None:
+        self._of.pop(request_id, None)
 
 
 def hold_off_stops(logits: torch.Tensor, rows: list[int], stop_ids: list[list[int]]) -> None:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.logits_processors import TokenCounts, add_logit_bias, hold_off_stops, min_p_mask
+from pdserve.engine.logits_processors import LogitBiases, TokenCounts, hold_off_stops, min_p_mask
 from pdserve.engine.sequence import Sequence
 from pdserve.protocol import SamplingParams, TokenLogprob
 
@@ -18,9 +18,11 @@ class Sampler:
         self.eos_token_ids = eos_token_ids  # what min_tokens holds off besides a request's stop_token_ids
         self._generators: dict[str, torch.Generator] = {}
         self._counts: TokenCounts | None = None  # made by the first penalized request (its size is the vocab's)
+        self._biases = LogitBiases(device)
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._biases.forget(request_id)
         if self._counts is not None:
             self._counts.forget(request_id)
 
@@ -67,7 +69,7 @@ class Sampler:
             return logits, None
         logits = logits.clone()  # the raw logits stay for logprobs
         if bias:
-            add_logit_bias(logits, bias, [params[i].logit_bias for i in bias])
+            self._biases.add(logits, bias, [seqs[i] for i in bias])
         if held:
             hold_off_stops(logits, held, [self._stop_ids(params[i]) for i in held])
         if not pen:
