@@ -124,6 +124,8 @@ class RouterConfig(_Strict):
     replica_wait_s: float = Field(default=30.0, ge=0)
     # Larger request bodies get 413 before they are read in full or tokenized.
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # The most choices a request may ask for per prompt (`n`, `best_of`); more is a 400 naming the field.
+    max_n: int = Field(default=16, ge=1, le=1024)
     # API keys (router/tenants.py): a YAML file of keys, each with a name, optional requests_per_minute
     # and tokens_per_minute, and a default priority; PDSERVE_API_KEYS adds keys from the environment.
     # Read by `pdserve up` at start. No file and no variable: no key is asked for.

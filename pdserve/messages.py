@@ -103,6 +103,7 @@ class RequestDelta(NamedTuple):
     # hold this one's output back and write both in one send, one write per wake of a stream, not
     # one per token. Workers leave it False.
     more: bool = False
+    stop_reason: int | str | None = None  # on the last delta: the stop token id or stop string that ended it
 
 
 class KVEvents(NamedTuple):

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 # token, and their length bounds how much text is held back from the stream. One rule for HTTP and gRPC.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300; vLLM sets no bound)
+MAX_REPETITION_PENALTY = 100.0  # a finite bound, so a penalty cannot turn logits into inf or 0
 
 
 class InvalidRequestError(ValueError):
@@ -31,10 +33,20 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
+    # vLLM's (and OpenAI's) logits processors, applied in the sampler (engine/logits_processors.py)
+    # to the whole batch; each at its no-op value costs nothing.
+    min_tokens: int = 0  # EOS and stop_token_ids (and stop strings) are held off until this many tokens
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted from a generated token's logit per time it was generated
+    repetition_penalty: float = 1.0  # HF/CTRL: a seen token's (prompt or output) logit / p if > 0, * p if < 0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.logit_bias:  # JSON keys are strings; the engine indexes by int
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self.validate()
 
     def validate(self) -> None:
@@ -54,6 +66,50 @@ class SamplingParams:
             raise InvalidRequestError("stop", "must be non-empty strings")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise InvalidRequestError("stop", f"each stop string may have at most {MAX_STOP_CHARS} characters")
+        self._validate_processors()
+        # Read by the sampler for every row of every step: one attribute, so that a batch asking for
+        # none of the logits processors pays one look per row (set again by each validate()).
+        self.processed = bool(self.logit_bias or self.min_tokens or self.penalized)
+
+    def _validate_processors(self) -> None:
+        """The ranges vLLM takes for its logits processors' fields."""
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequestError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be at most max_tokens ({self.max_tokens}), "
+                                                    f"got {self.min_tokens}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2 <= v <= 2):
+                raise InvalidRequestError(name, f"must be in [-2, 2], got {v!r}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise InvalidRequestError("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY}], "
+                                                            f"got {self.repetition_penalty!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for t, b in self.logit_bias.items():
+            if t < 0:
+                raise InvalidRequestError("logit_bias", f"token id {t} is negative")
+            if not (math.isfinite(b) and -100 <= b <= 100):
+                raise InvalidRequestError("logit_bias", f"the bias of token {t} must be in [-100, 100], got {b!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", "must be token ids (integers >= 0)")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids a request names must exist in the model's vocabulary (the engine knows it)."""
+        if (bad := [t for t in self.logit_bias if t >= vocab_size]):
+            raise InvalidRequestError("logit_bias", f"token id {bad[0]} is outside the vocabulary "
+                                                    f"(ids are in [0, {vocab_size}))")
+        if (bad := [t for t in self.stop_token_ids if t >= vocab_size]):
+            raise InvalidRequestError("stop_token_ids", f"token id {bad[0]} is outside the vocabulary "
+                                                        f"(ids are in [0, {vocab_size}))")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler needs this request's token counts (any penalty set)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:

@@ -4,6 +4,7 @@ HTTP does in its header; health and reflection stay open (a probe carries no key
 router has a certificate (router.tls_certfile)."""
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -20,7 +21,8 @@ from pdserve.router import token_budget
 from pdserve.router.listen import PortInUseError, check_free, holder
 from pdserve.router.rate_limits import RateLimited
 from pdserve.router.tenants import Charge, Tenants, Unauthenticated
-from pdserve.messages import Request
+from pdserve.messages import Request, RequestDelta
+from pdserve.router.choices import DEFAULT_MAX_N, Interleaved, check_n, child_params, close_all, each
 from pdserve.router.types import NoCapacityError, OverloadedError, ServingCore, ServingError, off_loop
 
 log = logging.getLogger(__name__)
@@ -35,35 +37,48 @@ class ModelNotFoundError(LookupError):
 
 
 class CompletionServicer(pb_grpc.CompletionServicer):
-    def __init__(self, core: ServingCore, tenants: Tenants | None = None):
+    def __init__(self, core: ServingCore, tenants: Tenants | None = None, max_n: int = DEFAULT_MAX_N):
         self.core = core
         self.tenants = tenants  # the API keys a call must carry, and their limits; None: open
+        self.max_n = max_n  # router.max_n
 
     async def Complete(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext
                        ) -> pb.CompletionResponse:
-        """Generate to the end; one response."""
+        """Generate to the end; one response (with n > 1, every choice's)."""
         async with _errors_as_status(context):
-            req, charge = await self._charged_request(request, context)
-            text, token_ids, finish_reason = [], [], ""
-            with _settled(charge, token_ids):
-                async with aclosing(self.core.generate(req)) as deltas:
-                    async for delta in deltas:
-                        text.append(delta.text)
-                        token_ids += delta.token_ids
-                        finish_reason = delta.finish_reason or finish_reason
-            return pb.CompletionResponse(id=req.request_id, text="".join(text), token_ids=token_ids,
-                                         finish_reason=finish_reason, usage=_usage(req, len(token_ids)))
+            reqs, charge = await self._charged_requests(request, context)
+            generated: list[int] = []
+            with _settled(charge, generated):
+                streams = [self.core.generate(r) for r in reqs]
+                try:
+                    got = await each(streams, whole=True, on_delta=lambda d: generated.extend(d.token_ids))
+                finally:
+                    await close_all(streams)
+            choices = [pb.Choice(index=i, text="".join(d.text for d in ds), token_ids=[t for d in ds for t in d.token_ids],
+                                 finish_reason=ds[-1].finish_reason or "", **_stop_reason(ds[-1]))
+                       for i, ds in enumerate(got)]
+            first = choices[0]
+            return pb.CompletionResponse(id=reqs[0].request_id.rsplit("-", 1)[0] if len(reqs) > 1 else reqs[0].request_id,
+                                         text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
+                                         usage=_usage(reqs[0], len(generated)), choices=choices,
+                                         **_stop_reason(got[0][-1]))
 
     async def CompleteStream(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext
                              ) -> None:
-        """Stream one chunk per wake: a delta, with those the core already held after it (RequestDelta.more)
-        joined into it; usage on the last."""
+        """Stream one chunk per wake of a choice: a delta, with those the core already held after it
+        (RequestDelta.more) joined into it; usage on the last."""
         # context.write rather than an async-generator handler: a client's cancel then lands on an
         # await inside the `aclosing` block, so the core's generator (and the request) is closed
         # right away instead of whenever the handler generator is garbage-collected.
         async with _errors_as_status(context):
-            req, charge = await self._charged_request(request, context)
-            text, token_ids, generated = [], [], []  # generated: every token so far (what the key is charged)
+            reqs, charge = await self._charged_requests(request, context)
+            generated: list[int] = []  # every token so far, of every choice (what the key is charged)
+            if len(reqs) > 1:
+                with _settled(charge, generated):
+                    await self._stream_choices(reqs, context, generated)
+                return
+            req = reqs[0]
+            text, token_ids = [], []
             with _settled(charge, generated):
                 async with aclosing(self.core.generate(req)) as deltas:
                     try:
@@ -73,23 +88,44 @@ class CompletionServicer(pb_grpc.CompletionServicer):
                             token_ids += delta.token_ids
                             if delta.more and delta.finish_reason is None:
                                 continue
-                            await context.write(self._chunk(req, "".join(text), token_ids, delta.finish_reason,
-                                                            len(generated)))
+                            await context.write(self._chunk(req, "".join(text), token_ids, delta, len(generated)))
                             text, token_ids = [], []
                     except Exception:
                         if token_ids:  # what was held for the next write goes out before the error status
                             await context.write(self._chunk(req, "".join(text), token_ids, None, len(generated)))
                         raise
 
-    async def _charged_request(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext,
-                     ) -> tuple[Request, Charge | None]:
-        """The request, checked, and charged to its API key where keys are configured."""
-        if self.tenants is None:
-            return await self._generate_request(request, 0), None
-        authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
-        tenant = self.tenants.authenticate(authorization if isinstance(authorization, str) else None)
-        req = await self._generate_request(request, tenant.priority)
-        return req, self.tenants.charge(tenant, len(req.prompt_ids), req.params.max_tokens)
+    async def _stream_choices(self, reqs: list[Request], context: grpc.aio.ServicerContext,
+                              generated: list[int]) -> None:
+        """n > 1: every choice's deltas as they come, each chunk with its choice's index; usage on the
+        last chunk of all."""
+        deltas = Interleaved([self.core.generate(r) for r in reqs])
+        try:
+            while not deltas.finished:
+                wake = await deltas.wake()
+                for i, (k, d) in enumerate(wake):
+                    generated += d.token_ids
+                    last = deltas.finished and i == len(wake) - 1
+                    chunk = self._chunk(reqs[k], d.text, d.token_ids, d, len(generated) if last else None)
+                    chunk.index, chunk.id = k, reqs[k].request_id.rsplit("-", 1)[0]
+                    await context.write(chunk)
+        finally:
+            await deltas.aclose()
+
+    async def _charged_requests(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext,
+                                ) -> tuple[list[Request], Charge | None]:
+        """The request's choices (one, or n), checked, and charged to its API key where keys are configured."""
+        tenant = None
+        if self.tenants is not None:
+            authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+            tenant = self.tenants.authenticate(authorization if isinstance(authorization, str) else None)
+        req = await self._generate_request(request, tenant.priority if tenant else 0)
+        n = request.n or 1
+        check_n(n, n, self.max_n)
+        reqs = [req] if n == 1 else [dataclasses.replace(req, request_id=f"{req.request_id}-{j}",
+                                                         params=child_params(req.params, j)) for j in range(n)]
+        charge = None if tenant is None else self.tenants.charge(tenant, len(req.prompt_ids), req.params.max_tokens * n)
+        return reqs, charge
 
     async def _generate_request(self, request: pb.CompletionRequest, default_priority: int) -> Request:
         """`default_priority`: the API key's, for a request that sets none of its own."""
@@ -110,17 +146,36 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             seed=request.seed if request.HasField("seed") else None,
             stop=list(request.stop),
             ignore_eos=request.ignore_eos,
+            min_p=request.min_p,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else 1.0,
+            logit_bias=dict(request.logit_bias),
+            min_tokens=request.min_tokens,
+            stop_token_ids=list(request.stop_token_ids),
         )
         priority = request.priority if request.HasField("priority") else default_priority
         return Request(f"grpc-{uuid.uuid4().hex}", prompt_ids, params, priority=priority)
 
     @staticmethod
-    def _chunk(req: Request, text: str, token_ids: list[int], finish_reason: str | None,
-               num_tokens: int) -> pb.CompletionChunk:
+    def _chunk(req: Request, text: str, token_ids: list[int], delta: RequestDelta | None,
+               num_tokens: int | None) -> pb.CompletionChunk:
+        """num_tokens: the usage to report (the stream's last chunk), else None."""
+        finish_reason = delta.finish_reason if delta is not None else None
         chunk = pb.CompletionChunk(id=req.request_id, text=text, token_ids=token_ids, finish_reason=finish_reason or "")
         if finish_reason is not None:
-            chunk.usage.CopyFrom(_usage(req, num_tokens))
+            chunk.MergeFrom(pb.CompletionChunk(**_stop_reason(delta)))
+            if num_tokens is not None:
+                chunk.usage.CopyFrom(_usage(req, num_tokens))
         return chunk
+
+
+def _stop_reason(delta: RequestDelta) -> dict:
+    """The oneof stop_reason's field of a finished choice: its stop string or stop token id, if either ended it."""
+    r = delta.stop_reason
+    if r is None:
+        return {}
+    return {"stop_string": r} if isinstance(r, str) else {"stop_token_id": r}
 
 
 def _usage(req: Request, num_tokens: int) -> pb.Usage:
@@ -197,17 +252,19 @@ async def _track_health(core: ServingCore, server: grpc.aio.Server, servicer: he
 
 async def start_grpc_server(core: ServingCore, port: int, host: str = "0.0.0.0", shared: bool = False,
                             first: bool = True, tenants: Tenants | None = None,
-                            credentials: grpc.ServerCredentials | None = None) -> grpc.aio.Server:
+                            credentials: grpc.ServerCredentials | None = None,
+                            max_n: int = DEFAULT_MAX_N) -> grpc.aio.Server:
     """Start serving pdserve.v1.Completion, health and reflection on host:port (0: any free port,
     then `server.port` says which); the caller stops it. Raises PortInUseError when it is taken.
     shared: one of several routers on this port (SO_REUSEPORT); the first checks it is free.
-    tenants: the API keys a call must carry (None: open); credentials: TLS (tls.grpc_credentials)."""
+    tenants: the API keys a call must carry (None: open); credentials: TLS (tls.grpc_credentials);
+    max_n: router.max_n."""
     if shared and first:
         check_free(host, port, "router.grpc_port")  # see listen.claim_shared
     # SO_REUSEPORT only where routers share the port: else a port already taken (say, by a stale
     # router) fails here instead of silently splitting the connections between the two servers.
     server = grpc.aio.server(options=[("grpc.so_reuseport", int(shared))])
-    pb_grpc.add_CompletionServicer_to_server(CompletionServicer(core, tenants), server)
+    pb_grpc.add_CompletionServicer_to_server(CompletionServicer(core, tenants, max_n), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -22,6 +22,8 @@ from pdserve.router.http_auth import ApiKeyAuth, tenant_of
 from pdserve.router.http_errors import GENERATION_ERRORS, ApiError, add_error_handlers, answer_error, document_errors
 from pdserve.router.http_fast import FastDoor
 from pdserve.router.http_body import DEFAULT_MAX_BODY_BYTES, BodyGuard
+from pdserve.router.choices import DEFAULT_MAX_N, check_n, child_params
+from pdserve.router.http_choices import Choice, serve_choices
 from pdserve.router.http_stream import serve
 from pdserve.router.http_tokens import add_token_routes
 from pdserve.router.metrics import Metrics
@@ -111,26 +113,53 @@ def _priority(body, scope: Scope) -> int:
 
 
 async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None, body: CompletionRequest,
-                   scope: Scope, receive: Receive) -> Response:
+                   scope: Scope, receive: Receive, max_n: int = DEFAULT_MAX_N) -> Response:
     """POST /v1/completions; `receive` is the request's, its body read (it then tells of a disconnect);
-    `scope` its ASGI scope, which holds its API key's tenant (http_auth.py) where keys are configured."""
+    `scope` its ASGI scope, which holds its API key's tenant (http_auth.py) where keys are configured.
+    max_n: router.max_n, the most choices per prompt (n, best_of)."""
     _check_model(core, body.model)
-    prompt_ids = await _tokenize(core, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
-    max_tokens = token_budget.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
-    params = body.sampling_params(max_tokens, body.logprobs)
-    charge = _charge(tenants, scope, len(prompt_ids), max_tokens, "prompt", "max_tokens")
+    n = body.n or 1
+    best_of = body.best_of or n
+    check_n(n, best_of, max_n)
+    prompts = body.prompts()
+    if len(prompts) == 1 and best_of == 1 and not body.echo:  # one choice: the everyday path
+        prompt = prompts[0]
+        prompt_ids = await _tokenize(core, prompt, "prompt") if isinstance(prompt, str) else prompt
+        max_tokens = token_budget.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
+        params = body.sampling_params(max_tokens, body.logprobs)
+        charge = _charge(tenants, scope, len(prompt_ids), max_tokens, "prompt", "max_tokens")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
+        return await serve(receive, core, metrics, shape,
+                           Request(rid, prompt_ids, params, session=_session(body, scope),
+                                   priority=_priority(body, scope)),
+                           bool(body.stream), charge)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
-    return await serve(receive, core, metrics, shape,
-                        Request(rid, prompt_ids, params, session=_session(body, scope),
-                                        priority=_priority(body, scope)),
-                        bool(body.stream), charge)
+    choices, prompt_tokens, total_max = [], 0, 0
+    for i, prompt in enumerate(prompts):
+        prompt_ids = await _tokenize(core, prompt, "prompt") if isinstance(prompt, str) else prompt
+        max_tokens = token_budget.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
+        params = body.sampling_params(max_tokens, body.logprobs)
+        echo = None
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else await off_loop(core.detokenize, prompt_ids)
+        prompt_tokens += len(prompt_ids)
+        total_max += max_tokens * best_of
+        for j in range(best_of):
+            shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage, i * n + j)
+            request = Request(f"{rid}-{i}-{j}", prompt_ids, child_params(params, j, best_of > n),
+                              session=_session(body, scope), priority=_priority(body, scope))
+            choices.append(Choice(request, shape, i, echo))
+    charge = _charge(tenants, scope, prompt_tokens, total_max, "prompt", "max_tokens")
+    return await serve_choices(receive, core, metrics, choices, n, bool(body.stream), prompt_tokens, total_max, charge)
 
 
 async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None, body: ChatCompletionRequest,
-                        scope: Scope, receive: Receive) -> Response:
+                        scope: Scope, receive: Receive, max_n: int = DEFAULT_MAX_N) -> Response:
     """POST /v1/chat/completions, as `complete`."""
     _check_model(core, body.model)
+    n = body.n or 1
+    check_n(n, n, max_n)
     text = await _chat_prompt(core, body)
     prompt_ids = await _tokenize(core, text, "messages", add_special_tokens=False)  # the template has its BOS
     requested, param = ((body.max_completion_tokens, "max_completion_tokens")
@@ -139,8 +168,15 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
     max_tokens = token_budget.max_tokens(requested, param, None, len(prompt_ids), core.max_model_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(max_tokens, logprobs)
-    charge = _charge(tenants, scope, len(prompt_ids), max_tokens, "messages", param)
+    charge = _charge(tenants, scope, len(prompt_ids), max_tokens * n, "messages", param)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+    if n > 1:
+        choices = [Choice(Request(f"{rid}-0-{j}", prompt_ids, child_params(params, j, False),
+                                  session=_session(body, scope), priority=_priority(body, scope)),
+                          ChatShape(rid, core.model_name, logprobs is not None, body.include_usage, j), 0)
+                   for j in range(n)]
+        return await serve_choices(receive, core, metrics, choices, n, bool(body.stream), len(prompt_ids),
+                                   max_tokens * n, charge)
     shape = ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
     return await serve(receive, core, metrics, shape,
                         Request(rid, prompt_ids, params, session=_session(body, scope),
@@ -152,14 +188,15 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
 
 
 def build_app(core: ServingCore, metrics: Metrics | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenants: Tenants | None = None) -> FastDoor:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenants: Tenants | None = None,
+              max_n: int = DEFAULT_MAX_N) -> FastDoor:
     """The OpenAI-compatible app serving `core`: the FastAPI app (`.app`) behind its fast door
     (http_fast.py), which takes the generation endpoints' everyday requests past FastAPI.
     tenants: the API keys every /v1 request must carry (http_auth.py) and their limits; None: open."""
     metrics = metrics or Metrics(model_name=core.model_name)
-    routes = {COMPLETIONS: (CompletionRequest, functools.partial(complete, core, metrics, tenants)),
-              CHAT: (ChatCompletionRequest, functools.partial(chat_complete, core, metrics, tenants))}
-    app = _build_fastapi(core, metrics, max_body_bytes, tenants)
+    routes = {COMPLETIONS: (CompletionRequest, functools.partial(complete, core, metrics, tenants, max_n=max_n)),
+              CHAT: (ChatCompletionRequest, functools.partial(chat_complete, core, metrics, tenants, max_n=max_n))}
+    app = _build_fastapi(core, metrics, max_body_bytes, tenants, max_n)
     # The door checks a key as the app's middleware does (the same check, the same answer).
     guard = ApiKeyAuth(None, tenants, _refusal_counter(metrics)).authorize if tenants is not None else None
     return FastDoor(app, routes, functools.partial(answer_error, metrics=metrics), max_body_bytes, guard)
@@ -173,7 +210,8 @@ def _refusal_counter(metrics: Metrics) -> Callable[[str, int], None]:
     return on_refused
 
 
-def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int, tenants: Tenants | None) -> FastAPI:
+def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int, tenants: Tenants | None,
+                   max_n: int) -> FastAPI:
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggregated prefill/decode service")
     app.state.core, app.state.metrics = core, metrics
     created = int(time.time())  # /v1/models: when this server started serving the model
@@ -185,11 +223,11 @@ def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int, ten
 
     @app.post(COMPLETIONS, responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
-        return await complete(core, metrics, tenants, body, request.scope, request.receive)
+        return await complete(core, metrics, tenants, body, request.scope, request.receive, max_n)
 
     @app.post(CHAT, responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
-        return await chat_complete(core, metrics, tenants, body, request.scope, request.receive)
+        return await chat_complete(core, metrics, tenants, body, request.scope, request.receive, max_n)
 
     @app.get("/v1/models")
     async def list_models() -> dict:

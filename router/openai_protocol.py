@@ -45,12 +45,17 @@ class SamplingRequest(BaseModel):
     stop: Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    # Choices per prompt: the router runs n sequences (http_choices.py); at most router.max_n.
+    n: Annotated[int, Field(ge=1)] | None = 1
     ignore_eos: bool | None = False  # vLLM extension
+    # Ranges (vLLM's) are checked by SamplingParams: its error names the field.
     frequency_penalty: FiniteFloat | None = 0.0
     presence_penalty: FiniteFloat | None = 0.0
     repetition_penalty: FiniteFloat | None = 1.0  # vLLM extension
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, FiniteFloat] | None = None  # token id (as a string, JSON's keys) -> bias in [-100, 100]
+    min_tokens: Annotated[int, Field(ge=0)] | None = 0  # vLLM extension
+    min_p: FiniteFloat | None = 0.0  # vLLM extension
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM extension
     # OpenAI's end-user id. The router's session key: a conversation's turns go where its prefix is
     # cached (router/policy.py, prefix-aware placement).
     user: Annotated[str, Field(max_length=512)] | None = None
@@ -77,25 +82,12 @@ class SamplingRequest(BaseModel):
             raise ValueError("is only allowed when stream is true")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: Any) -> Any:
-        return _only(v, (None, 1), "n=1")
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, v: Any) -> Any:
-        return _only(v, (None, 0), "0")
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, v: Any) -> Any:
-        return _only(v, (None, 1), "1")
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: Any) -> Any:
-        return _only(v, (None, {}), "an empty map")
+    def _token_id_keys(cls, v: Any) -> Any:
+        if v and not all(k.isdigit() for k in v):
+            raise ValueError("keys must be token ids (non-negative integers, as strings)")
+        return v
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; SamplingParams checks the ranges (InvalidRequestError names the field)."""
@@ -108,6 +100,13 @@ class SamplingRequest(BaseModel):
             stop=list(self.stop or []),
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            stop_token_ids=list(self.stop_token_ids or []),
+            min_tokens=self.min_tokens or 0,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=dict(self.logit_bias or {}),
         )
 
     @property
@@ -115,17 +114,32 @@ class SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+
+def _one(v: Any) -> bool:
+    """Whether v is one prompt: a non-empty string, or non-empty token ids. Every id an int (not a
+    bool) and none negative, checked by C loops: a long prompt's ids are thousands, and a Python loop
+    over them cost its admission more than the rest of the body."""
+    if isinstance(v, str):
+        return bool(v)
+    return isinstance(v, list) and bool(v) and set(map(type, v)) == {int} and min(v) >= 0
+
+
 class CompletionRequest(SamplingRequest):
-    # A string, or token ids; a batch of one of either is taken too (`_one_prompt`). `_one_prompt` checks
+    # A string, or token ids; or a batch of either (`_one_prompt`): one choice per prompt and n. `_one_prompt` checks
     # every id's type itself, so pydantic's own check of the type is skipped: for a prompt of token ids
     # it went over them all again, element by element, and cost the admission more than the rest of
     # the body (the schema stays the type's).
-    prompt: Annotated[SkipValidation[str | list[int]], Field(json_schema_extra={"anyOf": [  # what `_one_prompt` checks
-        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "integer", "minimum": 0},
-                                             "minItems": 1}]})]
+    prompt: Annotated[SkipValidation[str | list[int] | list[str] | list[list[int]]], Field(json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1}, _IDS_SCHEMA,  # what `_one_prompt` checks
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": _IDS_SCHEMA, "minItems": 1}]})]
     logprobs: int | None = None  # completions style: how many alternatives per token (0..20)
-    echo: bool | None = False
-    best_of: int | None = None
+    echo: bool | None = False  # the prompt's text before each choice's
+    # Sequences generated per prompt, of which the n with the highest cumulative logprob are returned
+    # (vLLM's, OpenAI's); >= n, not with stream.
+    best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
@@ -133,23 +147,33 @@ class CompletionRequest(SamplingRequest):
     def _one_prompt(cls, v: Any) -> Any:
         if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
             v = v[0]  # a batch of one
-        if isinstance(v, str) and v:
+        if _one(v):
             return v
-        # Every id an int (not a bool) and none negative, checked by C loops: a long prompt's ids are
-        # thousands, and a Python loop over them cost its admission more than the rest of the body.
-        if isinstance(v, list) and v and set(map(type, v)) == {int} and min(v) >= 0:
-            return v
-        raise ValueError("must be a non-empty string, a list of one string, or a non-empty list of token ids")
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) and _one(p) for p in v):
+            return v  # a batch
+        raise ValueError("must be a non-empty string, a non-empty list of token ids, or a list of either")
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: Any) -> Any:
-        return _only(v, (None, False), "false")
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or a batch's."""
+        p = self.prompt
+        return p if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
 
     @field_validator("best_of")
     @classmethod
-    def _one_best(cls, v: Any) -> Any:
-        return _only(v, (None, 1), "1")
+    def _at_least_n(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and v < (info.data.get("n") or 1):
+            raise ValueError(f"must be at least n ({info.data.get('n')}), got {v}")
+        if v is not None and v > (info.data.get("n") or 1) and info.data.get("stream"):
+            raise ValueError("may not exceed n when stream is true (the best are known only at the end)")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_prompt_logprobs(cls, v: Any, info: ValidationInfo) -> Any:
+        # Echoed with logprobs, the prompt's tokens would need theirs: the engine computes none.
+        if v and info.data.get("logprobs") is not None:
+            raise ValueError("is not supported together with logprobs (pdserve computes no prompt logprobs)")
+        return v
 
     @field_validator("suffix")
     @classmethod

@@ -44,9 +44,11 @@ class ResponseShape:
     object = ""
     chunk_object = ""
 
-    def __init__(self, request_id: str, model: str, want_logprobs: bool, include_usage: bool):
+    def __init__(self, request_id: str, model: str, want_logprobs: bool, include_usage: bool, index: int = 0):
+        """index: the choice this shape words (a request of several choices has a shape per choice)."""
         self.id, self.model = request_id, model
         self.want_logprobs, self.include_usage = want_logprobs, include_usage
+        self.index = index
         self.created = int(time.time())
         self._text_event: tuple[str, str] | None = None  # a text-only chunk's event around its JSON text
 
@@ -73,7 +75,11 @@ class ResponseShape:
                 "choices": choices, **extra}
 
     def response(self, deltas: list[RequestDelta], usage: dict) -> dict:
-        return self._envelope(self.object, [self._choice(deltas)], usage=usage)
+        return self._envelope(self.object, [self.choice(deltas)], usage=usage)
+
+    def choice(self, deltas: list[RequestDelta]) -> dict:
+        """The choice of a finished request, from all its deltas (a response's `choices` entry)."""
+        return self._choice(deltas) | {"stop_reason": deltas[-1].stop_reason}
 
     def opening_chunks(self) -> list[dict]:
         return []
@@ -83,7 +89,8 @@ class ResponseShape:
         if not delta.text and delta.finish_reason is None and not (self.want_logprobs and delta.logprobs):
             return None
         extra = {"usage": None} if self.include_usage else {}
-        return self._envelope(self.chunk_object, [self._choice_delta(delta)], **extra)
+        return self._envelope(self.chunk_object, [self._choice_delta(delta) | {"stop_reason": delta.stop_reason}],
+                              **extra)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._envelope(self.chunk_object, [], usage=usage)
@@ -98,8 +105,8 @@ class ResponseShape:
 class CompletionShape(ResponseShape):
     endpoint, object, chunk_object = COMPLETIONS, "text_completion", "text_completion"
 
-    def __init__(self, request_id: str, model: str, want_logprobs: bool, include_usage: bool):
-        super().__init__(request_id, model, want_logprobs, include_usage)
+    def __init__(self, request_id: str, model: str, want_logprobs: bool, include_usage: bool, index: int = 0):
+        super().__init__(request_id, model, want_logprobs, include_usage, index)
         # Streaming: where the next token's text starts. Offsets follow the tokens' own texts, not the
         # chunks' (text that may begin a stop string is held back from a chunk, never from its token).
         self._next_offset = 0
@@ -113,13 +120,13 @@ class CompletionShape(ResponseShape):
                 for key, values in part.items():
                     logprobs[key] += values
         text = "".join(d.text for d in deltas)
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": deltas[-1].finish_reason}
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": deltas[-1].finish_reason}
 
     def _choice_delta(self, delta: RequestDelta) -> dict:
         logprobs = None
         if self.want_logprobs:
             logprobs, self._next_offset = self._logprobs(delta.logprobs, self._next_offset)
-        return {"index": 0, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        return {"index": self.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
     @staticmethod
     def _logprobs(lps: list[TokenLogprob], text_offset: int) -> tuple[dict, int]:
@@ -141,18 +148,18 @@ class ChatShape(ResponseShape):
     def opening_chunks(self) -> list[dict]:
         # OpenAI sends the role alone first; clients key the assistant message on it.
         extra = {"usage": None} if self.include_usage else {}
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        first = {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return [self._envelope(self.chunk_object, [first], **extra)]
 
     def _choice(self, deltas: list[RequestDelta]) -> dict:
         text = "".join(d.text for d in deltas)
         logprobs = self._logprobs([t for d in deltas for t in d.logprobs]) if self.want_logprobs else None
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+        return {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": deltas[-1].finish_reason}
 
     def _choice_delta(self, delta: RequestDelta) -> dict:
         logprobs = self._logprobs(delta.logprobs) if self.want_logprobs else None
-        return {"index": 0, "delta": {"content": delta.text} if delta.text else {}, "logprobs": logprobs,
+        return {"index": self.index, "delta": {"content": delta.text} if delta.text else {}, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
 
     @staticmethod

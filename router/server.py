@@ -108,7 +108,7 @@ class Router:
         # Each router enforces its share of a key's limits: the kernel spreads connections evenly over them.
         tenants = Tenants(self.api_keys, cfg.router.replicas, self.metrics) if self.api_keys else None
         tls = uvicorn_options(cfg.router.tls_certfile, cfg.router.tls_keyfile)
-        app = build_app(self.core, self.metrics, cfg.router.max_request_bytes, tenants)
+        app = build_app(self.core, self.metrics, cfg.router.max_request_bytes, tenants, cfg.router.max_n)
         self.http = uvicorn.Server(http_config(app, tls))
         self._tasks.append(asyncio.create_task(self.http.serve(sockets=sockets)))
         while not self.http.started:
@@ -127,7 +127,8 @@ class Router:
             port = cfg.router.grpc_port if grpc_port is None else grpc_port
             self.grpc = await start_grpc_server(self.core, port, host, shared=shared, first=grpc_port is None,
                                                 tenants=tenants, credentials=grpc_credentials(
-                                                    cfg.router.tls_certfile, cfg.router.tls_keyfile))
+                                                    cfg.router.tls_certfile, cfg.router.tls_keyfile),
+                                                max_n=cfg.router.max_n)
             endpoints["grpc"] = f"{host}:{self.grpc.port}"
         self.endpoints = endpoints
         heap.settle()  # everything built: the collector leaves it be (heap.py)

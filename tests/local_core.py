@@ -11,9 +11,10 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.messages import Request, RequestDelta
 
 
-def delta(text: str, token_ids: list[int], finish_reason: str | None = None, logprobs=()) -> RequestDelta:
+def delta(text: str, token_ids: list[int], finish_reason: str | None = None, logprobs=(),
+          stop_reason=None) -> RequestDelta:
     """A core's output for a front end (request id, error and `more` as a worker leaves them)."""
-    return RequestDelta("", text, token_ids, finish_reason, None, logprobs)
+    return RequestDelta("", text, token_ids, finish_reason, None, logprobs, stop_reason=stop_reason)
 
 
 class LocalCore:
@@ -90,7 +91,8 @@ class LocalCore:
             return
         loop, queue = stream
         reason = out.finish_reason.value if out.finish_reason else None
-        loop.call_soon_threadsafe(queue.put_nowait, delta(out.text, out.token_ids, reason, out.logprobs))
+        loop.call_soon_threadsafe(queue.put_nowait, delta(out.text, out.token_ids, reason, out.logprobs,
+                                                                out.stop_reason))
 
 
 class Served:

@@ -59,6 +59,14 @@ TAKEN = [
     ("/v1/chat/completions", OK_CHAT | {"max_tokens": 4, "temperature": 0, "tool_choice": "auto",
                                         "response_format": {"type": "text"}}),
     ("/v1/completions", OK | {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "priority": -3}),
+    # Several choices (router/http_choices.py), vLLM's sampling parameters.
+    ("/v1/completions", OK | {"prompt": [PROMPT, "abc"], "max_tokens": 4, "temperature": 0, "n": 2, "echo": True}),
+    ("/v1/completions", OK | {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "n": 3, "stream": True,
+                              "stream_options": {"include_usage": True}}),
+    ("/v1/completions", OK | {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "presence_penalty": 1.5,
+                              "repetition_penalty": 1.3, "logit_bias": {"65": 3}, "min_tokens": 2,
+                              "stop_token_ids": [66]}),
+    ("/v1/chat/completions", OK_CHAT | {"max_tokens": 4, "temperature": 0, "n": 2, "stream": True}),
     ("/v1/chat/completions", OK_CHAT | {"max_tokens": 4, "temperature": 0, "priority": 7, "stream": True}),
     # Valid bodies the serving path refuses: the door takes them, the app's error handlers answer.
     # (The two with a lone surrogate, which the door's JSON parser does not read, go to the app.)
@@ -69,6 +77,8 @@ TAKEN = [
     ("/v1/completions", OK | {"prompt": [100000]}),
     ("/v1/completions", OK | {"prompt": "a" * 5000}),
     ("/v1/completions", OK | {"stop": [""]}),
+    ("/v1/completions", OK | {"n": 40}),
+    ("/v1/completions", OK | {"logit_bias": {"100000": 1}, "n": 2}),
     ("/v1/completions", b'{"model": "tiny-moe", "prompt": "\\ud800"}'),
     ("/v1/chat/completions", OK_CHAT | {"model": "nope"}),
     ("/v1/chat/completions", json.dumps(OK_CHAT | {"messages": [{"role": "user", "content": "\ud800"}]}).encode()),
@@ -168,7 +178,7 @@ def test_a_valid_body_is_taken_at_the_door_and_answered_as_the_app_would(pair):
     assert [past for _, past in answers] == [not taken(path, body) for path, body in TAKEN]
     assert sum(past for _, past in answers) == 2  # the two lone surrogates
     statuses = [status for status, _ in answers]
-    assert statuses.count(200) == 17 and {404, 400} <= set(statuses)
+    assert statuses.count(200) == 21 and {404, 400} <= set(statuses)
 
 
 def test_every_bad_body_is_answered_as_the_app_would(pair):

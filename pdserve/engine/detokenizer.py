@@ -107,16 +107,19 @@ class StopChecker:
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._pending = ""
         self.stopped = False
+        self.hit: str | None = None  # the stop string found
 
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """(text safe to emit now, whether a stop string was hit); after a hit the stop and what follows are dropped."""
+    def feed(self, delta: str, check: bool = True) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string was hit); after a hit the stop and what follows
+        are dropped. With `check` false the delta is not searched (a request short of min_tokens)."""
         if self.stopped:
             return "", True
         start = len(self._pending)
         self._pending += delta
-        idx = find_stop(self._pending, self.stops, start)
+        idx = find_stop(self._pending, self.stops, start) if check else None
         if idx is not None:
             self.stopped = True
+            self.hit = next(s for s in self.stops if self._pending.startswith(s, idx))
             out, self._pending = self._pending[:idx], ""
             return out, True
         cut = max(0, len(self._pending) - self._hold)

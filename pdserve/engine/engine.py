@@ -95,6 +95,7 @@ class Engine:
                                    whole_prompt=config.role == "prefill", profile=self.profile,
                                    guard=self._tpot_guard(config))
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.layout.scales)
+        self.runner.sampler.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)  # (min_tokens holds them off)
         # Seconds capturing CUDA graphs, where they are (None: none here).
         self.graphs_s: float | None = capture_graphs(self, attn_backend, moe_backend, ep, log)
         self.seqs: dict[str, Sequence] = {}
@@ -156,6 +157,7 @@ class Engine:
         for param, part in (("prompt", ids), ("output_ids", output_ids)):
             if any(not 0 <= t < self.args.vocab_size for t in part):
                 raise InvalidRequestError(param, f"token ids must be in [0, {self.args.vocab_size})")
+        params.check_vocab(self.args.vocab_size)
         if len(output_ids) >= params.max_tokens:
             raise InvalidRequestError(
                 "output_ids", f"are {len(output_ids)} tokens, max_tokens is {params.max_tokens}: "
@@ -375,16 +377,22 @@ class Engine:
         if logprob is not None:
             seq.logprobs.append(logprob)
         stream = self._streams[seq.request_id]
-        reason = None
-        if (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        reason = stop_reason = None
+        # Short of min_tokens nothing stops it but the length (the sampler held stop tokens off too;
+        # a stop string may end the min_tokens-th token, as in vLLM).
+        may_stop = at + 1 - seq.num_prompt_tokens >= p.min_tokens
+        if may_stop and ((token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids):
             reason, text = FinishReason.STOP, stream.push_stop_token()  # its own text is not shown
+            # vLLM's stop_reason: the stop token id that ended it (None for the model's EOS).
+            stop_reason = token if token in p.stop_token_ids else None
         else:
-            text, hit = stream.push(token)
+            text, hit = stream.push(token, check_stops=may_stop)
             if hit:
-                reason = FinishReason.STOP
+                reason, stop_reason = FinishReason.STOP, stream.stop_hit
             elif at + 1 - seq.num_prompt_tokens >= p.max_tokens or at + 1 >= self.max_model_len:
                 rest, hit = stream.flush()
                 reason, text = FinishReason.STOP if hit else FinishReason.LENGTH, text + rest
+                stop_reason = stream.stop_hit
         if logprob is not None:
             self._name_tokens(logprob, stream.token_text)
         out = RequestOutput(seq.request_id, [token], text, [logprob] if logprob else [],
@@ -392,7 +400,7 @@ class Engine:
                             num_cached_tokens=seq.num_cached_tokens)
         if reason is not None or self.config.role == "prefill":
             seq.finish_reason = reason
-            out.finished, out.finish_reason = True, reason
+            out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
             self.scheduler.remove(seq)
             if self.config.role == "prefill":
                 # The KV has to reach a decode replica first: hold the blocks until release().

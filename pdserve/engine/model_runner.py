@@ -123,7 +123,7 @@ class ModelRunner:
         if not sampling:
             return Launched(scheduled, [], None, {})
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        sampled = self.sampler.launch(logits, [q.request_id for q in sampling], [q.params for q in sampling])
+        sampled = self.sampler.launch(logits, sampling)
         return Launched(scheduled, sampling, sampled, {q.request_id: i for i, q in enumerate(sampling)})
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

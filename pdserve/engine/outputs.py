@@ -17,6 +17,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: bool = False
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     # Prefill role: the blocks that hold the prompt's KV (the same ids in every layer). They stay
@@ -55,10 +56,16 @@ class TextStream:
         for t in output_ids:
             self.push(t)
 
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """Text safe to show after this token, and whether a stop string was hit."""
+    def push(self, token_id: int, check_stops: bool = True) -> tuple[str, bool]:
+        """Text safe to show after this token, and whether a stop string was hit (not looked for with
+        `check_stops` false: a request short of its min_tokens)."""
         self.token_text = self.detok.push([token_id])
-        return self.stop.feed(self.token_text)
+        return self.stop.feed(self.token_text, check_stops)
+
+    @property
+    def stop_hit(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self.stop.hit
 
     def push_stop_token(self) -> str:
         """A stop token (eos, a stop id) ends generation: its own text is not shown, what is still

@@ -4,46 +4,91 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.logits_processors import LogitBiases, TokenCounts, hold_off_stops, min_p_mask
+from pdserve.engine.sequence import Sequence
 from pdserve.protocol import SamplingParams, TokenLogprob
 
 
 class Sampler:
-    """Greedy, temperature, top-k, top-p; a per-request generator makes seeded requests reproducible."""
+    """Logit bias, min_tokens and penalties (logits_processors.py), then greedy, or temperature,
+    min-p, top-k, top-p; a per-request generator makes seeded requests reproducible."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, eos_token_ids: frozenset[int] | set[int] = frozenset()):
         self.device = device
+        self.eos_token_ids = eos_token_ids  # what min_tokens holds off besides a request's stop_token_ids
         self._generators: dict[str, torch.Generator] = {}
+        self._counts: TokenCounts | None = None  # made by the first penalized request (its size is the vocab's)
+        self._biases = LogitBiases(device)
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._biases.forget(request_id)
+        if self._counts is not None:
+            self._counts.forget(request_id)
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams]) -> tuple[list[int], list[TokenLogprob | None]]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits [N, vocab] float32 -> one token id (and its logprob if asked) per row."""
-        return self.launch(logits, request_ids, params).result()
+        return self.launch(logits, seqs).result()
 
-    def launch(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> "Sampled":
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> "Sampled":
         """Sample on the device without waiting for it: the tokens stay on the device (the next step
-        reads them there) and start their copy to the host; Sampled.result() waits for that copy."""
-        logits = logits.float()
+        reads them there) and start their copy to the host; Sampled.result() waits for that copy.
+        Logprobs are the model's, before any processing (vLLM's default, raw_logprobs)."""
+        raw = logits.float()
+        params = [s.params for s in seqs]
+        logits, penalized = self._process(raw, seqs, params)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            tokens[rows] = self._sample_random(logits[rows], [request_ids[i] for i in rows],
+            tokens[rows] = self._sample_random(logits[rows], [seqs[i].request_id for i in rows],
                                                [params[i] for i in rows])
+        if penalized is not None:
+            at, counts_rows = penalized
+            self._counts.count(counts_rows, tokens[at])
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         lp = None
         if wanted:
             k = max(max(params[i].logprobs for i in wanted), 1)
-            logp = torch.log_softmax(logits[wanted], dim=-1)
+            logp = torch.log_softmax(raw[wanted], dim=-1)
             top_lp, top_ids = logp.topk(k, dim=-1)
             chosen = logp.gather(1, tokens[wanted, None])[:, 0]
             lp = (wanted, _to_host(top_ids), _to_host(top_lp), _to_host(chosen))
         return Sampled(tokens, _to_host(tokens), lp, [p.logprobs for p in params], _event(tokens))
 
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]):
+        """The logits after logit_bias, min_tokens and the penalties (vLLM's order), and the penalized
+        rows (their batch rows, their TokenCounts rows) for counting the tokens sampled. A step
+        where no request asks for any of them returns `logits` itself."""
+        rows = [i for i, p in enumerate(params) if p.processed]
+        if not rows:
+            return logits, None
+        bias = [i for i in rows if params[i].logit_bias]
+        held = [i for i in rows if seqs[i].num_output_tokens < params[i].min_tokens]
+        pen = [i for i in rows if params[i].penalized]
+        if not (bias or held or pen):
+            return logits, None
+        logits = logits.clone()  # the raw logits stay for logprobs
+        if bias:
+            self._biases.add(logits, bias, [seqs[i] for i in bias])
+        if held:
+            hold_off_stops(logits, held, [self._stop_ids(params[i]) for i in held])
+        if not pen:
+            return logits, None
+        if self._counts is None:
+            self._counts = TokenCounts(logits.shape[-1], logits.device)
+        rows = self._counts.rows_of([seqs[i] for i in pen])
+        at = torch.tensor(pen, device=logits.device)
+        logits[at] = self._counts.apply(logits[at], rows)
+        return logits, (at, rows)
+
+    def _stop_ids(self, p: SamplingParams) -> list[int]:
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+
     def _sample_random(self, logits, request_ids, params) -> torch.Tensor:
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temps[:, None]
+        if any(p.min_p > 0 for p in params):
+            logits = min_p_mask(logits, torch.tensor([p.min_p for p in params], device=logits.device))
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             logits = self._top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
