@@ -155,7 +155,9 @@ def _check_extras(cfg: ClusterConfig) -> None:
     """Fail before anything starts when the file asks for a part whose optional packages are missing."""
     import importlib.util
 
-    if cfg.kv_transfer.backend == "nixl" and cfg.prefill.replicas and importlib.util.find_spec("nixl") is None:
+    from pdserve.kvtransfer.backends.nixl_find import nixl_module
+
+    if cfg.kv_transfer.backend == "nixl" and cfg.prefill.replicas and nixl_module() is None:
         raise ValueError("kv_transfer.backend: 'nixl' needs the nixl package: pip install 'pdserve[nixl]', "
                          "or set kv_transfer.backend: tcp")
     if cfg.router.grpc_port is not None and importlib.util.find_spec("grpc_health") is None:
