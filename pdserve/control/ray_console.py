@@ -1,0 +1,55 @@
+"""Ray's own console lines go to a log file, not the terminal, for the CLI's commands that start or
+join Ray (`up`, `serve`, `status`, `scale`, `down`, `tune`): its Python loggers' notices ("Token
+authentication is enabled ... RAY_AUTH_MODE") and its C++ core's ("Failed to determine local IP via
+external connectivity to: 8.8.8.8:53"), which say nothing a pdserve user acts on.
+
+C++ writes to file descriptor 2, as do the processes Ray starts there: that descriptor is pointed at
+the log file, and Python's sys.stderr is reopened on a copy of the terminal's, so that pdserve's
+own lines and its errors still reach the terminal. Ray's Python logger writes to whatever
+sys.stderr is when it emits: it is given the log file instead, once Ray is imported."""
+
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LOG_ENV = "PDSERVE_RAY_LOG"  # where Ray's lines go; default: <tmp>/pdserve/ray-console.log
+
+_log_file = None  # the open log file, once diverted
+
+
+def log_path() -> Path:
+    return Path(os.environ.get(LOG_ENV) or Path(tempfile.gettempdir()) / "pdserve" / "ray-console.log")
+
+
+def divert(command: str) -> Path:
+    """Point descriptor 2 at the log file and sys.stderr at the terminal; once per process (the CLI's)."""
+    global _log_file
+    path = log_path()
+    if _log_file is not None:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _log_file = open(path, "a", buffering=1)
+    _log_file.write(f"--- pdserve {command} (pid {os.getpid()}) {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    os.dup2(_log_file.fileno(), 2)
+    sys.stderr = os.fdopen(terminal, "w", buffering=1, errors="backslashreplace")
+    return path
+
+
+def ray_logger_to_file() -> None:
+    """Ray's Python logger writes to the log file (after `import ray`, before `ray.init`); nothing
+    where `divert` was not called (pdserve's functions called in a test's process)."""
+    if _log_file is None:
+        return
+    logger = logging.getLogger("ray")
+    for h in list(logger.handlers):
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            logger.removeHandler(h)
+            to_file = logging.StreamHandler(_log_file)
+            to_file.setFormatter(h.formatter)
+            to_file.setLevel(h.level)
+            logger.addHandler(to_file)
