@@ -85,11 +85,13 @@ def test_up_flags_override_the_files_keys(tmp_path):
                                     "decode": {"max_num_seqs": 64}}))
     given = serve_flags.overrides(serve_flags_namespace("--port", "0", "--kv-cache-dtype", "fp8",
                                                         "--colocated-replicas", "2", "--prefill-replicas", "0",
-                                                        "--decode-replicas", "0", "--no-enable-prefix-caching"))
+                                                        "--decode-replicas", "0", "--no-enable-prefix-caching",
+                                                        "--device", "cuda"))
     cfg = serve_flags.load(str(path), given)
     assert cfg.router.http_port == 0 and cfg.router.policy == "round-robin"  # the flag's key, the file's other
     assert cfg.decode.max_num_seqs == 64 and cfg.model.kv_cache_dtype == "fp8_e4m3"  # vLLM's "fp8"
     assert cfg.topology == "colocated" and cfg.colocated.replicas == 2 and not cfg.colocated.prefix_cache
+    assert cfg.colocated.gpus == 1 and cfg.decode.gpus == 1  # --device cuda: a GPU per replica
     with pytest.raises(ConfigError, match=r"(?s)router\.http_port: '70000' is not allowed.*set by --port"):
         serve_flags.load(str(path), {"router.http_port": "70000"})
 

@@ -39,6 +39,8 @@ FLAGS: tuple[Flag, ...] = (
                                                       "model's context length)", "N"),
     Flag("--kv-cache-dtype", ("model.kv_cache_dtype",), "auto | fp8_e4m3 (vLLM's fp8 is e4m3)",
          aliases={"fp8": "fp8_e4m3"}),
+    Flag("--device", tuple(f"{r}.gpus" for r in ROLES), "cpu (the embedded default's) | cuda: one GPU per replica "
+                                                        "(per rank)", aliases={"cpu": 0, "cuda": 1, "gpu": 1}),
     Flag("--host", ("router.host",), "the address HTTP and gRPC listen on", "HOST"),
     Flag("--port", ("router.http_port",), "OpenAI HTTP port (0: any free one, printed)", "PORT"),
     Flag("--grpc-port", ("router.grpc_port",), "gRPC port (0: any free one; none: no gRPC)", "PORT",
