@@ -24,14 +24,20 @@ def log_path() -> Path:
     return Path(os.environ.get(LOG_ENV) or Path(tempfile.gettempdir()) / "pdserve" / "ray-console.log")
 
 
-def divert(command: str) -> Path:
-    """Point descriptor 2 at the log file and sys.stderr at the terminal; once per process (the CLI's)."""
+def divert(command: str) -> Path | None:
+    """Point descriptor 2 at the log file and sys.stderr at the terminal; once per process (the CLI's).
+    None where the log file cannot be written: Ray's lines then stay on the terminal, as said there."""
     global _log_file
     path = log_path()
     if _log_file is not None:
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _log_file = open(path, "a", buffering=1)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _log_file = open(path, "a", buffering=1)
+    except OSError as e:
+        print(f"[pdserve] Ray's own lines stay on the terminal: cannot write {path} ({e.strerror}); "
+              f"{LOG_ENV}=FILE names another", file=sys.stderr, flush=True)
+        return None
     _log_file.write(f"--- pdserve {command} (pid {os.getpid()}) {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     sys.stderr.flush()
     terminal = os.dup(2)
