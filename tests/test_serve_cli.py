@@ -5,8 +5,10 @@ of the file's keys, bad values and vLLM flags pdserve lacks refused naming the k
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -118,3 +120,23 @@ def test_bad_flags_fail_before_anything_starts_naming_the_key(args, needle):
     assert r.returncode == 2, r.stdout + r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "starting Ray" not in r.stderr
+
+
+def test_rays_message_of_a_dead_worker_goes_to_the_log_not_the_console(served):
+    """Ray's GCS tells the driver "A worker died or was killed ..." (printed as "(raylet) ..."); pdserve
+    says what it does about it (the replica down, replaced), and Ray's line goes to its log file. Last
+    in this file: it kills a replica of the shared cluster."""
+    up, url, ray_log = served
+    status = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--address", up.ray_address()],
+                            capture_output=True, text=True, timeout=120).stdout
+    pid = int(status.split("pdserve-decode-0 (pid ", 1)[1].split(")", 1)[0])
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while "pdserve-decode-0 replaced" not in up.output():
+        assert time.monotonic() < deadline, f"pdserve-decode-0 was not replaced in 180 s:\n{up.tail()}"
+        time.sleep(0.5)
+    deadline = time.monotonic() + 30  # (Ray's message comes through a thread of its own)
+    while "A worker died" not in ray_log.read_text():
+        assert time.monotonic() < deadline, f"Ray said nothing of the dead worker:\n{ray_log.read_text()[-2000:]}"
+        time.sleep(0.5)
+    assert "(raylet)" not in up.output() and not ray_lines(up.output()), up.output()

@@ -47,10 +47,19 @@ def divert(command: str) -> Path | None:
 
 
 def ray_logger_to_file() -> None:
-    """Ray's Python logger writes to the log file (after `import ray`, before `ray.init`); nothing
-    where `divert` was not called (pdserve's functions called in a test's process)."""
+    """Ray's Python logger, and the messages its GCS sends the driver, go to the log file (after
+    `import ray`, before `ray.init`); nothing where `divert` was not called (pdserve's functions
+    called in a test's process)."""
     if _log_file is None:
         return
+    import ray._private.worker as ray_worker
+
+    # The GCS's messages for the driver ("(raylet) The node ... has been marked dead", "A worker died
+    # or was killed ...") are printed to sys.stdout by Ray's listener thread through this function
+    # (with log_to_driver=False, its only caller); pdserve prints what it does about each (a replica
+    # down and replaced). A Ray without it keeps printing them.
+    if callable(getattr(ray_worker, "print_to_stdstream", None)):
+        ray_worker.print_to_stdstream = _gcs_message_to_file
     logger = logging.getLogger("ray")
     for h in list(logger.handlers):
         if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
@@ -59,3 +68,8 @@ def ray_logger_to_file() -> None:
             to_file.setFormatter(h.formatter)
             to_file.setLevel(h.level)
             logger.addHandler(to_file)
+
+
+def _gcs_message_to_file(data: dict, ignore_prefix: bool = False) -> None:
+    for line in data.get("lines", []):
+        _log_file.write(f"({data.get('pid', 'ray')}) {line}\n")
