@@ -9,7 +9,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from pdserve.config import ConfigError, load_cluster_config
+from pdserve.config import ClusterConfig, ConfigError, load_cluster_config
 
 # --api-key sets no key of the file: keys live in router.api_keys_file or this variable
 # (router/tenants.py), which `pdserve up` reads.
@@ -110,7 +110,7 @@ def overrides(args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
-def load(path: str | None, given: dict[str, object]) -> "ClusterConfig":  # noqa: F821
+def load(path: str | None, given: dict[str, object]) -> ClusterConfig:
     """cluster.yaml (None: the embedded default) with the flags' keys over it; a key they set wrong
     fails naming the flag too. --api-key joins PDSERVE_API_KEYS for `pdserve up` to read."""
     keys = {k: v for k, v in given.items() if k != API_KEYS_ENV}
