@@ -1,4 +1,4 @@
-"""The `pdserve` command: generate (offline, one process), write-checkpoint, up, down, scale,
+"""The `pdserve` command: generate (offline, one process), write-checkpoint, up, serve, down, scale,
 status, tune, bench-engine and bench. The cluster commands are pdserve/control/commands.py's and
 tune.py's; each subcommand imports what it needs when it runs, so that `--help` stays fast."""
 
@@ -82,10 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=_write_checkpoint)
 
     from pdserve.control import commands as cluster_cli
+    from pdserve.control import serve_flags
 
     u = sub.add_parser("up", help="start the cluster (no file: tiny-moe on CPU, 1 prefill + 1 decode, HTTP :8000)")
     u.add_argument("config", nargs="?", help="cluster.yaml")
-    u.set_defaults(func=lambda a: cluster_cli.up(a.config))
+    serve_flags.add_flags(u)
+    u.set_defaults(func=lambda a: cluster_cli.up(a.config, serve_flags.overrides(a)))
+    sv = sub.add_parser("serve", help="serve MODEL with vLLM's flags (the embedded default's cluster: 1 prefill + 1 "
+                                      "decode on CPU, HTTP :8000)",
+                        description="`pdserve up` of the embedded default, with vLLM's serve flags over its keys.")
+    sv.add_argument("model", nargs="?", metavar="MODEL",
+                    help="a preset (tiny-moe, qwen3-30b-a3b, deepseek-v2-lite) or an HF checkpoint directory "
+                         "(default: tiny-moe) [model.path]")
+    serve_flags.add_flags(sv, model_flag=False)
+    sv.set_defaults(func=lambda a: cluster_cli.up(None, ({"model.path": a.model} if a.model else {})
+                                                  | serve_flags.overrides(a)))
     d = sub.add_parser("down", help="stop the cluster that `pdserve up` started (its requests in flight finish first)")
     d.add_argument("--address", default="auto", help="Ray address (default: the local cluster)")
     d.add_argument("--grace", type=float, default=30.0, metavar="S",
@@ -150,8 +161,16 @@ def _bench(args: argparse.Namespace) -> int:
     return main(args.args)
 
 
+# The commands that start or join Ray: its own console lines go to a log file (ray_console.py).
+RAY_COMMANDS = {"up", "serve", "down", "scale", "status", "tune"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in RAY_COMMANDS:
+        from pdserve.control import ray_console
+
+        ray_console.divert(args.command)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

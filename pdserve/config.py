@@ -13,6 +13,9 @@ class _Strict(BaseModel):
 
 class ModelConfig(_Strict):
     path: str = "tiny-moe"  # a preset name or a directory with config.json + *.safetensors
+    # The model's id in /v1/models, in requests' `model` and in vLLM's metrics' model_name (vLLM's
+    # --served-model-name); default: path.
+    served_name: str | None = Field(default=None, min_length=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     load_format: Literal["auto", "dummy"] = "auto"
     seed: int = 0  # for dummy weights
@@ -34,7 +37,10 @@ class EngineConfig(_Strict):
     device: str = "cpu"
     block_size: int = Field(default=16, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)  # default: from kv_cache_gb
-    kv_cache_gb: float | None = Field(default=None, gt=0)  # default: 0.25 on CPU; on a GPU what is free after the weights less a tenth of the card
+    kv_cache_gb: float | None = Field(default=None, gt=0)  # default: 0.25 on CPU; on a GPU what is free after the weights less (1 - gpu_memory_utilization) of the card
+    # The share of the GPU this engine may fill, weights and KV cache (vLLM's key): the rest is left
+    # for activations, graph pools and peers' CUDA contexts (engine/kv_budget.py). GPU only.
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     max_num_seqs: int = Field(default=256, ge=1)
     max_num_batched_tokens: int = Field(default=8192, ge=1)  # token budget of one step
     chunk_size: int = Field(default=2048, ge=1)  # most prompt tokens of one request in one step
@@ -222,6 +228,7 @@ class PrefillConfig(_Strict):
     max_batch_tokens: int = Field(default=8192, ge=1)
     chunk_size: int = Field(default=2048, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # with gpus: 1, EngineConfig's key
     # The replica's prefix cache (vLLM's enable_prefix_caching): full blocks of KV kept, by hash, for
     # the next prompt that starts alike. false: every prompt is computed whole (the
     # baseline of a comparison, or prompts that never share a prefix).
@@ -260,6 +267,7 @@ class DecodeConfig(_Strict):
     cuda_graphs: bool = True
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     num_kv_blocks: int | None = Field(default=None, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # with gpus: 1, EngineConfig's key
     # The replica's prefix cache: a reservation reuses the blocks it holds already (a conversation's
     # next turn), so only the rest of the KV moves. false: every block of every prompt moves.
     prefix_cache: bool = True
@@ -281,6 +289,7 @@ class ColocatedConfig(_Strict):
     max_batch_tokens: int = Field(default=8192, ge=1)
     chunk_size: int = Field(default=2048, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # with gpus: 1, EngineConfig's key
     # The replica's prefix cache (vLLM's enable_prefix_caching): full blocks of KV kept, by hash, for
     # the next prompt that starts alike. false: every prompt is computed whole (the
     # baseline of a comparison, or prompts that never share a prefix).
@@ -397,7 +406,7 @@ class ClusterConfig(_Strict):
         # A colocated engine never moves KV, but shares the cluster's block size all the same.
         kw = dict(model=self.model, role=role, device="cuda" if r.gpus else "cpu",
                   block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks, warm_up=r.warm_up,
-                  enable_prefix_cache=r.prefix_cache)
+                  enable_prefix_cache=r.prefix_cache, gpu_memory_utilization=r.gpu_memory_utilization)
         # Every role computes prompts (a decode replica its local prefills).
         kw.update(max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size)
         if role in ("prefill", "colocated"):  # the prompt phase
@@ -409,27 +418,38 @@ class ClusterConfig(_Strict):
         return EngineConfig(**kw)
 
 
-def load_cluster_config(path: str | None) -> ClusterConfig:
-    """Read and validate cluster.yaml; None gives the embedded default (tiny-moe on CPU, 1 + 1)."""
+def load_cluster_config(path: str | None, overrides: dict[str, object] | None = None) -> ClusterConfig:
+    """Read and validate cluster.yaml; None gives the embedded default (tiny-moe on CPU, 1 + 1).
+    overrides: dotted keys ("router.http_port") set over the file's (`pdserve serve`'s flags),
+    validated with it: a bad value fails naming its key, as in the file."""
     import yaml
     from pydantic import ValidationError
 
-    if path is None:
-        return ClusterConfig()
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections "
-                          f"({', '.join(ClusterConfig.model_fields)})")
+    raw: dict = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such file") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections "
+                              f"({', '.join(ClusterConfig.model_fields)})")
+    for key, value in (overrides or {}).items():
+        section, name = key.split(".")
+        if not isinstance(raw.get(section), dict):  # absent, or an empty section (None in YAML)
+            raw[section] = {} if raw.get(section) is None else raw[section]
+        if isinstance(raw[section], dict):  # (else the section itself is wrong, and reported so)
+            raw[section][name] = value
     try:
         return ClusterConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"{path}:\n" + "\n".join(_explain(err) for err in e.errors())) from None
+        where = path or "the embedded default"
+        if overrides:
+            where += " with the command line's flags"
+        raise ConfigError(f"{where}:\n" + "\n".join(_explain(err) for err in e.errors())) from None
 
 
 def _explain(err: dict) -> str:

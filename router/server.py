@@ -99,8 +99,9 @@ class Router:
         args = resolve_model_args(cfg.model.path)
         tokenizer = load_tokenizer(cfg.model.path, eos_token_ids=args.eos_token_ids)
         max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
-        self.metrics = Metrics(self.name, cfg.model.path)
-        self.core = RouterCore(self.name, cfg.model.path, max_len, tokenizer, self.replicas, cfg.router.policy,
+        served = cfg.model.served_name or cfg.model.path
+        self.metrics = Metrics(self.name, served)
+        self.core = RouterCore(self.name, served, max_len, tokenizer, self.replicas, cfg.router.policy,
                             self.metrics, cfg.router.migration_limit, cfg.router.replica_wait_s,
                             AdmissionPolicy.of(cfg), cfg.kv_transfer.block_size, PrefillSite.of(cfg))
         await self._meet(self.replicas)  # (their empty deliver reaches the core: after it is built)

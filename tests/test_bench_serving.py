@@ -121,9 +121,13 @@ def test_pd_goodput_measures_each_config_and_stops_its_cluster(tmp_path):
 # -- `pdserve bench` against one shared cluster -------------------------------------------------------
 
 
+# The shared cluster's slo:, neither cluster.yaml's default nor pd_goodput's: `pdserve bench` takes it.
+CLUSTER_SLO = {"ttft_ms": 1500, "tpot_ms": 75}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("bench"))
+    c = Cluster(tmp_path_factory.mktemp("bench"), slo=CLUSTER_SLO)
     try:
         c.wait_ready()
         yield c
@@ -216,6 +220,16 @@ def test_an_impossible_slo_is_met_by_no_request(cluster, tmp_path):
     [x] = res["runs"]
     assert x["completed"] == 6 and x["slo_attainment"] == 0.0 and x["good_rps"] == 0.0
     assert res["goodput"] is None and "none of these rates" in r.stdout
+
+
+def test_the_default_slo_is_the_clusters(cluster, tmp_path):
+    """What `pdserve status --watch` and /dashboard judge by: the same traffic is not "ok" there and
+    a miss in bench. One target given, the other is still the cluster's."""
+    res, r = bench(cluster, tmp_path, "--rate", "inf")
+    assert res["slo"]["ttft_ms"] == 1500 and res["slo"]["tpot_ms"] == 75, res["slo"]
+    assert "SLO TTFT <= 1500 ms, TPOT <= 75 ms: the cluster's slo:" in r.stderr
+    res, r = bench(cluster, tmp_path, "--rate", "inf", "--slo-tpot-ms", "30")
+    assert res["slo"]["ttft_ms"] == 1500 and res["slo"]["tpot_ms"] == 30
 
 
 def test_bad_requests_say_what_to_do(cluster):

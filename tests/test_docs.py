@@ -25,9 +25,15 @@ def test_nothing_points_outside_the_repository():
 def test_readme_install_is_what_ci_runs_and_says_what_tiny_moe_is():
     readme = (ROOT / "README.md").read_text()
     two = readme.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    ci = (ROOT / ".ci/run").read_text()
     install = re.search(r"pip install torch==2\.13\.0 -e \"(\.\[[\w,]+\])\"", two)
     assert install, "the README's install command"
-    assert f'-e "{install[1]}"' in (ROOT / ".ci/run").read_text(), "CI must install what the README says"
+    assert f'-e "{install[1]}"' in ci, "CI must install what the README says"
+    # Serving alone: the test extras (Triton, Playwright, kubernetes-validate: ~1.3 GB) come with the tests.
+    assert "test" not in install[1] and "plot" not in install[1], install[1]
+    tests = re.search(r"```bash\n(pip install -e \"\.\[test\]\" && python -m pytest [^\n]+)\n```", two)
+    assert tests, "the README's test command, installing the test extras itself"
+    assert tests[1].replace("pip install", "python -m pip install -q") in ci, "CI must run the README's test command"
     assert "random weights" in two and "model.path" in two  # why the default's text is noise, and the way out
     assert "--index-url" in two and "/whl/cpu" in two  # the CPU torch build, where pip would take CUDA's
 

@@ -4,7 +4,6 @@ Each child owns one backend and answers the parent's commands over a pipe; every
 timeout, so a hang fails the test in seconds instead of blocking CI.
 """
 
-import importlib.util
 import time
 import traceback
 import uuid
@@ -13,11 +12,12 @@ import pytest
 import torch
 
 import kv_pair
+from pdserve.kvtransfer.backends.nixl_find import nixl_module
 from pdserve.kvtransfer.blocks import runs
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
+pytestmark = pytest.mark.skipif(nixl_module() is None, reason="nixl is not installed")
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 4, 2, 8
 SRC_BLOCKS, DST_BLOCKS = 12, 20  # different on purpose: each side indexes with its own count

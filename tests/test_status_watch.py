@@ -159,7 +159,7 @@ def test_watch_shows_replicas_and_latency_until_ctrl_c_and_ends_once_the_cluster
         text = "".join(out)
         assert rc == 0, err
         assert "Traceback" not in err, err
-        assert "state: running" in text, text
+        assert "state: running" in text and f"dashboard: {cluster.url}/dashboard" in text, text
         assert any(ln.split()[:3] == ["colocated", "pdserve-colocated-0", "serving"] for ln in text.splitlines()), text
         ttft = [ln.split() for ln in text.splitlines() if ln.startswith("TTFT")]
         assert any(f[1] != "-" and f[2] == "ms" for f in ttft), text  # a p50 figure, in ms

@@ -12,20 +12,20 @@ is then ordered by the layer's CUDA event on the host rather than on the device:
 """
 
 import dataclasses
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.kvtransfer.backend import KVBackend, Part
 from pdserve.kvtransfer.metadata import KVAgentMetadata
+from pdserve.kvtransfer.backends.nixl_find import nixl_module
 from pdserve.kvtransfer.pairing import choose_backend
 
 
 def available(kv_cache: torch.Tensor) -> list[str]:
     """What this worker can offer: cuda_ipc on a GPU, nixl where it is installed, tcp always."""
     names = ["cuda_ipc"] if kv_cache.is_cuda else []
-    if importlib.util.find_spec("nixl") is not None:
+    if nixl_module() is not None:
         names.append("nixl")
     return names + ["tcp"]
 

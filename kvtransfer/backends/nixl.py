@@ -97,7 +97,10 @@ class NixlBackend(KVBackend):
 
     def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, telemetry: bool = False,
                  close_timeout_s: float = 2.0, num_workers: int = 1, progress_thread: bool = False):
-        from nixl._api import nixl_agent, nixl_agent_config  # only workers that use NIXL load it
+        from pdserve.kvtransfer.backends.nixl_find import nixl_api
+
+        api = nixl_api()  # only workers that use NIXL load it
+        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
         assert kv_cache.is_contiguous(), "the KV allocation must be one contiguous region"
         assert kv_cache.data_ptr() == meta.base_addr, "meta describes another allocation"

@@ -18,11 +18,15 @@ class ClusterStartError(RuntimeError):
 
 
 class UpProcess:
-    def __init__(self, path: Path, log_path: Path):
+    def __init__(self, path: Path | None, log_path: Path, command: list[str] | None = None,
+                 env: dict[str, str] | None = None):
+        """`pdserve up PATH`, or `pdserve COMMAND...` (e.g. ["serve", "tiny-moe", "--port", "0"]);
+        env: its environment (default: this process's)."""
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", str(path)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        words = command if command is not None else ["up", str(path)]
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *words],
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def output(self) -> str:
         """What `pdserve up` printed so far (also after stop)."""

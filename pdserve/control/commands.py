@@ -11,6 +11,7 @@ import sys
 import time
 
 from pdserve.config import ClusterConfig, load_cluster_config
+from pdserve.control import ray_console
 
 
 def _log(msg: str) -> None:
@@ -18,18 +19,22 @@ def _log(msg: str) -> None:
 
 
 def _connect(address: str | None) -> None:
-    if address not in (None, "auto"):
+    if address not in (None, "auto") or (address == "auto" and os.environ.get("RAY_ADDRESS")):
         _use_token_if_present()
-    from pdserve.control import ray_start
-    from pdserve.actors import NAMESPACE
+    import ray  # (after the environment is ready: Ray reads it once, on import)
 
+    from pdserve.actors import NAMESPACE
+    from pdserve.control import ray_start
+
+    ray_console.ray_logger_to_file()  # Ray's notices to its log file (the CLI's), not the terminal
     ray_start.init(address, _log, namespace=NAMESPACE, include_dashboard=False, logging_level="WARNING",
                    log_to_driver=False, configure_logging=True)
 
 
 def _use_token_if_present() -> None:
     """Ray (2.5x on) starts local clusters with token authentication and finds the token itself when
-    it looks the cluster up ("auto"), but not for an address named outright: there it must be told."""
+    it looks the cluster up ("auto"), but not for an address named outright (or by RAY_ADDRESS):
+    there it must be told."""
     if "RAY_AUTH_MODE" in os.environ:
         return
     path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
@@ -37,8 +42,16 @@ def _use_token_if_present() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def up(path: str | None) -> int:
-    cfg = load_cluster_config(path)
+def up(path: str | None, flags: dict[str, object] | None = None) -> int:
+    """Start the cluster of cluster.yaml (None: the embedded default), `flags` (serve_flags.py's
+    {key: value}) over its keys; until Ctrl-C or `pdserve down`."""
+    if flags:
+        from pdserve.control import serve_flags
+
+        cfg = serve_flags.load(path, flags)
+        _log(f"flags: {serve_flags.describe(flags)}")
+    else:
+        cfg = load_cluster_config(path)
     _check_model(cfg)
     _check_extras(cfg)
     _check_tls(cfg)
@@ -58,7 +71,8 @@ def up(path: str | None) -> int:
     t0 = time.monotonic()
     _connect(None if cfg.ray.address == "local" else cfg.ray.address)  # before Ray's import: see _connect
     ray_s = time.monotonic() - t0
-    _log(f"Ray {'started' if cfg.ray.address == 'local' else 'joined'} in {ray_s:.2f} s")
+    _log(f"Ray {'started' if cfg.ray.address == 'local' else 'joined'} in {ray_s:.2f} s; its own messages: "
+         f"{ray_console.log_path()}")
     import ray
 
     from pdserve.actors import CONTROLLER
@@ -94,6 +108,7 @@ def up(path: str | None) -> int:
         endpoints = _wait_started(controller)
         for kind, url in endpoints.items():
             _log(f"{kind}: {url}")
+        _log(f"dashboard: {endpoints['http']}/dashboard")
         now = time.monotonic()
         _log(f"up in {now - t0:.2f} s: Ray {ray_s:.2f} s, cluster start {now - t1:.2f} s")
         _log("ready; Ctrl-C stops everything")
@@ -155,7 +170,9 @@ def _check_extras(cfg: ClusterConfig) -> None:
     """Fail before anything starts when the file asks for a part whose optional packages are missing."""
     import importlib.util
 
-    if cfg.kv_transfer.backend == "nixl" and cfg.prefill.replicas and importlib.util.find_spec("nixl") is None:
+    from pdserve.kvtransfer.backends.nixl_find import nixl_module
+
+    if cfg.kv_transfer.backend == "nixl" and cfg.prefill.replicas and nixl_module() is None:
         raise ValueError("kv_transfer.backend: 'nixl' needs the nixl package: pip install 'pdserve[nixl]', "
                          "or set kv_transfer.backend: tcp")
     if cfg.router.grpc_port is not None and importlib.util.find_spec("grpc_health") is None:
@@ -250,7 +267,7 @@ def _controller(address: str):
     try:
         _connect(address)  # first: it readies the environment Ray reads once, on import
     except ConnectionError:
-        raise SystemExit(_fail("no Ray cluster is running here")) from None
+        raise SystemExit(_fail(f"no Ray cluster is running here (Ray's messages: {ray_console.log_path()})")) from None
     import ray
 
     from pdserve.actors import CONTROLLER, NAMESPACE
@@ -382,6 +399,8 @@ def status_lines(s: dict) -> list[str]:
     out.append(f"pdserve-controller (pid {s['pid']})")
     for kind, url in s["endpoints"].items():
         out.append(f"{kind}: {url}")
+    if "http" in s["endpoints"]:
+        out.append(f"dashboard: {s['endpoints']['http']}/dashboard")
     for name, r in s["replicas"].items():
         on = _on_nodes(s.get("nodes", {}).get(name, {}))
         if isinstance(r, str):

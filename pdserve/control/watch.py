@@ -52,7 +52,9 @@ def view(status: dict, lat: Latency | None) -> dict:
             latency_rows.append([what, _ms(p50), _ms(p90), f"{target:g} ms" if target else "-",
                                  slo_mark(p90, target)])
     hit_rate = None if lat is None or lat.prefix_hit_rate is None else f"{lat.prefix_hit_rate:.0%}"
-    return {"state": status["state"], "replicas": replicas, "routers": routers, "latency": latency_rows,
+    http = (status.get("endpoints") or {}).get("http")
+    return {"state": status["state"], "dashboard": f"{http}/dashboard" if http else None,
+            "replicas": replicas, "routers": routers, "latency": latency_rows,
             "requests_per_s": None if lat is None else f"{lat.requests_per_s:.2f}",
             "window_s": None if lat is None else f"{lat.window_s:.0f}", "prefix_hit_rate": hit_rate}
 
@@ -69,13 +71,17 @@ def _latency_title(v: dict) -> str:
     return f"latency over the last {v['window_s']} s: {v['requests_per_s']} requests/s{hits}"
 
 
+def _dashboard(v: dict) -> str:
+    return f"  dashboard: {v['dashboard']}" if v.get("dashboard") else ""
+
+
 def render_text(v: dict) -> str:
     """A plain snapshot (output that is not a terminal)."""
     def table(columns, rows):
         widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]  # (rows may be none)
         return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *rows]]
 
-    lines = [f"state: {v['state']}  ({time.strftime('%H:%M:%S')})"]
+    lines = [f"state: {v['state']}  ({time.strftime('%H:%M:%S')}){_dashboard(v)}"]
     lines += table(REPLICA_COLUMNS, v["replicas"])
     if v["routers"]:
         lines += table(ROUTER_COLUMNS, v["routers"])
@@ -103,7 +109,7 @@ def render_rich(v: dict):
         return "red" if cell.startswith("down") or cell == "BREACH" else "yellow" if cell == "draining" else None
 
     state_style = {"running": "green", "degraded": "red"}.get(v["state"], "yellow")
-    parts = [Text.assemble("state: ", (v["state"], state_style), f"  ({time.strftime('%H:%M:%S')})"),
+    parts = [Text.assemble("state: ", (v["state"], state_style), f"  ({time.strftime('%H:%M:%S')}){_dashboard(v)}"),
              table("replicas", REPLICA_COLUMNS, v["replicas"], health)]
     if v["routers"]:
         parts.append(table("routers", ROUTER_COLUMNS, v["routers"], health))

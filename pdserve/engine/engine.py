@@ -292,7 +292,7 @@ class Engine:
         self._ready = [o for o in self._ready if o.request_id in self.seqs]  # (outputs of requests aborted)
         if self.seqs or self.has_unfinished():
             raise RuntimeError(f"a role change needs an idle engine; {len(self.seqs)} requests are here")
-        keep = {"model", "device", "num_kv_blocks", "kv_cache_gb", "block_size"}
+        keep = {"model", "device", "num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "block_size"}
         self.config = config.model_copy(update={k: getattr(self.config, k) for k in keep})
         s, c = self.scheduler, self.config
         s.whole_prompt = c.role == "prefill"  # (scheduler.py says why the prefill role needs it)

@@ -1,5 +1,5 @@
 """How many KV blocks an engine's cache gets: the configured count, or as many as its memory budget
-holds (kv_cache_gb, or on a GPU what the weights left free less a tenth of the card)."""
+holds (kv_cache_gb, or on a GPU what the weights left free less 1 - gpu_memory_utilization of the card)."""
 
 import torch
 
@@ -14,18 +14,20 @@ def kv_cache_blocks(config: EngineConfig, args, device: torch.device, tp, dtype:
         return config.num_kv_blocks
     gb = config.kv_cache_gb
     if gb is None and device.type == "cuda":
-        # What is free less a tenth of the card (vLLM's gpu_memory_utilization 0.9): left for the
+        # What is free less 1 - gpu_memory_utilization of the card (0.9: a tenth): left for the
         # largest step's activations, the graphs' pools, and the CUDA contexts that peers open
         # on this GPU later (a cuda_ipc decode replica maps a prefill GPU's KV: ~0.5 GiB each).
         # 90 % of the free memory left too little on a card nearly filled by its weights
         # (docs/benchmarks-history.md, routing by cached prefix, 2026-11-27: an OOM on four H100s).
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(free - 0.1 * total)
+        reserve = 1.0 - config.gpu_memory_utilization
+        budget = int(free - reserve * total)
         if budget <= 0:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache on {device}: {free / 2**30:.1f} GiB free of "
-                f"{total / 2**30:.1f} after the weights, and a tenth of the card stays free for activations; "
-                "set kv_cache_gb or num_kv_blocks, or give the replica more GPUs")
+                f"{total / 2**30:.1f} after the weights, and {reserve:.0%} of the card stays free for activations "
+                f"(gpu_memory_utilization {config.gpu_memory_utilization:g}); raise it, set kv_cache_gb or "
+                "num_kv_blocks, or give the replica more GPUs")
     else:
         budget = int((gb or 0.25) * 2**30)
     kind, planes, heads, dim = args.kv_cache_entry()

@@ -44,8 +44,10 @@ def _rate(text: str) -> float:
     return rate
 
 
-def add_load_args(p: argparse.ArgumentParser) -> None:
-    """The workload and SLO options, shared with pd_goodput."""
+def add_load_args(p: argparse.ArgumentParser, slo_of_cluster: bool = False) -> None:
+    """The workload and SLO options, shared with pd_goodput. slo_of_cluster: the SLO left out is the
+    cluster's (`pdserve bench`, against one cluster: cluster_slo), else 2 s / 50 ms (pd_goodput's
+    clusters, compared against one SLO)."""
     p.add_argument("--rate", "--rates", dest="rates", type=_rate, nargs="+", default=[1.0], metavar="RATE",
                    help="requests/s, Poisson arrivals; several: a sweep, in order; inf: all at once (default: 1)")
     n = p.add_mutually_exclusive_group()
@@ -71,8 +73,13 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=4,
                    help="requests sent at once before the first rate, not counted (default: %(default)s)")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default: %(default)s")
-    p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="default: %(default)s")
+    if slo_of_cluster:
+        default = "default: the cluster's slo: (as /dashboard/data gives it; cluster.yaml's default where none answers)"
+        p.add_argument("--slo-ttft-ms", type=float, help=default)
+        p.add_argument("--slo-tpot-ms", type=float, help=default)
+    else:
+        p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default: %(default)s")
+        p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="default: %(default)s")
     p.add_argument("--slo-attainment", type=float, default=0.9,
                    help="share of requests that must meet both SLOs for a rate to count (default: %(default)s)")
     p.add_argument("--stop-below", type=float, metavar="ATTAINMENT",
@@ -116,6 +123,27 @@ def check_load_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
     if not 0 < a.slo_attainment <= 1:
         p.error(f"--slo-attainment must be in (0, 1], got {a.slo_attainment}")
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        value = getattr(a, name)
+        if value is not None and not value > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+def cluster_slo(url: str) -> tuple[dict, str]:
+    """The cluster's slo: ({"ttft_ms", "tpot_ms"}, where from): what its dashboard shows (the
+    controller's config), or cluster.yaml's default where the dashboard has none (no controller
+    answering, or a server that is not pdserve's)."""
+    import httpx
+
+    from pdserve.config import SloConfig
+
+    try:
+        slo = httpx.get(f"{url}/dashboard/data", timeout=10, verify=False).json().get("slo") or {}
+    except (httpx.HTTPError, ValueError, AttributeError):
+        slo = {}
+    if "ttft_ms" in slo and "tpot_ms" in slo:
+        return slo, "the cluster's slo:"
+    return SloConfig().model_dump(), "cluster.yaml's default slo: (the cluster did not say its own)"
 
 
 def workload_of(a: argparse.Namespace) -> Workload:
@@ -141,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "through the shared port each scrape reaches whichever router the kernel picks")
     p.add_argument("--label", help="this run's name, written into the JSON and on the charts (default: the "
                                    "--json file's name)")
-    add_load_args(p)
+    add_load_args(p, slo_of_cluster=True)
     return p
 
 
@@ -159,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     check_load_args(p, a)
+    if a.slo_ttft_ms is None or a.slo_tpot_ms is None:
+        # The same targets `pdserve status --watch` and /dashboard judge the traffic by.
+        slo, source = cluster_slo(a.url)
+        a.slo_ttft_ms = slo["ttft_ms"] if a.slo_ttft_ms is None else a.slo_ttft_ms
+        a.slo_tpot_ms = slo["tpot_ms"] if a.slo_tpot_ms is None else a.slo_tpot_ms
+        log(f"SLO TTFT <= {a.slo_ttft_ms:g} ms, TPOT <= {a.slo_tpot_ms:g} ms: {source}")
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "args": args_json(a)}
     try:  # a --compare file that cannot be drawn fails now, not after the sweep
         compare = plot.load_compare(a.compare, a.plot)
