@@ -220,6 +220,15 @@ def test_seeded_sampling_is_reproducible_and_varies_with_seed():
     c = engine.generate(p, SamplingParams(seed=2, **s))
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
     assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    # Resumed after 5 of its tokens, in another engine (a hand-off or a migration: its output_ids
+    # come along), a seeded request goes on with the tokens its undisturbed run drew.
+    other = make_engine()
+    other.add_request("resumed", p[0], SamplingParams(seed=1, **s), output_ids=a[0].token_ids[:5])
+    rest = []
+    while other.has_unfinished():
+        for o in other.step():
+            rest += o.token_ids
+    assert len(a[0].token_ids) == 16 and a[0].token_ids[:5] + rest == a[0].token_ids
 
 
 def test_logprobs_are_returned_per_token():

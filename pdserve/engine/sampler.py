@@ -9,6 +9,9 @@ from pdserve.engine.sequence import Sequence
 from pdserve.protocol import SamplingParams, TokenLogprob
 
 
+_INDEX_STRIDE = 1_000_003  # seed x this + a token's index: distinct streams for distinct (seed, index) pairs
+
+
 class Sampler:
     """Logit bias, min_tokens and penalties (logits_processors.py), then greedy, or temperature,
     min-p, top-k, top-p; a per-request generator makes seeded requests reproducible."""
@@ -40,8 +43,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            tokens[rows] = self._sample_random(logits[rows], [seqs[i].request_id for i in rows],
-                                               [params[i] for i in rows])
+            tokens[rows] = self._sample_random(logits[rows], [seqs[i] for i in rows], [params[i] for i in rows])
         if penalized is not None:
             at, counts_rows = penalized
             self._counts.count(counts_rows, tokens[at])
@@ -84,7 +86,7 @@ class Sampler:
     def _stop_ids(self, p: SamplingParams) -> list[int]:
         return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
 
-    def _sample_random(self, logits, request_ids, params) -> torch.Tensor:
+    def _sample_random(self, logits, seqs: list[Sequence], params) -> torch.Tensor:
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temps[:, None]
         if any(p.min_p > 0 for p in params):
@@ -94,23 +96,23 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         # argmax(p / q) with q ~ Exp(1) draws from p; it lets each row use its own generator.
         q = torch.empty_like(probs)
-        for i, (rid, p) in enumerate(zip(request_ids, params)):
-            q[i].exponential_(generator=self._generator(rid, p.seed))
+        for i, (seq, p) in enumerate(zip(seqs, params)):
+            q[i].exponential_(generator=self._generator(seq, p.seed))
         return (probs / q).argmax(dim=-1)
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+    def _generator(self, seq: Sequence, seed: int | None) -> torch.Generator | None:
+        """A seeded request's draw for its next token comes from (seed, that token's index in the
+        output) alone, not from a stream this engine kept: so the same seeded request gives the same
+        tokens wherever each was sampled — its first on a prefill replica or on its decode replica
+        (router.prefill_site picks per attempt), the rest after a hand-off or a migration (resumed
+        with its output_ids), or all in one colocated engine."""
         if seed is None:
             return None
-        g = self._generators.get(request_id)
+        g = self._generators.get(seq.request_id)
         if g is None:
-            # A resumed request (Engine.add_request / reserve with output_ids) starts here afresh:
-            # its draws are not those the undisturbed run made after that many tokens, so a seeded
-            # request migrated mid-stream goes on with other (still seeded, reproducible) tokens.
-            # Greedy requests draw nothing and resume exactly. (A preempted request keeps its
-            # generator: it is forgotten only when the request ends.)
-            g = torch.Generator(device=self.device).manual_seed(seed)
-            self._generators[request_id] = g
-        return g
+            g = self._generators[seq.request_id] = torch.Generator(device=self.device)
+        # The index counts tokens still being sampled by an overlapped step before this one (PENDING).
+        return g.manual_seed((seed * _INDEX_STRIDE + seq.num_output_tokens) % (1 << 63))
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
