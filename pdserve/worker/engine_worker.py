@@ -209,11 +209,11 @@ class EngineWorker:
         the routers move it, as from a lost replica), the connector closes (its ports, its memory
         registration: no KV write lands after this), and the blocks still held go back to the pool.
         Returns the engine, idle, for the role that follows."""
-        self.channel.close()  # routers were told this replica is gone: its links are theirs no more
         left = self.loop.stop()
         if self.loop.alive():
             raise RuntimeError(f"{self.name}: the engine loop did not stop within 10 s")
         self._cut_off(left)
+        self.channel.close()  # after the cut-off's last deltas: the new role's worker listens anew
         if self.connector is not None:
             self.connector.close()
         for rid in list(self.engine.seqs):  # after the close: a write in flight might still have landed
