@@ -107,8 +107,10 @@ class ReplicaSet:
     def _hand_offs(self, role: str, worker: str, w) -> None:
         """The worker's batched calls: over its channel, or Ray calls."""
         if self.channel is None:
-            sends = {"prefill": w.prefill.remote, "reserve": lambda items: w.reserve.remote(items, self.router),
-                     "generate": lambda items: w.generate.remote(items, self.router), "abort": w.abort.remote}
+            sends = {PREFILL: lambda items: w.prefill.remote(items),
+                     RESERVE: lambda items: w.reserve.remote(items, self.router),
+                     GENERATE: lambda items: w.generate.remote(items, self.router),
+                     ABORT: lambda items: w.abort.remote(items)}
         else:
             async def locate():
                 return await w.channel_address.remote()

@@ -152,3 +152,34 @@ def test_a_worker_that_closes_fails_the_calls_waiting_on_it(worker):
             await asyncio.wait_for(ch.call(PREFILL, [request("b")]), 10)
         ch.close()
     asyncio.run(scenario())
+
+
+def test_deltas_reach_their_router_in_order_one_frame_in_flight(worker):
+    # A router that has not taken a frame gets the next steps' output joined into one (the worker is
+    # told False: hold and join), then the rest, in order.
+    got: list[list[RequestDelta]] = []
+
+    async def scenario():
+        ch = WorkerLink("router-0", "w0", TOKEN, "here", lambda: asyncio.sleep(0, worker.server.address("here")),
+                        got.append, lambda w, e: None)
+        await asyncio.wait_for(ch.open(), 10)
+        until_async = time.monotonic() + 10
+        while worker.server.routers() != ["router-0"]:
+            assert time.monotonic() < until_async
+            await asyncio.sleep(0.01)
+        sent = [worker.server.send_deltas("router-0", [RequestDelta("a", "x", [1])]),
+                worker.server.send_deltas("router-0", [RequestDelta("a", "y", [2])])]
+        assert sent == [True, False]  # (the second: before the router can have taken the first)
+        while not got:
+            assert time.monotonic() < until_async
+            await asyncio.sleep(0.01)
+        while worker.server.send_deltas("router-0", [RequestDelta("a", "y", [2], "stop")]) is False:
+            assert time.monotonic() < until_async
+            await asyncio.sleep(0.01)
+        while len(got) < 2:
+            assert time.monotonic() < until_async
+            await asyncio.sleep(0.01)
+        assert worker.server.send_deltas("nobody", [RequestDelta("b", "", [])]) is None  # (no channel: Ray's)
+        ch.close()
+    asyncio.run(scenario())
+    assert got == [[RequestDelta("a", "x", [1])], [RequestDelta("a", "y", [2], "stop")]]

@@ -14,7 +14,7 @@ import socket
 from collections.abc import Awaitable, Callable
 
 from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALLS, DELTAS, HELLO, LEN, MAX_FRAME_BYTES, NONCE_BYTES,
-                                  WELCOME, BadFrame, ChannelClosed, frame, hello_proof, pack_request, unframe,
+                                  TAKEN, WELCOME, BadFrame, ChannelClosed, frame, hello_proof, pack_request, unframe,
                                   unpack_answer, unpack_delta)
 from pdserve.channel.worker_end import BEAT_S, DEAD_S
 
@@ -110,7 +110,7 @@ class WorkerLink:
         return reader, writer
 
     async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        loop = asyncio.get_running_loop()
+        loop, taken = asyncio.get_running_loop(), frame(TAKEN)
         try:
             while True:
                 parts = await _read_frame(reader)
@@ -118,6 +118,7 @@ class WorkerLink:
                 kind = parts[0]
                 if kind == DELTAS:
                     self._deliver([unpack_delta(a) for a in parts[1]])
+                    writer.write(taken)
                 elif kind == ANSWERS:
                     self._answered(*parts[1:])
                 elif kind != BEAT:

@@ -3,9 +3,10 @@ names the frame. Every frame carries the typed messages of pdserve/messages.py, 
 arrays here and rebuilt on the other side, so neither end passes loose dicts on.
 
 Router -> worker: HELLO (once, proving the cluster token over the worker's nonce), CALLS (one
-turn's requests or aborts for one worker, batched), BEAT. Worker -> router: WELCOME (the hello's
-answer), ANSWERS (one per answered CALLS), DELTAS (one engine step's output for that router's
-requests), BEAT."""
+turn's requests or aborts for one worker, batched), TAKEN (a DELTAS frame was delivered: the
+worker sends the next; meanwhile it joins the steps' output), BEAT. Worker -> router: WELCOME (the
+hello's answer), ANSWERS (one per answered CALLS), DELTAS (one engine step's output for that
+router's requests, or the joined output of the steps since the router took the last), BEAT."""
 
 import hashlib
 import hmac
@@ -22,7 +23,7 @@ NONCE_BYTES = 16
 MAX_HELLO_BYTES = 4096  # a hello is a name and a proof: anything longer is not a pdserve peer
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # a frame longer than this is a broken peer, not a big batch
 
-HELLO, WELCOME, CALLS, ANSWERS, DELTAS, BEAT = "hello", "welcome", "calls", "answers", "deltas", "beat"
+HELLO, WELCOME, CALLS, ANSWERS, DELTAS, TAKEN, BEAT = "hello", "welcome", "calls", "answers", "deltas", "taken", "beat"
 # Calls a router makes; ANSWERS come back for all but ABORT.
 PREFILL, RESERVE, GENERATE, ABORT = "prefill", "reserve", "generate", "abort"
 CALL_KINDS = (PREFILL, RESERVE, GENERATE, ABORT)

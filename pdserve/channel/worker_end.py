@@ -22,14 +22,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALL_KINDS, CALLS, DELTAS, HELLO, LEN, MAX_FRAME_BYTES,
-                                  MAX_HELLO_BYTES, NONCE_BYTES, RESERVE, WELCOME, BadFrame, frame, hello_proof,
+                                  MAX_HELLO_BYTES, NONCE_BYTES, RESERVE, TAKEN, WELCOME, BadFrame, frame, hello_proof,
                                   pack_answer, pack_delta, unframe, unpack_request)
 
 log = logging.getLogger(__name__)
 HELLO_S = 10.0  # a peer that does not prove who it is within this long is dropped
 BEAT_S = 1.0  # each side sends at least one frame this often
 DEAD_S = 5.0  # a peer silent this long is gone (a host cut off: a killed process closes at once)
-HIGH_WATER = 4 * 1024 * 1024  # bytes unsent to a router before a worker holds its next deltas back
+IN_FLIGHT = 1  # deltas frames a router has not said it took, before the next step's output waits and joins
 BLOCKING = {RESERVE}  # calls answered at a step boundary: run off the channel's loop
 
 
@@ -45,7 +45,7 @@ class ChannelServer:
         self._gone = gone
         self._met = met
         self.refused: list[tuple[str, str]] = []  # (peer as it named itself, why)
-        self._links: dict[str, asyncio.StreamWriter] = {}  # router -> its live connection
+        self._links: dict[str, _Link] = {}  # router -> its live connection
         self._heard: dict[asyncio.StreamWriter, float] = {}  # connection -> when its last frame came
         self._closing = False  # closed by its worker: the connections it drops are no router's death
         self._dir = tempfile.mkdtemp(prefix="pdserve-ch-")
@@ -84,15 +84,17 @@ class ChannelServer:
 
     def send_deltas(self, router: str, deltas: list) -> bool | None:
         """Send one message of deltas to `router`: True sent; False held back (the router has not
-        read what it was sent, HIGH_WATER: the caller joins the next step's output to it); None:
-        no channel to that router (the caller sends over Ray)."""
-        w = self._links.get(router)
-        if w is None or w.is_closing():
+        taken the last one yet: the caller joins the next steps' output to these, so a router that
+        falls behind gets fewer, larger messages, as over Ray); None: no channel to that router (the
+        caller sends over Ray)."""
+        link = self._links.get(router)
+        if link is None or link.writer.is_closing():
             return None
-        if w.transport.get_write_buffer_size() > HIGH_WATER:
+        if link.sent - link.taken >= IN_FLIGHT:
             return False
         data = frame(DELTAS, [pack_delta(d) for d in deltas])
-        self._loop.call_soon_threadsafe(_write, w, data)
+        link.sent += 1  # (only this thread writes `sent`; only the channel's thread writes `taken`)
+        self._loop.call_soon_threadsafe(_write, link.writer, data)
         return True
 
     # -- connections -----------------------------------------------------------------------------------
@@ -104,13 +106,13 @@ class ChannelServer:
             return
         old = self._links.get(router)
         self._met(router)
-        self._links[router] = writer
+        self._links[router] = link = _Link(writer)
         if old is not None:  # the router connected again: its old connection is over
-            old.close()
+            old.writer.close()
         self._heard[writer] = self._loop.time()
         beats = asyncio.ensure_future(self._beat(writer, asyncio.current_task()))
         try:
-            await self._read(router, reader, writer)
+            await self._read(router, reader, link)
         except asyncio.CancelledError:  # silent past DEAD_S (_beat), or the worker closes
             if not self._closing:
                 log.warning("router channel %s <- %s: silent for %g s", self.worker, router, DEAD_S)
@@ -121,7 +123,7 @@ class ChannelServer:
             beats.cancel()
             self._heard.pop(writer, None)
             writer.close()
-            if self._links.get(router) is writer:  # (not replaced by a newer connection of it)
+            if self._links.get(router) is link:  # (not replaced by a newer connection of it)
                 del self._links[router]
                 if not self._closing:
                     log.info("router %s's channel to %s closed: its requests here stop", router, self.worker)
@@ -156,14 +158,17 @@ class ChannelServer:
             pass
         return None
 
-    async def _read(self, router: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        heard = self._heard
+    async def _read(self, router: str, reader: asyncio.StreamReader, link: "_Link") -> None:
+        heard, writer = self._heard, link.writer
         while True:
             (n,) = LEN.unpack(await reader.readexactly(LEN.size))
             if n > MAX_FRAME_BYTES:
                 raise BadFrame(f"a frame of {n} bytes")
             parts = unframe(await reader.readexactly(n))
             heard[writer] = self._loop.time()
+            if parts[0] == TAKEN:
+                link.taken += 1
+                continue
             if parts[0] == BEAT:
                 continue
             if parts[0] != CALLS or len(parts) != 4 or parts[2] not in CALL_KINDS:
@@ -208,13 +213,22 @@ class ChannelServer:
         async def _close():
             self._tcp.close()
             self._unix.close()
-            for w in list(self._links.values()):
-                w.close()
+            for link in list(self._links.values()):
+                link.writer.close()
         if self._loop.is_running():
             asyncio.run_coroutine_threadsafe(_close(), self._loop).result(5)
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._calls.shutdown(wait=False)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _Link:
+    """A router's connection, and the deltas frames sent on it and taken by the router."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self.writer = writer
+        self.sent = 0
+        self.taken = 0
 
 
 def _write(w: asyncio.StreamWriter, data: bytes) -> None:
