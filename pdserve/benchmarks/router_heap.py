@@ -24,10 +24,11 @@ def pause():
     for _ in range(5):
         t0 = time.perf_counter(); gc.collect(); t.append(time.perf_counter() - t0)
     return sorted(t)[2]
-row = {"torch": "torch" in sys.modules, "objects": len(gc.get_objects()), "full_gc_ms": round(1000 * pause(), 2)}
+row = {"torch": "torch" in sys.modules, "objects": len(gc.get_objects()), "full_gc_ms": round(1000 * pause(), 3)}
 from pdserve import heap
 heap.settle()
-row |= {"objects_after_settle": len(gc.get_objects()), "full_gc_after_settle_ms": round(1000 * pause(), 2)}
+row |= {"frozen": gc.get_freeze_count(), "objects_after_settle": len(gc.get_objects()),
+        "full_gc_after_settle_ms": round(1000 * pause(), 3)}
 print(json.dumps(row))
 """
 
