@@ -14,6 +14,8 @@ def down_reason(error: BaseException) -> str | None:
         return "its process died"
     if isinstance(error, ActorUnavailableError):  # its node died (Ray has not said so yet) or is cut off
         return "it is unreachable (its node died or is cut off)"
+    if isinstance(error, ConnectionError):  # the direct channel to it closed (pdserve/channel/): it died or is cut off
+        return f"its channel closed ({error})"
     if isinstance(error, RayTaskError):  # a worker's stats() raises only when its engine loop stopped
         return "its engine loop stopped"
     return None

@@ -139,6 +139,9 @@ class RouterConfig(_Strict):
     # TLS for HTTP and gRPC: a PEM certificate chain and its private key; both or neither.
     tls_certfile: str | None = None
     tls_keyfile: str | None = None
+    # How requests, aborts and token deltas move between routers and workers: `direct`, a socket per
+    # router-worker pair (pdserve/channel/); `ray`, Ray actor calls (the path before the channel).
+    channel: Literal["direct", "ray"] = "direct"
 
     @field_validator("api_keys_file", "tls_certfile", "tls_keyfile")
     @classmethod

@@ -14,7 +14,7 @@ from pdserve.router.admission import AdmissionGate, AdmissionPolicy
 from pdserve.router.lifecycle import Lifecycle
 from pdserve.router.policy import routing_policy
 from pdserve.router.prefill_site import PrefillSite
-from pdserve.router.replica_set import ReplicaSet
+from pdserve.router.replica_set import Channel, ReplicaSet
 from pdserve.router.types import DirectWriter
 
 
@@ -22,21 +22,23 @@ class RouterCore:
     def __init__(self, name: str, model_name: str, max_model_len: int, tokenizer, replicas: list[ReplicaChange],
                  policy: str, metrics=None, migration_limit: int = 3, replica_wait_s: float = 30.0,
                  admission: AdmissionPolicy | None = None, block_size: int = 16,
-                 prefill_site: PrefillSite | None = None):
+                 prefill_site: PrefillSite | None = None, channel: Channel | None = None):
         """name: this router's actor name (where decode replicas send deltas). replicas: every replica
         as the controller last described it; later changes come by `apply`. block_size: the engines'
         KV block (the prefix cache's unit, which its hashes cover). prefill_site: where a
-        disaggregated attempt's prompt is computed (router/prefill_site.py)."""
+        disaggregated attempt's prompt is computed (router/prefill_site.py). channel: how requests
+        and deltas move (ReplicaSet); None: Ray calls."""
         self.name = name
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
-        self.replicas = ReplicaSet(name, metrics)
+        self.replicas = ReplicaSet(name, metrics, channel)
         self.routing = routing_policy(policy, self.replicas, block_size)
         self.gate = AdmissionGate(admission or AdmissionPolicy(), self.replicas, metrics, replica_wait_s)
         self.replicas.follow(self.routing.index, self.gate.replica_stats, self.gate.forecast.forget)
         self.lifecycle = Lifecycle(self.replicas, self.routing, self.gate, max_model_len, block_size, metrics,
                                    migration_limit, replica_wait_s, prefill_site)
+        self.replicas.deliver = self.lifecycle.deliver  # the channel's deltas
         for change in replicas:
             self.apply(change)
 

@@ -1,6 +1,7 @@
 """Requests to a worker, handed over in batches: every call made in one turn of the router's event
-loop goes out as one Ray call (a burst of N requests is one message, not N), and the worker answers
-each entry in order. Nothing waits for an earlier batch: under a light load a batch is one request."""
+loop goes out as one message — one frame on the worker's direct channel, or one Ray call — (a burst
+of N requests is one message, not N), and the worker answers each entry in order. Nothing waits for
+an earlier batch: under a light load a batch is one request."""
 
 import asyncio
 from collections.abc import Callable
@@ -8,7 +9,8 @@ from collections.abc import Callable
 
 class HandOff:
     def __init__(self, send: Callable[[list], object], answered: bool = True):
-        """send(items) -> an ObjectRef of one answer per item (answered), or of nothing (aborts)."""
+        """send(items) -> an awaitable (a channel call's future, a Ray ObjectRef) of one answer per item
+        (answered), or of nothing (aborts)."""
         self._send = send
         self._answered = answered
         self._pending: list = []

@@ -1,7 +1,8 @@
 """The replicas a router routes to, as the controller describes them and as their stats say.
 
 It owns: the replica set and its changes (`apply`: started, replaced, draining, gone), the calls
-that reach each worker (one batched hand-off per worker and kind of call), the stats poll and the
+that reach each worker (one batched hand-off per worker and kind of call, over the worker's direct
+channel — pdserve/channel/ — or, with `router.channel: ray`, Ray calls), the stats poll and the
 replicas' health (router/replica_health.py), the KV pairs a request may go over, what this
 router's requests hold at each replica (the counts routing and admission read), and the /metrics
 those figures feed. It decides nothing about a request: the lifecycle (router/lifecycle.py) does.
@@ -9,10 +10,14 @@ those figures feed. It decides nothing about a request: the lifecycle (router/li
 
 import asyncio
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ray.exceptions import RayActorError
 
-from pdserve.messages import ReplicaChange, ReplicaStats
+from pdserve.channel.router_end import WorkerLink
+from pdserve.channel.wire import ABORT, GENERATE, PREFILL, RESERVE
+from pdserve.messages import ReplicaChange, ReplicaStats, RequestDelta
 from pdserve.router.attempt import Attempt, Lost
 from pdserve.router.decode_replica import DecodeReplica
 from pdserve.router.handoff import HandOff
@@ -23,11 +28,24 @@ log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 5.0  # a stats or KV-events call unanswered this long counts as a missed poll
 
 
+@dataclass
+class Channel:
+    """How this router reaches workers over the direct channel: the cluster's token it proves, and
+    its host's address (workers there are reached over their Unix socket)."""
+
+    token: str | None
+    node: str
+
+
 class ReplicaSet:
-    def __init__(self, router: str, metrics=None):
-        """router: this router's actor name (where decode and colocated workers send deltas)."""
+    def __init__(self, router: str, metrics=None, channel: Channel | None = None):
+        """router: this router's actor name (where decode and colocated workers send deltas).
+        channel: requests, aborts and deltas over a direct channel per worker; None: Ray calls."""
         self.router = router
         self.metrics = metrics
+        self.channel = channel
+        self.links: dict[str, WorkerLink] = {}  # worker -> its channel (channel set)
+        self.deliver: Callable[[list[RequestDelta]], None] = lambda deltas: None  # deltas from the channel
         self.index: PrefixIndex | None = None
         self._on_stats = lambda name, s: None
         self._on_gone = lambda name: None
@@ -73,23 +91,61 @@ class ReplicaSet:
             worker, handle = next(iter(change.ranks.items()))  # (prefill and colocated: one worker)
             if role == "prefill":
                 self.prefill[name] = handle
-                self.send[worker] = HandOff(handle.prefill.remote)
             elif role == "colocated":
                 self.colocated[name] = handle
-                self.send[worker] = HandOff(lambda items, w=handle: w.generate.remote(items, self.router))
             else:
                 self.decode[name] = DecodeReplica(name, dict(change.ranks))
-                for rank, w in change.ranks.items():
-                    self.send[rank] = HandOff(lambda items, w=w: w.reserve.remote(items, self.router))
-                    self.send_whole[rank] = HandOff(lambda items, w=w: w.generate.remote(items, self.router))
             for worker, w in change.ranks.items():
-                self.send_abort[worker] = HandOff(w.abort.remote, answered=False)
+                self._hand_offs(role, worker, w)
             self.loads.setdefault(name, 0)
         self.health.join(name, role, fresh, draining=change.state == "draining")
         seen = self._restarts.get(name, 0)
         if self.metrics and change.restarts > seen:
             self.metrics.count_restarts(role, name, change.restarts - seen)
         self._restarts[name] = max(seen, change.restarts)
+
+    def _hand_offs(self, role: str, worker: str, w) -> None:
+        """The worker's batched calls: over its channel, or Ray calls."""
+        if self.channel is None:
+            sends = {PREFILL: lambda items: w.prefill.remote(items),
+                     RESERVE: lambda items: w.reserve.remote(items, self.router),
+                     GENERATE: lambda items: w.generate.remote(items, self.router),
+                     ABORT: lambda items: w.abort.remote(items)}
+        else:
+            async def locate():
+                return await w.channel_address.remote()
+
+            link = self.links[worker] = WorkerLink(self.router, worker, self.channel.token, self.channel.node,
+                                                   locate, self._delivered, self._link_lost)
+            sends = {kind: lambda items, kind=kind: link.call(kind, items) for kind in (PREFILL, RESERVE, GENERATE,
+                                                                                           ABORT)}
+        if role == "prefill":
+            self.send[worker] = HandOff(sends[PREFILL])
+        elif role == "colocated":
+            self.send[worker] = HandOff(sends[GENERATE])
+        else:
+            self.send[worker] = HandOff(sends[RESERVE])
+            self.send_whole[worker] = HandOff(sends[GENERATE])
+        self.send_abort[worker] = HandOff(sends[ABORT], answered=False)
+
+    def _delivered(self, deltas: list[RequestDelta]) -> None:
+        self.deliver(deltas)
+
+    def _link_lost(self, worker: str, error: BaseException) -> None:
+        """A worker's channel closed (its process died, its host is cut off): its replica is down, and
+        the requests waiting on it move at once."""
+        for replica, workers in self.workers.items():
+            if worker in workers:
+                if self.health.failed(replica, error):
+                    self.count_down(replica)
+                return
+
+    async def connect(self, workers: list[str], timeout_s: float) -> None:
+        """Open the channels to these workers now (at most `timeout_s`): else the first request to
+        each paid for the address lookup and the connection."""
+        opening = [self.links[w].open() for w in workers if w in self.links]
+        if opening:
+            await asyncio.wait(opening, timeout=timeout_s)
 
     def follow(self, index: PrefixIndex | None, on_stats, on_gone) -> None:
         """What else follows each replica. index: the prefix index to keep fed with the workers' KV
@@ -99,6 +155,8 @@ class ReplicaSet:
 
     def _drop_workers(self, replica: str) -> None:
         for worker in self.workers.get(replica, {}):
+            if (link := self.links.pop(worker, None)) is not None:
+                link.close()
             self.send.pop(worker, None)
             self.send_abort.pop(worker, None)
             self.send_whole.pop(worker, None)
@@ -193,7 +251,7 @@ class ReplicaSet:
         (unless a replacement took its place meanwhile), and the attempt is lost (it moves)."""
         try:
             return await ref
-        except RayActorError as e:  # died, or unreachable (ActorUnavailableError: its node died)
+        except (RayActorError, ConnectionError) as e:  # died, or unreachable (its node died; its channel closed)
             if worker in self.workers.get(replica, {}) and self.health.failed(replica, e):
                 self.count_down(replica)
             role = self.health.roles.get(replica, "replica")

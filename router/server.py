@@ -3,6 +3,7 @@
 import asyncio
 import importlib
 import os
+import sys
 import threading
 
 import uvicorn
@@ -18,6 +19,7 @@ from pdserve.router.http_api import build_app
 from pdserve.router.listen import bind_listener, claim_shared
 from pdserve.router.metrics import Metrics
 from pdserve.router.core import RouterCore
+from pdserve.router.replica_set import Channel
 from pdserve.router.prefill_site import PrefillSite
 from pdserve.router.tenants import ApiKey, Tenants
 from pdserve.router.tls import grpc_credentials, uvicorn_options
@@ -52,15 +54,17 @@ def http_config(app, tls: dict | None = None) -> uvicorn.Config:
 
 class Router:
     def __init__(self, name: str, config: ClusterConfig, replicas: list[ReplicaChange], namespace: str,
-                 api_keys: list[ApiKey] | None = None, preload: list[str] = ()):
+                 api_keys: list[ApiKey] | None = None, preload: list[str] = (), cluster_token: str | None = None):
         """replicas: every replica as it is now (prefill and decode ones, colocated ones, or all three);
         the controller sends each later change (`apply`). api_keys: the keys every request must
-        carry (`pdserve up` read them); none: the service is open. preload: the workers' actor
-        modules (launcher.WORKER_MODULES), imported now on a thread of their own: the first
-        replica handles this router receives would otherwise import them inside `start`."""
+        carry (`pdserve up` read them); none: the service is open. preload: modules to import now on
+        a thread of their own, before they are needed (the controller gives none: the workers'
+        handles are of pdserve/worker/flip.py's torch-free actor). cluster_token: what the router
+        proves to workers over the direct channel."""
         self.preloaded = threading.Thread(target=_import_all, args=(list(preload),), name="pdserve-preload",
                                           daemon=True)
         self.preloaded.start()
+        self.cluster_token = cluster_token
         self.name = name
         self.api_keys = api_keys or []
         self.config = config
@@ -103,7 +107,8 @@ class Router:
         self.metrics = Metrics(self.name, served)
         self.core = RouterCore(self.name, served, max_len, tokenizer, self.replicas, cfg.router.policy,
                             self.metrics, cfg.router.migration_limit, cfg.router.replica_wait_s,
-                            AdmissionPolicy.of(cfg), cfg.kv_transfer.block_size, PrefillSite.of(cfg))
+                            AdmissionPolicy.of(cfg), cfg.kv_transfer.block_size, PrefillSite.of(cfg),
+                            self._channel())
         await self._meet(self.replicas)  # (their empty deliver reaches the core: after it is built)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
         # Each router enforces its share of a key's limits: the kernel spreads connections evenly over them.
@@ -135,6 +140,18 @@ class Router:
         heap.settle()  # everything built: the collector leaves it be (heap.py)
         return endpoints
 
+    def _channel(self) -> Channel | None:
+        if self.config.router.channel != "direct":
+            return None
+        import ray  # (imported already: this is a Ray actor)
+
+        return Channel(self.cluster_token, ray.util.get_node_ip_address())
+
+    def imported(self, prefix: str) -> list[str]:
+        """The modules this router's process has imported whose names start with `prefix` (a router
+        imports no torch and no engine: tests ask)."""
+        return sorted(m for m in sys.modules if m == prefix or m.startswith(prefix + "."))
+
     def info(self) -> dict:
         """This router's process and own endpoints, the requests it streams now, and its traffic so
         far (Metrics.traffic: what the planner reads)."""
@@ -145,6 +162,10 @@ class Router:
         """A replica started, was replaced, drains or is gone (the controller's word)."""
         if self.core is None:  # not started yet: it starts from the set as changed
             self.replicas = [r for r in self.replicas if r.replica != change.replica] + [change]
+        elif self.core.replicas.channel is not None:  # (its links are made by the change; calls wait for them)
+            self.core.apply(change)
+            if change.state == "serving":
+                await self._meet([change])
         else:
             if change.state == "serving":
                 await self._meet([change])  # before any request goes there
@@ -154,6 +175,9 @@ class Router:
         """Introduce this router to the workers that will stream tokens to it (decode and colocated
         ranks; RouterStreams.meet), and wait for them, at most MEET_S: else the first request's first
         token on each paid for Ray's lookup of this router and the first connection to it."""
+        if self.core.replicas.channel is not None:  # the direct channel: connect to every worker now
+            await self.core.replicas.connect([w for c in changes if c.state == "serving" for w in c.ranks], MEET_S)
+            return
         refs = [w.meet_router.remote(self.name) for c in changes if c.role in ("decode", "colocated")
                 and c.state == "serving" for w in c.ranks.values()]
         if refs:

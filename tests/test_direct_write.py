@@ -32,10 +32,10 @@ def served():
 
 
 def test_a_router_meets_its_workers_before_it_serves(served):
-    # The worker looked the router up and reached it once when the router started, so a first
-    # request's first token does not pay for that (~150 ms on this machine's trace).
+    # The router opened its channel to the worker when it started, so a first request's first token
+    # does not pay for the address lookup and the connection.
     _url, router, worker = served
-    assert ray.get(worker.__ray_call__.remote(lambda w: sorted(w.streams._routers))) == ["pdserve-router-0"]
+    assert ray.get(worker.__ray_call__.remote(lambda w: w.channel.routers())) == ["pdserve-router-0"]
     assert ray.get(router.__ray_call__.remote(lambda r: r.core.in_flight())) == 0  # before any request
 
 

@@ -16,7 +16,8 @@ NAMESPACED = ("router", "prefill", "decode", "kvtransfer")
 # layer are peers and import none of each other. "pdserve" is the modules directly in pdserve/.
 LAYERS: list[tuple[tuple[str, ...], str]] = [
     (("pdserve",), "the nouns every process shares (config, protocol, messages, tokenizer, actors' names): no torch"),
-    (("kvtransfer",), "the KV data plane: moves an engine's blocks without importing any of the engine"),
+    (("kvtransfer", "pdserve/channel"), "the data planes: KV between engines (imports none of the engine); "
+                                          "requests and tokens between routers and workers (no torch)"),
     (("pdserve/forward",), "what a forward reads besides the weights: the step's batch and the KV cache"),
     (("pdserve/ops",), "the kernels (attention, MoE, norms) over those tensors"),
     (("pdserve/models",), "the model families, built from the ops"),

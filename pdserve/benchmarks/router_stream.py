@@ -35,6 +35,7 @@ import time
 
 import ray
 
+from pdserve.channel.worker_end import ChannelServer
 from pdserve.config import ClusterConfig, ColocatedConfig, ModelConfig, RouterConfig
 from pdserve.control import ray_start
 from pdserve.engine.outputs import RequestOutput
@@ -67,6 +68,18 @@ class SyntheticWorker:
         self._held_steps = 0
         self._next_step = 0.0
         self.loop = EngineLoop(self._step, self._take, f"{name}-engine")
+        # The direct channel, as a real worker listens (EngineWorker._start_loop); no cluster token here.
+        self.channel = ChannelServer(name, None, self._serve_channel, self.streams.router_gone,
+                                     met=self.streams.router_back)
+        self.streams.channel = self.channel
+
+    def _serve_channel(self, kind: str, items: list, router: str):
+        if kind == "abort":
+            return self.abort(items)
+        return self.generate(items, router)
+
+    def channel_address(self) -> dict:
+        return self.channel.address(ray.util.get_node_ip_address())
 
     def ready(self) -> bool:
         return self.loop.alive()
@@ -199,10 +212,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start(max_ahead: int, step_s: float, routers: int = 1, workers: int = 1) -> tuple[list, str, list[int]]:
+def start(max_ahead: int, step_s: float, routers: int = 1, workers: int = 1,
+          channel: str = "direct") -> tuple[list, str, list[int]]:
     """A local Ray, `workers` synthetic workers and `routers` real routers over them, sharing one
     port as `router.replicas` makes them -> (their handles, the URL, the routers' pids). Ray ends an
-    actor once its creator's handles are gone: keep them."""
+    actor once its creator's handles are gone: keep them. channel: `router.channel` (direct, ray)."""
     from pdserve.router.server import Router  # the router's process imports it too: here only for the class
 
     ray_start.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
@@ -211,7 +225,8 @@ def start(max_ahead: int, step_s: float, routers: int = 1, workers: int = 1) -> 
         n, NAMESPACE, max_ahead, step_s) for n in names]
     assert all(ray.get([w.ready.remote() for w in pool])), "a synthetic worker's loop did not start"
     cfg = ClusterConfig(model=ModelConfig(path="tiny-moe"), colocated=ColocatedConfig(replicas=workers),
-                        router=RouterConfig(host="127.0.0.1", http_port=0, grpc_port=None, replicas=routers))
+                        router=RouterConfig(host="127.0.0.1", http_port=0, grpc_port=None, replicas=routers,
+                                            channel=channel))
     colocated = [ReplicaChange("colocated", n, {n: w}) for n, w in zip(names, pool)]
     handles = [ray.remote(Router).options(name=f"pdserve-router-{i}", num_cpus=0).remote(
         f"pdserve-router-{i}", cfg, colocated, NAMESPACE) for i in range(routers)]
@@ -226,12 +241,13 @@ def start(max_ahead: int, step_s: float, routers: int = 1, workers: int = 1) -> 
     return [*pool, *handles], url, pids
 
 
-def measure(url: str, pids: list[int], streams: int, max_tokens: int, seconds: float, clients: int) -> dict:
+def measure(url: str, pids: list[int], streams: int, max_tokens: int, seconds: float, clients: int,
+            channel: str = "direct") -> dict:
     drive(url, streams, 16, 1.0, clients)  # warm up: connections, the routers' first requests
     cpu0 = sum(map(cpu_seconds, pids))
     res = drive(url, streams, max_tokens, seconds, clients)
     cpu = sum(map(cpu_seconds, pids)) - cpu0  # every router's
-    return {"routers": len(pids), "streams": streams, "max_tokens": max_tokens, "requests": res["requests"], "failed": res["failed"],
+    return {"channel": channel, "routers": len(pids), "streams": streams, "max_tokens": max_tokens, "requests": res["requests"], "failed": res["failed"],
             "tokens": res["tokens"], "wall_s": round(res["wall_s"], 2),
             # Events with output (not the usage chunk, not [DONE]): how many tokens one carried.
             "tokens_per_event": round(res["tokens"] / max(1, res["events"] - 2 * res["requests"]), 2),
@@ -254,24 +270,29 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="synthetic workers (colocated replicas) behind the routers")
     ap.add_argument("--clients", type=int, default=1,
                     help="client processes the streams are split over (several routers outrun one client)")
+    ap.add_argument("--channel", nargs="+", default=["direct"], choices=["direct", "ray"],
+                    help="how tokens reach the router (router.channel), one run of everything each: "
+                         "`--channel direct ray` gives Ray's figure as the same run's reference")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args()
     rows = []
-    for n in args.routers:
-        try:
-            # (the actors are held: they live while it runs)
-            _actors, url, pids = start(args.max_ahead, args.step_ms / 1000, n, args.workers)
-            rows += [measure(url, pids, c, args.max_tokens, args.seconds, args.clients) for c in args.streams]
-        finally:
-            ray.shutdown()
+    for channel in args.channel:
+        for n in args.routers:
+            try:
+                # (the actors are held: they live while it runs)
+                _actors, url, pids = start(args.max_ahead, args.step_ms / 1000, n, args.workers, channel)
+                rows += [measure(url, pids, c, args.max_tokens, args.seconds, args.clients, channel)
+                         for c in args.streams]
+            finally:
+                ray.shutdown()
     if args.json:
         print(json.dumps({"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(), "rows": rows},
                          indent=2))
         return
-    print(f"{'routers':>7} {'streams':>8} {'tokens/s':>10} {'router CPU %':>13} {'tokens/router CPU-s':>20} {'tokens/event':>13} "
+    print(f"{'channel':>7} {'routers':>7} {'streams':>8} {'tokens/s':>10} {'router CPU %':>13} {'tokens/router CPU-s':>20} {'tokens/event':>13} "
           f"{'failed':>7}")
     for r in rows:
-        print(f"{r['routers']:>7} {r['streams']:>8} {r['tokens_per_s']:>10} {r['router_cpu_pct']:>13} "
+        print(f"{r['channel']:>7} {r['routers']:>7} {r['streams']:>8} {r['tokens_per_s']:>10} {r['router_cpu_pct']:>13} "
               f"{r['tokens_per_router_cpu_s']:>20} {r['tokens_per_event']:>13} {r['failed']:>7}")
 
 

@@ -30,7 +30,7 @@ from pdserve.config import ClusterConfig
 from pdserve.control.flipping import Flipping
 from pdserve.control.handshake import Handshake
 from pdserve.control.health import PROBE_INTERVAL_S, Heartbeats
-from pdserve.control.launcher import WORKER_MODULES, Incarnation, Launcher, worker_name
+from pdserve.control.launcher import Incarnation, Launcher, worker_name
 from pdserve.control.kv_pairs import PairBook
 from pdserve.control.load import LoadWindow
 from pdserve.control.planner import Limits, Measured
@@ -156,10 +156,10 @@ class Controller(Recovery, Handshake, Scaling, Flipping):
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         cfg = self.config
-        preload = [WORKER_MODULES[role] for role in WORKER_MODULES if getattr(cfg, role).replicas]
+        # (No preload: every worker's actor is a torch-free FlipWorker, launcher.WORKER_MODULES.)
         return ray.remote(Router).options(name=worker_name(slot, generation), num_cpus=0, lifetime="detached",
                                           scheduling_strategy=here).remote(
-            worker_name(slot, generation), cfg, [], NAMESPACE, self.api_keys, preload)
+            worker_name(slot, generation), cfg, [], NAMESPACE, self.api_keys, cluster_token=self.launcher.cluster_token)
 
     def _start_router(self, slot: str, generation: int, handle=None) -> dict[str, str]:
         """Start one router (spawned now, or `handle`, spawned before) with every replica as it is

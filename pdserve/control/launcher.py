@@ -25,9 +25,10 @@ from pdserve.messages import ReplicaChange
 WORKER_CONCURRENCY = 256
 PLACE_S = 120  # a replica's placement group is placed within this, or its start fails naming what it asked
 PLACE_CHECK_S = 1.0  # meanwhile, this often: is the node chosen for it still in the cluster?
-# Each role's module holding its ranks' actor class. A process that receives their handles (a
-# router) has Ray load that class to read its methods, which imports the module (torch, the
-# engine): seconds, not milliseconds. A router imports them while the workers load (`Router(preload=...)`).
+# Each role's module holding its worker class. A process that receives an actor's handle has Ray
+# load the actor's class to read its methods, which imports its module: so every worker's actor is a
+# pdserve/worker/flip.py FlipWorker (no torch), holding the role's worker, and a router, which holds
+# every worker's handle, imports none of these (torch, the engine: seconds and ~250k objects).
 WORKER_MODULES = {"prefill": "pdserve.prefill.worker", "decode": "pdserve.decode.worker",
                   "colocated": "pdserve.worker.colocated"}
 
@@ -128,14 +129,17 @@ class Launcher:
             return self._start_decode(inc, name, opts)
         if role == "prefill":
             tp = self._start_followers(inc, name, opts, cfg.engine_config("prefill"), cfg.prefill.tp_size)
-            inc.ranks[name] = ray.remote(PrefillWorker).options(
+            inc.ranks[name] = ray.remote(FlipWorker).options(
                 name=name, scheduling_strategy=in_pg, **opts, **self._kv_env()).remote(
-                name, cfg.engine_config("prefill"), cfg.kv_transfer.backend, self.cpu_threads,
-                cluster_token=self.cluster_token, tp=tp)
+                role, name, {role: (PrefillWorker, dict(engine_config=cfg.engine_config("prefill"),
+                                                        kv_backend=cfg.kv_transfer.backend, cpu_threads=self.cpu_threads,
+                                                        cluster_token=self.cluster_token, tp=tp))})
         else:
             tp = self._start_followers(inc, name, opts, cfg.engine_config("colocated"), cfg.colocated.tp_size)
-            inc.ranks[name] = ray.remote(ColocatedWorker).options(name=name, scheduling_strategy=in_pg, **opts).remote(
-                name, cfg.engine_config("colocated"), NAMESPACE, self.cpu_threads, tp=tp)
+            inc.ranks[name] = ray.remote(FlipWorker).options(name=name, scheduling_strategy=in_pg, **opts).remote(
+                role, name, {role: (ColocatedWorker, dict(engine_config=cfg.engine_config("colocated"),
+                                                          namespace=NAMESPACE, cpu_threads=self.cpu_threads, tp=tp,
+                                                          cluster_token=self.cluster_token))})
         return inc
 
     def flippable(self) -> str | None:
@@ -198,24 +202,26 @@ class Launcher:
         from pdserve.worker.rendezvous import rendezvous_store
         from pdserve.decode.worker import DecodeWorker
 
+        from pdserve.worker.flip import FlipWorker
+
         cfg, d = self.config, self.config.decode
-        args = (cfg.engine_config("decode"), cfg.kv_transfer.backend, cfg.kv_transfer.lease_s, NAMESPACE,
-                self.cpu_threads)
+        kw = dict(engine_config=cfg.engine_config("decode"), kv_backend=cfg.kv_transfer.backend,
+                  lease_s=cfg.kv_transfer.lease_s, namespace=NAMESPACE, cpu_threads=self.cpu_threads,
+                  cluster_token=self.cluster_token)
         opts = dict(opts, **self._kv_env())
-        token = {"cluster_token": self.cluster_token}
         if d.ep_size == 1:
-            inc.ranks[name] = ray.remote(DecodeWorker).options(
+            inc.ranks[name] = ray.remote(FlipWorker).options(
                 name=name, scheduling_strategy=PlacementGroupSchedulingStrategy(inc.placement_group, 0), **opts
-            ).remote(name, *args, **token)
+            ).remote("decode", name, {"decode": (DecodeWorker, kw)})
             return inc
         # The rendezvous is a store served from here (this node's IP, a port bound now and never let
         # go), held for the group's life; every rank, wherever it runs, joins it as a client.
         inc.store = store = rendezvous_store()
         for r in range(d.ep_size):
             rank = EPRank(r, d.ep_size, store.host, store.port, d.ep_threshold, list(d.ep_replicated_experts))
-            inc.ranks[f"{name}-rank{r}"] = ray.remote(DecodeWorker).options(
+            inc.ranks[f"{name}-rank{r}"] = ray.remote(FlipWorker).options(
                 name=f"{name}-rank{r}", scheduling_strategy=PlacementGroupSchedulingStrategy(inc.placement_group, r),
-                **opts).remote(f"{name}-rank{r}", *args, ep=rank, **token)
+                **opts).remote("decode", f"{name}-rank{r}", {"decode": (DecodeWorker, dict(kw, ep=rank))})
         return inc
 
     @staticmethod

@@ -13,9 +13,12 @@ from pdserve.worker.whole_requests import WholeRequests
 class ColocatedWorker(WholeRequests, EngineWorker):
     role = "colocated"
 
-    def __init__(self, name: str, engine_config: EngineConfig, namespace: str, cpu_threads: int = 1, tp=None):
-        """`tp`: a TPRank (rank 0) when the replica is tensor parallel (pdserve/worker/tp_group.py)."""
-        super().__init__(name, engine_config, None, cpu_threads, tp=tp)  # no KV connector: its KV never leaves
+    def __init__(self, name: str, engine_config: EngineConfig, namespace: str, cpu_threads: int = 1, tp=None,
+                 cluster_token: str | None = None):
+        """`tp`: a TPRank (rank 0) when the replica is tensor parallel (pdserve/worker/tp_group.py).
+        `cluster_token`: what routers prove over the direct channel."""
+        super().__init__(name, engine_config, None, cpu_threads, tp=tp,  # no KV connector: its KV never leaves
+                         cluster_token=cluster_token)
         self.streams = RouterStreams(namespace, orphaned=self.abort)  # a dead router's requests stop
         self._start_loop()
 

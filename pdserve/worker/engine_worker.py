@@ -12,6 +12,7 @@ import ray
 import torch
 
 from pdserve import heap
+from pdserve.channel.worker_end import ChannelServer
 from pdserve.kvtransfer import make_connector
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
@@ -116,6 +117,7 @@ class EngineWorker:
                                             cluster_token=cluster_token)
         self.aborted = 0
         self._ep = ep
+        self._cluster_token = cluster_token  # what routers prove over the direct channel
         self.warmed: WarmUp | None = None  # what the warm-up ran, where it ran
 
     def _start_loop(self) -> None:
@@ -128,6 +130,13 @@ class EngineWorker:
         self._early_aborts: dict[str, float] = {}  # request id -> when its abort came, before the request
         back_to(self._priority)  # every thread the start made; the loop's thread is made after
         self.loop = EngineLoop(self._step, self._receive, f"{self.name}-engine", on_death=self._engine_died)
+        # Requests, aborts and deltas to and from routers, off Ray (pdserve/channel/).
+        streams = getattr(self, "streams", None)  # (a prefill worker streams to no router)
+        self.channel = ChannelServer(self.name, self._cluster_token, self._serve_channel, self._router_gone,
+                                     host=ray.util.get_node_ip_address(),
+                                     met=streams.router_back if streams is not None else lambda router: None)
+        if streams is not None:
+            streams.channel = self.channel
         self._ready_s = time.perf_counter() - self._began[1]
 
     def _warm_up(self) -> None:
@@ -158,6 +167,30 @@ class EngineWorker:
             return
         self._take(item)
 
+    def _serve_channel(self, kind: str, items: list, router: str) -> list | None:
+        """A router's batched call over the direct channel: what the same Ray call would do."""
+        match kind:
+            case "prefill":
+                return self.prefill(items)
+            case "reserve":
+                return self.reserve(items, router)
+            case "generate":
+                return self.generate(items, router)
+            case "abort":
+                self.abort(items)
+                return None
+        raise ValueError(f"no call {kind!r}")
+
+    def _router_gone(self, router: str) -> None:
+        """A router's channel closed (it died, or dropped this worker): its requests here stop, and
+        their KV blocks go back to the pool (on the engine loop's thread, as any abort)."""
+        if (streams := getattr(self, "streams", None)) is not None:
+            streams.router_gone(router)
+
+    def channel_address(self) -> dict:
+        """Where routers reach this worker's direct channel (pdserve/channel/worker_end.py)."""
+        return self.channel.address(ray.util.get_node_ip_address())
+
     def _engine_died(self, error: BaseException) -> None:
         """A worker whose engine loop died takes no more work: its process exits, so that every
         caller (routers, the controller) finds it dead at once, and the controller replaces it. (A
@@ -180,6 +213,7 @@ class EngineWorker:
         if self.loop.alive():
             raise RuntimeError(f"{self.name}: the engine loop did not stop within 10 s")
         self._cut_off(left)
+        self.channel.close()  # after the cut-off's last deltas: the new role's worker listens anew
         if self.connector is not None:
             self.connector.close()
         for rid in list(self.engine.seqs):  # after the close: a write in flight might still have landed

@@ -1,5 +1,10 @@
-"""FlipWorker: the Ray actor of a disaggregated replica of one worker, in the prefill or the decode
-role, able to change role in place (a flip: `pdserve scale --role`, `pdserve tune --apply`).
+"""FlipWorker: the Ray actor of every worker — prefill, decode (a whole replica or one expert-parallel
+rank), colocated — and, for a disaggregated replica of one worker, able to change role in place (a
+flip: `pdserve scale --role`, `pdserve tune --apply`).
+
+This module imports no torch, and neither does anything it imports: Ray loads an actor's class
+wherever a handle to it is used, so the routers, which hold a handle to every worker for their
+control calls (stats, KV events, the channel's address), would otherwise import the engine.
 
 A role's code is its worker class (prefill/worker.py PrefillWorker, decode/worker.py DecodeWorker);
 this actor holds one of them and hands it every call. A flip (asked by the controller, once the
@@ -76,14 +81,17 @@ class FlipWorker:
 
     def generate(self, requests: list[NewRequest], router: str) -> list[Refusal | None]:
         w = self._now()
-        if w.role != "decode":  # (routers send whole requests to decode replicas only)
+        if w.role not in ("decode", "colocated"):  # (routers send whole requests to decode and colocated replicas)
             raise RuntimeError(f"{w.name} is a {w.role} worker now: it takes no whole requests")
         return w.generate(requests, router)
 
     def meet_router(self, router: str) -> None:
         w = self._now()
-        if w.role == "decode":
+        if w.role in ("decode", "colocated"):
             w.meet_router(router)
+
+    def channel_address(self) -> dict:
+        return self._now().channel_address()
 
     # -- every worker's --------------------------------------------------------------------------------
 

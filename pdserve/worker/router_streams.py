@@ -1,5 +1,10 @@
 """The requests a worker streams to routers (decode and colocated workers): which router each
-belongs to, and their new output, sent as `Router.deliver` messages — never one per token.
+belongs to, and their new output, sent one message per router per step — never one per token —
+over the router's direct channel (pdserve/channel/worker_end.py: ordered, one socket), or as
+`Router.deliver` Ray calls to a router without one (`router.channel: ray`).
+
+A router whose channel closed is gone: its requests are orphaned at once (the worker stops them and
+frees their KV blocks). Over Ray, the rest of this docstring holds:
 
 Each router has at most one message from a worker in flight; what the steps produce meanwhile goes
 into the next one. Ray does not keep the order of an async actor's calls, so two messages in
@@ -37,6 +42,7 @@ class RouterStreams:
         # later steps may still join it.
         self._open: dict[str, dict[str, int]] = defaultdict(dict)
         self._inflight: dict[str, tuple[ray.ObjectRef, list[str]]] = {}  # the message each router is taking, its requests
+        self.channel = None  # the worker's ChannelServer, once it listens: routers connected there take deltas so
 
     def __len__(self) -> int:
         """Requests streaming from here."""
@@ -87,17 +93,36 @@ class RouterStreams:
         """Send the pending deltas to each router that has taken its previous message; True while
         some are held back (the caller flushes again soon: `HELD_S`)."""
         for router in list(self._pending):
+            if router in self._dead:  # (gone since its deltas were made)
+                self._pending.pop(router, None)
+                self._open.pop(router, None)
+                continue
             sent = self._inflight.get(router)
-            if sent is not None:
+            if sent is not None:  # a Ray message first: the next one, over either path, lands after it
                 ready, _ = ray.wait([sent[0]], timeout=0, fetch_local=False)
                 if not ready:
                     continue
                 if self._died(router, *sent):
                     continue
-            deltas = self._pending.pop(router)
-            self._inflight[router] = (self._router(router).deliver.remote(deltas), [d.request_id for d in deltas])
+                del self._inflight[router]
+            deltas = self._pending[router]
+            sent_now = self.channel.send_deltas(router, deltas) if self.channel is not None else None
+            if sent_now is False:  # the router has not read the last ones yet: these wait, and grow
+                continue
+            del self._pending[router]
             self._open.pop(router, None)
+            if sent_now is None:
+                self._inflight[router] = (self._router(router).deliver.remote(deltas), [d.request_id for d in deltas])
         return bool(self._pending)
+
+    def router_gone(self, router: str) -> None:
+        """The router's channel closed: its requests here stop (any thread: the orphaned callback
+        hands their aborts to the engine loop). A router that connects again streams again."""
+        self._dead.add(router)
+        self._orphaned([rid for rid, r in list(self._owner.items()) if r == router])
+
+    def router_back(self, router: str) -> None:
+        self._dead.discard(router)
 
     def _died(self, router: str, ref: ray.ObjectRef, request_ids: list[str]) -> bool:
         """Whether the router's last message found it dead; if so its requests are orphaned."""

@@ -1,0 +1,187 @@
+"""A router's end of the channel to one worker (on the router's event loop): it connects once the
+worker's address is known (asked over Ray: `locate`), proves the cluster's token, sends each
+turn's calls as one frame and hands the answers and deltas back.
+
+The link connects on its first use and again after a loss, so a worker that was only slow is
+reached again once its stats say it is back. A closed connection, a refusal, or DEAD_S of silence
+(the worker beats every BEAT_S) fails every call waiting on it with ChannelClosed and calls
+`lost(worker, error)` once per connection: the replica set counts the replica down and its
+requests move, as after a failed Ray call."""
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+
+from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALLS, DELTAS, HELLO, LEN, MAX_FRAME_BYTES, NONCE_BYTES,
+                                  TAKEN, WELCOME, BadFrame, ChannelClosed, frame, hello_proof, pack_request, unframe,
+                                  unpack_answer, unpack_delta)
+from pdserve.channel.worker_end import BEAT_S, DEAD_S
+
+log = logging.getLogger(__name__)
+CONNECT_S = 10.0  # the worker's address, the connection and its hello, each within this
+
+
+class ChannelCallError(RuntimeError):
+    """A worker's call raised there (as a RayTaskError would say): not a lost replica."""
+
+
+class WorkerLink:
+    def __init__(self, router: str, worker: str, token: str | None, node: str,
+                 locate: Callable[[], Awaitable[dict]], deliver: Callable[[list], None],
+                 lost: Callable[[str, BaseException], None]):
+        """node: this router's host address (a worker there is reached over its Unix socket).
+        locate() -> the worker's address (ChannelServer.address, over Ray). deliver(deltas): a
+        step's deltas for our requests. lost(worker, error): the connection ended."""
+        self.router, self.worker = router, worker
+        self._token, self._node = token, node
+        self._locate, self._deliver, self._lost = locate, deliver, lost
+        self._writer: asyncio.StreamWriter | None = None
+        self._opening: asyncio.Future | None = None  # the connection being made
+        self._unsent: list[bytes] = []  # frames of calls made while it connects
+        self._waiting: dict[int, asyncio.Future] = {}  # call seq -> its answers' future
+        self._seq = 0
+        self._tasks: list[asyncio.Task] = []
+        self.closed = False  # closed by the router: the worker left its set
+
+    # -- calls -----------------------------------------------------------------------------------------
+
+    def call(self, kind: str, items: list) -> asyncio.Future | None:
+        """Send one batch of calls; the future of their answers (None for aborts)."""
+        if kind == ABORT:
+            seq, out = 0, None
+        else:
+            self._seq += 1
+            seq, out = self._seq, asyncio.get_running_loop().create_future()
+            self._waiting[seq] = out
+            items = [pack_request(r) for r in items]
+        data = frame(CALLS, seq, kind, items)
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(data)
+        else:
+            self._unsent.append(data)
+            self.open()
+        return out
+
+    def open(self) -> asyncio.Future:
+        """Connect, unless connected or connecting; the future of the connection."""
+        if self._writer is not None and not self._writer.is_closing():
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        if self._opening is None or self._opening.done():
+            self._opening = asyncio.ensure_future(self._connect())
+        return self._opening
+
+    async def _connect(self) -> None:
+        try:
+            address = await asyncio.wait_for(self._locate(), CONNECT_S)
+            reader, writer = await asyncio.wait_for(self._dial(address), CONNECT_S)
+            try:
+                nonce = await asyncio.wait_for(reader.readexactly(NONCE_BYTES), CONNECT_S)
+                writer.write(frame(HELLO, self.router, hello_proof(self._token, nonce, self.router, self.worker)))
+                parts = await asyncio.wait_for(_read_frame(reader), CONNECT_S)
+                if parts[0] != WELCOME or not parts[1]:
+                    raise ChannelClosed(f"the worker {self.worker} refused this router: {parts[2:]}")
+            except BaseException:
+                writer.close()
+                raise
+        except Exception as e:
+            error = e if isinstance(e, ChannelClosed) else ChannelClosed(
+                f"no channel to the worker {self.worker}: {type(e).__name__}: {e}")
+            self._fail(error)
+            return
+        if self.closed:
+            writer.close()
+            return
+        self._writer = writer
+        for data in self._unsent:
+            writer.write(data)
+        self._unsent.clear()
+        self._heard = asyncio.get_running_loop().time()
+        reading = asyncio.ensure_future(self._read(reader, writer))
+        self._tasks = [reading, asyncio.ensure_future(self._beat(writer, reading))]
+
+    async def _dial(self, address: dict):
+        if address["node"] == self._node:
+            return await asyncio.open_unix_connection(address["ipc"])
+        reader, writer = await asyncio.open_connection(address["host"], address["port"])
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return reader, writer
+
+    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop, taken = asyncio.get_running_loop(), frame(TAKEN)
+        try:
+            while True:
+                parts = await _read_frame(reader)
+                self._heard = loop.time()
+                kind = parts[0]
+                if kind == DELTAS:
+                    self._deliver([unpack_delta(a) for a in parts[1]])
+                    writer.write(taken)
+                elif kind == ANSWERS:
+                    self._answered(*parts[1:])
+                elif kind != BEAT:
+                    raise BadFrame(f"unexpected frame {kind!r}")
+        except asyncio.CancelledError:  # closed by us, or the worker fell silent (_beat)
+            self._drop(writer, f"silent for {DEAD_S:g} s")
+            raise
+        except Exception as e:
+            why = "it closed the connection (its process died)" if isinstance(e, asyncio.IncompleteReadError) \
+                else f"{type(e).__name__}: {e}"
+            self._drop(writer, why)
+
+    def _drop(self, writer: asyncio.StreamWriter, why: str) -> None:
+        if self._writer is writer:
+            self._writer = None
+            writer.close()
+            self._fail(ChannelClosed(f"the channel to {self.worker} closed: {why}"))
+
+    def _answered(self, seq: int, answers: list | None, error: str | None) -> None:
+        out = self._waiting.pop(seq, None)
+        if out is None or out.done():
+            return
+        if error is not None:
+            out.set_exception(ChannelCallError(f"{self.worker}: {error}"))
+        else:
+            out.set_result([unpack_answer(a) for a in answers])
+
+    def _fail(self, error: ChannelClosed) -> None:
+        """Every call waiting on the connection hears it; the replica set is told once."""
+        waiting, self._waiting = self._waiting, {}
+        self._unsent.clear()
+        for out in waiting.values():
+            if not out.done():
+                out.set_exception(error)
+        if not self.closed:
+            self._lost(self.worker, error)
+
+    async def _beat(self, writer: asyncio.StreamWriter, reading: asyncio.Task) -> None:
+        """Beat every BEAT_S; a worker silent for DEAD_S is gone (its reader is stopped)."""
+        beat, loop = frame(BEAT), asyncio.get_running_loop()
+        while not writer.is_closing():
+            if loop.time() - self._heard > DEAD_S:
+                reading.cancel()
+                return
+            writer.write(beat)
+            await asyncio.sleep(BEAT_S)
+
+    def close(self) -> None:
+        """The worker left the router's set: drop the connection (the worker stops what we left)."""
+        self.closed = True
+        self._writer, writer = None, self._writer  # (its reader's cancellation then fails nothing)
+        if writer is not None:
+            writer.close()
+        for t in self._tasks:
+            t.cancel()
+        waiting, self._waiting = self._waiting, {}
+        for out in waiting.values():
+            if not out.done():
+                out.set_exception(ChannelClosed(f"the worker {self.worker} left this router's set"))
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> list:
+    (n,) = LEN.unpack(await reader.readexactly(LEN.size))
+    if n > MAX_FRAME_BYTES:
+        raise BadFrame(f"a frame of {n} bytes")
+    return unframe(await reader.readexactly(n))

@@ -1,0 +1,236 @@
+"""A worker's end of the channel: it listens (a Unix socket for routers on its host, TCP for the
+others), takes routers that prove the cluster's token, runs their calls and sends each router its
+requests' deltas, one frame per engine step.
+
+It runs on a thread of its own with its own event loop, as the KV TCP backend's receiver does: the
+engine loop's thread only encodes a step's deltas and hands the bytes over. A connection opens with
+a fresh nonce; the router's first frame (HELLO) names it and proves the token over that nonce.
+Anything else — a wrong proof, a frame that is not the channel's, silence past HELLO_S — is
+refused by name: logged, kept in `refused`, answered and closed; the worker serves on. A router
+whose connection closes, or that says nothing for DEAD_S, is gone: `gone(router)` lets the worker
+stop its requests and free their KV blocks."""
+
+import asyncio
+import hmac
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALL_KINDS, CALLS, DELTAS, HELLO, LEN, MAX_FRAME_BYTES,
+                                  MAX_HELLO_BYTES, NONCE_BYTES, RESERVE, TAKEN, WELCOME, BadFrame, frame, hello_proof,
+                                  pack_answer, pack_delta, unframe, unpack_request)
+
+log = logging.getLogger(__name__)
+HELLO_S = 10.0  # a peer that does not prove who it is within this long is dropped
+BEAT_S = 1.0  # each side sends at least one frame this often
+DEAD_S = 5.0  # a peer silent this long is gone (a host cut off: a killed process closes at once)
+IN_FLIGHT = 1  # deltas frames a router has not said it took, before the next step's output waits and joins
+BLOCKING = {RESERVE}  # calls answered at a step boundary: run off the channel's loop
+
+
+class ChannelServer:
+    def __init__(self, worker: str, token: str | None, serve: Callable[[str, list, str], list | None],
+                 gone: Callable[[str], None] = lambda router: None, host: str = "127.0.0.1",
+                 met: Callable[[str], None] = lambda router: None):
+        """serve(kind, items, router) -> answers (None for aborts): the worker's calls. gone(router):
+        a router's connection ended; met(router): a router proved itself (both on the channel's thread)."""
+        self.worker = worker
+        self._token = token
+        self._serve = serve
+        self._gone = gone
+        self._met = met
+        self.refused: list[tuple[str, str]] = []  # (peer as it named itself, why)
+        self._links: dict[str, _Link] = {}  # router -> its live connection
+        self._heard: dict[asyncio.StreamWriter, float] = {}  # connection -> when its last frame came
+        self._closing = False  # closed by its worker: the connections it drops are no router's death
+        self._dir = tempfile.mkdtemp(prefix="pdserve-ch-")
+        weakref.finalize(self, shutil.rmtree, self._dir, True)  # (at the latest when the process exits)
+        self._ipc = os.path.join(self._dir, "w.sock")
+        self._calls = ThreadPoolExecutor(4, thread_name_prefix=f"{worker}-channel-calls")
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(host, started), name=f"{worker}-channel", daemon=True)
+        self._thread.start()
+        if not started.wait(10) or self._error is not None:
+            raise RuntimeError(f"{worker}: the router channel did not listen: {self._error!r}")
+
+    def _run(self, host: str, started: threading.Event) -> None:
+        self._error = None
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._tcp = self._loop.run_until_complete(asyncio.start_server(self._accept, host, 0))
+            self._unix = self._loop.run_until_complete(asyncio.start_unix_server(self._accept, self._ipc))
+        except Exception as e:
+            self._error = e
+            started.set()
+            return
+        self.host, self.port = host, self._tcp.sockets[0].getsockname()[1]
+        started.set()
+        self._loop.run_forever()
+
+    def address(self, node: str) -> dict:
+        """Where routers reach this worker: `ipc` from its host (`node`), else TCP."""
+        return {"node": node, "host": self.host, "port": self.port, "ipc": self._ipc}
+
+    def routers(self) -> list[str]:
+        return list(self._links)
+
+    # -- deltas, from the engine loop's thread ---------------------------------------------------------
+
+    def send_deltas(self, router: str, deltas: list) -> bool | None:
+        """Send one message of deltas to `router`: True sent; False held back (the router has not
+        taken the last one yet: the caller joins the next steps' output to these, so a router that
+        falls behind gets fewer, larger messages, as over Ray); None: no channel to that router (the
+        caller sends over Ray)."""
+        link = self._links.get(router)
+        if link is None or link.writer.is_closing():
+            return None
+        if link.sent - link.taken >= IN_FLIGHT:
+            return False
+        data = frame(DELTAS, [pack_delta(d) for d in deltas])
+        link.sent += 1  # (only this thread writes `sent`; only the channel's thread writes `taken`)
+        self._loop.call_soon_threadsafe(_write, link.writer, data)
+        return True
+
+    # -- connections -----------------------------------------------------------------------------------
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        router = await self._hello(reader, writer)
+        if router is None:
+            writer.close()
+            return
+        old = self._links.get(router)
+        self._met(router)
+        self._links[router] = link = _Link(writer)
+        if old is not None:  # the router connected again: its old connection is over
+            old.writer.close()
+        self._heard[writer] = self._loop.time()
+        beats = asyncio.ensure_future(self._beat(writer, asyncio.current_task()))
+        try:
+            await self._read(router, reader, link)
+        except asyncio.CancelledError:  # silent past DEAD_S (_beat), or the worker closes
+            if not self._closing:
+                log.warning("router channel %s <- %s: silent for %g s", self.worker, router, DEAD_S)
+        except (asyncio.IncompleteReadError, ConnectionError, BadFrame) as e:
+            if not isinstance(e, asyncio.IncompleteReadError):
+                log.warning("router channel %s <- %s: %r", self.worker, router, e)
+        finally:
+            beats.cancel()
+            self._heard.pop(writer, None)
+            writer.close()
+            if self._links.get(router) is link:  # (not replaced by a newer connection of it)
+                del self._links[router]
+                if not self._closing:
+                    log.info("router %s's channel to %s closed: its requests here stop", router, self.worker)
+                    self._gone(router)
+
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
+        """The router's name if its hello proves our cluster's token; else None, refused by name."""
+        nonce = os.urandom(NONCE_BYTES)
+        sender, why = "?", None
+        try:
+            writer.write(nonce)
+            (n,) = LEN.unpack(await asyncio.wait_for(reader.readexactly(LEN.size), HELLO_S))
+            if n > MAX_HELLO_BYTES:
+                raise BadFrame(f"a first frame of {n} bytes is no hello")
+            parts = unframe(await asyncio.wait_for(reader.readexactly(n), HELLO_S))
+            if parts[0] != HELLO or len(parts) != 3:
+                raise BadFrame(f"a first frame {parts[0]!r} is no hello")
+            sender = str(parts[1])
+            if not hmac.compare_digest(str(parts[2]), hello_proof(self._token, nonce, sender, self.worker)):
+                why = f"{sender!r} belongs to another cluster: its cluster token differs"
+        except (BadFrame, TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
+            why = f"not a pdserve router: {e or type(e).__name__}"
+        if why is None:
+            writer.write(frame(WELCOME, True, ""))
+            return sender
+        log.warning("router channel of %s: refused a connection from %s: %s", self.worker, sender, why)
+        self.refused.append((sender, why))
+        try:
+            writer.write(frame(WELCOME, False, why))
+            await asyncio.wait_for(writer.drain(), 1.0)
+        except Exception:  # (it left already)
+            pass
+        return None
+
+    async def _read(self, router: str, reader: asyncio.StreamReader, link: "_Link") -> None:
+        heard, writer = self._heard, link.writer
+        while True:
+            (n,) = LEN.unpack(await reader.readexactly(LEN.size))
+            if n > MAX_FRAME_BYTES:
+                raise BadFrame(f"a frame of {n} bytes")
+            parts = unframe(await reader.readexactly(n))
+            heard[writer] = self._loop.time()
+            if parts[0] == TAKEN:
+                link.taken += 1
+                continue
+            if parts[0] == BEAT:
+                continue
+            if parts[0] != CALLS or len(parts) != 4 or parts[2] not in CALL_KINDS:
+                raise BadFrame(f"unexpected frame {parts[0]!r}")
+            _, seq, kind, items = parts
+            if kind != ABORT:
+                items = [unpack_request(a) for a in items]
+            if kind in BLOCKING:
+                asyncio.ensure_future(self._call_aside(writer, seq, kind, items, router))
+            else:
+                self._answer(writer, seq, *self._call(kind, items, router))
+
+    def _call(self, kind: str, items: list, router: str) -> tuple[list | None, str | None]:
+        try:
+            return self._serve(kind, items, router), None
+        except Exception as e:  # the worker's call raised: the router hears it, as from a Ray call
+            log.exception("%s: %s call from %s failed", self.worker, kind, router)
+            return None, f"{type(e).__name__}: {e}"
+
+    async def _call_aside(self, writer, seq: int, kind: str, items: list, router: str) -> None:
+        answers, error = await self._loop.run_in_executor(self._calls, self._call, kind, items, router)
+        self._answer(writer, seq, answers, error)
+
+    def _answer(self, writer: asyncio.StreamWriter, seq: int, answers: list | None, error: str | None) -> None:
+        if seq and not writer.is_closing():
+            writer.write(frame(ANSWERS, seq, None if answers is None else [pack_answer(a) for a in answers], error))
+
+    async def _beat(self, writer: asyncio.StreamWriter, serving: asyncio.Task) -> None:
+        """Beat every BEAT_S; a router silent for DEAD_S is gone (its connection's task is stopped)."""
+        beat = frame(BEAT)
+        while not writer.is_closing():
+            if self._loop.time() - self._heard.get(writer, 0.0) > DEAD_S:
+                serving.cancel()
+                return
+            writer.write(beat)
+            await asyncio.sleep(BEAT_S)
+
+    def close(self) -> None:
+        """Stop listening and drop every router's connection (a flip's old role, a worker's end)."""
+        self._closing = True
+
+        async def _close():
+            self._tcp.close()
+            self._unix.close()
+            for link in list(self._links.values()):
+                link.writer.close()
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(_close(), self._loop).result(5)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._calls.shutdown(wait=False)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _Link:
+    """A router's connection, and the deltas frames sent on it and taken by the router."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self.writer = writer
+        self.sent = 0
+        self.taken = 0
+
+
+def _write(w: asyncio.StreamWriter, data: bytes) -> None:
+    if not w.is_closing():
+        w.write(data)

@@ -1,0 +1,185 @@
+"""The direct channel between a router and a worker (pdserve/channel/), its two ends in this
+process over real sockets: typed messages survive the frames; a router proving the cluster's token
+is served, one that does not (a wrong token, bytes that are no frame) is refused by name and
+logged while the worker serves on; either side hears the other's end within a deadline."""
+
+import asyncio
+import logging
+import socket
+import time
+
+import pytest
+
+from pdserve.channel.router_end import ChannelCallError, WorkerLink
+from pdserve.channel.wire import (ABORT, PREFILL, RESERVE, ChannelClosed, pack_answer, pack_delta, pack_request,
+                                  unpack_answer, unpack_delta, unpack_request)
+from pdserve.channel.worker_end import ChannelServer
+from pdserve.messages import NewRequest, Refusal, Request, RequestDelta, ReserveResult, Unpaired
+from pdserve.protocol import SamplingParams, TokenLogprob
+
+TOKEN = "cluster-secret"
+
+
+def test_typed_messages_come_back_as_they_went():
+    r = NewRequest(Request("r1", [1, 2, 3], SamplingParams(max_tokens=7, temperature=0.5, stop=["x"], seed=3),
+                           [9], priority=-1, session="s"), handle=b"\x00\xff", prefill_id="p0")
+    assert unpack_request(pack_request(r)) == r
+    for a in (None, Refusal("prompt", "too long"), Unpaired("d0", "p1"),
+              ReserveResult(b"h", None, None), ReserveResult(None, Refusal("a", "b"), Unpaired("c", "d"))):
+        assert unpack_answer(pack_answer(a)) == a
+    d = RequestDelta("r1", " a", [5, 6], "stop", None, [TokenLogprob(5, -0.5, [(5, -0.5), (7, -1.0)], " a", ["x"])])
+    assert unpack_delta(pack_delta(d)) == d
+    assert unpack_delta(pack_delta(RequestDelta("r2", "", [1]))) == RequestDelta("r2", "", [1])
+
+
+class Worker:
+    """A worker's side as EngineWorker wires it: a real ChannelServer over calls that answer as a
+    prefill worker does (an Unpaired for a handle naming no peer) and record what they took."""
+
+    def __init__(self):
+        self.taken: list[tuple[str, list, str]] = []
+        self.gone: list[str] = []
+        self.server = ChannelServer("w0", TOKEN, self.serve, self.gone.append)
+
+    def serve(self, kind: str, items: list, router: str):
+        self.taken.append((kind, items, router))
+        if kind == ABORT:
+            return None
+        if kind == RESERVE:
+            raise RuntimeError("this worker takes no reservations")
+        return [None if r.handle else Unpaired("w0", "?") for r in items]
+
+
+def link(server: ChannelServer, token: str, router: str = "router-0", lost=None) -> WorkerLink:
+    async def locate():
+        return server.address("here")
+    return WorkerLink(router, "w0", token, "here", locate, lambda deltas: None,
+                      lost or (lambda worker, error: None))
+
+
+def until(check, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (got := check()):
+            return got
+        time.sleep(0.02)
+    raise AssertionError("not within the deadline")
+
+
+@pytest.fixture
+def worker():
+    w = Worker()
+    yield w
+    w.server.close()
+
+
+def request(rid: str, handle: bytes | None = b"h") -> NewRequest:
+    return NewRequest(Request(rid, [1, 2], SamplingParams()), handle=handle)
+
+
+def test_a_router_with_the_token_is_served_in_batches(worker):
+    async def scenario():
+        ch = link(worker.server, TOKEN)
+        first = ch.call(PREFILL, [request("a"), request("b", None)])
+        ch.call(ABORT, ["c"])
+        assert await asyncio.wait_for(first, 10) == [None, Unpaired("w0", "?")]
+        with pytest.raises(ChannelCallError, match="takes no reservations"):  # raised there, heard here
+            await asyncio.wait_for(ch.call(RESERVE, [request("d")]), 10)
+        ch.close()
+    asyncio.run(scenario())
+    assert [(k, len(items), r) for k, items, r in worker.taken] == [(PREFILL, 2, "router-0"), (ABORT, 1, "router-0"),
+                                                                    (RESERVE, 1, "router-0")]
+    assert worker.taken[0][1][0].request.request_id == "a"
+    until(lambda: worker.gone == ["router-0"])  # its connection closed: the worker stops its requests
+
+
+def test_an_unauthenticated_peer_is_refused_and_logged_and_the_worker_serves_on(worker, caplog):
+    caplog.set_level(logging.WARNING, logger="pdserve.channel.worker_end")
+
+    async def scenario():
+        lost: list[BaseException] = []
+        wrong = link(worker.server, "another-cluster", "intruder", lost=lambda w, e: lost.append(e))
+        with pytest.raises(ChannelClosed, match="another cluster"):
+            await asyncio.wait_for(wrong.call(PREFILL, [request("x")]), 10)
+        assert lost and "refused" in str(lost[0])
+        # Bytes that are no frame, over TCP as from another host: refused, the connection closed.
+        host, port = worker.server.host, worker.server.port
+        reader, writer = await asyncio.open_connection(host, port)
+        await reader.readexactly(16)  # the nonce
+        writer.write(b"\x00\x00\x00\x05junk!")
+        answer = await asyncio.wait_for(reader.read(), 10)  # (read to EOF: it closes)
+        assert b"not a pdserve router" in answer
+        writer.close()
+        # A good router still gets its answers.
+        ch = link(worker.server, TOKEN)
+        assert await asyncio.wait_for(ch.call(PREFILL, [request("y")]), 10) == [None]
+        ch.close()
+    asyncio.run(scenario())
+    assert [who for who, _ in worker.server.refused] == ["intruder", "?"]
+    assert "another cluster" in worker.server.refused[0][1]
+    assert all(r == "router-0" for _, _, r in worker.taken)  # nothing of the refused ones was run
+    assert sum("refused a connection" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_a_silent_router_is_gone_within_the_deadline(worker):
+    # A peer that proves nothing and says nothing is dropped after the hello's deadline; one that
+    # proved itself and then falls silent (a host cut off) after DEAD_S: here, a raw socket that
+    # says hello and nothing more.
+    from pdserve.channel import worker_end
+    from pdserve.channel.wire import HELLO, LEN, frame, hello_proof
+
+    with socket.create_connection((worker.server.host, worker.server.port)) as s:
+        nonce = s.recv(16)
+        s.sendall(frame(HELLO, "quiet", hello_proof(TOKEN, nonce, "quiet", "w0")))
+        s.settimeout(1.0)
+        assert s.recv(LEN.size)  # welcomed
+        t0 = time.monotonic()
+        until(lambda: worker.gone == ["quiet"], timeout_s=worker_end.DEAD_S + 5)
+        assert time.monotonic() - t0 < worker_end.DEAD_S + 3
+
+
+def test_a_worker_that_closes_fails_the_calls_waiting_on_it(worker):
+    async def scenario():
+        lost: list[BaseException] = []
+        ch = link(worker.server, TOKEN, lost=lambda w, e: lost.append(e))
+        assert await asyncio.wait_for(ch.call(PREFILL, [request("a")]), 10) == [None]
+        worker.server.close()
+        deadline = time.monotonic() + 10
+        while not lost and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert len(lost) == 1 and isinstance(lost[0], ChannelClosed)
+        with pytest.raises(ChannelClosed):  # and later calls: its address answers no more
+            await asyncio.wait_for(ch.call(PREFILL, [request("b")]), 10)
+        ch.close()
+    asyncio.run(scenario())
+
+
+def test_deltas_reach_their_router_in_order_one_frame_in_flight(worker):
+    # A router that has not taken a frame gets the next steps' output joined into one (the worker is
+    # told False: hold and join), then the rest, in order.
+    got: list[list[RequestDelta]] = []
+
+    async def scenario():
+        ch = WorkerLink("router-0", "w0", TOKEN, "here", lambda: asyncio.sleep(0, worker.server.address("here")),
+                        got.append, lambda w, e: None)
+        await asyncio.wait_for(ch.open(), 10)
+        until_async = time.monotonic() + 10
+        while worker.server.routers() != ["router-0"]:
+            assert time.monotonic() < until_async
+            await asyncio.sleep(0.01)
+        sent = [worker.server.send_deltas("router-0", [RequestDelta("a", "x", [1])]),
+                worker.server.send_deltas("router-0", [RequestDelta("a", "y", [2])])]
+        assert sent == [True, False]  # (the second: before the router can have taken the first)
+        while not got:
+            assert time.monotonic() < until_async
+            await asyncio.sleep(0.01)
+        while worker.server.send_deltas("router-0", [RequestDelta("a", "y", [2], "stop")]) is False:
+            assert time.monotonic() < until_async
+            await asyncio.sleep(0.01)
+        while len(got) < 2:
+            assert time.monotonic() < until_async
+            await asyncio.sleep(0.01)
+        assert worker.server.send_deltas("nobody", [RequestDelta("b", "", [])]) is None  # (no channel: Ray's)
+        ch.close()
+    asyncio.run(scenario())
+    assert got == [[RequestDelta("a", "x", [1])], [RequestDelta("a", "y", [2], "stop")]]
