@@ -3,7 +3,6 @@ against forecasts built from fitted step costs as the router fits them: which re
 (short prompts, cached prefixes, a backed-up prefill pool), which remote (long prompts while the
 prefill pool keeps up, and whenever the forecasts cannot be made yet). Ray-free."""
 
-import math
 
 import pytest
 

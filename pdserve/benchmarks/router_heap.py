@@ -10,7 +10,6 @@ life is walked no more). A router process settles once it has started (router/se
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 

@@ -21,7 +21,7 @@ def _log(msg: str) -> None:
 def _connect(address: str | None) -> None:
     if address not in (None, "auto") or (address == "auto" and os.environ.get("RAY_ADDRESS")):
         _use_token_if_present()
-    import ray  # (after the environment is ready: Ray reads it once, on import)
+    import ray  # noqa: F401  (after the environment is ready: Ray reads it once, on import)
 
     from pdserve.actors import NAMESPACE
     from pdserve.control import ray_start
@@ -295,7 +295,6 @@ def scale(address: str, counts: dict[str, int], grace_s: float, flips: list[str]
             raise ValueError(f"--role {f}: write REPLICA=prefill or REPLICA=decode (e.g. pdserve-prefill-1=decode)")
         asked.append((replica, role))
     controller = _controller(address)  # first: it readies the environment Ray reads once, on import
-    import ray
 
     for replica, role in asked:
         flip_with(controller, replica, role, grace_s)
