@@ -1,7 +1,7 @@
 """The engine's own time to a first token for a lone prompt: the reference that a served lone
 prompt's TTFT is put against (the serving path's share is the difference).
 
-    python -m pdserve.benchmarks.lone_prompt cluster.yaml --prompt-len 4096 --reps 10
+    python -m pdserve.benchmarks.lone_prompt cluster.yaml --prompt-len 4096 [128 ...] --reps 10
 
 Builds the engine a colocated replica of cluster.yaml runs (same settings, in this process), then
 for each overlap setting times `add_request` until the step that hands out the first token,
@@ -40,33 +40,35 @@ def first_token_ms(engine: Engine, ids: list[int], rid: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
-    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[4096], help="one or more prompt lengths")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json")
     a = ap.parse_args()
     cfg = load_cluster_config(a.config)
     base = cfg.engine_config("colocated")
     rng = random.Random(0)
-    out = {}
+    out: dict = {}
     for overlap in (True, False):
         engine = Engine(base.model_copy(update={"overlap_scheduling": overlap}))
         vocab = engine.args.vocab_size
-        times = [first_token_ms(engine, [rng.randrange(3, vocab) for _ in range(a.prompt_len)], f"r{i}")
-                 for i in range(a.reps + 2)][2:]  # two warm-ups
-        # The engine's own step figures (what a served worker reports in its stats' profile too):
-        # a served lone prompt's steps against these say whether the serving path slows the steps
-        # themselves or only adds time around them.
-        steps = {f"{phase}_{size}": round(1e3 * row[2] / row[0], 2)
-                 for phase in ("prefill", "decode") for size, row in engine.profile.snapshot()[phase].items()}
-        out[f"overlap_{'on' if overlap else 'off'}_ms"] = {"p50": round(statistics.median(times), 2),
-                                                          "min": round(min(times), 2), "step_mean_ms": steps}
-        print(overlap, out, flush=True)
+        for n in a.prompt_len:
+            times = [first_token_ms(engine, [rng.randrange(3, vocab) for _ in range(n)], f"r{n}-{i}")
+                     for i in range(a.reps + 2)][2:]  # two warm-ups
+            # The engine's own step figures (what a served worker reports in its stats' profile too):
+            # a served lone prompt's steps against these say whether the serving path slows the steps
+            # themselves or only adds time around them.
+            steps = {f"{phase}_{size}": round(1e3 * row[2] / row[0], 2)
+                     for phase in ("prefill", "decode") for size, row in engine.profile.snapshot()[phase].items()}
+            key = f"overlap_{'on' if overlap else 'off'}_ms" + ("" if len(a.prompt_len) == 1 else f"_{n}")
+            out[key] = {"p50": round(statistics.median(times), 2), "min": round(min(times), 2), "step_mean_ms": steps}
+            engine.profile.reset()
+            print(overlap, n, out[key], flush=True)
         del engine
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     print(json.dumps(out))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"prompt_len": a.prompt_len, **out}, f)
+            json.dump({"prompt_len": a.prompt_len if len(a.prompt_len) > 1 else a.prompt_len[0], **out}, f)
 
 
 if __name__ == "__main__":
