@@ -127,7 +127,9 @@ CLUSTER_SLO = {"ttft_ms": 1500, "tpot_ms": 75}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("bench"), slo=CLUSTER_SLO)
+    # Every prompt remote: the bench reports each phase of the disaggregated path, the decode
+    # replica's reservation included (a local prefill reserves nothing).
+    c = Cluster(tmp_path_factory.mktemp("bench"), slo=CLUSTER_SLO, router={"prefill_site": "remote"})
     try:
         c.wait_ready()
         yield c

@@ -21,7 +21,8 @@ TOKEN = "cluster-secret"
 
 
 def test_typed_messages_come_back_as_they_went():
-    r = NewRequest(Request("r1", [1, 2, 3], SamplingParams(max_tokens=7, temperature=0.5, stop=["x"], seed=3),
+    r = NewRequest(Request("r1", [1, 2, 3], SamplingParams(max_tokens=7, temperature=0.5, stop=["x"], seed=3,
+                                                           logit_bias={5: -3.0}, min_tokens=2, presence_penalty=0.5),
                            [9], priority=-1, session="s"), handle=b"\x00\xff", prefill_id="p0")
     assert unpack_request(pack_request(r)) == r
     for a in (None, Refusal("prompt", "too long"), Unpaired("d0", "p1"),
@@ -30,6 +31,9 @@ def test_typed_messages_come_back_as_they_went():
     d = RequestDelta("r1", " a", [5, 6], "stop", None, [TokenLogprob(5, -0.5, [(5, -0.5), (7, -1.0)], " a", ["x"])])
     assert unpack_delta(pack_delta(d)) == d
     assert unpack_delta(pack_delta(RequestDelta("r2", "", [1]))) == RequestDelta("r2", "", [1])
+    for why in (508, "</s>"):  # every field crosses: the stop token id or string that ended it too
+        d = RequestDelta("r3", "", [508], "stop", stop_reason=why)
+        assert unpack_delta(pack_delta(d)) == d
 
 
 class Worker:

@@ -148,7 +148,18 @@ def exchange(url: str, path: str, body, headers: dict | list | None = None) -> t
     kept = {k: r.headers.get(k) for k in ("content-type", "content-length", "retry-after", "cache-control",
                                           "www-authenticate", "x-ratelimit-limit-requests",
                                           "x-ratelimit-remaining-requests")}
-    return r.status_code, kept, _VARYING.sub(rb'"\1": "-"', r.content)
+    return r.status_code, kept, _by_choice(_VARYING.sub(rb'"\1": "-"', r.content))
+
+
+def _by_choice(body: bytes) -> bytes:
+    """A stream's events grouped by choice, each choice's in its order: how the choices of one request
+    (n > 1) interleave depends on when each child's tokens come, not on the front end."""
+    if not body.startswith(b"data: "):
+        return body
+    events = body.split(b"\n\n")
+    index = [re.search(rb'"index": (\d+)', e) for e in events]
+    order = sorted(range(len(events)), key=lambda i: (int(index[i][1]) if index[i] else 1 << 30, i))
+    return b"\n\n".join(events[i] for i in order)
 
 
 def counts(metrics: Metrics) -> dict:

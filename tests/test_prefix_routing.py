@@ -176,12 +176,17 @@ def placed(c: Cluster) -> dict[str, float]:
     return out
 
 
+# Every turn prefilled on a prefill replica: what is measured is the policy's choice of prefill and
+# decode replica and the KV that moves (adaptive would compute a cached turn on its decode replica).
+REMOTE = "remote"
+
+
 @pytest.fixture(scope="module")
 def kv_aware(tmp_path_factory):
     """The same workload under the kv-aware policy: texts and counters. Its cluster stops before the
     test's own starts (two clusters of 4 replicas at once on 2 cores, one of them idle)."""
     c = Cluster(tmp_path_factory.mktemp("kv-aware"), prefill={"replicas": 2}, decode=DECODE,
-                router={"policy": "kv-aware"})
+                router={"policy": "kv-aware", "prefill_site": REMOTE})
     try:
         c.wait_ready()
         texts = run_sessions(c)
@@ -194,7 +199,7 @@ def kv_aware(tmp_path_factory):
 
 def test_turns_go_where_their_prefix_is_cached(tmp_path, kv_aware):
     texts_kv, kv = kv_aware
-    c = Cluster(tmp_path, prefill={"replicas": 2}, decode=DECODE)  # prefix-aware: the default
+    c = Cluster(tmp_path, prefill={"replicas": 2}, decode=DECODE, router={"prefill_site": REMOTE})  # prefix-aware: the default
     try:
         c.wait_ready()
         texts = run_sessions(c)

@@ -221,5 +221,7 @@ def test_tp2_prefill_feeds_any_decode_replica(tmp_path, decode):
     replica and to an expert-parallel one over NIXL: greedy text equal to one colocated engine's,
     every block back on every side; a prompt whose prefix the one-rank decode replica holds moves
     only the rest's KV from rank 0's staging cache."""
+    # Every prompt prefilled on the TP replica (adaptive would compute the cached one on its decode
+    # replica, where no KV moves: the reuse under test).
     _serves_one_engines_text(tmp_path, 2, reuse=not decode, prefill={"replicas": 1, "tp_size": 2},
-                             decode={"replicas": 1, **decode})
+                             decode={"replicas": 1, **decode}, router={"prefill_site": "remote"})

@@ -101,12 +101,10 @@ def unpack_answer(a: list | None):
 
 def pack_delta(d: RequestDelta) -> list:
     lp = [[t.token_id, t.logprob, t.top, t.text, t.top_texts] for t in d.logprobs] if d.logprobs else None
-    return [d.request_id, d.text, d.token_ids, d.finish_reason, d.error, lp]
+    return [d.request_id, d.text, d.token_ids, d.finish_reason, d.error, lp, d.stop_reason]
 
 
 def unpack_delta(a: list) -> RequestDelta:
-    rid, text, ids, reason, error, lp = a
-    if not lp:
-        return RequestDelta(rid, text, ids, reason, error)
-    return RequestDelta(rid, text, ids, reason, error,
-                        [TokenLogprob(t, p, [tuple(x) for x in top], s, texts) for t, p, top, s, texts in lp])
+    rid, text, ids, reason, error, lp, stop_reason = a
+    logprobs = [TokenLogprob(t, p, [tuple(x) for x in top], s, texts) for t, p, top, s, texts in lp] if lp else ()
+    return RequestDelta(rid, text, ids, reason, error, logprobs, stop_reason=stop_reason)
