@@ -215,6 +215,12 @@ class ChannelServer:
             self._unix.close()
             for link in list(self._links.values()):
                 link.writer.close()
+            # Every connection's tasks end here, not destroyed pending when the loop stops.
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=2)
         if self._loop.is_running():
             asyncio.run_coroutine_threadsafe(_close(), self._loop).result(5)
             self._loop.call_soon_threadsafe(self._loop.stop)
