@@ -15,9 +15,9 @@ HEADROOM = 0.9
 # The most slack a TPOT guard banks, in HEADROOM x target steps: enough for a whole long prompt
 # in one mixed step where the decoders leave little per step (a 4k prompt's ~140 ms on an H200
 # beside decoders at 20 ms), so that its overhead is paid once, not on each of many small chunks.
-# A client's TPOT is the mean of its gaps: one long step within BANK_TARGETS steps of slack moves
-# the mean of a 64-token answer by at most ~BANK_TARGETS / 64 of the target (of a 256-token one by
-# 3 %); the headroom covers it.
+# A client's TPOT is the mean of its gaps: a bank spent in one step moves the mean of an N-token
+# answer by at most ~BANK_TARGETS / N of the target (3 % at 256 tokens, 12 % at 64): the headroom
+# (10 %) covers answers from ~80 tokens.
 BANK_TARGETS = 8
 
 

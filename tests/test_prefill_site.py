@@ -74,7 +74,7 @@ def test_without_forecasts_or_in_remote_mode_prompts_go_remote():
     f = forecast_sites(SITE, fc, rs, ["p0"], ["d0"], 512, lambda names: {})
     assert f.local_s is None and f.remote_s is not None
     assert SITE.choose(512, True, lambda: f) == (REMOTE, "long")
-    assert choose(16, decoders=8, site=PrefillSite()) == (REMOTE, "long")  # (the default: remote)
+    assert choose(16, decoders=8, site=PrefillSite()) == (REMOTE, "long")  # (a PrefillSite built without a config: remote)
     # The rules before the forecast: none asked for where they decide.
     asked = []
     assert SITE.choose(99_999, False, lambda: asked.append(1)) == (LOCAL, "no_prefill")
