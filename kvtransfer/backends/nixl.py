@@ -8,6 +8,14 @@ so a run of consecutive blocks moves as one descriptor: checked with NIXL's tele
 (`descCount` is 1 for a 4000-block run, 4000 with merging skipped; tests/test_nixl_backend.py
 asserts it), which matters because UCX pays per descriptor (docs/benchmarks-history.md, KV transfer
 between two GPUs).
+
+Blocks that are not consecutive on both sides (a cache that has served traffic) still cost a
+descriptor each, so a lease the decode end could give a staging slot (`reserve_staging`) moves
+through slots instead (kvtransfer/staging.py): the posting thread gathers a post's blocks into one
+of our slots and writes it to the peer's slot as one descriptor per run of layers (one for a whole
+prompt), while the previous post is on the wire; the decode end scatters its slot into the blocks
+at the finish notice. With no slot of ours free (or a post larger than one), the post writes each
+run of blocks into the peer's slot directly: never a wait.
 """
 
 import itertools
@@ -20,7 +28,10 @@ import numpy as np
 import torch
 
 from pdserve.kvtransfer.backend import KVBackend, Part
+from pdserve.kvtransfer.blocks import runs
 from pdserve.kvtransfer.metadata import KVAgentMetadata
+from pdserve.kvtransfer.staging import StagingPool, cache_bytes, gather, layer_runs, scatter, slot_offset
+from pdserve.kvtransfer.wire import ReserveHandle
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +75,27 @@ def _indices(layer: int, blocks: np.ndarray, num_blocks: int, num_planes: int = 
     return np.concatenate([first + p * num_blocks for p in range(num_planes)]).astype(np.int32)
 
 
+def _merged(rows: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(local address, remote address, length) rows as two address-ordered descriptor arrays [N, 2],
+    rows adjacent on both sides joined (NIXL merges only prepared lists' descriptors)."""
+    out: list[list[int]] = []
+    for local, remote, n in rows:
+        if out and out[-1][0] + out[-1][2] == local and out[-1][1] + out[-1][2] == remote:
+            out[-1][2] += n
+        else:
+            out.append([local, remote, n])
+    a = np.array(out, dtype=np.uint64).reshape(-1, 3)
+    return a[:, [0, 2]], a[:, [1, 2]]
+
+
+def _with_dev(descs: np.ndarray, dev: int) -> np.ndarray:
+    """[N, 2] (address, length) as NIXL's [N, 3] (address, length, device) rows."""
+    out = np.empty((descs.shape[0], 3), dtype=np.uint64)
+    out[:, :2] = descs
+    out[:, 2] = dev
+    return out
+
+
 def _blocks(ids, num_blocks: int, side: str) -> np.ndarray:
     """Block ids as an int64 array, refusing any outside [0, num_blocks): they would alias another layer."""
     a = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -87,6 +119,7 @@ class _Xfer:
     peer: str
     handle: object | None  # nixl_xfer_handle; None when there was nothing to post
     state: str  # "pending" | "done" | "failed" — cached once final
+    slot: int | None = None  # our staging slot the write reads: free once it cannot any more
 
 
 class NixlBackend(KVBackend):
@@ -96,7 +129,8 @@ class NixlBackend(KVBackend):
     waits = False  # NIXL has no blocking wait: the posting thread polls state(), driving progress
 
     def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, telemetry: bool = False,
-                 close_timeout_s: float = 2.0, num_workers: int = 1, progress_thread: bool = False):
+                 close_timeout_s: float = 2.0, num_workers: int = 1, progress_thread: bool = False,
+                 staging_slots: int = 4, staging_slot_mb: float = 64.0):
         from pdserve.kvtransfer.backends.nixl_find import nixl_api
 
         api = nixl_api()  # only workers that use NIXL load it
@@ -111,7 +145,7 @@ class NixlBackend(KVBackend):
         self._closed = False
         self._peers: dict[str, _Peer] = {}
         self._xfers: dict[int, _Xfer] = {}
-        self._stuck: dict[int, object] = {}  # token -> xfer handle NIXL refused to release (in flight): retried later
+        self._stuck: dict[int, _Xfer] = {}  # token -> a transfer NIXL refused to release (in flight): retried later
         self._tokens = itertools.count()
         self._notices: list[bytes] = []
         self.refused = 0  # notices dropped: their sender was not a handshaked peer
@@ -124,7 +158,15 @@ class NixlBackend(KVBackend):
                                                                   capture_telemetry=telemetry))
         # UCX workers post descriptors in parallel: with many descriptors per request it pays.
         self.agent.create_backend("UCX", {"num_workers": str(num_workers)})
-        self._reg = self.agent.register_memory(_regions(meta, self._dev), self._mem)
+        # Slots of one size, allocated and registered once: bounded, and no allocation per transfer.
+        self.staging = StagingPool(staging_slots, int(staging_slot_mb * 2**20), kv_cache.device)
+        self._cache = cache_bytes(kv_cache, meta.num_layers, meta.num_planes, meta.num_blocks)
+        regions = _regions(meta, self._dev)
+        if staging_slots:
+            regions.append((self.staging.base_addr, staging_slots * self.staging.slot_bytes, self._dev, ""))
+            meta.staging_addr, meta.staging_slots = self.staging.base_addr, staging_slots
+            meta.staging_slot_bytes = self.staging.slot_bytes
+        self._reg = self.agent.register_memory(regions, self._mem)
         try:
             self._local = self.agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT",
@@ -219,6 +261,133 @@ class NixlBackend(KVBackend):
             x.state = "failed"
         return token
 
+    # -- staging -------------------------------------------------------------------------------
+
+    def reserve_staging(self, peer_id: str | None, num_blocks: int) -> int | None:
+        """Decode end: a slot for every layer of `num_blocks` blocks, or None (none free, or the
+        request's KV larger than a slot)."""
+        m = self.meta
+        if not self.staging.fits(m.num_layers * m.num_planes * num_blocks * m.bytes_per_block):
+            return None
+        return self.staging.acquire()
+
+    def unstage(self, slot: int, block_ids: list[int]) -> None:
+        """Decode end: scatter the slot into the lease's blocks on the caller's stream, then free it
+        (on a GPU once the scatter has read it)."""
+        m = self.meta
+        nbytes = m.num_layers * m.num_planes * len(block_ids) * m.bytes_per_block
+        scatter(self._cache, self.staging.view(slot, nbytes), block_ids)
+        after = None
+        if self._mem == "VRAM":
+            after = torch.cuda.Event()
+            after.record()
+        self.staging.release(slot, after=after)
+
+    def drop_staging(self, slot: int) -> None:
+        self.staging.release(slot)
+
+    def write_staged(self, handle: ReserveHandle, parts: list[Part]) -> list[int]:
+        """Post parts into the handle's slot on the peer: gathered into a slot of ours and written
+        as a descriptor per run of layers, or (no slot of ours) a descriptor per run of blocks."""
+        token = next(self._tokens)
+        peer = self._peers.get(handle.engine_id)
+        if peer is None:  # removed meanwhile: the request fails, the caller's thread goes on
+            self._xfers[token] = _Xfer(handle.engine_id, None, "failed")
+            return [token]
+        m, pm = self.meta, peer.meta
+        n = len(handle.block_ids)
+        if not (0 <= handle.staging < pm.staging_slots
+                and m.num_layers * m.num_planes * n * m.bytes_per_block <= pm.staging_slot_bytes):
+            raise ValueError(f"{handle.request_id}: staging slot {handle.staging} of {handle.engine_id} "
+                             f"cannot hold {n} blocks")
+        at = {b: i for i, b in enumerate(handle.block_ids)}
+        remote = pm.staging_addr + handle.staging * pm.staging_slot_bytes
+        groups = layer_runs(parts)
+        for first, count, src, dst in groups:
+            if not (0 <= first and first + count <= m.num_layers) or len(src) != len(dst):
+                raise ValueError(f"layers [{first}, {first + count}) with {len(src)} source and {len(dst)} "
+                                 f"destination blocks")
+            _blocks(src, m.num_blocks, "source")
+            if any(d not in at for d in dst):
+                raise ValueError(f"{handle.request_id}: destination blocks outside the lease")
+        nbytes = sum(count * m.num_planes * len(src) * m.bytes_per_block for _, count, src, _ in groups)
+        if nbytes == 0:
+            self._xfers[token] = _Xfer(handle.engine_id, None, "done")
+            return [token]
+        slot = self._take_slot(nbytes)
+        rows = (self._gathered_rows(slot, groups, at, remote, n) if slot is not None
+                else self._block_rows(groups, at, remote, n))
+        self._start(token, handle.engine_id, pm, rows, slot)
+        return [token]
+
+    def _gathered_rows(self, slot: int, groups, at: dict[int, int], remote: int, n: int) -> list:
+        """Gather the groups into our slot; (local, remote, length) rows from it into the peer's."""
+        m = self.meta
+        bpb, planes = m.bytes_per_block, m.num_planes
+        placed = gather(self._cache, groups, self.staging.view(slot, self.staging.slot_bytes))
+        if self._mem == "VRAM":  # NIXL reads the slot in host order, after the gather it queued
+            torch.cuda.current_stream().synchronize()
+        base = self.staging.addr(slot)
+        rows = []
+        for first, count, offset, dst, k in placed:
+            for layer in range(first, first + count):
+                for plane in range(planes):
+                    local = base + offset + ((layer - first) * planes + plane) * k * bpb
+                    for s0, d0, length in runs(list(range(k)), [at[d] for d in dst]):
+                        rows.append((local + s0 * bpb, remote + slot_offset(layer, plane, d0, planes, n, bpb),
+                                     length * bpb))
+        return rows
+
+    def _block_rows(self, groups, at: dict[int, int], remote: int, n: int) -> list:
+        """Rows from each run of our blocks straight into the peer's slot."""
+        m = self.meta
+        bpb, planes = m.bytes_per_block, m.num_planes
+        rows = []
+        for first, count, src, dst in groups:
+            pairs = runs(list(src), [at[d] for d in dst])
+            for layer in range(first, first + count):
+                for plane in range(planes):
+                    for s0, d0, length in pairs:
+                        rows.append((m.base_addr + m.offset(layer, plane, s0),
+                                     remote + slot_offset(layer, plane, d0, planes, n, bpb), length * bpb))
+        return rows
+
+    def _start(self, token: int, peer_id: str, pm: KVAgentMetadata, rows: list, slot: int | None) -> None:
+        """Post one WRITE of these rows; a failure is reported through state(), never raised."""
+        if self._mem == "VRAM":
+            self._bind_cuda()
+        x = _Xfer(peer_id, None, "pending", slot)
+        self._xfers[token] = x
+        local, remote = _merged(rows)
+        try:
+            mem, dev = _mem(pm.device)
+            x.handle = self.agent.initialize_xfer(
+                "WRITE", self.agent.get_xfer_descs(_with_dev(local, self._dev), self._mem),
+                self.agent.get_xfer_descs(_with_dev(remote, dev), mem), peer_id)
+            if self.agent.transfer(x.handle) == "ERR":
+                x.state = "failed"
+        except Exception as e:
+            log.warning("NIXL staged write to %s failed: %s", peer_id, e)
+            x.state = "failed"
+            if x.handle is None:  # nothing reads the slot
+                self._free_slot(x)
+
+    def _take_slot(self, nbytes: int) -> int | None:
+        """A slot of ours for a post of nbytes; writes that finished since give theirs back first."""
+        if not self.staging.fits(nbytes):
+            return None
+        slot = self.staging.acquire()
+        if slot is None:
+            for token in [t for t, x in self._xfers.items() if x.slot is not None]:
+                self.state(token)
+            slot = self.staging.acquire()
+        return slot
+
+    def _free_slot(self, x: _Xfer) -> None:
+        if x.slot is not None:
+            slot, x.slot = x.slot, None
+            self.staging.release(slot)
+
     def state(self, token: int) -> str:
         """'done' | 'pending' | 'failed' of a write (an unknown or released token reads 'failed')."""
         x = self._xfers.get(token)
@@ -231,6 +400,7 @@ class NixlBackend(KVBackend):
                 s = "ERR"
             if s == "DONE":
                 x.state = "done"
+                self._free_slot(x)  # the write read it all
             elif s != "PROC":
                 x.state = "failed"
         return x.state
@@ -239,7 +409,9 @@ class NixlBackend(KVBackend):
         """Free a write's handle; one still in flight is cancelled, or kept and retried later."""
         x = self._xfers.pop(token, None)
         if x is not None and x.handle is not None:
-            self._stuck[token] = x.handle
+            self._stuck[token] = x
+        elif x is not None:
+            self._free_slot(x)
         self._release_stuck()
 
     def settled(self, token: int) -> bool:
@@ -306,12 +478,13 @@ class NixlBackend(KVBackend):
 
     def _release_stuck(self) -> None:
         """Retry releasing handles NIXL refused before (their transfer may have ended by now)."""
-        for token, h in list(self._stuck.items()):
+        for token, x in list(self._stuck.items()):
             try:
-                h.release()
+                x.handle.release()
             except Exception:
                 continue
             del self._stuck[token]
+            self._free_slot(x)
 
     def _bind_cuda(self) -> None:
         """Make our GPU's context current on the calling thread: UCX's CUDA transports use it."""
