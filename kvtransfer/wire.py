@@ -52,9 +52,11 @@ class ReserveHandle:
         return dst
 
     def pack(self) -> bytes:
-        return msgpack.packb({"request_id": self.request_id, "engine_id": self.engine_id,
-                              "block_ids": self.block_ids, "lease_s": self.lease_s,
-                              "cached_blocks": self.cached_blocks, "staging": self.staging})
+        d = {"request_id": self.request_id, "engine_id": self.engine_id, "block_ids": self.block_ids,
+             "lease_s": self.lease_s, "cached_blocks": self.cached_blocks}
+        if self.staging >= 0:  # no slot: not on the wire at all
+            d["staging"] = self.staging
+        return msgpack.packb(d)
 
     @classmethod
     def unpack(cls, data: bytes) -> "ReserveHandle":

@@ -43,7 +43,7 @@ def engine_config(role: str, seed: int, device: str, model: str = "tiny-moe",
                         attention_backend="torch", moe_backend="torch")
 
 
-def _engine(role: str, seed: int, fragment: bool, device: str = "cpu", model: str = "tiny-moe",
+def _engine(role: str, seed: int, fragment: bool | str, device: str = "cpu", model: str = "tiny-moe",
             kv_cache_dtype: str = "auto"):
     import torch
 
@@ -51,11 +51,25 @@ def _engine(role: str, seed: int, fragment: bool, device: str = "cpu", model: st
 
     torch.set_num_threads(1)  # the pair shares the test machine's cores (with the test and its neighbours)
     engine = Engine(engine_config(role, seed, device, model, kv_cache_dtype))
-    if fragment:
+    if fragment == "scattered":
+        # Hold every second block: each allocation afterwards is single blocks, none next to another.
+        held = engine.pool.allocate(NUM_BLOCKS)
+        engine.pool.free([b for i, b in enumerate(held) if i % 2])
+    elif fragment:
         # Hold every third block: each allocation afterwards is scattered over small runs.
         held = engine.pool.allocate(NUM_BLOCKS // 3 * 3)
         engine.pool.free([b for i, b in enumerate(held) if i % 3])
     return engine
+
+
+def staging(backend: KVBackend) -> dict | None:
+    """A NIXL backend's staging slots: idle, slots, leases given one, posts gathered into one and
+    posts written block run by block run into the peer's slot; None for another backend."""
+    pool = getattr(backend, "staging", None)
+    if pool is None:
+        return None
+    return {"idle": pool.idle(), "slots": pool.slots, "given": backend.slots_given,
+            "gathered": backend.posts_gathered, "direct": backend.posts_direct}
 
 
 def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str, model: str = "tiny-moe",
@@ -105,6 +119,8 @@ def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str, mo
                 results.clear()
             elif cmd == "delivered":  # (KV bytes, seconds) of each request delivered since the last call
                 conn.send(connector.delivered())
+            elif cmd == "staging":
+                conn.send(staging(connector.backend))
             elif cmd == "profile":  # the engine's step profile (tokens computed, prefix-cache lookups)
                 conn.send(engine.profile.snapshot())
             elif cmd == "exit":
@@ -168,6 +184,8 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str, mod
             elif cmd == "counters":  # blocks reused from its prefix cache, KV bytes received; one block's bytes
                 conn.send((intake.blocks_reused, intake.bytes_received,
                            engine.layout.bytes_per_token * engine.layout.block_size))
+            elif cmd == "staging":
+                conn.send(staging(connector.backend))
             elif cmd == "logprobs":  # each output's logprob entries, per request, since the last call
                 conn.send(dict(logprobs))
                 logprobs.clear()
@@ -179,10 +197,23 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str, mod
             conn.send(RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
+def assert_staging_idle(*workers: "Worker") -> None:
+    """Every staging slot of these (NIXL) workers is back in its pool, as blocks are in theirs."""
+    for w in workers:
+        s = w.call("staging")
+        assert s is None or s["idle"] == s["slots"], s
+
+
+def assert_staged(p: "Worker", d: "Worker") -> None:
+    """The pair moved KV through staging slots: leases got one, posts were gathered into one."""
+    ps, ds = p.call("staging"), d.call("staging")
+    assert ds["given"] > 0 and ps["gathered"] > 0, (ps, ds)
+
+
 class Worker:
     """A child process and its command pipe."""
 
-    def __init__(self, target, backend: str, seed: int = 0, fragment: bool = False, device: str = "cpu",
+    def __init__(self, target, backend: str, seed: int = 0, fragment: bool | str = False, device: str = "cpu",
                  model: str = "tiny-moe", kv_cache_dtype: str = "auto"):
         ctx = context()
         self.conn, child = ctx.Pipe()
@@ -214,7 +245,7 @@ class Worker:
                 self.kill()
 
 
-def start_pair(backend: str, fragment: bool = False, prefill_seed: int = 0,
+def start_pair(backend: str, fragment: bool | str = False, prefill_seed: int = 0,
                devices: tuple[str, str] | None = None, model: str = "tiny-moe",
                kv_cache_dtype: str = "auto") -> tuple[Worker, Worker]:
     """A connected prefill/decode pair (handshake done both ways) of `model` (a preset or an HF

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from hf_checkpoints import build_checkpoint, write_tokenizer
-from kv_pair import (LoopbackBackend, Worker, _decode_main, _prefill_main, loopback_connectors, loopback_pair,
-                     start_pair, tiny_kv)
+from kv_pair import (LoopbackBackend, Worker, _decode_main, _prefill_main, assert_staged, assert_staging_idle,
+                     loopback_connectors, loopback_pair, start_pair, tiny_kv)
 from pdserve.messages import Request
 from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.kvtransfer.wire import Notice, ReserveHandle
@@ -55,15 +55,26 @@ def transfer_all(p, d, ps, lease_s=30.0):
     return presults, dresults, (pfree, pidle), (dfree, didle)
 
 
+# Blocks as a fresh cache gives them (one run), fragmented (runs of two) and scattered (no two
+# next to each other), on both sides.
+LAYOUTS = [False, True, "scattered"]
+LAYOUT_IDS = ["fresh", "fragmented", "scattered"]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("fragment", [False, True], ids=["fresh", "fragmented"])
+@pytest.mark.parametrize("fragment", LAYOUTS, ids=LAYOUT_IDS)
 def test_disaggregated_greedy_equals_colocated(backend, fragment, colocated):
+    """NIXL moves the KV through staging slots (five leases, four slots: one takes the per-block
+    path), whatever the blocks' places."""
     p, d = start_pair(backend, fragment=fragment)
     try:
         presults, dresults, (pfree, pidle), (dfree, didle) = transfer_all(p, d, prompts())
         assert presults == {f"r{i}": True for i in range(len(PROMPT_LENS))}
         assert [dresults[f"r{i}"] for i in range(len(PROMPT_LENS))] == colocated
         assert pfree == pidle and dfree == didle
+        if backend == "nixl":
+            assert_staged(p, d)
+        assert_staging_idle(p, d)
     finally:
         p.stop()
         d.stop()
@@ -85,8 +96,11 @@ def mla_models(tmp_path_factory) -> dict[str, str]:
 MLA_PROMPT_LENS = [1, 15, 16, 17, 200]
 
 
-@pytest.mark.parametrize("backend,fragment", [("tcp", False), ("nixl", True)], ids=["tcp-fresh", "nixl-fragmented"])
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("family,backend,fragment", [
+    ("deepseek_v2", "tcp", False), ("deepseek_v2", "nixl", False), ("deepseek_v2", "nixl", True),
+    ("deepseek_v2", "nixl", "scattered"), ("deepseek_v3", "tcp", False), ("deepseek_v3", "nixl", True)],
+    ids=["v2-tcp-fresh", "v2-nixl-fresh", "v2-nixl-fragmented", "v2-nixl-scattered", "v3-tcp-fresh",
+         "v3-nixl-fragmented"])
 def test_mla_disaggregated_greedy_equals_colocated(family, backend, fragment, mla_models):
     """Multi-head Latent Attention: the cache holds one latent plane (kv_lora_rank + qk_rope_head_dim
     per token and layer, no V), and the backends move its blocks as they move K/V: the decode side
@@ -103,6 +117,9 @@ def test_mla_disaggregated_greedy_equals_colocated(family, backend, fragment, ml
         assert presults == {f"r{i}": True for i in range(len(ps))}
         assert [dresults[f"r{i}"] for i in range(len(ps))] == want
         assert pfree == pidle and dfree == didle
+        if backend == "nixl":  # the latent plane through the slots too
+            assert_staged(p, d)
+        assert_staging_idle(p, d)
     finally:
         p.stop()
         d.stop()
@@ -235,6 +252,7 @@ def test_abort_from_either_side_frees_both(backend):
         assert presults.get("a") is False and presults.get("b") is False
         assert dresults == {"a": "failed", "b": "failed"}
         assert pfree == pidle and dfree == didle
+        assert_staging_idle(p, d)
     finally:
         p.stop()
         d.stop()
@@ -257,6 +275,7 @@ def test_decode_abort_after_delivery_is_no_prefill_failure(backend):
         dresults, dfree, didle = d.call("run", 20)
         assert dresults == {"late": "failed"}  # aborted by the client: no tokens streamed
         assert pfree == pidle and dfree == didle
+        assert_staging_idle(p, d)
     finally:
         p.stop()
         d.stop()
@@ -275,6 +294,7 @@ def test_decode_killed_after_reserving_frees_prefill_blocks_within_lease(backend
         assert presults == {"x": False}
         assert time.time() - t0 < 15
         assert pfree == pidle
+        assert_staging_idle(p)
     finally:
         p.stop()
         d.stop()
@@ -294,6 +314,7 @@ def test_prefill_killed_mid_transfer_frees_decode_blocks(backend):
         dresults, dfree, didle = d.call("run", 30)
         assert dresults == {"y": "failed"}
         assert dfree == didle
+        assert_staging_idle(d)
     finally:
         p.stop()
         d.stop()
@@ -319,15 +340,19 @@ def test_decode_abort_holds_blocks_until_the_prefill_side_stops_writing(backend)
         assert dresults == {"live": "failed"} and dfree == didle and time.time() - t0 < 20
         p.conn.recv()
         os.kill(p.proc.pid, signal.SIGSTOP)  # a silent prefill side: it never answers
+        assert_staging_idle(d)
         h = d.call("reserve", "silent", ps[4], GREEDY, lease_s, pid)
         held = didle - dfree_after_reserve(d)
         d.call("abort", "silent")
         _, dfree, _ = d.call("run", 0.5)
         assert didle - dfree == held > 0  # still held: the prefill side may yet write
+        s = d.call("staging")
+        assert s is None or s["idle"] == s["slots"] - 1  # and so is the slot it would write into
         t0 = time.time()
         _, dfree, _ = d.call("run", 30)
         assert dfree == didle  # the lease ran out and the settling time passed
         assert time.time() - t0 < 20
+        assert_staging_idle(d)
     finally:
         os.kill(p.proc.pid, signal.SIGCONT)
         p.stop()

@@ -149,6 +149,9 @@ class NixlBackend(KVBackend):
         self._tokens = itertools.count()
         self._notices: list[bytes] = []
         self.refused = 0  # notices dropped: their sender was not a handshaked peer
+        self.slots_given = 0  # decode end: leases that got a staging slot
+        self.posts_gathered = 0  # prefill end: staged posts gathered into a slot of ours
+        self.posts_direct = 0  # prefill end: staged posts written run by run (no slot of ours)
         self._cuda_thread = _Bound()
 
         # No NIXL progress thread by default: it spins a core even when idle, and the connector
@@ -269,7 +272,9 @@ class NixlBackend(KVBackend):
         m = self.meta
         if not self.staging.fits(m.num_layers * m.num_planes * num_blocks * m.bytes_per_block):
             return None
-        return self.staging.acquire()
+        slot = self.staging.acquire()
+        self.slots_given += slot is not None
+        return slot
 
     def unstage(self, slot: int, block_ids: list[int]) -> None:
         """Decode end: scatter the slot into the lease's blocks on the caller's stream, then free it
@@ -315,8 +320,12 @@ class NixlBackend(KVBackend):
             self._xfers[token] = _Xfer(handle.engine_id, None, "done")
             return [token]
         slot = self._take_slot(nbytes)
-        rows = (self._gathered_rows(slot, groups, at, remote, n) if slot is not None
-                else self._block_rows(groups, at, remote, n))
+        if slot is not None:
+            self.posts_gathered += 1
+            rows = self._gathered_rows(slot, groups, at, remote, n)
+        else:
+            self.posts_direct += 1
+            rows = self._block_rows(groups, at, remote, n)
         self._start(token, handle.engine_id, pm, rows, slot)
         return [token]
 
