@@ -16,13 +16,13 @@ import torch
 from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.kvtransfer.backends.nixl_find import nixl_module
 from pdserve.kvtransfer.metadata import KVAgentMetadata
-from pdserve.kvtransfer.staging import cache_bytes
+from pdserve.kvtransfer.staging import cache_words
 from pdserve.kvtransfer.wire import ReserveHandle
 
 pytestmark = pytest.mark.skipif(nixl_module() is None, reason="nixl is not installed")
 
 LAYERS, NUM_BLOCKS, N = 3, 40, 10  # N: the request's blocks
-SLOT_MB = 0.03  # 30 KiB a slot: a request of N blocks (15 KiB at most) fits, one of NUM_BLOCKS does not
+SLOT_MB = 0.03  # 32 KiB a slot (rounded up to pages): a request of N blocks (15 KiB at most) fits, one of NUM_BLOCKS does not
 
 
 def _layout(kind: str, dtype: torch.dtype) -> KVLayout:
@@ -58,8 +58,8 @@ class Pair:
         return [self.writer.state(t) for t in tokens]
 
     def landed(self, src_blocks, dst_blocks) -> bool:
-        s = cache_bytes(self.src, LAYERS, self.planes, NUM_BLOCKS)
-        d = cache_bytes(self.dst, LAYERS, self.planes, NUM_BLOCKS)
+        s = cache_words(self.src, LAYERS, self.planes, NUM_BLOCKS)
+        d = cache_words(self.dst, LAYERS, self.planes, NUM_BLOCKS)
         others = [b for b in range(NUM_BLOCKS) if b not in dst_blocks]
         return torch.equal(s[:, :, src_blocks], d[:, :, dst_blocks]) and not d[:, :, others].any()
 
@@ -143,7 +143,7 @@ def test_the_reader_gives_no_slot_to_a_request_larger_than_one_or_when_all_are_h
     path); a lease that ends without its KV gives its slot back."""
     pair = Pair(reader_slots=2)
     try:
-        assert pair.reader.reserve_staging(None, NUM_BLOCKS) is None  # 3 layers x 2 planes x 40 blocks x 256 B > 30 KiB
+        assert pair.reader.reserve_staging(None, NUM_BLOCKS) is None  # 3 layers x 2 planes x 40 blocks x 256 B > 32 KiB
         a, b = pair.reader.reserve_staging(None, N), pair.reader.reserve_staging(None, N)
         assert {a, b} == {0, 1} and pair.reader.reserve_staging(None, N) is None
         assert pair.reader.staging.idle() == 0

@@ -30,7 +30,7 @@ import torch
 from pdserve.kvtransfer.backend import KVBackend, Part
 from pdserve.kvtransfer.blocks import runs
 from pdserve.kvtransfer.metadata import KVAgentMetadata
-from pdserve.kvtransfer.staging import StagingPool, cache_bytes, gather, layer_runs, scatter, slot_offset
+from pdserve.kvtransfer.staging import StagingPool, cache_words, gather, layer_runs, scatter, slot_offset
 from pdserve.kvtransfer.wire import ReserveHandle
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class NixlBackend(KVBackend):
         self.agent.create_backend("UCX", {"num_workers": str(num_workers)})
         # Slots of one size, allocated and registered once: bounded, and no allocation per transfer.
         self.staging = StagingPool(staging_slots, int(staging_slot_mb * 2**20), kv_cache.device)
-        self._cache = cache_bytes(kv_cache, meta.num_layers, meta.num_planes, meta.num_blocks)
+        self._cache = cache_words(kv_cache, meta.num_layers, meta.num_planes, meta.num_blocks)
         regions = _regions(meta, self._dev)
         if staging_slots:
             regions.append((self.staging.base_addr, staging_slots * self.staging.slot_bytes, self._dev, ""))
