@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from pdserve.kvtransfer.backend import KVBackend, Part
-from pdserve.kvtransfer.blocks import runs
+from pdserve.kvtransfer.backends.nixl_rows import block_rows, descriptors, gathered_rows
 from pdserve.kvtransfer.metadata import KVAgentMetadata
-from pdserve.kvtransfer.staging import StagingPool, cache_words, gather, layer_runs, scatter, slot_offset
+from pdserve.kvtransfer.staging import StagingPool, cache_words, gather, layer_runs, scatter
 from pdserve.kvtransfer.wire import ReserveHandle
 
 log = logging.getLogger(__name__)
@@ -73,27 +73,6 @@ def _indices(layer: int, blocks: np.ndarray, num_blocks: int, num_planes: int = 
     may merge), or the latent alone."""
     first = blocks + layer * num_planes * num_blocks
     return np.concatenate([first + p * num_blocks for p in range(num_planes)]).astype(np.int32)
-
-
-def _merged(rows: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(local address, remote address, length) rows as two address-ordered descriptor arrays [N, 2],
-    rows adjacent on both sides joined (NIXL merges only prepared lists' descriptors)."""
-    out: list[list[int]] = []
-    for local, remote, n in rows:
-        if out and out[-1][0] + out[-1][2] == local and out[-1][1] + out[-1][2] == remote:
-            out[-1][2] += n
-        else:
-            out.append([local, remote, n])
-    a = np.array(out, dtype=np.uint64).reshape(-1, 3)
-    return a[:, [0, 2]], a[:, [1, 2]]
-
-
-def _with_dev(descs: np.ndarray, dev: int) -> np.ndarray:
-    """[N, 2] (address, length) as NIXL's [N, 3] (address, length, device) rows."""
-    out = np.empty((descs.shape[0], 3), dtype=np.uint64)
-    out[:, :2] = descs
-    out[:, 2] = dev
-    return out
 
 
 def _blocks(ids, num_blocks: int, side: str) -> np.ndarray:
@@ -325,41 +304,17 @@ class NixlBackend(KVBackend):
             rows = self._gathered_rows(slot, groups, at, remote, n)
         else:
             self.posts_direct += 1
-            rows = self._block_rows(groups, at, remote, n)
+            rows = block_rows(groups, m, remote, at, n)
         self._start(token, handle.engine_id, pm, rows, slot)
         return [token]
 
     def _gathered_rows(self, slot: int, groups, at: dict[int, int], remote: int, n: int) -> list:
-        """Gather the groups into our slot; (local, remote, length) rows from it into the peer's."""
-        m = self.meta
-        bpb, planes = m.bytes_per_block, m.num_planes
+        """Gather the groups into our slot; the rows from it into the peer's."""
         placed = gather(self._cache, groups, self.staging.view(slot, self.staging.slot_bytes))
         if self._mem == "VRAM":  # NIXL reads the slot in host order, after the gather it queued
             torch.cuda.current_stream().synchronize()
-        base = self.staging.addr(slot)
-        rows = []
-        for first, count, offset, dst, k in placed:
-            for layer in range(first, first + count):
-                for plane in range(planes):
-                    local = base + offset + ((layer - first) * planes + plane) * k * bpb
-                    for s0, d0, length in runs(list(range(k)), [at[d] for d in dst]):
-                        rows.append((local + s0 * bpb, remote + slot_offset(layer, plane, d0, planes, n, bpb),
-                                     length * bpb))
-        return rows
-
-    def _block_rows(self, groups, at: dict[int, int], remote: int, n: int) -> list:
-        """Rows from each run of our blocks straight into the peer's slot."""
-        m = self.meta
-        bpb, planes = m.bytes_per_block, m.num_planes
-        rows = []
-        for first, count, src, dst in groups:
-            pairs = runs(list(src), [at[d] for d in dst])
-            for layer in range(first, first + count):
-                for plane in range(planes):
-                    for s0, d0, length in pairs:
-                        rows.append((m.base_addr + m.offset(layer, plane, s0),
-                                     remote + slot_offset(layer, plane, d0, planes, n, bpb), length * bpb))
-        return rows
+        return gathered_rows(placed, self.staging.addr(slot), remote, at, n, self.meta.num_planes,
+                             self.meta.bytes_per_block)
 
     def _start(self, token: int, peer_id: str, pm: KVAgentMetadata, rows: list, slot: int | None) -> None:
         """Post one WRITE of these rows; a failure is reported through state(), never raised."""
@@ -367,12 +322,11 @@ class NixlBackend(KVBackend):
             self._bind_cuda()
         x = _Xfer(peer_id, None, "pending", slot)
         self._xfers[token] = x
-        local, remote = _merged(rows)
         try:
             mem, dev = _mem(pm.device)
-            x.handle = self.agent.initialize_xfer(
-                "WRITE", self.agent.get_xfer_descs(_with_dev(local, self._dev), self._mem),
-                self.agent.get_xfer_descs(_with_dev(remote, dev), mem), peer_id)
+            local, remote = descriptors(rows, self._dev, dev)
+            x.handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self._mem),
+                                                  self.agent.get_xfer_descs(remote, mem), peer_id)
             if self.agent.transfer(x.handle) == "ERR":
                 x.state = "failed"
         except Exception as e:
