@@ -61,9 +61,9 @@ class KVBackend(Protocol):
 
     # -- staging (kvtransfer/staging.py): a backend that can move a request's KV through slots --
 
-    def reserve_staging(self, peer_id: str | None, num_blocks: int) -> int | None:
-        """Decode end: a slot that takes every layer of `num_blocks` blocks from peer_id (None:
-        whichever peer the lease names later), or None where there is none (the per-block path).
+    def reserve_staging(self, peer_id: str | None, block_ids: list[int]) -> int | None:
+        """Decode end: a slot that takes every layer of a lease's blocks from peer_id (None:
+        whichever peer the lease names later), or None: the per-block path.
         The default stages nothing, so the three below are only ever called on a backend that did."""
         return None
 

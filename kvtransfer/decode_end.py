@@ -89,7 +89,7 @@ class DecodeConnector:
                 prefill_id: str | None = None, cached_blocks: int = 0) -> ReserveHandle:
         """Open a lease on blocks the engine reserved (those to write, after the `cached_blocks`
         leading ones it holds already); the handle goes to the prefill worker."""
-        slot = self.backend.reserve_staging(prefill_id, len(block_ids)) if block_ids else None
+        slot = self.backend.reserve_staging(prefill_id, list(block_ids))
         handle = ReserveHandle(request_id, self.meta.engine_id, list(block_ids), lease_s, cached_blocks,
                                staging=-1 if slot is None else slot)
         self._leases[request_id] = _Lease(handle, prefill_id)

@@ -32,14 +32,14 @@ def context():
 
 
 def engine_config(role: str, seed: int, device: str, model: str = "tiny-moe",
-                  kv_cache_dtype: str = "auto") -> EngineConfig:
+                  kv_cache_dtype: str = "auto", num_blocks: int = NUM_BLOCKS) -> EngineConfig:
     """`model` (tiny-moe) with the torch reference kernels everywhere: the test is about moving KV, and the
     colocated oracle must compute each decode row with the same kernel as the decode side. (The
     Triton path picks kernels by a step's shape — a decode row mixed into a prefill step takes the
     prefill kernel — and tiny-moe's random weights leave near-ties that rounding can flip;
     tests/test_gpu_engine.py checks the Triton path against this reference.)"""
     return EngineConfig(model=ModelConfig(path=model, seed=seed, kv_cache_dtype=kv_cache_dtype), role=role, device=device,
-                        num_kv_blocks=NUM_BLOCKS, chunk_size=256, max_num_batched_tokens=256,
+                        num_kv_blocks=num_blocks, chunk_size=256, max_num_batched_tokens=256,
                         attention_backend="torch", moe_backend="torch")
 
 
@@ -50,10 +50,11 @@ def _engine(role: str, seed: int, fragment: bool | str, device: str = "cpu", mod
     from pdserve.engine.engine import Engine
 
     torch.set_num_threads(1)  # the pair shares the test machine's cores (with the test and its neighbours)
-    engine = Engine(engine_config(role, seed, device, model, kv_cache_dtype))
-    if fragment == "scattered":
+    scattered = fragment == "scattered"  # twice the blocks, every second held: as many free as the others
+    engine = Engine(engine_config(role, seed, device, model, kv_cache_dtype, NUM_BLOCKS * (2 if scattered else 1)))
+    if scattered:
         # Hold every second block: each allocation afterwards is single blocks, none next to another.
-        held = engine.pool.allocate(NUM_BLOCKS)
+        held = engine.pool.allocate(2 * NUM_BLOCKS)
         engine.pool.free([b for i, b in enumerate(held) if i % 2])
     elif fragment:
         # Hold every third block: each allocation afterwards is scattered over small runs.
@@ -197,17 +198,23 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str, mod
             conn.send(RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def assert_staging_idle(*workers: "Worker") -> None:
-    """Every staging slot of these (NIXL) workers is back in its pool, as blocks are in theirs."""
+def assert_staging_idle(*workers: "Worker", used: str | None = None) -> None:
+    """Every staging slot of these (NIXL) workers is back in its pool, as blocks are in theirs;
+    `used`: a counter that must have moved on each (slots were held: "given", "gathered")."""
     for w in workers:
         s = w.call("staging")
         assert s is None or s["idle"] == s["slots"], s
+        assert s is None or used is None or s[used] > 0, s
 
 
-def assert_staged(p: "Worker", d: "Worker") -> None:
-    """The pair moved KV through staging slots: leases got one, posts were gathered into one."""
+def assert_staged(p: "Worker", d: "Worker", fragment: bool | str) -> None:
+    """A NIXL pair moved KV through staging slots where blocks are fragmented or scattered (leases
+    got one, posts were gathered into one), and not where each request's blocks are one run."""
     ps, ds = p.call("staging"), d.call("staging")
-    assert ds["given"] > 0 and ps["gathered"] > 0, (ps, ds)
+    if fragment:
+        assert ds["given"] > 0 and ps["gathered"] > 0, (ps, ds)
+    else:
+        assert ds["given"] == 0 and ps["gathered"] == 0, (ps, ds)
 
 
 class Worker:

@@ -242,7 +242,7 @@ def test_disaggregated_fp8_equals_colocated_fp8(backend, model, fragment, deepse
         assert moved == [b * layout.block_size * values_per_token for b in blocks]
         assert layout.bytes_per_token == values_per_token  # float32 would be 4x, bfloat16 2x
         if backend == "nixl":  # the FP8 bytes through the staging slots as they are
-            assert_staged(p, d)
+            assert_staged(p, d, fragment)
         assert_staging_idle(p, d)
     finally:
         p.stop()

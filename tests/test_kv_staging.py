@@ -81,7 +81,7 @@ def test_staged_posts_land_every_layer_in_the_leases_blocks(kind, dtype):
     pair = Pair(kind, dtype)
     try:
         src, dst = scattered(1), scattered(2)
-        slot = pair.reader.reserve_staging(pair.wmeta.engine_id, N)
+        slot = pair.reader.reserve_staging(pair.wmeta.engine_id, dst)
         assert slot is not None and pair.reader.staging.idle() == 1
         handle = ReserveHandle("r", pair.rmeta.engine_id, dst, 10.0, staging=slot)
         tokens = []
@@ -107,7 +107,7 @@ def test_a_whole_prompt_crosses_as_one_descriptor_where_per_block_takes_one_a_bl
         src, dst = scattered(3), scattered(4)
         parts = [(layer, src, dst) for layer in range(LAYERS)]
         [direct] = pair.writer.write_layers(pair.rmeta.engine_id, parts)
-        slot = pair.reader.reserve_staging(None, N)
+        slot = pair.reader.reserve_staging(None, dst)
         [staged] = pair.writer.write_staged(ReserveHandle("r", pair.rmeta.engine_id, dst, 10.0, staging=slot), parts)
         assert pair.wait([direct, staged]) == ["done", "done"]
         assert pair.writer.descriptor_count(direct) == LAYERS * 2 * N
@@ -125,7 +125,7 @@ def test_with_no_slot_of_its_own_a_post_goes_run_by_run_into_the_peers_slot():
     try:
         held = pair.writer.staging.acquire()
         src, dst = scattered(5), scattered(6)
-        slot = pair.reader.reserve_staging(None, N)
+        slot = pair.reader.reserve_staging(None, dst)
         tokens = pair.writer.write_staged(ReserveHandle("r", pair.rmeta.engine_id, dst, 10.0, staging=slot),
                                           [(layer, src, dst) for layer in range(LAYERS)])
         assert pair.wait(tokens) == ["done"]
@@ -138,18 +138,39 @@ def test_with_no_slot_of_its_own_a_post_goes_run_by_run_into_the_peers_slot():
         pair.close()
 
 
-def test_the_reader_gives_no_slot_to_a_request_larger_than_one_or_when_all_are_held():
-    """Bounded: a lease gets a slot only where one is free and large enough (else the per-block
-    path); a lease that ends without its KV gives its slot back."""
+def test_the_reader_gives_no_slot_to_blocks_in_one_run_a_request_larger_than_one_or_when_all_are_held():
+    """Bounded: a lease gets a slot only where one is free and large enough, and only where its
+    blocks are not one run already (else the per-block path); a lease that ends without its KV
+    gives its slot back."""
     pair = Pair(reader_slots=2)
     try:
-        assert pair.reader.reserve_staging(None, NUM_BLOCKS) is None  # 3 layers x 2 planes x 40 blocks x 256 B > 32 KiB
-        a, b = pair.reader.reserve_staging(None, N), pair.reader.reserve_staging(None, N)
-        assert {a, b} == {0, 1} and pair.reader.reserve_staging(None, N) is None
+        assert pair.reader.reserve_staging(None, list(range(5, 5 + N))) is None  # one run: one descriptor a plane
+        every = random.Random(0).sample(range(NUM_BLOCKS), NUM_BLOCKS)
+        assert pair.reader.reserve_staging(None, every) is None  # 3 layers x 2 planes x 40 blocks x 256 B > 32 KiB
+        a, b = pair.reader.reserve_staging(None, scattered(1)), pair.reader.reserve_staging(None, scattered(2))
+        assert {a, b} == {0, 1} and pair.reader.reserve_staging(None, scattered(3)) is None
         assert pair.reader.staging.idle() == 0
         pair.reader.drop_staging(a)
         pair.reader.drop_staging(b)
         assert pair.reader.staging.idle() == 2 and pair.reader.slots_given == 2
+    finally:
+        pair.close()
+
+
+def test_source_blocks_in_one_run_are_written_without_a_gather():
+    """A post whose source blocks are one run (a fresh prefill cache) into a scattered lease: a
+    descriptor per layer and plane, as a gather would give, and no slot of the writer's taken."""
+    pair = Pair()
+    try:
+        src, dst = list(range(2, 2 + N)), scattered(11)
+        slot = pair.reader.reserve_staging(None, dst)
+        tokens = pair.writer.write_staged(ReserveHandle("r", pair.rmeta.engine_id, dst, 10.0, staging=slot),
+                                          [(layer, src, dst) for layer in range(LAYERS)])
+        assert pair.wait(tokens) == ["done"]
+        assert pair.writer.posts_direct == 1 and pair.writer.posts_gathered == 0
+        assert pair.writer.descriptor_count(tokens[0]) == LAYERS * 2  # one run a layer's plane, on both sides
+        pair.reader.unstage(slot, dst)
+        assert pair.landed(src, dst)
     finally:
         pair.close()
 
@@ -159,7 +180,7 @@ def test_a_released_write_gives_the_writers_slot_back():
     pair = Pair(writer_slots=1)
     try:
         src, dst = scattered(7), scattered(8)
-        slot = pair.reader.reserve_staging(None, N)
+        slot = pair.reader.reserve_staging(None, dst)
         [token] = pair.writer.write_staged(ReserveHandle("r", pair.rmeta.engine_id, dst, 10.0, staging=slot),
                                            [(0, src, dst)])
         assert pair.writer.posts_gathered == 1

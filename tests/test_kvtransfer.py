@@ -64,8 +64,8 @@ LAYOUT_IDS = ["fresh", "fragmented", "scattered"]
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fragment", LAYOUTS, ids=LAYOUT_IDS)
 def test_disaggregated_greedy_equals_colocated(backend, fragment, colocated):
-    """NIXL moves the KV through staging slots (five leases, four slots: one takes the per-block
-    path), whatever the blocks' places."""
+    """NIXL moves fragmented and scattered KV through staging slots (five leases, four slots: one
+    takes the per-block path), fresh KV (one run a request) without."""
     p, d = start_pair(backend, fragment=fragment)
     try:
         presults, dresults, (pfree, pidle), (dfree, didle) = transfer_all(p, d, prompts())
@@ -73,7 +73,7 @@ def test_disaggregated_greedy_equals_colocated(backend, fragment, colocated):
         assert [dresults[f"r{i}"] for i in range(len(PROMPT_LENS))] == colocated
         assert pfree == pidle and dfree == didle
         if backend == "nixl":
-            assert_staged(p, d)
+            assert_staged(p, d, fragment)
         assert_staging_idle(p, d)
     finally:
         p.stop()
@@ -118,7 +118,7 @@ def test_mla_disaggregated_greedy_equals_colocated(family, backend, fragment, ml
         assert [dresults[f"r{i}"] for i in range(len(ps))] == want
         assert pfree == pidle and dfree == didle
         if backend == "nixl":  # the latent plane through the slots too
-            assert_staged(p, d)
+            assert_staged(p, d, fragment)
         assert_staging_idle(p, d)
     finally:
         p.stop()
@@ -217,6 +217,12 @@ def test_decode_side_streams_the_first_tokens_logprob(backend):
             assert [lp.text for lp in got] == [lp.text for lp in w.logprobs]
 
 
+def fault_pair(backend: str):
+    """A pair for the fault tests: NIXL's with scattered blocks, so that every lease holds a staging
+    slot, which must come back as its blocks do."""
+    return start_pair(backend, fragment="scattered" if backend == "nixl" else False)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mismatched_fingerprint_is_refused(backend):
     p = Worker(_prefill_main, backend, seed=1)  # other dummy weights: another model
@@ -233,7 +239,7 @@ def test_mismatched_fingerprint_is_refused(backend):
 
 @pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_abort_from_either_side_frees_both(backend):
-    p, d = start_pair(backend)
+    p, d = fault_pair(backend)
     pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
     ps = prompts()
     try:
@@ -252,7 +258,8 @@ def test_abort_from_either_side_frees_both(backend):
         assert presults.get("a") is False and presults.get("b") is False
         assert dresults == {"a": "failed", "b": "failed"}
         assert pfree == pidle and dfree == didle
-        assert_staging_idle(p, d)
+        assert_staging_idle(d, used="given")
+        assert_staging_idle(p, used="gathered")
     finally:
         p.stop()
         d.stop()
@@ -262,7 +269,7 @@ def test_abort_from_either_side_frees_both(backend):
 def test_decode_abort_after_delivery_is_no_prefill_failure(backend):
     """The decode side aborts a request whose KV the prefill side has delivered but whose "finish"
     it has not read yet: the prefill side's result stays delivered, both pools come back idle."""
-    p, d = start_pair(backend)
+    p, d = fault_pair(backend)
     pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
     try:
         h = d.call("reserve", "late", prompts()[4], GREEDY, 30.0, pid)
@@ -283,7 +290,7 @@ def test_decode_abort_after_delivery_is_no_prefill_failure(backend):
 
 @pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_decode_killed_after_reserving_frees_prefill_blocks_within_lease(backend):
-    p, d = start_pair(backend)
+    p, d = fault_pair(backend)
     ps = prompts()
     try:
         h = d.call("reserve", "x", ps[4], GREEDY, 3.0, None)
@@ -294,7 +301,7 @@ def test_decode_killed_after_reserving_frees_prefill_blocks_within_lease(backend
         assert presults == {"x": False}
         assert time.time() - t0 < 15
         assert pfree == pidle
-        assert_staging_idle(p)
+        assert_staging_idle(p, used="gathered")
     finally:
         p.stop()
         d.stop()
@@ -302,7 +309,7 @@ def test_decode_killed_after_reserving_frees_prefill_blocks_within_lease(backend
 
 @pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_prefill_killed_mid_transfer_frees_decode_blocks(backend):
-    p, d = start_pair(backend)
+    p, d = fault_pair(backend)
     pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
     ps = prompts()
     try:
@@ -314,7 +321,7 @@ def test_prefill_killed_mid_transfer_frees_decode_blocks(backend):
         dresults, dfree, didle = d.call("run", 30)
         assert dresults == {"y": "failed"}
         assert dfree == didle
-        assert_staging_idle(d)
+        assert_staging_idle(d, used="given")
     finally:
         p.stop()
         d.stop()
@@ -324,7 +331,7 @@ def test_prefill_killed_mid_transfer_frees_decode_blocks(backend):
 def test_decode_abort_holds_blocks_until_the_prefill_side_stops_writing(backend):
     """A write posted before the abort may still land: the blocks are reused only once the prefill
     side answers (it answers after its writes stopped) or, if it stays silent, after the lease."""
-    p, d = start_pair(backend)
+    p, d = fault_pair(backend)
     pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
     ps = prompts()
     lease_s = 2.0

@@ -93,12 +93,12 @@ class AutoBackend(KVBackend):
     def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> _Token:
         return self.write_layers(peer_id, [(layer, src_blocks, dst_blocks)])[0]
 
-    def reserve_staging(self, peer_id: str | None, num_blocks: int) -> int | None:
+    def reserve_staging(self, peer_id: str | None, block_ids: list[int]) -> int | None:
         """A slot of the peer's backend (none for a peer not named: its backend is not known yet)."""
         name = self._route.get(peer_id)
         if name is None:
             return None
-        slot = self.backends[name].reserve_staging(peer_id, num_blocks)
+        slot = self.backends[name].reserve_staging(peer_id, block_ids)
         if slot is not None:
             assert slot not in self._staged, "two backends stage: slots must be told apart"
             self._staged[slot] = name

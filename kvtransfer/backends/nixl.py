@@ -15,7 +15,9 @@ through slots instead (kvtransfer/staging.py): the posting thread gathers a post
 of our slots and writes it to the peer's slot as one descriptor per run of layers (one for a whole
 prompt), while the previous post is on the wire; the decode end scatters its slot into the blocks
 at the finish notice. With no slot of ours free (or a post larger than one), the post writes each
-run of blocks into the peer's slot directly: never a wait.
+run of blocks into the peer's slot directly: never a wait. Blocks in one run need no slot: the
+decode end gives none to a lease whose blocks are one run, and a post whose source blocks are one
+run is written without a gather.
 """
 
 import itertools
@@ -29,6 +31,7 @@ import torch
 
 from pdserve.kvtransfer.backend import KVBackend, Part
 from pdserve.kvtransfer.backends.nixl_rows import block_rows, descriptors, gathered_rows
+from pdserve.kvtransfer.blocks import runs
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 from pdserve.kvtransfer.staging import StagingPool, cache_words, gather, layer_runs, scatter
 from pdserve.kvtransfer.wire import ReserveHandle
@@ -130,7 +133,7 @@ class NixlBackend(KVBackend):
         self.refused = 0  # notices dropped: their sender was not a handshaked peer
         self.slots_given = 0  # decode end: leases that got a staging slot
         self.posts_gathered = 0  # prefill end: staged posts gathered into a slot of ours
-        self.posts_direct = 0  # prefill end: staged posts written run by run (no slot of ours)
+        self.posts_direct = 0  # prefill end: staged posts written run by run (no slot of ours, or one run)
         self._cuda_thread = _Bound()
 
         # No NIXL progress thread by default: it spins a core even when idle, and the connector
@@ -245,11 +248,13 @@ class NixlBackend(KVBackend):
 
     # -- staging -------------------------------------------------------------------------------
 
-    def reserve_staging(self, peer_id: str | None, num_blocks: int) -> int | None:
-        """Decode end: a slot for every layer of `num_blocks` blocks, or None (none free, or the
-        request's KV larger than a slot)."""
+    def reserve_staging(self, peer_id: str | None, block_ids: list[int]) -> int | None:
+        """Decode end: a slot for every layer of the lease's blocks, or None: blocks in one run
+        (each layer's plane one descriptor already), none free, or the KV larger than a slot."""
         m = self.meta
-        if not self.staging.fits(m.num_layers * m.num_planes * num_blocks * m.bytes_per_block):
+        if len(runs(block_ids, block_ids)) <= 1:
+            return None
+        if not self.staging.fits(m.num_layers * m.num_planes * len(block_ids) * m.bytes_per_block):
             return None
         slot = self.staging.acquire()
         self.slots_given += slot is not None
@@ -298,7 +303,9 @@ class NixlBackend(KVBackend):
         if nbytes == 0:
             self._xfers[token] = _Xfer(handle.engine_id, None, "done")
             return [token]
-        slot = self._take_slot(nbytes)
+        # Blocks in one run on both sides are a descriptor per layer and plane already: no gather.
+        contiguous = all(len(runs(src, [at[d] for d in dst])) == 1 for _, _, src, dst in groups)
+        slot = None if contiguous else self._take_slot(nbytes)
         if slot is not None:
             self.posts_gathered += 1
             rows = self._gathered_rows(slot, groups, at, remote, n)

@@ -114,7 +114,7 @@ def side(role: str, kind: str, host: str, workdir: Path, total_mb: int, reps: in
     peer = KVAgentMetadata.unpack((workdir / f"{'prefill' if role == 'decode' else 'decode'}.meta").read_bytes())
     be.add_peer(peer)
     if role == "decode":  # polls (drives UCX's progress) until a notice per rep came; answers each
-        slot = be.reserve_staging(None, n) if kind == "nixl" else None
+        slot = be.reserve_staging(None, dst) if kind == "nixl" else None
         (workdir / "decode.slot").write_text(str(-1 if slot is None else slot))
         seen = 0
         while seen < reps:
@@ -122,7 +122,7 @@ def side(role: str, kind: str, host: str, workdir: Path, total_mb: int, reps: in
             for _ in range(got):
                 if slot is not None:  # into the blocks, and the slot again for the next rep (the only one)
                     be.unstage(slot, dst)
-                    slot = be.reserve_staging(None, n)
+                    slot = be.reserve_staging(None, dst)
                 be.notify("prefill", b"landed")
             seen += got
             time.sleep(0.0005)

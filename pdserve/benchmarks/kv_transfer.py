@@ -331,10 +331,10 @@ def part1(args, decode, prefill, layout, kv, peer: str) -> list[dict]:
             rows.append({"backend": args.variant, "preset": PRESET, "kv": KV_CACHE_DTYPE,
                          "bytes_per_token": layout.bytes_per_token,
                          "tokens": n, "pattern": pattern, "post": post, "MB": round(nbytes / 1e6, 1),
-                         "ms": round(t * 1e3, 3), "GB/s": round(nbytes / t / 1e9, 1),
+                         "ms": round(t * 1e3, 3), "GB/s": round(nbytes / t / 1e9, 3),
                          "ms_all": [round(x * 1e3, 3) for x in times],
-                         "caller_ms": round(c * 1e3, 3), "caller_GB_s": round(nbytes / c / 1e9, 1),
-                         "landed_ms": round(land * 1e3, 3), "landed_GB_s": round(nbytes / land / 1e9, 1)})
+                         "caller_ms": round(c * 1e3, 3), "caller_GB_s": round(nbytes / c / 1e9, 3),
+                         "landed_ms": round(land * 1e3, 3), "landed_GB_s": round(nbytes / land / 1e9, 3)})
             if split:
                 rows[-1].update({k: round(statistics.median(v), 3 if k.endswith("ms") else 1)
                                  for k, v in split.items()})
