@@ -319,7 +319,7 @@ class NixlBackend(KVBackend):
         """Gather the groups into our slot; the rows from it into the peer's."""
         placed = gather(self._cache, groups, self.staging.view(slot, self.staging.slot_bytes))
         if self._mem == "VRAM":  # NIXL reads the slot in host order, after the gather it queued
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(self.kv.device).synchronize()
         return gathered_rows(placed, self.staging.addr(slot), remote, at, n, self.meta.num_planes,
                              self.meta.bytes_per_block)
 
