@@ -5,8 +5,11 @@ nor NIXL, so that `pdserve up` can check before anything starts."""
 
 import importlib
 import importlib.metadata
+import logging
 import importlib.util
 import re
+
+log = logging.getLogger(__name__)
 
 # The meta package first: where it is installed, it knows which build matches the GPU's CUDA.
 MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
@@ -53,4 +56,8 @@ def nixl_api():
     name = nixl_module()
     if name is None:
         raise ImportError("NIXL is not installed: pip install 'pdserve[nixl]', or set kv_transfer.backend: tcp")
+    major = torch_cuda_major()
+    if major is not None and name != "nixl" and name != f"nixl_cu{major}":
+        log.warning("NIXL's %s build is loaded beside a CUDA %d torch: install pdserve[gpu] (or nixl-cu%d) for "
+                    "the matching one", name, major, major)
     return importlib.import_module(f"{name}._api")
