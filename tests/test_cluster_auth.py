@@ -35,7 +35,7 @@ def two_nodes(token: bool) -> LocalRayCluster:
                            token=token)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")  # its class's tests only: gone before the other cluster's start
 def guarded():
     c = two_nodes(token=True)
     try:
@@ -44,7 +44,7 @@ def guarded():
         c.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # set up after the tests above: no other cluster runs beside it
 def open_nodes():
     c = two_nodes(token=False)
     try:
@@ -87,25 +87,44 @@ def stranger_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
 
 
-def test_the_readme_recipe_starts_ray_with_a_token_from_a_secret_file(guarded):
-    exports = recipe_exports()
-    assert exports.get("RAY_AUTH_MODE") == "token", exports
-    assert "RAY_AUTH_TOKEN_PATH" in exports and "RAY_AUTH_TOKEN" not in exports, exports  # a file, not a literal
-    env = guarded.env()  # how the test nodes were started: the same variables
-    assert {k: env[k] for k in exports} == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(guarded.token_path())}
-    assert guarded.token_path().stat().st_mode & 0o077 == 0
+class TestTheReadmeRecipe:
+    """A two-node cluster started as the README says."""
+
+    def test_the_readme_recipe_starts_ray_with_a_token_from_a_secret_file(self, guarded):
+        exports = recipe_exports()
+        assert exports.get("RAY_AUTH_MODE") == "token", exports
+        assert "RAY_AUTH_TOKEN_PATH" in exports and "RAY_AUTH_TOKEN" not in exports, exports  # a file, not a literal
+        env = guarded.env()  # how the test nodes were started: the same variables
+        assert {k: env[k] for k in exports} == {"RAY_AUTH_MODE": "token",
+                                                "RAY_AUTH_TOKEN_PATH": str(guarded.token_path())}
+        assert guarded.token_path().stat().st_mode & 0o077 == 0
+
+    def test_a_driver_without_the_token_is_refused_and_one_with_it_let_in(self, guarded, tmp_path):
+        refused = driver(guarded.address, stranger_env(), tmp_path)
+        assert refused.returncode != 0, refused.stdout
+        assert "Authentication token is missing or incorrect" in refused.stderr, refused.stderr[-2000:]
+        assert probe(guarded.address).open is False  # the GCS itself, asked with no token
+        assert gcs_nodes(guarded.address, "not-the-token") == grpc.StatusCode.UNAUTHENTICATED  # and with another
+        assert gcs_nodes(guarded.address, guarded.token_path().read_text().strip()) == grpc.StatusCode.OK
+        let_in = driver(guarded.address, guarded.env(), tmp_path)
+        assert let_in.returncode == 0, let_in.stderr[-2000:]
+        assert "2 nodes" in let_in.stdout
 
 
-def test_a_driver_without_the_token_is_refused_and_one_with_it_let_in(guarded, tmp_path):
-    refused = driver(guarded.address, stranger_env(), tmp_path)
-    assert refused.returncode != 0, refused.stdout
-    assert "Authentication token is missing or incorrect" in refused.stderr, refused.stderr[-2000:]
-    assert probe(guarded.address).open is False  # the GCS itself, asked with no token
-    assert gcs_nodes(guarded.address, "not-the-token") == grpc.StatusCode.UNAUTHENTICATED  # and with another
-    assert gcs_nodes(guarded.address, guarded.token_path().read_text().strip()) == grpc.StatusCode.OK
-    let_in = driver(guarded.address, guarded.env(), tmp_path)
-    assert let_in.returncode == 0, let_in.stderr[-2000:]
-    assert "2 nodes" in let_in.stdout
+def test_a_local_cluster_started_by_pdserve_up_gives_its_workers_no_secrets(tmp_path, monkeypatch):
+    """`ray.address: local`: Ray's processes are `pdserve up`'s children, and would inherit its environment."""
+    for k, v in SECRETS.items():
+        monkeypatch.setenv(k, v)
+    cluster = Cluster(tmp_path, colocated={"replicas": 1, "num_kv_blocks": 256}, router={"grpc_port": None})
+    try:
+        cluster.wait_ready()
+        ray_processes = psutil.Process(cluster.proc.pid).children(recursive=True)
+        assert any("raylet" in " ".join(_cmdline(p)) for p in ray_processes)
+        assert any(_cmdline(p)[:1] == ["ray::FlipWorker"] or "ColocatedWorker" in " ".join(_cmdline(p))
+                   for p in ray_processes), [_cmdline(p)[:2] for p in ray_processes]
+        assert_no_process_holds_the_secrets(ray_processes)
+    finally:
+        assert cluster.stop() == 0
 
 
 def test_pdserve_up_refuses_a_cluster_without_authentication(open_nodes, tmp_path):
@@ -142,22 +161,6 @@ def test_told_so_pdserve_up_serves_there_and_no_worker_holds_the_secrets(open_no
         r = client.completions.create(model="tiny-moe", prompt="Hello", max_tokens=3, temperature=0)
         assert r.usage.completion_tokens == 3
         assert_no_process_holds_the_secrets(open_nodes.processes())
-    finally:
-        assert cluster.stop() == 0
-
-
-def test_a_local_cluster_started_by_pdserve_up_gives_its_workers_no_secrets(tmp_path, monkeypatch):
-    """`ray.address: local`: Ray's processes are `pdserve up`'s children, and would inherit its environment."""
-    for k, v in SECRETS.items():
-        monkeypatch.setenv(k, v)
-    cluster = Cluster(tmp_path, colocated={"replicas": 1, "num_kv_blocks": 256}, router={"grpc_port": None})
-    try:
-        cluster.wait_ready()
-        ray_processes = psutil.Process(cluster.proc.pid).children(recursive=True)
-        assert any("raylet" in " ".join(_cmdline(p)) for p in ray_processes)
-        assert any(_cmdline(p)[:1] == ["ray::FlipWorker"] or "ColocatedWorker" in " ".join(_cmdline(p))
-                   for p in ray_processes), [_cmdline(p)[:2] for p in ray_processes]
-        assert_no_process_holds_the_secrets(ray_processes)
     finally:
         assert cluster.stop() == 0
 
