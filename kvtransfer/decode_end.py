@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pdserve.kvtransfer.backend import KVBackend
 from pdserve.kvtransfer.wire import FirstLogprob, Notice, NoticeKind, ReserveHandle
 from pdserve.kvtransfer.metadata import KVAgentMetadata, accept_peer
+from pdserve.kvtransfer.notice_seal import NoticeSeal
 from pdserve.kvtransfer.pairing import choose_backend
 
 
@@ -72,6 +73,8 @@ class DecodeConnector:
         self.pairs: dict[str, dict] = {}  # peer -> the handshake's record: backend chosen, why
         self.settle_s = settle_s
         self._leases: dict[str, _Lease] = {}
+        self._seal = NoticeSeal(cluster_token, meta.engine_id)
+        self.dropped = self._seal.dropped  # notices dropped unread, by why (NoticeSeal)
 
     def metadata(self) -> bytes:
         """What this end publishes for the handshake (msgpack)."""
@@ -97,10 +100,17 @@ class DecodeConnector:
         """Requests whose KV has fully arrived, ones that failed, and ones whose blocks may be reused."""
         out = DecodePoll()
         for payload in self.backend.notifications():
-            n = Notice.unpack(payload)
-            lease = self._leases.pop(n.request_id, None)
+            n = self._seal.receive(payload)
+            if n is None:
+                continue
+            lease = self._leases.get(n.request_id)
             if lease is None:
                 continue  # a late notice of a lease settled already
+            if n.sender != lease.prefill_id and (lease.prefill_id is not None or n.sender not in self.peers):
+                self._seal.drop("not_the_lease_holder", f"{n.kind} of {n.request_id} from {n.sender!r}, "
+                                                   f"whose lease is {lease.prefill_id!r}'s")
+                continue
+            del self._leases[n.request_id]
             if lease.closing:  # a finish too: every write landed, none can follow
                 out.settled.append(n.request_id)
             elif n.kind is NoticeKind.FINISH:
@@ -147,7 +157,8 @@ class DecodeConnector:
             # to, which is the lease's time left plus the handle's way there (settle_s covers it).
             refuse_s = max(lease.handle.deadline - time.monotonic(), 0.0) + self.settle_s
             try:
-                self.backend.notify(lease.prefill_id, Notice.abort(rid, self.meta.engine_id, refuse_s).pack())
+                self.backend.notify(lease.prefill_id,
+                                   self._seal.seal(Notice.abort(rid, self.meta.engine_id, refuse_s), lease.prefill_id))
             except Exception:  # a dead peer cannot be told: the blocks wait out the lease
                 pass
 

@@ -31,7 +31,8 @@ class PrefillConnector:
         # A backend that can block until a post is done gets a completion thread, so delivery is
         # noticed at once rather than at the next poll.
         waits = queue.SimpleQueue() if backend.waits else None
-        self._transfers = Transfers(backend, meta.engine_id, self._outcomes, waits)
+        self._transfers = Transfers(backend, meta.engine_id, self._outcomes, waits, cluster_token)
+        self.dropped = self._transfers.seal.dropped  # notices dropped unread, by why (NoticeSeal)
         self._post = PostThread(backend, self._transfers, name=f"kv-post-{meta.engine_id}")
         # A backend that posts on the caller's thread (device-ordered, never blocking) skips the
         # hand-off to the posting thread.
