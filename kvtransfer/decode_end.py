@@ -94,6 +94,7 @@ class DecodeConnector:
         leading ones it holds already); the handle goes to the prefill worker."""
         handle = ReserveHandle(request_id, self.meta.engine_id, list(block_ids), lease_s, cached_blocks)
         self._leases[request_id] = _Lease(handle, prefill_id)
+        self.backend.grant(prefill_id, request_id, handle.block_ids)  # (a backend that sees writes takes only these)
         return handle
 
     def poll(self) -> DecodePoll:
@@ -110,7 +111,7 @@ class DecodeConnector:
                 self._seal.drop("not_the_lease_holder", f"{n.kind} of {n.request_id} from {n.sender!r}, "
                                                    f"whose lease is {lease.prefill_id!r}'s")
                 continue
-            del self._leases[n.request_id]
+            self._end(n.request_id)
             if lease.closing:  # a finish too: every write landed, none can follow
                 out.settled.append(n.request_id)
             elif n.kind is NoticeKind.FINISH:
@@ -122,7 +123,7 @@ class DecodeConnector:
         now = time.monotonic()
         for rid, lease in list(self._leases.items()):
             if lease.closing and lease.handle.deadline + self.settle_s < now:
-                del self._leases[rid]  # a silent or dead prefill end
+                self._end(rid)  # a silent or dead prefill end
                 out.settled.append(rid)
             elif not lease.closing and lease.handle.deadline < now:
                 self._close(rid, lease)
@@ -148,6 +149,11 @@ class DecodeConnector:
     def busy(self) -> bool:
         """Leases open or closing: poll() has something to wait for."""
         return bool(self._leases)
+
+    def _end(self, rid: str) -> None:
+        """The lease is over: no write may land in its blocks from now on."""
+        del self._leases[rid]
+        self.backend.revoke(rid)
 
     def _close(self, rid: str, lease: _Lease) -> None:
         lease.closing = True

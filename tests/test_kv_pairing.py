@@ -81,6 +81,7 @@ def test_tcp_endpoint_takes_handshaked_peers_of_its_cluster_only():
     intruder = _tcp("prefill-9", "t1")
     try:
         receiver.add_peer(friend.meta)  # the handshake made prefill-0 a peer of decode-0
+        receiver.grant("prefill-0", "r", [5])  # and the decode end leased it block 5
         for sender in (friend, stranger, intruder):
             sender.add_peer(receiver.meta)
         before = receiver.kv.clone()
@@ -104,7 +105,7 @@ def test_tcp_endpoint_takes_handshaked_peers_of_its_cluster_only():
             stranger.write("decode-0", 0, [0], [0]).result(10)
         with pytest.raises(PeerRefused, match=r"refused 'prefill-9': 'prefill-9' is not a handshaked peer of 'decode-0'"):
             intruder.write("decode-0", 0, [0], [0]).result(10)
-        assert [w for w, _ in receiver.refused] == ["prefill-0", "prefill-9"]
+        assert receiver.refused == {"other_cluster": 1, "not_a_peer": 1}
         assert torch.equal(receiver.kv, before) and receiver.notifications() == []
     finally:
         for b in (receiver, friend, stranger, intruder):
