@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pdserve.kvtransfer.backend import KVBackend
 from pdserve.kvtransfer.wire import FirstLogprob, Notice, NoticeKind, ReserveHandle
-from pdserve.kvtransfer.metadata import KVAgentMetadata, accept_peer
+from pdserve.kvtransfer.metadata import KVAgentMetadata, Replays, accept_peer
 from pdserve.kvtransfer.notice_seal import NoticeSeal
 from pdserve.kvtransfer.pairing import choose_backend
 
@@ -71,6 +71,7 @@ class DecodeConnector:
         self.cluster_token = cluster_token
         self.peers: dict[str, KVAgentMetadata] = {}
         self.pairs: dict[str, dict] = {}  # peer -> the handshake's record: backend chosen, why
+        self._replays = Replays()  # peers' records accepted lately
         self.settle_s = settle_s
         self._leases: dict[str, _Lease] = {}
         self._seal = NoticeSeal(cluster_token, meta.engine_id)
@@ -78,11 +79,11 @@ class DecodeConnector:
 
     def metadata(self) -> bytes:
         """What this end publishes for the handshake (msgpack)."""
-        return self.meta.pack()
+        return self.meta.pack(self.cluster_token)
 
     def add_peer(self, data: bytes) -> str:
         """Handshake with a prefill worker; raises HandshakeError on any mismatch."""
-        peer = accept_peer(self.meta, data, self.cluster_token)
+        peer = accept_peer(self.meta, data, self.cluster_token, self._replays)
         self.backend.add_peer(peer)
         self.peers[peer.engine_id] = peer
         self.pairs[peer.engine_id] = choose_backend(self.meta, peer).record(self.meta, peer)
