@@ -16,11 +16,11 @@ Wire: a msgpack array [notice bytes (Notice.pack), 32-byte HMAC-SHA256].
 import hashlib
 import hmac
 import logging
-from collections import Counter
 
 import msgpack
 
 from pdserve.kvtransfer.wire import Notice
+from pdserve.refusals import Refusals
 
 log = logging.getLogger(__name__)
 MAX_NOTICE_BYTES = 64 * 1024  # a notice is ids, a token and its logprobs: anything longer is no notice
@@ -43,7 +43,7 @@ class NoticeSeal:
         self._key = hmac.new((token or "").encode(), b"pdserve-kv-notice", hashlib.sha256).digest()
         # Notices dropped unread, by why: "malformed", "oversized", "foreign" (not sealed for us with
         # our cluster's token), "not_the_lease_holder" (a peer's notice for a lease it does not hold).
-        self.dropped: Counter[str] = Counter()
+        self.dropped = Refusals(f"KV notices to {engine_id}", log)
 
     def _mac(self, receiver: str, body: bytes) -> bytes:
         return hmac.digest(self._key, receiver.encode() + b"\0" + body, "sha256")
@@ -85,8 +85,5 @@ class NoticeSeal:
             return None
 
     def drop(self, reason: str, detail: str) -> None:
-        """Count a notice dropped; the first of each reason is logged, then every thousandth (a
-        flood of them is no flood of lines)."""
-        self.dropped[reason] += 1
-        if self.dropped[reason] == 1 or self.dropped[reason] % 1000 == 0:
-            log.warning("KV notices to %s: dropped one (%s; %d so far)", self.engine_id, detail, self.dropped[reason])
+        """Count a notice dropped (and log it where due)."""
+        self.dropped.refuse(reason, f"a notice ({detail})")

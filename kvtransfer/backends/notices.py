@@ -30,9 +30,8 @@ import secrets
 import socket
 import struct
 import threading
-from collections import Counter
-
 from pdserve.kvtransfer.notice_seal import MAX_NOTICE_BYTES
+from pdserve.refusals import Refusals
 
 _LEN = struct.Struct(">I")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -63,14 +62,12 @@ class NoticeInbox:
         self._lock = threading.Lock()  # a connector may poll from more than one thread
         self._uid = os.getuid()
         # Connections refused, by why: "other_user" (SO_PEERCRED), "too_many_senders", "oversized".
-        self.refused: Counter[str] = Counter()
+        self.refused = Refusals(f"KV notice inbox {self.address}", log)
 
     def _refuse(self, conn: socket.socket | None, why: str) -> None:
         if conn is not None:
             conn.close()
-        self.refused[why] += 1
-        if self.refused[why] == 1 or self.refused[why] % 1000 == 0:  # a flood is no flood of lines
-            log.warning("KV notice inbox %s: refused a sender (%s; %d so far)", self.address, why, self.refused[why])
+        self.refused.refuse(why, "a sender")
 
     def _admit(self, conn: socket.socket) -> bool:
         pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))

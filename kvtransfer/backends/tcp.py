@@ -39,6 +39,7 @@ from pdserve.kvtransfer.backend import KVBackend
 from pdserve.kvtransfer.blocks import runs
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 from pdserve.kvtransfer.notice_seal import MAX_NOTICE_BYTES
+from pdserve.refusals import Refusals
 
 _LEN = struct.Struct(">I")
 _SEQ = struct.Struct(">Q")
@@ -111,7 +112,7 @@ class TcpBackend(KVBackend):
         # Connections and frames refused, by why (connections: "not_a_hello", "not_a_peer",
         # "other_cluster", "too_many_connections"; ended for a frame: "bad_frame", "bad_mac"; frames
         # dropped: "out_of_range", "not_leased"). Counted, not kept: a flood costs no memory.
-        self.refused: Counter[str] = Counter()
+        self.refused = Refusals(f"KV over TCP to {meta.engine_id}", log)
         self.kv = kv_cache
         self.peers: dict[str, KVAgentMetadata] = {}
         self._writers: dict[str, _Session] = {}
@@ -257,7 +258,7 @@ class TcpBackend(KVBackend):
                     writer.write(frame({"ok": True}, b""))
                     await writer.drain()
                     return sender, session_key(self._token, nonce, sender, self.meta.engine_id)
-        self._refuse(reason, f"a connection from {sender}: {why}")
+        self.refused.refuse(reason, f"a connection from {sender}: {why}")
         try:
             writer.write(frame({"ok": False, "why": why}, b""))
             await asyncio.wait_for(writer.drain(), 1.0)
@@ -265,15 +266,9 @@ class TcpBackend(KVBackend):
             pass
         return None
 
-    def _refuse(self, reason: str, detail: str) -> None:
-        self.refused[reason] += 1
-        if self.refused[reason] == 1 or self.refused[reason] % 1000 == 0:  # a flood is no flood of lines
-            log.warning("KV over TCP to %s: refused %s (%d %s so far)", self.meta.engine_id, detail,
-                        self.refused[reason], reason)
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._serving) >= MAX_CONNECTIONS:
-            self._refuse("too_many_connections", "a connection")
+            self.refused.refuse("too_many_connections", "a connection")
             writer.close()
             return
         self._serving.add(asyncio.current_task())
@@ -298,14 +293,14 @@ class TcpBackend(KVBackend):
                     with self._notice_lock:
                         self._notices.append(payload)
                 elif (why := self._unwritable(sender, header)) is not None:
-                    self._refuse(why[0], f"a KV write of {sender}: {why[1]}")
+                    self.refused.refuse(why[0], f"a KV write of {sender}: {why[1]}")
                 else:
                     self._place(header, payload)
         except BadFrame as e:  # the stream is no peer's any more: it ends, the worker serves on
-            self._refuse(e.reason, f"{e}; its connection closed")
+            self.refused.refuse(e.reason, f"{e}; its connection closed")
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, ValueError):
             if me is None:  # it spoke no hello (in time)
-                self._refuse("not_a_hello", "a connection that said no hello")
+                self.refused.refuse("not_a_hello", "a connection that said no hello")
             # (else the sender went away: its leases expire on our side)
         finally:
             self._serving.discard(asyncio.current_task())
