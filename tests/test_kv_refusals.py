@@ -298,3 +298,39 @@ def test_a_frame_that_breaks_the_stream_ends_its_connection_only(frame_kind):
         peer.close()
         friend.close()
         receiver.close()
+
+
+# -- the cuda_ipc handshake's handle --------------------------------------------------------------
+
+class _Runs:
+    """A pickle that runs code when loaded: what a peer's blob could have done to pickle.loads."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_the_cuda_ipc_handle_crosses_as_fields_never_a_pickle(tmp_path):
+    import pickle
+
+    from pdserve.kvtransfer.backends.ipc_handle import BadIpcHandle, decode, encode
+
+    # reduce_tensor's arguments for a GPU tensor, as their types are (the bytes are no real handle:
+    # nothing here opens them).
+    args = (torch.Tensor, torch.Size([2, 8]), (8, 1), 0, torch.storage.TypedStorage, torch.float16, 1, b"h" * 64,
+            4096, 0, False, b"r" * 64, 3, b"e" * 64, True)
+    got = decode(encode(args), device=0)
+    assert got[:6] == args[:6] and got[6] == 0 and got[7:] == args[7:]  # opened on OUR device
+    path = tmp_path / "ran"
+    with pytest.raises(BadIpcHandle, match="not msgpack"):
+        decode(pickle.dumps(_Runs(str(path))), device=0)
+    assert not path.exists()  # never unpickled
+    fields = msgpack.unpackb(encode(args))
+    for key, value, says in (("dtype", "system", "wrong type: dtype"), ("handle", "x", "wrong type: handle"),
+                             ("size", [2, "8"], "wrong type: size")):
+        with pytest.raises(BadIpcHandle, match=says):
+            decode(msgpack.packb({**fields, key: value}), device=0)
+    with pytest.raises(BadIpcHandle, match="has fields"):
+        decode(msgpack.packb({**fields, "tensor_cls": "os.system"}), device=0)
