@@ -1,6 +1,6 @@
 """KV's internal channels refuse what is not a peer's, and a worker serves on: notices from another
 user, unsealed, of another cluster, malformed or for another peer's lease; TCP hellos that prove
-nothing (counted, not kept); KV frames out of range, outside the sender's leases, or whose MAC is
+nothing (counted, not kept); KV frames out of range, outside the sender's leases, or whose tag is
 wrong. Real sockets and processes throughout."""
 
 import socket
@@ -14,7 +14,9 @@ import torch
 from kv_pair import Worker, _decode_main, _prefill_main, start_pair
 from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.kvtransfer.backends.notices import MAX_FRAME_BYTES, NoticeInbox, NoticeOutbox, frame
-from pdserve.kvtransfer.backends.tcp import TcpBackend, frame_mac, hello_proof, session_key
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from pdserve.kvtransfer.backends.tcp import TcpBackend, hello_proof, seal_payload, session_key
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 from pdserve.kvtransfer.notice_seal import NoticeSeal
 from pdserve.kvtransfer.wire import Notice
@@ -166,7 +168,7 @@ class RawPeer:
                         "nbytes": 0}, b"")
         (n,) = struct.unpack(">I", self._exactly(4))
         self.answer = msgpack.unpackb(self._exactly(n))
-        self.key, self.seq = session_key(token, nonce, me, to), 0
+        self.aead, self.seq = AESGCM(session_key(token, nonce, me, to)), 0
 
     def _exactly(self, n: int) -> bytes:
         out = b""
@@ -177,13 +179,14 @@ class RawPeer:
             out += chunk
         return out
 
-    def _send_raw(self, header: dict, payload: bytes, mac: bytes = b"") -> None:
+    def _send_raw(self, header: dict, payload: bytes) -> None:
         h = msgpack.packb(header)
-        self.s.sendall(struct.pack(">I", len(h)) + h + payload + mac)
+        self.s.sendall(struct.pack(">I", len(h)) + h + payload)
 
-    def send(self, header: dict, payload: bytes, mac: bytes | None = None) -> None:
-        h = msgpack.packb(header)
-        self._send_raw(header, payload, frame_mac(self.key, self.seq, h, payload) if mac is None else mac)
+    def send(self, header: dict, payload: bytes, tag: bytes | None = None) -> None:
+        """A frame sealed as the backend seals it (`tag`: a wrong one in its place)."""
+        sealed = seal_payload(self.aead, self.seq, msgpack.packb(header), payload)
+        self._send_raw(header, sealed if tag is None else sealed[:-len(tag)] + tag)
         self.seq += 1
 
     def closed(self, timeout: float = 5) -> bool:
@@ -285,7 +288,7 @@ def test_a_frame_that_breaks_the_stream_ends_its_connection_only(frame_kind):
         if frame_kind == "oversized":  # more bytes than a layer of the whole cache: refused unread
             peer.send({"kind": "kv", "layer": 0, "runs": [[0, 8]], "nbytes": 1 << 40}, b"")
         elif frame_kind == "bad_mac":
-            peer.send({"kind": "notice", "nbytes": 1}, b"x", mac=b"\0" * 32)
+            peer.send({"kind": "notice", "nbytes": 1}, b"x", tag=b"\0" * 16)
         else:  # a frame sent again: its sequence number is past
             peer.send({"kind": "notice", "nbytes": 1}, b"x")
             peer.seq -= 1
