@@ -10,6 +10,7 @@ some backends have is a capability, and what a backend without it does is stated
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from pdserve.kvtransfer.metadata import KVAgentMetadata
+from pdserve.kvtransfer.wire import ReserveHandle
 
 # A backend's own handle of one post (an int, a Future, a CUDA event, None): opaque to the ends.
 Token = Any
@@ -67,6 +68,27 @@ class KVBackend(Protocol):
         """Post layers [first_layer, first_layer + num_layers) of the same blocks as one, on the
         caller's thread, after the work its stream has queued: only where `inline`."""
         raise NotImplementedError(f"{type(self).__name__} does not post inline")
+
+    # -- staging (kvtransfer/staging.py): a backend that can move a request's KV through slots --
+
+    def reserve_staging(self, peer_id: str | None, block_ids: list[int]) -> int | None:
+        """Decode end: a slot that takes every layer of a lease's blocks from peer_id (None:
+        whichever peer the lease names later), or None: the per-block path.
+        The default stages nothing, so the three below are only ever called on a backend that did."""
+        return None
+
+    def write_staged(self, handle: ReserveHandle, parts: list[Part]) -> list[Token]:
+        """Prefill end: post parts into the handle's staging slot on the decode end."""
+        raise NotImplementedError(f"{type(self).__name__} does not stage")
+
+    def unstage(self, slot: int, block_ids: list[int]) -> None:
+        """Decode end, every write landed: unpack the slot into the lease's blocks (ordered before
+        the caller's later device work) and free it."""
+        raise NotImplementedError(f"{type(self).__name__} does not stage")
+
+    def drop_staging(self, slot: int) -> None:
+        """Decode end, the lease ended without its KV and no write can land any more: free the slot."""
+        raise NotImplementedError(f"{type(self).__name__} does not stage")
 
     def state(self, token: Token) -> str:
         """'done' | 'pending' | 'failed' of a post."""

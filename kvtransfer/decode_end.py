@@ -93,7 +93,9 @@ class DecodeConnector:
                 prefill_id: str | None = None, cached_blocks: int = 0) -> ReserveHandle:
         """Open a lease on blocks the engine reserved (those to write, after the `cached_blocks`
         leading ones it holds already); the handle goes to the prefill worker."""
-        handle = ReserveHandle(request_id, self.meta.engine_id, list(block_ids), lease_s, cached_blocks)
+        slot = self.backend.reserve_staging(prefill_id, list(block_ids))
+        handle = ReserveHandle(request_id, self.meta.engine_id, list(block_ids), lease_s, cached_blocks,
+                               staging=-1 if slot is None else slot)
         self._leases[request_id] = _Lease(handle, prefill_id)
         self.backend.grant(prefill_id, request_id, handle.block_ids)  # (a backend that sees writes takes only these)
         return handle
@@ -114,18 +116,20 @@ class DecodeConnector:
                 continue
             self._end(n.request_id)
             if lease.closing:  # a finish too: every write landed, none can follow
-                out.settled.append(n.request_id)
+                self._settle(lease, out)
             elif n.kind is NoticeKind.FINISH:
+                if lease.handle.staging >= 0:  # every write landed in the slot: into the blocks
+                    self.backend.unstage(lease.handle.staging, lease.handle.block_ids)
                 out.done.append(Finished(n.request_id, n.first_token, n.logprob()))
             else:  # the prefill end gave up, and its writes have stopped
                 out.failed.append(n.request_id)
                 out.why[n.request_id] = f"the prefill worker {n.sender} gave up the KV transfer"
-                out.settled.append(n.request_id)
+                self._settle(lease, out)
         now = time.monotonic()
         for rid, lease in list(self._leases.items()):
             if lease.closing and lease.handle.deadline + self.settle_s < now:
                 self._end(rid)  # a silent or dead prefill end
-                out.settled.append(rid)
+                self._settle(lease, out)
             elif not lease.closing and lease.handle.deadline < now:
                 self._close(rid, lease)
                 out.failed.append(rid)
@@ -155,6 +159,12 @@ class DecodeConnector:
         """The lease is over: no write may land in its blocks from now on."""
         del self._leases[rid]
         self.backend.revoke(rid)
+
+    def _settle(self, lease: _Lease, out: DecodePoll) -> None:
+        """No write of the lease can land any more: its blocks (and staging slot) may be reused."""
+        if lease.handle.staging >= 0:
+            self.backend.drop_staging(lease.handle.staging)
+        out.settled.append(lease.handle.request_id)
 
     def _close(self, rid: str, lease: _Lease) -> None:
         lease.closing = True

@@ -54,6 +54,10 @@ class KVAgentMetadata:
     # backend "auto": every backend this worker offers -> {"agent_metadata", "address"} of its own;
     # a pair agrees on one at the handshake (kvtransfer/pairing.py).
     offers: dict = field(default_factory=dict)
+    # NIXL: the registered staging slots (kvtransfer/staging.py) a peer writes a request's KV into.
+    staging_addr: int = 0
+    staging_slots: int = 0
+    staging_slot_bytes: int = 0
 
     @classmethod
     def for_cache(cls, engine_id: str, backend: str, kv_cache: torch.Tensor, layout, fingerprint: str,

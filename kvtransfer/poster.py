@@ -138,7 +138,10 @@ class PostThread:
             op.ready.synchronize()
         t.nbytes += op.nbytes
         try:
-            t.tokens += self.backend.write_layers(op.handle.engine_id, op.parts)
+            if op.handle.staging >= 0:  # the decode end gave the request a staging slot
+                t.tokens += self.backend.write_staged(op.handle, op.parts)
+            else:
+                t.tokens += self.backend.write_layers(op.handle.engine_id, op.parts)
         except Exception:  # a bad handle or a broken peer fails this request, not the thread
             self.transfers.fail(op.request_id)
 

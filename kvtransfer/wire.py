@@ -31,6 +31,9 @@ class ReserveHandle:
     block_ids: list[int]  # the blocks to write, the same ids in every layer
     lease_s: float  # after it the blocks are reclaimed on both sides
     cached_blocks: int = 0  # the request's leading blocks the decode engine holds already
+    # The decode end's staging slot for the request (kvtransfer/staging.py), -1 for none: the
+    # prefill end then writes into `block_ids` directly.
+    staging: int = -1
     start: float = field(default_factory=time.monotonic, compare=False)
 
     @property
@@ -49,9 +52,11 @@ class ReserveHandle:
         return dst
 
     def pack(self) -> bytes:
-        return msgpack.packb({"request_id": self.request_id, "engine_id": self.engine_id,
-                              "block_ids": self.block_ids, "lease_s": self.lease_s,
-                              "cached_blocks": self.cached_blocks})
+        d = {"request_id": self.request_id, "engine_id": self.engine_id, "block_ids": self.block_ids,
+             "lease_s": self.lease_s, "cached_blocks": self.cached_blocks}
+        if self.staging >= 0:  # no slot: not on the wire at all
+            d["staging"] = self.staging
+        return msgpack.packb(d)
 
     @classmethod
     def unpack(cls, data: bytes) -> "ReserveHandle":

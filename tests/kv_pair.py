@@ -32,30 +32,45 @@ def context():
 
 
 def engine_config(role: str, seed: int, device: str, model: str = "tiny-moe",
-                  kv_cache_dtype: str = "auto") -> EngineConfig:
+                  kv_cache_dtype: str = "auto", num_blocks: int = NUM_BLOCKS) -> EngineConfig:
     """`model` (tiny-moe) with the torch reference kernels everywhere: the test is about moving KV, and the
     colocated oracle must compute each decode row with the same kernel as the decode side. (The
     Triton path picks kernels by a step's shape — a decode row mixed into a prefill step takes the
     prefill kernel — and tiny-moe's random weights leave near-ties that rounding can flip;
     tests/test_gpu_engine.py checks the Triton path against this reference.)"""
     return EngineConfig(model=ModelConfig(path=model, seed=seed, kv_cache_dtype=kv_cache_dtype), role=role, device=device,
-                        num_kv_blocks=NUM_BLOCKS, chunk_size=256, max_num_batched_tokens=256,
+                        num_kv_blocks=num_blocks, chunk_size=256, max_num_batched_tokens=256,
                         attention_backend="torch", moe_backend="torch")
 
 
-def _engine(role: str, seed: int, fragment: bool, device: str = "cpu", model: str = "tiny-moe",
+def _engine(role: str, seed: int, fragment: bool | str, device: str = "cpu", model: str = "tiny-moe",
             kv_cache_dtype: str = "auto"):
     import torch
 
     from pdserve.engine.engine import Engine
 
     torch.set_num_threads(1)  # the pair shares the test machine's cores (with the test and its neighbours)
-    engine = Engine(engine_config(role, seed, device, model, kv_cache_dtype))
-    if fragment:
+    scattered = fragment == "scattered"  # twice the blocks, every second held: as many free as the others
+    engine = Engine(engine_config(role, seed, device, model, kv_cache_dtype, NUM_BLOCKS * (2 if scattered else 1)))
+    if scattered:
+        # Hold every second block: each allocation afterwards is single blocks, none next to another.
+        held = engine.pool.allocate(2 * NUM_BLOCKS)
+        engine.pool.free([b for i, b in enumerate(held) if i % 2])
+    elif fragment:
         # Hold every third block: each allocation afterwards is scattered over small runs.
         held = engine.pool.allocate(NUM_BLOCKS // 3 * 3)
         engine.pool.free([b for i, b in enumerate(held) if i % 3])
     return engine
+
+
+def staging(backend: KVBackend) -> dict | None:
+    """A NIXL backend's staging slots: idle, slots, leases given one, posts gathered into one and
+    posts written block run by block run into the peer's slot; None for another backend."""
+    pool = getattr(backend, "staging", None)
+    if pool is None:
+        return None
+    return {"idle": pool.idle(), "slots": pool.slots, "given": backend.slots_given,
+            "gathered": backend.posts_gathered, "direct": backend.posts_direct}
 
 
 def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str, model: str = "tiny-moe",
@@ -107,6 +122,8 @@ def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str, mo
                 conn.send(connector.backend.notify(*args))
             elif cmd == "delivered":  # (KV bytes, seconds) of each request delivered since the last call
                 conn.send(connector.delivered())
+            elif cmd == "staging":
+                conn.send(staging(connector.backend))
             elif cmd == "profile":  # the engine's step profile (tokens computed, prefix-cache lookups)
                 conn.send(engine.profile.snapshot())
             elif cmd == "exit":
@@ -172,6 +189,8 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str, mod
                            engine.layout.bytes_per_token * engine.layout.block_size))
             elif cmd == "dropped":  # notices dropped unread, by why
                 conn.send(dict(connector.dropped))
+            elif cmd == "staging":
+                conn.send(staging(connector.backend))
             elif cmd == "logprobs":  # each output's logprob entries, per request, since the last call
                 conn.send(dict(logprobs))
                 logprobs.clear()
@@ -183,10 +202,29 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str, mod
             conn.send(RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
+def assert_staging_idle(*workers: "Worker", used: str | None = None) -> None:
+    """Every staging slot of these (NIXL) workers is back in its pool, as blocks are in theirs;
+    `used`: a counter that must have moved on each (slots were held: "given", "gathered")."""
+    for w in workers:
+        s = w.call("staging")
+        assert s is None or s["idle"] == s["slots"], s
+        assert s is None or used is None or s[used] > 0, s
+
+
+def assert_staged(p: "Worker", d: "Worker", fragment: bool | str) -> None:
+    """A NIXL pair moved KV through staging slots where blocks are fragmented or scattered (leases
+    got one, posts were gathered into one), and not where each request's blocks are one run."""
+    ps, ds = p.call("staging"), d.call("staging")
+    if fragment:
+        assert ds["given"] > 0 and ps["gathered"] > 0, (ps, ds)
+    else:
+        assert ds["given"] == 0 and ps["gathered"] == 0, (ps, ds)
+
+
 class Worker:
     """A child process and its command pipe."""
 
-    def __init__(self, target, backend: str, seed: int = 0, fragment: bool = False, device: str = "cpu",
+    def __init__(self, target, backend: str, seed: int = 0, fragment: bool | str = False, device: str = "cpu",
                  model: str = "tiny-moe", kv_cache_dtype: str = "auto"):
         ctx = context()
         self.conn, child = ctx.Pipe()
@@ -218,7 +256,7 @@ class Worker:
                 self.kill()
 
 
-def start_pair(backend: str, fragment: bool = False, prefill_seed: int = 0,
+def start_pair(backend: str, fragment: bool | str = False, prefill_seed: int = 0,
                devices: tuple[str, str] | None = None, model: str = "tiny-moe",
                kv_cache_dtype: str = "auto") -> tuple[Worker, Worker]:
     """A connected prefill/decode pair (handshake done both ways) of `model` (a preset or an HF

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_checkpoints import build_checkpoint, checkpoint_path, clear_prompts, write_tokenizer
-from kv_pair import start_pair
+from kv_pair import assert_staged, assert_staging_idle, start_pair
 from pdserve.config import ConfigError, EngineConfig, ModelConfig, load_cluster_config
 from pdserve.engine.engine import Engine
 from pdserve.forward.forward_batch import ForwardBatch
@@ -209,9 +209,11 @@ PAIR_PROMPT_LENS = [1, 15, 16, 17, 200]
 GREEDY = dict(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("backend,model,fragment", [("nixl", "tiny-moe", True), ("tcp", "tiny-moe", False),
-                                                    ("nixl", "deepseek_v2", False)],
-                         ids=["nixl-tiny-moe-fragmented", "tcp-tiny-moe", "nixl-deepseek_v2"])
+@pytest.mark.parametrize("backend,model,fragment", [
+    ("nixl", "tiny-moe", False), ("nixl", "tiny-moe", True), ("nixl", "tiny-moe", "scattered"),
+    ("tcp", "tiny-moe", False), ("nixl", "deepseek_v2", False)],
+    ids=["nixl-tiny-moe", "nixl-tiny-moe-fragmented", "nixl-tiny-moe-scattered", "tcp-tiny-moe",
+         "nixl-deepseek_v2"])
 def test_disaggregated_fp8_equals_colocated_fp8(backend, model, fragment, deepseek):
     """Prefill and decode in two processes, both FP8, over a real backend: the decode side continues
     exactly as a colocated FP8 engine does (the bytes land as they were written, scales agreed in
@@ -239,6 +241,9 @@ def test_disaggregated_fp8_equals_colocated_fp8(backend, model, fragment, deepse
         blocks = sorted(math.ceil(len(q) / layout.block_size) for q in prompts)
         assert moved == [b * layout.block_size * values_per_token for b in blocks]
         assert layout.bytes_per_token == values_per_token  # float32 would be 4x, bfloat16 2x
+        if backend == "nixl":  # the FP8 bytes through the staging slots as they are
+            assert_staged(p, d, fragment)
+        assert_staging_idle(p, d)
     finally:
         p.stop()
         d.stop()

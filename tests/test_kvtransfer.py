@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from hf_checkpoints import build_checkpoint, write_tokenizer
-from kv_pair import (LoopbackBackend, Worker, _decode_main, _prefill_main, loopback_connectors, loopback_pair,
-                     start_pair, tiny_kv)
+from kv_pair import (LoopbackBackend, Worker, _decode_main, _prefill_main, assert_staged, assert_staging_idle,
+                     loopback_connectors, loopback_pair, start_pair, tiny_kv)
 from pdserve.messages import Request
 from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.kvtransfer.wire import Notice, ReserveHandle
@@ -55,15 +55,26 @@ def transfer_all(p, d, ps, lease_s=30.0):
     return presults, dresults, (pfree, pidle), (dfree, didle)
 
 
+# Blocks as a fresh cache gives them (one run), fragmented (runs of two) and scattered (no two
+# next to each other), on both sides.
+LAYOUTS = [False, True, "scattered"]
+LAYOUT_IDS = ["fresh", "fragmented", "scattered"]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("fragment", [False, True], ids=["fresh", "fragmented"])
+@pytest.mark.parametrize("fragment", LAYOUTS, ids=LAYOUT_IDS)
 def test_disaggregated_greedy_equals_colocated(backend, fragment, colocated):
+    """NIXL moves fragmented and scattered KV through staging slots (five leases, four slots: one
+    takes the per-block path), fresh KV (one run a request) without."""
     p, d = start_pair(backend, fragment=fragment)
     try:
         presults, dresults, (pfree, pidle), (dfree, didle) = transfer_all(p, d, prompts())
         assert presults == {f"r{i}": True for i in range(len(PROMPT_LENS))}
         assert [dresults[f"r{i}"] for i in range(len(PROMPT_LENS))] == colocated
         assert pfree == pidle and dfree == didle
+        if backend == "nixl":
+            assert_staged(p, d, fragment)
+        assert_staging_idle(p, d)
     finally:
         p.stop()
         d.stop()
@@ -85,8 +96,11 @@ def mla_models(tmp_path_factory) -> dict[str, str]:
 MLA_PROMPT_LENS = [1, 15, 16, 17, 200]
 
 
-@pytest.mark.parametrize("backend,fragment", [("tcp", False), ("nixl", True)], ids=["tcp-fresh", "nixl-fragmented"])
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("family,backend,fragment", [
+    ("deepseek_v2", "tcp", False), ("deepseek_v2", "nixl", False), ("deepseek_v2", "nixl", True),
+    ("deepseek_v2", "nixl", "scattered"), ("deepseek_v3", "tcp", False), ("deepseek_v3", "nixl", True)],
+    ids=["v2-tcp-fresh", "v2-nixl-fresh", "v2-nixl-fragmented", "v2-nixl-scattered", "v3-tcp-fresh",
+         "v3-nixl-fragmented"])
 def test_mla_disaggregated_greedy_equals_colocated(family, backend, fragment, mla_models):
     """Multi-head Latent Attention: the cache holds one latent plane (kv_lora_rank + qk_rope_head_dim
     per token and layer, no V), and the backends move its blocks as they move K/V: the decode side
@@ -103,6 +117,9 @@ def test_mla_disaggregated_greedy_equals_colocated(family, backend, fragment, ml
         assert presults == {f"r{i}": True for i in range(len(ps))}
         assert [dresults[f"r{i}"] for i in range(len(ps))] == want
         assert pfree == pidle and dfree == didle
+        if backend == "nixl":  # the latent plane through the slots too
+            assert_staged(p, d, fragment)
+        assert_staging_idle(p, d)
     finally:
         p.stop()
         d.stop()
@@ -200,6 +217,12 @@ def test_decode_side_streams_the_first_tokens_logprob(backend):
             assert [lp.text for lp in got] == [lp.text for lp in w.logprobs]
 
 
+def fault_pair(backend: str):
+    """A pair for the fault tests: NIXL's with scattered blocks, so that every lease holds a staging
+    slot, which must come back as its blocks do."""
+    return start_pair(backend, fragment="scattered" if backend == "nixl" else False)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mismatched_fingerprint_is_refused(backend):
     p = Worker(_prefill_main, backend, seed=1)  # other dummy weights: another model
@@ -216,7 +239,7 @@ def test_mismatched_fingerprint_is_refused(backend):
 
 @pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_abort_from_either_side_frees_both(backend):
-    p, d = start_pair(backend)
+    p, d = fault_pair(backend)
     pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
     ps = prompts()
     try:
@@ -235,6 +258,8 @@ def test_abort_from_either_side_frees_both(backend):
         assert presults.get("a") is False and presults.get("b") is False
         assert dresults == {"a": "failed", "b": "failed"}
         assert pfree == pidle and dfree == didle
+        assert_staging_idle(d, used="given")
+        assert_staging_idle(p, used="gathered")
     finally:
         p.stop()
         d.stop()
@@ -244,7 +269,7 @@ def test_abort_from_either_side_frees_both(backend):
 def test_decode_abort_after_delivery_is_no_prefill_failure(backend):
     """The decode side aborts a request whose KV the prefill side has delivered but whose "finish"
     it has not read yet: the prefill side's result stays delivered, both pools come back idle."""
-    p, d = start_pair(backend)
+    p, d = fault_pair(backend)
     pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
     try:
         h = d.call("reserve", "late", prompts()[4], GREEDY, 30.0, pid)
@@ -257,6 +282,7 @@ def test_decode_abort_after_delivery_is_no_prefill_failure(backend):
         dresults, dfree, didle = d.call("run", 20)
         assert dresults == {"late": "failed"}  # aborted by the client: no tokens streamed
         assert pfree == pidle and dfree == didle
+        assert_staging_idle(p, d)
     finally:
         p.stop()
         d.stop()
@@ -264,7 +290,7 @@ def test_decode_abort_after_delivery_is_no_prefill_failure(backend):
 
 @pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_decode_killed_after_reserving_frees_prefill_blocks_within_lease(backend):
-    p, d = start_pair(backend)
+    p, d = fault_pair(backend)
     ps = prompts()
     try:
         h = d.call("reserve", "x", ps[4], GREEDY, 3.0, None)
@@ -275,6 +301,7 @@ def test_decode_killed_after_reserving_frees_prefill_blocks_within_lease(backend
         assert presults == {"x": False}
         assert time.time() - t0 < 15
         assert pfree == pidle
+        assert_staging_idle(p, used="gathered")
     finally:
         p.stop()
         d.stop()
@@ -282,7 +309,7 @@ def test_decode_killed_after_reserving_frees_prefill_blocks_within_lease(backend
 
 @pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_prefill_killed_mid_transfer_frees_decode_blocks(backend):
-    p, d = start_pair(backend)
+    p, d = fault_pair(backend)
     pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
     ps = prompts()
     try:
@@ -294,6 +321,7 @@ def test_prefill_killed_mid_transfer_frees_decode_blocks(backend):
         dresults, dfree, didle = d.call("run", 30)
         assert dresults == {"y": "failed"}
         assert dfree == didle
+        assert_staging_idle(d, used="given")
     finally:
         p.stop()
         d.stop()
@@ -303,7 +331,7 @@ def test_prefill_killed_mid_transfer_frees_decode_blocks(backend):
 def test_decode_abort_holds_blocks_until_the_prefill_side_stops_writing(backend):
     """A write posted before the abort may still land: the blocks are reused only once the prefill
     side answers (it answers after its writes stopped) or, if it stays silent, after the lease."""
-    p, d = start_pair(backend)
+    p, d = fault_pair(backend)
     pid = KVAgentMetadata.unpack(p.call("meta")).engine_id
     ps = prompts()
     lease_s = 2.0
@@ -319,15 +347,19 @@ def test_decode_abort_holds_blocks_until_the_prefill_side_stops_writing(backend)
         assert dresults == {"live": "failed"} and dfree == didle and time.time() - t0 < 20
         p.conn.recv()
         os.kill(p.proc.pid, signal.SIGSTOP)  # a silent prefill side: it never answers
+        assert_staging_idle(d)
         h = d.call("reserve", "silent", ps[4], GREEDY, lease_s, pid)
         held = didle - dfree_after_reserve(d)
         d.call("abort", "silent")
         _, dfree, _ = d.call("run", 0.5)
         assert didle - dfree == held > 0  # still held: the prefill side may yet write
+        s = d.call("staging")
+        assert s is None or s["idle"] == s["slots"] - 1  # and so is the slot it would write into
         t0 = time.time()
         _, dfree, _ = d.call("run", 30)
         assert dfree == didle  # the lease ran out and the settling time passed
         assert time.time() - t0 < 20
+        assert_staging_idle(d)
     finally:
         os.kill(p.proc.pid, signal.SIGCONT)
         p.stop()

@@ -41,7 +41,8 @@ class AutoBackend(KVBackend):
     waits = False  # the posting thread polls state(), whichever backend a peer has
 
     def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, host: str = "127.0.0.1",
-                 cluster_token: str | None = None, offer: list[str] | None = None):
+                 cluster_token: str | None = None, offer: list[str] | None = None,
+                 staging_slots: int = 4, staging_slot_mb: float = 64.0):
         from pdserve.kvtransfer.backends import make_backend
 
         self.meta = meta
@@ -50,20 +51,25 @@ class AutoBackend(KVBackend):
         try:
             for name in offer or available(kv_cache):
                 own = dataclasses.replace(meta, backend=name, offers={})
-                kw = {"host": host, "cluster_token": cluster_token} if name == "tcp" else {}
+                kw = ({"host": host, "cluster_token": cluster_token} if name == "tcp" else
+                      {"staging_slots": staging_slots, "staging_slot_mb": staging_slot_mb} if name == "nixl" else {})
                 self.backends[name] = make_backend(name, own, kv_cache, **kw)
-                meta.offers[name] = {"agent_metadata": own.agent_metadata, "address": own.address}
+                meta.offers[name] = {"agent_metadata": own.agent_metadata, "address": own.address,
+                                     "staging": [own.staging_addr, own.staging_slots, own.staging_slot_bytes]}
         except BaseException:
             self.close()
             raise
         self._route: dict[str, str] = {}  # peer -> its backend
+        self._staged: dict[int, str] = {}  # staging slot -> the backend that gave it
 
     def add_peer(self, peer: KVAgentMetadata) -> None:
         name = choose_backend(self.meta, peer).backend
         if peer.backend == "auto":  # the peer as that backend sees its peers
             offer = peer.offers[name]
+            addr, slots, slot_bytes = offer.get("staging", (0, 0, 0))
             peer = dataclasses.replace(peer, backend=name, agent_metadata=offer["agent_metadata"],
-                                       address=offer["address"], offers={})
+                                       address=offer["address"], offers={}, staging_addr=addr,
+                                       staging_slots=slots, staging_slot_bytes=slot_bytes)
         old = self._route.get(peer.engine_id)
         if old is not None and old != name:
             self.backends[old].remove_peer(peer.engine_id)
@@ -94,6 +100,27 @@ class AutoBackend(KVBackend):
 
     def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> _Token:
         return self.write_layers(peer_id, [(layer, src_blocks, dst_blocks)])[0]
+
+    def reserve_staging(self, peer_id: str | None, block_ids: list[int]) -> int | None:
+        """A slot of the peer's backend (none for a peer not named: its backend is not known yet)."""
+        name = self._route.get(peer_id)
+        if name is None:
+            return None
+        slot = self.backends[name].reserve_staging(peer_id, block_ids)
+        if slot is not None:
+            assert slot not in self._staged, "two backends stage: slots must be told apart"
+            self._staged[slot] = name
+        return slot
+
+    def write_staged(self, handle, parts: list[Part]) -> list[_Token]:
+        name = self._route[handle.engine_id]
+        return [_Token(name, self.backends[name].write_staged(handle, parts))]
+
+    def unstage(self, slot: int, block_ids: list[int]) -> None:
+        self.backends[self._staged.pop(slot)].unstage(slot, block_ids)
+
+    def drop_staging(self, slot: int) -> None:
+        self.backends[self._staged.pop(slot)].drop_staging(slot)
 
     def state(self, token: _Token) -> str:
         states = [self.backends[token.backend].state(t) for t in token.tokens]

@@ -8,6 +8,16 @@ so a run of consecutive blocks moves as one descriptor: checked with NIXL's tele
 (`descCount` is 1 for a 4000-block run, 4000 with merging skipped; tests/test_nixl_backend.py
 asserts it), which matters because UCX pays per descriptor (docs/benchmarks-history.md, KV transfer
 between two GPUs).
+
+Blocks that are not consecutive on both sides (a cache that has served traffic) still cost a
+descriptor each, so a lease the decode end could give a staging slot (`reserve_staging`) moves
+through slots instead (kvtransfer/staging.py): the posting thread gathers a post's blocks into one
+of our slots and writes it to the peer's slot as one descriptor per run of layers (one for a whole
+prompt), while the previous post is on the wire; the decode end scatters its slot into the blocks
+at the finish notice. With no slot of ours free (or a post larger than one), the post writes each
+run of blocks into the peer's slot directly: never a wait. Blocks in one run need no slot: the
+decode end gives none to a lease whose blocks are one run, and a post whose source blocks are one
+run is written without a gather.
 """
 
 import itertools
@@ -20,7 +30,11 @@ import numpy as np
 import torch
 
 from pdserve.kvtransfer.backend import KVBackend, Part
+from pdserve.kvtransfer.backends.nixl_rows import block_rows, descriptors, gathered_rows
+from pdserve.kvtransfer.blocks import runs
 from pdserve.kvtransfer.metadata import KVAgentMetadata
+from pdserve.kvtransfer.staging import StagingPool, cache_words, gather, layer_runs, scatter
+from pdserve.kvtransfer.wire import ReserveHandle
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +101,7 @@ class _Xfer:
     peer: str
     handle: object | None  # nixl_xfer_handle; None when there was nothing to post
     state: str  # "pending" | "done" | "failed" — cached once final
+    slot: int | None = None  # our staging slot the write reads: free once it cannot any more
 
 
 class NixlBackend(KVBackend):
@@ -96,7 +111,8 @@ class NixlBackend(KVBackend):
     waits = False  # NIXL has no blocking wait: the posting thread polls state(), driving progress
 
     def __init__(self, meta: KVAgentMetadata, kv_cache: torch.Tensor, telemetry: bool = False,
-                 close_timeout_s: float = 2.0, num_workers: int = 1, progress_thread: bool = False):
+                 close_timeout_s: float = 2.0, num_workers: int = 1, progress_thread: bool = False,
+                 staging_slots: int = 4, staging_slot_mb: float = 64.0):
         from pdserve.kvtransfer.backends.nixl_find import nixl_api
 
         api = nixl_api()  # only workers that use NIXL load it
@@ -111,10 +127,13 @@ class NixlBackend(KVBackend):
         self._closed = False
         self._peers: dict[str, _Peer] = {}
         self._xfers: dict[int, _Xfer] = {}
-        self._stuck: dict[int, object] = {}  # token -> xfer handle NIXL refused to release (in flight): retried later
+        self._stuck: dict[int, _Xfer] = {}  # token -> a transfer NIXL refused to release (in flight): retried later
         self._tokens = itertools.count()
         self._notices: list[bytes] = []
         self.refused = 0  # notices dropped: their sender was not a handshaked peer
+        self.slots_given = 0  # decode end: leases that got a staging slot
+        self.posts_gathered = 0  # prefill end: staged posts gathered into a slot of ours
+        self.posts_direct = 0  # prefill end: staged posts written run by run (no slot of ours, or one run)
         self._cuda_thread = _Bound()
 
         # No NIXL progress thread by default: it spins a core even when idle, and the connector
@@ -124,7 +143,15 @@ class NixlBackend(KVBackend):
                                                                   capture_telemetry=telemetry))
         # UCX workers post descriptors in parallel: with many descriptors per request it pays.
         self.agent.create_backend("UCX", {"num_workers": str(num_workers)})
-        self._reg = self.agent.register_memory(_regions(meta, self._dev), self._mem)
+        # Slots of one size, allocated and registered once: bounded, and no allocation per transfer.
+        self.staging = StagingPool(staging_slots, int(staging_slot_mb * 2**20), kv_cache.device)
+        self._cache = cache_words(kv_cache, meta.num_layers, meta.num_planes, meta.num_blocks)
+        regions = _regions(meta, self._dev)
+        if staging_slots:
+            regions.append((self.staging.base_addr, staging_slots * self.staging.slot_bytes, self._dev, ""))
+            meta.staging_addr, meta.staging_slots = self.staging.base_addr, staging_slots
+            meta.staging_slot_bytes = self.staging.slot_bytes
+        self._reg = self.agent.register_memory(regions, self._mem)
         try:
             self._local = self.agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT",
@@ -219,6 +246,118 @@ class NixlBackend(KVBackend):
             x.state = "failed"
         return token
 
+    # -- staging -------------------------------------------------------------------------------
+
+    def reserve_staging(self, peer_id: str | None, block_ids: list[int]) -> int | None:
+        """Decode end: a slot for every layer of the lease's blocks, or None: blocks in one run
+        (each layer's plane one descriptor already), none free, or the KV larger than a slot."""
+        m = self.meta
+        if len(runs(block_ids, block_ids)) <= 1:
+            return None
+        if not self.staging.fits(m.num_layers * m.num_planes * len(block_ids) * m.bytes_per_block):
+            return None
+        slot = self.staging.acquire()
+        self.slots_given += slot is not None
+        return slot
+
+    def unstage(self, slot: int, block_ids: list[int]) -> None:
+        """Decode end: scatter the slot into the lease's blocks on the caller's stream, then free it
+        (on a GPU once the scatter has read it)."""
+        m = self.meta
+        nbytes = m.num_layers * m.num_planes * len(block_ids) * m.bytes_per_block
+        scatter(self._cache, self.staging.view(slot, nbytes), block_ids)
+        after = None
+        if self._mem == "VRAM":
+            after = torch.cuda.Event()
+            after.record()
+        self.staging.release(slot, after=after)
+
+    def drop_staging(self, slot: int) -> None:
+        self.staging.release(slot)
+
+    def write_staged(self, handle: ReserveHandle, parts: list[Part]) -> list[int]:
+        """Post parts into the handle's slot on the peer: gathered into a slot of ours and written
+        as a descriptor per run of layers, or (no slot of ours) a descriptor per run of blocks."""
+        token = next(self._tokens)
+        peer = self._peers.get(handle.engine_id)
+        if peer is None:  # removed meanwhile: the request fails, the caller's thread goes on
+            self._xfers[token] = _Xfer(handle.engine_id, None, "failed")
+            return [token]
+        m, pm = self.meta, peer.meta
+        n = len(handle.block_ids)
+        if not (0 <= handle.staging < pm.staging_slots
+                and m.num_layers * m.num_planes * n * m.bytes_per_block <= pm.staging_slot_bytes):
+            raise ValueError(f"{handle.request_id}: staging slot {handle.staging} of {handle.engine_id} "
+                             f"cannot hold {n} blocks")
+        at = {b: i for i, b in enumerate(handle.block_ids)}
+        remote = pm.staging_addr + handle.staging * pm.staging_slot_bytes
+        groups = layer_runs(parts)
+        for first, count, src, dst in groups:
+            if not (0 <= first and first + count <= m.num_layers) or len(src) != len(dst):
+                raise ValueError(f"layers [{first}, {first + count}) with {len(src)} source and {len(dst)} "
+                                 f"destination blocks")
+            _blocks(src, m.num_blocks, "source")
+            if any(d not in at for d in dst):
+                raise ValueError(f"{handle.request_id}: destination blocks outside the lease")
+        nbytes = sum(count * m.num_planes * len(src) * m.bytes_per_block for _, count, src, _ in groups)
+        if nbytes == 0:
+            self._xfers[token] = _Xfer(handle.engine_id, None, "done")
+            return [token]
+        # Blocks in one run on both sides are a descriptor per layer and plane already: no gather.
+        contiguous = all(len(runs(src, [at[d] for d in dst])) == 1 for _, _, src, dst in groups)
+        slot = None if contiguous else self._take_slot(nbytes)
+        if slot is not None:
+            self.posts_gathered += 1
+            rows = self._gathered_rows(slot, groups, at, remote, n)
+        else:
+            self.posts_direct += 1
+            rows = block_rows(groups, m, remote, at, n)
+        self._start(token, handle.engine_id, pm, rows, slot)
+        return [token]
+
+    def _gathered_rows(self, slot: int, groups, at: dict[int, int], remote: int, n: int) -> list:
+        """Gather the groups into our slot; the rows from it into the peer's."""
+        placed = gather(self._cache, groups, self.staging.view(slot, self.staging.slot_bytes))
+        if self._mem == "VRAM":  # NIXL reads the slot in host order, after the gather it queued
+            torch.cuda.current_stream(self.kv.device).synchronize()
+        return gathered_rows(placed, self.staging.addr(slot), remote, at, n, self.meta.num_planes,
+                             self.meta.bytes_per_block)
+
+    def _start(self, token: int, peer_id: str, pm: KVAgentMetadata, rows: list, slot: int | None) -> None:
+        """Post one WRITE of these rows; a failure is reported through state(), never raised."""
+        if self._mem == "VRAM":
+            self._bind_cuda()
+        x = _Xfer(peer_id, None, "pending", slot)
+        self._xfers[token] = x
+        try:
+            mem, dev = _mem(pm.device)
+            local, remote = descriptors(rows, self._dev, dev)
+            x.handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self._mem),
+                                                  self.agent.get_xfer_descs(remote, mem), peer_id)
+            if self.agent.transfer(x.handle) == "ERR":
+                x.state = "failed"
+        except Exception as e:
+            log.warning("NIXL staged write to %s failed: %s", peer_id, e)
+            x.state = "failed"
+            if x.handle is None:  # nothing reads the slot
+                self._free_slot(x)
+
+    def _take_slot(self, nbytes: int) -> int | None:
+        """A slot of ours for a post of nbytes; writes that finished since give theirs back first."""
+        if not self.staging.fits(nbytes):
+            return None
+        slot = self.staging.acquire()
+        if slot is None:
+            for token in [t for t, x in self._xfers.items() if x.slot is not None]:
+                self.state(token)
+            slot = self.staging.acquire()
+        return slot
+
+    def _free_slot(self, x: _Xfer) -> None:
+        if x.slot is not None:
+            slot, x.slot = x.slot, None
+            self.staging.release(slot)
+
     def state(self, token: int) -> str:
         """'done' | 'pending' | 'failed' of a write (an unknown or released token reads 'failed')."""
         x = self._xfers.get(token)
@@ -231,6 +370,7 @@ class NixlBackend(KVBackend):
                 s = "ERR"
             if s == "DONE":
                 x.state = "done"
+                self._free_slot(x)  # the write read it all
             elif s != "PROC":
                 x.state = "failed"
         return x.state
@@ -239,7 +379,9 @@ class NixlBackend(KVBackend):
         """Free a write's handle; one still in flight is cancelled, or kept and retried later."""
         x = self._xfers.pop(token, None)
         if x is not None and x.handle is not None:
-            self._stuck[token] = x.handle
+            self._stuck[token] = x
+        elif x is not None:
+            self._free_slot(x)
         self._release_stuck()
 
     def settled(self, token: int) -> bool:
@@ -306,12 +448,13 @@ class NixlBackend(KVBackend):
 
     def _release_stuck(self) -> None:
         """Retry releasing handles NIXL refused before (their transfer may have ended by now)."""
-        for token, h in list(self._stuck.items()):
+        for token, x in list(self._stuck.items()):
             try:
-                h.release()
+                x.handle.release()
             except Exception:
                 continue
             del self._stuck[token]
+            self._free_slot(x)
 
     def _bind_cuda(self) -> None:
         """Make our GPU's context current on the calling thread: UCX's CUDA transports use it."""

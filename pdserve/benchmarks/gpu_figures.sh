@@ -8,6 +8,9 @@
 #   ep512    EP decode at 256 and 512 per rank with CUDA graphs captured up to 512 (--graph-max-batch)
 #   kv       KV transfer rate (cuda_ipc) and TTFT with layer-wise streaming; a 4k prompt's KV per cache
 #            layout (qwen3-30b-a3b, deepseek-v2-lite) and dtype (bf16, FP8)
+#   kvnixl   KV over NIXL through staging slots (nixl), without them (nixl-blocks) and cuda_ipc, same run:
+#            fresh, fragmented and scattered blocks at 4k and 16k, then the 16k TTFT with layer-wise
+#            streaming over NIXL (issue 43; 2 GPUs)
 #   tp       tensor parallelism: TP = 2 against one GPU (deepseek-v2-lite, qwen3-30b-a3b; 2 GPUs)
 #   goodput  the P:D configurations of deploy/pd4 through `pdserve up` (4 GPUs; GOODPUT_RATES="24 32 48 64"
 #            to look past the 32 req/s that three of them held on 2026-11-22)
@@ -62,6 +65,11 @@ for part in $parts; do
             --ttft 16384 --reps 9 --json "$out/kv.json"
         run kv-layouts python -m pdserve.benchmarks.kv_transfer --backend cuda_ipc --sizes 4096 --ttft 0 --reps 20 \
             --presets qwen3-30b-a3b deepseek-v2-lite --kv-cache-dtypes auto fp8_e4m3 --json "$out/kv-layouts.json" ;;
+    kvnixl)
+        run kvnixl python -m pdserve.benchmarks.kv_transfer --backends nixl nixl-blocks cuda_ipc --sizes 4096 16384 \
+            --ttft 0 --reps 9 --json "$out/kvnixl.json"
+        run kvnixl-ttft python -m pdserve.benchmarks.kv_transfer --backends nixl --sizes 4096 --ttft 16384 --reps 5 \
+            --json "$out/kvnixl-ttft.json" ;;
     tp)
         run tp python -m pdserve.benchmarks.tp_scaling --models deepseek-v2-lite qwen3-30b-a3b --profile \
             --json "$out/tp.json" ;;
@@ -89,6 +97,6 @@ for part in $parts; do
         run flip python -m pdserve.benchmarks.role_flip deploy/bench/flip/2p1d.yaml --rate 4 --input-len 1024 \
             --output-len 64 --log "$out/flip-up.log" --json "$out/flip.json" ;;
     *)
-        echo "[gpu-figures] unknown part $part (tests, engine, ep, ep512, kv, goodput, adaptive, flip)" ;;
+        echo "[gpu-figures] unknown part $part (tests, engine, ep, ep512, kv, kvnixl, tp, goodput, adaptive, flip)" ;;
     esac
 done

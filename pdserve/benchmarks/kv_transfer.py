@@ -1,16 +1,26 @@
 """KV transfer between two GPUs in two processes, against the raw GPU0 -> GPU1 copy rate.
 
-    python -m pdserve.benchmarks.kv_transfer [--backend nixl] [--sizes 1024 4096 16384 65536]
+    python -m pdserve.benchmarks.kv_transfer [--backends nixl] [--sizes 1024 4096 16384 65536]
                                              [--ttft 16384] [--json out.json]
-    python -m pdserve.benchmarks.kv_transfer --backend cuda_ipc --sizes 4096 --ttft 0 \\
+    python -m pdserve.benchmarks.kv_transfer --backends cuda_ipc --sizes 4096 --ttft 0 \\
         --presets qwen3-30b-a3b deepseek-v2-lite --kv-cache-dtypes auto fp8_e4m3
+    python -m pdserve.benchmarks.kv_transfer --backends nixl nixl-blocks cuda_ipc --sizes 4096 16384 --ttft 0
+    python -m pdserve.benchmarks.kv_transfer --cpu --backends nixl nixl-blocks tcp --sizes 4096 16384 --ttft 0
+
+`--backends`: each in turn, in the same run, against the same reference. nixl: through staging
+slots (kvtransfer/staging.py: gathered, written as one descriptor per run of layers, scattered by
+the decode end at the finish notice); nixl-blocks: NIXL without slots, a descriptor per run of
+blocks (the path before the slots); tcp; cuda_ipc. `--cpu`: CPU memory in both processes, the
+reference a 1 GiB copy in one process (what one core's memory bandwidth allows).
 
 Part 1: one request's KV moved by the connector — all layers in one post, for fresh (one run),
 fragmented (runs of 8 blocks) and scattered (runs of 1 block) allocations on both sides, and fresh
 posted layer by layer as layer-wise streaming posts it — for each preset's cache layout
 (`KVLayout.for_model`, as the engine builds it: K/V planes of the KV heads, or DeepSeek's one latent
 plane) in each `--kv-cache-dtypes` (auto: the model's bf16; fp8_e4m3: one byte a value), each pair
-with a decode process of its own. Reference: a 1 GiB cudaMemcpy peer copy, same run.
+with a decode process of its own. Reference: a 1 GiB cudaMemcpy peer copy, same run. Besides
+the prefill end's clock (finish notice sent), `landed`: until the decode process's poll has the KV
+in its blocks (a staged transfer's scatter included; an upper bound: the parent's pipe wakes it).
 For cuda_ipc also where the time goes: the posting calls' host time, the copy stream's time, the
 copy kernel alone on the same blocks, and the host cost of a post's pieces (`post costs`).
 Part 2: TTFT of a prompt prefilled by the real engine (dummy weights) with layer-wise streaming
@@ -86,26 +96,36 @@ def _decode_main(conn, backend: str, num_blocks: int, device: str, preset: str, 
             conn.send(conn_.reserve(rid, ids, 600.0).pack())
         elif cmd == "checksum":  # of the blocks a request landed in: compared with the source's
             conn.send(kv[:, :, args[0]].float().sum().item())
-        elif cmd == "wait":
+        elif cmd == "wait":  # -> (done, failed, perf_counter once the KV is in its blocks)
             deadline = time.time() + 120
             while time.time() < deadline:
                 p = conn_.poll()
                 if p.done or p.failed:
-                    conn.send((len(p.done), len(p.failed)))
+                    if device.startswith("cuda"):
+                        torch.cuda.synchronize()  # a staged transfer's scatter, queued by poll()
+                    conn.send((len(p.done), len(p.failed), time.perf_counter()))
                     break
                 time.sleep(0.0002)
             else:
-                conn.send((0, 0))
+                conn.send((0, 0, 0.0))
         elif cmd == "exit":
             conn_.close()
             conn.send(None)
             return
 
 
-def raw_copy_gbs(nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """GPU0 -> GPU1 copy rate (GB/s), median of reps, the link's ceiling for part 1."""
-    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda:0")
-    dst = torch.empty_like(src, device="cuda:1")
+def raw_copy_gbs(nbytes: int = 1 << 30, reps: int = 10, cpu: bool = False) -> float:
+    """GPU0 -> GPU1 copy rate (GB/s), median of reps, the link's ceiling for part 1 (`cpu`: a copy
+    between two CPU buffers of one process)."""
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cpu" if cpu else "cuda:0")
+    dst = torch.empty_like(src, device="cpu" if cpu else "cuda:1")
+    if cpu:
+        times = []
+        for _ in range(reps + 2):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return nbytes / statistics.median(times[2:]) / 1e9
     times = []
     for _ in range(reps + 2):
         torch.cuda.synchronize(0)
@@ -119,7 +139,8 @@ def raw_copy_gbs(nbytes: int = 1 << 30, reps: int = 10) -> float:
 
 
 def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KVLayout,
-              kv: torch.Tensor | None = None, post: str = "whole", split: dict | None = None) -> tuple[float, float]:
+              kv: torch.Tensor | None = None, post: str = "whole", split: dict | None = None
+              ) -> tuple[float, float, float]:
     """Seconds from the first post until (a) the finish notice is on its way to the decode
     process — every byte written; the connector's own clock (`delivered()`), which starts before
     the first post's host work — and (b) the caller, waiting on the prefill end, has been told
@@ -130,7 +151,8 @@ def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KV
     `stream_ms`, the copy stream's time from the first post's arrival to the last copy's end (the
     posting's launch latency and the copies); `waited_ms`, from the first post until the
     completion thread's wait for the copy returned (its excess over `stream_ms` is the detection
-    lag); `notify_us`, the finish notice's send."""
+    lag); `notify_us`, the finish notice's send. Third: seconds until the decode process's poll
+    had the KV in its blocks (see the module's docstring)."""
     from pdserve.kvtransfer import ReserveHandle
 
     n_blocks = -(-n_tokens // BLOCK)
@@ -159,7 +181,8 @@ def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KV
     dt = time.perf_counter() - t0
     assert done == [rid], (done, failed)
     (_, notice_s), = prefill.delivered()
-    assert decode_call(decode, "wait") == (1, 0)
+    *counts, landed = decode_call(decode, "wait")
+    assert counts == [1, 0], counts
     if kv is not None:  # the bytes arrived where they belong
         got = decode_call(decode, "checksum", handle.block_ids)
         want = kv[:, :, src].float().sum().item()
@@ -170,7 +193,7 @@ def move_once(prefill, decode, rid: str, n_tokens: int, pattern: str, layout: KV
         split.setdefault("stream_ms", []).append(marks[0].elapsed_time(marks[1]))
         split.setdefault("waited_ms", []).append(1e3 * (stamps["waited"] - t0))
         split.setdefault("notify_us", []).append(1e6 * (stamps["sent"] - stamps["send"]))
-    return notice_s, dt
+    return notice_s, dt, landed - t0
 
 
 def _stamp_completion(backend) -> dict:
@@ -217,9 +240,13 @@ def kernel_only_ms(prefill, peer: str, n_tokens: int, pattern: str, layout: KVLa
 
 
 def backend_kw(args) -> dict:
+    """The backend's options for args.variant: nixl with staging slots large enough for the
+    largest request (one for a post, one for a lease), nixl-blocks with none."""
     if args.backend != "nixl":
         return {}
-    return {"num_workers": args.nixl_workers, "progress_thread": args.nixl_progress_thread}
+    slot_mb = max(args.sizes + [args.ttft]) * layout_for(1).bytes_per_token / 2**20
+    return {"num_workers": args.nixl_workers, "progress_thread": args.nixl_progress_thread,
+            "staging_slots": 2 if args.variant == "nixl" else 0, "staging_slot_mb": slot_mb}
 
 
 def decode_call(decode, *msg):
@@ -294,18 +321,20 @@ def part1(args, decode, prefill, layout, kv, peer: str) -> list[dict]:
     for n in args.sizes:
         nbytes = n * layout.bytes_per_token
         for pattern, post in cases:
-            name = f"{PRESET}-{KV_CACHE_DTYPE}-{pattern}-{post}-{n}"
+            name = f"{args.variant}-{PRESET}-{KV_CACHE_DTYPE}-{pattern}-{post}-{n}"
             move_once(prefill, decode, f"{name}-check", n, pattern, layout, kv=kv, post=post)  # also warms up
             split: dict = {}
             both = [move_once(prefill, decode, f"{name}-{i}", n, pattern, layout, post=post, split=split)
                     for i in range(args.reps)]
-            times, seen = [b[0] for b in both], [b[1] for b in both]
-            t, c = statistics.median(times), statistics.median(seen)
-            rows.append({"preset": PRESET, "kv": KV_CACHE_DTYPE, "bytes_per_token": layout.bytes_per_token,
+            times, seen, landed = ([b[i] for b in both] for i in range(3))
+            t, c, land = statistics.median(times), statistics.median(seen), statistics.median(landed)
+            rows.append({"backend": args.variant, "preset": PRESET, "kv": KV_CACHE_DTYPE,
+                         "bytes_per_token": layout.bytes_per_token,
                          "tokens": n, "pattern": pattern, "post": post, "MB": round(nbytes / 1e6, 1),
-                         "ms": round(t * 1e3, 3), "GB/s": round(nbytes / t / 1e9, 1),
+                         "ms": round(t * 1e3, 3), "GB/s": round(nbytes / t / 1e9, 3),
                          "ms_all": [round(x * 1e3, 3) for x in times],
-                         "caller_ms": round(c * 1e3, 3), "caller_GB_s": round(nbytes / c / 1e9, 1)})
+                         "caller_ms": round(c * 1e3, 3), "caller_GB_s": round(nbytes / c / 1e9, 3),
+                         "landed_ms": round(land * 1e3, 3), "landed_GB_s": round(nbytes / land / 1e9, 3)})
             if split:
                 rows[-1].update({k: round(statistics.median(v), 3 if k.endswith("ms") else 1)
                                  for k, v in split.items()})
@@ -350,7 +379,9 @@ def one_layout(args, dev0: str, dev1: str, num_blocks: int, first: bool) -> tupl
 def main() -> None:
     global PRESET, KV_CACHE_DTYPE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="nixl", choices=["nixl", "tcp", "cuda_ipc"])
+    ap.add_argument("--backends", "--backend", nargs="+", default=["nixl"],
+                    choices=["nixl", "nixl-blocks", "tcp", "cuda_ipc"],
+                    help="each in turn, same run (nixl-blocks: NIXL without staging slots)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     ap.add_argument("--ttft", type=int, default=16384, help="prompt tokens for part 2 (first layout); 0 skips it")
     ap.add_argument("--reps", type=int, default=5)
@@ -367,43 +398,51 @@ def main() -> None:
     dev0, dev1 = ("cpu", "cpu") if args.cpu else ("cuda:0", "cuda:1")
     if not args.cpu:
         torch.cuda.set_device(0)
-    raw = float("nan") if args.cpu else raw_copy_gbs()
-    print(f"raw GPU0->GPU1 copy: {raw:.1f} GB/s", flush=True)
+    raw = raw_copy_gbs(cpu=args.cpu)
+    print(f"raw {'CPU' if args.cpu else 'GPU0->GPU1'} copy: {raw:.1f} GB/s", flush=True)
 
     # Scattered allocations need twice the blocks of the request; +8 for the offsets.
     num_blocks = 2 * -(-max(args.sizes + [args.ttft]) // BLOCK) + 8
-    rows, costs, ttft = [], None, None
+    rows, costs, ttft = [], None, {}
     layouts = [(p, d) for p in (args.presets or [args.model]) for d in args.kv_cache_dtypes]
-    for i, (PRESET, KV_CACHE_DTYPE) in enumerate(layouts):
-        r, c, t = one_layout(args, dev0, dev1, num_blocks, first=i == 0)
-        rows += r
-        costs, ttft = costs or c, ttft or t
+    for args.variant in args.backends:
+        args.backend = args.variant.removesuffix("-blocks")
+        for i, (PRESET, KV_CACHE_DTYPE) in enumerate(layouts):
+            r, c, t = one_layout(args, dev0, dev1, num_blocks, first=i == 0)
+            rows += r
+            costs = costs or c
+            if t:
+                ttft[args.variant] = t
 
     meta = {"date": datetime.date.today().isoformat(),
             "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
-            "backend": args.backend, "nixl_workers": args.nixl_workers,
+            "backends": args.backends, "nixl_workers": args.nixl_workers,
             "nixl_progress_thread": args.nixl_progress_thread, "torch": torch.__version__, "raw_copy_GB/s": round(raw, 1)}
-    print(f"\nraw GPU0->GPU1 copy {raw:.1f} GB/s ({meta['device']}, {args.backend})")
-    print("ms / % raw: first post -> finish notice sent (every byte written); caller: -> the waiting caller told")
-    print(f"{'preset':>16} {'kv':>8} {'B/token':>8} {'tokens':>7} {'pattern':>10} {'post':>6} {'MB':>8} {'ms':>9}"
-          f" {'GB/s':>7} {'% raw':>6} {'caller %':>8} {'post us':>8} {'stream ms':>9} {'waited ms':>9}"
+    print(f"\nraw {'CPU' if args.cpu else 'GPU0->GPU1'} copy {raw:.1f} GB/s ({meta['device']})")
+    print("ms / % raw: first post -> finish notice sent (every byte written); caller: -> the waiting caller told; "
+          "landed: -> the decode process's poll has the KV in its blocks")
+    print(f"{'backend':>11} {'preset':>16} {'kv':>8} {'B/token':>8} {'tokens':>7} {'pattern':>10} {'post':>6} {'MB':>8}"
+          f" {'ms':>9} {'GB/s':>7} {'% raw':>6} {'caller %':>8} {'landed ms':>9} {'landed %':>8}"
+          f" {'post us':>8} {'stream ms':>9} {'waited ms':>9}"
           f" {'notify us':>9} {'kernel ms':>9} {'kernel %':>8} {'pinned %':>8}")
     for r in rows:
         r["pct_raw"] = round(100 * r["GB/s"] / raw, 1)
         r["caller_pct_raw"] = round(100 * r["caller_GB_s"] / raw, 1)
+        r["landed_pct_raw"] = round(100 * r["landed_GB_s"] / raw, 1)
         if "kernel_GB_s" in r:
             r["kernel_pct_raw"] = round(100 * r["kernel_GB_s"] / raw, 1)
             r["kernel_pinned_pct_raw"] = round(100 * r["kernel_pinned_GB_s"] / raw, 1)
-        print(f"{r['preset']:>16} {r['kv']:>8} {r['bytes_per_token']:>8} {r['tokens']:>7} {r['pattern']:>10}"
-              f" {r['post']:>6} {r['MB']:>8} {r['ms']:>9} {r['GB/s']:>7} "
-              f"{r['pct_raw']:>6} {r['caller_pct_raw']:>8} {r.get('post_us', ''):>8} {r.get('stream_ms', ''):>9}"
+        print(f"{r['backend']:>11} {r['preset']:>16} {r['kv']:>8} {r['bytes_per_token']:>8} {r['tokens']:>7}"
+              f" {r['pattern']:>10} {r['post']:>6} {r['MB']:>8} {r['ms']:>9} {r['GB/s']:>7} "
+              f"{r['pct_raw']:>6} {r['caller_pct_raw']:>8} {r['landed_ms']:>9} {r['landed_pct_raw']:>8}"
+              f" {r.get('post_us', ''):>8} {r.get('stream_ms', ''):>9}"
               f" {r.get('waited_ms', ''):>9} {r.get('notify_us', ''):>9} {r.get('kernel_ms', ''):>9}"
               f" {r.get('kernel_pct_raw', ''):>8} {r.get('kernel_pinned_pct_raw', ''):>8}")
     if costs:
         print("post costs (host us): " + json.dumps(costs))
-    if ttft:
-        print(f"TTFT {ttft['tokens']} tokens: prefill only {ttft['prefill_only_ms']} ms, with streaming "
-              f"{ttft['prefill_streamed_ms']} ms, overhead {ttft['overhead_pct']} %")
+    for variant, t in ttft.items():
+        print(f"TTFT {t['tokens']} tokens ({variant}): prefill only {t['prefill_only_ms']} ms, with streaming "
+              f"{t['prefill_streamed_ms']} ms, overhead {t['overhead_pct']} %")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "transfer": rows, "post_costs_us": costs, "ttft": ttft}, f, indent=1)
@@ -467,7 +506,7 @@ def part2_run(args, decode, engine, conn) -> dict:
                 break
         dt = time.perf_counter() - t0
         assert done == [rid], (done, failed)
-        assert decode_call(decode, "wait") == (1, 0)
+        assert decode_call(decode, "wait")[:2] == (1, 0)
         return dt
 
     hook, engine.layer_hook = engine.layer_hook, None
