@@ -19,6 +19,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.ops.ep_exchange import EPExchange
 from pdserve.ops.expert_placement import ExpertPlacement
+from pdserve.worker.rendezvous import prove_members
 
 # How busy a rank is; the whole group acts on its busiest rank's state.
 IDLE, WAITING_FOR_KV, RUNNING = 0, 1, 2
@@ -34,6 +35,8 @@ class EPRank:
     store_port: int
     threshold: int = 1024  # a step whose largest batch has this many tokens exchanges by all-to-all
     replicated: list[int] = field(default_factory=list)  # hot experts with a copy on every rank
+    group_id: str = ""  # the group's name in its ranks' proofs (rendezvous.new_group_id)
+    token: str | None = field(default=None, repr=False)  # the cluster's, proven to the other ranks
 
 
 class EPGroup:
@@ -49,6 +52,7 @@ class EPGroup:
                                 timeout=timedelta(seconds=timeout_s))
         # The step agreement is host data: on GPUs it goes over gloo, never queued behind kernels.
         self._control = dist.new_group(backend="gloo") if backend == "nccl" else None
+        prove_members(me.rank, me.size, me.token, me.group_id, self._control)  # (the store takes anyone)
         self.rank, self.size = me.rank, me.size
         self.exchange = EPExchange(placement, device, me.threshold)
 

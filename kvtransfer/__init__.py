@@ -19,7 +19,7 @@ def make_connector(role: str, backend: str, engine_id: str, kv_cache, layout, fi
     cls = {"prefill": PrefillConnector, "decode": DecodeConnector}.get(role)
     if cls is None:
         raise ValueError(f"role: must be 'prefill' or 'decode', got {role!r}")
-    meta = KVAgentMetadata.for_cache(engine_id, backend, kv_cache, layout, fingerprint, host, cluster_token)
+    meta = KVAgentMetadata.for_cache(engine_id, backend, kv_cache, layout, fingerprint, host)
     if backend in ("tcp", "auto"):  # the socket backends listen on the node's address, and check the token
         kw.setdefault("cluster_token", cluster_token)
         if host:

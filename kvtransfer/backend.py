@@ -43,6 +43,16 @@ class KVBackend(Protocol):
         """Forget a peer; its writes in flight read as failed from then on."""
         ...
 
+    # -- leases (receiving side) -----------------------------------------------------------------
+
+    def grant(self, peer_id: str | None, request_id: str, block_ids: list[int]) -> None:
+        """The decode end opened a lease: `peer_id` (None: any handshaked peer) may write these
+        blocks until revoke(request_id). A backend that sees each write (tcp) refuses the others;
+        one whose peers write one-sided into registered memory (nixl, cuda_ipc) cannot, and ignores it."""
+
+    def revoke(self, request_id: str) -> None:
+        """The lease ended (KV arrived, or settled): its blocks take no more writes."""
+
     # -- writes ----------------------------------------------------------------------------------
 
     def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> Token:

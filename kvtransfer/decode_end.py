@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from pdserve.kvtransfer.backend import KVBackend
 from pdserve.kvtransfer.wire import FirstLogprob, Notice, NoticeKind, ReserveHandle
-from pdserve.kvtransfer.metadata import KVAgentMetadata, accept_peer
+from pdserve.kvtransfer.metadata import KVAgentMetadata, Replays, accept_peer
+from pdserve.kvtransfer.notice_seal import NoticeSeal
 from pdserve.kvtransfer.pairing import choose_backend
 
 
@@ -70,16 +71,19 @@ class DecodeConnector:
         self.cluster_token = cluster_token
         self.peers: dict[str, KVAgentMetadata] = {}
         self.pairs: dict[str, dict] = {}  # peer -> the handshake's record: backend chosen, why
+        self._replays = Replays()  # peers' records accepted lately
         self.settle_s = settle_s
         self._leases: dict[str, _Lease] = {}
+        self._seal = NoticeSeal(cluster_token, meta.engine_id)
+        self.dropped = self._seal.dropped  # notices dropped unread, by why (NoticeSeal)
 
     def metadata(self) -> bytes:
         """What this end publishes for the handshake (msgpack)."""
-        return self.meta.pack()
+        return self.meta.pack(self.cluster_token)
 
     def add_peer(self, data: bytes) -> str:
         """Handshake with a prefill worker; raises HandshakeError on any mismatch."""
-        peer = accept_peer(self.meta, data, self.cluster_token)
+        peer = accept_peer(self.meta, data, self.cluster_token, self._replays)
         self.backend.add_peer(peer)
         self.peers[peer.engine_id] = peer
         self.pairs[peer.engine_id] = choose_backend(self.meta, peer).record(self.meta, peer)
@@ -93,16 +97,24 @@ class DecodeConnector:
         handle = ReserveHandle(request_id, self.meta.engine_id, list(block_ids), lease_s, cached_blocks,
                                staging=-1 if slot is None else slot)
         self._leases[request_id] = _Lease(handle, prefill_id)
+        self.backend.grant(prefill_id, request_id, handle.block_ids)  # (a backend that sees writes takes only these)
         return handle
 
     def poll(self) -> DecodePoll:
         """Requests whose KV has fully arrived, ones that failed, and ones whose blocks may be reused."""
         out = DecodePoll()
         for payload in self.backend.notifications():
-            n = Notice.unpack(payload)
-            lease = self._leases.pop(n.request_id, None)
+            n = self._seal.receive(payload)
+            if n is None:
+                continue
+            lease = self._leases.get(n.request_id)
             if lease is None:
                 continue  # a late notice of a lease settled already
+            if n.sender != lease.prefill_id and (lease.prefill_id is not None or n.sender not in self.peers):
+                self._seal.drop("not_the_lease_holder", f"{n.kind} of {n.request_id} from {n.sender!r}, "
+                                                   f"whose lease is {lease.prefill_id!r}'s")
+                continue
+            self._end(n.request_id)
             if lease.closing:  # a finish too: every write landed, none can follow
                 self._settle(lease, out)
             elif n.kind is NoticeKind.FINISH:
@@ -116,7 +128,7 @@ class DecodeConnector:
         now = time.monotonic()
         for rid, lease in list(self._leases.items()):
             if lease.closing and lease.handle.deadline + self.settle_s < now:
-                del self._leases[rid]  # a silent or dead prefill end
+                self._end(rid)  # a silent or dead prefill end
                 self._settle(lease, out)
             elif not lease.closing and lease.handle.deadline < now:
                 self._close(rid, lease)
@@ -143,6 +155,11 @@ class DecodeConnector:
         """Leases open or closing: poll() has something to wait for."""
         return bool(self._leases)
 
+    def _end(self, rid: str) -> None:
+        """The lease is over: no write may land in its blocks from now on."""
+        del self._leases[rid]
+        self.backend.revoke(rid)
+
     def _settle(self, lease: _Lease, out: DecodePoll) -> None:
         """No write of the lease can land any more: its blocks (and staging slot) may be reused."""
         if lease.handle.staging >= 0:
@@ -157,7 +174,8 @@ class DecodeConnector:
             # to, which is the lease's time left plus the handle's way there (settle_s covers it).
             refuse_s = max(lease.handle.deadline - time.monotonic(), 0.0) + self.settle_s
             try:
-                self.backend.notify(lease.prefill_id, Notice.abort(rid, self.meta.engine_id, refuse_s).pack())
+                self.backend.notify(lease.prefill_id,
+                                   self._seal.seal(Notice.abort(rid, self.meta.engine_id, refuse_s), lease.prefill_id))
             except Exception:  # a dead peer cannot be told: the blocks wait out the lease
                 pass
 

@@ -13,7 +13,7 @@ import torch
 
 from pdserve.kvtransfer.backend import KVBackend
 from pdserve.kvtransfer.wire import FirstLogprob, ReserveHandle
-from pdserve.kvtransfer.metadata import KVAgentMetadata, accept_peer
+from pdserve.kvtransfer.metadata import KVAgentMetadata, Replays, accept_peer
 from pdserve.kvtransfer.pairing import choose_backend
 from pdserve.kvtransfer.ops import Finish, PostLayers, Release
 from pdserve.kvtransfer.poster import CompletionThread, InlinePoster, PostThread
@@ -27,11 +27,13 @@ class PrefillConnector:
         self.cluster_token = cluster_token
         self.peers: dict[str, KVAgentMetadata] = {}
         self.pairs: dict[str, dict] = {}  # peer -> the handshake's record: backend chosen, why
+        self._replays = Replays()  # peers' records accepted lately
         self._outcomes = Outcomes()
         # A backend that can block until a post is done gets a completion thread, so delivery is
         # noticed at once rather than at the next poll.
         waits = queue.SimpleQueue() if backend.waits else None
-        self._transfers = Transfers(backend, meta.engine_id, self._outcomes, waits)
+        self._transfers = Transfers(backend, meta.engine_id, self._outcomes, waits, cluster_token)
+        self.dropped = self._transfers.seal.dropped  # notices dropped unread, by why (NoticeSeal)
         self._post = PostThread(backend, self._transfers, name=f"kv-post-{meta.engine_id}")
         # A backend that posts on the caller's thread (device-ordered, never blocking) skips the
         # hand-off to the posting thread.
@@ -51,11 +53,11 @@ class PrefillConnector:
 
     def metadata(self) -> bytes:
         """What this end publishes for the handshake (msgpack)."""
-        return self.meta.pack()
+        return self.meta.pack(self.cluster_token)
 
     def add_peer(self, data: bytes) -> str:
         """Handshake with a decode worker; raises HandshakeError on any mismatch."""
-        peer = accept_peer(self.meta, data, self.cluster_token)
+        peer = accept_peer(self.meta, data, self.cluster_token, self._replays)
         self._post.call(lambda: self.backend.add_peer(peer))
         self.peers[peer.engine_id] = peer
         self.pairs[peer.engine_id] = choose_backend(self.meta, peer).record(self.meta, peer)

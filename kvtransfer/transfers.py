@@ -7,6 +7,7 @@ import time
 from collections import OrderedDict
 
 from pdserve.kvtransfer.backend import KVBackend
+from pdserve.kvtransfer.notice_seal import NoticeSeal
 from pdserve.kvtransfer.wire import Notice, NoticeKind
 from pdserve.kvtransfer.ops import Finish, Opened, PostFailed, PostLayers, Release, Settled, State, Transfer
 
@@ -53,9 +54,11 @@ class Transfers:
     """Posting thread only, but for what `lock` guards: a transfer's state (the completion thread and
     inline posting read or move it) and the sets of requests that have no transfer (any more)."""
 
-    def __init__(self, backend: KVBackend, engine_id: str, outcomes: Outcomes, waits: queue.SimpleQueue | None):
+    def __init__(self, backend: KVBackend, engine_id: str, outcomes: Outcomes, waits: queue.SimpleQueue | None,
+                 cluster_token: str | None = None):
         self.backend = backend
         self.engine_id = engine_id
+        self.seal = NoticeSeal(cluster_token, engine_id)  # its `dropped`: notices refused unread
         self.outcomes = outcomes
         self.waits = waits  # the completion thread's queue, where there is one
         self.lock = threading.Lock()
@@ -114,7 +117,7 @@ class Transfers:
             case Finish(rid, first_token, first_logprob):
                 t = self._live.get(rid)
                 if t is not None:
-                    t.notice = Notice.finish(rid, first_token, first_logprob).pack()
+                    t.notice = self.seal.seal(Notice.finish(rid, first_token, first_logprob), t.handle.engine_id)
                     if self.waits is not None:
                         t.state = State.FINISHING
                         self.waits.put((rid, t))
@@ -137,7 +140,14 @@ class Transfers:
         expired transfers and (where no completion thread waits) deliver complete ones."""
         now = time.monotonic()
         for payload in self.backend.notifications():
-            n = Notice.unpack(payload)
+            n = self.seal.receive(payload)
+            if n is None:
+                continue
+            t = self._live.get(n.request_id)
+            if t is not None and t.handle.engine_id != n.sender:
+                self.seal.drop("not_the_lease_holder", f"{n.kind} of {n.request_id} from {n.sender!r}, "
+                                                      f"whose lease is {t.handle.engine_id!r}'s")
+                continue
             if n.kind is NoticeKind.ABORT:
                 self.fail(n.request_id, answer=n.sender, until=now + n.refuse_s)
         while self._aborted:  # an entry waits behind an older one at most that one's time
@@ -249,6 +259,6 @@ class Transfers:
     def _abort(self, peer: str, rid: str) -> None:
         """Tell a decode end to forget the request; a peer that cannot be told holds out its lease."""
         try:
-            self.backend.notify(peer, Notice.abort(rid, self.engine_id).pack())
+            self.backend.notify(peer, self.seal.seal(Notice.abort(rid, self.engine_id), peer))
         except Exception:
             pass

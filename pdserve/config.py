@@ -99,6 +99,9 @@ class ConfigError(ValueError):
 
 class RayConfig(_Strict):
     address: str = "local"  # local: start a Ray cluster here | auto: join the running one | ray://host:port
+    # Run on a joined (or multi-node) Ray cluster that answers callers without Ray's token: anyone
+    # who reaches it runs code on every node. Off: `pdserve up` refuses such a cluster.
+    allow_unauthenticated: bool = False
 
     @field_validator("address")
     @classmethod

@@ -279,8 +279,9 @@ class Lifecycle:
         fc = forecast_paths(self.gate.forecast, rs, room, tokens, cached, None)
         if fc.colocated_s is not None:  # the disaggregated side is asked only where it can be compared
             prefill = {n: h for n, h in rs.prefill.items() if rs.paired(n)}
-            remote_s = self._site_forecast(run, prefill, self._local_replicas(), tokens).remote_s
-            fc = forecast_paths(self.gate.forecast, rs, room, tokens, cached, remote_s)
+            sites = self._site_forecast(run, prefill, self._local_replicas(), tokens)
+            fc = forecast_paths(self.gate.forecast, rs, room, tokens, cached,
+                                self.prefill_site.path_s(tokens, bool(rs.health.live(prefill)), sites))
         path, why = self.prefill_site.choose_path(fc, per_replica(rs, colocated), per_replica(rs, decode))
         if path == COLOCATED:
             if (placed := await self._try_colocated_path(request, run, sent, why, fc.colocated_replica)) is not None:

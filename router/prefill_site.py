@@ -27,8 +27,8 @@ then picks remote or local) — `PrefillSite.choose_path`:
 - where both forecasts exist, the path whose first token comes sooner (why: "sooner"). Colocated:
   the quickest colocated replica's queue of our prompt tokens and this prompt at its fitted
   per-token cost, then one of its decode steps (it hands out the first token itself; no KV moves).
-  Disaggregated: the remote forecast above (a prefill replica's queue and this prompt, the KV's
-  move, a decode step);
+  Disaggregated: the forecast of the site the rule above picks there (remote: a prefill replica's
+  queue and this prompt, the KV's move, a decode step; local: a decode replica's, at its guard's pace);
 - without them (no steps measured yet), the path whose replicas hold fewer of our requests in
   flight per replica (why: "balance"), so that both kinds get traffic from the start;
 - a path whose replicas have no room for a new attempt gives it to the other (why: "room").
@@ -106,6 +106,12 @@ class PrefillSite:
             if f.remote_s is not None and f.local_s is not None:
                 return (LOCAL if f.local_s < f.remote_s else REMOTE), "sooner"
         return REMOTE, "long"
+
+    def path_s(self, tokens: int, prefill_can_take: bool, f: SiteForecast) -> float | None:
+        """The disaggregated path's forecast first token, for a mixed cluster's choice of path: at
+        the site `choose` would pick for the attempt (remote, or local on a decode replica)."""
+        site, _ = self.choose(tokens, prefill_can_take, lambda: f)
+        return f.local_s if site == LOCAL and f.local_s is not None else f.remote_s
 
     def choose_path(self, forecast: PathForecast, colocated_load: float,
                     disaggregated_load: float) -> tuple[str, str]:

@@ -14,6 +14,7 @@ from pdserve.tokenizer import load_tokenizer
 from pdserve.messages import ReplicaChange, RequestDelta
 
 from pdserve import heap
+from pdserve.priority import serve_now
 from pdserve.router.admission import AdmissionPolicy
 from pdserve.router.http_api import build_app
 from pdserve.router.listen import bind_listener, claim_shared
@@ -61,6 +62,7 @@ class Router:
         a thread of their own, before they are needed (the controller gives none: the workers'
         handles are of pdserve/worker/flip.py's torch-free actor). cluster_token: what the router
         proves to workers over the direct channel."""
+        serve_now()  # Ray started this process at nice 15: its loop streams every token (pdserve/priority.py)
         self.preloaded = threading.Thread(target=_import_all, args=(list(preload),), name="pdserve-preload",
                                           daemon=True)
         self.preloaded.start()

@@ -8,7 +8,7 @@ import os
 import time
 
 from serving_cluster import Cluster
-from steady_load import SteadyLoad
+from pdserve.benchmarks.load.steady import SteadyLoad
 
 RATE = 3.0  # requests a second: steady on 2 cores beside a replica that starts
 STEADY_S = 10.0  # the reference window, before any change

@@ -28,6 +28,7 @@ LONGEST_FIRST = [
     "test_multinode.py",  # 315 s
     "test_kvtransfer.py",  # 304 s
     "test_tune.py",  # 194 s
+    "test_cluster_auth.py",  # 137 s alone on the 2 cores (four Ray/pdserve starts)
     "test_tensor_parallel.py",  # 161 s
     "test_prefix_routing.py",  # 128 s
     "test_faults.py",  # 115 s

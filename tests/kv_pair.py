@@ -118,6 +118,8 @@ def _prefill_main(conn, backend: str, seed: int, fragment: bool, device: str, mo
                     time.sleep(0.002)
                 conn.send((dict(results), engine.pool.num_free_blocks, idle))
                 results.clear()
+            elif cmd == "notify":  # bytes sent as a notice to a peer over this worker's connection: a forgery
+                conn.send(connector.backend.notify(*args))
             elif cmd == "delivered":  # (KV bytes, seconds) of each request delivered since the last call
                 conn.send(connector.delivered())
             elif cmd == "staging":
@@ -185,6 +187,8 @@ def _decode_main(conn, backend: str, seed: int, fragment: bool, device: str, mod
             elif cmd == "counters":  # blocks reused from its prefix cache, KV bytes received; one block's bytes
                 conn.send((intake.blocks_reused, intake.bytes_received,
                            engine.layout.bytes_per_token * engine.layout.block_size))
+            elif cmd == "dropped":  # notices dropped unread, by why
+                conn.send(dict(connector.dropped))
             elif cmd == "staging":
                 conn.send(staging(connector.backend))
             elif cmd == "logprobs":  # each output's logprob entries, per request, since the last call

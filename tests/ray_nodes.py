@@ -7,10 +7,15 @@ exactly the processes started here — those whose command line names that direc
 children — never a global `ray stop`, which would end every other Ray cluster on the machine.
 Ports: the head's GCS takes any free one (`--port 0`), and every other port Ray opens is 0 or
 retried by Ray itself (the dashboard).
+
+Authentication as the README's recipe: token mode, the token in a secret file of this cluster's
+(`RAY_AUTH_TOKEN_PATH`), the same for every node and for a driver (`env()`); `token=False` starts
+a cluster without it (RAY_AUTH_MODE=disabled), for the tests of what refuses one.
 """
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -41,6 +46,7 @@ class LocalRayCluster:
     # 3 s x 5); until then a call to an actor on it waits, unanswered.
     health_check_period_ms: int = 500
     health_check_failure_threshold: int = 4
+    token: bool = True  # Ray's token authentication, as the README starts it
 
     def start(self) -> "LocalRayCluster":
         head, *workers = self.nodes
@@ -59,10 +65,21 @@ class LocalRayCluster:
     def env(self) -> dict[str, str]:
         """The environment a driver (`pdserve up`) joining this cluster runs in: token auth, as the
         nodes were started with, and this checkout on the path of every process."""
-        env = dict(os.environ, RAY_AUTH_MODE="token")
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+        env["RAY_AUTH_MODE"] = "token" if self.token else "disabled"
+        if self.token:
+            env["RAY_AUTH_TOKEN_PATH"] = str(self.token_path())
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
         return env
+
+    def token_path(self) -> Path:
+        """The cluster's secret: made once, readable by this user alone (the README's `umask 077`)."""
+        path = self.temp_dir / "ray-token"
+        if not path.exists():
+            path.touch(mode=0o600)
+            path.write_text(secrets.token_hex(32) + "\n")
+        return path
 
     def _ray_start(self, node: Node, args: list[str]) -> None:
         cmd = [str(Path(sys.executable).parent / "ray"), "start", *args, "--node-ip-address", node.ip,

@@ -119,10 +119,49 @@ def test_an_unauthenticated_peer_is_refused_and_logged_and_the_worker_serves_on(
         assert await asyncio.wait_for(ch.call(PREFILL, [request("y")]), 10) == [None]
         ch.close()
     asyncio.run(scenario())
-    assert [who for who, _ in worker.server.refused] == ["intruder", "?"]
-    assert "another cluster" in worker.server.refused[0][1]
+    assert worker.server.refused == {"other_cluster": 1, "not_a_router": 1}  # counted, not kept
     assert all(r == "router-0" for _, _, r in worker.taken)  # nothing of the refused ones was run
     assert sum("refused a connection" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_a_malformed_frame_of_a_proven_router_is_dropped_and_counted_and_the_connection_serves_on(worker):
+    """Past the hello: bytes that are no msgpack, an unknown kind, a call whose items are no requests
+    (answered with the error: its router does not wait out a deadline), an abort of no ids. Each is
+    dropped and counted; the same connection's next call is served. A frame over the cap ends the
+    connection, unread; the worker serves the next one."""
+    from pdserve.channel.wire import ANSWERS, CALLS, HELLO, LEN, MAX_FRAME_BYTES, frame, hello_proof, unframe
+
+    def read_frame(s: socket.socket) -> list:
+        (n,) = LEN.unpack(s.recv(LEN.size, socket.MSG_WAITALL))
+        return unframe(s.recv(n, socket.MSG_WAITALL))
+
+    def answer_of(s: socket.socket, seq: int) -> list:
+        while (f := read_frame(s))[0] != ANSWERS or f[1] != seq:
+            pass
+        return f
+
+    with socket.create_connection((worker.server.host, worker.server.port), timeout=10) as s:
+        nonce = s.recv(16)
+        s.sendall(frame(HELLO, "router-0", hello_proof(TOKEN, nonce, "router-0", "w0")))
+        assert read_frame(s)[:2] == ["welcome", True]
+        s.sendall(LEN.pack(5) + b"\xc1junk" + frame("gossip", 1) + frame(CALLS, 1, PREFILL, [["not", "a request"]])
+                  + frame(CALLS, 0, ABORT, [7]))
+        assert answer_of(s, 1)[2:] == [None, "BadFrame: a prefill call whose items are no requests"]
+        s.sendall(frame(CALLS, 2, PREFILL, [pack_request(request("ok"))]))
+        assert answer_of(s, 2)[2:] == [[None], None]
+        assert worker.server.dropped == {"malformed": 4}
+        s.sendall(LEN.pack(MAX_FRAME_BYTES + 1))
+        s.settimeout(10)
+        while s.recv(1 << 16):  # (beats, then the close)
+            pass
+    assert worker.server.dropped == {"malformed": 4, "oversized": 1}
+    assert [items[0].request.request_id for k, items, _ in worker.taken if k == PREFILL] == ["ok"]
+
+    async def scenario():  # and the worker serves on
+        ch = link(worker.server, TOKEN, router="router-1")
+        assert await asyncio.wait_for(ch.call(PREFILL, [request("after")]), 10) == [None]
+        ch.close()
+    asyncio.run(scenario())
 
 
 def test_a_silent_router_is_gone_within_the_deadline(worker):

@@ -1,7 +1,7 @@
 """Every cluster change under a steady load: no request fails, none stalls.
 
 A real `pdserve up` cluster per KV backend (nixl, tcp), two routers, and a steady Poisson load of
-short greedy streams through the OpenAI client (tests/steady_load.py) running the whole time. Each
+short greedy streams through the OpenAI client (pdserve/benchmarks/load/steady.py) running the whole time. Each
 case makes one change while the load runs — scale prefill up and down, decode up and down, both at
 once, scale while a worker is SIGKILLed, kill a router, kill the controller — and then checks what
 a user sees: 0 requests failed, TTFT p99 of the requests sent during the change within

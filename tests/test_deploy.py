@@ -41,14 +41,28 @@ RAYJOB = {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec
     "spec": {"type": "object", "required": ["entrypoint"], "additionalProperties": False, "properties": {
         "entrypoint": {"type": "string"},
         "clusterSelector": {"type": "object", "additionalProperties": {"type": "string"}},
-        "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode"]}}}}}
+        "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode"]},
+        "submitterPodTemplate": {"type": "object", "required": ["spec"]}}}}}
 
 
 def manifests() -> dict[str, dict]:
+    """kind -> the manifest; a kind of several (NetworkPolicy) -> {name: manifest}."""
     out = {}
     for path in sorted(KUBERAY.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
-            out[doc["kind"]] = doc
+            if doc["kind"] == "NetworkPolicy":
+                out.setdefault("NetworkPolicy", {})[doc["metadata"]["name"]] = doc
+            else:
+                out[doc["kind"]] = doc
+    return out
+
+
+def pod_templates(m: dict) -> dict[str, dict]:
+    """Every pod template the manifests make pods of: the RayCluster's groups and the RayJob's submitter."""
+    spec = m["RayCluster"]["spec"]
+    out = {"head": spec["headGroupSpec"]["template"]}
+    out |= {g["groupName"]: g["template"] for g in spec["workerGroupSpecs"]}
+    out["submitter"] = m["RayJob"]["spec"]["submitterPodTemplate"]
     return out
 
 
@@ -69,12 +83,12 @@ def k8s_validate(doc: dict) -> None:
 
 def test_every_manifest_is_there_and_core_kinds_validate_against_kubernetes():
     m = manifests()
-    assert set(m) == {"ConfigMap", "RayCluster", "RayJob", "Service"}
+    assert set(m) == {"ConfigMap", "NetworkPolicy", "RayCluster", "RayJob", "Service"}
     k8s_validate(m["ConfigMap"])
     k8s_validate(m["Service"])
-    spec = m["RayCluster"]["spec"]
-    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
-        t = group["template"]  # a pod template: validated as the Pod it becomes
+    for policy in m["NetworkPolicy"].values():
+        k8s_validate(policy)
+    for t in pod_templates(m).values():  # a pod template: validated as the Pod it becomes
         k8s_validate({"apiVersion": "v1", "kind": "Pod", "metadata": t.get("metadata", {}), "spec": t["spec"]})
 
 
@@ -131,3 +145,57 @@ def test_dockerfile_lints_clean():
     r = subprocess.run([hadolint, "--failure-threshold", "warning", str(KUBERAY.parent / "Dockerfile")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# -- who gets in ------------------------------------------------------------------------------------
+
+
+def test_every_pod_runs_as_a_user_that_is_not_root():
+    for name, t in pod_templates(manifests()).items():
+        pod = t["spec"]["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0, name
+        for c in t["spec"]["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, (name, c["name"])
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], (name, c["name"])
+    dockerfile = (KUBERAY.parent / "Dockerfile").read_text()
+    users = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
+    assert users, "the image has no USER: it would run as root"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) > 0, users[-1]  # numeric: what runAsNonRoot can check
+    assert int(uid) == pod_templates(manifests())["head"]["spec"]["securityContext"]["runAsUser"]
+
+
+def test_every_ray_process_and_the_submitter_take_ray_s_token_from_the_secret():
+    for name, t in pod_templates(manifests()).items():
+        for c in t["spec"]["containers"]:
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", (name, c["name"])
+            ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+            assert ref["name"] == "pdserve-secrets" and ref["key"] == "ray-token", (name, ref)
+            assert not ref.get("optional"), f"{name}: a pod without the Secret must not start open"
+    dockerfile = (KUBERAY.parent / "Dockerfile").read_text()
+    assert "ENV RAY_AUTH_MODE=token" in dockerfile
+
+
+def test_network_policies_let_only_the_cluster_s_pods_in_beside_the_service_s_ports():
+    m = manifests()
+    cluster = m["RayCluster"]["metadata"]["name"]
+    policies = m["NetworkPolicy"]
+    # Every pod of the cluster is selected by a policy whose only peer is the cluster itself.
+    inside = [p for p in policies.values() if p["spec"]["podSelector"]["matchLabels"] == {"ray.io/cluster": cluster}]
+    assert len(inside) == 1
+    assert inside[0]["spec"]["policyTypes"] == ["Ingress"]
+    assert inside[0]["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"ray.io/cluster": cluster}}}]}]
+    # Beyond that, open ports are the Service's two on the head, and the job API to the submitter alone.
+    service_ports = {p["targetPort"] for p in m["Service"]["spec"]["ports"]}
+    submitter = pod_templates(m)["submitter"]["metadata"]["labels"]
+    for p in policies.values():
+        if p is inside[0]:
+            continue
+        assert p["spec"]["podSelector"]["matchLabels"] == m["Service"]["spec"]["selector"]
+        for rule in p["spec"]["ingress"]:
+            ports = {q["port"] for q in rule["ports"]}
+            if "from" not in rule:
+                assert ports == service_ports, rule  # from anywhere: the routers' ports, never Ray's
+            else:
+                assert rule["from"] == [{"podSelector": {"matchLabels": submitter}}] and ports == {8265}, rule

@@ -2,7 +2,7 @@
 (`pdserve scale --role REPLICA=ROLE`) fails no request and stalls none.
 
 A real `pdserve up` cluster of 2 prefill + 1 decode replicas over NIXL, a steady Poisson load of
-short greedy streams through the OpenAI client (tests/chaos.py, tests/steady_load.py) the whole
+short greedy streams through the OpenAI client (tests/chaos.py, pdserve/benchmarks/load/steady.py) the whole
 time. Each flip must leave what every chaos change leaves: 0 requests failed, TTFT p99 of the
 requests sent during the flip within 2 x the steady p99 + 1 s, every KV block back to idle, every KV
 pair paired; and none waits over 1 s for its first token. Besides: the flipped worker keeps its

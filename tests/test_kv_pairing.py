@@ -2,8 +2,9 @@
 the pairs refused by name, and the cluster token: a peer of another cluster is refused at the
 handshake, and a TCP KV endpoint takes connections from handshaked peers of its cluster only."""
 
-import dataclasses
 import time
+
+import msgpack
 
 import pytest
 import torch
@@ -11,15 +12,15 @@ import torch
 from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.kvtransfer import make_connector
 from pdserve.kvtransfer.backends.tcp import PeerRefused, TcpBackend
-from pdserve.kvtransfer.metadata import HandshakeError, KVAgentMetadata, accept_peer
+from pdserve.kvtransfer.metadata import HandshakeError, KVAgentMetadata, Replays, accept_peer, cluster_proof
 from pdserve.kvtransfer.pairing import choose_backend
 
 LAYOUT = KVLayout(2, 8, 4, 2, 8, torch.float32, "kv")
 
 
-def meta(name: str, backend: str, host: str, device: str = "cpu", offers=("nixl", "tcp"), token=None):
+def meta(name: str, backend: str, host: str, device: str = "cpu", offers=("nixl", "tcp")):
     m = KVAgentMetadata.for_cache(name, backend, allocate_kv_cache(LAYOUT, torch.device("cpu")), LAYOUT, "tiny",
-                                  host, token)
+                                  host)
     m.device = device  # the choice reads the device as published: a GPU worker's needs no GPU here
     if backend == "auto":
         m.offers = {b: {"agent_metadata": b"", "address": ""} for b in offers}
@@ -60,19 +61,37 @@ def test_a_pair_that_cannot_work_is_refused_naming_why(a, b, says):
 
 
 def test_a_peer_of_another_cluster_is_refused_at_the_handshake():
-    ours, theirs = meta("d", "tcp", "h1", token="secret-1"), meta("p", "tcp", "h2", token="secret-2")
+    ours, theirs = meta("d", "tcp", "h1"), meta("p", "tcp", "h2")
     with pytest.raises(HandshakeError, match=r"peer 'p' \(host h2\) belongs to another cluster: its cluster token differs"):
-        accept_peer(ours, theirs.pack(), "secret-1")
-    same = meta("p", "tcp", "h2", token="secret-1")
-    assert accept_peer(ours, same.pack(), "secret-1").engine_id == "p"
-    forged = dataclasses.replace(same, engine_id="p2")  # a proof is bound to its worker's name
+        accept_peer(ours, theirs.pack("secret-2"), "secret-1")
+    assert accept_peer(ours, theirs.pack("secret-1"), "secret-1").engine_id == "p"
+    # A proof covers the whole record: one field changed on its way (here the KV's address) is refused.
+    record = msgpack.unpackb(theirs.pack("secret-1"))
+    record["base_addr"] += 4096
     with pytest.raises(HandshakeError, match="belongs to another cluster"):
-        accept_peer(ours, forged.pack(), "secret-1")
+        accept_peer(ours, msgpack.packb(record), "secret-1")
+
+
+def test_a_replayed_handshake_is_refused():
+    """A record accepted once is refused when it comes again, and so is one packed too long ago,
+    even though each proves the cluster's token; a fresh packing of the same worker is accepted."""
+    ours, theirs = meta("d", "tcp", "h1"), meta("p", "tcp", "h2")
+    seen = Replays()
+    record = theirs.pack("t")
+    accept_peer(ours, record, "t", seen)
+    with pytest.raises(HandshakeError, match=r"peer 'p'.s record was accepted once already: a replay"):
+        accept_peer(ours, record, "t", seen)
+    old = msgpack.unpackb(theirs.pack("t"))
+    old["issued_at"] -= Replays.WINDOW_S + 60
+    old["cluster_proof"] = cluster_proof("t", old)  # (proven: as one captured long ago would be)
+    with pytest.raises(HandshakeError, match=r"packed 360 s ago \(more than 300 s either way\): a replay"):
+        accept_peer(ours, msgpack.packb(old), "t", seen)
+    assert accept_peer(ours, theirs.pack("t"), "t", seen).engine_id == "p"
 
 
 def _tcp(name: str, token: str) -> TcpBackend:
     kv = allocate_kv_cache(LAYOUT, torch.device("cpu"))
-    return TcpBackend(KVAgentMetadata.for_cache(name, "tcp", kv, LAYOUT, "tiny", "127.0.0.1", token), kv,
+    return TcpBackend(KVAgentMetadata.for_cache(name, "tcp", kv, LAYOUT, "tiny", "127.0.0.1"), kv,
                       cluster_token=token)
 
 
@@ -81,6 +100,7 @@ def test_tcp_endpoint_takes_handshaked_peers_of_its_cluster_only():
     intruder = _tcp("prefill-9", "t1")
     try:
         receiver.add_peer(friend.meta)  # the handshake made prefill-0 a peer of decode-0
+        receiver.grant("prefill-0", "r", [5])  # and the decode end leased it block 5
         for sender in (friend, stranger, intruder):
             sender.add_peer(receiver.meta)
         before = receiver.kv.clone()
@@ -104,7 +124,7 @@ def test_tcp_endpoint_takes_handshaked_peers_of_its_cluster_only():
             stranger.write("decode-0", 0, [0], [0]).result(10)
         with pytest.raises(PeerRefused, match=r"refused 'prefill-9': 'prefill-9' is not a handshaked peer of 'decode-0'"):
             intruder.write("decode-0", 0, [0], [0]).result(10)
-        assert [w for w, _ in receiver.refused] == ["prefill-0", "prefill-9"]
+        assert receiver.refused == {"other_cluster": 1, "not_a_peer": 1}
         assert torch.equal(receiver.kv, before) and receiver.notifications() == []
     finally:
         for b in (receiver, friend, stranger, intruder):

@@ -155,3 +155,15 @@ def test_penalties_survive_overlap_and_a_move(engines):
     assert overlapped.pool.num_free_blocks == overlapped.pool.num_blocks and not overlapped.seqs
     assert not overlapped.runner.sampler._counts.rows  # every row given back
     assert not overlapped.runner.sampler._biases._of
+
+
+@pytest.mark.parametrize("batch", [1, 8, 9, 37])
+def test_the_kv_budget_reserves_what_a_full_batch_of_penalty_rows_takes(batch):
+    """TokenCounts.most_bytes (what kv_budget.py leaves free for the rows) covers the rows that a
+    batch of `batch` penalized sequences makes the table grow to."""
+    from pdserve.engine.logits_processors import TokenCounts
+
+    counts = TokenCounts(VOCAB, torch.device("cpu"))
+    counts.rows_of([_seq(f"r{i}", [1, 2], [], frequency_penalty=0.5) for i in range(batch)])
+    used = sum(t.numel() * t.element_size() for t in (counts.counts, counts.prompt, counts.penalties))
+    assert used <= TokenCounts.most_bytes(batch, VOCAB) < 2 * used + 8 * (VOCAB * 5 + 12)

@@ -414,3 +414,23 @@ def test_fingerprint(checkpoints):
     paths = [str(checkpoints[f].path) for f in ("llama", "qwen2")]
     fps = [model_fingerprint(p, resolve_model_args(p), torch.float32) for p in paths]
     assert fps[0] != fps[1] and fps[0] == model_fingerprint(paths[0], resolve_model_args(paths[0]), torch.float32)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "sub/../../outside.safetensors", "/dev/zero", "ABSOLUTE"])
+def test_index_naming_a_file_outside_the_model_directory_is_refused(checkpoints, tmp_path, shard):
+    """A checkpoint's index may only name files in its directory: `../x` and absolute paths (a real
+    safetensors file elsewhere, which would otherwise load) are refused naming the index and the shard."""
+    src = checkpoints["llama"].path
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            (model_dir / f.name).write_bytes(f.read_bytes())
+    weights = sorted(src.glob("*.safetensors"))[0]
+    (tmp_path / "outside.safetensors").write_bytes(weights.read_bytes())
+    if shard == "ABSOLUTE":
+        shard = str(tmp_path / "outside.safetensors")
+    index = model_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"model.embed_tokens.weight": shard}}))
+    with pytest.raises(ValueError, match=f"{index}.*{shard}.*outside the model directory"):
+        load_model(str(model_dir), torch.float32, "cpu")

@@ -134,6 +134,27 @@ def test_a_mixed_cluster_sends_each_attempt_down_the_path_whose_first_token_come
     assert cached < forecast_paths(fc, rs, ["c0"], 4096, {}, None).colocated_s
 
 
+def test_a_mixed_clusters_disaggregated_path_counts_its_local_site():
+    """Where the prefill pool is backed up, the disaggregated path's first token is its decode
+    replica's local prefill (the site the rule picks there), not the remote queue: a colocated
+    replica with some queue of its own then loses the attempt to it. In remote mode, the remote
+    forecast stands."""
+    fc, rs = cluster(decoders=8, prefill_queue=64 * 1024)
+    fc.prefill_cost["c0"], fc.decode_cost["c0"] = PREFILL, DECODE
+    rs.colocated = {"c0": None}
+    rs.stats["c0"] = ReplicaStats("c0", "colocated", 8, 0, 1000, 1000, 0)
+    rs.prompt_tokens |= {"c0": 8192}
+    sites = forecast_sites(SITE, fc, rs, ["p0"], ["d0"], 512, lambda names: {})
+    assert sites.local_s < sites.remote_s
+    assert SITE.path_s(512, True, sites) == sites.local_s
+    assert SITE.choose_path(forecast_paths(fc, rs, ["c0"], 512, {}, SITE.path_s(512, True, sites)), 0, 0) == \
+        (DISAGGREGATED, "sooner")
+    remote = PrefillSite(mode="remote")
+    assert remote.path_s(512, True, sites) == sites.remote_s
+    assert remote.choose_path(forecast_paths(fc, rs, ["c0"], 512, {}, remote.path_s(512, True, sites)), 0, 0) == \
+        (COLOCATED, "sooner")
+
+
 def test_without_forecasts_a_mixed_cluster_balances_requests_in_flight():
     fc, rs = cluster(decoders=0)
     rs.colocated = {"c0": None}  # no step measured there yet: no colocated forecast

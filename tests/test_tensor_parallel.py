@@ -225,3 +225,28 @@ def test_tp2_prefill_feeds_any_decode_replica(tmp_path, decode):
     # replica, where no KV moves: the reuse under test).
     _serves_one_engines_text(tmp_path, 2, reuse=not decode, prefill={"replicas": 1, "tp_size": 2},
                              decode={"replicas": 1, **decode}, router={"prefill_site": "remote"})
+
+
+def test_the_control_channel_carries_typed_messages_never_a_pickle():
+    import pickle
+
+    from pdserve.worker.tp_group import StepBatch, pack_control, unpack_control
+
+    step = StepBatch(b"\x01" * 16, b"\x02" * 16, b"", [0, 2], [2])
+    for msg in (None, "stop", step, ("engine", "{}", 3)):
+        assert unpack_control(pack_control(msg)) == msg
+    for data in (pickle.dumps(step), pickle.dumps(None), b"\xc1", pack_control(("x",))[:-1]):
+        with pytest.raises(ValueError, match="none of rank 0's"):
+            unpack_control(data)
+
+
+def test_a_rank_without_the_cluster_token_is_refused_by_the_group():
+    """Two ranks that reach one rendezvous: where both hold the token they talk; where one does not
+    (a stranger at the store), both refuse, naming it."""
+    from pdserve.worker.rank_processes import run_rank_processes
+    from tp_ranks import join_main
+
+    assert run_rank_processes(join_main, [("t",), ("t",)], timeout=180) == {0: "hello", 1: "hello"}
+    out = run_rank_processes(join_main, [("t",), ("not-the-token",)], timeout=180)
+    assert all(v.startswith("PermissionError") and "rank(s) [1] do not hold the cluster's token" in out[0]
+               for v in out.values()), out

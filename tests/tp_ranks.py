@@ -30,3 +30,23 @@ def _rank_main(rank: int, size: int, port: int, target: Callable, payload, resul
         results.put((rank, True, value))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+
+
+def join_main(rank: int, size: int, port: int, token: str, results) -> None:
+    """A rank that joins a tensor-parallel group as a served replica's do (join_tp_group, holding
+    `token`), says one word over the group's control channel and leaves: what rank 0 said, or why
+    it could not join."""
+    torch.set_num_threads(1)
+    try:
+        from pdserve.worker.tp_group import TPRank, join_tp_group
+
+        group = join_tp_group(TPRank(rank, size, "127.0.0.1", port, "g-test", token), timeout_s=120)
+        if rank == 0:
+            group._broadcast("hello")
+            value = "hello"
+        else:
+            value = group.receive(torch.empty(0))
+        dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException as e:
+        results.put((rank, True, f"{type(e).__name__}: {e}"))

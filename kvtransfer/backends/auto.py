@@ -81,6 +81,14 @@ class AutoBackend(KVBackend):
         if name is not None:
             self.backends[name].remove_peer(engine_id)
 
+    def grant(self, peer_id: str | None, request_id: str, block_ids: list[int]) -> None:
+        for be in self.backends.values():  # (a peer's writes come through its backend only)
+            be.grant(peer_id, request_id, block_ids)
+
+    def revoke(self, request_id: str) -> None:
+        for be in self.backends.values():
+            be.revoke(request_id)
+
     def write_layers(self, peer_id: str, parts: list[Part]) -> list[_Token]:
         """One token of all the posts the peer's backend made."""
         name = self._route[peer_id]

@@ -11,18 +11,16 @@ a layer's KV leaves as soon as its kernels finish, without a thread hand-off; `w
 GIL released) until a post's copy is done.
 """
 
-import pickle
 import struct
 
 import torch
-from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from pdserve.kvtransfer.backend import KVBackend, Part
+from pdserve.kvtransfer.backends import ipc_handle
 from pdserve.kvtransfer.backends.block_copy import BlockCopy
 from pdserve.kvtransfer.backends.notices import NoticeInbox, NoticeOutbox
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 
-_STORAGE_DEVICE = 6  # position of the storage's device index in reduce_tensor's rebuild arguments
 _RING = 8  # staging slots for block ids (pinned host memory, read by the copy kernel)
 
 
@@ -40,9 +38,8 @@ class CudaIpcBackend(KVBackend):
         self.inbox, self.outbox = NoticeInbox(), NoticeOutbox()
         meta.address = self.inbox.address
         self._addresses: dict[str, str] = {}  # each peer's inbox
-        # The handle lets a peer on this host map our allocation; the args hold no tensor data.
-        _, args = reduce_tensor(kv_cache)
-        meta.agent_metadata = pickle.dumps(args)
+        # The handle lets a peer on this host map our allocation (explicit fields, no pickle).
+        meta.agent_metadata = ipc_handle.share(kv_cache)
         self.stream = torch.cuda.Stream(device=kv_cache.device)
         self._raw_stream = self.stream.cuda_stream
         self._ready = torch.cuda.Event()
@@ -69,6 +66,7 @@ class CudaIpcBackend(KVBackend):
         self.stream.synchronize()
 
     def add_peer(self, peer: KVAgentMetadata) -> None:
+        ipc_handle.decode(peer.agent_metadata, self.kv.device.index)  # refused at the handshake, not at a write
         self._addresses[peer.engine_id] = peer.address
         self._handles[peer.engine_id] = peer.agent_metadata
 
@@ -83,12 +81,11 @@ class CudaIpcBackend(KVBackend):
         (the decode side never writes and never maps)."""
         copy = self._peers.get(engine_id)
         if copy is None:
-            args = list(pickle.loads(self._handles[engine_id]))
             # Open the handle in OUR device's context (peer access over NVLink), not the owner's:
             # our copy kernels run on our device, and an address mapped only in the other
             # device's context faults there. The tensor thus reads as ours; its bytes live on the peer.
-            args[_STORAGE_DEVICE] = self.kv.device.index
-            copy = self._peers[engine_id] = BlockCopy(self.kv, rebuild_cuda_tensor(*args))
+            peer = ipc_handle.open_peer(self._handles[engine_id], self.kv.device.index)
+            copy = self._peers[engine_id] = BlockCopy(self.kv, peer)
         return copy
 
     def write_range(self, peer_id: str, first_layer: int, num_layers: int, src_blocks: list[int],

@@ -15,15 +15,30 @@ notice or flush().
 
 Frame: 4-byte big-endian length, then the notice's bytes. Addresses are "unix:@name", a name in
 Linux's abstract namespace (no file to clean up; peers must share the host, as CUDA IPC needs).
+
+An abstract name has no file permissions: anyone in the network namespace can connect (the name is
+listed in /proc/net/unix). So the inbox takes only connections whose peer runs as our user
+(SO_PEERCRED), at most MAX_SENDERS at once, and frames of at most MAX_FRAME_BYTES (a longer one
+ends its connection: its stream is no sender's any more); each refusal is counted in `refused`.
+What a frame says is the connector's to check (kvtransfer/notice_seal.py: sealed with the
+cluster's token, from the lease's holder).
 """
 
+import logging
 import os
 import secrets
 import socket
 import struct
 import threading
+from pdserve.kvtransfer.notice_seal import MAX_NOTICE_BYTES
+from pdserve.refusals import Refusals
 
 _LEN = struct.Struct(">I")
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+MAX_FRAME_BYTES = MAX_NOTICE_BYTES
+MAX_SENDERS = 1024  # prefill workers of one host send here: far fewer
+DRAIN_BYTES = 1 << 20  # read per sender per drain: one that never stops sending cannot hold the poll
+log = logging.getLogger(__name__)
 
 
 def _path(address: str) -> str:
@@ -45,6 +60,24 @@ class NoticeInbox:
         self._listener.setblocking(False)
         self._conns: dict[socket.socket, bytearray] = {}  # each sender's bytes not yet a whole frame
         self._lock = threading.Lock()  # a connector may poll from more than one thread
+        self._uid = os.getuid()
+        # Connections refused, by why: "other_user" (SO_PEERCRED), "too_many_senders", "oversized".
+        self.refused = Refusals(f"KV notice inbox {self.address}", log)
+
+    def _refuse(self, conn: socket.socket | None, why: str) -> None:
+        if conn is not None:
+            conn.close()
+        self.refused.refuse(why, "a sender")
+
+    def _admit(self, conn: socket.socket) -> bool:
+        pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        if uid != self._uid:
+            self._refuse(conn, "other_user")
+        elif len(self._conns) >= MAX_SENDERS:
+            self._refuse(conn, "too_many_senders")
+        else:
+            return True
+        return False
 
     def drain(self) -> list[bytes]:
         """Every whole notice that arrived since the last call, in each sender's order."""
@@ -55,31 +88,38 @@ class NoticeInbox:
                     conn, _ = self._listener.accept()
                 except (BlockingIOError, OSError):
                     break
-                conn.setblocking(False)
-                self._conns[conn] = bytearray()
+                if self._admit(conn):
+                    conn.setblocking(False)
+                    self._conns[conn] = bytearray()
             for conn, buf in list(self._conns.items()):
-                closed = False
-                while True:
+                closed, budget = False, DRAIN_BYTES
+                while not closed and budget > 0:
                     try:
                         chunk = conn.recv(1 << 16)
                     except BlockingIOError:
                         break
                     except OSError:
                         chunk = b""
-                    if not chunk:
-                        closed = True
-                        break
                     buf += chunk
-                while len(buf) >= _LEN.size:
-                    (n,) = _LEN.unpack_from(buf)
-                    if len(buf) < _LEN.size + n:
-                        break
-                    out.append(bytes(buf[_LEN.size:_LEN.size + n]))
-                    del buf[:_LEN.size + n]
-                if closed:  # the sender went away; a partial frame of its goes with it
+                    budget -= len(chunk)
+                    closed = not chunk or not self._frames(buf, out)  # (read as it comes: buf stays bounded)
+                if closed:  # the sender went away (or broke the frame cap); a partial frame goes with it
                     conn.close()
                     del self._conns[conn]
         return out
+
+    def _frames(self, buf: bytearray, out: list[bytes]) -> bool:
+        """Move buf's whole frames to out; False where a frame is over the cap (its sender is cut off)."""
+        while len(buf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(buf)
+            if n > MAX_FRAME_BYTES:
+                self._refuse(None, "oversized")
+                return False
+            if len(buf) < _LEN.size + n:
+                break
+            out.append(bytes(buf[_LEN.size:_LEN.size + n]))
+            del buf[:_LEN.size + n]
+        return True
 
     def close(self) -> None:
         with self._lock:

@@ -2,13 +2,27 @@
 
 Each worker runs a receiver; a sender opens one connection per peer and sends frames in order on
 it, so a notice sent after a layer's frames is read after those frames are in place.
-Frame: 4-byte big-endian header length, msgpack header, then `nbytes` of payload.
+Frame: 4-byte big-endian header length, msgpack header, then the payload's `nbytes` sealed with
+AES-256-GCM under the connection's session key (the frame's sequence number the nonce, the header
+authenticated with it): `nbytes` + a 16-byte tag.
 
 The receiver listens on the node's address, so it takes connections from handshaked peers only:
 it opens each connection with a fresh nonce, and the sender's first frame ("hello") names the
 sender and proves the cluster token over that nonce (HMAC; the token never travels). A sender that
 is not a handshaked peer, or whose proof is wrong, is refused by name (the receiver answers why,
-logs it, keeps it in `refused`, and closes the connection) before a byte reaches the KV cache.
+logs the first of each reason, counts it in `refused`, and closes the connection) before a byte
+reaches the KV cache. Both ends then derive the session key from the token and the nonce: a frame
+injected into the stream, replayed from another connection, reordered or dropped fails its tag and
+ends the connection. Why AES-GCM and not an HMAC, nor TLS: measured, HMAC-SHA256 over a layer's
+KV cost several times AES-GCM's encryption and check together (AES-NI), and GCM hides the KV's
+bytes as well; it is TLS 1.3's record protection, with the key from the token the cluster already
+shares instead of certificates to hand out (docs/benchmarks.md, "CPU: authentication on internal
+channels").
+
+Every frame is bounded before its payload is read (header length, `nbytes` at most one layer's
+blocks); a KV frame's layer and blocks must lie in the cache, its size must match them, and every
+block must belong to a lease the decode end granted that sender (`grant`): any other is dropped
+and counted, and the connection serves on.
 """
 
 import asyncio
@@ -18,17 +32,26 @@ import logging
 import os
 import struct
 import threading
+from collections import Counter
 
 import msgpack
 import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from pdserve.kvtransfer.backend import KVBackend
 from pdserve.kvtransfer.blocks import runs
 from pdserve.kvtransfer.metadata import KVAgentMetadata
+from pdserve.kvtransfer.notice_seal import MAX_NOTICE_BYTES
+from pdserve.refusals import Refusals
 
 _LEN = struct.Struct(">I")
+_NONCE = struct.Struct(">4xQ")  # GCM's 96-bit nonce: the frame's number (a key serves one connection's frames)
+TAG_BYTES = 16
 NONCE_BYTES = 16
 HELLO_S = 10  # a peer that does not say who it is within this long is dropped
+MAX_HELLO_BYTES = 4096
+MAX_CONNECTIONS = 256  # open at once (handshaked peers hold one each)
 log = logging.getLogger(__name__)
 
 
@@ -36,14 +59,55 @@ def hello_proof(token: str | None, nonce: bytes, sender: str, receiver: str) -> 
     return hmac.new((token or "").encode(), nonce + f"{sender}>{receiver}".encode(), hashlib.sha256).hexdigest()
 
 
+def session_key(token: str | None, nonce: bytes, sender: str, receiver: str) -> bytes:
+    """The key of one connection's frames (AES-256): known to token holders only (the hello's proof,
+    which crosses the wire, is another HMAC of the same inputs under another label)."""
+    return hmac.new((token or "").encode(), b"pdserve-kv-tcp-session:" + nonce + f"{sender}>{receiver}".encode(),
+                    hashlib.sha256).digest()
+
+
+def seal_payload(aead: AESGCM, seq: int, header: bytes, payload: bytes) -> bytes:
+    """Frame `seq`'s payload encrypted, header and payload authenticated: len(payload) + TAG_BYTES."""
+    return aead.encrypt(_NONCE.pack(seq), payload, header)
+
+
+def open_payload(aead: AESGCM, seq: int, header: bytes, sealed: bytes) -> bytes:
+    """seal_payload's payload; raises BadFrame where the frame is not the sender's `seq`th as sent."""
+    try:
+        return aead.decrypt(_NONCE.pack(seq), sealed, header)
+    except InvalidTag:
+        raise BadFrame("bad_mac", "a frame whose tag is wrong (forged, replayed, reordered or changed)") from None
+
+
+class BadFrame(ValueError):
+    """A frame that cannot be a peer's: its connection ends (`reason` is the counter)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
 class PeerRefused(ConnectionError):
     """A receiver refused this sender (not handshaked there, or of another cluster)."""
 
 
 def frame(header: dict, payload: bytes) -> bytes:
-    """One frame: header length, msgpack header, payload."""
+    """One unsealed frame (the hello and its answer): header length, msgpack header, payload."""
     h = msgpack.packb(header)
     return _LEN.pack(len(h)) + h + payload
+
+
+class _Session:
+    """A sender's connection to one peer: its writer, key and the next frame's number."""
+
+    def __init__(self, writer: asyncio.StreamWriter, key: bytes):
+        self.writer, self.aead, self.seq = writer, AESGCM(key), 0
+
+    def send(self, header: dict, payload: bytes) -> None:
+        h = msgpack.packb(header)
+        self.writer.write(_LEN.pack(len(h)) + h)
+        self.writer.write(seal_payload(self.aead, self.seq, h, payload))
+        self.seq += 1
 
 
 class TcpBackend(KVBackend):
@@ -54,10 +118,22 @@ class TcpBackend(KVBackend):
                  cluster_token: str | None = None):
         self.meta = meta
         self._token = cluster_token
-        self.refused: list[tuple[str, str]] = []  # (sender as it named itself, why) of refused connections
+        # Connections and frames refused, by why (connections: "not_a_hello", "not_a_peer",
+        # "other_cluster", "too_many_connections"; ended for a frame: "bad_frame", "bad_mac" (its
+        # tag); frames
+        # dropped: "out_of_range", "not_leased"). Counted, not kept: a flood costs no memory.
+        self.refused = Refusals(f"KV over TCP to {meta.engine_id}", log)
         self.kv = kv_cache
         self.peers: dict[str, KVAgentMetadata] = {}
-        self._writers: dict[str, asyncio.StreamWriter] = {}
+        self._writers: dict[str, _Session] = {}
+        # Leases open here: request -> (the peer that may write, None: any; its blocks), and per
+        # peer how many open leases hold each block (a block is in one lease at a time, but a late
+        # revoke must not drop a newer grant of the same block).
+        self._grants: dict[str, tuple[str | None, list[int]]] = {}
+        self._writable: dict[str | None, Counter[int]] = {}
+        self._grant_lock = threading.Lock()  # granted on the engine's thread, read on the receiver's
+        self._layer_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        self._block_bytes = kv_cache.shape[1] * kv_cache[0, 0, 0].numel() * kv_cache.element_size()
         self._locks: dict[str, asyncio.Lock] = {}
         self._notices: list[bytes] = []
         self._notice_lock = threading.Lock()
@@ -82,7 +158,23 @@ class TcpBackend(KVBackend):
         self.peers.pop(engine_id, None)
         w = self._writers.pop(engine_id, None)
         if w is not None:
-            self._loop.call_soon_threadsafe(w.close)
+            self._loop.call_soon_threadsafe(w.writer.close)
+
+    def grant(self, peer_id: str | None, request_id: str, block_ids: list[int]) -> None:
+        with self._grant_lock:
+            self._grants[request_id] = (peer_id, list(block_ids))
+            self._writable.setdefault(peer_id, Counter()).update(block_ids)
+
+    def revoke(self, request_id: str) -> None:
+        with self._grant_lock:
+            got = self._grants.pop(request_id, None)
+            if got is not None:
+                peer, blocks = got
+                held = self._writable[peer]
+                held.subtract(blocks)
+                for b in blocks:
+                    if held[b] <= 0:
+                        del held[b]
 
     def write(self, peer_id: str, layer: int, src_blocks: list[int], dst_blocks: list[int]):
         """Post one layer's planes (K and V, or MLA's latent) for these blocks; the token is a concurrent Future."""
@@ -122,15 +214,14 @@ class TcpBackend(KVBackend):
     async def _send(self, peer_id: str, header: dict, payload: bytes) -> None:
         lock = self._locks.setdefault(peer_id, asyncio.Lock())
         async with lock:  # frames of one peer never interleave
-            w = self._writers.get(peer_id)
-            if w is None or w.is_closing():
-                w = await asyncio.wait_for(self._connect(peer_id), HELLO_S)
-                self._writers[peer_id] = w
-            w.write(frame(header, b""))
-            w.write(payload)
-            await w.drain()
+            s = self._writers.get(peer_id)
+            if s is None or s.writer.is_closing():
+                s = await asyncio.wait_for(self._connect(peer_id), HELLO_S)
+                self._writers[peer_id] = s
+            s.send(header, payload)
+            await s.writer.drain()
 
-    async def _connect(self, peer_id: str) -> asyncio.StreamWriter:
+    async def _connect(self, peer_id: str) -> _Session:
         """Open the ordered connection to a peer: its nonce, our hello, its answer."""
         host, port = self.peers[peer_id].address.rsplit(":", 1)
         reader, w = await asyncio.open_connection(host, int(port))
@@ -148,57 +239,116 @@ class TcpBackend(KVBackend):
         if not answer.get("ok"):
             w.close()
             raise PeerRefused(f"KV peer {peer_id!r} refused {me!r}: {answer.get('why')}")
-        return w
+        return _Session(w, session_key(self._token, nonce, me, peer_id))
 
     # -- receiving ------------------------------------------------------------------------------
 
-    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """The connection's hello: a handshaked peer proving our cluster's token, or refused."""
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple | None:
+        """The connection's hello: (a handshaked peer proving our cluster's token, the session's
+        key), or None, refused."""
         nonce = os.urandom(NONCE_BYTES)
         writer.write(nonce)
         await writer.drain()
         (n,) = _LEN.unpack(await asyncio.wait_for(reader.readexactly(_LEN.size), HELLO_S))
-        if n > 4096:
-            why, sender = "not a pdserve KV hello", "?"
-        else:
-            hello = msgpack.unpackb(await asyncio.wait_for(reader.readexactly(n), HELLO_S))
-            sender = str(hello.get("sender", "?")) if isinstance(hello, dict) else "?"
-            expected = hello_proof(self._token, nonce, sender, self.meta.engine_id)
-            if not isinstance(hello, dict) or hello.get("kind") != "hello":
-                why = "not a pdserve KV hello"
-            elif sender not in self.peers:
-                why = f"{sender!r} is not a handshaked peer of {self.meta.engine_id!r}"
-            elif not hmac.compare_digest(str(hello.get("proof", "")), expected):
-                why = f"{sender!r} belongs to another cluster: its cluster token differs"
-            else:
-                writer.write(frame({"ok": True}, b""))
-                await writer.drain()
-                return True
-        log.warning("KV over TCP: refused a connection from %s: %s", sender, why)
-        self.refused.append((sender, why))
-        writer.write(frame({"ok": False, "why": why}, b""))
-        await writer.drain()
-        return False
+        sender, reason = "?", "not_a_hello"
+        why = "not a pdserve KV hello"
+        if n <= MAX_HELLO_BYTES:
+            try:
+                hello = msgpack.unpackb(await asyncio.wait_for(reader.readexactly(n), HELLO_S))
+            except Exception:  # (msgpack raises several kinds on garbage)
+                hello = None
+            if isinstance(hello, dict) and hello.get("kind") == "hello":
+                sender = str(hello.get("sender", "?"))
+                expected = hello_proof(self._token, nonce, sender, self.meta.engine_id)
+                if sender not in self.peers:
+                    reason, why = "not_a_peer", f"{sender!r} is not a handshaked peer of {self.meta.engine_id!r}"
+                elif not hmac.compare_digest(str(hello.get("proof", "")), expected):
+                    reason, why = "other_cluster", f"{sender!r} belongs to another cluster: its cluster token differs"
+                else:
+                    writer.write(frame({"ok": True}, b""))
+                    await writer.drain()
+                    return sender, session_key(self._token, nonce, sender, self.meta.engine_id)
+        self.refused.refuse(reason, f"a connection from {sender}: {why}")
+        try:
+            writer.write(frame({"ok": False, "why": why}, b""))
+            await asyncio.wait_for(writer.drain(), 1.0)
+        except Exception:  # (it left already)
+            pass
+        return None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._serving) >= MAX_CONNECTIONS:
+            self.refused.refuse("too_many_connections", "a connection")
+            writer.close()
+            return
         self._serving.add(asyncio.current_task())
+        me = None
         try:
-            if not await self._authenticate(reader, writer):
+            me = await self._authenticate(reader, writer)
+            if me is None:
                 return
+            sender, aead = me[0], AESGCM(me[1])
+            seq = 0
             while True:
                 (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-                header = msgpack.unpackb(await reader.readexactly(n))
-                payload = await reader.readexactly(header["nbytes"])
-                if header["kind"] == "kv":
-                    self._place(header, payload)
-                else:
+                if n > self._max_header():
+                    raise BadFrame("bad_frame", f"a header of {n} bytes")
+                raw = await reader.readexactly(n)
+                header = self._header(raw)
+                payload = open_payload(aead, seq, raw, await reader.readexactly(header["nbytes"] + TAG_BYTES))
+                seq += 1
+                if header["kind"] == "notice":
                     with self._notice_lock:
                         self._notices.append(payload)
+                elif (why := self._unwritable(sender, header)) is not None:
+                    self.refused.refuse(why[0], f"a KV write of {sender}: {why[1]}")
+                else:
+                    self._place(header, payload)
+        except BadFrame as e:  # the stream is no peer's any more: it ends, the worker serves on
+            self.refused.refuse(e.reason, f"{e}; its connection closed")
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, ValueError):
-            pass  # the sender went away (or spoke no hello); its leases expire on our side
+            if me is None:  # it spoke no hello (in time)
+                self.refused.refuse("not_a_hello", "a connection that said no hello")
+            # (else the sender went away: its leases expire on our side)
         finally:
             self._serving.discard(asyncio.current_task())
             writer.close()
+
+    def _max_header(self) -> int:
+        return 4096 + 16 * self.meta.num_blocks  # a run is two ints: a layer of runs of single blocks fits
+
+    def _header(self, raw: bytes) -> dict:
+        """A frame's header, bounded before its payload is read; raises BadFrame."""
+        try:
+            h = msgpack.unpackb(raw)
+        except Exception:  # (msgpack raises several kinds on garbage)
+            raise BadFrame("bad_frame", "a header that is not msgpack") from None
+        if not isinstance(h, dict) or h.get("kind") not in ("kv", "notice"):
+            raise BadFrame("bad_frame", "a header of no known kind")
+        n, cap = h.get("nbytes"), self._layer_bytes if h["kind"] == "kv" else MAX_NOTICE_BYTES
+        if type(n) is not int or not 0 <= n <= cap:
+            raise BadFrame("bad_frame", f"a {h['kind']} frame of {n!r} bytes (at most {cap})")
+        return h
+
+    def _unwritable(self, sender: str, h: dict) -> tuple[str, str] | None:
+        """Why a KV frame may not land: (reason, detail), or None where it may."""
+        layer, spans = h.get("layer"), h.get("runs")
+        if type(layer) is not int or not 0 <= layer < self.meta.num_layers:
+            return "out_of_range", f"layer {layer!r} outside [0, {self.meta.num_layers})"
+        if not isinstance(spans, list) or not all(
+                isinstance(r, list) and len(r) == 2 and type(r[0]) is int and type(r[1]) is int
+                and r[0] >= 0 and r[1] >= 1 and r[0] + r[1] <= self.meta.num_blocks for r in spans):
+            return "out_of_range", f"runs {str(spans)[:80]} outside blocks [0, {self.meta.num_blocks})"
+        blocks = sum(n for _, n in spans)
+        if h["nbytes"] != blocks * self._block_bytes:
+            return "out_of_range", f"{h['nbytes']} bytes for {blocks} blocks of {self._block_bytes}"
+        with self._grant_lock:
+            mine, anyone = self._writable.get(sender, {}), self._writable.get(None, {})
+            for d, n in spans:
+                for b in range(d, d + n):
+                    if b not in mine and b not in anyone:
+                        return "not_leased", f"block {b} is in no lease of {sender!r}"
+        return None
 
     def _place(self, header: dict, payload: bytes) -> None:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv.dtype)
@@ -217,7 +367,7 @@ class TcpBackend(KVBackend):
         async def shutdown():
             self._server.close()
             for w in self._writers.values():
-                w.close()
+                w.writer.close()
             for task in list(self._serving):  # connections still open end here, not with the loop
                 task.cancel()
             await asyncio.gather(*self._serving, return_exceptions=True)

@@ -13,85 +13,24 @@ controller refuses to flip the only prefill or decode replica): 2 prefill + 1 de
 """
 
 import argparse
-import asyncio
 import json
-import random
 import re
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 
+from pdserve.benchmarks.load.steady import SteadyLoad, Window, numbers
 from pdserve.benchmarks.up_process import UpProcess
 
 FLIPPED = re.compile(r"flipped: (\S+) serves as (\S+) ([\d.]+) s after the command(.*)")
 
 
-@dataclass
-class Sent:
-    at: float
-    ttft: float | None = None
-    error: str | None = None
-
-
-class Load:
-    """Poisson streams at `rate` req/s of `input_len` tokens' worth of words, `output_len` tokens each."""
-
-    def __init__(self, url: str, model: str, rate: float, input_len: int, output_len: int):
-        self.url, self.model, self.rate = url, model, rate
-        self.prompt_words, self.output_len = input_len, output_len
-        self.sent: list[Sent] = []
-        self._stop = False
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop = True
-        self._thread.join(180)
-
-    def window(self, t0: float, t1: float) -> list[Sent]:
-        return [s for s in self.sent if t0 <= s.at < t1]
-
-    async def _run(self) -> None:
-        rng, pending = random.Random(0), set()
-        async with openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="-", max_retries=0, timeout=120) as client:
-            while not self._stop:
-                s = Sent(time.monotonic())
-                self.sent.append(s)
-                prompt = " ".join(str(rng.randrange(1000)) for _ in range(self.prompt_words))
-                task = asyncio.create_task(self._one(client, s, prompt))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-                await asyncio.sleep(rng.expovariate(self.rate))
-            if pending:
-                await asyncio.wait(pending, timeout=120)
-
-    async def _one(self, client, s: Sent, prompt: str) -> None:
-        try:
-            stream = await client.completions.create(model=self.model, prompt=prompt, max_tokens=self.output_len,
-                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
-            async for chunk in stream:
-                if s.ttft is None and chunk.choices and chunk.choices[0].text:
-                    s.ttft = time.monotonic() - s.at
-        except Exception as e:  # (any failure is the figure: counted, its kind kept)
-            s.error = f"{type(e).__name__}: {e}"[:200]
-
-
-def p99(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
-
-
-def summary(sent: list[Sent]) -> dict:
-    ttfts = [s.ttft for s in sent if s.ttft is not None]
-    return {"sent": len(sent), "failed": sum(1 for s in sent if s.error), "ttft_p99_s": p99(ttfts),
-            "ttft_max_s": max(ttfts, default=float("nan")), "errors": sorted({s.error for s in sent if s.error})[:3]}
+def summary(w: Window) -> dict:
+    return {"sent": w.sent, "failed": w.failed, "ttft_p99_s": w.ttft_p99(), "ttft_max_s": w.ttft_max(),
+            "errors": sorted(set(w.errors))[:3]}
 
 
 def flip(address: str, replica: str, role: str, grace_s: float) -> tuple[float, float, str]:
@@ -129,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         address = up.ray_address()
         model = openai.OpenAI(base_url=f"{url}/v1", api_key="-").models.list().data[0].id
         say(f"serving {model} at {url}; steady load {a.rate} req/s for {a.steady_s:.0f} s")
-        load = Load(url, model, a.rate, a.input_len, a.output_len)
+        load = SteadyLoad(url, a.rate, a.output_len, model=model, prompt=numbers(a.input_len))
         load.start()
         t_start = time.monotonic()
         time.sleep(a.steady_s)

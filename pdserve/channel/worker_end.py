@@ -6,9 +6,13 @@ It runs on a thread of its own with its own event loop, as the KV TCP backend's 
 engine loop's thread only encodes a step's deltas and hands the bytes over. A connection opens with
 a fresh nonce; the router's first frame (HELLO) names it and proves the token over that nonce.
 Anything else — a wrong proof, a frame that is not the channel's, silence past HELLO_S — is
-refused by name: logged, kept in `refused`, answered and closed; the worker serves on. A router
-whose connection closes, or that says nothing for DEAD_S, is gone: `gone(router)` lets the worker
-stop its requests and free their KV blocks."""
+refused by name: logged, counted in `refused` (by why: a flood costs no memory), answered and
+closed; the worker serves on. After the hello, a frame that cannot be read (not msgpack, an unknown
+kind, a call whose items are no requests) is dropped and counted in `dropped` — a call of it is
+answered with the error, so its router does not wait out its deadline — and the connection serves
+on: the length prefix still frames the stream. Only a frame over MAX_FRAME_BYTES ends it (its
+bytes are not read). A router whose connection closes, or that says nothing for DEAD_S, is gone:
+`gone(router)` lets the worker stop its requests and free their KV blocks."""
 
 import asyncio
 import hmac
@@ -21,6 +25,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from pdserve.refusals import Refusals
 from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALL_KINDS, CALLS, DELTAS, HELLO, LEN, MAX_FRAME_BYTES,
                                   MAX_HELLO_BYTES, NONCE_BYTES, RESERVE, TAKEN, WELCOME, BadFrame, frame, hello_proof,
                                   pack_answer, pack_delta, unframe, unpack_request)
@@ -44,7 +49,10 @@ class ChannelServer:
         self._serve = serve
         self._gone = gone
         self._met = met
-        self.refused: list[tuple[str, str]] = []  # (peer as it named itself, why)
+        # Connections refused ("other_cluster", "not_a_router"), and frames of proven routers
+        # dropped ("malformed") or that ended their connection ("oversized"), by why.
+        self.refused = Refusals(f"router channel of {worker}", log)
+        self.dropped = Refusals(f"router channel of {worker}", log)
         self._links: dict[str, _Link] = {}  # router -> its live connection
         self._heard: dict[asyncio.StreamWriter, float] = {}  # connection -> when its last frame came
         self._closing = False  # closed by its worker: the connections it drops are no router's death
@@ -132,7 +140,7 @@ class ChannelServer:
     async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
         """The router's name if its hello proves our cluster's token; else None, refused by name."""
         nonce = os.urandom(NONCE_BYTES)
-        sender, why = "?", None
+        sender, reason, why = "?", "", None
         try:
             writer.write(nonce)
             (n,) = LEN.unpack(await asyncio.wait_for(reader.readexactly(LEN.size), HELLO_S))
@@ -143,14 +151,13 @@ class ChannelServer:
                 raise BadFrame(f"a first frame {parts[0]!r} is no hello")
             sender = str(parts[1])
             if not hmac.compare_digest(str(parts[2]), hello_proof(self._token, nonce, sender, self.worker)):
-                why = f"{sender!r} belongs to another cluster: its cluster token differs"
+                reason, why = "other_cluster", f"{sender!r} belongs to another cluster: its cluster token differs"
         except (BadFrame, TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
-            why = f"not a pdserve router: {e or type(e).__name__}"
+            reason, why = "not_a_router", f"not a pdserve router: {e or type(e).__name__}"
         if why is None:
             writer.write(frame(WELCOME, True, ""))
             return sender
-        log.warning("router channel of %s: refused a connection from %s: %s", self.worker, sender, why)
-        self.refused.append((sender, why))
+        self.refused.refuse(reason, f"a connection from {sender}: {why}")
         try:
             writer.write(frame(WELCOME, False, why))
             await asyncio.wait_for(writer.drain(), 1.0)
@@ -163,23 +170,38 @@ class ChannelServer:
         while True:
             (n,) = LEN.unpack(await reader.readexactly(LEN.size))
             if n > MAX_FRAME_BYTES:
+                self.dropped.refuse("oversized", f"a frame of {n} bytes from {router}; its connection closed")
                 raise BadFrame(f"a frame of {n} bytes")
-            parts = unframe(await reader.readexactly(n))
+            body = await reader.readexactly(n)
             heard[writer] = self._loop.time()
-            if parts[0] == TAKEN:
-                link.taken += 1
-                continue
-            if parts[0] == BEAT:
-                continue
-            if parts[0] != CALLS or len(parts) != 4 or parts[2] not in CALL_KINDS:
-                raise BadFrame(f"unexpected frame {parts[0]!r}")
-            _, seq, kind, items = parts
-            if kind != ABORT:
+            try:
+                self._take(router, unframe(body), link)
+            except BadFrame as e:  # a broken frame, not a dead router: it goes, the connection serves on
+                self.dropped.refuse("malformed", f"a frame from {router}: {e}")
+
+    def _take(self, router: str, parts: list, link: "_Link") -> None:
+        """Act on one frame of a proven router; raises BadFrame where it is none of the channel's."""
+        writer = link.writer
+        if parts[0] == TAKEN:
+            link.taken += 1
+            return
+        if parts[0] == BEAT:
+            return
+        if parts[0] != CALLS or len(parts) != 4 or parts[2] not in CALL_KINDS or type(parts[1]) is not int:
+            raise BadFrame(f"unexpected frame {parts[0]!r}")
+        _, seq, kind, items = parts
+        if kind != ABORT:
+            try:
                 items = [unpack_request(a) for a in items]
-            if kind in BLOCKING:
-                asyncio.ensure_future(self._call_aside(writer, seq, kind, items, router))
-            else:
-                self._answer(writer, seq, *self._call(kind, items, router))
+            except Exception as e:  # its router waits on the call: it hears why
+                self._answer(writer, seq, None, f"BadFrame: a {kind} call whose items are no requests")
+                raise BadFrame(f"a {kind} call whose items are no requests ({type(e).__name__})") from None
+        elif not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise BadFrame("an abort of no request ids")
+        if kind in BLOCKING:
+            asyncio.ensure_future(self._call_aside(writer, seq, kind, items, router))
+        else:
+            self._answer(writer, seq, *self._call(kind, items, router))
 
     def _call(self, kind: str, items: list, router: str) -> tuple[list | None, str | None]:
         try:

@@ -14,6 +14,9 @@ from pdserve.config import ClusterConfig, load_cluster_config
 from pdserve.control import ray_console
 
 
+CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
+
+
 def _log(msg: str) -> None:
     print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
 
@@ -56,6 +59,8 @@ def up(path: str | None, flags: dict[str, object] | None = None) -> int:
     _check_extras(cfg)
     _check_tls(cfg)
     api_keys = _api_keys(cfg)
+    token = cluster_token()
+    _forget_secrets()  # read: what Ray starts from here inherits this environment
     if cfg.ray.address == "local":  # the router will listen on this host: a taken port fails now, not after loading
         from pdserve.router.listen import check_free
 
@@ -84,8 +89,12 @@ def up(path: str | None, flags: dict[str, object] | None = None) -> int:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from pdserve.control.placement import check_placement, cluster_nodes
+    from pdserve.control.ray_auth import check_cluster_auth
 
     nodes = cluster_nodes()
+    # An open cluster fails now, before anything of ours (the cluster token, API keys) reaches it.
+    check_cluster_auth(ray.get_runtime_context().gcs_address, cfg.ray.address != "local", len(nodes),
+                       cfg.ray.allow_unauthenticated, _log)
     check_placement(cfg, nodes)  # a role no node can hold fails now, naming its key and the nodes
     if len(nodes) > 1:
         _log(f"{len(nodes)} Ray nodes: " + ", ".join(n.ip for n in nodes))
@@ -96,7 +105,7 @@ def up(path: str | None, flags: dict[str, object] | None = None) -> int:
     # replicas and routers back (Controller._recover), which serve on meanwhile.
     controller = ray.remote(Controller).options(name=CONTROLLER, lifetime="detached", num_cpus=0, max_restarts=-1,
                                                 max_concurrency=8, scheduling_strategy=here).remote(
-        cfg, cluster_token(), api_keys)
+        cfg, token, api_keys)
     # Ctrl-C stops the cluster even where SIGINT arrives ignored: a shell starts background jobs
     # (`pdserve up &` in a script) with SIGINT ignored, and Python then never raises KeyboardInterrupt.
     signal.signal(signal.SIGINT, _interrupt)
@@ -146,7 +155,18 @@ def cluster_token() -> str:
     else a new random one for this cluster."""
     import secrets
 
-    return os.environ.get("PDSERVE_CLUSTER_TOKEN") or secrets.token_hex(32)
+    return os.environ.get(CLUSTER_TOKEN_ENV) or secrets.token_hex(32)
+
+
+def _forget_secrets() -> None:
+    """Drop the API keys' and the cluster token's variables from this process's environment once read:
+    a Ray cluster that `pdserve up` starts here inherits its environment, and so would every worker
+    Ray spawns (a model's code, a tokenizer's) though none reads them. The controller gets the token
+    and the routers the keys' hashes as arguments."""
+    from pdserve.router.tenants import ENV_VAR
+
+    for name in (ENV_VAR, CLUSTER_TOKEN_ENV):
+        os.environ.pop(name, None)
 
 
 def _interrupt(signum, frame) -> None:

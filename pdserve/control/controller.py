@@ -68,7 +68,7 @@ class Controller(Recovery, Handshake, Scaling, Flipping):
         self.launcher = Launcher(config, max(1, (os.cpu_count() or 1) // max(1, n)), cluster_token)
         # The KV pairs: each handshake's record (the backend the pair chose, and why), failed ones.
         self.pairs = PairBook()
-        self._metas: dict[str, bytes] = {}  # worker -> its KV handshake metadata (fixed for its life)
+        self._metas: dict[str, bytes] = {}  # worker -> its KV handshake metadata, as packed for the pairing under way
         self._ports: dict[str, int] = {}
         if restarted():  # Ray restarted this actor (its process died): the cluster runs on without it
             self._recover()

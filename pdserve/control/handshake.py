@@ -52,8 +52,9 @@ class Handshake:
             dead.add(worker)
             self._restarting.setdefault(inc.replica, f"it failed its KV handshake ({type(e).__name__})")
 
-        want = [w for w in handles if w not in self._metas]
-        refs = {w: handles[w].metadata.remote() for w in want}
+        # Asked afresh for each pairing: a record is stamped and proven when packed, and a peer
+        # refuses one it accepted before or one packed long ago (kvtransfer/metadata.py: Replays).
+        refs = {w: handles[w].metadata.remote() for w in handles}
         for w, ref in refs.items():
             try:
                 self._metas[w] = ray.get(ref, timeout=60)

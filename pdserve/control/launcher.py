@@ -172,17 +172,19 @@ class Launcher:
         for the group's life, as an expert-parallel group's."""
         if tp_size == 1:
             return None
-        from pdserve.worker.rendezvous import rendezvous_store
+        from pdserve.worker.rendezvous import new_group_id, rendezvous_store
         from pdserve.worker.tp_follower import TPFollower
         from pdserve.worker.tp_group import TPRank
 
         inc.store = store = rendezvous_store()
+        group = dict(group_id=new_group_id(), token=self.cluster_token)
         for r in range(1, tp_size):
             follower = f"{name}-tp{r}"
             inc.followers[follower] = ray.remote(TPFollower).options(
                 name=follower, scheduling_strategy=PlacementGroupSchedulingStrategy(inc.placement_group, r),
-                **opts).remote(follower, engine_config, TPRank(r, tp_size, store.host, store.port), self.cpu_threads)
-        return TPRank(0, tp_size, store.host, store.port)
+                **opts).remote(follower, engine_config, TPRank(r, tp_size, store.host, store.port, **group),
+                               self.cpu_threads)
+        return TPRank(0, tp_size, store.host, store.port, **group)
 
     def _kv_env(self) -> dict:
         """Actor options for a KV worker. cuda_ipc opens the peer's GPU memory in the prefill worker,
@@ -199,7 +201,7 @@ class Launcher:
     def _start_decode(self, inc: Incarnation, name: str, opts: dict) -> Incarnation:
         """One decode replica: its worker, or the ranks of its expert-parallel group."""
         from pdserve.decode.ep_group import EPRank
-        from pdserve.worker.rendezvous import rendezvous_store
+        from pdserve.worker.rendezvous import new_group_id, rendezvous_store
         from pdserve.decode.worker import DecodeWorker
 
         from pdserve.worker.flip import FlipWorker
@@ -214,11 +216,14 @@ class Launcher:
                 name=name, scheduling_strategy=PlacementGroupSchedulingStrategy(inc.placement_group, 0), **opts
             ).remote("decode", name, {"decode": (DecodeWorker, kw)})
             return inc
-        # The rendezvous is a store served from here (this node's IP, a port bound now and never let
-        # go), held for the group's life; every rank, wherever it runs, joins it as a client.
+        # The rendezvous is a store served from here (loopback on one node, else this node's IP; a
+        # port bound now and never let go), held for the group's life; every rank joins it as a
+        # client and proves the cluster's token to the others (pdserve/worker/rendezvous.py).
         inc.store = store = rendezvous_store()
+        group_id = new_group_id()
         for r in range(d.ep_size):
-            rank = EPRank(r, d.ep_size, store.host, store.port, d.ep_threshold, list(d.ep_replicated_experts))
+            rank = EPRank(r, d.ep_size, store.host, store.port, d.ep_threshold, list(d.ep_replicated_experts),
+                          group_id, self.cluster_token)
             inc.ranks[f"{name}-rank{r}"] = ray.remote(FlipWorker).options(
                 name=f"{name}-rank{r}", scheduling_strategy=PlacementGroupSchedulingStrategy(inc.placement_group, r),
                 **opts).remote("decode", f"{name}-rank{r}", {"decode": (DecodeWorker, dict(kw, ep=rank))})

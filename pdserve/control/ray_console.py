@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 
 LOG_ENV = "PDSERVE_RAY_LOG"  # where Ray's lines go; default: <tmp>/pdserve/ray-console.log
+# Every command appends to one file: past this size the next command starts it afresh, the old
+# lines kept once as FILE.1 (a file descriptor Ray's C++ writes to cannot be rotated under it).
+MAX_BYTES = 16 << 20
 
 _log_file = None  # the open log file, once diverted
 
@@ -33,6 +36,8 @@ def divert(command: str) -> Path | None:
         return path
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and path.stat().st_size > MAX_BYTES:
+            os.replace(path, path.with_name(path.name + ".1"))
         _log_file = open(path, "a", buffering=1)
     except OSError as e:
         print(f"[pdserve] Ray's own lines stay on the terminal: cannot write {path} ({e.strerror}); "

@@ -4,6 +4,7 @@ holds (kv_cache_gb, or on a GPU what the weights left free less 1 - gpu_memory_u
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.logits_processors import TokenCounts
 from pdserve.forward.kv_cache import num_blocks_for
 
 
@@ -21,7 +22,11 @@ def kv_cache_blocks(config: EngineConfig, args, device: torch.device, tp, dtype:
         # (docs/benchmarks-history.md, routing by cached prefix, 2026-11-27: an OOM on four H100s).
         free, total = torch.cuda.mem_get_info(device)
         reserve = 1.0 - config.gpu_memory_utilization
-        budget = int(free - reserve * total)
+        # Penalized requests' token counts live beside the cache, grown as they come: room for a
+        # full batch of them (~0.2 GB at 256 sequences of a 152k vocabulary), as vLLM's profiling
+        # run samples with every penalty on.
+        penalties = TokenCounts.most_bytes(config.max_num_seqs, args.vocab_size)
+        budget = int(free - reserve * total - penalties)
         if budget <= 0:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache on {device}: {free / 2**30:.1f} GiB free of "

@@ -54,6 +54,16 @@ class TokenCounts:
         self.penalties[r] = torch.tensor([p.repetition_penalty, p.frequency_penalty, p.presence_penalty])
         return r
 
+    @staticmethod
+    def most_bytes(max_seqs: int, vocab: int) -> int:
+        """Memory the rows can reach with `max_seqs` sequences sampled at once, every one penalized:
+        rows double from 8 (`_grow`); a row is its counts (int32), its prompt mask (bool) and its
+        three penalties (float32)."""
+        rows = 8
+        while rows < max_seqs:
+            rows *= 2
+        return rows * (vocab * 5 + 12)
+
     def _grow(self) -> None:
         old = self.counts.shape[0]
         new = max(8, 2 * old)

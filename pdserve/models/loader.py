@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from torch import nn
@@ -113,6 +113,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        for n in names:
+            _check_shard_name(index, n)
         files = [model_dir / n for n in names]
         for f in files:
             if not f.is_file():
@@ -123,6 +125,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         raise FileNotFoundError(f"no weights in {model_dir}: expected model.safetensors, or shards listed "
                                 f"in model.safetensors.index.json (or use load_format='dummy')")
     return files
+
+
+def _check_shard_name(index: Path, name: str) -> None:
+    """A shard the index names lies in the model directory: a checkpoint from elsewhere (a hub, a
+    bucket) must not make the loader read any other file (`../secret`, `/dev/zero`). The name is
+    judged as written, not resolved: a hub's cache links its shards to blobs outside the directory."""
+    path = PurePosixPath(name)
+    if path.is_absolute() or ".." in path.parts or "\\" in name:
+        raise ValueError(f"{index} names the shard {name!r}, outside the model directory {index.parent}: "
+                         f"a shard must be a file in that directory (no '..', no absolute path)")
 
 
 @torch.no_grad()

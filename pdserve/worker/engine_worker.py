@@ -20,7 +20,7 @@ from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.warm_up import WarmUp, warm_up
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.inbox import Abort, Reserve
-from pdserve.worker.start_priority import back_to, yield_while_starting
+from pdserve.priority import back_to, yield_while_starting
 from pdserve.messages import KVEvents, NewRequest, Refusal, ReplicaStats, ReserveResult, WorkerStartup
 from pdserve.protocol import InvalidRequestError
 
@@ -86,7 +86,7 @@ class EngineWorker:
         made anew, and nothing is warmed up again."""
         self._began = (time.time(), time.perf_counter())  # for startup(): the process is up, its imports done
         self._flipped = engine is not None
-        self._priority = None if self._flipped else yield_while_starting()  # back to it once ready (start_priority.py)
+        self._priority = None if self._flipped else yield_while_starting()  # back to it once ready (pdserve/priority.py)
         if engine_config.device == "cpu" and not self._flipped:
             torch.set_num_threads(cpu_threads)  # several workers share the host's cores
         engine_config = engine_config.model_copy(update={"device": assigned_device(engine_config.device)})

@@ -18,6 +18,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.messages import WorkerStartup
 from pdserve.engine.warm_up import warm_up_attention
+from pdserve.priority import back_to, yield_while_starting
 from pdserve.worker.engine_worker import assigned_device
 from pdserve.worker.tp_group import TPGroup, TPRank, join_tp_group
 
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 class TPFollower:
     def __init__(self, name: str, engine_config: EngineConfig, me: TPRank, cpu_threads: int = 1):
         self._began = (time.time(), time.perf_counter())  # for startup(): the process is up, its imports done
+        priority = yield_while_starting()  # as rank 0 (pdserve/priority.py): a slow rank slows every step
         if engine_config.device == "cpu":
             torch.set_num_threads(cpu_threads)
         self.name = name
@@ -41,6 +43,7 @@ class TPFollower:
             warm_up_attention(self.engine)  # what rank 0's warm-up (EngineWorker._warm_up) compiles outside its steps
         self.steps = 0
         self.error: BaseException | None = None
+        back_to(priority)  # every thread the start made; the follower's own is made after
         self._thread = threading.Thread(target=self._run, name=f"{name}-follow", daemon=True)
         self._thread.start()
         self._ready_s = time.perf_counter() - self._began[1]

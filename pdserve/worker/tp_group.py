@@ -17,6 +17,9 @@ nothing to gather, rank 0 posts its own.
 An idle rank 0 broadcasts an empty step now and then (`KEEPALIVE_S`), so that a follower's wait has
 a deadline (`TIMEOUT_S`) and a follower whose rank 0 died exits instead of waiting for ever.
 
+The step's host description crosses as typed bytes (msgpack: `pack_control`), never a pickle: a
+rank unpickling what arrives on the group's sockets would run whatever a peer on them sent.
+
 Backends: on the CPU one gloo group carries everything. On GPUs the model's all-reduces (and the
 KV gathers) run over NCCL, the default group, which CUDA graphs can capture; the step's host
 description (`StepBatch`) goes over a gloo group on the same store, so that a follower waits for it
@@ -28,16 +31,19 @@ host wait for it.
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
+import msgpack
 import torch
 import torch.distributed as dist
 
 from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.forward.kv_cache import allocate_kv_cache
 from pdserve.models.tensor_parallel import TensorParallel
+from pdserve.worker.rendezvous import prove_members
 
+MAX_CONTROL_BYTES = 256 * 1024 * 1024  # one step's host description: a length past it is no rank 0's
 KEEPALIVE_S = 1.0  # an idle rank 0 broadcasts an empty step at least this often
 TIMEOUT_S = 600.0  # any collective of the group, a follower's wait for the next step included
 
@@ -50,6 +56,8 @@ class TPRank:
     size: int
     store_host: str
     store_port: int
+    group_id: str = ""  # the group's name in its ranks' proofs (rendezvous.new_group_id)
+    token: str | None = field(default=None, repr=False)  # the cluster's, proven to the other ranks
 
 
 # What rank 0 broadcasts to end its followers' loops (a benchmark's or a test's replica; a served
@@ -61,7 +69,8 @@ STOP = "stop"
 class StepBatch:
     """What a follower needs to run rank 0's forward besides the token ids (a tensor broadcast after
     it): the host's int64 arrays as bytes (cheap to pickle, rebuilt without a Python list), and
-    the host lists the attention backends read."""
+    the host lists the attention backends read. (Packed into the group's control frames by
+    `pack_control`.)"""
 
     positions: bytes
     slot_mapping: bytes
@@ -96,6 +105,50 @@ class StepBatch:
             kv_cache=kv_cache, kv_scales=kv_scales, context_lens_t=lens[:n], query_start_t=lens[n:])
 
 
+# What rank 0 sends its followers: an empty step (None), a word (STOP; tp_local's own), a step, or a
+# tuple of plain data (tp_local's requests of its followers).
+Control = StepBatch | str | tuple | None
+
+
+def pack_control(msg: Control) -> bytes:
+    """One control message as msgpack: [kind, fields...]."""
+    match msg:
+        case None:
+            return msgpack.packb(["idle"])
+        case str():
+            return msgpack.packb(["word", msg])
+        case StepBatch():
+            return msgpack.packb(["step", msg.positions, msg.slot_mapping, msg.block_tables, msg.query_start,
+                                  msg.context_lens])
+        case tuple():
+            return msgpack.packb(["tuple", list(msg)])
+    raise TypeError(f"no control encoding for {type(msg).__name__}")
+
+
+def unpack_control(data: bytes) -> Control:
+    """pack_control's message; raises ValueError for bytes that are none of its."""
+    try:
+        kind, *fields = msgpack.unpackb(data)
+        match kind:
+            case "idle":
+                return None
+            case "word":
+                (word,) = fields
+                if isinstance(word, str):
+                    return word
+            case "step":
+                step = StepBatch(*fields)
+                if all(isinstance(b, bytes) for b in fields[:3]) and all(
+                        isinstance(v, list) and all(type(i) is int for i in v) for v in fields[3:]):
+                    return step
+            case "tuple":
+                (items,) = fields
+                return tuple(items)
+    except Exception:
+        pass
+    raise ValueError("a tensor-parallel control message that is none of rank 0's")
+
+
 def join_tp_group(me: TPRank, device: str | torch.device = "cpu", timeout_s: float = TIMEOUT_S) -> "TPGroup":
     """Join the replica's group: returns once every rank has joined. Gloo on the CPU; on a GPU
     (`device`, this rank's) NCCL for the model and a gloo group for the steps' host data."""
@@ -107,6 +160,7 @@ def join_tp_group(me: TPRank, device: str | torch.device = "cpu", timeout_s: flo
     dist.init_process_group(backend, store=store, rank=me.rank, world_size=me.size,
                             timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo") if backend == "nccl" else None
+    prove_members(me.rank, me.size, me.token, me.group_id, control)  # (the store takes anyone)
     return TPGroup(TensorParallel(me.rank, me.size), control, device)
 
 
@@ -186,9 +240,13 @@ class TPGroup:
     def receive(self, kv_cache: torch.Tensor, kv_scales=()) -> ForwardBatch | str | None:
         """A follower: the next step's batch over `kv_cache` (None: rank 0 is idle; STOP: it is done).
         Raises past TIMEOUT_S."""
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        step = box[0]
+        size = torch.empty(1, dtype=torch.long)
+        dist.broadcast(size, src=0, group=self.control)
+        if not 0 < size.item() <= MAX_CONTROL_BYTES:
+            raise ValueError(f"a tensor-parallel control message of {size.item()} bytes")
+        data = torch.empty(size.item(), dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self.control)
+        step = unpack_control(data.numpy().tobytes())
         if not isinstance(step, StepBatch):
             return step
         ids = torch.empty(step.num_tokens, dtype=torch.long, device=kv_cache.device)
@@ -197,6 +255,9 @@ class TPGroup:
         self.follow(batch)
         return batch
 
-    def _broadcast(self, msg: StepBatch | str | None) -> None:
-        dist.broadcast_object_list([msg], src=0, group=self.control)
+    def _broadcast(self, msg: Control) -> None:
+        """Rank 0: its length, then its bytes (host tensors: the control group is gloo)."""
+        data = pack_control(msg)
+        dist.broadcast(torch.tensor([len(data)], dtype=torch.long), src=0, group=self.control)
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.control)
         self._sent = time.monotonic()

@@ -23,7 +23,7 @@ import torch
 from pdserve.config import EngineConfig
 
 _EXIT = "exit"  # rank 0 is done: the followers' processes end
-_ENGINE = "engine"  # (_ENGINE, config, fill_kv seed): build the next engine
+_ENGINE = "engine"  # (_ENGINE, config as JSON, fill_kv seed): build the next engine
 _ALL_REDUCE = "all_reduce"  # (_ALL_REDUCE, shape, dtype name, count, rounds): the group's all-reduces alone
 
 
@@ -45,7 +45,7 @@ class LocalReplica:
             self.staged = engine.kv_cache, engine.layout
             _fill(engine, fill_kv, 0)
             return engine
-        self.group._broadcast((_ENGINE, config, fill_kv))
+        self.group._broadcast((_ENGINE, config.model_dump_json(), fill_kv))  # (typed: no pickle between ranks)
         engine = Engine(config, log=log, tp=self.group.tp)
         _fill(engine, fill_kv, 0)
         engine.runner.on_batch = self.group.send
@@ -125,6 +125,7 @@ def _serve(group, device: str) -> None:
             continue
         kind, config, fill_kv = msg
         assert kind == _ENGINE, msg
+        config = EngineConfig.model_validate_json(config)
         engine = Engine(config.model_copy(update={"device": device}), tp=group.tp)
         _fill(engine, fill_kv, group.rank)
         if config.role == "prefill":

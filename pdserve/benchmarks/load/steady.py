@@ -1,6 +1,7 @@
-"""A steady load for chaos tests: Poisson arrivals of short greedy streams through the OpenAI client,
-on a thread of its own (its own event loop), every request recorded: when it was sent, its time to
-first token, whether it completed, and why not.
+"""A steady load beside a change (the chaos and flip tests, `pdserve.benchmarks.role_flip`): Poisson
+arrivals of greedy streams through the OpenAI client, on a thread of its own (its own event loop),
+every request recorded: when it was sent, its time to first token, whether it completed, and why not.
+Each answer runs to max_tokens (ignore_eos), so every request costs the cluster alike.
 
 A stream whose connection breaks (its router was killed under it) is sent again once, whole, as a
 client does on a connection error, and counted in `resent`; its TTFT runs from the first send to
@@ -14,11 +15,23 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from collections.abc import Callable
+
 import httpx
 import openai
 
-MODEL = "tiny-moe"
+MODEL = "tiny-moe"  # the embedded default's model
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
+
+
+def short_prompts(rng: random.Random) -> str:
+    """4 to 12 words: light on a 2-core host's CPU replicas (the tests' default)."""
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
+
+
+def numbers(words: int) -> Callable[[random.Random], str]:
+    """Prompts of `words` random numbers, about as many tokens each (a benchmark's input length)."""
+    return lambda rng: " ".join(str(rng.randrange(1000)) for _ in range(words))
 
 
 @dataclass
@@ -55,8 +68,9 @@ class Window:
 
 
 class SteadyLoad:
-    def __init__(self, url: str, rate: float, max_tokens: int = 16, seed: int = 0):
-        self.url, self.rate, self.max_tokens = url, rate, max_tokens
+    def __init__(self, url: str, rate: float, max_tokens: int = 16, seed: int = 0, model: str = MODEL,
+                 prompt: Callable[[random.Random], str] = short_prompts):
+        self.url, self.rate, self.max_tokens, self.model, self.prompt = url, rate, max_tokens, model, prompt
         self.rng = random.Random(seed)
         self.requests: list[Sent] = []
         self.resent = 0
@@ -100,22 +114,19 @@ class SteadyLoad:
                     continue
                 r = Sent(time.monotonic())
                 self.requests.append(r)
-                task = asyncio.create_task(self._one(client, r, self._prompt()))
+                task = asyncio.create_task(self._one(client, r, self.prompt(self.rng)))
                 self._pending.add(task)
                 task.add_done_callback(self._pending.discard)
                 await asyncio.sleep(self.rng.expovariate(self.rate))
             if self._pending:
                 await asyncio.wait(self._pending, timeout=120)
 
-    def _prompt(self) -> str:
-        return " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(4, 12)))
-
     async def _one(self, client, r: Sent, prompt: str) -> None:
         try:
             for attempt in range(2):
                 try:
                     stream = await client.completions.create(
-                        model=MODEL, prompt=prompt, max_tokens=self.max_tokens, temperature=0, stream=True,
+                        model=self.model, prompt=prompt, max_tokens=self.max_tokens, temperature=0, stream=True,
                         extra_body={"ignore_eos": True})
                     finish = None
                     async for chunk in stream:
