@@ -269,7 +269,7 @@ class NixlBackend(KVBackend):
         after = None
         if self._mem == "VRAM":
             after = torch.cuda.Event()
-            after.record()
+            after.record(torch.cuda.current_stream(self.kv.device))  # where the scatter was queued
         self.staging.release(slot, after=after)
 
     def drop_staging(self, slot: int) -> None:
