@@ -20,7 +20,7 @@ from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
 from pdserve.router import token_budget
 from pdserve.router.listen import PortInUseError, check_free, holder
 from pdserve.router.rate_limits import RateLimited
-from pdserve.router.tenants import Charge, Tenants, Unauthenticated
+from pdserve.router.tenants import Charge, Tenant, Tenants, Unauthenticated
 from pdserve.messages import Request, RequestDelta
 from pdserve.router.choices import DEFAULT_MAX_N, Interleaved, check_n, child_params, close_all, each
 from pdserve.router.types import NoCapacityError, OverloadedError, ServingCore, ServingError, off_loop
@@ -114,21 +114,30 @@ class CompletionServicer(pb_grpc.CompletionServicer):
 
     async def _charged_requests(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext,
                                 ) -> tuple[list[Request], Charge | None]:
-        """The request's choices (one, or n), checked, and charged to its API key where keys are configured."""
-        tenant = None
+        """The request's choices (one, or n), checked, and charged to its API key where keys are
+        configured: admitted under the key before its prompt is tokenized (Tenants.admit), its
+        tokens charged once counted."""
+        tenant = charge = None
         if self.tenants is not None:
             authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
             tenant = self.tenants.authenticate(authorization if isinstance(authorization, str) else None)
-        req = await self._generate_request(request, tenant.priority if tenant else 0)
-        n = request.n or 1
-        check_n(n, n, self.max_n)
-        reqs = [req] if n == 1 else [dataclasses.replace(req, request_id=f"{req.request_id}-{j}",
-                                                         params=child_params(req.params, j)) for j in range(n)]
-        charge = None if tenant is None else self.tenants.charge(tenant, len(req.prompt_ids), req.params.max_tokens * n)
+            charge = self.tenants.admit(tenant)
+        try:
+            req = await self._generate_request(request, tenant)
+            n = request.n or 1
+            check_n(n, n, self.max_n)
+            reqs = [req] if n == 1 else [dataclasses.replace(req, request_id=f"{req.request_id}-{j}",
+                                                             params=child_params(req.params, j)) for j in range(n)]
+            if charge is not None:
+                charge.tokens(len(req.prompt_ids), req.params.max_tokens * n)
+        except BaseException:
+            if charge is not None:
+                charge.cancel()
+            raise
         return reqs, charge
 
-    async def _generate_request(self, request: pb.CompletionRequest, default_priority: int) -> Request:
-        """`default_priority`: the API key's, for a request that sets none of its own."""
+    async def _generate_request(self, request: pb.CompletionRequest, tenant: Tenant | None) -> Request:
+        """tenant: the call's API key (None: open), which bounds its priority and salts its prefix cache."""
         if request.model and request.model != self.core.model_name:
             raise ModelNotFoundError(
                 f"model: {request.model!r} is not served here; this service serves {self.core.model_name!r}")
@@ -153,8 +162,10 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             logit_bias=dict(request.logit_bias),
             min_tokens=request.min_tokens,
             stop_token_ids=list(request.stop_token_ids),
+            cache_salt=None if tenant is None else tenant.cache_salt(None),
         )
-        priority = request.priority if request.HasField("priority") else default_priority
+        asked = request.priority if request.HasField("priority") else None
+        priority = (asked or 0) if tenant is None else tenant.priority_of(asked)
         return Request(f"grpc-{uuid.uuid4().hex}", prompt_ids, params, priority=priority)
 
     @staticmethod
