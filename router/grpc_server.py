@@ -1,6 +1,8 @@
 """The gRPC front end: service pdserve.v1.Completion over a ServingCore, with health and reflection.
 With API keys configured a call carries one in its metadata (`authorization: Bearer <key>`), as
-HTTP does in its header; health and reflection stay open (a probe carries no key). TLS where the
+HTTP does in its header; health stays open (a probe carries no key), and reflection is off unless
+router.grpc_reflection turns it on. Calls at once, keepalive and idle connections are bounded
+(GrpcLimits). TLS where the
 router has a certificate (router.tls_certfile)."""
 
 import asyncio
@@ -261,25 +263,57 @@ async def _track_health(core: ServingCore, server: grpc.aio.Server, servicer: he
         await _set_health(core, servicer)
 
 
+@dataclasses.dataclass(frozen=True)
+class GrpcLimits:
+    """What the gRPC server sheds (router.grpc_* keys, pdserve/config.py), and whether it serves reflection."""
+
+    max_concurrent_rpcs: int = 2048
+    keepalive_s: float = 60.0
+    max_idle_s: float = 600.0
+    reflection: bool = True
+
+    @classmethod
+    def of(cls, router, tenants: Tenants | None) -> "GrpcLimits":
+        """From RouterConfig; reflection unset: served only without keys (it maps the API to anyone)."""
+        reflection = tenants is None if router.grpc_reflection is None else router.grpc_reflection
+        return cls(router.grpc_max_concurrent_rpcs, router.grpc_keepalive_s, router.grpc_max_idle_s, reflection)
+
+    def options(self) -> list[tuple[str, int]]:
+        """The server's channel arguments: keepalive pings of idle connections (an unanswered one
+        closes it after KEEPALIVE_TIMEOUT_S), client pings no more often than MIN_CLIENT_PING_S (a ping
+        flood is answered with GOAWAY), idle connections closed."""
+        return [("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
+                ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_S * 1000),
+                ("grpc.http2.max_ping_strikes", 2),
+                ("grpc.max_connection_idle_ms", int(self.max_idle_s * 1000))]
+
+
+KEEPALIVE_TIMEOUT_S = 20
+MIN_CLIENT_PING_S = 10
+
+
 async def start_grpc_server(core: ServingCore, port: int, host: str = "0.0.0.0", shared: bool = False,
                             first: bool = True, tenants: Tenants | None = None,
                             credentials: grpc.ServerCredentials | None = None,
-                            max_n: int = DEFAULT_MAX_N) -> grpc.aio.Server:
+                            max_n: int = DEFAULT_MAX_N, limits: GrpcLimits = GrpcLimits()) -> grpc.aio.Server:
     """Start serving pdserve.v1.Completion, health and reflection on host:port (0: any free port,
     then `server.port` says which); the caller stops it. Raises PortInUseError when it is taken.
     shared: one of several routers on this port (SO_REUSEPORT); the first checks it is free.
     tenants: the API keys a call must carry (None: open); credentials: TLS (tls.grpc_credentials);
-    max_n: router.max_n."""
+    max_n: router.max_n; limits: concurrency, keepalive and reflection (GrpcLimits.of)."""
     if shared and first:
         check_free(host, port, "router.grpc_port")  # see listen.claim_shared
     # SO_REUSEPORT only where routers share the port: else a port already taken (say, by a stale
     # router) fails here instead of silently splitting the connections between the two servers.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", int(shared))])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", int(shared)), *limits.options()],
+                             maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
     pb_grpc.add_CompletionServicer_to_server(CompletionServicer(core, tenants, max_n), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    if limits.reflection:
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         # the port taken: `port`, or a free one for 0

@@ -219,14 +219,15 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
 
 def build_app(core: ServingCore, metrics: Metrics | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenants: Tenants | None = None,
-              max_n: int = DEFAULT_MAX_N) -> FastDoor:
+              max_n: int = DEFAULT_MAX_N, openapi_docs: bool = False) -> FastDoor:
     """The OpenAI-compatible app serving `core`: the FastAPI app (`.app`) behind its fast door
     (http_fast.py), which takes the generation endpoints' everyday requests past FastAPI.
-    tenants: the API keys every /v1 request must carry (http_auth.py) and their limits; None: open."""
+    tenants: the API keys every /v1 request must carry (http_auth.py) and their limits; None: open.
+    openapi_docs: serve /docs, /redoc and /openapi.json (router.openapi_docs)."""
     metrics = metrics or Metrics(model_name=core.model_name)
     routes = {COMPLETIONS: (CompletionRequest, functools.partial(complete, core, metrics, tenants, max_n=max_n)),
               CHAT: (ChatCompletionRequest, functools.partial(chat_complete, core, metrics, tenants, max_n=max_n))}
-    app = _build_fastapi(core, metrics, max_body_bytes, tenants, max_n)
+    app = _build_fastapi(core, metrics, max_body_bytes, tenants, max_n, openapi_docs)
     # The door checks a key as the app's middleware does (the same check, the same answer).
     guard = ApiKeyAuth(None, tenants, _refusal_counter(metrics)).authorize if tenants is not None else None
     return FastDoor(app, routes, functools.partial(answer_error, metrics=metrics), max_body_bytes, guard)
@@ -241,8 +242,11 @@ def _refusal_counter(metrics: Metrics) -> Callable[[str, int], None]:
 
 
 def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int, tenants: Tenants | None,
-                   max_n: int) -> FastAPI:
-    app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggregated prefill/decode service")
+                   max_n: int, openapi_docs: bool) -> FastAPI:
+    # The API's map is off unless asked for: it lists every endpoint and field to whoever asks.
+    docs = {} if openapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggregated prefill/decode service",
+                  **docs)
     app.state.core, app.state.metrics = core, metrics
     created = int(time.time())  # /v1/models: when this server started serving the model
     add_error_handlers(app, metrics)

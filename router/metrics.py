@@ -112,6 +112,9 @@ class Metrics:
         self.auth_failures = LoopCounter("pdserve_auth_failures", "Requests refused for want of a valid API key "
                                          "(HTTP 401, gRPC UNAUTHENTICATED), by reason: missing, invalid", ["reason"],
                                          registry=r)
+        self.connections_cut = LoopCounter("pdserve_http_connections_cut", "HTTP connections the router cut, by "
+                                           "reason: header_timeout, body_timeout (408), write_timeout (the client "
+                                           "stopped reading), max_connections (503)", ["reason"], registry=r)
         # What "only new KV moves" saves (a decode reservation reuses the decode replica's own prefix
         # cache; a prefill replica's prefix cache spares compute): the tokens each replica ran through
         # its model, and per decode replica the blocks it reused and the KV bytes that came in.
@@ -182,6 +185,10 @@ class Metrics:
             series[0].inc(prompt)
         if generation:
             series[1].inc(generation)
+
+    def count_connection_cut(self, reason: str) -> None:
+        """An HTTP connection cut by a deadline or the cap (router/http_deadlines.py)."""
+        self.connections_cut.labels(reason).inc()
 
     def count_auth_failure(self, reason: str) -> None:
         """A request without a valid key: reason "missing" or "invalid"."""

@@ -56,6 +56,7 @@ def up(path: str | None, flags: dict[str, object] | None = None) -> int:
     _check_extras(cfg)
     _check_tls(cfg)
     api_keys = _api_keys(cfg)
+    _warn_if_open(cfg, api_keys)
     if cfg.ray.address == "local":  # the router will listen on this host: a taken port fails now, not after loading
         from pdserve.router.listen import check_free
 
@@ -197,6 +198,25 @@ def _api_keys(cfg: ClusterConfig) -> list:
     if keys:
         _log(f"{len(keys)} API key{'s' if len(keys) > 1 else ''}: " + ", ".join(k.name for k in keys))
     return keys
+
+
+def _warn_if_open(cfg: ClusterConfig, api_keys: list) -> None:
+    """Say once, plainly, that the service is open to the network: no key asked on a public address."""
+    import ipaddress
+
+    from pdserve.router.tenants import ENV_VAR
+
+    host = cfg.router.host
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any address
+        loopback = False
+    if api_keys or loopback:
+        return
+    where = "every network interface" if host in ("0.0.0.0", "::", "") else host
+    _log(f"WARNING: no API keys, and the router listens on {host} ({where}): anyone who reaches its ports "
+         f"can generate, and read /metrics and /dashboard. Set router.api_keys_file or {ENV_VAR}, or "
+         f"router.host: 127.0.0.1 to serve this host only")
 
 
 def _wait_started(controller) -> dict[str, str]:
