@@ -21,12 +21,12 @@ import trustme
 import yaml
 from cryptography.hazmat.primitives import serialization
 
-from pdserve.config import ClusterConfig, ConfigError, EngineConfig, ModelConfig, load_cluster_config
+from pdserve.config import ClusterConfig, ConfigError, EngineConfig, ModelConfig, RouterConfig, load_cluster_config
 from pdserve.engine.engine import Engine
 from pdserve.protocol import InvalidRequestError
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
-from pdserve.router.grpc_server import start_grpc_server
+from pdserve.router.grpc_server import GrpcLimits, start_grpc_server
 from pdserve.router.http_api import build_app
 from pdserve.router.metrics import Metrics
 from pdserve.router.rate_limits import KeyLimits, RateLimited, duration
@@ -43,6 +43,7 @@ STOP_PROMPT = "abc"  # its greedy text has a "?" after a few tokens (test_http_a
 ALPHA = ApiKey("alpha", key_digest("sk-alpha"), tokens_per_minute=120)
 BETA = ApiKey("beta", key_digest("sk-beta"), priority=3)
 GAMMA = ApiKey("gamma", key_digest("sk-gamma"), requests_per_minute=2)
+OPS = ApiKey("ops", key_digest("sk-ops"), admin=True)
 
 
 class Clock:
@@ -249,8 +250,8 @@ def test_several_routers_each_enforce_their_share():
 # -- HTTP -----------------------------------------------------------------------------------------
 
 
-def test_a_missing_or_wrong_key_is_401_and_health_and_metrics_stay_open(serve):
-    s = serve(ALPHA, BETA)
+def test_a_missing_or_wrong_key_is_401_health_stays_open_and_metrics_take_an_admin_key(serve):
+    s = serve(ALPHA, BETA, OPS)
     with pytest.raises(openai.AuthenticationError) as e:
         s.client("sk-wrong").completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
@@ -268,8 +269,15 @@ def test_a_missing_or_wrong_key_is_401_and_health_and_metrics_stay_open(serve):
         assert httpx.get(s.url + path, timeout=30).status_code == 401
     assert s.client("sk-beta").models.list().data[0].id == MODEL
     assert httpx.get(s.url + "/health", timeout=30).status_code == 200
-    text = httpx.get(s.url + "/metrics", timeout=30).text
-    assert 'pdserve_auth_failures_total{reason="missing"} 5.0' in text
+    # The operators' endpoints name tenants, replicas and their prefix-cache hits: an admin key's.
+    for path in ("/metrics", "/dashboard", "/dashboard/data"):
+        r = httpx.get(s.url + path, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        r = httpx.get(s.url + path, headers={"authorization": "Bearer sk-beta"}, timeout=30)
+        assert r.status_code == 403 and "'beta' is not an admin key" in r.json()["error"]["message"], path
+    assert httpx.get(s.url + "/dashboard/data", headers={"authorization": "Bearer sk-ops"}, timeout=30).is_success
+    text = httpx.get(s.url + "/metrics", headers={"authorization": "Bearer sk-ops"}, timeout=30).text
+    assert 'pdserve_auth_failures_total{reason="missing"} 8.0' in text
     assert 'pdserve_auth_failures_total{reason="invalid"} 3.0' in text
     assert 'pdserve_requests_total{endpoint="/v1/completions",status="401"} 3.0' in text
     assert 'pdserve_requests_total{endpoint="/v1/chat/completions",status="401"} 1.0' in text
@@ -389,10 +397,17 @@ def test_a_request_that_can_never_fit_is_400_naming_the_field(serve, core):
     assert complete(alpha, 120 - p).headers["x-ratelimit-remaining-tokens"] == "0"  # nothing was charged
 
 
-def test_a_request_without_a_priority_takes_its_keys(serve, core):
+def test_a_request_takes_its_keys_priority_or_a_worse_one_never_a_better(serve, core):
     keyed = serve(ALPHA, BETA)
-    for key, extra, want in [("sk-beta", {}, 3), ("sk-beta", {"priority": -1}, -1), ("sk-alpha", {}, 0)]:
+    # (lower is better) A request asking for a better priority than its key's gets its key's: it
+    # would otherwise displace other tenants' queued requests and preempt their running ones.
+    for key, extra, want in [("sk-beta", {}, 3), ("sk-beta", {"priority": -1}, 3),
+                             ("sk-beta", {"priority": -2**31}, 3), ("sk-beta", {"priority": 7}, 7),
+                             ("sk-alpha", {}, 0), ("sk-alpha", {"priority": -5}, 0)]:
         keyed.client(key).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body=extra)
+        assert core.priorities[-1] == want, (key, extra)
+        keyed.client(key).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                                  max_tokens=1, extra_body=extra)
         assert core.priorities[-1] == want, (key, extra)
 
 
@@ -423,7 +438,8 @@ def bearer(key: str) -> tuple:
 def test_grpc_takes_the_key_from_metadata(core, loop):
     clock, metrics = Clock(), Metrics()
     tenants = Tenants([ALPHA, BETA, GAMMA], metrics=metrics, clock=clock)
-    server = loop.run(start_grpc_server(core, 0, host="127.0.0.1", tenants=tenants))
+    server = loop.run(start_grpc_server(core, 0, host="127.0.0.1", tenants=tenants,
+                                        limits=GrpcLimits.of(RouterConfig(), tenants)))
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     stub = pb_grpc.CompletionStub(channel)
     request = pb.CompletionRequest(prompt=PROMPT, max_tokens=3, temperature=0, ignore_eos=True)
@@ -435,10 +451,10 @@ def test_grpc_takes_the_key_from_metadata(core, loop):
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in e.value.details()
         assert stub.Complete(request, timeout=30, metadata=bearer("sk-beta")).usage.completion_tokens == 3
         assert core.priorities[-1] == 3  # unset: beta's default
-        for own in (-1, 0):  # set, even to proto3's default: the request's own
+        for own, want in ((-1, 3), (0, 3), (-2**31, 3), (5, 5)):  # never better than beta's own 3
             stub.Complete(pb.CompletionRequest(prompt=PROMPT, max_tokens=1, priority=own), timeout=30,
                           metadata=bearer("sk-beta"))
-            assert core.priorities[-1] == own
+            assert core.priorities[-1] == want, own
         chunks = list(stub.CompleteStream(request, timeout=30, metadata=bearer("sk-gamma")))
         assert chunks[-1].usage.completion_tokens == 3
         stub.Complete(request, timeout=30, metadata=bearer("sk-gamma"))
@@ -453,11 +469,16 @@ def test_grpc_takes_the_key_from_metadata(core, loop):
             list(stub.CompleteStream(pb.CompletionRequest(prompt=PROMPT, max_tokens=200), timeout=30,
                                      metadata=bearer("sk-alpha")))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("max_tokens:")
-        # Health and reflection stay open.
+        # Health stays open; reflection (a map of the API) is off with keys (router.grpc_reflection unset).
         from grpc_health.v1 import health_pb2, health_pb2_grpc
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            list(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=30))
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         channel.close()
         loop.run(server.stop(None))
@@ -467,7 +488,7 @@ def test_grpc_takes_the_key_from_metadata(core, loop):
     assert value("pdserve_api_key_requests_total", key="gamma", outcome="ok") == 2
     assert value("pdserve_api_key_requests_total", key="gamma", outcome="rate_limited") == 1
     assert value("pdserve_api_key_requests_total", key="alpha", outcome="rate_limited") == 1
-    assert value("pdserve_api_key_generation_tokens_total", key="beta") == 3 + 1 + 1 + 3
+    assert value("pdserve_api_key_generation_tokens_total", key="beta") == 3 + 4 * 1 + 3
     assert value("pdserve_api_key_prompt_tokens_total", key="gamma") == 2 * prompt_tokens(core)
 
 
