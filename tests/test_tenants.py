@@ -11,6 +11,8 @@ import math
 import ssl
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -32,9 +34,10 @@ from pdserve.router.metrics import Metrics
 from pdserve.router.rate_limits import KeyLimits, RateLimited, duration
 from pdserve.router.tenants import ENV_VAR, ApiKey, Tenants, Unauthenticated, key_digest, load_api_keys
 from pdserve.router.tls import check_tls, grpc_credentials, uvicorn_options
-from pdserve.router.types import NoCapacityError
+from pdserve.router import types as types_module
+from pdserve.router.types import DEFAULT_MAX_TOKENIZE_QUEUE, NoCapacityError, limit_tokenize_queue
 from local_core import LocalCore, Served
-from serving_cluster import Cluster
+from serving_cluster import Cluster, until
 from test_grpc_api import LoopThread
 
 MODEL = "tiny-moe"
@@ -409,6 +412,94 @@ def test_a_request_takes_its_keys_priority_or_a_worse_one_never_a_better(serve, 
         keyed.client(key).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
                                                   max_tokens=1, extra_body=extra)
         assert core.priorities[-1] == want, (key, extra)
+
+
+def test_a_key_is_charged_before_its_prompt_is_tokenized(serve, core, monkeypatch):
+    s = serve(GAMMA)  # 2 requests a minute
+    tokenized = []
+    real = core.tokenize
+    monkeypatch.setattr(core, "tokenize", lambda text, **kw: tokenized.append(text) or real(text, **kw))
+    gamma = s.client("sk-gamma")
+    for _ in range(2):
+        complete(gamma, 2)
+    assert len(tokenized) == 2
+    long_prompt = "many words " * 300  # (within the context: only the key can refuse it)
+    for chat in (False, True):
+        with pytest.raises(openai.RateLimitError) as e:
+            if chat:
+                gamma.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_prompt}],
+                                              max_tokens=2)
+            else:
+                complete(gamma, 2, prompt=long_prompt)
+        assert e.value.response.json()["error"]["type"] == "requests"
+    assert len(tokenized) == 2  # a key out of requests has none of its prompts tokenized
+
+
+CAPPED = ApiKey("capped", key_digest("sk-capped"), max_concurrent=1)
+
+
+def test_a_key_over_its_concurrency_cap_gets_429_while_another_is_served(serve, core):
+    s = serve(CAPPED, BETA)
+    capped = s.client("sk-capped")
+    tenant = s.tenants.authenticate("Bearer sk-capped")
+    stream = capped.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    first = next(iter(stream))  # in flight now
+    assert first.choices[0].text is not None and tenant.in_flight == 1
+    with pytest.raises(openai.RateLimitError) as e:
+        complete(capped, 2)
+    error = e.value.response.json()["error"]
+    assert "'capped' has 1 requests in flight" in error["message"] and "max_concurrent" in error["message"]
+    assert e.value.response.headers["retry-after"] == "1"
+    assert complete(s.client("sk-beta"), 2).parse().usage.completion_tokens == 2  # another key meanwhile
+    stream.close()  # the client leaves: its place comes back
+    until(lambda: tenant.in_flight == 0, what="the stream's place back under the cap")
+    assert complete(capped, 2).parse().usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError):  # refused before it is served: its place comes back too
+        complete(capped, 2, top_p=-1)
+    assert tenant.in_flight == 0
+    assert s.sample("pdserve_api_key_requests_total", key="capped", outcome="rate_limited") == 1
+
+
+def test_a_full_tokenizer_queue_is_429(serve, core, monkeypatch):
+    s = serve(BETA)
+    release = threading.Event()
+    real = core.tokenize
+    monkeypatch.setattr(core, "tokenize", lambda text, **kw: release.wait(30) and real(text, **kw))
+    limit_tokenize_queue(2)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(complete, s.client("sk-beta"), 2) for _ in range(2)]
+            until(lambda: types_module._queue.queued == 2, what="two prompts on the tokenizer")
+            with pytest.raises(openai.RateLimitError) as e:
+                complete(s.client("sk-beta"), 2)
+            assert "tokenizer queue is full" in e.value.response.json()["error"]["message"]
+            assert "router.max_tokenize_queue" in e.value.response.json()["error"]["message"]
+            release.set()
+            assert [f.result(timeout=60).parse().usage.completion_tokens for f in held] == [2, 2]
+    finally:
+        release.set()
+        limit_tokenize_queue(DEFAULT_MAX_TOKENIZE_QUEUE)
+
+
+def test_keys_hash_their_prompts_apart_unless_they_share_a_group(serve, core):
+    """The prefix cache salted per key (vLLM's cache_salt): the same prompt under another key finds
+    none of the first key's blocks; under the same key, or a key of its cache_group, it hits."""
+    a1 = ApiKey("a1", key_digest("sk-a1"), cache_group="team-a")
+    a2 = ApiKey("a2", key_digest("sk-a2"), cache_group="team-a")
+    s = serve(a1, a2, BETA)
+    prompt = " ".join(f"w{i}" for i in range(200))  # many full blocks
+    profile = core.engine.scheduler.profile
+    hits = []
+    for key, extra in (("sk-a1", {}), ("sk-beta", {}), ("sk-a1", {}), ("sk-a2", {}), ("sk-beta", {}),
+                       ("sk-a1", {"cache_salt": "mine"}), ("sk-a1", {"cache_salt": "mine"})):
+        before = profile.prefix_hits
+        s.client(key).completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body=extra)
+        hits.append(profile.prefix_hits - before)  # (the request has ended: the engine is idle)
+    assert hits[0] == 0 and hits[1] == 0  # beta does not find a1's prompt
+    assert hits[2] > 0 and hits[3] == hits[2]  # a1 again, and a2 of its group, do
+    assert hits[4] == hits[2]  # beta's own, second time
+    assert hits[5] == 0 and hits[6] == hits[2]  # a request's own salt splits its key's cache
 
 
 def test_keys_from_the_variable_are_served_under_their_names(serve):
