@@ -3,8 +3,8 @@ http_auth.py, tls.py). The keys file and PDSERVE_API_KEYS are checked naming the
 buckets run on a clock the test moves, so that every figure is exact; then for real over a LocalCore
 on tiny-moe: the openai client and raw HTTP (401, 429 with Retry-After and x-ratelimit-*, another key
 served meanwhile, refunds, per-key metrics), gRPC stubs (UNAUTHENTICATED, RESOURCE_EXHAUSTED with
-retry-after), HTTPS and gRPC over TLS with a CA made here (trustme); and `pdserve up` with a keys file
-and the variable, whose routers ask for the keys."""
+retry-after), HTTPS and gRPC over TLS with a CA made here (trustme). `pdserve up` with a keys file and
+the variable: tests/test_tenant_cluster.py."""
 
 import hashlib
 import math
@@ -32,12 +32,12 @@ from pdserve.router.grpc_server import GrpcLimits, start_grpc_server
 from pdserve.router.http_api import build_app
 from pdserve.router.metrics import Metrics
 from pdserve.router.rate_limits import KeyLimits, RateLimited, duration
-from pdserve.router.tenants import ENV_VAR, ApiKey, Tenants, Unauthenticated, key_digest, load_api_keys
+from pdserve.router.tenants import ApiKey, Tenants, Unauthenticated, key_digest, load_api_keys
 from pdserve.router.tls import check_tls, grpc_credentials, uvicorn_options
 from pdserve.router import types as types_module
 from pdserve.router.types import DEFAULT_MAX_TOKENIZE_QUEUE, NoCapacityError, limit_tokenize_queue
 from local_core import LocalCore, Served
-from serving_cluster import Cluster, until
+from serving_cluster import until
 from test_grpc_api import LoopThread
 
 MODEL = "tiny-moe"
@@ -662,41 +662,3 @@ def test_tls_files_are_checked_and_go_in_pairs(tmp_path, tls_files):
     relative = ClusterConfig.model_validate({"router": {"tls_certfile": "c.pem", "tls_keyfile": "~/k.pem",
                                                         "api_keys_file": "keys.yaml"}}).router
     assert all(p.startswith("/") for p in (relative.tls_certfile, relative.tls_keyfile, relative.api_keys_file))
-
-
-# -- pdserve up -----------------------------------------------------------------------------------
-
-
-def test_pdserve_up_with_a_keys_file_and_the_variable(tmp_path, monkeypatch):
-    keys = tmp_path / "keys.yaml"
-    keys.write_text(yaml.safe_dump({"keys": [{"name": "team-a", "key": "sk-team-a", "requests_per_minute": 60},
-                                             {"name": "team-b", "key": "sk-team-b", "priority": 1}]}))
-    monkeypatch.setenv(ENV_VAR, "ops:sk-ops")
-    cluster = Cluster(tmp_path, colocated={"replicas": 1, "num_kv_blocks": 256}, router={"api_keys_file": str(keys)})
-    try:
-        cluster.wait_ready()
-        assert "3 API keys: team-a, team-b, ops" in cluster.output()
-        url = cluster.url
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{url}/v1", api_key="sk-nope", max_retries=0).models.list()
-        routers = len(cluster.router_urls()) or 1
-        team_a = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-team-a", max_retries=0)
-        r = complete(team_a, 3)
-        assert r.parse().usage.completion_tokens == 3
-        assert r.headers["x-ratelimit-limit-requests"] == str(60 // routers)  # each router's share
-        ops = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-ops", max_retries=0)
-        assert complete(ops, 2).parse().usage.completion_tokens == 2
-        with grpc.insecure_channel(cluster.grpc_address) as channel:
-            stub = pb_grpc.CompletionStub(channel)
-            request = pb.CompletionRequest(prompt=PROMPT, max_tokens=2, temperature=0, ignore_eos=True)
-            with pytest.raises(grpc.RpcError) as e:
-                stub.Complete(request, timeout=60)
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert stub.Complete(request, timeout=60, metadata=bearer("sk-team-b")).usage.completion_tokens == 2
-        metrics = cluster.metrics()
-        assert 'pdserve_api_key_generation_tokens_total{key="team-a"} 3.0' in metrics
-        assert 'pdserve_api_key_generation_tokens_total{key="ops"} 2.0' in metrics
-        assert 'pdserve_api_key_requests_total{key="team-b",outcome="ok"} 1.0' in metrics
-        assert not any(key in cluster.output() + metrics for key in ("sk-team-a", "sk-team-b", "sk-ops"))
-    finally:
-        assert cluster.stop() == 0
