@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.protocol import InvalidRequestError, SamplingParams
+from pdserve.protocol import MAX_CACHE_SALT_CHARS, InvalidRequestError, SamplingParams
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
 from pdserve.router import token_budget
@@ -164,7 +164,7 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             logit_bias=dict(request.logit_bias),
             min_tokens=request.min_tokens,
             stop_token_ids=list(request.stop_token_ids),
-            cache_salt=None if tenant is None else tenant.cache_salt(None),
+            cache_salt=_cache_salt(request, tenant),
         )
         asked = request.priority if request.HasField("priority") else None
         priority = (asked or 0) if tenant is None else tenant.priority_of(asked)
@@ -181,6 +181,14 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             if num_tokens is not None:
                 chunk.usage.CopyFrom(_usage(req, num_tokens))
         return chunk
+
+
+def _cache_salt(request: pb.CompletionRequest, tenant: Tenant | None) -> str | None:
+    """The call's prefix-cache salt: its key's with its own `cache_salt` (Tenant.cache_salt), or its own alone."""
+    asked = request.cache_salt if request.HasField("cache_salt") else None
+    if asked is not None and not 0 < len(asked) <= MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError("cache_salt", f"must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(asked)}")
+    return asked if tenant is None else tenant.cache_salt(asked)
 
 
 def _stop_reason(delta: RequestDelta) -> dict:

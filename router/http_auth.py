@@ -1,4 +1,4 @@
-"""API keys on HTTP: every request under /v1 carries `Authorization: Bearer <key>` of a configured
+"""API keys on HTTP: every request under /v1 (and to /tokenize, /detokenize) carries `Authorization: Bearer <key>` of a configured
 key, or gets 401 in OpenAI's shape with `WWW-Authenticate: Bearer`, before its body is read. A
 plain ASGI middleware of the FastAPI app, whose check the app's fast door (http_fast.py) makes
 too, with the same answer: a request is checked on whichever way it comes in.
@@ -14,13 +14,16 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve.router.openai_protocol import DETOKENIZE, TOKENIZE
 from pdserve.router.tenants import Tenant, Tenants, Unauthenticated
 
 TENANT = "pdserve.tenant"  # the scope's entry holding the request's Tenant, once authorized
 
 
 def protected(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+    """Paths that take a key: the API, and vLLM's tokenizer endpoints beside it (they run prompts
+    through the router's tokenizing threads, which every tenant shares)."""
+    return path == "/v1" or path.startswith("/v1/") or path in (TOKENIZE, DETOKENIZE)
 
 
 def for_admins(path: str) -> bool:

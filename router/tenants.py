@@ -331,17 +331,6 @@ class Tenants:
             raise
         return Charge(tenant, self.metrics, headers)
 
-    def charge(self, tenant: Tenant, prompt_tokens: int, max_tokens: int, prompt_param: str = "prompt",
-               max_tokens_param: str = "max_tokens") -> Charge:
-        """admit and Charge.tokens in one, for a caller that holds the token count already."""
-        charge = self.admit(tenant)
-        try:
-            charge.tokens(prompt_tokens, max_tokens, prompt_param, max_tokens_param)
-        except BaseException:
-            charge.cancel()
-            raise
-        return charge
-
     def _failed(self, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.count_auth_failure(reason)

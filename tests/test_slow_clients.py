@@ -3,23 +3,29 @@ the router's own protocol (router/server.py:http_config) over a LocalCore on tin
 attacked over raw sockets: a client dribbling its headers (slowloris) or its body is cut off by
 its deadline while others are served; a streaming client that stops reading is cut off and its
 request aborted, its KV blocks back in the pool; past the connection cap a new connection gets 503
-at once. Also: /docs and /openapi.json are off unless router.openapi_docs."""
+at once. Also: /docs and /openapi.json are off unless router.openapi_docs; gRPC answers
+RESOURCE_EXHAUSTED past router.grpc_max_concurrent_rpcs."""
 
 import json
 import socket
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
 
 from pdserve.config import EngineConfig, ModelConfig, RouterConfig
 from pdserve.engine.engine import Engine
+from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
+from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
+from pdserve.router.grpc_server import GrpcLimits, start_grpc_server
 from pdserve.router.http_api import build_app
 from pdserve.router.metrics import Metrics
 from pdserve.router.server import http_config
 from local_core import LocalCore, Served
 from serving_cluster import until
+from test_grpc_api import LoopThread
 
 MODEL = "tiny-moe"
 DEADLINE_S = 1.0  # every deadline of these servers: short, so that a test waits little for one
@@ -173,3 +179,25 @@ def test_the_api_map_is_off_unless_asked_for(front):
         assert httpx.get(f.url + path, timeout=30).status_code == 404, path
     on = front(openapi_docs=True)
     assert "/v1/completions" in httpx.get(on.url + "/openapi.json", timeout=30).json()["paths"]
+
+
+def test_grpc_sheds_calls_past_its_concurrency_limit(core):
+    loop = LoopThread()
+    server = loop.run(start_grpc_server(core, 0, host="127.0.0.1", limits=GrpcLimits(max_concurrent_rpcs=1)))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.CompletionStub(channel)
+            held = stub.CompleteStream(pb.CompletionRequest(prompt="Once upon a time", max_tokens=2000,
+                                                            ignore_eos=True), timeout=60)
+            next(held)  # in flight now
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Complete(pb.CompletionRequest(prompt="Once upon a time", max_tokens=2), timeout=60)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            held.cancel()
+            until(lambda: not core.engine.has_unfinished(), what="the held call aborted")
+            reply = stub.Complete(pb.CompletionRequest(prompt="Once upon a time", max_tokens=2, ignore_eos=True),
+                                  timeout=60)
+            assert reply.usage.completion_tokens == 2
+    finally:
+        loop.run(server.stop(None))
+        loop.close()

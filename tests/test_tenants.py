@@ -253,7 +253,7 @@ def test_several_routers_each_enforce_their_share():
 # -- HTTP -----------------------------------------------------------------------------------------
 
 
-def test_a_missing_or_wrong_key_is_401_health_stays_open_and_metrics_take_an_admin_key(serve):
+def test_a_missing_or_wrong_key_is_401_health_stays_open_and_metrics_take_an_admin_key(serve, core):
     s = serve(ALPHA, BETA, OPS)
     with pytest.raises(openai.AuthenticationError) as e:
         s.client("sk-wrong").completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
@@ -279,8 +279,12 @@ def test_a_missing_or_wrong_key_is_401_health_stays_open_and_metrics_take_an_adm
         r = httpx.get(s.url + path, headers={"authorization": "Bearer sk-beta"}, timeout=30)
         assert r.status_code == 403 and "'beta' is not an admin key" in r.json()["error"]["message"], path
     assert httpx.get(s.url + "/dashboard/data", headers={"authorization": "Bearer sk-ops"}, timeout=30).is_success
+    # vLLM's tokenizer endpoints run text through the threads every tenant shares: a key's too.
+    assert httpx.post(s.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).status_code == 401
+    r = httpx.post(s.url + "/tokenize", json={"prompt": PROMPT}, headers={"authorization": "Bearer sk-beta"}, timeout=30)
+    assert r.json()["count"] == len(core.tokenize(PROMPT))
     text = httpx.get(s.url + "/metrics", headers={"authorization": "Bearer sk-ops"}, timeout=30).text
-    assert 'pdserve_auth_failures_total{reason="missing"} 8.0' in text
+    assert 'pdserve_auth_failures_total{reason="missing"} 9.0' in text
     assert 'pdserve_auth_failures_total{reason="invalid"} 3.0' in text
     assert 'pdserve_requests_total{endpoint="/v1/completions",status="401"} 3.0' in text
     assert 'pdserve_requests_total{endpoint="/v1/chat/completions",status="401"} 1.0' in text
@@ -584,6 +588,31 @@ def test_grpc_takes_the_key_from_metadata(core, loop):
 
 
 # -- TLS ------------------------------------------------------------------------------------------
+
+
+def test_grpc_salts_a_calls_prefix_cache_by_key_and_its_own_cache_salt(core, loop):
+    a1 = ApiKey("a1", key_digest("sk-a1"), cache_group="team-a")
+    a2 = ApiKey("a2", key_digest("sk-a2"), cache_group="team-a")
+    server = loop.run(start_grpc_server(core, 0, host="127.0.0.1", tenants=Tenants([a1, a2, BETA])))
+    prompt = " ".join(f"g{i}" for i in range(200))
+    profile = core.engine.scheduler.profile
+    hits = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.CompletionStub(channel)
+            for key, salt in (("sk-a1", None), ("sk-beta", None), ("sk-a2", None), ("sk-a1", "x"), ("sk-a1", "x")):
+                before = profile.prefix_hits
+                stub.Complete(pb.CompletionRequest(prompt=prompt, max_tokens=1, cache_salt=salt), timeout=60,
+                              metadata=bearer(key))
+                hits.append(profile.prefix_hits - before)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Complete(pb.CompletionRequest(prompt=prompt, max_tokens=1, cache_salt=""), timeout=60,
+                              metadata=bearer("sk-a1"))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("cache_salt:")
+    finally:
+        loop.run(server.stop(None))
+    assert hits[0] == 0 and hits[1] == 0 and hits[2] > 0  # beta misses a1's prompt; a2 of a1's group hits
+    assert hits[3] == 0 and hits[4] == hits[2]  # a call's own salt: a cache of its own
 
 
 @pytest.fixture(scope="module")
