@@ -16,7 +16,7 @@
   send anything (uvicorn's limit_concurrency answers only once a request's headers are in, so
   slow connections held under it count against everyone).
 
-Every cut is counted in pdserve_http_connections_cut_total{reason} (Metrics.count_connection_cut)."""
+Every cut is counted by reason (Metrics.count_connection_cut)."""
 
 import asyncio
 import json

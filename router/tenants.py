@@ -17,7 +17,9 @@ The keys file:
         admin: false              # optional: the key may read /metrics and /dashboard (when keys are on)
 
 PDSERVE_API_KEYS: keys separated by commas, each `key` or `name:key` (split at the first colon; an
-unnamed key is called env-<its position>); no limits."""
+unnamed key is called env-<its position>); no limits. PDSERVE_ADMIN_KEY: one more key, named admin,
+that may read /metrics and /dashboard (as `admin: true` in the file): with `pdserve serve --api-key`,
+the operator's; also what `pdserve status --watch` sends to read the routers' /metrics."""
 
 import hashlib
 import hmac
@@ -27,11 +29,13 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
+from pdserve.cluster_view import ADMIN_KEY_VAR
 from pdserve.config import ConfigError
 from pdserve.protocol import InvalidRequestError
 from pdserve.router.rate_limits import Clock, KeyLimits, RateLimited
 
 ENV_VAR = "PDSERVE_API_KEYS"
+ADMIN_ENV_VAR = ADMIN_KEY_VAR  # PDSERVE_ADMIN_KEY
 FILE_KEY = "router.api_keys_file"
 
 
@@ -94,15 +98,17 @@ class _KeysFile(BaseModel):
     keys: list = Field(min_length=1)  # each validated on its own, so that an error names its entry
 
 
-def load_api_keys(path: str | None, env: str | None, routers: int = 1) -> list[ApiKey]:
-    """The keys of the keys file at `path` and of `env` (PDSERVE_API_KEYS' value), checked: raises
-    ConfigError naming the file or variable and the entry. routers: router.replicas, each of which
-    enforces its share of a limit."""
+def load_api_keys(path: str | None, env: str | None, routers: int = 1, admin: str | None = None) -> list[ApiKey]:
+    """The keys of the keys file at `path`, of `env` (PDSERVE_API_KEYS' value) and `admin`
+    (PDSERVE_ADMIN_KEY's), checked: raises ConfigError naming the file or variable and the entry.
+    routers: router.replicas, each of which enforces its share of a limit."""
     entries: list[tuple[str, _Entry]] = []  # (where it was given, the entry)
     if path is not None:
         entries += _file_entries(path)
     if env is not None:
         entries += _env_entries(env)
+    if admin is not None:
+        entries.append(_entry(ADMIN_ENV_VAR, {"name": "admin", "key": admin, "admin": True}))
     _check_unique(entries)
     keys = []
     for where, e in entries:

@@ -52,7 +52,7 @@ class Front:
         self.port = int(self.url.rsplit(":", 1)[1])
 
     def cuts(self, reason: str) -> float:
-        return self.metrics.registry.get_sample_value("pdserve_http_connections_cut_total", {"reason": reason}) or 0.0
+        return self.metrics.connections_cut[reason]
 
     def connect(self, rcvbuf: int | None = None) -> socket.socket:
         s = socket.socket()

@@ -192,9 +192,10 @@ def _check_tls(cfg: ClusterConfig) -> None:
 def _api_keys(cfg: ClusterConfig) -> list:
     """The API keys (router.api_keys_file, PDSERVE_API_KEYS), checked before anything starts, as the
     routers take them (ApiKey: names, hashes and limits; the keys themselves stay here). Empty: no keys."""
-    from pdserve.router.tenants import ENV_VAR, load_api_keys
+    from pdserve.router.tenants import ADMIN_ENV_VAR, ENV_VAR, load_api_keys
 
-    keys = load_api_keys(cfg.router.api_keys_file, os.environ.get(ENV_VAR), cfg.router.replicas)
+    keys = load_api_keys(cfg.router.api_keys_file, os.environ.get(ENV_VAR), cfg.router.replicas,
+                         os.environ.get(ADMIN_ENV_VAR))
     if keys:
         _log(f"{len(keys)} API key{'s' if len(keys) > 1 else ''}: " + ", ".join(k.name for k in keys))
     return keys
