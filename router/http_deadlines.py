@@ -2,8 +2,8 @@
 (httptools) with deadlines where uvicorn has none, each a router.* key (pdserve/config.py):
 
 - header_timeout_s: a connection's request line and headers must all arrive within it, counted
-  from the connection's opening (or, on a kept-alive connection, from the next request's first
-  byte); else the connection is closed. uvicorn's keep-alive timer covers only the silence between
+  from the connection's opening (on a kept-alive connection, from the next request's first byte:
+  the silence before it is uvicorn's keep-alive timeout's); else the connection is closed. uvicorn's keep-alive timer covers only the silence between
   requests, so a client dribbling a header a byte at a time held its connection (and its memory)
   for ever.
 - body_timeout_s: a request's body must arrive in full within it after its headers: else 408 and
@@ -58,7 +58,8 @@ def deadlined_protocol(header_timeout_s: float, body_timeout_s: float, write_tim
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._arm(header_timeout_s, "header_timeout")  # the next request on a kept-alive connection
+            if self._deadline is None:  # the next request on a kept-alive connection (the first's runs already)
+                self._arm(header_timeout_s, "header_timeout")
 
         def on_headers_complete(self) -> None:
             self._arm(body_timeout_s, "body_timeout")
@@ -107,7 +108,9 @@ def deadlined_protocol(header_timeout_s: float, body_timeout_s: float, write_tim
         def _cut(self, reason: str, abort: bool = True) -> None:
             """Close the connection: abort (its buffered output dropped: the client is not reading, or
             not there) or close after the answer just written."""
-            self._stalled = None
+            if self._stalled is not None:
+                self._stalled.cancel()  # (a no-op where it is the one firing)
+                self._stalled = None
             if on_cut is not None:
                 on_cut(reason)
             if not self.transport.is_closing():
