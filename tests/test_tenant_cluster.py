@@ -3,7 +3,8 @@ replica behind a router with API keys from a keys file and PDSERVE_API_KEYS, one
 module. A prompt cached under one key is no hit under another — across the prefill -> decode
 hand-off and the router's prefix-aware routing — but is under the same key or a key of its
 cache_group; /metrics takes an admin key; a streaming client that stops reading is cut off and the
-KV blocks of its request come back; gRPC takes the key from its metadata. And `pdserve up` says
+KV blocks of its request come back, and so is one dribbling its headers (others are served
+meanwhile); gRPC takes the key from its metadata. And `pdserve up` says
 once, plainly, when it would serve a public address with no keys."""
 
 import json
@@ -38,7 +39,8 @@ def cluster(tmp_path_factory):
     keys.write_text(yaml.safe_dump({"keys": KEYS}))
     mp = pytest.MonkeyPatch()
     mp.setenv(ENV_VAR, "env-key:sk-env")
-    c = Cluster(tmp, admin_key="sk-ops-admin", router={"api_keys_file": str(keys), "sse_write_timeout_s": 1.0})
+    c = Cluster(tmp, admin_key="sk-ops-admin", router={"api_keys_file": str(keys), "sse_write_timeout_s": 1.0,
+                                                            "header_timeout_s": 2.0})
     try:
         c.wait_ready()
         yield c
@@ -151,6 +153,24 @@ def test_a_stream_its_client_stops_reading_is_cut_off_and_its_blocks_come_back(c
     finally:
         s.close()
     assert complete(cluster, "sk-team-b", 2).parse().usage.completion_tokens == 2
+
+
+def test_a_client_dribbling_its_headers_is_cut_off_while_others_are_served(cluster):
+    host, port = cluster.url.removeprefix("http://").rsplit(":", 1)
+    slow = socket.create_connection((host, int(port)))
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    served = 0
+    try:
+        for _ in range(200):  # a header byte now and then, until the router's header deadline cuts it
+            slow.sendall(b"X")
+            served += complete(cluster, "sk-team-b", 1).parse().usage.completion_tokens  # others go on
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    else:
+        pytest.fail("the router kept a connection whose headers never ended")
+    finally:
+        slow.close()
+    assert served >= 1
 
 
 @pytest.mark.parametrize("keys", [False, True])
