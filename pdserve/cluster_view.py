@@ -11,6 +11,7 @@ in the controller's status), a window source of its own per replica.
 """
 
 import math
+import os
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -170,14 +171,22 @@ def replica_snapshots(status: dict) -> dict[str, Snapshot]:
     return out
 
 
+ADMIN_KEY_VAR = "PDSERVE_ADMIN_KEY"  # an admin API key: with keys on, a router's /metrics is an admin's
+
+
 def scrape(urls: list[str], timeout: float = 2.0) -> dict[str, Snapshot]:
-    """Each router's figures; one that does not answer is left out (it is down, and shown so)."""
+    """Each router's figures; one that does not answer is left out (it is down, and shown so), as is
+    one that refuses (keys on, and no admin key in PDSERVE_ADMIN_KEY)."""
     import httpx
 
+    key = os.environ.get(ADMIN_KEY_VAR)
+    headers = {"authorization": f"Bearer {key}"} if key else {}
     out = {}
     for url in urls:
         try:
-            out[url] = parse_metrics(httpx.get(f"{url}/metrics", timeout=timeout).text)
+            r = httpx.get(f"{url}/metrics", headers=headers, timeout=timeout)
+            if r.is_success:
+                out[url] = parse_metrics(r.text)
         except (httpx.HTTPError, ValueError):
             pass
     return out

@@ -135,9 +135,32 @@ class RouterConfig(_Strict):
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # The most choices a request may ask for per prompt (`n`, `best_of`); more is a 400 naming the field.
     max_n: int = Field(default=16, ge=1, le=1024)
-    # API keys (router/tenants.py): a YAML file of keys, each with a name, optional requests_per_minute
-    # and tokens_per_minute, and a default priority; PDSERVE_API_KEYS adds keys from the environment.
-    # Read by `pdserve up` at start. No file and no variable: no key is asked for.
+    # Slow clients are shed (router/http_deadlines.py): a connection whose request line and headers
+    # have not all arrived header_timeout_s after its first byte (or after it opened) is closed;
+    # a body not read in full within body_timeout_s gets 408 and the connection closes; a stream
+    # whose client has not taken its events for sse_write_timeout_s is cut off and its request
+    # aborted (its KV blocks freed). Past max_connections open connections, new requests get 503.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    sse_write_timeout_s: float = Field(default=30.0, gt=0)
+    max_connections: int = Field(default=2048, ge=1)
+    # Prompts waiting for (or on) the router's two tokenizing threads; past it a request gets 429.
+    max_tokenize_queue: int = Field(default=256, ge=1)
+    # FastAPI's /docs, /redoc and /openapi.json: off unless asked for (they map the whole API).
+    openapi_docs: bool = False
+    # gRPC server reflection: null (the default) serves it only without API keys.
+    grpc_reflection: bool | None = None
+    # gRPC calls served at once (more: RESOURCE_EXHAUSTED); keepalive: the server pings a connection
+    # idle this long and closes it when the ping goes unanswered for 20 s, and refuses client pings
+    # more often than every 10 s (a ping flood); a connection with no call for grpc_max_idle_s closes.
+    grpc_max_concurrent_rpcs: int = Field(default=2048, ge=1)
+    grpc_keepalive_s: float = Field(default=60.0, gt=0)
+    grpc_max_idle_s: float = Field(default=600.0, gt=0)
+    # API keys (router/tenants.py): a YAML file of keys, each with a name, optional requests_per_minute,
+    # tokens_per_minute and max_concurrent, a priority (the best its requests get), a cache_group
+    # (keys sharing prefix-cache blocks) and admin (may read /metrics and /dashboard, closed to other
+    # keys and to none); PDSERVE_API_KEYS adds keys from the environment. Read by `pdserve up` at
+    # start. No file and no variable: no key is asked for, and `pdserve up` says so on a public address.
     api_keys_file: str | None = None
     # TLS for HTTP and gRPC: a PEM certificate chain and its private key; both or neither.
     tls_certfile: str | None = None

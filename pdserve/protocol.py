@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300; vLLM sets no bound)
+MAX_CACHE_SALT_CHARS = 512  # a request's own cache_salt (vLLM's field)
+MAX_SALT_CHARS = 1024  # the salt an engine takes: the router prefixes a key's scope to the request's own
 MAX_REPETITION_PENALTY = 100.0  # a finite bound, so a penalty cannot turn logits into inf or 0
 
 
@@ -41,6 +43,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted from a generated token's logit per time it was generated
     repetition_penalty: float = 1.0  # HF/CTRL: a seen token's (prompt or output) logit / p if > 0, * p if < 0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # vLLM's `cache_salt`: mixed into the hash of the prompt's first KV block, so that only requests
+    # with the same salt share prefix-cache blocks (a tenant cannot probe another's prompts by their
+    # cache hits). The router sets it from the request's API key (router/tenants.py); it travels
+    # here, inside the parameters, to every engine that hashes the prompt.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +74,10 @@ class SamplingParams:
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise InvalidRequestError("stop", f"each stop string may have at most {MAX_STOP_CHARS} characters")
         self._validate_processors()
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt)
+                                                <= MAX_SALT_CHARS):
+            raise InvalidRequestError("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                                                    "characters")
         # Read by the sampler for every row of every step: one attribute, so that a batch asking for
         # none of the logits processors pays one look per row (set again by each validate()).
         self.processed = bool(self.logit_bias or self.min_tokens or self.penalized)

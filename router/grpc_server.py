@@ -1,6 +1,8 @@
 """The gRPC front end: service pdserve.v1.Completion over a ServingCore, with health and reflection.
 With API keys configured a call carries one in its metadata (`authorization: Bearer <key>`), as
-HTTP does in its header; health and reflection stay open (a probe carries no key). TLS where the
+HTTP does in its header; health stays open (a probe carries no key), and reflection is off unless
+router.grpc_reflection turns it on. Calls at once, keepalive and idle connections are bounded
+(GrpcLimits). TLS where the
 router has a certificate (router.tls_certfile)."""
 
 import asyncio
@@ -14,13 +16,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.protocol import InvalidRequestError, SamplingParams
+from pdserve.protocol import MAX_CACHE_SALT_CHARS, InvalidRequestError, SamplingParams
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
 from pdserve.router import token_budget
 from pdserve.router.listen import PortInUseError, check_free, holder
 from pdserve.router.rate_limits import RateLimited
-from pdserve.router.tenants import Charge, Tenants, Unauthenticated
+from pdserve.router.tenants import Charge, Tenant, Tenants, Unauthenticated
 from pdserve.messages import Request, RequestDelta
 from pdserve.router.choices import DEFAULT_MAX_N, Interleaved, check_n, child_params, close_all, each
 from pdserve.router.types import NoCapacityError, OverloadedError, ServingCore, ServingError, off_loop
@@ -114,21 +116,30 @@ class CompletionServicer(pb_grpc.CompletionServicer):
 
     async def _charged_requests(self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext,
                                 ) -> tuple[list[Request], Charge | None]:
-        """The request's choices (one, or n), checked, and charged to its API key where keys are configured."""
-        tenant = None
+        """The request's choices (one, or n), checked, and charged to its API key where keys are
+        configured: admitted under the key before its prompt is tokenized (Tenants.admit), its
+        tokens charged once counted."""
+        tenant = charge = None
         if self.tenants is not None:
             authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
             tenant = self.tenants.authenticate(authorization if isinstance(authorization, str) else None)
-        req = await self._generate_request(request, tenant.priority if tenant else 0)
-        n = request.n or 1
-        check_n(n, n, self.max_n)
-        reqs = [req] if n == 1 else [dataclasses.replace(req, request_id=f"{req.request_id}-{j}",
-                                                         params=child_params(req.params, j)) for j in range(n)]
-        charge = None if tenant is None else self.tenants.charge(tenant, len(req.prompt_ids), req.params.max_tokens * n)
+            charge = self.tenants.admit(tenant)
+        try:
+            req = await self._generate_request(request, tenant)
+            n = request.n or 1
+            check_n(n, n, self.max_n)
+            reqs = [req] if n == 1 else [dataclasses.replace(req, request_id=f"{req.request_id}-{j}",
+                                                             params=child_params(req.params, j)) for j in range(n)]
+            if charge is not None:
+                charge.tokens(len(req.prompt_ids), req.params.max_tokens * n)
+        except BaseException:
+            if charge is not None:
+                charge.cancel()
+            raise
         return reqs, charge
 
-    async def _generate_request(self, request: pb.CompletionRequest, default_priority: int) -> Request:
-        """`default_priority`: the API key's, for a request that sets none of its own."""
+    async def _generate_request(self, request: pb.CompletionRequest, tenant: Tenant | None) -> Request:
+        """tenant: the call's API key (None: open), which bounds its priority and salts its prefix cache."""
         if request.model and request.model != self.core.model_name:
             raise ModelNotFoundError(
                 f"model: {request.model!r} is not served here; this service serves {self.core.model_name!r}")
@@ -153,8 +164,10 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             logit_bias=dict(request.logit_bias),
             min_tokens=request.min_tokens,
             stop_token_ids=list(request.stop_token_ids),
+            cache_salt=_cache_salt(request, tenant),
         )
-        priority = request.priority if request.HasField("priority") else default_priority
+        asked = request.priority if request.HasField("priority") else None
+        priority = (asked or 0) if tenant is None else tenant.priority_of(asked)
         return Request(f"grpc-{uuid.uuid4().hex}", prompt_ids, params, priority=priority)
 
     @staticmethod
@@ -168,6 +181,14 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             if num_tokens is not None:
                 chunk.usage.CopyFrom(_usage(req, num_tokens))
         return chunk
+
+
+def _cache_salt(request: pb.CompletionRequest, tenant: Tenant | None) -> str | None:
+    """The call's prefix-cache salt: its key's with its own `cache_salt` (Tenant.cache_salt), or its own alone."""
+    asked = request.cache_salt if request.HasField("cache_salt") else None
+    if asked is not None and not 0 < len(asked) <= MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError("cache_salt", f"must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(asked)}")
+    return asked if tenant is None else tenant.cache_salt(asked)
 
 
 def _stop_reason(delta: RequestDelta) -> dict:
@@ -250,25 +271,57 @@ async def _track_health(core: ServingCore, server: grpc.aio.Server, servicer: he
         await _set_health(core, servicer)
 
 
+@dataclasses.dataclass(frozen=True)
+class GrpcLimits:
+    """What the gRPC server sheds (router.grpc_* keys, pdserve/config.py), and whether it serves reflection."""
+
+    max_concurrent_rpcs: int = 2048
+    keepalive_s: float = 60.0
+    max_idle_s: float = 600.0
+    reflection: bool = True
+
+    @classmethod
+    def of(cls, router, tenants: Tenants | None) -> "GrpcLimits":
+        """From RouterConfig; reflection unset: served only without keys (it maps the API to anyone)."""
+        reflection = tenants is None if router.grpc_reflection is None else router.grpc_reflection
+        return cls(router.grpc_max_concurrent_rpcs, router.grpc_keepalive_s, router.grpc_max_idle_s, reflection)
+
+    def options(self) -> list[tuple[str, int]]:
+        """The server's channel arguments: keepalive pings of idle connections (an unanswered one
+        closes it after KEEPALIVE_TIMEOUT_S), client pings no more often than MIN_CLIENT_PING_S (a ping
+        flood is answered with GOAWAY), idle connections closed."""
+        return [("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
+                ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_S * 1000),
+                ("grpc.http2.max_ping_strikes", 2),
+                ("grpc.max_connection_idle_ms", int(self.max_idle_s * 1000))]
+
+
+KEEPALIVE_TIMEOUT_S = 20
+MIN_CLIENT_PING_S = 10
+
+
 async def start_grpc_server(core: ServingCore, port: int, host: str = "0.0.0.0", shared: bool = False,
                             first: bool = True, tenants: Tenants | None = None,
                             credentials: grpc.ServerCredentials | None = None,
-                            max_n: int = DEFAULT_MAX_N) -> grpc.aio.Server:
+                            max_n: int = DEFAULT_MAX_N, limits: GrpcLimits = GrpcLimits()) -> grpc.aio.Server:
     """Start serving pdserve.v1.Completion, health and reflection on host:port (0: any free port,
     then `server.port` says which); the caller stops it. Raises PortInUseError when it is taken.
     shared: one of several routers on this port (SO_REUSEPORT); the first checks it is free.
     tenants: the API keys a call must carry (None: open); credentials: TLS (tls.grpc_credentials);
-    max_n: router.max_n."""
+    max_n: router.max_n; limits: concurrency, keepalive and reflection (GrpcLimits.of)."""
     if shared and first:
         check_free(host, port, "router.grpc_port")  # see listen.claim_shared
     # SO_REUSEPORT only where routers share the port: else a port already taken (say, by a stale
     # router) fails here instead of silently splitting the connections between the two servers.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", int(shared))])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", int(shared)), *limits.options()],
+                             maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
     pb_grpc.add_CompletionServicer_to_server(CompletionServicer(core, tenants, max_n), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    if limits.reflection:
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         # the port taken: `port`, or a free one for 0

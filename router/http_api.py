@@ -9,7 +9,8 @@ openai_responses.py; the generation endpoints' requests are taken past FastAPI b
 import functools
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -84,13 +85,11 @@ def _check_model(core: ServingCore, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _charge(tenants: Tenants | None, scope: Scope, prompt_tokens: int, max_tokens: int, prompt_param: str,
-           max_tokens_param: str) -> Charge | None:
-    """The request charged to its API key's limits (RateLimited: 429); None without keys."""
+def _admit(tenants: Tenants | None, scope: Scope) -> Charge | None:
+    """The request charged to its API key as it arrives, before its prompt is tokenized (RateLimited:
+    429); None without keys. Its tokens are charged once counted (Charge.tokens)."""
     tenant = tenant_of(scope)
-    if tenant is None:
-        return None
-    return tenants.charge(tenant, prompt_tokens, max_tokens, prompt_param, max_tokens_param)
+    return None if tenant is None else tenants.admit(tenant)
 
 
 SESSION_HEADER = b"x-session-id"
@@ -105,11 +104,30 @@ def _session(body, scope: Scope) -> str | None:
 
 
 def _priority(body, scope: Scope) -> int:
-    """The request's own `priority`, else its API key's default (0 without keys)."""
-    if body.priority is not None:
-        return body.priority
+    """The request's own `priority`, no better than its API key's (Tenant.priority_of); 0 unset without keys."""
     tenant = tenant_of(scope)
-    return tenant.priority if tenant is not None else 0
+    if tenant is None:
+        return body.priority or 0
+    return tenant.priority_of(body.priority)
+
+
+def _cache_salt(body, scope: Scope) -> str | None:
+    """The request's prefix-cache salt: its API key's with its own `cache_salt` (Tenant.cache_salt),
+    or its own alone without keys."""
+    tenant = tenant_of(scope)
+    return body.cache_salt if tenant is None else tenant.cache_salt(body.cache_salt)
+
+
+@contextmanager
+def _until_served(charge: Charge | None) -> Iterator[None]:
+    """A request refused before it is served (a field, its prompt, its tokens) gives its charge back
+    (Charge.cancel); once served, its end settles it."""
+    try:
+        yield
+    except BaseException:
+        if charge is not None:
+            charge.cancel()
+        raise
 
 
 async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None, body: CompletionRequest,
@@ -118,39 +136,48 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
     `scope` its ASGI scope, which holds its API key's tenant (http_auth.py) where keys are configured.
     max_n: router.max_n, the most choices per prompt (n, best_of)."""
     _check_model(core, body.model)
-    n = body.n or 1
-    best_of = body.best_of or n
-    check_n(n, best_of, max_n)
-    prompts = body.prompts()
-    if len(prompts) == 1 and best_of == 1 and not body.echo:  # one choice: the everyday path
-        prompt = prompts[0]
-        prompt_ids = await _tokenize(core, prompt, "prompt") if isinstance(prompt, str) else prompt
-        max_tokens = token_budget.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
-        params = body.sampling_params(max_tokens, body.logprobs)
-        charge = _charge(tenants, scope, len(prompt_ids), max_tokens, "prompt", "max_tokens")
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
-        return await serve(receive, core, metrics, shape,
-                           Request(rid, prompt_ids, params, session=_session(body, scope),
-                                   priority=_priority(body, scope)),
-                           bool(body.stream), charge)
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    choices, prompt_tokens, total_max = [], 0, 0
-    for i, prompt in enumerate(prompts):
-        prompt_ids = await _tokenize(core, prompt, "prompt") if isinstance(prompt, str) else prompt
-        max_tokens = token_budget.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
-        params = body.sampling_params(max_tokens, body.logprobs)
-        echo = None
-        if body.echo:
-            echo = prompt if isinstance(prompt, str) else await off_loop(core.detokenize, prompt_ids)
-        prompt_tokens += len(prompt_ids)
-        total_max += max_tokens * best_of
-        for j in range(best_of):
-            shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage, i * n + j)
-            request = Request(f"{rid}-{i}-{j}", prompt_ids, child_params(params, j, best_of > n),
-                              session=_session(body, scope), priority=_priority(body, scope))
-            choices.append(Choice(request, shape, i, echo))
-    charge = _charge(tenants, scope, prompt_tokens, total_max, "prompt", "max_tokens")
+    charge = _admit(tenants, scope)
+    with _until_served(charge):
+        n = body.n or 1
+        best_of = body.best_of or n
+        check_n(n, best_of, max_n)
+        prompts = body.prompts()
+        salt, priority = _cache_salt(body, scope), _priority(body, scope)
+        if len(prompts) == 1 and best_of == 1 and not body.echo:  # one choice: the everyday path
+            prompt = prompts[0]
+            prompt_ids = await _tokenize(core, prompt, "prompt") if isinstance(prompt, str) else prompt
+            max_tokens = token_budget.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids),
+                                                 core.max_model_len)
+            params = body.sampling_params(max_tokens, body.logprobs, salt)
+            if charge is not None:
+                charge.tokens(len(prompt_ids), max_tokens, "prompt", "max_tokens")
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
+            request = Request(rid, prompt_ids, params, session=_session(body, scope), priority=priority)
+        else:
+            request = None
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            choices, prompt_tokens, total_max = [], 0, 0
+            for i, prompt in enumerate(prompts):
+                prompt_ids = await _tokenize(core, prompt, "prompt") if isinstance(prompt, str) else prompt
+                max_tokens = token_budget.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids),
+                                                     core.max_model_len)
+                params = body.sampling_params(max_tokens, body.logprobs, salt)
+                echo = None
+                if body.echo:
+                    echo = prompt if isinstance(prompt, str) else await off_loop(core.detokenize, prompt_ids)
+                prompt_tokens += len(prompt_ids)
+                total_max += max_tokens * best_of
+                for j in range(best_of):
+                    shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage,
+                                            i * n + j)
+                    child = Request(f"{rid}-{i}-{j}", prompt_ids, child_params(params, j, best_of > n),
+                                    session=_session(body, scope), priority=priority)
+                    choices.append(Choice(child, shape, i, echo))
+            if charge is not None:
+                charge.tokens(prompt_tokens, total_max, "prompt", "max_tokens")
+    if request is not None:
+        return await serve(receive, core, metrics, shape, request, bool(body.stream), charge)
     return await serve_choices(receive, core, metrics, choices, n, bool(body.stream), prompt_tokens, total_max, charge)
 
 
@@ -158,30 +185,33 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
                         scope: Scope, receive: Receive, max_n: int = DEFAULT_MAX_N) -> Response:
     """POST /v1/chat/completions, as `complete`."""
     _check_model(core, body.model)
-    n = body.n or 1
-    check_n(n, n, max_n)
-    text = await _chat_prompt(core, body)
-    prompt_ids = await _tokenize(core, text, "messages", add_special_tokens=False)  # the template has its BOS
-    requested, param = ((body.max_completion_tokens, "max_completion_tokens")
-                        if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
-    # No default cap, as OpenAI and vLLM: generate until a stop or the end of the context.
-    max_tokens = token_budget.max_tokens(requested, param, None, len(prompt_ids), core.max_model_len)
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.sampling_params(max_tokens, logprobs)
-    charge = _charge(tenants, scope, len(prompt_ids), max_tokens * n, "messages", param)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    charge = _admit(tenants, scope)
+    with _until_served(charge):
+        n = body.n or 1
+        check_n(n, n, max_n)
+        text = await _chat_prompt(core, body)
+        prompt_ids = await _tokenize(core, text, "messages", add_special_tokens=False)  # the template has its BOS
+        requested, param = ((body.max_completion_tokens, "max_completion_tokens")
+                            if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
+        # No default cap, as OpenAI and vLLM: generate until a stop or the end of the context.
+        max_tokens = token_budget.max_tokens(requested, param, None, len(prompt_ids), core.max_model_len)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = body.sampling_params(max_tokens, logprobs, _cache_salt(body, scope))
+        if charge is not None:
+            charge.tokens(len(prompt_ids), max_tokens * n, "messages", param)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        priority = _priority(body, scope)
     if n > 1:
         choices = [Choice(Request(f"{rid}-0-{j}", prompt_ids, child_params(params, j, False),
-                                  session=_session(body, scope), priority=_priority(body, scope)),
+                                  session=_session(body, scope), priority=priority),
                           ChatShape(rid, core.model_name, logprobs is not None, body.include_usage, j), 0)
                    for j in range(n)]
         return await serve_choices(receive, core, metrics, choices, n, bool(body.stream), len(prompt_ids),
                                    max_tokens * n, charge)
     shape = ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
     return await serve(receive, core, metrics, shape,
-                        Request(rid, prompt_ids, params, session=_session(body, scope),
-                                        priority=_priority(body, scope)),
-                        bool(body.stream), charge)
+                       Request(rid, prompt_ids, params, session=_session(body, scope), priority=priority),
+                       bool(body.stream), charge)
 
 
 # -- the app ------------------------------------------------------------------------------------
@@ -189,14 +219,15 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
 
 def build_app(core: ServingCore, metrics: Metrics | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenants: Tenants | None = None,
-              max_n: int = DEFAULT_MAX_N) -> FastDoor:
+              max_n: int = DEFAULT_MAX_N, openapi_docs: bool = False) -> FastDoor:
     """The OpenAI-compatible app serving `core`: the FastAPI app (`.app`) behind its fast door
     (http_fast.py), which takes the generation endpoints' everyday requests past FastAPI.
-    tenants: the API keys every /v1 request must carry (http_auth.py) and their limits; None: open."""
+    tenants: the API keys every /v1 request must carry (http_auth.py) and their limits; None: open.
+    openapi_docs: serve /docs, /redoc and /openapi.json (router.openapi_docs)."""
     metrics = metrics or Metrics(model_name=core.model_name)
     routes = {COMPLETIONS: (CompletionRequest, functools.partial(complete, core, metrics, tenants, max_n=max_n)),
               CHAT: (ChatCompletionRequest, functools.partial(chat_complete, core, metrics, tenants, max_n=max_n))}
-    app = _build_fastapi(core, metrics, max_body_bytes, tenants, max_n)
+    app = _build_fastapi(core, metrics, max_body_bytes, tenants, max_n, openapi_docs)
     # The door checks a key as the app's middleware does (the same check, the same answer).
     guard = ApiKeyAuth(None, tenants, _refusal_counter(metrics)).authorize if tenants is not None else None
     return FastDoor(app, routes, functools.partial(answer_error, metrics=metrics), max_body_bytes, guard)
@@ -211,8 +242,11 @@ def _refusal_counter(metrics: Metrics) -> Callable[[str, int], None]:
 
 
 def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int, tenants: Tenants | None,
-                   max_n: int) -> FastAPI:
-    app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggregated prefill/decode service")
+                   max_n: int, openapi_docs: bool) -> FastAPI:
+    # The API's map is off unless asked for: it lists every endpoint and field to whoever asks.
+    docs = {} if openapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggregated prefill/decode service",
+                  **docs)
     app.state.core, app.state.metrics = core, metrics
     created = int(time.time())  # /v1/models: when this server started serving the model
     add_error_handlers(app, metrics)

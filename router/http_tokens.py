@@ -1,7 +1,9 @@
 """vLLM's tokenizer endpoints, as vLLM serves them (a vLLM user's scripts call them to count and
 check prompts): POST /tokenize (a prompt, or a chat rendered by the model's template exactly as
 /v1/chat/completions renders it), POST /detokenize, GET /version. No replica is asked: the router
-holds the model's tokenizer. Like vLLM's, they sit outside /v1 (an API key is not asked for)."""
+holds the model's tokenizer. Like vLLM's, they sit outside /v1; unlike vLLM's, they take an API key
+where keys are configured (http_auth.py): they run text through the tokenizing threads every tenant
+shares."""
 
 from fastapi import FastAPI
 

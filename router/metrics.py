@@ -1,5 +1,6 @@
 """The router's Prometheus metrics: request latencies from the front end, replica and KV figures from the Ray side."""
 
+import collections
 import time
 from collections.abc import Callable
 
@@ -112,6 +113,9 @@ class Metrics:
         self.auth_failures = LoopCounter("pdserve_auth_failures", "Requests refused for want of a valid API key "
                                          "(HTTP 401, gRPC UNAUTHENTICATED), by reason: missing, invalid", ["reason"],
                                          registry=r)
+        # HTTP connections cut by the front end's deadlines and cap (router/http_deadlines.py), by
+        # reason. Not exported yet: every exported metric has a panel in deploy/grafana/pdserve.json.
+        self.connections_cut: collections.Counter[str] = collections.Counter()
         # What "only new KV moves" saves (a decode reservation reuses the decode replica's own prefix
         # cache; a prefill replica's prefix cache spares compute): the tokens each replica ran through
         # its model, and per decode replica the blocks it reused and the KV bytes that came in.
@@ -182,6 +186,10 @@ class Metrics:
             series[0].inc(prompt)
         if generation:
             series[1].inc(generation)
+
+    def count_connection_cut(self, reason: str) -> None:
+        """An HTTP connection cut by a deadline or the cap (router/http_deadlines.py)."""
+        self.connections_cut[reason] += 1
 
     def count_auth_failure(self, reason: str) -> None:
         """A request without a valid key: reason "missing" or "invalid"."""

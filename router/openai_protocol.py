@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationInfo, field_validator
 
-from pdserve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from pdserve.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -62,6 +62,9 @@ class SamplingRequest(BaseModel):
     # vLLM extension: the lower, the sooner the request is admitted and scheduled, and the later it
     # is preempted; unset means 0. The range is gRPC's int32, so that both front ends take the same.
     priority: Annotated[int, Field(ge=-2**31, le=2**31 - 1)] | None = None
+    # vLLM extension: only requests with the same salt share prefix-cache blocks. With API keys it is
+    # added to the key's own salt (router/tenants.py Tenant.cache_salt): it splits, never joins.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -89,8 +92,10 @@ class SamplingRequest(BaseModel):
             raise ValueError("keys must be token ids (non-negative integers, as strings)")
         return v
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters; SamplingParams checks the ranges (InvalidRequestError names the field)."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, cache_salt: str | None = None
+                        ) -> SamplingParams:
+        """The engine's parameters; SamplingParams checks the ranges (InvalidRequestError names the field).
+        cache_salt: the prefix-cache salt the router gives the request (its key's and its own)."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -107,6 +112,7 @@ class SamplingRequest(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=dict(self.logit_bias or {}),
+            cache_salt=cache_salt,
         )
 
     @property

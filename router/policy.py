@@ -18,7 +18,7 @@ import itertools
 from collections import OrderedDict
 from typing import Protocol
 
-from pdserve.engine.block_pool import block_hashes
+from pdserve.engine.block_pool import block_hashes, salt_root
 from pdserve.router.attempt import Attempt
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.replica_set import ReplicaSet
@@ -98,7 +98,9 @@ class PrefixAware(KVAware):
         self._sessions: OrderedDict[str, tuple[tuple[str, ...], int, bytes]] = OrderedDict()
 
     def prepare(self, run, request, sent) -> None:
-        run.hashes = block_hashes(request.prompt_ids + sent, self.block_size)
+        # Salted as the engines salt it (Engine._new_sequence): a key's prompt matches only its own
+        # key's blocks here, as in the replicas' caches.
+        run.hashes = block_hashes(request.prompt_ids + sent, self.block_size, salt_root(request.params.cache_salt))
 
     def prompt_replica(self, names, role, run, request, sent) -> str:
         """The least work before this request's first token there, in prompt tokens to compute: those

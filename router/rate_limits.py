@@ -96,6 +96,36 @@ class KeyLimits:
             self.tokens.take(cost)
         return self.headers()
 
+    def charge_request(self) -> dict[str, str]:
+        """Charge one request as it arrives, before its prompt is tokenized; its tokens come later
+        (charge_tokens). Raises RateLimited (nothing charged) when the requests bucket lacks one, or
+        the tokens bucket is empty: a key with nothing left has no prompt of its tokenized."""
+        waits = {}
+        for limit, bucket, amount in (("requests", self.requests, 1), ("tokens", self.tokens, 1)):
+            if bucket is not None:
+                bucket.refill()
+                if (wait := bucket.wait_s(amount)) > 0:
+                    waits[limit] = (wait, amount)
+        if waits:
+            raise self._refusal(waits)
+        if self.requests is not None:
+            self.requests.take(1)
+        return self.headers()
+
+    def charge_tokens(self, prompt_tokens: int, max_tokens: int, prompt_param: str, max_tokens_param: str,
+                      ) -> dict[str, str]:
+        """Charge prompt_tokens + max_tokens of a request charge_request took; as `charge` for the tokens."""
+        cost = prompt_tokens + max_tokens
+        if self.tokens is None:
+            return self.headers()
+        if cost > self.tokens.capacity:
+            self._never_fits(prompt_tokens, max_tokens, prompt_param, max_tokens_param)
+        self.tokens.refill()
+        if (wait := self.tokens.wait_s(cost)) > 0:
+            raise self._refusal({"tokens": (wait, cost)})
+        self.tokens.take(cost)
+        return self.headers()
+
     def refund(self, tokens: int) -> None:
         """`tokens` of what a request was charged were not used: back into the bucket."""
         if self.tokens is not None and tokens > 0:

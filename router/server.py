@@ -8,7 +8,7 @@ import threading
 
 import uvicorn
 
-from pdserve.config import ClusterConfig
+from pdserve.config import ClusterConfig, RouterConfig
 from pdserve.models import resolve_model_args
 from pdserve.tokenizer import load_tokenizer
 from pdserve.messages import ReplicaChange, RequestDelta
@@ -17,6 +17,7 @@ from pdserve import heap
 from pdserve.priority import serve_now
 from pdserve.router.admission import AdmissionPolicy
 from pdserve.router.http_api import build_app
+from pdserve.router.http_deadlines import deadlined_protocol
 from pdserve.router.listen import bind_listener, claim_shared
 from pdserve.router.metrics import Metrics
 from pdserve.router.core import RouterCore
@@ -24,6 +25,7 @@ from pdserve.router.replica_set import Channel
 from pdserve.router.prefill_site import PrefillSite
 from pdserve.router.tenants import ApiKey, Tenants
 from pdserve.router.tls import grpc_credentials, uvicorn_options
+from pdserve.router.types import limit_tokenize_queue
 
 
 MEET_S = 10.0  # the workers a router introduces itself to answer within this (RouterStreams.meet)
@@ -46,11 +48,16 @@ def _import_all(modules: list[str]) -> None:
             pass
 
 
-def http_config(app, tls: dict | None = None) -> uvicorn.Config:
-    """How a router serves its HTTP app: uvicorn (with httptools, its C parser), no lifespan, and no
+def http_config(app, tls: dict | None = None, router: RouterConfig | None = None,
+                metrics: Metrics | None = None) -> uvicorn.Config:
+    """How a router serves its HTTP app: uvicorn (with httptools, its C parser, under the slow
+    clients' deadlines and the connection cap of `router`: http_deadlines.py), no lifespan, and no
     access log: at log level warning uvicorn writes none, but without this it still gathers each
     request's address and path for it. tls: uvicorn's ssl_* arguments (tls.uvicorn_options)."""
-    return uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, **(tls or {}))
+    router = router or RouterConfig()
+    protocol = deadlined_protocol(router.header_timeout_s, router.body_timeout_s, router.sse_write_timeout_s,
+                                  router.max_connections, metrics.count_connection_cut if metrics else None)
+    return uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http=protocol, **(tls or {}))
 
 
 class Router:
@@ -116,8 +123,10 @@ class Router:
         # Each router enforces its share of a key's limits: the kernel spreads connections evenly over them.
         tenants = Tenants(self.api_keys, cfg.router.replicas, self.metrics) if self.api_keys else None
         tls = uvicorn_options(cfg.router.tls_certfile, cfg.router.tls_keyfile)
-        app = build_app(self.core, self.metrics, cfg.router.max_request_bytes, tenants, cfg.router.max_n)
-        self.http = uvicorn.Server(http_config(app, tls))
+        limit_tokenize_queue(cfg.router.max_tokenize_queue)
+        app = build_app(self.core, self.metrics, cfg.router.max_request_bytes, tenants, cfg.router.max_n,
+                        cfg.router.openapi_docs)
+        self.http = uvicorn.Server(http_config(app, tls, cfg.router, self.metrics))
         self._tasks.append(asyncio.create_task(self.http.serve(sockets=sockets)))
         while not self.http.started:
             if self._tasks[-1].done():
@@ -130,13 +139,13 @@ class Router:
             endpoints["own"] = f"{scheme}://{host}:{sockets[1].getsockname()[1]}"
         self.grpc = None
         if cfg.router.grpc_port is not None:
-            from pdserve.router.grpc_server import start_grpc_server  # the `grpc` extra: only where asked for
+            from pdserve.router.grpc_server import GrpcLimits, start_grpc_server  # the `grpc` extra: only where asked for
 
             port = cfg.router.grpc_port if grpc_port is None else grpc_port
             self.grpc = await start_grpc_server(self.core, port, host, shared=shared, first=grpc_port is None,
                                                 tenants=tenants, credentials=grpc_credentials(
                                                     cfg.router.tls_certfile, cfg.router.tls_keyfile),
-                                                max_n=cfg.router.max_n)
+                                                max_n=cfg.router.max_n, limits=GrpcLimits.of(cfg.router, tenants))
             endpoints["grpc"] = f"{host}:{self.grpc.port}"
         self.endpoints = endpoints
         heap.settle()  # everything built: the collector leaves it be (heap.py)

@@ -103,8 +103,35 @@ T = TypeVar("T")
 # threads: the loop still gets its share of the GIL while both run pure-Python templates, and a
 # burst of chats waits here rather than in the loop.
 _TOKENIZE_THREADS = ThreadPoolExecutor(2, thread_name_prefix="pdserve-tokenize")
+DEFAULT_MAX_TOKENIZE_QUEUE = 256  # router.max_tokenize_queue
+
+
+class _TokenizeQueue:
+    """How many calls wait for or run on the tokenizing threads, at most `limit`: the pool's own
+    queue has no bound, and every request shares it (a flood of long prompts would hold every other
+    request's tokenizing behind it, and their memory)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.queued = limit, 0
+
+
+_queue = _TokenizeQueue(DEFAULT_MAX_TOKENIZE_QUEUE)
+
+
+def limit_tokenize_queue(limit: int) -> None:
+    """router.max_tokenize_queue, set by the router as it starts (the pool is the process's)."""
+    _queue.limit = limit
 
 
 async def off_loop(fn: Callable[..., T], *args, **kwargs) -> T:
-    """fn(*args, **kwargs) on a tokenizing thread, awaited."""
-    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_THREADS, functools.partial(fn, *args, **kwargs))
+    """fn(*args, **kwargs) on a tokenizing thread, awaited. Raises OverloadedError (429) while
+    router.max_tokenize_queue calls wait or run there already."""
+    if _queue.queued >= _queue.limit:
+        raise OverloadedError(f"the router's tokenizer queue is full ({_queue.limit} prompts waiting, "
+                              f"router.max_tokenize_queue); try again shortly", "tokenize_queue")
+    _queue.queued += 1
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_THREADS,
+                                                                functools.partial(fn, *args, **kwargs))
+    finally:
+        _queue.queued -= 1

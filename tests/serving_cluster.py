@@ -14,7 +14,10 @@ from pdserve.benchmarks.up_process import ClusterStartError, UpProcess
 
 
 class Cluster:
-    def __init__(self, tmp_path, **sections):
+    def __init__(self, tmp_path, admin_key: str | None = None, **sections):
+        """admin_key: an admin API key of the cluster's keys file, sent to read /metrics (with keys on,
+        /metrics is an admin's)."""
+        self.headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
         # Port 0: the router binds any free port and `pdserve up` prints it (no port picked here
         # that another test could take first).
         cfg = {"router": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0}}
@@ -93,11 +96,11 @@ class Cluster:
         highest of theirs. A dead router's figures are gone with it."""
         urls = list(self.router_urls().values()) or [self.url]
         if len(urls) == 1:
-            return httpx.get(f"{urls[0]}/metrics", timeout=10).text
+            return httpx.get(f"{urls[0]}/metrics", headers=self.headers, timeout=10).text
         values: dict[str, float] = {}
         for url in urls:
             try:
-                text = httpx.get(f"{url}/metrics", timeout=10).text
+                text = httpx.get(f"{url}/metrics", headers=self.headers, timeout=10).text
             except httpx.ConnectError:  # a router that was killed (test_routers)
                 continue
             for family in text_string_to_metric_families(text):

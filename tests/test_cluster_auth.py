@@ -27,7 +27,8 @@ from serving_cluster import Cluster
 README = Path(__file__).resolve().parents[1] / "README.md"
 DRIVER = "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); print(len(ray.nodes()), 'nodes')"
 DRIVER_S = 180  # a refused driver gives up by itself well within it
-SECRETS = {"PDSERVE_API_KEYS": "ops:sk-ops-secret", "PDSERVE_CLUSTER_TOKEN": "cluster-token-secret"}
+SECRETS = {"PDSERVE_API_KEYS": "ops:sk-ops-secret", "PDSERVE_ADMIN_KEY": "sk-admin-secret",
+           "PDSERVE_CLUSTER_TOKEN": "cluster-token-secret"}
 
 
 def two_nodes(token: bool) -> LocalRayCluster:

@@ -73,7 +73,8 @@ def served():
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # handing uvicorn the bound socket leaves no race for the port
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(build_app(core, metrics), log_level="warning", lifespan="off"))
+    app = build_app(core, metrics, openapi_docs=True)  # (the API's map, off by default: test_slow_clients)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

@@ -79,6 +79,30 @@ def test_a_reservation_takes_the_cached_prefix_and_gives_every_reference_back():
     assert pool.num_free_blocks == pool.num_blocks and not any(pool.ref_counts)
 
 
+def test_a_reservation_finds_only_its_own_salts_blocks():
+    """The prefix cache salted (SamplingParams.cache_salt, a key's salt from the router): a decode
+    reservation of the same prompt under another salt finds none of its blocks, under the same
+    salt all; the prefix-aware router hashes a salted prompt to the very keys the engine stores."""
+    from pdserve.engine.block_pool import block_hashes, salt_root
+
+    decode = engine("decode", blocks=16)
+    prompt = ids(40, 3)
+
+    def reserve(rid: str, salt: str | None) -> int:
+        r = decode.reserve(Request(rid, prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
+                                                               cache_salt=salt)))
+        decode.start_decode(rid, 7)
+        while decode.has_unfinished():
+            decode.step()
+        return r.cached_blocks
+
+    assert reserve("a", "key:alpha") == 0
+    assert set(decode.pool.cached) >= set(block_hashes(prompt[:32], BS, salt_root("key:alpha")))
+    assert reserve("b", "key:beta") == 0 and reserve("c", None) == 0  # another key's, and none
+    assert reserve("d", "key:alpha") == 2
+    assert salt_root(None) is None and block_hashes(prompt, BS, salt_root("")) == decode_hashes(prompt)
+
+
 def decode_hashes(tokens: list[int]) -> list[bytes]:
     from pdserve.engine.block_pool import block_hashes
 

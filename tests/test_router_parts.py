@@ -83,6 +83,26 @@ def test_prefix_aware_goes_where_the_prompt_is_cached_until_the_balance_guard():
     assert pa.prompt_replica(["p0", "p1"], "prefill", run, req, []) == "p0"
 
 
+def test_prefix_aware_hashes_a_keys_prompt_as_the_engines_do():
+    """A salted prompt (a key's cache_salt) matches only the blocks an engine stored under that salt:
+    the router's index hashes as the engines' caches do (Engine._new_sequence), so another key's
+    prompt is neither routed toward those blocks nor counted as cached there."""
+    from pdserve.engine.block_pool import block_hashes, salt_root
+
+    rs = cluster()
+    pa = PrefixAware(rs, BLOCK)
+    prompt = list(range(32))
+    stored = block_hashes(prompt, BLOCK, salt_root("key:alpha"))  # what p1's engine announced
+    pa.index.apply("p1-w", KVEvents("e", 1, True, [(True, h) for h in stored]))
+    for salt, cached in (("key:alpha", True), ("key:beta", False), (None, False)):
+        run = Attempt("r")
+        req = Request("r", prompt, SamplingParams(max_tokens=4, cache_salt=salt))
+        pa.prepare(run, req, [])
+        assert (run.hashes == stored) is cached, salt
+        pa.prompt_replica(["p0", "p1"], "prefill", run, req, [])
+        assert (run.to_compute == 1) is cached, salt
+
+
 def test_prefix_aware_remembers_a_session_for_its_next_turn():
     rs = cluster()
     pa = PrefixAware(rs, BLOCK)

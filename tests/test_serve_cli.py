@@ -20,6 +20,7 @@ from pdserve.config import ConfigError
 from pdserve.control import serve_flags
 
 KEY = "sk-serve-test-0123456789"
+ADMIN_KEY = "sk-serve-admin-0123456789"  # PDSERVE_ADMIN_KEY: with a key on, /dashboard is an admin's
 # Ray's console formats: its Python loggers' ("2026-11-28 16:41:07,161\tWARNING x.py:85 -- ...") and
 # its C++ core's glog lines ("[2026-11-28 16:46:53,462 W 19538 19538] gcs_client.cc:210: ...").
 RAY_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(DEBUG|INFO|WARNING|ERROR)\s|"
@@ -36,7 +37,8 @@ def served(tmp_path_factory):
     ray_log = tmp / "ray-console.log"
     # A new local Ray with RAY_AUTH_MODE unset always says "Token authentication is enabled ...":
     # one line of Ray's own that must land in the log file, not on the console.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {"PDSERVE_RAY_LOG": str(ray_log)}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {"PDSERVE_RAY_LOG": str(ray_log),
+                                                                          "PDSERVE_ADMIN_KEY": ADMIN_KEY}
     up = UpProcess(None, tmp / "pdserve-serve.log", [
         "serve", "tiny-moe", "--host", "127.0.0.1", "--port", "0", "--grpc-port", "none", "--max-model-len", "96",
         "--served-model-name", "tiny-served", "--api-key", KEY, "--max-num-seqs", "8"], env=env)
@@ -69,7 +71,9 @@ def test_serve_and_status_print_the_dashboard_and_none_of_rays_lines(served):
     up, url, ray_log = served
     out = up.output()
     assert f"[pdserve] dashboard: {url}/dashboard" in out
-    assert httpx.get(f"{url}/dashboard", timeout=10).status_code == 200
+    assert httpx.get(f"{url}/dashboard", timeout=10).status_code == 401  # --api-key on: an admin's page
+    assert httpx.get(f"{url}/dashboard", headers={"authorization": f"Bearer {KEY}"}, timeout=10).status_code == 403
+    assert httpx.get(f"{url}/dashboard", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=10).status_code == 200
     assert not ray_lines(out), out
     logged = ray_log.read_text()
     assert "Token authentication is enabled" in logged and ray_lines(logged), logged  # Ray's, where they belong

@@ -3,14 +3,16 @@ http_auth.py, tls.py). The keys file and PDSERVE_API_KEYS are checked naming the
 buckets run on a clock the test moves, so that every figure is exact; then for real over a LocalCore
 on tiny-moe: the openai client and raw HTTP (401, 429 with Retry-After and x-ratelimit-*, another key
 served meanwhile, refunds, per-key metrics), gRPC stubs (UNAUTHENTICATED, RESOURCE_EXHAUSTED with
-retry-after), HTTPS and gRPC over TLS with a CA made here (trustme); and `pdserve up` with a keys file
-and the variable, whose routers ask for the keys."""
+retry-after), HTTPS and gRPC over TLS with a CA made here (trustme). `pdserve up` with a keys file and
+the variable: tests/test_tenant_cluster.py."""
 
 import hashlib
 import math
 import ssl
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -21,20 +23,21 @@ import trustme
 import yaml
 from cryptography.hazmat.primitives import serialization
 
-from pdserve.config import ClusterConfig, ConfigError, EngineConfig, ModelConfig, load_cluster_config
+from pdserve.config import ClusterConfig, ConfigError, EngineConfig, ModelConfig, RouterConfig, load_cluster_config
 from pdserve.engine.engine import Engine
 from pdserve.protocol import InvalidRequestError
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
-from pdserve.router.grpc_server import start_grpc_server
+from pdserve.router.grpc_server import GrpcLimits, start_grpc_server
 from pdserve.router.http_api import build_app
 from pdserve.router.metrics import Metrics
 from pdserve.router.rate_limits import KeyLimits, RateLimited, duration
-from pdserve.router.tenants import ENV_VAR, ApiKey, Tenants, Unauthenticated, key_digest, load_api_keys
+from pdserve.router.tenants import ApiKey, Tenants, Unauthenticated, key_digest, load_api_keys
 from pdserve.router.tls import check_tls, grpc_credentials, uvicorn_options
-from pdserve.router.types import NoCapacityError
+from pdserve.router import types as types_module
+from pdserve.router.types import DEFAULT_MAX_TOKENIZE_QUEUE, NoCapacityError, limit_tokenize_queue
 from local_core import LocalCore, Served
-from serving_cluster import Cluster
+from serving_cluster import until
 from test_grpc_api import LoopThread
 
 MODEL = "tiny-moe"
@@ -43,6 +46,7 @@ STOP_PROMPT = "abc"  # its greedy text has a "?" after a few tokens (test_http_a
 ALPHA = ApiKey("alpha", key_digest("sk-alpha"), tokens_per_minute=120)
 BETA = ApiKey("beta", key_digest("sk-beta"), priority=3)
 GAMMA = ApiKey("gamma", key_digest("sk-gamma"), requests_per_minute=2)
+OPS = ApiKey("ops", key_digest("sk-ops"), admin=True)
 
 
 class Clock:
@@ -249,8 +253,8 @@ def test_several_routers_each_enforce_their_share():
 # -- HTTP -----------------------------------------------------------------------------------------
 
 
-def test_a_missing_or_wrong_key_is_401_and_health_and_metrics_stay_open(serve):
-    s = serve(ALPHA, BETA)
+def test_a_missing_or_wrong_key_is_401_health_stays_open_and_metrics_take_an_admin_key(serve, core):
+    s = serve(ALPHA, BETA, OPS)
     with pytest.raises(openai.AuthenticationError) as e:
         s.client("sk-wrong").completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
@@ -268,8 +272,19 @@ def test_a_missing_or_wrong_key_is_401_and_health_and_metrics_stay_open(serve):
         assert httpx.get(s.url + path, timeout=30).status_code == 401
     assert s.client("sk-beta").models.list().data[0].id == MODEL
     assert httpx.get(s.url + "/health", timeout=30).status_code == 200
-    text = httpx.get(s.url + "/metrics", timeout=30).text
-    assert 'pdserve_auth_failures_total{reason="missing"} 5.0' in text
+    # The operators' endpoints name tenants, replicas and their prefix-cache hits: an admin key's.
+    for path in ("/metrics", "/dashboard", "/dashboard/data"):
+        r = httpx.get(s.url + path, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        r = httpx.get(s.url + path, headers={"authorization": "Bearer sk-beta"}, timeout=30)
+        assert r.status_code == 403 and "'beta' is not an admin key" in r.json()["error"]["message"], path
+    assert httpx.get(s.url + "/dashboard/data", headers={"authorization": "Bearer sk-ops"}, timeout=30).is_success
+    # vLLM's tokenizer endpoints run text through the threads every tenant shares: a key's too.
+    assert httpx.post(s.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).status_code == 401
+    r = httpx.post(s.url + "/tokenize", json={"prompt": PROMPT}, headers={"authorization": "Bearer sk-beta"}, timeout=30)
+    assert r.json()["count"] == len(core.tokenize(PROMPT))
+    text = httpx.get(s.url + "/metrics", headers={"authorization": "Bearer sk-ops"}, timeout=30).text
+    assert 'pdserve_auth_failures_total{reason="missing"} 9.0' in text
     assert 'pdserve_auth_failures_total{reason="invalid"} 3.0' in text
     assert 'pdserve_requests_total{endpoint="/v1/completions",status="401"} 3.0' in text
     assert 'pdserve_requests_total{endpoint="/v1/chat/completions",status="401"} 1.0' in text
@@ -389,11 +404,106 @@ def test_a_request_that_can_never_fit_is_400_naming_the_field(serve, core):
     assert complete(alpha, 120 - p).headers["x-ratelimit-remaining-tokens"] == "0"  # nothing was charged
 
 
-def test_a_request_without_a_priority_takes_its_keys(serve, core):
+def test_a_request_takes_its_keys_priority_or_a_worse_one_never_a_better(serve, core):
     keyed = serve(ALPHA, BETA)
-    for key, extra, want in [("sk-beta", {}, 3), ("sk-beta", {"priority": -1}, -1), ("sk-alpha", {}, 0)]:
+    # (lower is better) A request asking for a better priority than its key's gets its key's: it
+    # would otherwise displace other tenants' queued requests and preempt their running ones.
+    for key, extra, want in [("sk-beta", {}, 3), ("sk-beta", {"priority": -1}, 3),
+                             ("sk-beta", {"priority": -2**31}, 3), ("sk-beta", {"priority": 7}, 7),
+                             ("sk-alpha", {}, 0), ("sk-alpha", {"priority": -5}, 0)]:
         keyed.client(key).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body=extra)
         assert core.priorities[-1] == want, (key, extra)
+        keyed.client(key).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                                  max_tokens=1, extra_body=extra)
+        assert core.priorities[-1] == want, (key, extra)
+
+
+def test_a_key_is_charged_before_its_prompt_is_tokenized(serve, core, monkeypatch):
+    s = serve(GAMMA)  # 2 requests a minute
+    tokenized = []
+    real = core.tokenize
+    monkeypatch.setattr(core, "tokenize", lambda text, **kw: tokenized.append(text) or real(text, **kw))
+    gamma = s.client("sk-gamma")
+    for _ in range(2):
+        complete(gamma, 2)
+    assert len(tokenized) == 2
+    long_prompt = "many words " * 300  # (within the context: only the key can refuse it)
+    for chat in (False, True):
+        with pytest.raises(openai.RateLimitError) as e:
+            if chat:
+                gamma.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_prompt}],
+                                              max_tokens=2)
+            else:
+                complete(gamma, 2, prompt=long_prompt)
+        assert e.value.response.json()["error"]["type"] == "requests"
+    assert len(tokenized) == 2  # a key out of requests has none of its prompts tokenized
+
+
+CAPPED = ApiKey("capped", key_digest("sk-capped"), max_concurrent=1)
+
+
+def test_a_key_over_its_concurrency_cap_gets_429_while_another_is_served(serve, core):
+    s = serve(CAPPED, BETA)
+    capped = s.client("sk-capped")
+    tenant = s.tenants.authenticate("Bearer sk-capped")
+    stream = capped.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    first = next(iter(stream))  # in flight now
+    assert first.choices[0].text is not None and tenant.in_flight == 1
+    with pytest.raises(openai.RateLimitError) as e:
+        complete(capped, 2)
+    error = e.value.response.json()["error"]
+    assert "'capped' has 1 requests in flight" in error["message"] and "max_concurrent" in error["message"]
+    assert e.value.response.headers["retry-after"] == "1"
+    assert complete(s.client("sk-beta"), 2).parse().usage.completion_tokens == 2  # another key meanwhile
+    stream.close()  # the client leaves: its place comes back
+    until(lambda: tenant.in_flight == 0, what="the stream's place back under the cap")
+    assert complete(capped, 2).parse().usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError):  # refused before it is served: its place comes back too
+        complete(capped, 2, top_p=-1)
+    assert tenant.in_flight == 0
+    assert s.sample("pdserve_api_key_requests_total", key="capped", outcome="rate_limited") == 1
+
+
+def test_a_full_tokenizer_queue_is_429(serve, core, monkeypatch):
+    s = serve(BETA)
+    release = threading.Event()
+    real = core.tokenize
+    monkeypatch.setattr(core, "tokenize", lambda text, **kw: release.wait(30) and real(text, **kw))
+    limit_tokenize_queue(2)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(complete, s.client("sk-beta"), 2) for _ in range(2)]
+            until(lambda: types_module._queue.queued == 2, what="two prompts on the tokenizer")
+            with pytest.raises(openai.RateLimitError) as e:
+                complete(s.client("sk-beta"), 2)
+            assert "tokenizer queue is full" in e.value.response.json()["error"]["message"]
+            assert "router.max_tokenize_queue" in e.value.response.json()["error"]["message"]
+            release.set()
+            assert [f.result(timeout=60).parse().usage.completion_tokens for f in held] == [2, 2]
+    finally:
+        release.set()
+        limit_tokenize_queue(DEFAULT_MAX_TOKENIZE_QUEUE)
+
+
+def test_keys_hash_their_prompts_apart_unless_they_share_a_group(serve, core):
+    """The prefix cache salted per key (vLLM's cache_salt): the same prompt under another key finds
+    none of the first key's blocks; under the same key, or a key of its cache_group, it hits."""
+    a1 = ApiKey("a1", key_digest("sk-a1"), cache_group="team-a")
+    a2 = ApiKey("a2", key_digest("sk-a2"), cache_group="team-a")
+    s = serve(a1, a2, BETA)
+    prompt = " ".join(f"w{i}" for i in range(200))  # many full blocks
+    profile = core.engine.scheduler.profile
+    hits = []
+    for key, extra in (("sk-a1", {}), ("sk-beta", {}), ("sk-a1", {}), ("sk-a2", {}), ("sk-beta", {}),
+                       ("sk-a1", {"cache_salt": "mine"}), ("sk-a1", {"cache_salt": "mine"})):
+        before = profile.prefix_hits
+        s.client(key).completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body=extra)
+        hits.append(profile.prefix_hits - before)  # (the request has ended: the engine is idle)
+    assert hits[0] == 0 and hits[1] == 0  # beta does not find a1's prompt
+    assert hits[2] > 0 and hits[3] == hits[2]  # a1 again, and a2 of its group, do
+    assert hits[4] == hits[2]  # beta's own, second time
+    assert hits[5] == 0 and hits[6] == hits[2]  # a request's own salt splits its key's cache
 
 
 def test_keys_from_the_variable_are_served_under_their_names(serve):
@@ -423,7 +533,8 @@ def bearer(key: str) -> tuple:
 def test_grpc_takes_the_key_from_metadata(core, loop):
     clock, metrics = Clock(), Metrics()
     tenants = Tenants([ALPHA, BETA, GAMMA], metrics=metrics, clock=clock)
-    server = loop.run(start_grpc_server(core, 0, host="127.0.0.1", tenants=tenants))
+    server = loop.run(start_grpc_server(core, 0, host="127.0.0.1", tenants=tenants,
+                                        limits=GrpcLimits.of(RouterConfig(), tenants)))
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     stub = pb_grpc.CompletionStub(channel)
     request = pb.CompletionRequest(prompt=PROMPT, max_tokens=3, temperature=0, ignore_eos=True)
@@ -435,10 +546,10 @@ def test_grpc_takes_the_key_from_metadata(core, loop):
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in e.value.details()
         assert stub.Complete(request, timeout=30, metadata=bearer("sk-beta")).usage.completion_tokens == 3
         assert core.priorities[-1] == 3  # unset: beta's default
-        for own in (-1, 0):  # set, even to proto3's default: the request's own
+        for own, want in ((-1, 3), (0, 3), (-2**31, 3), (5, 5)):  # never better than beta's own 3
             stub.Complete(pb.CompletionRequest(prompt=PROMPT, max_tokens=1, priority=own), timeout=30,
                           metadata=bearer("sk-beta"))
-            assert core.priorities[-1] == own
+            assert core.priorities[-1] == want, own
         chunks = list(stub.CompleteStream(request, timeout=30, metadata=bearer("sk-gamma")))
         assert chunks[-1].usage.completion_tokens == 3
         stub.Complete(request, timeout=30, metadata=bearer("sk-gamma"))
@@ -453,11 +564,16 @@ def test_grpc_takes_the_key_from_metadata(core, loop):
             list(stub.CompleteStream(pb.CompletionRequest(prompt=PROMPT, max_tokens=200), timeout=30,
                                      metadata=bearer("sk-alpha")))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("max_tokens:")
-        # Health and reflection stay open.
+        # Health stays open; reflection (a map of the API) is off with keys (router.grpc_reflection unset).
         from grpc_health.v1 import health_pb2, health_pb2_grpc
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            list(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=30))
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         channel.close()
         loop.run(server.stop(None))
@@ -467,11 +583,36 @@ def test_grpc_takes_the_key_from_metadata(core, loop):
     assert value("pdserve_api_key_requests_total", key="gamma", outcome="ok") == 2
     assert value("pdserve_api_key_requests_total", key="gamma", outcome="rate_limited") == 1
     assert value("pdserve_api_key_requests_total", key="alpha", outcome="rate_limited") == 1
-    assert value("pdserve_api_key_generation_tokens_total", key="beta") == 3 + 1 + 1 + 3
+    assert value("pdserve_api_key_generation_tokens_total", key="beta") == 3 + 4 * 1 + 3
     assert value("pdserve_api_key_prompt_tokens_total", key="gamma") == 2 * prompt_tokens(core)
 
 
 # -- TLS ------------------------------------------------------------------------------------------
+
+
+def test_grpc_salts_a_calls_prefix_cache_by_key_and_its_own_cache_salt(core, loop):
+    a1 = ApiKey("a1", key_digest("sk-a1"), cache_group="team-a")
+    a2 = ApiKey("a2", key_digest("sk-a2"), cache_group="team-a")
+    server = loop.run(start_grpc_server(core, 0, host="127.0.0.1", tenants=Tenants([a1, a2, BETA])))
+    prompt = " ".join(f"g{i}" for i in range(200))
+    profile = core.engine.scheduler.profile
+    hits = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.CompletionStub(channel)
+            for key, salt in (("sk-a1", None), ("sk-beta", None), ("sk-a2", None), ("sk-a1", "x"), ("sk-a1", "x")):
+                before = profile.prefix_hits
+                stub.Complete(pb.CompletionRequest(prompt=prompt, max_tokens=1, cache_salt=salt), timeout=60,
+                              metadata=bearer(key))
+                hits.append(profile.prefix_hits - before)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Complete(pb.CompletionRequest(prompt=prompt, max_tokens=1, cache_salt=""), timeout=60,
+                              metadata=bearer("sk-a1"))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("cache_salt:")
+    finally:
+        loop.run(server.stop(None))
+    assert hits[0] == 0 and hits[1] == 0 and hits[2] > 0  # beta misses a1's prompt; a2 of a1's group hits
+    assert hits[3] == 0 and hits[4] == hits[2]  # a call's own salt: a cache of its own
 
 
 @pytest.fixture(scope="module")
@@ -550,41 +691,3 @@ def test_tls_files_are_checked_and_go_in_pairs(tmp_path, tls_files):
     relative = ClusterConfig.model_validate({"router": {"tls_certfile": "c.pem", "tls_keyfile": "~/k.pem",
                                                         "api_keys_file": "keys.yaml"}}).router
     assert all(p.startswith("/") for p in (relative.tls_certfile, relative.tls_keyfile, relative.api_keys_file))
-
-
-# -- pdserve up -----------------------------------------------------------------------------------
-
-
-def test_pdserve_up_with_a_keys_file_and_the_variable(tmp_path, monkeypatch):
-    keys = tmp_path / "keys.yaml"
-    keys.write_text(yaml.safe_dump({"keys": [{"name": "team-a", "key": "sk-team-a", "requests_per_minute": 60},
-                                             {"name": "team-b", "key": "sk-team-b", "priority": 1}]}))
-    monkeypatch.setenv(ENV_VAR, "ops:sk-ops")
-    cluster = Cluster(tmp_path, colocated={"replicas": 1, "num_kv_blocks": 256}, router={"api_keys_file": str(keys)})
-    try:
-        cluster.wait_ready()
-        assert "3 API keys: team-a, team-b, ops" in cluster.output()
-        url = cluster.url
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{url}/v1", api_key="sk-nope", max_retries=0).models.list()
-        routers = len(cluster.router_urls()) or 1
-        team_a = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-team-a", max_retries=0)
-        r = complete(team_a, 3)
-        assert r.parse().usage.completion_tokens == 3
-        assert r.headers["x-ratelimit-limit-requests"] == str(60 // routers)  # each router's share
-        ops = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-ops", max_retries=0)
-        assert complete(ops, 2).parse().usage.completion_tokens == 2
-        with grpc.insecure_channel(cluster.grpc_address) as channel:
-            stub = pb_grpc.CompletionStub(channel)
-            request = pb.CompletionRequest(prompt=PROMPT, max_tokens=2, temperature=0, ignore_eos=True)
-            with pytest.raises(grpc.RpcError) as e:
-                stub.Complete(request, timeout=60)
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert stub.Complete(request, timeout=60, metadata=bearer("sk-team-b")).usage.completion_tokens == 2
-        metrics = cluster.metrics()
-        assert 'pdserve_api_key_generation_tokens_total{key="team-a"} 3.0' in metrics
-        assert 'pdserve_api_key_generation_tokens_total{key="ops"} 2.0' in metrics
-        assert 'pdserve_api_key_requests_total{key="team-b",outcome="ok"} 1.0' in metrics
-        assert not any(key in cluster.output() + metrics for key in ("sk-team-a", "sk-team-b", "sk-ops"))
-    finally:
-        assert cluster.stop() == 0

@@ -59,6 +59,7 @@ def up(path: str | None, flags: dict[str, object] | None = None) -> int:
     _check_extras(cfg)
     _check_tls(cfg)
     api_keys = _api_keys(cfg)
+    _warn_if_open(cfg, api_keys)
     token = cluster_token()
     _forget_secrets()  # read: what Ray starts from here inherits this environment
     if cfg.ray.address == "local":  # the router will listen on this host: a taken port fails now, not after loading
@@ -163,9 +164,9 @@ def _forget_secrets() -> None:
     a Ray cluster that `pdserve up` starts here inherits its environment, and so would every worker
     Ray spawns (a model's code, a tokenizer's) though none reads them. The controller gets the token
     and the routers the keys' hashes as arguments."""
-    from pdserve.router.tenants import ENV_VAR
+    from pdserve.router.tenants import ADMIN_ENV_VAR, ENV_VAR
 
-    for name in (ENV_VAR, CLUSTER_TOKEN_ENV):
+    for name in (ENV_VAR, ADMIN_ENV_VAR, CLUSTER_TOKEN_ENV):
         os.environ.pop(name, None)
 
 
@@ -211,12 +212,32 @@ def _check_tls(cfg: ClusterConfig) -> None:
 def _api_keys(cfg: ClusterConfig) -> list:
     """The API keys (router.api_keys_file, PDSERVE_API_KEYS), checked before anything starts, as the
     routers take them (ApiKey: names, hashes and limits; the keys themselves stay here). Empty: no keys."""
-    from pdserve.router.tenants import ENV_VAR, load_api_keys
+    from pdserve.router.tenants import ADMIN_ENV_VAR, ENV_VAR, load_api_keys
 
-    keys = load_api_keys(cfg.router.api_keys_file, os.environ.get(ENV_VAR), cfg.router.replicas)
+    keys = load_api_keys(cfg.router.api_keys_file, os.environ.get(ENV_VAR), cfg.router.replicas,
+                         os.environ.get(ADMIN_ENV_VAR))
     if keys:
         _log(f"{len(keys)} API key{'s' if len(keys) > 1 else ''}: " + ", ".join(k.name for k in keys))
     return keys
+
+
+def _warn_if_open(cfg: ClusterConfig, api_keys: list) -> None:
+    """Say once, plainly, that the service is open to the network: no key asked on a public address."""
+    import ipaddress
+
+    from pdserve.router.tenants import ENV_VAR
+
+    host = cfg.router.host
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any address
+        loopback = False
+    if api_keys or loopback:
+        return
+    where = "every network interface" if host in ("0.0.0.0", "::", "") else host
+    _log(f"WARNING: no API keys, and the router listens on {host} ({where}): anyone who reaches its ports "
+         f"can generate, and read /metrics and /dashboard. Set router.api_keys_file or {ENV_VAR}, or "
+         f"router.host: 127.0.0.1 to serve this host only")
 
 
 def _wait_started(controller) -> dict[str, str]:

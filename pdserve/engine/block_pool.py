@@ -30,6 +30,14 @@ def hash_block(parent: bytes | None, tokens: bytes) -> bytes:
     return hashlib.sha256((parent or ROOT) + tokens).digest()
 
 
+def salt_root(cache_salt: str | None) -> bytes | None:
+    """The parent key of a salted prompt's first block (None: unsalted, ROOT): a different salt
+    starts a different chain, so no block of one salt's prompt is found under another's."""
+    if not cache_salt:
+        return None
+    return hashlib.sha256(b"pdserve-cache-salt\0" + cache_salt.encode()).digest()
+
+
 def block_hashes(token_ids: Seq[int], block_size: int, parent: bytes | None = None, start: int = 0) -> list[bytes]:
     """Hash chain over the full blocks of token_ids, starting at block index `start`."""
     # Encoded once, sliced per block: a block then costs little beside its sha256.

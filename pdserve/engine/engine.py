@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes
+from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes, salt_root
 from pdserve.engine.graph_capture import capture_graphs
 from pdserve.engine.kv_budget import kv_cache_blocks
 from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
@@ -142,7 +142,8 @@ class Engine:
         # A resumed request's tokens so far follow its prompt: their KV is computed (or placed) with
         # the prompt's, and max_tokens and the context count them, as in the undisturbed run.
         seq = Sequence(rid, list(ids) + list(output_ids), len(ids), params, arrival=time.monotonic(),
-                       priority=request.priority, arrival_no=next(self._arrivals))
+                       priority=request.priority, arrival_no=next(self._arrivals),
+                       cache_root=salt_root(params.cache_salt))
         self.seqs[rid] = seq
         self._streams[rid] = TextStream(self.tokenizer, ids, params.stop, output_ids)
         return seq
@@ -224,7 +225,7 @@ class Engine:
         cached: list[int] = []
         try:
             bs = self.config.block_size
-            hashes = block_hashes(seq.token_ids[:seq.num_tokens - 1], bs)
+            hashes = block_hashes(seq.token_ids[:seq.num_tokens - 1], bs, seq.cache_root)
             cached = self.pool.lookup(hashes)
             need = -(-seq.num_tokens // bs) - len(cached)
             for _ in range(self._victims_for(seq, need)):

@@ -222,7 +222,7 @@ class Scheduler:
 
     def _use_prefix_cache(self, seq: Sequence) -> None:
         # Leave at least one token to compute: its logits give the next token.
-        hashes = block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size)
+        hashes = block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size, seq.cache_root)
         hits = self.pool.lookup(hashes)
         seq.block_ids = hits
         seq.block_hashes = hashes[: len(hits)]
@@ -289,7 +289,7 @@ class Scheduler:
             # hashes only what precedes a sequence's newest token), the rest hashed now.
             new = seq.lookup_hashes[done:full]
             if done + len(new) < full:
-                parent = new[-1] if new else seq.block_hashes[-1] if seq.block_hashes else None
+                parent = new[-1] if new else seq.block_hashes[-1] if seq.block_hashes else seq.cache_root
                 new += block_hashes(seq.token_ids[: full * self.block_size], self.block_size, parent,
                                     start=done + len(new))
             for k, h in enumerate(new, start=done):

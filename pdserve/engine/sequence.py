@@ -42,6 +42,7 @@ class Sequence:
     # misses): registering the missed blocks once computed takes their keys from here instead of
     # hashing them again (a 4k prompt: ~250 sha256 calls on the step's host path).
     lookup_hashes: list[bytes] = field(default_factory=list)
+    cache_root: bytes | None = None  # the parent of its first block's key: block_pool.salt_root(cache_salt)
     finish_reason: FinishReason | None = None
     logprobs: list[dict] = field(default_factory=list)
     num_preemptions: int = 0
