@@ -14,7 +14,7 @@ from pdserve.messages import Request, RequestDelta
 from pdserve.protocol import InvalidRequestError
 from pdserve.router.choices import Interleaved, Streams, close_all, cumulative_logprob, each
 from pdserve.router.http_errors import as_api_error
-from pdserve.router.http_stream import _ClientGone, _EVENT_STREAM_HEADERS, _Presence
+from pdserve.router.http_stream import SSEResponse, _ClientGone, _Presence
 from pdserve.router.metrics import Metrics, RequestTimer
 from pdserve.router.openai_responses import DONE_EVENT, ResponseShape, sse_event, token_usage
 from pdserve.router.tenants import Charge
@@ -76,31 +76,17 @@ def _response(choices: list[Choice], got: list[list[RequestDelta]], n: int, prom
     return choices[0].shape._envelope(choices[0].shape.object, out, usage=usage)
 
 
-class _ChoiceStream(Response):
+class _ChoiceStream(SSEResponse):
     """The choices' server-sent events, interleaved as their deltas come: one pump task per choice
     feeds a queue, one coroutine writes what the queue holds in one body write. Closed however it
     ends (the client gone: at once), which aborts the unfinished choices."""
 
-    media_type = "text/event-stream"
-
     def __init__(self, choices: list[Choice], streams: Streams,
                  firsts: list[list[RequestDelta]], timer: RequestTimer, prompt_tokens: int, presence: _Presence,
                  headers: dict[str, str] | None):
-        self.status_code, self.background = 200, None
-        self.raw_headers = _EVENT_STREAM_HEADERS
-        if headers:
-            self.raw_headers += tuple((k.encode(), v.encode()) for k, v in headers.items())
+        super().__init__(presence, headers)
         self.choices, self.streams, self.firsts, self.timer = choices, streams, firsts, timer
-        self.prompt_tokens, self.presence = prompt_tokens, presence
-
-    async def __call__(self, scope, receive: Receive, send: Send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            await self.presence.guard(self._write(send))
-        except _ClientGone:
-            pass  # _write's cleanup aborted the choices and counted it
-        finally:
-            self.presence.close()
+        self.prompt_tokens = prompt_tokens
 
     async def _write(self, send: Send) -> None:
         shapes = [c.shape for c in self.choices]

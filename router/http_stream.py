@@ -140,22 +140,19 @@ class _DirectSSE:
         return True
 
 
-class _EventStream(Response):
-    """A started request's server-sent events, written by one coroutine that awaits the core's
-    deltas and sends each wake's events in one body write (Starlette's StreamingResponse pays a
-    write per event, and tasks and a thread hop per response). However it ends, the core's stream
-    is closed, which aborts the request if it is unfinished: at once when the client leaves."""
+class SSEResponse(Response):
+    """Server-sent events written by the subclass's one `_write` coroutine, under the client's
+    presence: the response starts, `_write` runs until it ends or the client leaves (whose
+    cleanup then aborts what is unfinished and counts it), and the presence watch stops."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, wakes: _Wakes, first: list[RequestDelta], shape: ResponseShape, timer: RequestTimer,
-                 prompt_tokens: int, presence: _Presence, direct: _DirectSSE, headers: dict[str, str] | None):
+    def __init__(self, presence: _Presence, headers: dict[str, str] | None):
         self.status_code, self.background = 200, None
         self.raw_headers = _EVENT_STREAM_HEADERS
         if headers:  # a key's x-ratelimit-* headers
             self.raw_headers += tuple((k.encode(), v.encode()) for k, v in headers.items())
-        self.wakes, self.first, self.shape, self.timer, self.prompt_tokens = wakes, first, shape, timer, prompt_tokens
-        self.presence, self.direct = presence, direct
+        self.presence = presence
 
     async def __call__(self, scope, receive: Receive, send: Send) -> None:
         try:
@@ -165,6 +162,22 @@ class _EventStream(Response):
             pass  # _write's cleanup aborted the request and counted it
         finally:
             self.presence.close()
+
+    async def _write(self, send: Send) -> None:
+        raise NotImplementedError
+
+
+class _EventStream(SSEResponse):
+    """A started request's server-sent events, written by one coroutine that awaits the core's
+    deltas and sends each wake's events in one body write (Starlette's StreamingResponse pays a
+    write per event, and tasks and a thread hop per response). However it ends, the core's stream
+    is closed, which aborts the request if it is unfinished: at once when the client leaves."""
+
+    def __init__(self, wakes: _Wakes, first: list[RequestDelta], shape: ResponseShape, timer: RequestTimer,
+                 prompt_tokens: int, presence: _Presence, direct: _DirectSSE, headers: dict[str, str] | None):
+        super().__init__(presence, headers)
+        self.wakes, self.first, self.shape, self.timer, self.prompt_tokens = wakes, first, shape, timer, prompt_tokens
+        self.direct = direct
 
     async def _write(self, send: Send) -> None:
         shape, timer, direct = self.shape, self.timer, self.direct
