@@ -41,6 +41,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted from a generated token's logit per time it was generated
     repetition_penalty: float = 1.0  # HF/CTRL: a seen token's (prompt or output) logit / p if > 0, * p if < 0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # Structured outputs: an llguidance grammar the output must match (built and validated by the
+    # front end, pdserve/structured_outputs.py); the sampler masks every other token (engine/grammar.py).
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
