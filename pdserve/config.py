@@ -132,6 +132,9 @@ class RouterConfig(_Strict):
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # The most choices a request may ask for per prompt (`n`, `best_of`); more is a 400 naming the field.
     max_n: int = Field(default=16, ge=1, le=1024)
+    # How tool calls are read out of a chat's text (router/tool_parsers.py; vLLM's --tool-call-parser):
+    # auto picks the format the model's chat template writes.
+    tool_call_parser: Literal["auto", "hermes", "deepseek_v3", "mistral"] = "auto"
     # API keys (router/tenants.py): a YAML file of keys, each with a name, optional requests_per_minute
     # and tokens_per_minute, and a default priority; PDSERVE_API_KEYS adds keys from the environment.
     # Read by `pdserve up` at start. No file and no variable: no key is asked for.

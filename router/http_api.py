@@ -31,6 +31,8 @@ from pdserve.router.openai_protocol import (CHAT, COMPLETIONS, GENERATION_ENDPOI
                                             CompletionRequest, ErrorBody, TokenizeRequest)
 from pdserve.router.openai_responses import ChatShape, CompletionShape
 from pdserve.router.tenants import Charge, Tenants
+from pdserve.router.tool_calls import ToolCallShape, ToolChoice
+from pdserve.router.tool_parsers import ToolParser, parser_for
 from pdserve.messages import Request
 from pdserve.router.types import ServingCore, off_loop
 
@@ -122,11 +124,12 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
     best_of = body.best_of or n
     check_n(n, best_of, max_n)
     prompts = body.prompts()
+    grammar = body.structured_grammar()
     if len(prompts) == 1 and best_of == 1 and not body.echo:  # one choice: the everyday path
         prompt = prompts[0]
         prompt_ids = await _tokenize(core, prompt, "prompt") if isinstance(prompt, str) else prompt
         max_tokens = token_budget.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
-        params = body.sampling_params(max_tokens, body.logprobs)
+        params = body.sampling_params(max_tokens, body.logprobs, grammar)
         charge = _charge(tenants, scope, len(prompt_ids), max_tokens, "prompt", "max_tokens")
         rid = f"cmpl-{uuid.uuid4().hex}"
         shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
@@ -139,7 +142,7 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
     for i, prompt in enumerate(prompts):
         prompt_ids = await _tokenize(core, prompt, "prompt") if isinstance(prompt, str) else prompt
         max_tokens = token_budget.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids), core.max_model_len)
-        params = body.sampling_params(max_tokens, body.logprobs)
+        params = body.sampling_params(max_tokens, body.logprobs, grammar)
         echo = None
         if body.echo:
             echo = prompt if isinstance(prompt, str) else await off_loop(core.detokenize, prompt_ids)
@@ -155,11 +158,24 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
 
 
 async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None, body: ChatCompletionRequest,
-                        scope: Scope, receive: Receive, max_n: int = DEFAULT_MAX_N) -> Response:
-    """POST /v1/chat/completions, as `complete`."""
+                        scope: Scope, receive: Receive, max_n: int = DEFAULT_MAX_N,
+                        tool_parser: ToolParser | None = None) -> Response:
+    """POST /v1/chat/completions, as `complete`; tool_parser: the model's tool-call format (router.tool_call_parser)."""
     _check_model(core, body.model)
     n = body.n or 1
     check_n(n, n, max_n)
+    tools = ToolChoice(body)
+    forced = tools.grammar()
+    if forced is not None and body.structured_grammar() is not None:
+        raise ApiError(400, "tool_choice: a forced tool call may not be combined with structured outputs "
+                            "(response_format, structured_outputs)", param="tool_choice", code="invalid_value")
+    grammar = forced if forced is not None else body.structured_grammar()
+    tool_parser = tool_parser or parser_for("auto", getattr(core, "chat_template", None))
+
+    def shape(j: int) -> ChatShape:
+        if tools.mode == "none":
+            return ChatShape(rid, core.model_name, logprobs is not None, body.include_usage, j)
+        return ToolCallShape(rid, core.model_name, logprobs is not None, body.include_usage, tools, tool_parser, j)
     text = await _chat_prompt(core, body)
     prompt_ids = await _tokenize(core, text, "messages", add_special_tokens=False)  # the template has its BOS
     requested, param = ((body.max_completion_tokens, "max_completion_tokens")
@@ -167,18 +183,17 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
     # No default cap, as OpenAI and vLLM: generate until a stop or the end of the context.
     max_tokens = token_budget.max_tokens(requested, param, None, len(prompt_ids), core.max_model_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.sampling_params(max_tokens, logprobs)
+    params = body.sampling_params(max_tokens, logprobs, grammar)
     charge = _charge(tenants, scope, len(prompt_ids), max_tokens * n, "messages", param)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if n > 1:
         choices = [Choice(Request(f"{rid}-0-{j}", prompt_ids, child_params(params, j, False),
                                   session=_session(body, scope), priority=_priority(body, scope)),
-                          ChatShape(rid, core.model_name, logprobs is not None, body.include_usage, j), 0)
+                          shape(j), 0)
                    for j in range(n)]
         return await serve_choices(receive, core, metrics, choices, n, bool(body.stream), len(prompt_ids),
                                    max_tokens * n, charge)
-    shape = ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
-    return await serve(receive, core, metrics, shape,
+    return await serve(receive, core, metrics, shape(0),
                         Request(rid, prompt_ids, params, session=_session(body, scope),
                                         priority=_priority(body, scope)),
                         bool(body.stream), charge)
@@ -189,14 +204,17 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
 
 def build_app(core: ServingCore, metrics: Metrics | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenants: Tenants | None = None,
-              max_n: int = DEFAULT_MAX_N) -> FastDoor:
+              max_n: int = DEFAULT_MAX_N, tool_call_parser: str = "auto") -> FastDoor:
     """The OpenAI-compatible app serving `core`: the FastAPI app (`.app`) behind its fast door
     (http_fast.py), which takes the generation endpoints' everyday requests past FastAPI.
-    tenants: the API keys every /v1 request must carry (http_auth.py) and their limits; None: open."""
+    tenants: the API keys every /v1 request must carry (http_auth.py) and their limits; None: open.
+    tool_call_parser: router.tool_call_parser (auto: from the model's chat template)."""
     metrics = metrics or Metrics(model_name=core.model_name)
+    parser = parser_for(tool_call_parser, getattr(core, "chat_template", None))
     routes = {COMPLETIONS: (CompletionRequest, functools.partial(complete, core, metrics, tenants, max_n=max_n)),
-              CHAT: (ChatCompletionRequest, functools.partial(chat_complete, core, metrics, tenants, max_n=max_n))}
-    app = _build_fastapi(core, metrics, max_body_bytes, tenants, max_n)
+              CHAT: (ChatCompletionRequest, functools.partial(chat_complete, core, metrics, tenants, max_n=max_n,
+                                                              tool_parser=parser))}
+    app = _build_fastapi(core, metrics, max_body_bytes, tenants, max_n, parser)
     # The door checks a key as the app's middleware does (the same check, the same answer).
     guard = ApiKeyAuth(None, tenants, _refusal_counter(metrics)).authorize if tenants is not None else None
     return FastDoor(app, routes, functools.partial(answer_error, metrics=metrics), max_body_bytes, guard)
@@ -211,7 +229,7 @@ def _refusal_counter(metrics: Metrics) -> Callable[[str, int], None]:
 
 
 def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int, tenants: Tenants | None,
-                   max_n: int) -> FastAPI:
+                   max_n: int, parser: ToolParser) -> FastAPI:
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggregated prefill/decode service")
     app.state.core, app.state.metrics = core, metrics
     created = int(time.time())  # /v1/models: when this server started serving the model
@@ -227,7 +245,7 @@ def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int, ten
 
     @app.post(CHAT, responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
-        return await chat_complete(core, metrics, tenants, body, request.scope, request.receive, max_n)
+        return await chat_complete(core, metrics, tenants, body, request.scope, request.receive, max_n, parser)
 
     @app.get("/v1/models")
     async def list_models() -> dict:

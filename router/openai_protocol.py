@@ -8,7 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationInfo, field_validator
 
-from pdserve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from pdserve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, InvalidRequestError, SamplingParams
+from pdserve.structured_outputs import KINDS, grammar_of, json_schema_grammar
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -62,6 +63,10 @@ class SamplingRequest(BaseModel):
     # vLLM extension: the lower, the sooner the request is admitted and scheduled, and the later it
     # is preempted; unset means 0. The range is gRPC's int32, so that both front ends take the same.
     priority: Annotated[int, Field(ge=-2**31, le=2**31 - 1)] | None = None
+    # Structured outputs (pdserve/structured_outputs.py): OpenAI's response_format (text, json_object,
+    # json_schema) or vLLM's structured_outputs (one of json, regex, choice, grammar, json_object).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -89,8 +94,38 @@ class SamplingRequest(BaseModel):
             raise ValueError("keys must be token ids (non-negative integers, as strings)")
         return v
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters; SamplingParams checks the ranges (InvalidRequestError names the field)."""
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_kind(cls, v: Any) -> Any:
+        asked = [k for k in KINDS if v and v.get(k) not in (None, False)]
+        if v is not None and len(asked) != 1:
+            raise ValueError(f"must set exactly one of {', '.join(KINDS)}")
+        return v
+
+    def structured_grammar(self) -> str | None:
+        """The grammar the output must match (None: free text); InvalidRequestError names the field at fault."""
+        if self.structured_outputs is not None and self.response_format not in (None, {"type": "text"}):
+            raise InvalidRequestError("structured_outputs", "may not be set together with a response_format")
+        if self.structured_outputs is not None:
+            kind = next(k for k in KINDS if self.structured_outputs.get(k) not in (None, False))
+            return grammar_of(f"structured_outputs.{kind}", kind, self.structured_outputs[kind])
+        rf = self.response_format
+        kind = rf.get("type") if rf is not None else "text"
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return grammar_of("response_format", "json_object", None)
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise InvalidRequestError("response_format.json_schema",
+                                          'must be {"name": ..., "schema": {...}}')
+            return json_schema_grammar("response_format.json_schema.schema", spec["schema"])
+        raise InvalidRequestError("response_format.type", f'must be "text", "json_object" or "json_schema", got {kind!r}')
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, grammar: str | None = None) -> SamplingParams:
+        """The engine's parameters; SamplingParams checks the ranges (InvalidRequestError names the field).
+        grammar: the request's structured_grammar() (chat: or its forced tool call's), built once per request."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -107,6 +142,7 @@ class SamplingRequest(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=dict(self.logit_bias or {}),
+            grammar=grammar,
         )
 
     @property
@@ -234,13 +270,11 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # Rendered into the prompt by the chat template (its `tools` variable), so that the model can answer with
-    # a call in its own format. pdserve does not parse tool calls out of the output: the model's raw text comes
-    # back as the message's content, and `tool_calls` is never set.
+    # a call in its own format, parsed back into `tool_calls` (router/tool_calls.py).
     tools: list[ChatTool] | None = None
-    # Without a tool-call parser only "none" and "auto" can be honoured: "required" or a named function
-    # promises a call in `tool_calls`, which pdserve never returns.
+    # "none", "auto" (the default with tools), "required" or {"type": "function", "function": {"name": ...}}:
+    # the last two are forced with a grammar (router/tool_calls.py).
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extension: extra variables for the chat template, e.g. Qwen3's {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -253,10 +287,11 @@ class ChatCompletionRequest(SamplingRequest):
 
     @field_validator("tool_choice")
     @classmethod
-    def _no_forced_tool_call(cls, v: Any) -> Any:
-        if v not in (None, "none", "auto"):
-            raise ValueError('is not supported; only "none" or "auto" is accepted: pdserve does not parse tool '
-                             "calls out of the output, the model's text comes back as content")
+    def _tool_choice_shape(cls, v: Any) -> Any:
+        named = isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) \
+            and isinstance(v["function"].get("name"), str)
+        if v not in (None, "none", "auto", "required") and not named:
+            raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
         return v
 
     @field_validator("chat_template_kwargs")
@@ -267,11 +302,6 @@ class ChatCompletionRequest(SamplingRequest):
         if v and "tools" in v:
             raise ValueError("may not set 'tools'; send the tool definitions in the request's tools field")
         return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: Any) -> Any:
-        return _only(v, (None, {"type": "text"}), '{"type": "text"}')
 
     def template_tools(self) -> list[dict] | None:
         return [t.for_template() for t in self.tools] if self.tools else None

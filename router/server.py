@@ -114,7 +114,8 @@ class Router:
         # Each router enforces its share of a key's limits: the kernel spreads connections evenly over them.
         tenants = Tenants(self.api_keys, cfg.router.replicas, self.metrics) if self.api_keys else None
         tls = uvicorn_options(cfg.router.tls_certfile, cfg.router.tls_keyfile)
-        app = build_app(self.core, self.metrics, cfg.router.max_request_bytes, tenants, cfg.router.max_n)
+        app = build_app(self.core, self.metrics, cfg.router.max_request_bytes, tenants, cfg.router.max_n,
+                        cfg.router.tool_call_parser)
         self.http = uvicorn.Server(http_config(app, tls))
         self._tasks.append(asyncio.create_task(self.http.serve(sockets=sockets)))
         while not self.http.started:
