@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.protocol import InvalidRequestError, SamplingParams
+from pdserve.structured_outputs import KINDS, grammar_of
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
 from pdserve.router import token_budget
@@ -153,6 +154,7 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             logit_bias=dict(request.logit_bias),
             min_tokens=request.min_tokens,
             stop_token_ids=list(request.stop_token_ids),
+            grammar=_grammar(request),
         )
         priority = request.priority if request.HasField("priority") else default_priority
         return Request(f"grpc-{uuid.uuid4().hex}", prompt_ids, params, priority=priority)
@@ -283,3 +285,15 @@ async def start_grpc_server(core: ServingCore, port: int, host: str = "0.0.0.0",
     _background.add(task)
     task.add_done_callback(_background.discard)
     return server
+
+
+def _grammar(request: pb.CompletionRequest) -> str | None:
+    """The request's structured_outputs as a grammar, checked (InvalidRequestError names the field)."""
+    if not request.HasField("structured_outputs"):
+        return None
+    so = request.structured_outputs
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_outputs", f"must set one of {', '.join(KINDS)}")
+    spec = list(so.choice.values) if kind == "choice" else getattr(so, kind)
+    return grammar_of(f"structured_outputs.{kind}", kind, spec)

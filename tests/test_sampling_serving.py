@@ -345,3 +345,21 @@ def test_bad_structured_outputs_are_400_naming_the_field(cluster, body, param):
     assert ok["text"] in ("yes", "no")  # still serving, grammars too
     stats = cluster.wait_idle()
     assert stats and all(s["used"] == 0 for s in stats.values()), stats
+
+
+def test_grpc_structured_outputs(cluster):
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
+        stub = completion_pb2_grpc.CompletionStub(channel)
+        so = pb.StructuredOutputs(json=json.dumps(PERSON))
+        r = stub.Complete(pb.CompletionRequest(prompt=PROMPTS[0], max_tokens=120, temperature=1.0, seed=2,
+                                               structured_outputs=so), timeout=60)
+        assert r.finish_reason == "stop"
+        jsonschema.validate(json.loads(r.text), PERSON)
+        req = pb.CompletionRequest(prompt=PROMPTS[1], max_tokens=20, temperature=1.0, seed=1,
+                                   structured_outputs=pb.StructuredOutputs(choice=pb.Choices(values=["up", "down"])))
+        assert "".join(ch.text for ch in stub.CompleteStream(req, timeout=60)) in ("up", "down")
+        for so, field in [(pb.StructuredOutputs(regex="(open"), "structured_outputs.regex"),
+                          (pb.StructuredOutputs(), "structured_outputs")]:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Complete(pb.CompletionRequest(prompt="hi", max_tokens=4, structured_outputs=so), timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field)
