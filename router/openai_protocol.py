@@ -4,6 +4,7 @@ validators, and the error body every failure answers with.
 Validation here is what the body alone decides (types, ranges, fields pdserve does not support); what
 needs the model (token counts against the context, the chat template) is checked while serving."""
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationInfo, field_validator
@@ -221,6 +222,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None  # null only for an assistant's turn (OpenAI sends it with tool calls)
+    # A conversation's earlier calls and their results, for the chat template: an assistant's
+    # tool_calls (as this API returned them), a tool message's tool_call_id (and name).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -240,8 +246,25 @@ class ChatMessage(BaseModel):
         return v
 
     def for_template(self) -> dict:
-        """The message as chat templates read it: content always a string."""
-        return {"role": self.role, "content": self.content or ""}
+        """The message as chat templates read it: content always a string; a call's arguments as an
+        object (HF templates write `arguments | tojson` unless they are a string already)."""
+        message = {"role": self.role, "content": self.content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            pass  # left as the text it is
+    return {**call, "function": fn}
 
 
 class FunctionDefinition(BaseModel):

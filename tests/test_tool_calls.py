@@ -111,3 +111,19 @@ def test_an_unknown_tool_name_is_refused_naming_tool_choice():
     with pytest.raises(InvalidRequestError) as e:
         ToolChoice(_body(tool_choice={"type": "function", "function": {"name": "get_time"}}))
     assert e.value.param == "tool_choice" and "get_time" in str(e.value)
+
+
+def test_a_conversation_with_calls_reaches_the_template():
+    """The calls an assistant made and the tool's answer go back into the prompt (Qwen-style template)."""
+    template = ("{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} {{ c.function.arguments | tojson }}"
+                "</tool_call>{% endfor %}{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}|{% endfor %}")
+    from pdserve.tokenizer import render_chat_template
+    body = ChatCompletionRequest(model="m", messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps(ARGS)}}]},
+        {"role": "tool", "content": "12 C", "tool_call_id": "call_1"}])
+    text = render_chat_template(template, [m.for_template() for m in body.messages], False, {})
+    assert text == ('user:weather?|assistant:<tool_call>get_weather {"city": "Oslo", "unit": "celsius"}</tool_call>|'
+                    "tool:12 C[call_1]|")
