@@ -165,11 +165,11 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
     n = body.n or 1
     check_n(n, n, max_n)
     tools = ToolChoice(body)
-    forced = tools.grammar()
-    if forced is not None and body.structured_grammar() is not None:
+    forced, grammar = tools.grammar(), body.structured_grammar()
+    if forced is not None and grammar is not None:
         raise ApiError(400, "tool_choice: a forced tool call may not be combined with structured outputs "
                             "(response_format, structured_outputs)", param="tool_choice", code="invalid_value")
-    grammar = forced if forced is not None else body.structured_grammar()
+    grammar = forced or grammar
     tool_parser = tool_parser or parser_for("auto", getattr(core, "chat_template", None))
 
     def shape(j: int) -> ChatShape:

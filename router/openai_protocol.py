@@ -68,6 +68,11 @@ class SamplingRequest(BaseModel):
     # json_schema) or vLLM's structured_outputs (one of json, regex, choice, grammar, json_object).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's earlier names for structured_outputs' kinds, still sent by older clients.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -105,6 +110,12 @@ class SamplingRequest(BaseModel):
 
     def structured_grammar(self) -> str | None:
         """The grammar the output must match (None: free text); InvalidRequestError names the field at fault."""
+        guided = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None]
+        if guided:
+            if len(guided) > 1 or self.structured_outputs is not None:
+                raise InvalidRequestError(f"guided_{guided[-1]}", "only one of structured_outputs and the "
+                                                                  "guided_* fields may be set")
+            return grammar_of(f"guided_{guided[0]}", guided[0], getattr(self, f"guided_{guided[0]}"))
         if self.structured_outputs is not None and self.response_format not in (None, {"type": "text"}):
             raise InvalidRequestError("structured_outputs", "may not be set together with a response_format")
         if self.structured_outputs is not None:

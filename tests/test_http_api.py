@@ -383,6 +383,7 @@ BAD = [
      "structured_outputs.grammar"),
     ("/v1/completions", OK | {"structured_outputs": {"choice": []}}, 400, "structured_outputs.choice"),
     ("/v1/completions", OK | {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured_outputs"),
+    ("/v1/completions", OK | {"guided_regex": "a(+"}, 400, "guided_regex"),
     ("/v1/completions", OK | {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
      400, "structured_outputs"),
     # chat_template_kwargs: a JSON object whose keys do not replace the variables pdserve sets.
@@ -727,3 +728,12 @@ def test_vllms_metric_names_count_what_pdserves_count(served):
     assert grew("vllm:time_to_first_token_seconds_count") == grew("pdserve_ttft_seconds_count", ()) == 1
     assert grew("vllm:e2e_request_latency_seconds_count") == 1
     assert grew("vllm:request_max_num_generation_tokens_sum") == 5
+
+
+def test_vllms_guided_fields_constrain_the_output(served):
+    r = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=3,
+                                         extra_body={"guided_choice": ["north", "south"]})
+    assert r.choices[0].text in ("north", "south") and r.choices[0].finish_reason == "stop"
+    r = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=3,
+                                         extra_body={"guided_regex": "[xyz]{4}"})
+    assert len(r.choices[0].text) == 4 and set(r.choices[0].text) <= set("xyz")

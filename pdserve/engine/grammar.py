@@ -50,6 +50,8 @@ class Grammars:
         llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)],
                                                      bitmask)
         at = torch.tensor(rows, device=logits.device)
+        # (The host buffer is filled again only after advance() has waited for this step's tokens,
+        # so the asynchronous copy has long finished by then.)
         words = bitmask.to(logits.device, non_blocking=True)
         allowed = ((words[:, :, None] >> self._shift(logits.device)) & 1).bool().flatten(1)
         logits[at] = logits[at].masked_fill(~allowed[:, :logits.shape[-1]], float("-inf"))
