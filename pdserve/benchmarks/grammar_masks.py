@@ -69,9 +69,8 @@ class _LLGuidance:
         self.lt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(ms)], bitmask)
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((bitmask.to(logits.device)[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.shape[1]]
-        logits.masked_fill_(~allowed, float("-inf"))  # as pdserve/engine/grammar.py does
+        from pdserve.engine.grammar import bit_values, masked  # what the engine's sampler does
+        logits.copy_(masked(logits, bitmask.to(logits.device), bit_values(logits.device)))
 
     def consume(self, ms: list, tokens: list[int]) -> list:
         self.executor.consume_token_par(list(zip(ms, tokens)))

@@ -36,7 +36,7 @@ class Grammars:
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._ended: dict[str, int] = {}  # request id -> output tokens at which its grammar completed
         self._bitmask = torch.zeros(0, (vocab_size + 31) // 32, dtype=torch.int32)
-        self._shifts: dict[torch.device, torch.Tensor] = {}
+        self._bit_values: dict[torch.device, torch.Tensor] = {}  # bit_values() on each device
 
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -53,8 +53,7 @@ class Grammars:
         # (The host buffer is filled again only after advance() has waited for this step's tokens,
         # so the asynchronous copy has long finished by then.)
         words = bitmask.to(logits.device, non_blocking=True)
-        allowed = ((words[:, :, None] >> self._shift(logits.device)) & 1).bool().flatten(1)
-        logits[at] = logits[at].masked_fill(~allowed[:, :logits.shape[-1]], float("-inf"))
+        logits[at] = masked(logits[at], words, self._bits(logits.device))
 
     def advance(self, seqs: list[Sequence], tokens: list[int]) -> None:
         """Each sequence's matcher consumes the token just sampled for it."""
@@ -102,11 +101,23 @@ class Grammars:
                                         dtype=torch.int32, pin_memory=torch.cuda.is_available())
         return self._bitmask[:n]
 
-    def _shift(self, device: torch.device) -> torch.Tensor:
-        s = self._shifts.get(device)
-        if s is None:
-            s = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
-        return s
+    def _bits(self, device: torch.device) -> torch.Tensor:
+        b = self._bit_values.get(device)
+        if b is None:
+            b = self._bit_values[device] = bit_values(device)
+        return b
+
+
+def bit_values(device: torch.device) -> torch.Tensor:
+    """[32] int32: the value of each bit of a bitmask word (bit 31 is the sign bit)."""
+    return torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device)
+
+
+def masked(logits: torch.Tensor, bitmask: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """logits [M, vocab] with every token whose bit is 0 in bitmask [M, ceil(vocab / 32)] int32
+    (llguidance's layout: token t is bit t % 32 of word t // 32) at -inf: one elementwise op."""
+    allowed = (bitmask[:, :, None] & bits).ne(0).flatten(1)[:, :logits.shape[-1]]
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
