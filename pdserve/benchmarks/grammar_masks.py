@@ -1,7 +1,8 @@
 """Structured outputs on the step path: the grammar engines' mask work per step, and what it adds to
 an engine step. Two measurements:
 
-    python -m pdserve.benchmarks.grammar_masks engines [--batch 1 32 256] [--tokenizer DIR] [--vocab N]
+    python -m pdserve.benchmarks.grammar_masks engines [--only llguidance|xgrammar] [--batch 1 32 256]
+                                                       [--tokenizer DIR] [--vocab N]
     python -m pdserve.benchmarks.grammar_masks step [--model qwen3-30b-a3b] [--device cuda] [--batch 256]
 
 engines   llguidance and xgrammar (each where installed) on the same vocabulary and JSON schema: per
@@ -112,6 +113,8 @@ def engines_run(args) -> list[dict]:
     vocab = args.vocab if not args.tokenizer else len(hf)
     engines = []
     for cls in (_LLGuidance, _XGrammar):
+        if args.only and cls.name != args.only:
+            continue
         try:
             engines.append(cls(hf, vocab))
         except ImportError as e:
@@ -204,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256])
     e.add_argument("--tokenizer", help="a directory with tokenizer.json (default: the presets' byte tokenizer)")
     e.add_argument("--vocab", type=int, default=151936)
+    # One engine per process: each engine's worker threads stay up between calls, and on a small host
+    # the other engine's would compete with them.
+    e.add_argument("--only", choices=["llguidance", "xgrammar"])
     e.add_argument("--steps", type=int, default=30)
     e.add_argument("--warmup", type=int, default=5)
     s = sub.add_parser("step")
