@@ -61,7 +61,8 @@ class _LLGuidance:
         self.llg, self.lt = llguidance, llguidance.torch
         self.tok = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)
         self.grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
-        self.executor = llguidance.LLExecutor()
+        from pdserve.engine.grammar import executor_threads  # the engine's executor size
+        self.executor = llguidance.LLExecutor(executor_threads())
 
     def matchers(self, n: int) -> list:
         return [self.llg.LLMatcher(self.tok, self.grammar) for _ in range(n)]
@@ -89,7 +90,8 @@ class _XGrammar:
         self.xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab)
         self.compiled = xgrammar.GrammarCompiler(info).compile_json_schema(SCHEMA, any_whitespace=False)
-        self.batch = xgrammar.BatchGrammarMatcher()
+        from pdserve.engine.grammar import executor_threads  # as many threads as llguidance gets
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=executor_threads())
 
     def matchers(self, n: int) -> list:
         return [self.fresh() for _ in range(n)]

@@ -14,6 +14,7 @@ bitmask [rows, ceil(vocab / 32)] int32 on the host) and one tensor op on the log
 
 import json
 import logging
+import os
 
 import llguidance
 import llguidance.torch
@@ -75,7 +76,7 @@ class Grammars:
             return m
         if self._ll is None:
             self._ll = _ll_tokenizer(self._tokenizer, self.vocab_size)
-            self._executor = llguidance.LLExecutor()
+            self._executor = llguidance.LLExecutor(executor_threads())
         m = self._matchers[seq.request_id] = llguidance.LLMatcher(self._ll, seq.params.grammar)
         done = [t for t in seq.output_ids if t != PENDING]
         if done:
@@ -106,6 +107,13 @@ class Grammars:
         if b is None:
             b = self._bit_values[device] = bit_values(device)
         return b
+
+
+def executor_threads() -> int:
+    """Threads of llguidance's executor: half the CPUs this process may run on. Its default (most of
+    them) competes with torch's own threads and the worker's: on a 2-CPU host a step of 256
+    constrained sequences took 12× longer with it than with one thread (docs/benchmarks.md)."""
+    return max(1, min(32, len(os.sched_getaffinity(0)) // 2))
 
 
 def bit_values(device: torch.device) -> torch.Tensor:
