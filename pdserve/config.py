@@ -135,6 +135,9 @@ class RouterConfig(_Strict):
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # The most choices a request may ask for per prompt (`n`, `best_of`); more is a 400 naming the field.
     max_n: int = Field(default=16, ge=1, le=1024)
+    # How tool calls are read out of a chat's text (router/tool_parsers.py; vLLM's --tool-call-parser):
+    # auto picks the format the model's chat template writes.
+    tool_call_parser: Literal["auto", "hermes", "deepseek_v3", "mistral"] = "auto"
     # Slow clients are shed (router/http_deadlines.py): a connection whose request line and headers
     # have not all arrived header_timeout_s after its first byte (or after it opened) is closed;
     # a body not read in full within body_timeout_s gets 408 and the connection closes; a stream

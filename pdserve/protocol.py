@@ -48,6 +48,9 @@ class SamplingParams:
     # cache hits). The router sets it from the request's API key (router/tenants.py); it travels
     # here, inside the parameters, to every engine that hashes the prompt.
     cache_salt: str | None = None
+    # Structured outputs: an llguidance grammar the output must match (built and validated by the
+    # front end, pdserve/structured_outputs.py); the sampler masks every other token (engine/grammar.py).
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -96,6 +96,10 @@ class RouterCore:
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    @property
+    def chat_template(self) -> str | None:
+        return self.tokenizer.chat_template
+
     def ready(self) -> bool:
         return not self.draining and self.replicas.ready()
 

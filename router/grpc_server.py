@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.protocol import MAX_CACHE_SALT_CHARS, InvalidRequestError, SamplingParams
+from pdserve.structured_outputs import KINDS, grammar_of
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
 from pdserve.router import token_budget
@@ -165,6 +166,7 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             min_tokens=request.min_tokens,
             stop_token_ids=list(request.stop_token_ids),
             cache_salt=_cache_salt(request, tenant),
+            grammar=_grammar(request),
         )
         asked = request.priority if request.HasField("priority") else None
         priority = (asked or 0) if tenant is None else tenant.priority_of(asked)
@@ -336,3 +338,15 @@ async def start_grpc_server(core: ServingCore, port: int, host: str = "0.0.0.0",
     _background.add(task)
     task.add_done_callback(_background.discard)
     return server
+
+
+def _grammar(request: pb.CompletionRequest) -> str | None:
+    """The request's structured_outputs as a grammar, checked (InvalidRequestError names the field)."""
+    if not request.HasField("structured_outputs"):
+        return None
+    so = request.structured_outputs
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_outputs", f"must set one of {', '.join(KINDS)}")
+    spec = list(so.choice.values) if kind == "choice" else getattr(so, kind)
+    return grammar_of(f"structured_outputs.{kind}", kind, spec)

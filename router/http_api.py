@@ -32,6 +32,8 @@ from pdserve.router.openai_protocol import (CHAT, COMPLETIONS, GENERATION_ENDPOI
                                             CompletionRequest, ErrorBody, TokenizeRequest)
 from pdserve.router.openai_responses import ChatShape, CompletionShape
 from pdserve.router.tenants import Charge, Tenants
+from pdserve.router.tool_calls import ToolCallShape, ToolChoice
+from pdserve.router.tool_parsers import ToolParser, parser_for
 from pdserve.messages import Request
 from pdserve.router.types import ServingCore, off_loop
 
@@ -143,12 +145,13 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
         check_n(n, best_of, max_n)
         prompts = body.prompts()
         salt, priority = _cache_salt(body, scope), _priority(body, scope)
+        grammar = body.structured_grammar()
         if len(prompts) == 1 and best_of == 1 and not body.echo:  # one choice: the everyday path
             prompt = prompts[0]
             prompt_ids = await _tokenize(core, prompt, "prompt") if isinstance(prompt, str) else prompt
             max_tokens = token_budget.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids),
                                                  core.max_model_len)
-            params = body.sampling_params(max_tokens, body.logprobs, salt)
+            params = body.sampling_params(max_tokens, body.logprobs, salt, grammar)
             if charge is not None:
                 charge.tokens(len(prompt_ids), max_tokens, "prompt", "max_tokens")
             rid = f"cmpl-{uuid.uuid4().hex}"
@@ -162,7 +165,7 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
                 prompt_ids = await _tokenize(core, prompt, "prompt") if isinstance(prompt, str) else prompt
                 max_tokens = token_budget.max_tokens(body.max_tokens, "max_tokens", 16, len(prompt_ids),
                                                      core.max_model_len)
-                params = body.sampling_params(max_tokens, body.logprobs, salt)
+                params = body.sampling_params(max_tokens, body.logprobs, salt, grammar)
                 echo = None
                 if body.echo:
                     echo = prompt if isinstance(prompt, str) else await off_loop(core.detokenize, prompt_ids)
@@ -182,13 +185,21 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
 
 
 async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None, body: ChatCompletionRequest,
-                        scope: Scope, receive: Receive, max_n: int = DEFAULT_MAX_N) -> Response:
-    """POST /v1/chat/completions, as `complete`."""
+                        scope: Scope, receive: Receive, max_n: int = DEFAULT_MAX_N,
+                        tool_parser: ToolParser | None = None) -> Response:
+    """POST /v1/chat/completions, as `complete`; tool_parser: the model's tool-call format (router.tool_call_parser)."""
     _check_model(core, body.model)
     charge = _admit(tenants, scope)
     with _until_served(charge):
         n = body.n or 1
         check_n(n, n, max_n)
+        tools = ToolChoice(body)
+        forced, grammar = tools.grammar(), body.structured_grammar()
+        if forced is not None and grammar is not None:
+            raise ApiError(400, "tool_choice: a forced tool call may not be combined with structured outputs "
+                                "(response_format, structured_outputs)", param="tool_choice", code="invalid_value")
+        grammar = forced or grammar
+        tool_parser = tool_parser or parser_for("auto", getattr(core, "chat_template", None))
         text = await _chat_prompt(core, body)
         prompt_ids = await _tokenize(core, text, "messages", add_special_tokens=False)  # the template has its BOS
         requested, param = ((body.max_completion_tokens, "max_completion_tokens")
@@ -196,20 +207,23 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
         # No default cap, as OpenAI and vLLM: generate until a stop or the end of the context.
         max_tokens = token_budget.max_tokens(requested, param, None, len(prompt_ids), core.max_model_len)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(max_tokens, logprobs, _cache_salt(body, scope))
+        params = body.sampling_params(max_tokens, logprobs, _cache_salt(body, scope), grammar)
         if charge is not None:
             charge.tokens(len(prompt_ids), max_tokens * n, "messages", param)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         priority = _priority(body, scope)
+
+    def shape(j: int) -> ChatShape:
+        if tools.mode == "none":
+            return ChatShape(rid, core.model_name, logprobs is not None, body.include_usage, j)
+        return ToolCallShape(rid, core.model_name, logprobs is not None, body.include_usage, tools, tool_parser, j)
     if n > 1:
         choices = [Choice(Request(f"{rid}-0-{j}", prompt_ids, child_params(params, j, False),
-                                  session=_session(body, scope), priority=priority),
-                          ChatShape(rid, core.model_name, logprobs is not None, body.include_usage, j), 0)
+                                  session=_session(body, scope), priority=priority), shape(j), 0)
                    for j in range(n)]
         return await serve_choices(receive, core, metrics, choices, n, bool(body.stream), len(prompt_ids),
                                    max_tokens * n, charge)
-    shape = ChatShape(rid, core.model_name, logprobs is not None, body.include_usage)
-    return await serve(receive, core, metrics, shape,
+    return await serve(receive, core, metrics, shape(0),
                        Request(rid, prompt_ids, params, session=_session(body, scope), priority=priority),
                        bool(body.stream), charge)
 
@@ -219,15 +233,18 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
 
 def build_app(core: ServingCore, metrics: Metrics | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenants: Tenants | None = None,
-              max_n: int = DEFAULT_MAX_N, openapi_docs: bool = False) -> FastDoor:
+              max_n: int = DEFAULT_MAX_N, openapi_docs: bool = False, tool_call_parser: str = "auto") -> FastDoor:
     """The OpenAI-compatible app serving `core`: the FastAPI app (`.app`) behind its fast door
     (http_fast.py), which takes the generation endpoints' everyday requests past FastAPI.
     tenants: the API keys every /v1 request must carry (http_auth.py) and their limits; None: open.
-    openapi_docs: serve /docs, /redoc and /openapi.json (router.openapi_docs)."""
+    openapi_docs: serve /docs, /redoc and /openapi.json (router.openapi_docs); tool_call_parser:
+    router.tool_call_parser (auto: from the model's chat template)."""
     metrics = metrics or Metrics(model_name=core.model_name)
+    parser = parser_for(tool_call_parser, getattr(core, "chat_template", None))
     routes = {COMPLETIONS: (CompletionRequest, functools.partial(complete, core, metrics, tenants, max_n=max_n)),
-              CHAT: (ChatCompletionRequest, functools.partial(chat_complete, core, metrics, tenants, max_n=max_n))}
-    app = _build_fastapi(core, metrics, max_body_bytes, tenants, max_n, openapi_docs)
+              CHAT: (ChatCompletionRequest, functools.partial(chat_complete, core, metrics, tenants, max_n=max_n,
+                                                              tool_parser=parser))}
+    app = _build_fastapi(core, metrics, max_body_bytes, tenants, max_n, openapi_docs, parser)
     # The door checks a key as the app's middleware does (the same check, the same answer).
     guard = ApiKeyAuth(None, tenants, _refusal_counter(metrics)).authorize if tenants is not None else None
     return FastDoor(app, routes, functools.partial(answer_error, metrics=metrics), max_body_bytes, guard)
@@ -242,7 +259,7 @@ def _refusal_counter(metrics: Metrics) -> Callable[[str, int], None]:
 
 
 def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int, tenants: Tenants | None,
-                   max_n: int, openapi_docs: bool) -> FastAPI:
+                   max_n: int, openapi_docs: bool, parser: ToolParser) -> FastAPI:
     # The API's map is off unless asked for: it lists every endpoint and field to whoever asks.
     docs = {} if openapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggregated prefill/decode service",
@@ -261,7 +278,7 @@ def _build_fastapi(core: ServingCore, metrics: Metrics, max_body_bytes: int, ten
 
     @app.post(CHAT, responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
-        return await chat_complete(core, metrics, tenants, body, request.scope, request.receive, max_n)
+        return await chat_complete(core, metrics, tenants, body, request.scope, request.receive, max_n, parser)
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -4,11 +4,13 @@ validators, and the error body every failure answers with.
 Validation here is what the body alone decides (types, ranges, fields pdserve does not support); what
 needs the model (token counts against the context, the chat template) is checked while serving."""
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationInfo, field_validator
 
-from pdserve.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from pdserve.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, InvalidRequestError, SamplingParams
+from pdserve.structured_outputs import KINDS, grammar_of, json_schema_grammar
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -65,6 +67,15 @@ class SamplingRequest(BaseModel):
     # vLLM extension: only requests with the same salt share prefix-cache blocks. With API keys it is
     # added to the key's own salt (router/tenants.py Tenant.cache_salt): it splits, never joins.
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
+    # Structured outputs (pdserve/structured_outputs.py): OpenAI's response_format (text, json_object,
+    # json_schema) or vLLM's structured_outputs (one of json, regex, choice, grammar, json_object).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # vLLM's earlier names for structured_outputs' kinds, still sent by older clients.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -92,10 +103,46 @@ class SamplingRequest(BaseModel):
             raise ValueError("keys must be token ids (non-negative integers, as strings)")
         return v
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, cache_salt: str | None = None
-                        ) -> SamplingParams:
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_kind(cls, v: Any) -> Any:
+        asked = [k for k in KINDS if v and v.get(k) not in (None, False)]
+        if v is not None and len(asked) != 1:
+            raise ValueError(f"must set exactly one of {', '.join(KINDS)}")
+        return v
+
+    def structured_grammar(self) -> str | None:
+        """The grammar the output must match (None: free text); InvalidRequestError names the field at fault."""
+        guided = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None]
+        if guided:
+            if len(guided) > 1 or self.structured_outputs is not None:
+                raise InvalidRequestError(f"guided_{guided[-1]}", "only one of structured_outputs and the "
+                                                                  "guided_* fields may be set")
+            return grammar_of(f"guided_{guided[0]}", guided[0], getattr(self, f"guided_{guided[0]}"))
+        if self.structured_outputs is not None and self.response_format not in (None, {"type": "text"}):
+            raise InvalidRequestError("structured_outputs", "may not be set together with a response_format")
+        if self.structured_outputs is not None:
+            kind = next(k for k in KINDS if self.structured_outputs.get(k) not in (None, False))
+            return grammar_of(f"structured_outputs.{kind}", kind, self.structured_outputs[kind])
+        rf = self.response_format
+        kind = rf.get("type") if rf is not None else "text"
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return grammar_of("response_format", "json_object", None)
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise InvalidRequestError("response_format.json_schema",
+                                          'must be {"name": ..., "schema": {...}}')
+            return json_schema_grammar("response_format.json_schema.schema", spec["schema"])
+        raise InvalidRequestError("response_format.type", f'must be "text", "json_object" or "json_schema", got {kind!r}')
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, cache_salt: str | None = None,
+                        grammar: str | None = None) -> SamplingParams:
         """The engine's parameters; SamplingParams checks the ranges (InvalidRequestError names the field).
-        cache_salt: the prefix-cache salt the router gives the request (its key's and its own)."""
+        cache_salt: the prefix-cache salt the router gives the request (its key's and its own); grammar:
+        the request's structured_grammar() (chat: or its forced tool call's), built once per request."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -113,6 +160,7 @@ class SamplingRequest(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=dict(self.logit_bias or {}),
             cache_salt=cache_salt,
+            grammar=grammar,
         )
 
     @property
@@ -191,6 +239,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None  # null only for an assistant's turn (OpenAI sends it with tool calls)
+    # A conversation's earlier calls and their results, for the chat template: an assistant's
+    # tool_calls (as this API returned them), a tool message's tool_call_id (and name).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -210,8 +263,25 @@ class ChatMessage(BaseModel):
         return v
 
     def for_template(self) -> dict:
-        """The message as chat templates read it: content always a string."""
-        return {"role": self.role, "content": self.content or ""}
+        """The message as chat templates read it: content always a string; a call's arguments as an
+        object (HF templates write `arguments | tojson` unless they are a string already)."""
+        message = {"role": self.role, "content": self.content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            pass  # left as the text it is
+    return {**call, "function": fn}
 
 
 class FunctionDefinition(BaseModel):
@@ -240,13 +310,11 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # Rendered into the prompt by the chat template (its `tools` variable), so that the model can answer with
-    # a call in its own format. pdserve does not parse tool calls out of the output: the model's raw text comes
-    # back as the message's content, and `tool_calls` is never set.
+    # a call in its own format, parsed back into `tool_calls` (router/tool_calls.py).
     tools: list[ChatTool] | None = None
-    # Without a tool-call parser only "none" and "auto" can be honoured: "required" or a named function
-    # promises a call in `tool_calls`, which pdserve never returns.
+    # "none", "auto" (the default with tools), "required" or {"type": "function", "function": {"name": ...}}:
+    # the last two are forced with a grammar (router/tool_calls.py).
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extension: extra variables for the chat template, e.g. Qwen3's {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -259,10 +327,11 @@ class ChatCompletionRequest(SamplingRequest):
 
     @field_validator("tool_choice")
     @classmethod
-    def _no_forced_tool_call(cls, v: Any) -> Any:
-        if v not in (None, "none", "auto"):
-            raise ValueError('is not supported; only "none" or "auto" is accepted: pdserve does not parse tool '
-                             "calls out of the output, the model's text comes back as content")
+    def _tool_choice_shape(cls, v: Any) -> Any:
+        named = isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) \
+            and isinstance(v["function"].get("name"), str)
+        if v not in (None, "none", "auto", "required") and not named:
+            raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
         return v
 
     @field_validator("chat_template_kwargs")
@@ -273,11 +342,6 @@ class ChatCompletionRequest(SamplingRequest):
         if v and "tools" in v:
             raise ValueError("may not set 'tools'; send the tool definitions in the request's tools field")
         return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: Any) -> Any:
-        return _only(v, (None, {"type": "text"}), '{"type": "text"}')
 
     def template_tools(self) -> list[dict] | None:
         return [t.for_template() for t in self.tools] if self.tools else None

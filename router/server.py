@@ -125,7 +125,7 @@ class Router:
         tls = uvicorn_options(cfg.router.tls_certfile, cfg.router.tls_keyfile)
         limit_tokenize_queue(cfg.router.max_tokenize_queue)
         app = build_app(self.core, self.metrics, cfg.router.max_request_bytes, tenants, cfg.router.max_n,
-                        cfg.router.openapi_docs)
+                        cfg.router.openapi_docs, cfg.router.tool_call_parser)
         self.http = uvicorn.Server(http_config(app, tls, cfg.router, self.metrics))
         self._tasks.append(asyncio.create_task(self.http.serve(sockets=sockets)))
         while not self.http.started:

@@ -61,6 +61,7 @@ class ServingCore(Protocol):
 
     model_name: str  # the one model this service serves (its id in /v1/models)
     max_model_len: int
+    chat_template: str | None  # the model's (the tool-call format is read from it), None if it has none
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; False for text a chat template rendered (it carries its own BOS)."""

@@ -41,6 +41,10 @@ class LocalCore:
                                                          generation_prompt=add_generation_prompt,
                                                          **(template_kwargs or {}))
 
+    @property
+    def chat_template(self) -> str | None:
+        return self.engine.tokenizer.chat_template
+
     def detokenize(self, ids: list[int]) -> str:
         return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
 

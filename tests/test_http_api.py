@@ -358,14 +358,35 @@ BAD = [
     ("/v1/chat/completions", OK_CHAT | {"frequency_penalty": -2.5}, 400, "frequency_penalty"),
     ("/v1/chat/completions", OK_CHAT | {"logit_bias": {"100000": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", OK_CHAT | {"top_logprobs": 2}, 400, "top_logprobs"),
-    # Tools reach the template, but must be OpenAI function definitions; no call can be forced, since pdserve
-    # does not parse tool calls out of the output.
+    # Tools reach the template, but must be OpenAI function definitions; a forced call needs tools, and a
+    # named one a tool of that name.
     ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function"}]}, 400, "tools.0.function"),
     ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "code", "function": {"name": "f"}}]}, 400, "tools.0.type"),
     ("/v1/chat/completions", OK_CHAT | {"tools": {"type": "function"}}, 400, "tools"),
     ("/v1/chat/completions", OK_CHAT | {"tool_choice": "required"}, 400, "tool_choice"),
     ("/v1/chat/completions", OK_CHAT | {"tool_choice": {"type": "function", "function": {"name": "f"}}},
      400, "tool_choice"),
+    ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function", "function": {"name": "g"}}],
+                                        "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     400, "tool_choice"),
+    ("/v1/chat/completions", OK_CHAT | {"tool_choice": "sometimes"}, 400, "tool_choice"),
+    ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function", "function": {
+        "name": "g", "parameters": {"type": "bogus"}}}], "tool_choice": "required"}, 400, "tools"),
+    # Structured outputs: a schema, regex or grammar that does not compile names its field.
+    ("/v1/chat/completions", OK_CHAT | {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}}, 400, "response_format.json_schema.schema"),
+    ("/v1/chat/completions", OK_CHAT | {"response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema"),
+    ("/v1/completions", OK | {"response_format": {"type": "yaml"}}, 400, "response_format.type"),
+    ("/v1/completions", OK | {"structured_outputs": {"regex": "a(+"}}, 400, "structured_outputs.regex"),
+    ("/v1/completions", OK | {"structured_outputs": {"json": "{not json"}}, 400, "structured_outputs.json"),
+    ("/v1/completions", OK | {"structured_outputs": {"grammar": "start: missing_rule"}}, 400,
+     "structured_outputs.grammar"),
+    ("/v1/completions", OK | {"structured_outputs": {"choice": []}}, 400, "structured_outputs.choice"),
+    ("/v1/completions", OK | {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured_outputs"),
+    ("/v1/completions", OK | {"guided_regex": "a(+"}, 400, "guided_regex"),
+    ("/v1/completions", OK | {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+     400, "structured_outputs"),
     # chat_template_kwargs: a JSON object whose keys do not replace the variables pdserve sets.
     ("/v1/chat/completions", OK_CHAT | {"chat_template_kwargs": "enable_thinking"}, 400, "chat_template_kwargs"),
     ("/v1/chat/completions", OK_CHAT | {"chat_template_kwargs": [["enable_thinking", False]]},
@@ -708,3 +729,12 @@ def test_vllms_metric_names_count_what_pdserves_count(served):
     assert grew("vllm:time_to_first_token_seconds_count") == grew("pdserve_ttft_seconds_count", ()) == 1
     assert grew("vllm:e2e_request_latency_seconds_count") == 1
     assert grew("vllm:request_max_num_generation_tokens_sum") == 5
+
+
+def test_vllms_guided_fields_constrain_the_output(served):
+    r = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=3,
+                                         extra_body={"guided_choice": ["north", "south"]})
+    assert r.choices[0].text in ("north", "south") and r.choices[0].finish_reason == "stop"
+    r = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=3,
+                                         extra_body={"guided_regex": "[xyz]{4}"})
+    assert len(r.choices[0].text) == 4 and set(r.choices[0].text) <= set("xyz")

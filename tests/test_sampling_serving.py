@@ -1,13 +1,18 @@
 """vLLM's sampling parameters through `pdserve up` with the official `openai` client (and gRPC), against a
 disaggregated cluster (1 prefill + 1 decode) and a colocated one, both overlapping their steps: penalties,
 logit_bias, min_tokens, min_p, top_k, ignore_eos, stop_token_ids, stop_reason, echo, n, best_of and lists of
-prompts. Greedy outputs are checked token for token against `pdserve generate`'s engine in this process given
+prompts; structured outputs (response_format, structured_outputs) and tool calls (tools, tool_choice).
+Greedy outputs are checked token for token against `pdserve generate`'s engine in this process given
 the same parameters (so disaggregated and colocated outputs equal each other); the first token of a
-disaggregated request is sampled on the prefill replica and the rest on the decode replica, which must count
-it in its penalties."""
+disaggregated request is sampled on the prefill replica (router.prefill_site: remote) and the rest on the
+decode replica, which must count it in its penalties and advance its grammar over it."""
+
+import json
+import re
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -34,7 +39,7 @@ def generate(engine: Engine, prompt: str, max_tokens: int, **params):
 
 
 @pytest.fixture(scope="module", params=[
-    {"decode": {"overlap_scheduling": True}},
+    {"decode": {"overlap_scheduling": True}, "router": {"prefill_site": "remote"}},
     {"colocated": {"replicas": 1, "num_kv_blocks": 512, "overlap_scheduling": True}},
 ], ids=["disaggregated", "colocated"])
 def cluster(request, tmp_path_factory):
@@ -239,4 +244,122 @@ def test_grpc_takes_the_same_parameters(cluster, reference):
                            ({"presence_penalty": 3.0}, "presence_penalty")]:
             with pytest.raises(grpc.RpcError) as e:
                 stub.Complete(pb.CompletionRequest(prompt="hi", max_tokens=4, **bad), timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field)
+
+
+# -- structured outputs and tool calls: the grammar forces the random-weight model's output ---------
+
+# Every string is bounded and spelled in ASCII, so the output ends and its text is the JSON the model wrote.
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
+          "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pet": {"enum": ["cat", "dog", "none"]}, "tall": {"type": "boolean"}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "additionalProperties": False,
+                                                           "required": ["city", "unit"],
+                                                           "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+                                                                          "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+NOTE = {"type": "function", "function": {"name": "take_note", "parameters": {"type": "object"}}}
+
+
+def chat(c: Cluster, stream: bool, **kw) -> dict:
+    """A chat completion's one choice as {content, finish_reason, tool_calls: [(name, arguments)]}."""
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": 120} | kw
+    if not stream:
+        ch = c.client.chat.completions.create(**kw).choices[0]
+        calls = [(t.function.name, t.function.arguments) for t in ch.message.tool_calls or []]
+        return {"content": ch.message.content, "finish_reason": ch.finish_reason, "tool_calls": calls}
+    content, reason, calls = "", None, {}
+    for chunk in c.client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for t in ch.delta.tool_calls or []:  # OpenAI's tool-call deltas: the first names the call
+                name, args = calls.get(t.index, ("", ""))
+                calls[t.index] = (name + (t.function.name or ""), args + (t.function.arguments or ""))
+            reason = ch.finish_reason or reason
+    return {"content": content or None, "finish_reason": reason, "tool_calls": [calls[i] for i in sorted(calls)]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_json_schema_output_validates(cluster, stream):
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for temperature in (0, 1.0):
+        r = chat(cluster, stream, response_format=rf, temperature=temperature, seed=7)
+        assert r["finish_reason"] == "stop", r  # the grammar's end ends the request
+        jsonschema.validate(json.loads(r["content"]), PERSON)
+    # The same through vLLM's structured_outputs on /v1/completions; and json_object.
+    out = complete(cluster, stream, prompt=PROMPTS[0], max_tokens=120, structured_outputs={"json": PERSON})[0]
+    assert out["finish_reason"] == "stop", out
+    jsonschema.validate(json.loads(out["text"]), PERSON)
+    out = complete(cluster, stream, prompt=PROMPTS[1], max_tokens=400, response_format={"type": "json_object"})[0]
+    assert out["finish_reason"] == "length" or isinstance(json.loads(out["text"]), dict), out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_regex_choice_and_grammar_are_obeyed(cluster, stream):
+    for seed in (1, 2):
+        out = complete(cluster, stream, prompt=PROMPTS[0], max_tokens=30, temperature=1.0, seed=seed,
+                       structured_outputs={"regex": "[a-c]{3}-[0-9]{2}"})[0]
+        assert re.fullmatch("[a-c]{3}-[0-9]{2}", out["text"]) and out["finish_reason"] == "stop", out
+        out = complete(cluster, stream, prompt=PROMPTS[1], max_tokens=30, temperature=1.0, seed=seed,
+                       structured_outputs={"choice": ["alpha", "beta", "gamma ray"]})[0]
+        assert out["text"] in ("alpha", "beta", "gamma ray") and out["finish_reason"] == "stop", out
+    out = complete(cluster, stream, prompt=PROMPTS[0], max_tokens=30,
+                   structured_outputs={"grammar": 'start: "ab" DIGIT DIGIT\n%import common.DIGIT'})[0]
+    assert re.fullmatch("ab[0-9]{2}", out["text"]), out
+
+
+def test_the_first_token_obeys_the_grammar(cluster):
+    """max_tokens 1: the only token is the one a disaggregated request samples on its prefill replica."""
+    for seed in range(6):
+        out = complete(cluster, False, prompt=PROMPTS[seed % 2], max_tokens=1, temperature=1.0, seed=seed,
+                       structured_outputs={"regex": "[0-9]+"})[0]
+        assert re.fullmatch("[0-9]", out["text"]), out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_named_tool_choice_returns_a_parsed_call(cluster, stream):
+    r = chat(cluster, stream, tools=[NOTE, WEATHER], temperature=1.0, seed=3,
+             tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r["finish_reason"] == "tool_calls" and not r["content"], r
+    [(name, arguments)] = r["tool_calls"]
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+    # tool_choice none: the same tools, plain text back.
+    r = chat(cluster, stream, tools=[WEATHER], tool_choice="none", max_tokens=4, temperature=0)
+    assert r["tool_calls"] == [] and r["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+])
+def test_bad_structured_outputs_are_400_naming_the_field(cluster, body, param):
+    r = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=30,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    ok = complete(cluster, False, prompt="hi", max_tokens=8, structured_outputs={"choice": ["yes", "no"]})[0]
+    assert ok["text"] in ("yes", "no")  # still serving, grammars too
+    stats = cluster.wait_idle()
+    assert stats and all(s["used"] == 0 for s in stats.values()), stats
+
+
+def test_grpc_structured_outputs(cluster):
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
+        stub = completion_pb2_grpc.CompletionStub(channel)
+        so = pb.StructuredOutputs(json=json.dumps(PERSON))
+        r = stub.Complete(pb.CompletionRequest(prompt=PROMPTS[0], max_tokens=120, temperature=1.0, seed=2,
+                                               structured_outputs=so), timeout=60)
+        assert r.finish_reason == "stop"
+        jsonschema.validate(json.loads(r.text), PERSON)
+        req = pb.CompletionRequest(prompt=PROMPTS[1], max_tokens=20, temperature=1.0, seed=1,
+                                   structured_outputs=pb.StructuredOutputs(choice=pb.Choices(values=["up", "down"])))
+        assert "".join(ch.text for ch in stub.CompleteStream(req, timeout=60)) in ("up", "down")
+        for so, field in [(pb.StructuredOutputs(regex="(open"), "structured_outputs.regex"),
+                          (pb.StructuredOutputs(), "structured_outputs")]:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Complete(pb.CompletionRequest(prompt="hi", max_tokens=4, structured_outputs=so), timeout=60)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field)

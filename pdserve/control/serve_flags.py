@@ -45,6 +45,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--port", ("router.http_port",), "OpenAI HTTP port (0: any free one, printed)", "PORT"),
     Flag("--grpc-port", ("router.grpc_port",), "gRPC port (0: any free one; none: no gRPC)", "PORT",
          aliases={"none": None, "null": None}),
+    Flag("--tool-call-parser", ("router.tool_call_parser",), "auto (from the chat template) | hermes | "
+                                                             "deepseek_v3 | mistral", "NAME"),
     Flag("--api-key", (API_KEYS_ENV,), "a key every /v1 request must carry (Authorization: Bearer KEY), as "
                                        "PDSERVE_API_KEYS", "KEY"),
     Flag("--tensor-parallel-size", ("prefill.tp_size", "colocated.tp_size"),

@@ -26,6 +26,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes, salt_root
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.graph_capture import capture_graphs
 from pdserve.engine.kv_budget import kv_cache_blocks
 from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
@@ -96,6 +97,7 @@ class Engine:
                                    guard=self._tpot_guard(config))
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.layout.scales)
         self.runner.sampler.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)  # (min_tokens holds them off)
+        self.grammars = self.runner.sampler.grammars = Grammars(self.tokenizer, self.args.vocab_size)
         # Seconds capturing CUDA graphs, where they are (None: none here).
         self.graphs_s: float | None = capture_graphs(self, attn_backend, moe_backend, ep, log)
         self.seqs: dict[str, Sequence] = {}
@@ -390,6 +392,9 @@ class Engine:
             text, hit = stream.push(token, check_stops=may_stop)
             if hit:
                 reason, stop_reason = FinishReason.STOP, stream.stop_hit
+            elif p.grammar is not None and self._grammar_done(seq, at):
+                rest, _ = stream.flush()
+                reason, text = FinishReason.STOP, text + rest
             elif at + 1 - seq.num_prompt_tokens >= p.max_tokens or at + 1 >= self.max_model_len:
                 rest, hit = stream.flush()
                 reason, text = FinishReason.STOP if hit else FinishReason.LENGTH, text + rest
@@ -410,6 +415,11 @@ class Engine:
             else:
                 self._finish(seq)
         return out
+
+    def _grammar_done(self, seq: Sequence, at: int) -> bool:
+        """Whether the token at `at` completed the request's grammar (nothing more may follow)."""
+        end = self.grammars.ended_at(seq)
+        return end is not None and at + 1 - seq.num_prompt_tokens >= end
 
     def _name_tokens(self, logprob: TokenLogprob, text: str) -> None:
         """A logprob entry's texts: the token's own (what it added to the output), and each

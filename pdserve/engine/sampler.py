@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.logits_processors import LogitBiases, TokenCounts, hold_off_stops, min_p_mask
 from pdserve.engine.sequence import Sequence
 from pdserve.protocol import SamplingParams, TokenLogprob
@@ -13,8 +14,9 @@ _INDEX_STRIDE = 1_000_003  # seed x this + a token's index: distinct streams for
 
 
 class Sampler:
-    """Logit bias, min_tokens and penalties (logits_processors.py), then greedy, or temperature,
-    min-p, top-k, top-p; a per-request generator makes seeded requests reproducible."""
+    """Logit bias, min_tokens and penalties (logits_processors.py), grammar masks (grammar.py), then
+    greedy, or temperature, min-p, top-k, top-p; a per-request generator makes seeded requests
+    reproducible."""
 
     def __init__(self, device: torch.device, eos_token_ids: frozenset[int] | set[int] = frozenset()):
         self.device = device
@@ -22,10 +24,13 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         self._counts: TokenCounts | None = None  # made by the first penalized request (its size is the vocab's)
         self._biases = LogitBiases(device)
+        self.grammars: Grammars | None = None  # set by the engine, which knows the tokenizer
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._biases.forget(request_id)
+        if self.grammars is not None:
+            self.grammars.forget(request_id)
         if self._counts is not None:
             self._counts.forget(request_id)
 
@@ -40,6 +45,11 @@ class Sampler:
         raw = logits.float()
         params = [s.params for s in seqs]
         logits, penalized = self._process(raw, seqs, params)
+        constrained = [i for i, p in enumerate(params) if p.grammar is not None]
+        if constrained:
+            if logits is raw:
+                logits = raw.clone()  # the raw logits stay for logprobs
+            self.grammars.mask(logits, constrained, [seqs[i] for i in constrained])
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
@@ -47,6 +57,9 @@ class Sampler:
         if penalized is not None:
             at, counts_rows = penalized
             self._counts.count(counts_rows, tokens[at])
+        if constrained:
+            # The host waits for these tokens now (the next step's masks need them), not a step later.
+            self.grammars.advance([seqs[i] for i in constrained], tokens[constrained].tolist())
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         lp = None
         if wanted:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/completion.proto\x12\npdserve.v1\"\xce\x04\n\x11\x43ompletionRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x02\x88\x01\x01\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.pdserve.v1.CompletionRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\r\x12\t\n\x01n\x18\x12 \x01(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08priority\x18\n \x01(\x05H\x04\x88\x01\x01\x12\x17\n\ncache_salt\x18\x13 \x01(\tH\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_priorityB\r\n\x0b_cache_salt\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xde\x01\n\x12\x43ompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12#\n\x07\x63hoices\x18\x08 \x03(\x0b\x32\x12.pdserve.v1.ChoiceB\r\n\x0bstop_reason\"\x8e\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x42\r\n\x0bstop_reason\"\xc5\x01\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12\r\n\x05index\x18\x08 \x01(\rB\r\n\x0bstop_reason2\xa7\x01\n\nCompletion\x12I\n\x08\x43omplete\x12\x1d.pdserve.v1.CompletionRequest\x1a\x1e.pdserve.v1.CompletionResponse\x12N\n\x0e\x43ompleteStream\x12\x1d.pdserve.v1.CompletionRequest\x1a\x1b.pdserve.v1.CompletionChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/completion.proto\x12\npdserve.v1\"\x89\x05\n\x11\x43ompletionRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x02\x88\x01\x01\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.pdserve.v1.CompletionRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\r\x12\t\n\x01n\x18\x12 \x01(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08priority\x18\n \x01(\x05H\x04\x88\x01\x01\x12\x17\n\ncache_salt\x18\x13 \x01(\tH\x05\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x14 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_priorityB\r\n\x0b_cache_salt\"\x8d\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xde\x01\n\x12\x43ompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12#\n\x07\x63hoices\x18\x08 \x03(\x0b\x32\x12.pdserve.v1.ChoiceB\r\n\x0bstop_reason\"\x8e\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x42\r\n\x0bstop_reason\"\xc5\x01\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12\r\n\x05index\x18\x08 \x01(\rB\r\n\x0bstop_reason2\xa7\x01\n\nCompletion\x12I\n\x08\x43omplete\x12\x1d.pdserve.v1.CompletionRequest\x1a\x1e.pdserve.v1.CompletionResponse\x12N\n\x0e\x43ompleteStream\x12\x1d.pdserve.v1.CompletionRequest\x1a\x1b.pdserve.v1.CompletionChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPLETIONREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_COMPLETIONREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_COMPLETIONREQUEST']._serialized_start=44
-  _globals['_COMPLETIONREQUEST']._serialized_end=634
-  _globals['_COMPLETIONREQUEST_LOGITBIASENTRY']._serialized_start=500
-  _globals['_COMPLETIONREQUEST_LOGITBIASENTRY']._serialized_end=548
-  _globals['_USAGE']._serialized_start=636
-  _globals['_USAGE']._serialized_end=693
-  _globals['_COMPLETIONRESPONSE']._serialized_start=696
-  _globals['_COMPLETIONRESPONSE']._serialized_end=918
-  _globals['_CHOICE']._serialized_start=921
-  _globals['_CHOICE']._serialized_end=1063
-  _globals['_COMPLETIONCHUNK']._serialized_start=1066
-  _globals['_COMPLETIONCHUNK']._serialized_end=1263
-  _globals['_COMPLETION']._serialized_start=1266
-  _globals['_COMPLETION']._serialized_end=1433
+  _globals['_COMPLETIONREQUEST']._serialized_end=693
+  _globals['_COMPLETIONREQUEST_LOGITBIASENTRY']._serialized_start=559
+  _globals['_COMPLETIONREQUEST_LOGITBIASENTRY']._serialized_end=607
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=696
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=837
+  _globals['_CHOICES']._serialized_start=839
+  _globals['_CHOICES']._serialized_end=864
+  _globals['_USAGE']._serialized_start=866
+  _globals['_USAGE']._serialized_end=923
+  _globals['_COMPLETIONRESPONSE']._serialized_start=926
+  _globals['_COMPLETIONRESPONSE']._serialized_end=1148
+  _globals['_CHOICE']._serialized_start=1151
+  _globals['_CHOICE']._serialized_end=1293
+  _globals['_COMPLETIONCHUNK']._serialized_start=1296
+  _globals['_COMPLETIONCHUNK']._serialized_end=1493
+  _globals['_COMPLETION']._serialized_start=1496
+  _globals['_COMPLETION']._serialized_end=1663
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,234 @@
+"""Structured outputs on the step path: the grammar engines' mask work per step, and what it adds to
+an engine step. Two measurements:
+
+    python -m pdserve.benchmarks.grammar_masks engines [--only llguidance|xgrammar] [--batch 1 32 256]
+                                                       [--tokenizer DIR] [--vocab N]
+    python -m pdserve.benchmarks.grammar_masks step [--model qwen3-30b-a3b] [--device cuda] [--batch 256]
+
+engines   llguidance and xgrammar (each where installed) on the same vocabulary and JSON schema: per
+          step, every one of B constrained sequences gets its next-token mask (each engine's batched,
+          multi-threaded fill into one packed int32 bitmask), the mask is applied to random logits
+          [B, vocab] on the CPU (the engine's own apply), the argmax is taken and every matcher
+          consumes its token (batched). A matcher whose grammar ends starts over. Median of the
+          steps, in ms per step: fill, apply (argmax included; on a GPU it is a device op), consume;
+          the grammar engine's own work is fill + consume. The vocabulary: `--tokenizer DIR` (a
+          tokenizer.json), else the byte tokenizer of the presets widened to `--vocab` (default
+          151936, Qwen3's) with `<|token_N|>` entries — a real BPE vocabulary is the figure to quote.
+step      pdserve's engine (pdserve/engine/grammar.py + sampler.py, llguidance) decoding B sequences
+          of a preset (random weights) with no grammar, then with every sequence under the JSON
+          schema; median engine step of each and the overhead as a ratio. Issue 41's bar: ≤ 5 % at
+          B = 256 on a GPU (run it there: --device cuda). On the CPU: --model tiny-moe --device cpu.
+"""
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import torch
+
+# Long enough that a sequence stays inside it for the measured steps; every string bounded.
+ITEM = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "tags"],
+        "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+                       "city": {"enum": ["Paris", "Tokyo", "Lima", "Oslo"]},
+                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4}}}
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["people"],
+          "properties": {"people": {"type": "array", "items": ITEM, "minItems": 64}}}
+
+
+def _hf_tokenizer(path: str | None, vocab: int):
+    import transformers
+    from tokenizers import Tokenizer
+
+    from pdserve.tokenizer import ByteTokenizer, byte_tokenizer_as_hf
+    if path:
+        tok = Tokenizer.from_file(f"{path}/tokenizer.json")
+        eos = None
+    else:
+        tok = Tokenizer.from_str(json.dumps(byte_tokenizer_as_hf(vocab, 1 << 20)["tokenizer.json"]))
+        eos = ByteTokenizer().eos_token
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos)
+
+
+class _LLGuidance:
+    name = "llguidance"
+
+    def __init__(self, hf, vocab: int):
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+        self.llg, self.lt = llguidance, llguidance.torch
+        self.tok = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)
+        self.grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
+        from pdserve.engine.grammar import executor_threads  # the engine's executor size
+        self.executor = llguidance.LLExecutor(executor_threads())
+
+    def matchers(self, n: int) -> list:
+        return [self.llg.LLMatcher(self.tok, self.grammar) for _ in range(n)]
+
+    def fill(self, ms: list, bitmask: torch.Tensor) -> None:
+        self.lt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(ms)], bitmask)
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        from pdserve.engine.grammar import bit_values, masked  # what the engine's sampler does
+        logits.copy_(masked(logits, bitmask.to(logits.device), bit_values(logits.device)))
+
+    def consume(self, ms: list, tokens: list[int]) -> list:
+        self.executor.consume_token_par(list(zip(ms, tokens)))
+        return [i for i, m in enumerate(ms) if m.is_stopped() or m.is_error()]
+
+    def fresh(self):
+        return self.llg.LLMatcher(self.tok, self.grammar)
+
+
+class _XGrammar:
+    name = "xgrammar"
+
+    def __init__(self, hf, vocab: int):
+        import xgrammar
+        self.xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab)
+        self.compiled = xgrammar.GrammarCompiler(info).compile_json_schema(SCHEMA, any_whitespace=False)
+        from pdserve.engine.grammar import executor_threads  # as many threads as llguidance gets
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=executor_threads())
+
+    def matchers(self, n: int) -> list:
+        return [self.fresh() for _ in range(n)]
+
+    def fill(self, ms: list, bitmask: torch.Tensor) -> None:
+        self.batch.batch_fill_next_token_bitmask(ms, bitmask)
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+
+    def consume(self, ms: list, tokens: list[int]) -> list:
+        self.batch.batch_accept_token(ms, tokens)
+        return [i for i, m in enumerate(ms) if m.is_terminated()]
+
+    def fresh(self):
+        return self.xgr.GrammarMatcher(self.compiled)
+
+
+def engines_run(args) -> list[dict]:
+    hf = _hf_tokenizer(args.tokenizer, args.vocab)
+    vocab = args.vocab if not args.tokenizer else len(hf)
+    engines = []
+    for cls in (_LLGuidance, _XGrammar):
+        if args.only and cls.name != args.only:
+            continue
+        try:
+            engines.append(cls(hf, vocab))
+        except ImportError as e:
+            print(f"{cls.name}: not installed ({e})")
+    rows = []
+    for b in args.batch:  # the engines side by side at each batch, so that a busy host weighs on both alike
+        for eng in engines:
+            row = _engine_steps(eng, b, vocab, args)
+            rows.append(row)
+            print(f"{eng.name:11s} B={b:4d}  fill {row['fill_ms']:8.3f} ms  apply {row['apply_ms']:8.3f} ms  "
+                  f"consume {row['consume_ms']:8.3f} ms  grammar (fill + consume) {row['grammar_ms']:8.3f} ms/step "
+                  f"({1e3 * row['grammar_ms'] / b:7.1f} us/seq; {row['restarts']} restarts)", flush=True)
+    return rows
+
+
+def _engine_steps(eng, b: int, vocab: int, args) -> dict:
+    ms = eng.matchers(b)
+    bitmask = torch.zeros(b, (vocab + 31) // 32, dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    t_fill, t_apply, t_consume, restarts = [], [], [], 0
+    for step in range(args.warmup + args.steps):
+        logits = torch.randn(b, vocab, generator=g)
+        t0 = time.perf_counter()
+        eng.fill(ms, bitmask)
+        t1 = time.perf_counter()
+        eng.apply(logits, bitmask)
+        tokens = logits.argmax(-1).tolist()
+        t2 = time.perf_counter()
+        ended = eng.consume(ms, tokens)
+        t3 = time.perf_counter()
+        for i in ended:
+            ms[i] = eng.fresh()
+        restarts += len(ended)
+        if step >= args.warmup:
+            t_fill.append(t1 - t0)
+            t_apply.append(t2 - t1)
+            t_consume.append(t3 - t2)
+    row = {"engine": eng.name, "batch": b, "fill_ms": 1e3 * statistics.median(t_fill),
+           "apply_ms": 1e3 * statistics.median(t_apply), "consume_ms": 1e3 * statistics.median(t_consume),
+           "restarts": restarts}
+    row["grammar_ms"] = row["fill_ms"] + row["consume_ms"]  # the engine's own work (apply is a torch op)
+    return row
+
+
+def step_run(args) -> dict:
+    from pdserve.config import EngineConfig, ModelConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.protocol import SamplingParams
+    from pdserve.structured_outputs import json_schema_grammar
+
+    engine = Engine(EngineConfig(model=ModelConfig(path=args.model, load_format="dummy"), device=args.device,
+                                 max_num_seqs=max(args.batch)), log=print)
+    grammar = json_schema_grammar("bench", SCHEMA)
+    out = {}
+    for b in args.batch:
+        # Free first and last: the first pass also warms the engine up; the later free pass is the reference.
+        for constrained in (False, True, False):
+            params = SamplingParams(max_tokens=args.warmup + args.steps + 8, temperature=1.0, seed=1, ignore_eos=True,
+                                    grammar=grammar if constrained else None)
+            for i in range(b):
+                engine.add_request(f"r{b}-{constrained}-{i}", list(range(1, 17)), params)
+            while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
+                engine.step()  # the prompts, and the first tokens
+            times = []
+            for step in range(args.warmup + args.steps):
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.step()
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                if step >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            running = len(engine.seqs)
+            for rid in list(engine.seqs):
+                engine.abort(rid)
+            key = "constrained" if constrained else "free"
+            out[(b, key)] = 1e3 * statistics.median(times)  # (the second free pass replaces the first)
+            print(f"B={b:4d} {key:11s} median step {out[(b, key)]:9.3f} ms  ({running} sequences still running)",
+                  flush=True)
+        ratio = out[(b, "constrained")] / out[(b, "free")]
+        print(f"B={b:4d} constrained / free = {ratio:.3f} (overhead {100 * (ratio - 1):+.1f} %)", flush=True)
+    return {f"{b}-{k}": v for (b, k), v in out.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    e = sub.add_parser("engines")
+    e.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256])
+    e.add_argument("--tokenizer", help="a directory with tokenizer.json (default: the presets' byte tokenizer)")
+    e.add_argument("--vocab", type=int, default=151936)
+    # One engine per process: each engine's worker threads stay up between calls, and on a small host
+    # the other engine's would compete with them.
+    e.add_argument("--only", choices=["llguidance", "xgrammar"])
+    e.add_argument("--steps", type=int, default=30)
+    e.add_argument("--warmup", type=int, default=5)
+    s = sub.add_parser("step")
+    s.add_argument("--model", default="qwen3-30b-a3b")
+    s.add_argument("--device", default="cuda")
+    s.add_argument("--batch", type=int, nargs="+", default=[256])
+    s.add_argument("--steps", type=int, default=30)
+    s.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args(argv)
+    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads", flush=True)
+    result = engines_run(args) if args.what == "engines" else step_run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

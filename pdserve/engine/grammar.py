@@ -1,0 +1,140 @@
+"""Structured outputs in the sampler: each constrained request's grammar matcher (llguidance) and the
+token masks of a step's constrained rows.
+
+A request's grammar (`SamplingParams.grammar`, an llguidance grammar the front end built from
+response_format / structured_outputs / tool_choice) gets its matcher the first time the request is
+sampled on this engine, advanced over the tokens it generated before (on a decode replica: the first
+token the prefill replica sampled under the same grammar, and a moved request's tokens so far), so no
+grammar state crosses the prefill → decode hand-off or a migration. After that every token sampled
+here is consumed as soon as it is sampled: the next step's mask needs it, also under overlap
+scheduling, where the host would otherwise see it one step late.
+
+A step's masks are one batched fill (llguidance's executor, on its own threads, into one packed
+bitmask [rows, ceil(vocab / 32)] int32 on the host) and one tensor op on the logits."""
+
+import json
+import logging
+import os
+
+import llguidance
+import llguidance.torch
+import torch
+
+from pdserve.engine.sequence import PENDING, Sequence
+
+
+log = logging.getLogger(__name__)
+
+
+class Grammars:
+    """The matchers of this engine's constrained requests, by request id."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer = tokenizer  # pdserve.tokenizer's Tokenizer or ByteTokenizer
+        self.vocab_size = vocab_size  # the model's (its logits' width), which may exceed the tokenizer's
+        self._ll: llguidance.LLTokenizer | None = None  # built on first use (a large vocabulary takes ~1 s)
+        self._executor: llguidance.LLExecutor | None = None
+        self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._ended: dict[str, int] = {}  # request id -> output tokens at which its grammar completed
+        self._bitmask = torch.zeros(0, (vocab_size + 31) // 32, dtype=torch.int32)
+        self._bit_values: dict[torch.device, torch.Tensor] = {}  # bit_values() on each device
+
+    def forget(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+        self._ended.pop(request_id, None)
+
+    def mask(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+        """In place: logits [N, vocab] at -inf for every token the grammar of each listed row
+        (seqs[k] is rows[k]'s) does not allow next."""
+        matchers = [self._matcher(s) for s in seqs]
+        bitmask = self._host_bitmask(len(rows))
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)],
+                                                     bitmask)
+        at = torch.tensor(rows, device=logits.device)
+        # (The host buffer is filled again only after advance() has waited for this step's tokens,
+        # so the asynchronous copy has long finished by then.)
+        words = bitmask.to(logits.device, non_blocking=True)
+        logits[at] = masked(logits[at], words, self._bits(logits.device))
+
+    def advance(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Each sequence's matcher consumes the token just sampled for it."""
+        matchers = [self._matchers[s.request_id] for s in seqs]
+        self._executor.consume_token_par(list(zip(matchers, tokens)))
+        for s, m in zip(seqs, matchers):
+            self._note_end(s, m, s.num_output_tokens + 1)  # (this token is not in the sequence yet)
+
+    def ended_at(self, seq: Sequence) -> int | None:
+        """How many output tokens completed the request's grammar (None while it goes on): a
+        sequence ends there (finish_reason stop), as vLLM ends one whose grammar is done."""
+        if seq.request_id not in self._matchers:
+            self._matcher(seq)  # (a decode replica's first token: its matcher is built from the tokens)
+        return self._ended.get(seq.request_id)
+
+    def _matcher(self, seq: Sequence) -> llguidance.LLMatcher:
+        m = self._matchers.get(seq.request_id)
+        if m is not None:
+            return m
+        if self._ll is None:
+            self._ll = _ll_tokenizer(self._tokenizer, self.vocab_size)
+            self._executor = llguidance.LLExecutor(executor_threads())
+        m = self._matchers[seq.request_id] = llguidance.LLMatcher(self._ll, seq.params.grammar)
+        done = [t for t in seq.output_ids if t != PENDING]
+        if done:
+            m.consume_tokens(done)
+        self._note_end(seq, m, len(done))
+        return m
+
+    def _note_end(self, seq: Sequence, m: llguidance.LLMatcher, n_output: int) -> None:
+        if seq.request_id in self._ended:
+            return
+        if m.is_error():
+            # The router validated the grammar; what fails here (a token it did not allow, a limit of
+            # the parser) ends the request rather than letting it run unconstrained.
+            log.warning("grammar of %s: %s", seq.request_id, m.get_error())
+            self._ended[seq.request_id] = n_output
+        elif m.is_stopped():
+            self._ended[seq.request_id] = n_output
+
+    def _host_bitmask(self, n: int) -> torch.Tensor:
+        if self._bitmask.shape[0] < n:
+            # Pinned on a GPU host, so the copy to the device can be asynchronous.
+            self._bitmask = torch.zeros(max(n, 2 * self._bitmask.shape[0]), self._bitmask.shape[1],
+                                        dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        return self._bitmask[:n]
+
+    def _bits(self, device: torch.device) -> torch.Tensor:
+        b = self._bit_values.get(device)
+        if b is None:
+            b = self._bit_values[device] = bit_values(device)
+        return b
+
+
+def executor_threads() -> int:
+    """Threads of llguidance's executor: half the CPUs this process may run on. Its default (most of
+    them) competes with torch's own threads and the worker's: on a 2-CPU host a step of 256
+    constrained sequences took 12× longer with it than with one thread (docs/benchmarks.md)."""
+    return max(1, min(32, len(os.sched_getaffinity(0)) // 2))
+
+
+def bit_values(device: torch.device) -> torch.Tensor:
+    """[32] int32: the value of each bit of a bitmask word (bit 31 is the sign bit)."""
+    return torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device)
+
+
+def masked(logits: torch.Tensor, bitmask: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """logits [M, vocab] with every token whose bit is 0 in bitmask [M, ceil(vocab / 32)] int32
+    (llguidance's layout: token t is bit t % 32 of word t // 32) at -inf: one elementwise op."""
+    allowed = (bitmask[:, :, None] & bits).ne(0).flatten(1)[:, :logits.shape[-1]]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """The engine's tokenizer as llguidance's: an HF tokenizer's tokenizer.json; a preset's byte
+    tokenizer as the HF tokenizer files it equals (pdserve.tokenizer.byte_tokenizer_as_hf)."""
+    from pdserve.tokenizer import ByteTokenizer, byte_tokenizer_as_hf
+
+    if isinstance(tokenizer, ByteTokenizer):
+        spec = json.dumps(byte_tokenizer_as_hf(max(vocab_size, tokenizer.vocab_size), 1 << 20)["tokenizer.json"])
+    else:
+        spec = tokenizer.backend.to_str()
+    return llguidance.LLTokenizer(spec, n_vocab=vocab_size, eos_token=list(tokenizer.eos_token_ids))
