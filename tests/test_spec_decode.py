@@ -17,7 +17,7 @@ from pdserve.engine.spec_decode import Drafts
 from pdserve.protocol import SamplingParams
 
 SPEC = {"method": "ngram", "num_tokens": 4, "prompt_lookup_max": 3}
-GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
 def engine(path: str = "tiny-moe", speculative: dict | None = None, **kw) -> Engine:
@@ -69,9 +69,14 @@ def tiny() -> tuple[Engine, Engine]:
     return engine(), engine(speculative=SPEC)
 
 
-def test_greedy_tokens_are_identical_and_drafts_are_accepted(tiny):
+@pytest.fixture(scope="module")
+def want(tiny) -> list[list[int]]:
+    """byte_prompts' greedy tokens without speculation: the oracle."""
+    return tokens(run(tiny[0], byte_prompts(), GREEDY))
+
+
+def test_greedy_tokens_are_identical_and_drafts_are_accepted(tiny, want):
     off, on = tiny
-    want = tokens(run(off, byte_prompts(), GREEDY))
     before = on.profile.snapshot()
     outs = run(on, byte_prompts(), GREEDY)
     assert tokens(outs) == want
@@ -84,14 +89,13 @@ def test_greedy_tokens_are_identical_and_drafts_are_accepted(tiny):
 
 @pytest.mark.parametrize("kw", [
     {"num_kv_blocks": 14, "enable_prefix_cache": False},  # preemption by recompute among drafts
-    {"max_num_batched_tokens": 8, "chunk_size": 5},  # a budget that drafts have to fit in
+    {"max_num_batched_tokens": 12, "chunk_size": 7},  # a budget that drafts have to fit in
     {"overlap_scheduling": True},  # asked for, but a speculating engine does not overlap
 ], ids=["preempting", "small-budget", "overlap-asked"])
-def test_greedy_tokens_are_identical_under_other_schedules(tiny, kw):
-    off, _ = tiny
+def test_greedy_tokens_are_identical_under_other_schedules(want, kw):
     on = engine(speculative=SPEC, **kw)
     assert not on.overlap
-    assert tokens(run(on, byte_prompts(), GREEDY)) == tokens(run(off, byte_prompts(), GREEDY))
+    assert tokens(run(on, byte_prompts(), GREEDY)) == want
     if "num_kv_blocks" in kw:
         assert on.scheduler.num_preemptions > 0
 
@@ -111,11 +115,11 @@ STORY = "Once upon a time"  # tiny-moe's greedy answer to it repeats itself, var
 def _stop_cases(off: Engine) -> list[SamplingParams]:
     """Parameters whose effect depends on each token's place: stops taken from the reference's own
     output (so they fall inside an accepted run), min_tokens, max_tokens, penalties, bias, logprobs."""
-    out = off.generate([STORY], GREEDY)[0].token_ids
+    out = off.generate([STORY], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].token_ids
     stop_id = next(t for i, t in enumerate(out) if i > 8 and t not in out[:i])  # first seen late
     text = off.tokenizer.decode
-    stop = next(text(out[j:j + 2]) for j in range(10, 38) if text(out[j:j + 2]) not in text(out[:j + 1]))
-    base = dict(temperature=0, max_tokens=40)
+    stop = next(text(out[j:j + 2]) for j in range(10, 24) if text(out[j:j + 2]) not in text(out[:j + 1]))
+    base = dict(temperature=0, max_tokens=32)
     return [
         SamplingParams(**base, stop_token_ids=[stop_id]),
         SamplingParams(**base, stop=[stop]),
