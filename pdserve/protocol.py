@@ -41,6 +41,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted from a generated token's logit per time it was generated
     repetition_penalty: float = 1.0  # HF/CTRL: a seen token's (prompt or output) logit / p if > 0, * p if < 0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # False: this request's tokens are never drafted, where its replica speculates (a per-request
+    # opt-out of decode.speculative / colocated.speculative; the output is the same either way).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

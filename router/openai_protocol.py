@@ -62,6 +62,8 @@ class SamplingRequest(BaseModel):
     # vLLM extension: the lower, the sooner the request is admitted and scheduled, and the later it
     # is preempted; unset means 0. The range is gRPC's int32, so that both front ends take the same.
     priority: Annotated[int, Field(ge=-2**31, le=2**31 - 1)] | None = None
+    # pdserve extension: false opts this request out of its replica's speculative decoding.
+    speculative: bool | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -107,6 +109,7 @@ class SamplingRequest(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=dict(self.logit_bias or {}),
+            speculative=self.speculative is not False,
         )
 
     @property

@@ -15,6 +15,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode import Drafts
 from pdserve.protocol import SamplingParams
+from pdserve.router.openai_protocol import CompletionRequest
 
 SPEC = {"method": "ngram", "num_tokens": 4, "prompt_lookup_max": 3}
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -145,6 +146,16 @@ def test_sampling_parameters_keep_their_meaning_when_a_step_accepts_several_toke
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert on.profile.spec_accepted_tokens > accepted
+
+
+def test_a_request_may_opt_out(tiny):
+    _, on = tiny
+    body = CompletionRequest(model="tiny-moe", prompt=STORY, speculative=False)
+    params = body.sampling_params(16, None)
+    assert not params.speculative and CompletionRequest(model="m", prompt="p").sampling_params(4, None).speculative
+    drafted = on.profile.spec_draft_tokens
+    on.generate([STORY], params)
+    assert on.profile.spec_draft_tokens == drafted
 
 
 def test_seeded_sampling_is_reproducible_with_speculation(tiny):

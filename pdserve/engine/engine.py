@@ -386,6 +386,8 @@ class Engine:
         """A decoding sequence's draft tokens for its next step (the scheduler's drafter): at most
         `room`, and never more than its max_tokens and the context leave after its next token."""
         spec = self.config.speculative
+        if not seq.params.speculative:  # (the request opted out)
+            return []
         k = min(spec.num_tokens, room, seq.params.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - seq.num_tokens - 1)
         return ngram.propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)

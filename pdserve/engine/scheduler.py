@@ -16,6 +16,11 @@ carries decoding sequences takes prompt tokens only up to the guard's budget for
 decoders and the next prompt's chunk (none in a step whose decoders bank their slack for it);
 prompts beyond it wait.
 
+Speculative decoding (engine/spec_decode.py): a decoding sequence may carry draft tokens after its
+last one (`ScheduledSeq.draft`, from the engine's drafter), counted in the step's budget and given
+blocks like any other token; where the blocks are short the drafts are dropped, never a sequence
+preempted for them.
+
 Where CUDA graphs cover both kinds of step (`graph_limits`), fresh prompts that a prefill graph
 takes are not mixed into a step of decoding sequences: a mixed step runs eagerly, and its host
 time is far more than the prefill graph's and then the decode graph's together, for the newcomer
