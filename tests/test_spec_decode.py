@@ -64,6 +64,22 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert ngram.propose([5, 5], 2, 1, 3) == [5]
 
 
+def test_ngram_drafter_equals_a_plain_search_as_a_sequence_grows():
+    def plain(ids, k, lo, hi):  # every window, latest first, longest n first
+        for n in range(min(hi, len(ids) - 1), lo - 1, -1):
+            for i in range(len(ids) - n - 1, -1, -1):
+                if ids[i:i + n] == ids[len(ids) - n:]:
+                    return ids[i + n:i + n + k]
+        return []
+
+    g = torch.Generator().manual_seed(0)
+    for lo, hi in ((1, 4), (2, 3), (1, 1)):
+        drafter, ids = ngram.NgramDrafter(lo, hi), []
+        for t in torch.randint(0, 4, (300,), generator=g).tolist():
+            ids.append(t)  # (one buffer per request, grown by the new tokens only)
+            assert drafter.propose("r", ids, 3) == plain(ids, 3, lo, hi), (ids, lo, hi)
+
+
 @pytest.fixture(scope="module")
 def tiny() -> tuple[Engine, Engine]:
     """tiny-moe (grouped-query attention) without and with speculation."""

@@ -27,10 +27,10 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes
 from pdserve.engine.graph_capture import capture_graphs
-from pdserve.engine import ngram
 from pdserve.engine.kv_budget import kv_cache_blocks
 from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
 from pdserve.engine.model_runner import Launched, ModelRunner
+from pdserve.engine.ngram import NgramDrafter
 from pdserve.engine.outputs import Completion, RequestOutput, TextStream
 from pdserve.protocol import TokenLogprob
 from pdserve.protocol import InvalidRequestError, SamplingParams
@@ -99,6 +99,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.layout.scales)
         self.runner.sampler.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)  # (min_tokens holds them off)
         self.speculative = self._wants_speculation(config, ep)
+        self._ngram = NgramDrafter(config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max)
         if self.speculative:
             self.scheduler.drafter = self._draft
         # Seconds capturing CUDA graphs, where they are (None: none here).
@@ -311,6 +312,7 @@ class Engine:
         s.max_num_seqs, s.max_num_batched_tokens, s.chunk_size = c.max_num_seqs, c.max_num_batched_tokens, c.chunk_size
         s.guard = self._tpot_guard(c)
         self.speculative = self._wants_speculation(c, self._ep)
+        self._ngram = NgramDrafter(c.speculative.prompt_lookup_min, c.speculative.prompt_lookup_max)
         s.drafter = self._draft if self.speculative else None
         self.overlap = self._wants_overlap()
         self.layer_hook = None  # the prefill role's KV streamer installs its own
@@ -390,7 +392,7 @@ class Engine:
             return []
         k = min(spec.num_tokens, room, seq.params.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - seq.num_tokens - 1)
-        return ngram.propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return self._ngram.propose(seq.request_id, seq.token_ids, k)
 
     def _roll_back(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """After a verify step: the KV of rejected drafts is not the sequence's. Its computed tokens
@@ -486,6 +488,7 @@ class Engine:
         self._reserved.discard(seq.request_id)
         self._streams.pop(seq.request_id, None)
         self.runner.sampler.forget(seq.request_id)
+        self._ngram.forget(seq.request_id)
 
     # -- offline ------------------------------------------------------------------------------
 

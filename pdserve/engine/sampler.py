@@ -102,7 +102,7 @@ class Sampler:
             logits = self._top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
         if draft is not None:  # a verify step: each row's draft token accepted or replaced
-            return rejection_sample(probs, draft, [self._generator(s, p.seed) for s, p in zip(seqs, params)])
+            return rejection_sample(probs, draft, lambda i: self._generator(seqs[i], params[i].seed))
         # argmax(p / q) with q ~ Exp(1) draws from p; it lets each row use its own generator.
         q = torch.empty_like(probs)
         for i, (seq, p) in enumerate(zip(seqs, params)):

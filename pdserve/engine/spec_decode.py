@@ -14,6 +14,7 @@ Either way the draft is accepted exactly when row j's token equals it. A sequenc
 a the first rejected row (or k: every draft accepted and one more token, the bonus), all on the
 device (`Drafts.settle`)."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,13 +98,14 @@ class Drafts:
 
 
 def rejection_sample(probs: torch.Tensor, draft: list[int],
-                     generators: list[torch.Generator | None]) -> torch.Tensor:
+                     generator: Callable[[int], torch.Generator | None]) -> torch.Tensor:
     """One token per row of probs [M, vocab] (the target's processed distribution): the row's draft
     token (-1: none, a plain draw) with probability p(draft), else a draw from p with the
-    draft removed. Each row draws from its generator (None: the global one)."""
+    draft removed. Row i draws from generator(i) (None: the global one), taken just before its
+    draws: rows of one request share a generator object, reseeded for each row's output index."""
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    for i, g in enumerate(generators):
-        p, d = probs[i], draft[i]
+    for i, d in enumerate(draft):
+        p, g = probs[i], generator(i)
         if d >= 0:
             if torch.rand((), generator=g, device=p.device) < p[d]:
                 out[i] = d
