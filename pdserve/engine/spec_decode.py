@@ -102,19 +102,22 @@ def rejection_sample(probs: torch.Tensor, draft: list[int],
     """One token per row of probs [M, vocab] (the target's processed distribution): the row's draft
     token (-1: none, a plain draw) with probability p(draft), else a draw from p with the
     draft removed. Row i draws from generator(i) (None: the global one), taken just before its
-    draws: rows of one request share a generator object, reseeded for each row's output index."""
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    draws: rows of one request share a generator object, reseeded for each row's output index.
+    Only the draws are per row; the choice is batched, with no wait for the device."""
+    u = torch.ones(probs.shape[0], device=probs.device)  # 1: never below p(draft) (a row with no draft)
+    q = torch.empty_like(probs)
     for i, d in enumerate(draft):
-        p, g = probs[i], generator(i)
+        g = generator(i)
         if d >= 0:
-            if torch.rand((), generator=g, device=p.device) < p[d]:
-                out[i] = d
-                continue
-            residual = p.clone()
-            residual[d] = 0
-            # p(d) = 1 up to rounding and yet rejected: nothing else has mass; keep the target's choice.
-            p = residual if residual.sum() > 0 else p
-        # argmax(p / q), q ~ Exp(1): a draw from p (normalising is not needed).
-        q = torch.empty_like(p).exponential_(generator=g)
-        out[i] = (p / q).argmax()
-    return out
+            u[i:i + 1].uniform_(generator=g)
+        q[i].exponential_(generator=g)  # (a row with no draft draws exactly as the plain sampler's)
+    d = torch.tensor(draft, device=probs.device)
+    has = d >= 0
+    d = d.clamp(min=0)
+    accept = has & (u < probs.gather(1, d[:, None])[:, 0])
+    residual = probs.clone()
+    residual[has, d[has]] = 0
+    # p(draft) = 1 up to rounding and yet rejected: nothing else has mass; keep the target's choice.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
+    # argmax(p / q), q ~ Exp(1): a draw from p (normalising is not needed).
+    return torch.where(accept, d, (residual / q).argmax(-1))
