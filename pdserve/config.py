@@ -29,6 +29,27 @@ class ModelConfig(_Strict):
     prefetch: bool = True
 
 
+class SpeculativeConfig(_Strict):
+    """Speculative decoding (vLLM's speculative_config): each decoding sequence's next tokens are
+    guessed and the guesses checked in the same target step; the output is unchanged (greedy: the
+    same tokens; sampled: the same distribution, by rejection sampling). Off by default."""
+
+    # ngram: prompt lookup (vLLM's "ngram"): the tokens that followed the latest earlier occurrence
+    # of the sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min.
+    method: Literal["ngram"] | None = None
+    num_tokens: int = Field(default=4, ge=1, le=16)  # draft tokens per sequence per step (vLLM's num_speculative_tokens)
+    prompt_lookup_max: int = Field(default=4, ge=1)
+    prompt_lookup_min: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise PydanticCustomError(
+                "lookup_range", "prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})",
+                {"lo": self.prompt_lookup_min, "hi": self.prompt_lookup_max})
+        return self
+
+
 class EngineConfig(_Strict):
     """One engine core; `role` selects what it does with a request."""
 
@@ -67,6 +88,9 @@ class EngineConfig(_Strict):
     # Run every kind of step once before the replica is ready (engine/warm_up.py; default: on a GPU,
     # where kernels compile on first use; on CPU nothing does, and it would only cost time).
     warm_up: bool | None = None
+    # Draft tokens checked in each decode step (engine/spec_decode.py); the colocated and decode
+    # roles only (a prefill engine samples one token per request).
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @field_validator("device")
     @classmethod
@@ -298,6 +322,7 @@ class DecodeConfig(_Strict):
     chunk_size: int = Field(default=2048, ge=1)
     cuda_graphs: bool = True
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
+    speculative: SpeculativeConfig = SpeculativeConfig()  # off by default (EngineConfig's key)
     num_kv_blocks: int | None = Field(default=None, ge=1)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # with gpus: 1, EngineConfig's key
     # The replica's prefix cache: a reservation reuses the blocks it holds already (a conversation's
@@ -331,6 +356,7 @@ class ColocatedConfig(_Strict):
     # 2048 with a GPU, 0: off.
     prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
+    speculative: SpeculativeConfig = SpeculativeConfig()  # off by default (EngineConfig's key)
     warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
     placement: PlacementConfig = PlacementConfig()
 
@@ -446,6 +472,7 @@ class ClusterConfig(_Strict):
         if role in ("decode", "colocated"):  # the generation phase
             kw.update(max_num_seqs=r.max_num_seqs, cuda_graphs=r.cuda_graphs,
                       overlap_scheduling=r.overlap_scheduling,
+                      speculative=r.speculative,
                       tpot_guard_ms=self.slo.tpot_ms if self.slo.tpot_guard in (role, "all") else None)
         return EngineConfig(**kw)
 

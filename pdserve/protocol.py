@@ -51,6 +51,9 @@ class SamplingParams:
     # Structured outputs: an llguidance grammar the output must match (built and validated by the
     # front end, pdserve/structured_outputs.py); the sampler masks every other token (engine/grammar.py).
     grammar: str | None = None
+    # False: this request's tokens are never drafted, where its replica speculates (a per-request
+    # opt-out of decode.speculative / colocated.speculative; the output is the same either way).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

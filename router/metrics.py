@@ -269,6 +269,13 @@ class Metrics:
         if hits > 0:
             self.prefix_hits.labels(replica=replica).inc(hits)
 
+    def count_spec_decode(self, drafted: int, accepted: int) -> None:
+        """Draft tokens a replica checked since the last report, and of those accepted."""
+        if drafted > 0:  # (a restarted replica counts from 0 again: its first report is all new)
+            self.vllm.spec_draft_tokens.inc(drafted)
+        if accepted > 0:
+            self.vllm.spec_accepted_tokens.inc(accepted)
+
     def count_kv_savings(self, replica: str, tokens_computed: int, blocks_reused: int, bytes_received: int) -> None:
         """Since the last report: tokens the replica computed, KV blocks it reused from its own prefix
         cache and KV bytes it received (decode)."""

@@ -76,6 +76,8 @@ class SamplingRequest(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # pdserve extension: false opts this request out of its replica's speculative decoding.
+    speculative: bool | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -161,6 +163,7 @@ class SamplingRequest(BaseModel):
             logit_bias=dict(self.logit_bias or {}),
             cache_salt=cache_salt,
             grammar=grammar,
+            speculative=self.speculative is not False,
         )
 
     @property

@@ -45,6 +45,10 @@ class VLLMMetrics:
         self.max_tokens = hist("vllm:request_max_num_generation_tokens", "Each request's max_tokens", _TOKENS)
         self.prompt_tokens = count("vllm:prompt_tokens", "Prompt tokens of the requests taken")
         self.generation_tokens = count("vllm:generation_tokens", "Tokens generated")
+        # Polled from the replicas (every router's series covers the whole cluster, as pdserve's polled ones).
+        self.spec_draft_tokens = count("vllm:spec_decode_num_draft_tokens", "Draft tokens the replicas checked "
+                                       "(speculative decoding)")
+        self.spec_accepted_tokens = count("vllm:spec_decode_num_accepted_tokens", "Of those, draft tokens accepted")
         self._success = LoopCounter("vllm:request_success", "Requests finished, by reason (stop, length, abort)",
                                     ["model_name", "finished_reason"], registry=r)
         self._success_by = {reason: self._success.labels(model_name, reason) for reason in ("stop", "length", "abort")}

@@ -16,8 +16,9 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.protocol import SamplingParams
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2, completion_pb2_grpc
-from serving_cluster import Cluster
+from serving_cluster import Cluster, until
 
+SPECULATIVE = {"method": "ngram", "num_tokens": 4}
 PROMPTS = ["Once upon a time", "The quick brown fox jumps over the lazy dog. " * 3, "x", "Hello, world! " * 20]
 
 
@@ -45,8 +46,10 @@ def greedy(engine: Engine, prompt: str, max_tokens: int) -> str:
 # cluster's below; NIXL between several peers is the round-robin cluster's and test_prefix_routing's.
 @pytest.mark.parametrize("sections, replicas", [
     ({"prefill": {"replicas": 2}, "kv_transfer": {"backend": "tcp"}}, 3),
-    # Round-robin: consecutive requests go to every replica of each role.
-    ({"colocated": {"replicas": 2, "num_kv_blocks": 512}, "router": {"policy": "round-robin"}}, 2),
+    # Round-robin: consecutive requests go to every replica of each role. Speculating (n-gram drafts
+    # verified in the step): the same greedy text.
+    ({"colocated": {"replicas": 2, "num_kv_blocks": 512, "speculative": SPECULATIVE},
+      "router": {"policy": "round-robin"}}, 2),
     ({"prefill": {"replicas": 2}, "decode": {"replicas": 2}, "router": {"policy": "round-robin"}}, 4),
 ], ids=["2-prefill-1-decode-tcp", "2-colocated", "2-prefill-2-decode-round-robin"])
 def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, sections, replicas):
@@ -60,6 +63,8 @@ def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, section
         stats = c.wait_idle()
         assert len(stats) == replicas
         assert all(s["used"] == 0 for s in stats.values()), stats
+        if "speculative" in sections.get("colocated", {}):
+            assert_drafts_accepted(c)
         if sections.get("router", {}).get("policy") == "round-robin":
             placed = {line.split('replica="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
                       for line in c.metrics().splitlines() if line.startswith("pdserve_replica_requests_total{")}
@@ -74,7 +79,9 @@ def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, section
 # threshold is low so that busy steps take the all-to-all exchange and quiet ones the all-gather one.
 # The last two overlap their steps (on by default on GPUs only), which nothing outside may notice.
 @pytest.fixture(scope="module", params=[
-    {"decode": {}},
+    # The decode replica speculates (n-gram drafts from the prompt and output it holds, checked in
+    # its steps): every client test below sees the same tokens as without.
+    {"decode": {"speculative": SPECULATIVE}},
     {"decode": {"ep_size": 2, "ep_threshold": 8, "overlap_scheduling": True}},
     {"colocated": {"replicas": 1, "num_kv_blocks": 512, "overlap_scheduling": True}},
 ], ids=["decode", "decode-ep2", "colocated"])
@@ -82,6 +89,7 @@ def cluster(request, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("up"), **request.param)
     c.ep_size = request.param.get("decode", {}).get("ep_size", 1)
     c.role = "colocated" if "colocated" in request.param else "decode"  # the role that generates
+    c.speculative = "speculative" in request.param.get("decode", {})
     c.replicas = {"pdserve-colocated-0"} if c.role == "colocated" else {"pdserve-prefill-0", "pdserve-decode-0"}
     try:
         c.wait_ready()
@@ -112,6 +120,17 @@ def test_completion_and_chat_equal_generate(cluster, reference):
                                         stream=True)
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == r.choices[0].message.content
     assert all(s["used"] == 0 for s in cluster.wait_idle().values())
+    if cluster.speculative:  # ("Hello, world! " * 20 repeats itself: its drafts are taken)
+        assert_drafts_accepted(cluster)
+
+
+def assert_drafts_accepted(c: Cluster) -> None:
+    """The cluster's replicas checked draft tokens and accepted some (vLLM's counters, polled from the
+    replicas every half second)."""
+    until(lambda: metric(c.metrics(), "vllm:spec_decode_num_accepted_tokens_total") > 0, 10,
+          "accepted draft tokens in /metrics")
+    m = c.metrics()
+    assert metric(m, "vllm:spec_decode_num_draft_tokens_total") >= metric(m, "vllm:spec_decode_num_accepted_tokens_total")
 
 
 def test_tokenizer_endpoints_count_as_generation_does(cluster, reference):

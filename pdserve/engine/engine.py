@@ -31,6 +31,7 @@ from pdserve.engine.graph_capture import capture_graphs
 from pdserve.engine.kv_budget import kv_cache_blocks
 from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
 from pdserve.engine.model_runner import Launched, ModelRunner
+from pdserve.engine.ngram import NgramDrafter
 from pdserve.engine.outputs import Completion, RequestOutput, TextStream
 from pdserve.protocol import TokenLogprob
 from pdserve.protocol import InvalidRequestError, SamplingParams
@@ -76,6 +77,7 @@ class Engine:
         # Every backend runs sharded: a rank's layers hold fewer heads and narrower MLP / expert
         # widths, which the kernels read from the tensors' shapes.
         self.tp = tp if tp is not None and tp.size > 1 else None
+        self._ep = ep  # (an expert-parallel rank does not speculate)
         self.model, self.args = load_model(mc.path, dtype=dtype, device=self.device,
                                            load_format=mc.load_format, attn_backend=attn_backend,
                                            moe_backend=moe_backend, seed=mc.seed, ep=ep, norms=norms,
@@ -98,6 +100,10 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.layout.scales)
         self.runner.sampler.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)  # (min_tokens holds them off)
         self.grammars = self.runner.sampler.grammars = Grammars(self.tokenizer, self.args.vocab_size)
+        self.speculative = self._wants_speculation(config, ep)
+        self._ngram = NgramDrafter(config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max)
+        if self.speculative:
+            self.scheduler.drafter = self._draft
         # Seconds capturing CUDA graphs, where they are (None: none here).
         self.graphs_s: float | None = capture_graphs(self, attn_backend, moe_backend, ep, log)
         self.seqs: dict[str, Sequence] = {}
@@ -120,6 +126,11 @@ class Engine:
             return None
         return TPOTGuard(self.profile, config.tpot_guard_ms / 1e3, config.block_size)
 
+    def _wants_speculation(self, config: EngineConfig, ep) -> bool:
+        """Draft and verify (engine/spec_decode.py) in the roles that generate; not on an
+        expert-parallel rank (its group agrees on each step's shape, which drafts would vary)."""
+        return config.speculative.method is not None and config.role != "prefill" and ep is None
+
     def _wants_overlap(self) -> bool:
         """Overlap the host's work with the device's: on by default on a GPU. Not for the prefill
         role (a request's one step hands its KV to the connector right away). An expert-parallel
@@ -127,7 +138,9 @@ class Engine:
         want = self.config.overlap_scheduling
         if want is None:
             want = self.device.type == "cuda"
-        return want and self.config.role != "prefill"
+        # Speculation drafts from a sequence's last token and learns how many drafts held only
+        # once the step is read: the next step cannot be queued before.
+        return want and self.config.role != "prefill" and not self._wants_speculation(self.config, self._ep)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -301,6 +314,9 @@ class Engine:
         s.whole_prompt = c.role == "prefill"  # (scheduler.py says why the prefill role needs it)
         s.max_num_seqs, s.max_num_batched_tokens, s.chunk_size = c.max_num_seqs, c.max_num_batched_tokens, c.chunk_size
         s.guard = self._tpot_guard(c)
+        self.speculative = self._wants_speculation(c, self._ep)
+        self._ngram = NgramDrafter(c.speculative.prompt_lookup_min, c.speculative.prompt_lookup_max)
+        s.drafter = self._draft if self.speculative else None
         self.overlap = self._wants_overlap()
         self.layer_hook = None  # the prefill role's KV streamer installs its own
 
@@ -325,7 +341,7 @@ class Engine:
         # Sized before the launch moves num_computed_tokens on. Overlapped, the call's time is that
         # of the step before (it waits for it) but in a steady batch the two are alike.
         decoding = sum(1 for s in scheduled if s.seq.num_computed_tokens >= s.seq.num_tokens - 1)
-        prompt = sum(s.num_new_tokens for s in scheduled) - decoding
+        prompt = sum(s.num_new_tokens - len(s.draft) for s in scheduled) - decoding
         launched = self._launch(scheduled) if scheduled else None
         if not self.overlap:
             outputs += self._complete(launched) if launched else []
@@ -358,15 +374,56 @@ class Engine:
             ids = seq.token_ids
             # Its oldest PENDING token; the newer one, if any, is the step queued after this one.
             at = len(ids) - 2 if len(ids) >= 2 and ids[-2] == PENDING else len(ids) - 1
-            ids[at] = tokens[row]
+            ids[at] = tokens[row][0]
+            if launched.drafts is not None:  # (never overlapped: `at` is the last)
+                ids += tokens[row][1:]
+                self._roll_back(seq, len(launched.drafts[row]), len(tokens[row]) - 1)
             placed.append((seq, at, row))
         for s in launched.scheduled:
             if self.seqs.get(s.seq.request_id) is s.seq:
                 self.scheduler.register_full_blocks(s.seq)  # every token it hashes is known now
         for seq, at, row in placed:
             if self.seqs.get(seq.request_id) is seq:  # (not ended by a token of this step before)
-                outputs.append(self._emit(seq, at, logprobs[row]))
+                outputs.append(self._emit_run(seq, at, logprobs[row]))
         return outputs
+
+    def _draft(self, seq: Sequence, room: int) -> list[int]:
+        """A decoding sequence's draft tokens for its next step (the scheduler's drafter): at most
+        `room`, and never more than its max_tokens and the context leave after its next token."""
+        spec = self.config.speculative
+        if not seq.params.speculative:  # (the request opted out)
+            return []
+        if seq.params.grammar is not None:
+            # A verify step samples a row per draft position: each would need its grammar's mask
+            # there, its matcher advanced over the drafts before it (and rolled back on a
+            # rejection). Not built: a constrained request decodes one token a step.
+            return []
+        k = min(spec.num_tokens, room, seq.params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens - 1)
+        return self._ngram.propose(seq.request_id, seq.token_ids, k)
+
+    def _roll_back(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """After a verify step: the KV of rejected drafts is not the sequence's. Its computed tokens
+        end after the last accepted one, and the blocks only its rejected drafts reached go back."""
+        seq.num_computed_tokens -= drafted - accepted
+        keep = -(-seq.num_computed_tokens // self.config.block_size)
+        self.pool.free(seq.block_ids[keep:])
+        del seq.block_ids[keep:]
+        self.profile.spec_verified(drafted, accepted)
+
+    def _emit_run(self, seq: Sequence, at: int, logprobs: list[TokenLogprob | None]) -> RequestOutput:
+        """One output for the tokens from `at` on (a verify step's several), ending the sequence
+        where one of them does (those after it are dropped)."""
+        out = self._emit(seq, at, logprobs[0])
+        for j in range(1, len(logprobs)):
+            if out.finished:
+                break
+            more = self._emit(seq, at + j, logprobs[j])
+            out.token_ids += more.token_ids
+            out.text += more.text
+            out.logprobs += more.logprobs
+            out.finished, out.finish_reason, out.stop_reason = more.finished, more.finish_reason, more.stop_reason
+        return out
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)
@@ -447,6 +504,7 @@ class Engine:
         self._reserved.discard(seq.request_id)
         self._streams.pop(seq.request_id, None)
         self.runner.sampler.forget(seq.request_id)
+        self._ngram.forget(seq.request_id)
 
     # -- offline ------------------------------------------------------------------------------
 

@@ -31,8 +31,10 @@ class TokenCounts:
         """The rows of these sequences [M] int64, each built the first time it is asked for."""
         rows = [self.rows.get(s.request_id) for s in seqs]
         for k, r in enumerate(rows):
-            if r is None:
-                rows[k] = self._add(seqs[k])
+            if r is None:  # (several rows of one request in a verify step: built once)
+                rows[k] = self.rows.get(seqs[k].request_id)
+                if rows[k] is None:
+                    rows[k] = self._add(seqs[k])
         return torch.tensor(rows, device=self.device)
 
     def _add(self, seq: Sequence) -> int:
@@ -79,14 +81,17 @@ class TokenCounts:
         if r is not None:
             self._free.append(r)
 
-    def count(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """The tokens just sampled for these rows [M], on the device."""
-        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+    def count(self, rows: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+        """The tokens just sampled for these rows [M], on the device; `kept` [M] bool: only those
+        (a verify step's rows past a rejected draft are not the request's tokens)."""
+        ones = torch.ones_like(tokens, dtype=torch.int32) if kept is None else kept.to(torch.int32)
+        self.counts.index_put_((rows, tokens), ones, accumulate=True)
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
         """Penalized logits [M, vocab] of the rows' logits [M, vocab] (vLLM's order: repetition, then
-        frequency and presence)."""
-        counts = self.counts[rows]
+        frequency and presence); `extra` [M, vocab] int32: output tokens not counted yet (a verify
+        row's preceding drafts)."""
+        counts = self.counts[rows] if extra is None else self.counts[rows] + extra
         rep, freq, pres = self.penalties[rows].unbind(-1)
         output_seen = counts > 0
         seen = output_seen | self.prompt[rows]

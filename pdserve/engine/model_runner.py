@@ -18,6 +18,7 @@ from pdserve.engine.sampler import Sampled, Sampler
 from pdserve.protocol import TokenLogprob
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.sequence import PENDING, Sequence
+from pdserve.engine.spec_decode import Drafts
 
 
 def _host(xs: list[int], code: str) -> torch.Tensor:
@@ -32,13 +33,29 @@ class Launched:
     """A step whose forward and sampling are queued on the device."""
 
     scheduled: list[ScheduledSeq]
-    sampling: list[Sequence]  # the sequences that get a token, in the rows of `sampled`
+    sampling: list[Sequence]  # the sequences that get a token, in the rows of `sampled` (a row each)
     sampled: Sampled | None
     rows: dict[str, int]  # request id -> row of `sampled`: where the next step finds its input
+    # A verify step's draft tokens per sampling sequence (speculative decoding): each has
+    # 1 + len(draft) rows of `sampled`, and `rows` is empty (no step overlaps a verify step).
+    drafts: list[list[int]] | None = None
 
-    def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Waits for the step; the token (and logprob) of each sampling sequence."""
-        return self.sampled.result() if self.sampled is not None else ([], [])
+    def result(self) -> tuple[list[list[int]], list[list[TokenLogprob | None]]]:
+        """Waits for the step; the tokens (and logprobs) of each sampling sequence: one, or in a
+        verify step its accepted drafts and the target's token after them."""
+        if self.sampled is None:
+            return [], []
+        tokens, logprobs = self.sampled.result()
+        if self.drafts is None:
+            return [[t] for t in tokens], [[lp] for lp in logprobs]
+        emitted = self.sampled.emitted.tolist()
+        out_t, out_lp, row = [], [], 0
+        for d in self.drafts:
+            n = sum(emitted[row:row + len(d) + 1])
+            out_t.append(tokens[row:row + n])
+            out_lp.append(logprobs[row:row + n])
+            row += len(d) + 1
+        return out_t, out_lp
 
 
 class ModelRunner:
@@ -75,7 +92,8 @@ class ModelRunner:
                 positions.append(lo)
                 slots.append(blocks[lo // bs] * bs + lo % bs)
             else:
-                ids += seq.token_ids[lo:hi]
+                # A verify row's draft tokens follow its last token, as a prompt chunk's tokens do.
+                ids += seq.token_ids[lo:hi - len(s.draft)] + s.draft if s.draft else seq.token_ids[lo:hi]
                 positions += range(lo, hi)
                 for j in range(lo // bs, (hi - 1) // bs + 1):  # block by block: a 4k chunk is 256 ranges
                     slots += range(blocks[j] * bs + max(lo - j * bs, 0), blocks[j] * bs + min(hi - j * bs, bs))
@@ -86,8 +104,8 @@ class ModelRunner:
             ctx_lens.append(hi)
             table += blocks
             table += [0] * (width - len(blocks))
-            if s.samples:
-                logit_rows.append(starts[-1] - 1)
+            if s.samples:  # a verify row: the logits after its last token and after each draft token
+                logit_rows += range(starts[-1] - 1 - len(s.draft), starts[-1])
         table_t = _host(table, "q").view(len(scheduled), width)
 
         def dev(x):
@@ -123,6 +141,11 @@ class ModelRunner:
         if not sampling:
             return Launched(scheduled, [], None, {})
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if any(s.draft for s in scheduled):
+            drafts = [s.draft for s in scheduled if s.samples]
+            rows = Drafts.of(drafts, logits.device)
+            sampled = self.sampler.launch(logits, Drafts.views(sampling, drafts), rows)
+            return Launched(scheduled, sampling, sampled, {}, drafts)
         sampled = self.sampler.launch(logits, sampling)
         return Launched(scheduled, sampling, sampled, {q.request_id: i for i, q in enumerate(sampling)})
 
@@ -145,6 +168,6 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledSeq],
                 layer_done: Callable[[int], None] | None = None
-                ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Run one step; returns a token (and logprob) for each sequence whose `samples` is true."""
+                ) -> tuple[list[list[int]], list[list[TokenLogprob | None]]]:
+        """Run one step; returns the tokens (and logprobs) of each sequence whose `samples` is true."""
         return self.launch(scheduled, None, layer_done).result()

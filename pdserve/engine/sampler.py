@@ -7,6 +7,7 @@ import torch
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.logits_processors import LogitBiases, TokenCounts, hold_off_stops, min_p_mask
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode import Drafts, rejection_sample
 from pdserve.protocol import SamplingParams, TokenLogprob
 
 
@@ -38,13 +39,14 @@ class Sampler:
         """logits [N, vocab] float32 -> one token id (and its logprob if asked) per row."""
         return self.launch(logits, seqs).result()
 
-    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> "Sampled":
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence], drafts: Drafts | None = None) -> "Sampled":
         """Sample on the device without waiting for it: the tokens stay on the device (the next step
         reads them there) and start their copy to the host; Sampled.result() waits for that copy.
-        Logprobs are the model's, before any processing (vLLM's default, raw_logprobs)."""
+        Logprobs are the model's, before any processing (vLLM's default, raw_logprobs).
+        `drafts`: a verify step's (engine/spec_decode.py), whose rows are `seqs` (PositionViews)."""
         raw = logits.float()
         params = [s.params for s in seqs]
-        logits, penalized = self._process(raw, seqs, params)
+        logits, penalized = self._process(raw, seqs, params, drafts)
         constrained = [i for i, p in enumerate(params) if p.grammar is not None]
         if constrained:
             if logits is raw:
@@ -53,10 +55,12 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            tokens[rows] = self._sample_random(logits[rows], [seqs[i] for i in rows], [params[i] for i in rows])
+            draft = [drafts.host[i] for i in rows] if drafts is not None else None
+            tokens[rows] = self._sample_random(logits[rows], [seqs[i] for i in rows], [params[i] for i in rows], draft)
+        emitted = drafts.settle(tokens) if drafts is not None else None
         if penalized is not None:
             at, counts_rows = penalized
-            self._counts.count(counts_rows, tokens[at])
+            self._counts.count(counts_rows, tokens[at], None if emitted is None else emitted[at])
         if constrained:
             # The host waits for these tokens now (the next step's masks need them), not a step later.
             self.grammars.advance([seqs[i] for i in constrained], tokens[constrained].tolist())
@@ -68,9 +72,11 @@ class Sampler:
             top_lp, top_ids = logp.topk(k, dim=-1)
             chosen = logp.gather(1, tokens[wanted, None])[:, 0]
             lp = (wanted, _to_host(top_ids), _to_host(top_lp), _to_host(chosen))
-        return Sampled(tokens, _to_host(tokens), lp, [p.logprobs for p in params], _event(tokens))
+        return Sampled(tokens, _to_host(tokens), lp, [p.logprobs for p in params], _event(tokens),
+                       None if emitted is None else _to_host(emitted))
 
-    def _process(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]):
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
+                 drafts: Drafts | None = None):
         """The logits after logit_bias, min_tokens and the penalties (vLLM's order), and the penalized
         rows (their batch rows, their TokenCounts rows) for counting the tokens sampled. A step
         where no request asks for any of them returns `logits` itself."""
@@ -93,13 +99,14 @@ class Sampler:
             self._counts = TokenCounts(logits.shape[-1], logits.device)
         rows = self._counts.rows_of([seqs[i] for i in pen])
         at = torch.tensor(pen, device=logits.device)
-        logits[at] = self._counts.apply(logits[at], rows)
+        extra = drafts.prefix_counts(pen, logits.shape[-1]) if drafts is not None else None
+        logits[at] = self._counts.apply(logits[at], rows, extra)
         return logits, (at, rows)
 
     def _stop_ids(self, p: SamplingParams) -> list[int]:
         return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
 
-    def _sample_random(self, logits, seqs: list[Sequence], params) -> torch.Tensor:
+    def _sample_random(self, logits, seqs: list[Sequence], params, draft: list[int] | None = None) -> torch.Tensor:
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temps[:, None]
         if any(p.min_p > 0 for p in params):
@@ -107,6 +114,8 @@ class Sampler:
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             logits = self._top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
+        if draft is not None:  # a verify step: each row's draft token accepted or replaced
+            return rejection_sample(probs, draft, lambda i: self._generator(seqs[i], params[i].seed))
         # argmax(p / q) with q ~ Exp(1) draws from p; it lets each row use its own generator.
         q = torch.empty_like(probs)
         for i, (seq, p) in enumerate(zip(seqs, params)):
@@ -168,6 +177,7 @@ class Sampled:
     logprobs: tuple | None  # (rows that asked, top ids, top logprobs, chosen token's logprob), on the host
     wanted: list[int | None]  # per row: how many alternatives it asked for (None: no logprobs)
     done: object = None  # CUDA event after the copies; None on the CPU
+    emitted: torch.Tensor | None = None  # [N] bool, being copied: a verify step's rows that count (Drafts.settle)
 
     def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
         if self.done is not None:

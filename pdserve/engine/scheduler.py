@@ -16,6 +16,11 @@ carries decoding sequences takes prompt tokens only up to the guard's budget for
 decoders and the next prompt's chunk (none in a step whose decoders bank their slack for it);
 prompts beyond it wait.
 
+Speculative decoding (engine/spec_decode.py): a decoding sequence may carry draft tokens after its
+last one (`ScheduledSeq.draft`, from the engine's drafter), counted in the step's budget and given
+blocks like any other token; where the blocks are short the drafts are dropped, never a sequence
+preempted for them.
+
 Where CUDA graphs cover both kinds of step (`graph_limits`), fresh prompts that a prefill graph
 takes are not mixed into a step of decoding sequences: a mixed step runs eagerly, and its host
 time is far more than the prefill graph's and then the decode graph's together, for the newcomer
@@ -28,7 +33,8 @@ decoders with each prompt (docs/benchmarks-history.md, control plane under load)
 
 import bisect
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes
 from pdserve.engine.sequence import PENDING, Sequence, SeqStatus
@@ -41,11 +47,15 @@ APART_MAX_DECODERS = 8  # prompts step apart from at most this many decoding seq
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens (drafts included)
     samples: bool = False  # this step reaches the sequence's last known token: it yields a new one
+    # Draft tokens after its last token, checked in this step (speculative decoding): they are not
+    # in seq.token_ids until accepted, but are counted in num_new_tokens and have slots.
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        known = self.num_new_tokens - len(self.draft)
+        self.samples = self.seq.num_computed_tokens + known == self.seq.num_tokens
 
 
 class Scheduler:
@@ -71,6 +81,9 @@ class Scheduler:
         # decode graph; 0: no such graphs, every step mixes as it comes (set by the engine).
         self.prompt_graph_tokens = self.prompt_graph_seqs = self.decode_graph_batch = 0
         self._prompts_alone = False  # the last step was fresh prompts alone
+        # Speculative decoding: a decoding sequence's draft tokens, at most the given number (the
+        # step's budget left), to check in its step; None: none drafted (set by the engine).
+        self.drafter: Callable[[Sequence, int], list[int]] | None = None
         self._guarded = False  # the guard was asked for this step's budget
 
     def add(self, seq: Sequence) -> None:
@@ -159,6 +172,10 @@ class Scheduler:
                     i += 1
                     continue
                 n = min(n, room)
+            draft = self._draft(seq, budget) if not chunk else []
+            if draft and not self._grow(seq, 1 + len(draft)):
+                draft = []  # no blocks for the guesses: not worth preempting anyone for
+            n += len(draft)
             while not self._grow(seq, n):
                 victim = self.running.pop()  # the lowest priority, latest arrival first
                 self._preempt(victim)
@@ -166,7 +183,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.append(ScheduledSeq(seq, n))
+                out.append(ScheduledSeq(seq, n, draft=draft))
                 budget -= n
                 if chunk and room is not None:
                     room -= n
@@ -200,6 +217,12 @@ class Scheduler:
             if room is not None:
                 room -= n
         return out
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """A decoding sequence's draft tokens within the step's budget (its own token comes first)."""
+        if self.drafter is None or budget < 2 or seq.token_ids[-1] == PENDING:
+            return []
+        return self.drafter(seq, budget - 1)
 
     def _prompt_room(self) -> int | None:
         """The TPOT guard's budget of prompt tokens for a step of the running decoders; None: no bound."""

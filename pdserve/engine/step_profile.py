@@ -32,6 +32,9 @@ class StepProfile:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found there
         self.tokens_computed = 0  # tokens run through the model, every phase
+        # Speculative decoding: draft tokens proposed and of those accepted (vLLM's
+        # spec_decode_num_draft_tokens / _num_accepted_tokens).
+        self.spec_draft_tokens = self.spec_accepted_tokens = 0
         # The engine's thread records while a stats call (another thread) snapshots: a bucket added
         # mid-copy would break the copy, and a failed stats call reads as a dead worker.
         self._lock = threading.Lock()
@@ -66,18 +69,27 @@ class StepProfile:
             self.mixed = {}
             self.busy_s = 0.0
             self.prefix_queries = self.prefix_hits = self.tokens_computed = 0
+            self.spec_draft_tokens = self.spec_accepted_tokens = 0
+
+    def spec_verified(self, drafted: int, accepted: int) -> None:
+        """A sequence's draft tokens checked in a step, and how many of them held."""
+        with self._lock:
+            self.spec_draft_tokens += drafted
+            self.spec_accepted_tokens += accepted
 
     def timer(self) -> "_StepTimer":
         return _StepTimer(self)
 
     def snapshot(self) -> dict:
         """A plain copy (pickles and JSON-encodes): {"prefill": {bucket: [steps, size, seconds]},
-        "decode": {...}, "busy_s", "prefix_queries", "prefix_hits", "tokens_computed"}."""
+        "decode": {...}, "busy_s", "prefix_queries", "prefix_hits", "tokens_computed", "spec_draft_tokens",
+        "spec_accepted_tokens"}."""
         with self._lock:
             return {**{p: {b: list(row) for b, row in rows.items()} for p, rows in self.phases.items()},
                     MIXED: {b: list(row) for b, row in self.mixed.items()},
                     "busy_s": self.busy_s, "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
-                    "tokens_computed": self.tokens_computed}
+                    "tokens_computed": self.tokens_computed, "spec_draft_tokens": self.spec_draft_tokens,
+                    "spec_accepted_tokens": self.spec_accepted_tokens}
 
 
 class _StepTimer:
