@@ -101,10 +101,12 @@ def test_down_with_grace_lets_the_streams_in_flight_finish(tmp_path):
     try:
         c.wait_ready()
         texts = prompts(6, 6, seed=5)
-        expected = undisturbed(c.url, texts, 400)
+        # Long enough that they are still streaming once `pdserve down` (a process that joins Ray
+        # first) has begun the drain, with the replica at its serving priority (pdserve/priority.py).
+        expected = undisturbed(c.url, texts, 1000)
 
         async def scenario():
-            load = Load(c.url, 400)
+            load = Load(c.url, 1000)
             task = asyncio.create_task(load.run(texts))
             started = time.monotonic() + 60
             while len(load.streaming) < len(texts):  # every stream under way, or a clear failure
