@@ -11,6 +11,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 
 import grpc
 import httpx
@@ -71,15 +72,20 @@ def reused(cluster: Cluster) -> float:
     return total
 
 
+STILL_S = 1.5
+
+
 def settled(cluster: Cluster, before: float) -> float:
-    """The reuse once the replicas' counters (polled twice a second) stop moving: the last request's."""
-    last = [None]
+    """The reuse once the replicas' counters (polled twice a second) stop moving: the last request's.
+    Unmoved for STILL_S, several polls: two reads within one poll agree before the update arrives."""
+    last = [None, time.monotonic()]
 
     def still() -> float | None:
         now = reused(cluster)
-        done = now == last[0]
-        last[0] = now
-        return now - before if done else None
+        if now != last[0]:
+            last[:] = [now, time.monotonic()]
+            return None
+        return now - before if time.monotonic() - last[1] >= STILL_S else None
 
     # (0.0 is a result too: wrap it to tell it from "not yet")
     return until(lambda: (v := still()) is not None and [v], timeout_s=30, what="the reuse counters settled")[0]
