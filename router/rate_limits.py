@@ -82,14 +82,7 @@ class KeyLimits:
         cost = prompt_tokens + max_tokens
         if self.tokens is not None and cost > self.tokens.capacity:
             self._never_fits(prompt_tokens, max_tokens, prompt_param, max_tokens_param)
-        waits = {}
-        for limit, bucket, amount in (("requests", self.requests, 1), ("tokens", self.tokens, cost)):
-            if bucket is not None:
-                bucket.refill()
-                if (wait := bucket.wait_s(amount)) > 0:
-                    waits[limit] = (wait, amount)
-        if waits:
-            raise self._refusal(waits)
+        self._refuse_unless(1, cost)
         if self.requests is not None:
             self.requests.take(1)
         if self.tokens is not None:
@@ -100,17 +93,21 @@ class KeyLimits:
         """Charge one request as it arrives, before its prompt is tokenized; its tokens come later
         (charge_tokens). Raises RateLimited (nothing charged) when the requests bucket lacks one, or
         the tokens bucket is empty: a key with nothing left has no prompt of its tokenized."""
+        self._refuse_unless(1, 1)
+        if self.requests is not None:
+            self.requests.take(1)
+        return self.headers()
+
+    def _refuse_unless(self, requests: int, tokens: int) -> None:
+        """Raise RateLimited, naming every limit short now, unless both buckets hold these amounts."""
         waits = {}
-        for limit, bucket, amount in (("requests", self.requests, 1), ("tokens", self.tokens, 1)):
+        for limit, bucket, amount in (("requests", self.requests, requests), ("tokens", self.tokens, tokens)):
             if bucket is not None:
                 bucket.refill()
                 if (wait := bucket.wait_s(amount)) > 0:
                     waits[limit] = (wait, amount)
         if waits:
             raise self._refusal(waits)
-        if self.requests is not None:
-            self.requests.take(1)
-        return self.headers()
 
     def charge_tokens(self, prompt_tokens: int, max_tokens: int, prompt_param: str, max_tokens_param: str,
                       ) -> dict[str, str]:
