@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kv_pair import Worker, _decode_main, _prefill_main, start_pair
+from test_notices import drain_until
 from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.kvtransfer.backends.notices import MAX_FRAME_BYTES, NoticeInbox, NoticeOutbox, frame
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -24,15 +25,6 @@ from pdserve.kvtransfer.wire import Notice
 LAYOUT = KVLayout(2, 8, 4, 2, 8, torch.float32, "kv")
 GREEDY = dict(max_tokens=12, temperature=0, ignore_eos=True)
 NOBODY = 65534  # a uid other than ours (the tests run as root; `nobody` on Linux)
-
-
-def drain_until(inbox: NoticeInbox, count: int, timeout: float = 5) -> list[bytes]:
-    got: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    while len(got) < count and time.monotonic() < deadline:
-        got += inbox.drain()
-        time.sleep(0.005)
-    return got
 
 
 def send_from_process(address: str, payload: bytes, user: int | None = None) -> None:

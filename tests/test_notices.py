@@ -8,8 +8,8 @@ from pdserve.kvtransfer.backends.notices import NoticeInbox, NoticeOutbox, frame
 
 def drain_until(inbox: NoticeInbox, count: int, timeout: float = 5) -> list[bytes]:
     got: list[bytes] = []
-    deadline = time.time() + timeout
-    while len(got) < count and time.time() < deadline:
+    deadline = time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
         got += inbox.drain()
         time.sleep(0.001)
     return got
