@@ -13,6 +13,7 @@ import pytest
 from pdserve.channel.router_end import ChannelCallError, WorkerLink
 from pdserve.channel.wire import (ABORT, PREFILL, RESERVE, ChannelClosed, pack_answer, pack_delta, pack_request,
                                   unpack_answer, unpack_delta, unpack_request)
+from pdserve.channel import wire
 from pdserve.channel.worker_end import ChannelServer
 from pdserve.messages import NewRequest, Refusal, Request, RequestDelta, ReserveResult, Unpaired
 from pdserve.protocol import SamplingParams, TokenLogprob
@@ -168,7 +169,6 @@ def test_a_silent_router_is_gone_within_the_deadline(worker):
     # A peer that proves nothing and says nothing is dropped after the hello's deadline; one that
     # proved itself and then falls silent (a host cut off) after DEAD_S: here, a raw socket that
     # says hello and nothing more.
-    from pdserve.channel import worker_end
     from pdserve.channel.wire import HELLO, LEN, frame, hello_proof
 
     with socket.create_connection((worker.server.host, worker.server.port)) as s:
@@ -177,8 +177,8 @@ def test_a_silent_router_is_gone_within_the_deadline(worker):
         s.settimeout(1.0)
         assert s.recv(LEN.size)  # welcomed
         t0 = time.monotonic()
-        until(lambda: worker.gone == ["quiet"], timeout_s=worker_end.DEAD_S + 5)
-        assert time.monotonic() - t0 < worker_end.DEAD_S + 3
+        until(lambda: worker.gone == ["quiet"], timeout_s=wire.DEAD_S + 5)
+        assert time.monotonic() - t0 < wire.DEAD_S + 3
 
 
 def test_a_worker_that_closes_fails_the_calls_waiting_on_it(worker):

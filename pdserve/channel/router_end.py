@@ -13,10 +13,9 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
-from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALLS, DELTAS, HELLO, LEN, MAX_FRAME_BYTES, NONCE_BYTES,
-                                  TAKEN, WELCOME, BadFrame, ChannelClosed, frame, hello_proof, pack_request, unframe,
+from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALLS, DEAD_S, DELTAS, HELLO, LEN, MAX_FRAME_BYTES, NONCE_BYTES,
+                                  TAKEN, WELCOME, BadFrame, ChannelClosed, beat, frame, hello_proof, pack_request, unframe,
                                   unpack_answer, unpack_delta)
-from pdserve.channel.worker_end import BEAT_S, DEAD_S
 
 log = logging.getLogger(__name__)
 CONNECT_S = 10.0  # the worker's address, the connection and its hello, each within this
@@ -100,7 +99,7 @@ class WorkerLink:
         self._unsent.clear()
         self._heard = asyncio.get_running_loop().time()
         reading = asyncio.ensure_future(self._read(reader, writer))
-        self._tasks = [reading, asyncio.ensure_future(self._beat(writer, reading))]
+        self._tasks = [reading, asyncio.ensure_future(beat(writer, lambda: self._heard, reading))]
 
     async def _dial(self, address: dict):
         if address["node"] == self._node:
@@ -123,7 +122,7 @@ class WorkerLink:
                     self._answered(*parts[1:])
                 elif kind != BEAT:
                     raise BadFrame(f"unexpected frame {kind!r}")
-        except asyncio.CancelledError:  # closed by us, or the worker fell silent (_beat)
+        except asyncio.CancelledError:  # closed by us, or the worker fell silent (wire.beat)
             self._drop(writer, f"silent for {DEAD_S:g} s")
             raise
         except Exception as e:
@@ -155,16 +154,6 @@ class WorkerLink:
                 out.set_exception(error)
         if not self.closed:
             self._lost(self.worker, error)
-
-    async def _beat(self, writer: asyncio.StreamWriter, reading: asyncio.Task) -> None:
-        """Beat every BEAT_S; a worker silent for DEAD_S is gone (its reader is stopped)."""
-        beat, loop = frame(BEAT), asyncio.get_running_loop()
-        while not writer.is_closing():
-            if loop.time() - self._heard > DEAD_S:
-                reading.cancel()
-                return
-            writer.write(beat)
-            await asyncio.sleep(BEAT_S)
 
     def close(self) -> None:
         """The worker left the router's set: drop the connection (the worker stops what we left)."""

@@ -8,9 +8,11 @@ worker sends the next; meanwhile it joins the steps' output), BEAT. Worker -> ro
 hello's answer), ANSWERS (one per answered CALLS), DELTAS (one engine step's output for that
 router's requests, or the joined output of the steps since the router took the last), BEAT."""
 
+import asyncio
 import hashlib
 import hmac
 import struct
+from collections.abc import Callable
 from dataclasses import fields
 
 import msgpack
@@ -48,6 +50,22 @@ def hello_proof(token: str | None, nonce: bytes, router: str, worker: str) -> st
 def frame(*parts) -> bytes:
     body = msgpack.packb(parts, use_bin_type=True)
     return LEN.pack(len(body)) + body
+
+
+BEAT_S = 1.0  # each side sends at least one frame this often
+DEAD_S = 5.0  # a peer silent this long is gone (a host cut off: a killed process closes at once)
+
+
+async def beat(writer: asyncio.StreamWriter, heard: Callable[[], float], reading: asyncio.Task) -> None:
+    """Beat every BEAT_S over `writer`; once the peer has been silent for DEAD_S (`heard`: the loop
+    time of its last frame), stop `reading`, the task serving the connection."""
+    loop, frame_ = asyncio.get_running_loop(), frame(BEAT)
+    while not writer.is_closing():
+        if loop.time() - heard() > DEAD_S:
+            reading.cancel()
+            return
+        writer.write(frame_)
+        await asyncio.sleep(BEAT_S)
 
 
 def unframe(body: bytes) -> list:

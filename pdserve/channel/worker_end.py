@@ -26,14 +26,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.refusals import Refusals
-from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALL_KINDS, CALLS, DELTAS, HELLO, LEN, MAX_FRAME_BYTES,
-                                  MAX_HELLO_BYTES, NONCE_BYTES, RESERVE, TAKEN, WELCOME, BadFrame, frame, hello_proof,
+from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALL_KINDS, CALLS, DEAD_S, DELTAS, HELLO, LEN, MAX_FRAME_BYTES,
+                                  MAX_HELLO_BYTES, NONCE_BYTES, RESERVE, TAKEN, WELCOME, BadFrame, beat, frame, hello_proof,
                                   pack_answer, pack_delta, unframe, unpack_request)
 
 log = logging.getLogger(__name__)
 HELLO_S = 10.0  # a peer that does not prove who it is within this long is dropped
-BEAT_S = 1.0  # each side sends at least one frame this often
-DEAD_S = 5.0  # a peer silent this long is gone (a host cut off: a killed process closes at once)
 IN_FLIGHT = 1  # deltas frames a router has not said it took, before the next step's output waits and joins
 BLOCKING = {RESERVE}  # calls answered at a step boundary: run off the channel's loop
 
@@ -118,10 +116,10 @@ class ChannelServer:
         if old is not None:  # the router connected again: its old connection is over
             old.writer.close()
         self._heard[writer] = self._loop.time()
-        beats = asyncio.ensure_future(self._beat(writer, asyncio.current_task()))
+        beats = asyncio.ensure_future(beat(writer, lambda: self._heard.get(writer, 0.0), asyncio.current_task()))
         try:
             await self._read(router, reader, link)
-        except asyncio.CancelledError:  # silent past DEAD_S (_beat), or the worker closes
+        except asyncio.CancelledError:  # silent past DEAD_S (wire.beat), or the worker closes
             if not self._closing:
                 log.warning("router channel %s <- %s: silent for %g s", self.worker, router, DEAD_S)
         except (asyncio.IncompleteReadError, ConnectionError, BadFrame) as e:
@@ -217,16 +215,6 @@ class ChannelServer:
     def _answer(self, writer: asyncio.StreamWriter, seq: int, answers: list | None, error: str | None) -> None:
         if seq and not writer.is_closing():
             writer.write(frame(ANSWERS, seq, None if answers is None else [pack_answer(a) for a in answers], error))
-
-    async def _beat(self, writer: asyncio.StreamWriter, serving: asyncio.Task) -> None:
-        """Beat every BEAT_S; a router silent for DEAD_S is gone (its connection's task is stopped)."""
-        beat = frame(BEAT)
-        while not writer.is_closing():
-            if self._loop.time() - self._heard.get(writer, 0.0) > DEAD_S:
-                serving.cancel()
-                return
-            writer.write(beat)
-            await asyncio.sleep(BEAT_S)
 
     def close(self) -> None:
         """Stop listening and drop every router's connection (a flip's old role, a worker's end)."""
