@@ -173,11 +173,15 @@ def step_run(args) -> dict:
     out = {}
     for b in args.batch:
         # Free first and last: the first pass also warms the engine up; the later free pass is the reference.
-        for constrained in (False, True, False):
+        # `penalties`: every sequence with presence, frequency and repetition penalties (issue 41's batched
+        # sampler: its count rows, no grammar) — the same reference.
+        for key in ("free", "constrained", "penalties", "free"):
+            extra = {"constrained": {"grammar": grammar},
+                     "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}}
             params = SamplingParams(max_tokens=args.warmup + args.steps + 8, temperature=1.0, seed=1, ignore_eos=True,
-                                    grammar=grammar if constrained else None)
+                                    **extra.get(key, {}))
             for i in range(b):
-                engine.add_request(f"r{b}-{constrained}-{i}", list(range(1, 17)), params)
+                engine.add_request(f"r{b}-{key}-{i}", list(range(1, 17)), params)
             while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
                 engine.step()  # the prompts, and the first tokens
             times = []
@@ -193,12 +197,12 @@ def step_run(args) -> dict:
             running = len(engine.seqs)
             for rid in list(engine.seqs):
                 engine.abort(rid)
-            key = "constrained" if constrained else "free"
             out[(b, key)] = 1e3 * statistics.median(times)  # (the second free pass replaces the first)
             print(f"B={b:4d} {key:11s} median step {out[(b, key)]:9.3f} ms  ({running} sequences still running)",
                   flush=True)
-        ratio = out[(b, "constrained")] / out[(b, "free")]
-        print(f"B={b:4d} constrained / free = {ratio:.3f} (overhead {100 * (ratio - 1):+.1f} %)", flush=True)
+        for key in ("constrained", "penalties"):
+            ratio = out[(b, key)] / out[(b, "free")]
+            print(f"B={b:4d} {key} / free = {ratio:.3f} (overhead {100 * (ratio - 1):+.1f} %)", flush=True)
     return {f"{b}-{k}": v for (b, k), v in out.items()}
 
 

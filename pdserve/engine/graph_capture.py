@@ -33,13 +33,16 @@ def capture_graphs(engine: "Engine", attn_backend, moe_backend, ep, log: Callabl
                                               prefill_buckets(prefill_tokens), seqs, engine.device, log, pool)
     if decode:
         from pdserve.engine.cuda_graphs import DecodeGraphs
+        # A verify step is a decode step of a row per token checked (model_runner.prepare): with
+        # speculation on, the buckets reach every sequence's 1 + k rows (within the same cap).
+        rows = c.max_num_seqs * (1 + c.speculative.num_tokens if engine.speculative else 1)
         runner.graphs = DecodeGraphs(
-            engine.model, engine.kv_cache, attn_backend, min(c.max_num_seqs, c.cuda_graph_max_batch),
+            engine.model, engine.kv_cache, attn_backend, min(rows, c.cuda_graph_max_batch),
             -(-engine.max_model_len // c.block_size), engine.max_model_len, engine.device, log, exchange=ep,
             kv_scales=layout.scales, pool=pool)
     seconds = time.perf_counter() - t0
     if prefill_tokens and decode:  # fresh prompts and decoders then step apart, each in its graphs
-        engine.scheduler.graph_limits(prefill_tokens, seqs, runner.graphs.buckets[-1])
+        engine.scheduler.graph_limits(prefill_tokens, seqs, min(c.max_num_seqs, runner.graphs.buckets[-1]))
     if log:
         log(f"CUDA graphs captured in {seconds:.2f} s")
     return seconds

@@ -87,13 +87,29 @@ class ModelRunner:
             seq, lo, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             hi = lo + n
             blocks = seq.block_ids
+            if s.draft:
+                # A verify row: its last token and each draft token as a decode row of its own (the
+                # same blocks, one more token of context each), so that a verify step is a decode
+                # step of B * (k + 1) rows, which the decode graphs hold. Each row's KV is written
+                # before the layer's attention reads it, so row j sees the drafts before it.
+                for j, tok in enumerate([seq.token_ids[lo], *s.draft]):
+                    p = lo + j
+                    ids.append(tok)
+                    positions.append(p)
+                    slots.append(blocks[p // bs] * bs + p % bs)
+                    starts.append(starts[-1] + 1)
+                    ctx_lens.append(p + 1)
+                    table += blocks
+                    table += [0] * (width - len(blocks))
+                if s.samples:
+                    logit_rows += range(starts[-1] - 1 - len(s.draft), starts[-1])
+                continue
             if n == 1:  # a decode row: no per-token lists
                 ids.append(seq.token_ids[lo])
                 positions.append(lo)
                 slots.append(blocks[lo // bs] * bs + lo % bs)
             else:
-                # A verify row's draft tokens follow its last token, as a prompt chunk's tokens do.
-                ids += seq.token_ids[lo:hi - len(s.draft)] + s.draft if s.draft else seq.token_ids[lo:hi]
+                ids += seq.token_ids[lo:hi]
                 positions += range(lo, hi)
                 for j in range(lo // bs, (hi - 1) // bs + 1):  # block by block: a 4k chunk is 256 ranges
                     slots += range(blocks[j] * bs + max(lo - j * bs, 0), blocks[j] * bs + min(hi - j * bs, bs))
@@ -104,9 +120,9 @@ class ModelRunner:
             ctx_lens.append(hi)
             table += blocks
             table += [0] * (width - len(blocks))
-            if s.samples:  # a verify row: the logits after its last token and after each draft token
-                logit_rows += range(starts[-1] - 1 - len(s.draft), starts[-1])
-        table_t = _host(table, "q").view(len(scheduled), width)
+            if s.samples:
+                logit_rows.append(starts[-1] - 1)
+        table_t = _host(table, "q").view(len(ctx_lens), width)
 
         def dev(x):
             return (_host(x, "q") if isinstance(x, list) else x).to(self.device, non_blocking=True)
