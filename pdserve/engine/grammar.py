@@ -5,9 +5,12 @@ A request's grammar (`SamplingParams.grammar`, an llguidance grammar the front e
 response_format / structured_outputs / tool_choice) gets its matcher the first time the request is
 sampled on this engine, advanced over the tokens it generated before (on a decode replica: the first
 token the prefill replica sampled under the same grammar, and a moved request's tokens so far), so no
-grammar state crosses the prefill → decode hand-off or a migration. After that every token sampled
-here is consumed as soon as it is sampled: the next step's mask needs it, also under overlap
-scheduling, where the host would otherwise see it one step late.
+grammar state crosses the prefill → decode hand-off or a migration.
+
+The tokens a step samples are consumed late (`defer`, then `_settle`): by the next step's mask, once
+that step's forward is queued, so that the host's consume and fill run while the device computes the
+forward, and overlap scheduling keeps queueing a step ahead; or by `ended_at`, when the engine reads
+the step's outputs. Never later: a mask is always filled from matchers that saw every token before.
 
 A step's masks are one batched fill (llguidance's executor, on its own threads, into one packed
 bitmask [rows, ceil(vocab / 32)] int32 on the host) and one tensor op on the logits."""
@@ -38,6 +41,8 @@ class Grammars:
         self._ended: dict[str, int] = {}  # request id -> output tokens at which its grammar completed
         self._bitmask = torch.zeros(0, (vocab_size + 31) // 32, dtype=torch.int32)
         self._bit_values: dict[torch.device, torch.Tensor] = {}  # bit_values() on each device
+        # Steps' sampled tokens not consumed yet, oldest first: (sequences, host tokens, ready event).
+        self._pending: list[tuple[list[Sequence], torch.Tensor, torch.cuda.Event | None]] = []
 
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -46,6 +51,9 @@ class Grammars:
     def mask(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
         """In place: logits [N, vocab] at -inf for every token the grammar of each listed row
         (seqs[k] is rows[k]'s) does not allow next."""
+        # Every earlier step's tokens first (waiting for them: this step's forward is queued already).
+        # Only then is the host bitmask free: the last step's copy from it preceded those tokens.
+        self._settle(wait=True)
         matchers = [self._matcher(s) for s in seqs]
         bitmask = self._host_bitmask(len(rows))
         llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)],
@@ -56,16 +64,39 @@ class Grammars:
         words = bitmask.to(logits.device, non_blocking=True)
         logits[at] = masked(logits[at], words, self._bits(logits.device))
 
-    def advance(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        """Each sequence's matcher consumes the token just sampled for it."""
-        matchers = [self._matchers[s.request_id] for s in seqs]
-        self._executor.consume_token_par(list(zip(matchers, tokens)))
-        for s, m in zip(seqs, matchers):
-            self._note_end(s, m, s.num_output_tokens + 1)  # (this token is not in the sequence yet)
+    def defer(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        """The tokens just sampled for these sequences (on the device), to be consumed by the next
+        mask or ended_at. Their copy to the host starts now."""
+        host = tokens.to("cpu", non_blocking=tokens.is_cuda)
+        event = None
+        if tokens.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        # Each sequence's output index now: the token is not in the sequence yet.
+        self._pending.append(([(s, s.num_output_tokens + 1) for s in seqs], host, event))
+
+    def _settle(self, wait: bool) -> None:
+        """Consume the pending steps' tokens, oldest first. wait=False: the newest only if its tokens
+        are on the host already (the engine reading a step's outputs has waited for that step, not
+        for the one overlap scheduling queued after it)."""
+        while self._pending:
+            rows, host, event = self._pending[0]
+            if event is not None:
+                if not wait and len(self._pending) == 1 and not event.query():
+                    return
+                event.synchronize()
+            self._pending.pop(0)
+            live = [(s, n, self._matchers[s.request_id], t) for (s, n), t in zip(rows, host.tolist())
+                    if s.request_id in self._matchers and s.request_id not in self._ended]
+            if live:
+                self._executor.consume_token_par([(m, t) for _, _, m, t in live])
+            for s, n, m, _ in live:
+                self._note_end(s, m, n)
 
     def ended_at(self, seq: Sequence) -> int | None:
         """How many output tokens completed the request's grammar (None while it goes on): a
         sequence ends there (finish_reason stop), as vLLM ends one whose grammar is done."""
+        self._settle(wait=False)
         if seq.request_id not in self._matchers:
             self._matcher(seq)  # (a decode replica's first token: its matcher is built from the tokens)
         return self._ended.get(seq.request_id)

@@ -61,9 +61,8 @@ class Sampler:
         if penalized is not None:
             at, counts_rows = penalized
             self._counts.count(counts_rows, tokens[at], None if emitted is None else emitted[at])
-        if constrained:
-            # The host waits for these tokens now (the next step's masks need them), not a step later.
-            self.grammars.advance([seqs[i] for i in constrained], tokens[constrained].tolist())
+        if constrained:  # consumed by the next step's mask, or when the engine reads this step
+            self.grammars.defer([seqs[i] for i in constrained], tokens[constrained])
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         lp = None
         if wanted:
