@@ -31,10 +31,11 @@ STATS_TIMEOUT_S = 5.0  # a stats or KV-events call unanswered this long counts a
 @dataclass
 class Channel:
     """How this router reaches workers over the direct channel: the cluster's token it proves, and
-    its host's address (workers there are reached over their Unix socket)."""
+    its host's address (workers there are reached over their Unix socket; None: every worker over
+    TCP, `router.channel_transport: tcp`)."""
 
     token: str | None
-    node: str
+    node: str | None
 
 
 class ReplicaSet:
