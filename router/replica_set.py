@@ -347,5 +347,6 @@ class ReplicaSet:
         self.metrics.count_kv_savings(s.name, s.profile.get("tokens_computed", 0) - was.get("tokens_computed", 0),
                                       s.kv_blocks_reused - (before.kv_blocks_reused if before else 0),
                                       s.kv_bytes_received - (before.kv_bytes_received if before else 0))
+        self.metrics.count_internal_refusals(s.name, s.refusals, before.refusals if before else {})
         self.metrics.count_spec_decode(s.profile.get("spec_draft_tokens", 0) - was.get("spec_draft_tokens", 0),
                                        s.profile.get("spec_accepted_tokens", 0) - was.get("spec_accepted_tokens", 0))

@@ -339,6 +339,9 @@ class TcpBackend(KVBackend):
             self.kv[header["layer"], :, d:d + n].copy_(data[off:off + size].view(planes, n, *shape))
             off += size
 
+    def refusals(self) -> dict[str, Counter]:
+        return {"kv_tcp": self.refused}
+
     def close(self) -> None:
         if self._closed:
             return
