@@ -138,7 +138,7 @@ class _Buffer:
 
 
 def channel_frame(streams: int, count: int, repeats: int) -> dict:
-    from pdserve.channel.wire import DELTAS, LEN, Link, pack, pack_delta, session_keys, unpack_delta
+    from pdserve.channel.wire import DELTAS, LEN, Link, pack, pack_delta, session_keys, unframe, unpack_delta
     from pdserve.messages import RequestDelta
 
     deltas = [RequestDelta(f"req-{i:04d}", " tok", [1000 + i]) for i in range(streams)]
@@ -153,7 +153,7 @@ def channel_frame(streams: int, count: int, repeats: int) -> dict:
             # (the engine thread's part, pack; then the channel thread's, write: sealed there)
             worker.write(pack(DELTAS, [pack_delta(d) for d in deltas]))
             data = buffer.chunks.pop()
-            [unpack_delta(a) for a in router.open(data[LEN.size:])[1]]
+            [unpack_delta(a) for a in unframe(router.open(data[LEN.size:]))[1]]
         return one
 
     plain, sealed = path(False), path(True)

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALLS, DEAD_S, DELTAS, HELLO, LEN, MAX_FRAME_BYTES, NONCE_BYTES,
                                   TAKEN, WELCOME, BadFrame, ChannelClosed, Link, beat, frame, hello_proof, pack,
-                                  pack_request, session_keys, unpack_answer, unpack_delta)
+                                  pack_request, session_keys, unframe, unpack_answer, unpack_delta)
 
 log = logging.getLogger(__name__)
 CONNECT_S = 10.0  # the worker's address, the connection and its hello, each within this
@@ -58,19 +58,19 @@ class WorkerLink:
             self._waiting[seq] = out
             items = [pack_request(r) for r in items]
         body = pack(CALLS, seq, kind, items)
-        if self._open():
+        if self._connected():
             self._link.write(body)
         else:
             self._unsent.append(body)
             self.open()
         return out
 
-    def _open(self) -> bool:
+    def _connected(self) -> bool:
         return self._link is not None and not self._link.writer.is_closing()
 
     def open(self) -> asyncio.Future:
         """Connect, unless connected or connecting; the future of the connection."""
-        if self._open():
+        if self._connected():
             done = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done
@@ -87,7 +87,7 @@ class WorkerLink:
                 nonces = await asyncio.wait_for(reader.readexactly(NONCE_BYTES), CONNECT_S) + mine
                 proof = hello_proof(self._token, nonces, self.router, self.worker)
                 writer.write(frame(HELLO, self.router, proof, mine))
-                parts = await asyncio.wait_for(_read_frame(reader, Link(writer, None)), CONNECT_S)
+                parts = await asyncio.wait_for(_read_frame(reader, Link(writer, None)), CONNECT_S)  # (unsealed)
                 if parts[0] != WELCOME or not parts[1]:
                     raise ChannelClosed(f"the worker {self.worker} refused this router: {parts[2:]}")
             except BaseException:
@@ -185,4 +185,4 @@ async def _read_frame(reader: asyncio.StreamReader, link: Link) -> list:
     (n,) = LEN.unpack(await reader.readexactly(LEN.size))
     if n > MAX_FRAME_BYTES:
         raise BadFrame(f"a frame of {n} bytes")
-    return link.open(await reader.readexactly(n))
+    return unframe(link.open(await reader.readexactly(n)))

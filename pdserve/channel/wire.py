@@ -95,10 +95,10 @@ class Link:
         if not self.writer.is_closing():
             self.write(body)
 
-    def open(self, data: bytes) -> list:
-        """The frame in `data` (what followed its length); raises frame_seal.BadSeal where a sealed
-        frame is not the peer's next as sent, BadFrame where it is no channel frame."""
-        return unframe(self._in.open(data) if self._in is not None else data)
+    def open(self, data: bytes) -> bytes:
+        """The body of the frame in `data` (what followed its length), for unframe(); raises
+        frame_seal.BadSeal where a sealed frame is not the peer's next as sent."""
+        return self._in.open(data) if self._in is not None else data
 
 
 BEAT_S = 1.0  # each side sends at least one frame this often

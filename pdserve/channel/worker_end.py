@@ -186,18 +186,14 @@ class ChannelServer:
                 raise BadFrame(f"a frame of {n} bytes")
             body = await reader.readexactly(n)
             try:
-                parts = r.link.open(body)
+                body = r.link.open(body)
             except BadSeal as e:  # not the router's (nothing heard from it): its next frame may still open
                 self.dropped.refuse("bad_mac", f"a frame to {router}'s connection: {e}")
                 continue
-            except BadFrame as e:  # a broken frame, not a dead router: it goes, the connection serves on
-                heard[writer] = self._loop.time()
-                self.dropped.refuse("malformed", f"a frame from {router}: {e}")
-                continue
             heard[writer] = self._loop.time()
             try:
-                self._take(router, parts, r)
-            except BadFrame as e:
+                self._take(router, unframe(body), r)
+            except BadFrame as e:  # a broken frame, not a dead router: it goes, the connection serves on
                 self.dropped.refuse("malformed", f"a frame from {router}: {e}")
 
     def _take(self, router: str, parts: list, r: "_Router") -> None:
