@@ -301,7 +301,8 @@ class EngineWorker:
     def refusals(self) -> dict[str, dict[str, int]]:
         """What this worker's internal endpoints refused or dropped so far, by endpoint and why: the
         router channel's connections and frames, the KV notices' seal, the KV backend's own."""
-        out = {"router_channel": self.channel.refused + self.channel.dropped}
+        # Each counter copied whole (dict(), one C call under the GIL): the endpoints' threads count on.
+        out = {"router_channel": {**self.channel.refused, **self.channel.dropped}}
         if self.connector is not None:
             out |= {"kv_notices": self.connector.dropped, **self.connector.backend.refusals()}
         return {endpoint: dict(counts) for endpoint, counts in out.items() if counts}
