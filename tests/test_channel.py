@@ -277,3 +277,31 @@ def test_deltas_reach_their_router_in_order_one_frame_in_flight(worker, node):
         ch.close()
     asyncio.run(scenario())
     assert got == [[RequestDelta("a", "x", [1])], [RequestDelta("a", "y", [2], "stop")]]
+
+
+def test_a_workers_frame_that_does_not_open_ends_the_routers_connection():
+    """Over TCP the router opens each of the worker's frames: one that is not the worker's next as
+    sealed (here bytes no token holder sealed, after a welcome anyone could send) ends the connection,
+    and the calls waiting on it hear so at once."""
+    async def scenario():
+        async def impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+            writer.write(b"n" * wire.NONCE_BYTES)
+            (n,) = wire.LEN.unpack(await reader.readexactly(wire.LEN.size))
+            await reader.readexactly(n)  # the hello
+            writer.write(wire.frame(wire.WELCOME, True, "") + wire.LEN.pack(40) + b"x" * 40)
+            await reader.read()  # (until the router closes)
+            writer.close()
+
+        server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        lost: list[BaseException] = []
+
+        async def locate():
+            return {"node": "another-host", "host": "127.0.0.1", "port": port, "ipc": ""}
+        ch = WorkerLink("router-0", "w0", TOKEN, "here", locate, lambda deltas: None, lambda w, e: lost.append(e))
+        with pytest.raises(ChannelClosed, match="BadSeal"):
+            await asyncio.wait_for(ch.call(PREFILL, [request("a")]), 10)
+        assert len(lost) == 1
+        ch.close()
+        server.close()
+    asyncio.run(scenario())
