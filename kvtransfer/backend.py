@@ -7,6 +7,7 @@ checks each backend). The ends read the capabilities, never probe for methods: a
 some backends have is a capability, and what a backend without it does is stated here, once.
 """
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from pdserve.kvtransfer.metadata import KVAgentMetadata
@@ -120,6 +121,11 @@ class KVBackend(Protocol):
     def progress(self) -> None:
         """Drive the transport while waiting for a peer's writes (where no thread of its own does)."""
         ...
+
+    def refusals(self) -> dict[str, Mapping[str, int]]:
+        """What the backend's own endpoints refused so far, by endpoint and why (pdserve/refusals.py):
+        the worker's stats carry it to the routers' /metrics. None by default."""
+        return {}
 
     def close(self) -> None:
         """Stop, letting go of peers and memory; idempotent."""

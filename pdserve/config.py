@@ -195,6 +195,10 @@ class RouterConfig(_Strict):
     # How requests, aborts and token deltas move between routers and workers: `direct`, a socket per
     # router-worker pair (pdserve/channel/); `ray`, Ray actor calls (the path before the channel).
     channel: Literal["direct", "ray"] = "direct"
+    # How a router reaches a worker over the direct channel: `auto`, a Unix socket on its own host and
+    # TCP to other hosts, whose frames are sealed (AES-256-GCM under keys from the cluster's token);
+    # `tcp`, TCP (sealed) to every worker, its own host's too (a one-host check of the sealed path).
+    channel_transport: Literal["auto", "tcp"] = "auto"
 
     @field_validator("api_keys_file", "tls_certfile", "tls_keyfile")
     @classmethod

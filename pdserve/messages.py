@@ -150,6 +150,9 @@ class ReplicaStats:
     # The workers of the other KV role this worker has a handshake with (its KV pairs): a router
     # sends a request only over a pair both of whose ends list each other.
     kv_peers: list[str] = field(default_factory=list)
+    # What its internal endpoints refused or dropped since it started (pdserve/refusals.py): endpoint
+    # (router_channel, kv_notices, kv_tcp, kv_ipc_inbox, kv_nixl) -> reason -> how many.
+    refusals: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @classmethod
     def combine(cls, name: str, ranks: list["ReplicaStats"]) -> "ReplicaStats":
@@ -159,6 +162,13 @@ class ReplicaStats:
 
         def per_expert(f):
             return [sum(c) for c in zip(*(getattr(r, f) for r in ranks))]
+
+        refusals: dict[str, dict[str, int]] = {}
+        for r in ranks:
+            for endpoint, reasons in r.refusals.items():
+                into = refusals.setdefault(endpoint, {})
+                for reason, n in reasons.items():
+                    into[reason] = into.get(reason, 0) + n
 
         return cls(name, ranks[0].role, total("running"), total("waiting"), total("free_blocks"),
                    total("total_blocks"), total("aborted"), held=total("held"), expert_tokens=per_expert("expert_tokens"),
@@ -170,7 +180,8 @@ class ReplicaStats:
                    kv_blocks_reused=total("kv_blocks_reused"),
                    kv_bytes_received=total("kv_bytes_received"),
                    max_num_seqs=total("max_num_seqs"), reserved=total("reserved"),
-                   kv_peers=sorted(set.intersection(*(set(r.kv_peers) for r in ranks))))  # peers of every rank
+                   kv_peers=sorted(set.intersection(*(set(r.kv_peers) for r in ranks))),  # peers of every rank
+                   refusals=refusals)
 
 
 @dataclass

@@ -110,6 +110,12 @@ class Metrics:
                                              "charged to each API key", ["key"], registry=r)
         self.key_generation_tokens = LoopCounter("pdserve_api_key_generation_tokens", "Tokens generated for each "
                                                  "API key", ["key"], registry=r)
+        # The replicas' internal endpoints (pdserve/refusals.py), as their stats say: a stranger's or a
+        # broken peer's connections, frames and notices, refused or dropped.
+        self.internal_refusals = LoopCounter(
+            "pdserve_internal_refusals", "Connections, frames and notices a replica's internal endpoints "
+            "refused or dropped, by endpoint (router_channel, kv_notices, kv_tcp, kv_ipc_inbox, kv_nixl) and "
+            "reason", ["replica", "endpoint", "reason"], registry=r)
         self.auth_failures = LoopCounter("pdserve_auth_failures", "Requests refused for want of a valid API key "
                                          "(HTTP 401, gRPC UNAUTHENTICATED), by reason: missing, invalid", ["reason"],
                                          registry=r)
@@ -283,6 +289,16 @@ class Metrics:
                            (self.kv_bytes_received, bytes_received)):
             if n > 0:  # (a restarted replica counts from 0 again: its first report is all new)
                 counter.labels(replica=replica).inc(n)
+
+    def count_internal_refusals(self, replica: str, now: dict[str, dict[str, int]],
+                                before: dict[str, dict[str, int]]) -> None:
+        """A replica's refusals since the last report: `now` and `before` are its cumulative counts
+        (endpoint -> reason -> how many; `before` empty for a fresh incarnation)."""
+        for endpoint, reasons in now.items():
+            was = before.get(endpoint, {})
+            for reason, n in reasons.items():
+                if n > was.get(reason, 0):
+                    self.internal_refusals.labels(replica, endpoint, reason).inc(n - was.get(reason, 0))
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """One request spent `seconds` in `phase` (reserve, dispatch, first_token)."""

@@ -31,10 +31,11 @@ STATS_TIMEOUT_S = 5.0  # a stats or KV-events call unanswered this long counts a
 @dataclass
 class Channel:
     """How this router reaches workers over the direct channel: the cluster's token it proves, and
-    its host's address (workers there are reached over their Unix socket)."""
+    its host's address (workers there are reached over their Unix socket; None: every worker over
+    TCP, `router.channel_transport: tcp`)."""
 
     token: str | None
-    node: str
+    node: str | None
 
 
 class ReplicaSet:
@@ -346,5 +347,6 @@ class ReplicaSet:
         self.metrics.count_kv_savings(s.name, s.profile.get("tokens_computed", 0) - was.get("tokens_computed", 0),
                                       s.kv_blocks_reused - (before.kv_blocks_reused if before else 0),
                                       s.kv_bytes_received - (before.kv_bytes_received if before else 0))
+        self.metrics.count_internal_refusals(s.name, s.refusals, before.refusals if before else {})
         self.metrics.count_spec_decode(s.profile.get("spec_draft_tokens", 0) - was.get("spec_draft_tokens", 0),
                                        s.profile.get("spec_accepted_tokens", 0) - was.get("spec_accepted_tokens", 0))

@@ -156,7 +156,8 @@ class Router:
             return None
         import ray  # (imported already: this is a Ray actor)
 
-        return Channel(self.cluster_token, ray.util.get_node_ip_address())
+        tcp_only = self.config.router.channel_transport == "tcp"  # (no worker counts as on this host)
+        return Channel(self.cluster_token, None if tcp_only else ray.util.get_node_ip_address())
 
     def imported(self, prefix: str) -> list[str]:
         """The modules this router's process has imported whose names start with `prefix` (a router

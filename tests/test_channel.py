@@ -19,6 +19,7 @@ from pdserve.messages import NewRequest, Refusal, Request, RequestDelta, Reserve
 from pdserve.protocol import SamplingParams, TokenLogprob
 
 TOKEN = "cluster-secret"
+MINE = b"r" * wire.NONCE_BYTES  # a hand-made router's nonce
 
 
 def test_typed_messages_come_back_as_they_went():
@@ -55,10 +56,13 @@ class Worker:
         return [None if r.handle else Unpaired("w0", "?") for r in items]
 
 
-def link(server: ChannelServer, token: str, router: str = "router-0", lost=None) -> WorkerLink:
+def link(server: ChannelServer, token: str, router: str = "router-0", lost=None,
+         node: str | None = "here") -> WorkerLink:
+    """A router's link to the worker: over its Unix socket (node "here", the worker's), or over TCP
+    with sealed frames (node None: router.channel_transport tcp)."""
     async def locate():
         return server.address("here")
-    return WorkerLink(router, "w0", token, "here", locate, lambda deltas: None,
+    return WorkerLink(router, "w0", token, node, locate, lambda deltas: None,
                       lost or (lambda worker, error: None))
 
 
@@ -82,9 +86,10 @@ def request(rid: str, handle: bytes | None = b"h") -> NewRequest:
     return NewRequest(Request(rid, [1, 2], SamplingParams()), handle=handle)
 
 
-def test_a_router_with_the_token_is_served_in_batches(worker):
+@pytest.mark.parametrize("node", ["here", None], ids=["unix", "tcp_sealed"])
+def test_a_router_with_the_token_is_served_in_batches(worker, node):
     async def scenario():
-        ch = link(worker.server, TOKEN)
+        ch = link(worker.server, TOKEN, node=node)
         first = ch.call(PREFILL, [request("a"), request("b", None)])
         ch.call(ABORT, ["c"])
         assert await asyncio.wait_for(first, 10) == [None, Unpaired("w0", "?")]
@@ -125,42 +130,87 @@ def test_an_unauthenticated_peer_is_refused_and_logged_and_the_worker_serves_on(
     assert sum("refused a connection" in r.getMessage() for r in caplog.records) == 2
 
 
-def test_a_malformed_frame_of_a_proven_router_is_dropped_and_counted_and_the_connection_serves_on(worker):
-    """Past the hello: bytes that are no msgpack, an unknown kind, a call whose items are no requests
-    (answered with the error: its router does not wait out a deadline), an abort of no ids. Each is
-    dropped and counted; the same connection's next call is served. A frame over the cap ends the
-    connection, unread; the worker serves the next one."""
-    from pdserve.channel.wire import ANSWERS, CALLS, HELLO, LEN, MAX_FRAME_BYTES, frame, hello_proof, unframe
+class RawRouter:
+    """A router by hand over a raw socket: the hello, then whatever frames the test chooses; over
+    TCP sealed as a router seals them (`sealed`), over the worker's Unix socket as they are."""
 
-    def read_frame(s: socket.socket) -> list:
-        (n,) = LEN.unpack(s.recv(LEN.size, socket.MSG_WAITALL))
-        return unframe(s.recv(n, socket.MSG_WAITALL))
+    def __init__(self, server: ChannelServer, sealed: bool, name: str = "router-0"):
+        from pdserve.channel.wire import HELLO, frame, session_keys
+        from pdserve.frame_seal import Sealer
 
-    def answer_of(s: socket.socket, seq: int) -> list:
-        while (f := read_frame(s))[0] != ANSWERS or f[1] != seq:
+        if sealed:
+            self.s = socket.create_connection((server.host, server.port), timeout=10)
+        else:
+            self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.s.settimeout(10)
+            self.s.connect(server.address("here")["ipc"])
+        nonces = self.s.recv(wire.NONCE_BYTES, socket.MSG_WAITALL) + MINE
+        self.s.sendall(frame(HELLO, name, wire.hello_proof(TOKEN, nonces, name, "w0"), MINE))
+        self.welcome = wire.unframe(self._body())
+        keys = session_keys(TOKEN, nonces, name, "w0") if sealed else None
+        self.out, self.into = (Sealer(keys[0]), Sealer(keys[1])) if keys else (None, None)
+
+    def _body(self) -> bytes:
+        (n,) = wire.LEN.unpack(self.s.recv(wire.LEN.size, socket.MSG_WAITALL))
+        return self.s.recv(n, socket.MSG_WAITALL)
+
+    def sealed(self, body: bytes) -> bytes:
+        """`body` as it goes on the wire, length first (sealed where the connection is)."""
+        if self.out is not None:
+            body = self.out.seal(body)
+        return wire.LEN.pack(len(body)) + body
+
+    def send(self, *parts) -> None:
+        self.s.sendall(self.sealed(wire.pack(*parts)))
+
+    def read(self) -> list:
+        body = self._body()
+        return wire.unframe(self.into.open(body) if self.into is not None else body)
+
+    def answer_of(self, seq: int) -> list:
+        while (f := self.read())[0] != wire.ANSWERS or f[1] != seq:
             pass
         return f
 
-    with socket.create_connection((worker.server.host, worker.server.port), timeout=10) as s:
-        nonce = s.recv(16)
-        s.sendall(frame(HELLO, "router-0", hello_proof(TOKEN, nonce, "router-0", "w0")))
-        assert read_frame(s)[:2] == ["welcome", True]
-        s.sendall(LEN.pack(5) + b"\xc1junk" + frame("gossip", 1) + frame(CALLS, 1, PREFILL, [["not", "a request"]])
-                  + frame(CALLS, 0, ABORT, [7]))
-        assert answer_of(s, 1)[2:] == [None, "BadFrame: a prefill call whose items are no requests"]
-        s.sendall(frame(CALLS, 2, PREFILL, [pack_request(request("ok"))]))
-        assert answer_of(s, 2)[2:] == [[None], None]
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["unix", "tcp_sealed"])
+def test_a_malformed_frame_of_a_proven_router_is_dropped_and_counted_and_the_connection_serves_on(worker, sealed):
+    """Past the hello: bytes that are no msgpack, an unknown kind, a call whose items are no requests
+    (answered with the error: its router does not wait out a deadline), an abort of no ids. Each is
+    dropped and counted; the same connection's next call is served. Over TCP, where frames are sealed,
+    a forged frame and a replayed one are dropped too (`bad_mac`), and the router's next frame still
+    opens. A frame over the cap ends the connection, unread; the worker serves the next one."""
+    from pdserve.channel.wire import CALLS, LEN, MAX_FRAME_BYTES
+
+    r = RawRouter(worker.server, sealed)
+    with r.s as s:
+        assert r.welcome[:2] == ["welcome", True]
+        s.sendall(r.sealed(b"\xc1junk") + r.sealed(wire.pack("gossip", 1))
+                  + r.sealed(wire.pack(CALLS, 1, PREFILL, [["not", "a request"]]))
+                  + r.sealed(wire.pack(CALLS, 0, ABORT, [7])))
+        assert r.answer_of(1)[2:] == [None, "BadFrame: a prefill call whose items are no requests"]
+        ok = r.sealed(wire.pack(CALLS, 2, PREFILL, [pack_request(request("ok"))]))
+        s.sendall(ok)
+        assert r.answer_of(2)[2:] == [[None], None]
         assert worker.server.dropped == {"malformed": 4}
+        if sealed:
+            forged = bytearray(r.sealed(wire.pack(CALLS, 3, PREFILL, [pack_request(request("forged"))])))
+            forged[-1] ^= 1  # (its tag)
+            r.out.seq -= 1  # the router never sent it: its next frame takes that number
+            s.sendall(bytes(forged) + ok)  # and a frame the router sent before, again
+            r.send(CALLS, 4, PREFILL, [pack_request(request("after"))])
+            assert r.answer_of(4)[2:] == [[None], None]
+            assert worker.server.dropped == {"malformed": 4, "bad_mac": 2}
         s.sendall(LEN.pack(MAX_FRAME_BYTES + 1))
         s.settimeout(10)
         while s.recv(1 << 16):  # (beats, then the close)
             pass
-    assert worker.server.dropped == {"malformed": 4, "oversized": 1}
-    assert [items[0].request.request_id for k, items, _ in worker.taken if k == PREFILL] == ["ok"]
+    assert worker.server.dropped["oversized"] == 1
+    assert [items[0].request.request_id for k, items, _ in worker.taken if k == PREFILL] == ["ok"] + ["after"] * sealed
 
     async def scenario():  # and the worker serves on
         ch = link(worker.server, TOKEN, router="router-1")
-        assert await asyncio.wait_for(ch.call(PREFILL, [request("after")]), 10) == [None]
+        assert await asyncio.wait_for(ch.call(PREFILL, [request("next")]), 10) == [None]
         ch.close()
     asyncio.run(scenario())
 
@@ -173,7 +223,7 @@ def test_a_silent_router_is_gone_within_the_deadline(worker):
 
     with socket.create_connection((worker.server.host, worker.server.port)) as s:
         nonce = s.recv(16)
-        s.sendall(frame(HELLO, "quiet", hello_proof(TOKEN, nonce, "quiet", "w0")))
+        s.sendall(frame(HELLO, "quiet", hello_proof(TOKEN, nonce + MINE, "quiet", "w0"), MINE))
         s.settimeout(1.0)
         assert s.recv(LEN.size)  # welcomed
         t0 = time.monotonic()
@@ -197,13 +247,14 @@ def test_a_worker_that_closes_fails_the_calls_waiting_on_it(worker):
     asyncio.run(scenario())
 
 
-def test_deltas_reach_their_router_in_order_one_frame_in_flight(worker):
+@pytest.mark.parametrize("node", ["here", None], ids=["unix", "tcp_sealed"])
+def test_deltas_reach_their_router_in_order_one_frame_in_flight(worker, node):
     # A router that has not taken a frame gets the next steps' output joined into one (the worker is
     # told False: hold and join), then the rest, in order.
     got: list[list[RequestDelta]] = []
 
     async def scenario():
-        ch = WorkerLink("router-0", "w0", TOKEN, "here", lambda: asyncio.sleep(0, worker.server.address("here")),
+        ch = WorkerLink("router-0", "w0", TOKEN, node, lambda: asyncio.sleep(0, worker.server.address("here")),
                         got.append, lambda w, e: None)
         await asyncio.wait_for(ch.open(), 10)
         until_async = time.monotonic() + 10
@@ -226,3 +277,31 @@ def test_deltas_reach_their_router_in_order_one_frame_in_flight(worker):
         ch.close()
     asyncio.run(scenario())
     assert got == [[RequestDelta("a", "x", [1])], [RequestDelta("a", "y", [2], "stop")]]
+
+
+def test_a_workers_frame_that_does_not_open_ends_the_routers_connection():
+    """Over TCP the router opens each of the worker's frames: one that is not the worker's next as
+    sealed (here bytes no token holder sealed, after a welcome anyone could send) ends the connection,
+    and the calls waiting on it hear so at once."""
+    async def scenario():
+        async def impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+            writer.write(b"n" * wire.NONCE_BYTES)
+            (n,) = wire.LEN.unpack(await reader.readexactly(wire.LEN.size))
+            await reader.readexactly(n)  # the hello
+            writer.write(wire.frame(wire.WELCOME, True, "") + wire.LEN.pack(40) + b"x" * 40)
+            await reader.read()  # (until the router closes)
+            writer.close()
+
+        server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        lost: list[BaseException] = []
+
+        async def locate():
+            return {"node": "another-host", "host": "127.0.0.1", "port": port, "ipc": ""}
+        ch = WorkerLink("router-0", "w0", TOKEN, "here", locate, lambda deltas: None, lambda w, e: lost.append(e))
+        with pytest.raises(ChannelClosed, match="BadSeal"):
+            await asyncio.wait_for(ch.call(PREFILL, [request("a")]), 10)
+        assert len(lost) == 1
+        ch.close()
+        server.close()
+    asyncio.run(scenario())

@@ -1,6 +1,9 @@
 """The direct channel in a real `pdserve up` cluster (one prefill, one decode, one router; real Ray,
-real processes): the router process imports no torch; peers that do not prove the cluster's token
-are refused by the worker, which serves on; a router killed with SIGKILL leaves nothing held on the
+real processes), over TCP on this one host (`router.channel_transport: tcp`), so every frame after
+the hello is sealed: the router process imports no torch; peers that do not prove the cluster's
+token are refused by the worker, which serves on; a forged or replayed sealed frame is dropped and
+the connection serves on; each refusal shows on the router's /metrics, by replica, endpoint and
+reason; a router killed with SIGKILL leaves nothing held on the
 decode worker (its streams stop there and their KV blocks go back to the pool at once, long before
 they would have finished). A decode worker killed mid-stream is test_recovery.py's: its streams
 move over the channel's loss as they did over Ray's."""
@@ -16,14 +19,21 @@ import threading
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.channel.wire import HELLO, LEN, NONCE_BYTES, frame, hello_proof, unframe
+from pdserve.channel.wire import BEAT, HELLO, LEN, NONCE_BYTES, frame, hello_proof, pack, session_keys, unframe
+from pdserve.frame_seal import Sealer
 from tests.serving_cluster import Cluster, until
+
+TOKEN = "channel-cluster-token"  # the cluster's (PDSERVE_CLUSTER_TOKEN): this test speaks as a router too
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("channel"), decode={"num_kv_blocks": 512})
+    with pytest.MonkeyPatch.context() as env:  # (`pdserve up` starts inside: it takes the token)
+        env.setenv("PDSERVE_CLUSTER_TOKEN", TOKEN)
+        c = Cluster(tmp_path_factory.mktemp("channel"), decode={"num_kv_blocks": 512},
+                    router={"channel_transport": "tcp"})
     try:
         c.wait_ready()
         yield c
@@ -85,17 +95,63 @@ def test_peers_without_the_cluster_token_are_refused_and_the_worker_serves_on(cl
     address = ask(cluster, "pdserve-decode-0", "ray.get(actor.channel_address.remote(), timeout=30)")
     junk = _frame_to(address["host"], address["port"], lambda nonce: b"\x00\x00\x00\x08notframe")
     assert b"not a pdserve router" in junk
+    mine = os.urandom(NONCE_BYTES)
     wrong = _frame_to(address["host"], address["port"],
-                      lambda nonce: frame(HELLO, "intruder", hello_proof("not-the-token", nonce, "intruder",
-                                                                         "pdserve-decode-0")))
+                      lambda nonce: frame(HELLO, "intruder", hello_proof("not-the-token", nonce + mine, "intruder",
+                                                                         "pdserve-decode-0"), mine))
     (n,) = LEN.unpack(wrong[:LEN.size])
     assert unframe(wrong[LEN.size:LEN.size + n])[:2] == ["welcome", False]
     refused = ask(cluster, "pdserve-decode-0",
                   "ray.get(actor.__ray_call__.remote(lambda w: dict(w._now().channel.refused)), timeout=30)")
     assert refused == {"not_a_router": 1, "other_cluster": 1}  # counted by why, not kept
+    until(lambda: refusals_on_metrics(cluster, "pdserve-decode-0").items() >= {
+        ("router_channel", "not_a_router"): 1.0, ("router_channel", "other_cluster"): 1.0}.items(),
+        timeout_s=30, what="the refusals on the router's /metrics")
     r = httpx.post(f"{cluster.url}/v1/completions", json={"model": "tiny-moe", "prompt": "still serving",
                                                           "max_tokens": 8}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+
+def refusals_on_metrics(cluster: Cluster, replica: str) -> dict[tuple[str, str], float]:
+    """pdserve_internal_refusals_total of one replica on the router's /metrics: (endpoint, reason) -> count."""
+    out = {}
+    for family in text_string_to_metric_families(cluster.metrics()):
+        for s in family.samples:
+            if s.name == "pdserve_internal_refusals_total" and s.labels["replica"] == replica:
+                out[s.labels["endpoint"], s.labels["reason"]] = s.value
+    return out
+
+
+def test_a_forged_or_replayed_sealed_frame_is_dropped_counted_and_the_worker_serves_on(cluster):
+    """A token holder's TCP connection (as a router's): its frames sealed. One sent again (replayed)
+    and one whose tag was changed (forged) do not open: dropped as bad_mac, the connection serving on
+    (the next frame as sealed opens: here an unknown kind, dropped as malformed). The router's own
+    sealed channel serves a request meanwhile."""
+    address = ask(cluster, "pdserve-decode-0", "ray.get(actor.channel_address.remote(), timeout=30)")
+    worker = ask(cluster, "pdserve-decode-0", "ray.get(actor.__ray_call__.remote(lambda w: w._now().channel.worker), "
+                                              "timeout=30)")
+    mine = os.urandom(NONCE_BYTES)
+    with socket.create_connection((address["host"], address["port"]), timeout=10) as s:
+        nonces = s.recv(NONCE_BYTES, socket.MSG_WAITALL) + mine
+        s.sendall(frame(HELLO, "raw-router", hello_proof(TOKEN, nonces, "raw-router", worker), mine))
+        (n,) = LEN.unpack(s.recv(LEN.size, socket.MSG_WAITALL))
+        assert unframe(s.recv(n, socket.MSG_WAITALL))[:2] == ["welcome", True]
+        out = Sealer(session_keys(TOKEN, nonces, "raw-router", worker)[0])
+
+        def sealed(body: bytes) -> bytes:
+            body = out.seal(body)
+            return LEN.pack(len(body)) + body
+        beat = sealed(pack(BEAT))
+        forged = bytearray(sealed(pack(BEAT)))
+        forged[-1] ^= 1
+        out.seq -= 1  # (never sent as sealed: the next frame takes its number)
+        s.sendall(beat + beat + bytes(forged) + sealed(pack("gossip")))
+        until(lambda: refusals_on_metrics(cluster, "pdserve-decode-0").items() >= {
+            ("router_channel", "bad_mac"): 2.0, ("router_channel", "malformed"): 1.0}.items(),
+            timeout_s=30, what="the dropped frames on the router's /metrics")
+        r = httpx.post(f"{cluster.url}/v1/completions", json={"model": "tiny-moe", "prompt": "sealed all the way",
+                                                              "max_tokens": 8}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
 
 
 def _held(cluster: Cluster) -> tuple[int, int]:

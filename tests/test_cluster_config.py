@@ -116,3 +116,10 @@ def test_adaptive_is_the_default_and_a_decode_replicas_local_prefill_takes_its_o
                                         if "kuberay" not in p.parts))
 def test_every_cluster_file_in_deploy_loads(path):
     load_cluster_config(str(DEPLOY / path))  # raises ConfigError naming the key
+
+
+def test_the_channels_transport_is_auto_or_tcp_and_a_wrong_one_is_named(tmp_path):
+    assert load_cluster_config(None).router.channel_transport == "auto"
+    assert load(tmp_path, {"router": {"channel_transport": "tcp"}}).router.channel_transport == "tcp"
+    with pytest.raises(ConfigError, match=r"router\.channel_transport: 'udp'"):
+        load(tmp_path, {"router": {"channel_transport": "udp"}})

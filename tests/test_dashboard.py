@@ -101,6 +101,27 @@ def test_prefix_cache_counters_follow_the_replicas_cumulative_tokens():
     assert value("pdserve_prefix_cache_hits_total") == 112
 
 
+def test_internal_refusals_follow_the_replicas_cumulative_counts():
+    metrics = Metrics("r")
+    core = RouterCore("r", "tiny-moe", 64, None, [], "kv-aware", metrics)
+
+    def stats(refusals: dict) -> ReplicaStats:
+        return ReplicaStats("pdserve-decode-0", "decode", 0, 0, 10, 10, 0, refusals=refusals)
+
+    first = stats({"router_channel": {"not_a_router": 2}})
+    core.replicas.record(first, None)
+    core.replicas.record(stats({"router_channel": {"not_a_router": 3, "bad_mac": 1}, "kv_tcp": {"not_a_peer": 5}}),
+                         first)
+    core.replicas.record(stats({"kv_notices": {"foreign": 1}}), None)  # a replacement's first report: all new
+
+    def value(endpoint: str, reason: str) -> float | None:
+        return metrics.registry.get_sample_value("pdserve_internal_refusals_total", {
+            "replica": "pdserve-decode-0", "endpoint": endpoint, "reason": reason})
+
+    assert [value("router_channel", "not_a_router"), value("router_channel", "bad_mac"), value("kv_tcp", "not_a_peer"),
+            value("kv_notices", "foreign"), value("kv_tcp", "bad_mac")] == [3, 1, 5, 1, None]
+
+
 # -- the page in a browser, against a real cluster ------------------------------------------------------
 
 

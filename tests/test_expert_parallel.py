@@ -53,13 +53,15 @@ def test_cluster_yaml_ep_size_must_fit_the_model():
 
 
 def test_the_router_sees_one_replica_with_the_capacity_of_its_ranks():
-    ranks = [ReplicaStats(f"d-rank{r}", "decode", r, 0, free, 10, r, expert_tokens=[1, r], expert_tokens_step=[0, r])
+    ranks = [ReplicaStats(f"d-rank{r}", "decode", r, 0, free, 10, r, expert_tokens=[1, r], expert_tokens_step=[0, r],
+                          refusals={"router_channel": {"malformed": 1 + r}, **({"kv_tcp": {"not_a_peer": 4}} if r else {})})
              for r, free in enumerate([3, 7])]
     replica = DecodeReplica("d", {"d-rank0": None, "d-rank1": None}, {s.name: s for s in ranks})
     assert replica.rank_order() == ["d-rank1", "d-rank0"]  # reserve where the most KV blocks are free
     s = ReplicaStats.combine("d", ranks)
     assert (s.name, s.running, s.free_blocks, s.total_blocks, s.aborted, s.ranks) == ("d", 1, 10, 20, 1, 2)
     assert s.expert_tokens == [2, 1] and s.expert_tokens_step == [0, 1]
+    assert s.refusals == {"router_channel": {"malformed": 3}, "kv_tcp": {"not_a_peer": 4}}  # every rank's endpoints
 
 
 @pytest.fixture(scope="module")

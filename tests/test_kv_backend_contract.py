@@ -26,7 +26,8 @@ LAYOUT = KVLayout(2, 8, 4, 2, 8, torch.float32, "kv")
 # Staging: the default of reserve_staging gives no slot, so the other three are never called on a
 # backend that keeps it.
 OPTIONAL = {"write_layers": None, "settled": None, "grant": None, "revoke": None, "write_range": "inline",
-            "wait": "waits", "reserve_staging": None, "write_staged": None, "unstage": None, "drop_staging": None}
+            "wait": "waits", "reserve_staging": None, "write_staged": None, "unstage": None, "drop_staging": None,
+            "refusals": None}
 # cuda_ipc's copy kernel is Triton's: a machine without Triton cannot import that module.
 NEEDS = {"cuda_ipc": "triton", "block_copy": "triton"}
 
@@ -94,7 +95,8 @@ def backend_classes() -> list:
 def test_the_contract_names_what_the_ends_rely_on():
     assert set(operations()) == {"add_peer", "remove_peer", "write", "write_layers", "write_range", "state",
                                  "wait", "release", "settled", "notify", "notifications", "progress", "close",
-                                 "grant", "revoke", "reserve_staging", "write_staged", "unstage", "drop_staging"}
+                                 "grant", "revoke", "reserve_staging", "write_staged", "unstage", "drop_staging",
+                                 "refusals"}
     assert set(OPTIONAL) <= set(operations())
     assert capabilities() == ["inline", "waits"]
 

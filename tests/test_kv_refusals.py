@@ -15,9 +15,8 @@ from kv_pair import Worker, _decode_main, _prefill_main, start_pair
 from test_notices import drain_until
 from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.kvtransfer.backends.notices import MAX_FRAME_BYTES, NoticeInbox, NoticeOutbox, frame
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-from pdserve.kvtransfer.backends.tcp import TcpBackend, hello_proof, seal_payload, session_key
+from pdserve.frame_seal import Sealer
+from pdserve.kvtransfer.backends.tcp import TcpBackend, hello_proof, session_key
 from pdserve.kvtransfer.metadata import KVAgentMetadata
 from pdserve.kvtransfer.notice_seal import NoticeSeal
 from pdserve.kvtransfer.wire import Notice
@@ -160,7 +159,7 @@ class RawPeer:
                         "nbytes": 0}, b"")
         (n,) = struct.unpack(">I", self._exactly(4))
         self.answer = msgpack.unpackb(self._exactly(n))
-        self.aead, self.seq = AESGCM(session_key(token, nonce, me, to)), 0
+        self.sealer = Sealer(session_key(token, nonce, me, to))
 
     def _exactly(self, n: int) -> bytes:
         out = b""
@@ -177,9 +176,8 @@ class RawPeer:
 
     def send(self, header: dict, payload: bytes, tag: bytes | None = None) -> None:
         """A frame sealed as the backend seals it (`tag`: a wrong one in its place)."""
-        sealed = seal_payload(self.aead, self.seq, msgpack.packb(header), payload)
+        sealed = self.sealer.seal(payload, msgpack.packb(header))
         self._send_raw(header, sealed if tag is None else sealed[:-len(tag)] + tag)
-        self.seq += 1
 
     def closed(self, timeout: float = 5) -> bool:
         self.s.settimeout(timeout)
@@ -283,7 +281,7 @@ def test_a_frame_that_breaks_the_stream_ends_its_connection_only(frame_kind):
             peer.send({"kind": "notice", "nbytes": 1}, b"x", tag=b"\0" * 16)
         else:  # a frame sent again: its sequence number is past
             peer.send({"kind": "notice", "nbytes": 1}, b"x")
-            peer.seq -= 1
+            peer.sealer.seq -= 1
             peer.send({"kind": "notice", "nbytes": 1}, b"x")
         assert peer.closed()
         assert receiver.refused == {"bad_frame" if frame_kind == "oversized" else "bad_mac": 1}

@@ -144,6 +144,9 @@ class AutoBackend(KVBackend):
         for be in self.backends.values():
             be.progress()
 
+    def refusals(self) -> dict:
+        return {endpoint: counts for be in self.backends.values() for endpoint, counts in be.refusals().items()}
+
     def close(self) -> None:
         for be in self.backends.values():
             be.close()

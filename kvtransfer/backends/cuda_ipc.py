@@ -194,6 +194,9 @@ class CudaIpcBackend(KVBackend):
         self.outbox.flush()  # (both ends poll here: a good moment to retry what a full socket left)
         return self.inbox.drain()
 
+    def refusals(self) -> dict:
+        return {"kv_ipc_inbox": self.inbox.refused}
+
     def close(self) -> None:
         self.stream.synchronize()
         self._peers.clear()

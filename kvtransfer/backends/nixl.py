@@ -421,6 +421,9 @@ class NixlBackend(KVBackend):
                 self.refused += len(msgs)
                 log.warning("NIXL: dropped %d notices from %r, not a handshaked peer", len(msgs), agent)
 
+    def refusals(self) -> dict:
+        return {"kv_nixl": {"not_a_peer": self.refused}} if self.refused else {}
+
     # -- teardown -------------------------------------------------------------------------------
 
     def close(self) -> None:

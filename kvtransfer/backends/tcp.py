@@ -11,13 +11,10 @@ it opens each connection with a fresh nonce, and the sender's first frame ("hell
 sender and proves the cluster token over that nonce (HMAC; the token never travels). A sender that
 is not a handshaked peer, or whose proof is wrong, is refused by name (the receiver answers why,
 logs the first of each reason, counts it in `refused`, and closes the connection) before a byte
-reaches the KV cache. Both ends then derive the session key from the token and the nonce: a frame
-injected into the stream, replayed from another connection, reordered or dropped fails its tag and
-ends the connection. Why AES-GCM and not an HMAC, nor TLS: measured, HMAC-SHA256 over a layer's
-KV cost several times AES-GCM's encryption and check together (AES-NI), and GCM hides the KV's
-bytes as well; it is TLS 1.3's record protection, with the key from the token the cluster already
-shares instead of certificates to hand out (docs/benchmarks.md, "CPU: authentication on internal
-channels").
+reaches the KV cache. Both ends then derive the session key from the token and the nonce
+(pdserve/frame_seal.py, the sealing every internal channel across hosts shares; why AES-GCM is
+there): a frame injected into the stream, replayed from another connection, reordered or dropped
+fails its tag and ends the connection.
 
 Every frame is bounded before its payload is read (header length, `nbytes` at most one layer's
 blocks); a KV frame's layer and blocks must lie in the cache, its size must match them, and every
@@ -36,9 +33,9 @@ from collections import Counter
 
 import msgpack
 import torch
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from pdserve.frame_seal import TAG_BYTES, BadSeal, Sealer
+from pdserve.frame_seal import session_key as _session_key
 from pdserve.kvtransfer.backend import KVBackend
 from pdserve.kvtransfer.blocks import runs
 from pdserve.kvtransfer.metadata import KVAgentMetadata
@@ -46,8 +43,6 @@ from pdserve.kvtransfer.notice_seal import MAX_NOTICE_BYTES
 from pdserve.refusals import Refusals
 
 _LEN = struct.Struct(">I")
-_NONCE = struct.Struct(">4xQ")  # GCM's 96-bit nonce: the frame's number (a key serves one connection's frames)
-TAG_BYTES = 16
 NONCE_BYTES = 16
 HELLO_S = 10  # a peer that does not say who it is within this long is dropped
 MAX_HELLO_BYTES = 4096
@@ -60,23 +55,8 @@ def hello_proof(token: str | None, nonce: bytes, sender: str, receiver: str) -> 
 
 
 def session_key(token: str | None, nonce: bytes, sender: str, receiver: str) -> bytes:
-    """The key of one connection's frames (AES-256): known to token holders only (the hello's proof,
-    which crosses the wire, is another HMAC of the same inputs under another label)."""
-    return hmac.new((token or "").encode(), b"pdserve-kv-tcp-session:" + nonce + f"{sender}>{receiver}".encode(),
-                    hashlib.sha256).digest()
-
-
-def seal_payload(aead: AESGCM, seq: int, header: bytes, payload: bytes) -> bytes:
-    """Frame `seq`'s payload encrypted, header and payload authenticated: len(payload) + TAG_BYTES."""
-    return aead.encrypt(_NONCE.pack(seq), payload, header)
-
-
-def open_payload(aead: AESGCM, seq: int, header: bytes, sealed: bytes) -> bytes:
-    """seal_payload's payload; raises BadFrame where the frame is not the sender's `seq`th as sent."""
-    try:
-        return aead.decrypt(_NONCE.pack(seq), sealed, header)
-    except InvalidTag:
-        raise BadFrame("bad_mac", "a frame whose tag is wrong (forged, replayed, reordered or changed)") from None
+    """The key of one connection's frames (sender to receiver), known to token holders only."""
+    return _session_key(token, b"pdserve-kv-tcp-session:", nonce, sender, receiver)
 
 
 class BadFrame(ValueError):
@@ -98,16 +78,15 @@ def frame(header: dict, payload: bytes) -> bytes:
 
 
 class _Session:
-    """A sender's connection to one peer: its writer, key and the next frame's number."""
+    """A sender's connection to one peer: its writer and its frames' sealing."""
 
     def __init__(self, writer: asyncio.StreamWriter, key: bytes):
-        self.writer, self.aead, self.seq = writer, AESGCM(key), 0
+        self.writer, self.sealer = writer, Sealer(key)
 
     def send(self, header: dict, payload: bytes) -> None:
         h = msgpack.packb(header)
         self.writer.write(_LEN.pack(len(h)) + h)
-        self.writer.write(seal_payload(self.aead, self.seq, h, payload))
-        self.seq += 1
+        self.writer.write(self.sealer.seal(payload, h))
 
 
 class TcpBackend(KVBackend):
@@ -287,16 +266,17 @@ class TcpBackend(KVBackend):
             me = await self._authenticate(reader, writer)
             if me is None:
                 return
-            sender, aead = me[0], AESGCM(me[1])
-            seq = 0
+            sender, sealer = me[0], Sealer(me[1])
             while True:
                 (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
                 if n > self._max_header():
                     raise BadFrame("bad_frame", f"a header of {n} bytes")
                 raw = await reader.readexactly(n)
                 header = self._header(raw)
-                payload = open_payload(aead, seq, raw, await reader.readexactly(header["nbytes"] + TAG_BYTES))
-                seq += 1
+                try:
+                    payload = sealer.open(await reader.readexactly(header["nbytes"] + TAG_BYTES), raw)
+                except BadSeal as e:  # (the stream is no longer the sender's as sent)
+                    raise BadFrame("bad_mac", str(e)) from None
                 if header["kind"] == "notice":
                     with self._notice_lock:
                         self._notices.append(payload)
@@ -358,6 +338,9 @@ class TcpBackend(KVBackend):
             size = planes * n * shape.numel()
             self.kv[header["layer"], :, d:d + n].copy_(data[off:off + size].view(planes, n, *shape))
             off += size
+
+    def refusals(self) -> dict[str, Counter]:
+        return {"kv_tcp": self.refused}
 
     def close(self) -> None:
         if self._closed:

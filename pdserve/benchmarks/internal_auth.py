@@ -7,13 +7,15 @@ it in the same run (CPU; no GPU needed):
 - notice: a finish notice packed and read (Notice.pack / unpack) against sealed and opened
   (kvtransfer/notice_seal.py: HMAC-SHA256 over it, its sender and receiver).
 - TCP KV frame: one layer's frame written by a TcpBackend and placed by another over loopback, per
-  frame, sealed (AES-256-GCM, kvtransfer/backends/tcp.py) and with the sealing replaced by a
-  constant tag (the same code otherwise); and, beside it, what AES-256-GCM alone (encrypt at one
-  end, decrypt at the other) and an HMAC-SHA256 at both ends (the alternative) take over the same
+  frame, sealed (AES-256-GCM, pdserve/frame_seal.py) and with the sealing replaced by a constant
+  tag (the same code otherwise); and, beside it, what AES-256-GCM alone (encrypt at one end,
+  decrypt at the other) and an HMAC-SHA256 at both ends (the alternative) take over the same
   payload.
-- channel frame: one DELTAS frame of 32 streams built and read (pdserve/channel/wire.py), against
-  the same with an HMAC-SHA256 over its body at each end (the channel proves its peer at the hello
-  and does not MAC each frame: this is what doing so would cost).
+- channel frame: one DELTAS frame of `--streams` requests' new tokens (one step's: 32 and 512 by
+  default) built, written, read and unpacked through the channel's own framing
+  (pdserve/channel/wire.py: pack_delta, Link.write, Link.open, unpack_delta), as a Unix socket
+  carries it (unsealed) and as TCP does (sealed); the bytes go into a buffer, not a socket, so the
+  difference is the sealing's alone.
 
 Each figure is CPU time (this process's, every thread: both ends of the TCP pair run here), the
 median of `--repeats` timings of `--count` messages, in microseconds a message: on a shared host
@@ -22,7 +24,6 @@ CPU time moves far less with the neighbours' load than the wall clock does.
 
 import argparse
 import datetime
-import hashlib
 import hmac
 import json
 import os
@@ -82,7 +83,7 @@ def _tcp_pair(blocks: int):
 def tcp_frame(blocks: int, count: int, repeats: int) -> dict:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    from pdserve.kvtransfer.backends import tcp
+    from pdserve.frame_seal import TAG_BYTES, Sealer
 
     receiver, sender, layout = _tcp_pair(blocks)
     ids = list(range(blocks))
@@ -103,14 +104,14 @@ def tcp_frame(blocks: int, count: int, repeats: int) -> dict:
     try:
         frames()  # (connected, warm)
         with_mac = timed()
-        real = tcp.seal_payload, tcp.open_payload
-        tcp.seal_payload = lambda aead, seq, header, payload: payload + b"\0" * tcp.TAG_BYTES  # the same path,
-        tcp.open_payload = lambda aead, seq, header, sealed: sealed[:-tcp.TAG_BYTES]  # nothing sealed
+        real = Sealer.seal, Sealer.open
+        Sealer.seal = lambda self, payload, header=b"": payload + b"\0" * TAG_BYTES  # the same path,
+        Sealer.open = lambda self, sealed, header=b"": sealed[:-TAG_BYTES]  # nothing sealed
         try:
             frames()
             without = timed()
         finally:
-            tcp.seal_payload, tcp.open_payload = real
+            Sealer.seal, Sealer.open = real
         with_mac = min(with_mac, timed())  # (interleaved: the host's load moves both)
     finally:
         receiver.close()
@@ -123,25 +124,43 @@ def tcp_frame(blocks: int, count: int, repeats: int) -> dict:
             "hmac_both_ends_us": 2 * mac_us, "aes_gcm_both_ends_us": aes_us}
 
 
-def channel_frame(count: int, repeats: int) -> dict:
-    from pdserve.channel.wire import DELTAS, LEN, frame, pack_delta, unframe, unpack_delta
+class _Buffer:
+    """Where a Link writes: the bytes kept for the reading end (a socket's kernel copy left out)."""
+
+    def __init__(self):
+        self.chunks: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def channel_frame(streams: int, count: int, repeats: int) -> dict:
+    from pdserve.channel.wire import DELTAS, LEN, Link, pack, pack_delta, session_keys, unframe, unpack_delta
     from pdserve.messages import RequestDelta
 
-    deltas = [RequestDelta(f"req-{i:04d}", " tok", [1000 + i]) for i in range(32)]
-    key = os.urandom(32)
+    deltas = [RequestDelta(f"req-{i:04d}", " tok", [1000 + i]) for i in range(streams)]
+    nonces = os.urandom(32)
 
-    def plain():
-        data = frame(DELTAS, [pack_delta(d) for d in deltas])
-        [unpack_delta(a) for a in unframe(data[LEN.size:])[1]]
+    def path(sealed: bool):
+        keys = session_keys("token", nonces, "router-0", "decode-0") if sealed else None
+        buffer = _Buffer()
+        worker, router = Link(buffer, keys[::-1] if keys else None), Link(_Buffer(), keys)
 
-    def maced():
-        data = frame(DELTAS, [pack_delta(d) for d in deltas])
-        mac = hmac.digest(key, data, hashlib.sha256)
-        body = data[LEN.size:]
-        assert hmac.compare_digest(mac, hmac.digest(key, data, hashlib.sha256))
-        [unpack_delta(a) for a in unframe(body)[1]]
+        def one():
+            # (the engine thread's part, pack; then the channel thread's, write: sealed there)
+            worker.write(pack(DELTAS, [pack_delta(d) for d in deltas]))
+            data = buffer.chunks.pop()
+            [unpack_delta(a) for a in unframe(router.open(data[LEN.size:]))[1]]
+        return one
 
-    return {"plain_us": per_message_us(plain, count, repeats), "maced_us": per_message_us(maced, count, repeats)}
+    plain, sealed = path(False), path(True)
+    out = {"streams": streams, "frame_bytes": len(pack(DELTAS, [pack_delta(d) for d in deltas])),
+           "plain_us": per_message_us(plain, count, repeats), "sealed_us": per_message_us(sealed, count, repeats)}
+    out["plain_us"] = min(out["plain_us"], per_message_us(plain, count, repeats))  # (interleaved, as above)
+    return out
 
 
 def main() -> None:
@@ -149,6 +168,7 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=2000, help="messages a timing (notices, channel frames)")
     ap.add_argument("--frames", type=int, default=50, help="KV frames a timing")
     ap.add_argument("--blocks", type=int, nargs="+", default=[4, 64, 256], help="blocks a KV frame")
+    ap.add_argument("--streams", type=int, nargs="+", default=[32, 512], help="requests' deltas a channel frame")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -156,19 +176,21 @@ def main() -> None:
     out = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
            "notice": notice(a.count, a.repeats),
            "tcp_frame": [tcp_frame(b, a.frames, a.repeats) for b in a.blocks],
-           "channel_frame": channel_frame(a.count // 4, a.repeats)}
+           "channel_frame": [channel_frame(n, max(20, a.count * 8 // n), a.repeats) for n in a.streams]}
     if a.json:
         print(json.dumps(out, indent=1))
         return
-    n, c = out["notice"], out["channel_frame"]
+    n = out["notice"]
     print(f"notice: {n['plain_us']:.2f} us plain, {n['sealed_us']:.2f} us sealed "
           f"(+{n['sealed_us'] - n['plain_us']:.2f} us, {n['sealed_us'] / n['plain_us']:.2f}x)")
     for t in out["tcp_frame"]:
         print(f"TCP KV frame of {t['payload_bytes'] / 1024:.0f} KiB: {t['unsealed_us']:.0f} us unsealed, "
               f"{t['sealed_us']:.0f} us sealed ({t['sealed_us'] / t['unsealed_us']:.2f}x); AES-GCM at both "
               f"ends alone {t['aes_gcm_both_ends_us']:.0f} us, HMAC-SHA256 at both ends {t['hmac_both_ends_us']:.0f} us")
-    print(f"channel DELTAS frame (32 streams): {c['plain_us']:.1f} us, with an HMAC at each end {c['maced_us']:.1f} us "
-          f"({c['maced_us'] / c['plain_us']:.2f}x)")
+    for c in out["channel_frame"]:
+        print(f"channel DELTAS frame of {c['streams']} streams ({c['frame_bytes']} bytes): {c['plain_us']:.1f} us "
+              f"unsealed, {c['sealed_us']:.1f} us sealed (+{c['sealed_us'] - c['plain_us']:.1f} us, "
+              f"{c['sealed_us'] / c['plain_us']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,16 @@
 names the frame. Every frame carries the typed messages of pdserve/messages.py, flattened to
 arrays here and rebuilt on the other side, so neither end passes loose dicts on.
 
-Router -> worker: HELLO (once, proving the cluster token over the worker's nonce), CALLS (one
-turn's requests or aborts for one worker, batched), TAKEN (a DELTAS frame was delivered: the
-worker sends the next; meanwhile it joins the steps' output), BEAT. Worker -> router: WELCOME (the
+Over TCP (across hosts) every frame after the hello is sealed (AES-256-GCM, pdserve/frame_seal.py,
+the KV TCP backend's sealing): the length, then the msgpack array encrypted and its tag, under a
+key per direction derived from the cluster's token and the hello's two nonces (the worker's and
+the router's), so a frame replayed, reordered, injected or changed does not open. A Unix socket
+(one host) carries them as they are: no other host sees its bytes, and its 0700 directory keeps the
+host's other users from connecting.
+
+Router -> worker: HELLO (once: its name, a proof of the cluster token over both nonces, its nonce),
+CALLS (one turn's requests or aborts for one worker, batched), TAKEN (a DELTAS frame was delivered:
+the worker sends the next; meanwhile it joins the steps' output), BEAT. Worker -> router: WELCOME (the
 hello's answer), ANSWERS (one per answered CALLS), DELTAS (one engine step's output for that
 router's requests, or the joined output of the steps since the router took the last), BEAT."""
 
@@ -17,6 +24,7 @@ from dataclasses import fields
 
 import msgpack
 
+from pdserve.frame_seal import Sealer, session_key
 from pdserve.messages import NewRequest, Refusal, Request, RequestDelta, ReserveResult, Unpaired
 from pdserve.protocol import SamplingParams, TokenLogprob
 
@@ -41,30 +49,71 @@ class BadFrame(ValueError):
     """A frame that is not the channel's (garbage, or an unknown kind)."""
 
 
-def hello_proof(token: str | None, nonce: bytes, router: str, worker: str) -> str:
-    """What a router sends to prove it holds the cluster's token (an HMAC: the token never travels)."""
-    return hmac.new((token or "").encode(), b"pdserve-channel:" + nonce + f"{router}>{worker}".encode(),
+def hello_proof(token: str | None, nonces: bytes, router: str, worker: str) -> str:
+    """What a router sends to prove it holds the cluster's token (an HMAC: the token never travels);
+    nonces: the worker's, then the router's."""
+    return hmac.new((token or "").encode(), b"pdserve-channel:" + nonces + f"{router}>{worker}".encode(),
                     hashlib.sha256).hexdigest()
 
 
+def session_keys(token: str | None, nonces: bytes, router: str, worker: str) -> tuple[bytes, bytes]:
+    """The keys of one TCP connection's sealed frames: (router to worker, worker to router)."""
+    label = b"pdserve-channel-session:"
+    return session_key(token, label, nonces, router, worker), session_key(token, label, nonces, worker, router)
+
+
+def pack(*parts) -> bytes:
+    """One frame's body (before any sealing)."""
+    return msgpack.packb(parts, use_bin_type=True)
+
+
 def frame(*parts) -> bytes:
-    body = msgpack.packb(parts, use_bin_type=True)
+    """One frame as it goes unsealed (the hello and its answer; a Unix socket's frames)."""
+    body = pack(*parts)
     return LEN.pack(len(body)) + body
+
+
+class Link:
+    """One connection's frames after the hello, either end: sealed both ways over TCP (`keys`: ours,
+    then the peer's), as they are over a Unix socket (None). Written on the connection's loop only:
+    a frame's number is its place in the stream."""
+
+    def __init__(self, writer: asyncio.StreamWriter, keys: tuple[bytes, bytes] | None):
+        self.writer = writer
+        self._out, self._in = (Sealer(keys[0]), Sealer(keys[1])) if keys else (None, None)
+
+    def write(self, body: bytes) -> None:
+        """Send one frame's body (pack()'s), sealed where the connection is."""
+        if self._out is not None:
+            body = self._out.seal(body)
+        self.writer.write(LEN.pack(len(body)) + body)
+
+    def send(self, *parts) -> None:
+        self.write(pack(*parts))
+
+    def write_if_open(self, body: bytes) -> None:
+        if not self.writer.is_closing():
+            self.write(body)
+
+    def open(self, data: bytes) -> bytes:
+        """The body of the frame in `data` (what followed its length), for unframe(); raises
+        frame_seal.BadSeal where a sealed frame is not the peer's next as sent."""
+        return self._in.open(data) if self._in is not None else data
 
 
 BEAT_S = 1.0  # each side sends at least one frame this often
 DEAD_S = 5.0  # a peer silent this long is gone (a host cut off: a killed process closes at once)
 
 
-async def beat(writer: asyncio.StreamWriter, heard: Callable[[], float], reading: asyncio.Task) -> None:
-    """Beat every BEAT_S over `writer`; once the peer has been silent for DEAD_S (`heard`: the loop
+async def beat(link: Link, heard: Callable[[], float], reading: asyncio.Task) -> None:
+    """Beat every BEAT_S over `link`; once the peer has been silent for DEAD_S (`heard`: the loop
     time of its last frame), stop `reading`, the task serving the connection."""
-    loop, frame_ = asyncio.get_running_loop(), frame(BEAT)
-    while not writer.is_closing():
+    loop, body = asyncio.get_running_loop(), pack(BEAT)
+    while not link.writer.is_closing():
         if loop.time() - heard() > DEAD_S:
             reading.cancel()
             return
-        writer.write(frame_)
+        link.write(body)
         await asyncio.sleep(BEAT_S)
 
 

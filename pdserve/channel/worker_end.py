@@ -1,20 +1,25 @@
 """A worker's end of the channel: it listens (a Unix socket for routers on its host, TCP for the
 others), takes routers that prove the cluster's token, runs their calls and sends each router its
-requests' deltas, one frame per engine step.
+requests' deltas, one frame per engine step. A TCP connection's frames after the hello are sealed
+(wire.Link); a Unix socket's are not.
 
 It runs on a thread of its own with its own event loop, as the KV TCP backend's receiver does: the
-engine loop's thread only encodes a step's deltas and hands the bytes over. A connection opens with
-a fresh nonce; the router's first frame (HELLO) names it and proves the token over that nonce.
+engine loop's thread only encodes a step's deltas and hands the bytes over (sealed, in order, on the
+channel's thread). A connection opens with a fresh nonce; the router's first frame (HELLO) names
+it, brings the router's nonce and proves the token over both.
 Anything else — a wrong proof, a frame that is not the channel's, silence past HELLO_S — is
 refused by name: logged, counted in `refused` (by why: a flood costs no memory), answered and
 closed; the worker serves on. After the hello, a frame that cannot be read (not msgpack, an unknown
 kind, a call whose items are no requests) is dropped and counted in `dropped` — a call of it is
 answered with the error, so its router does not wait out its deadline — and the connection serves
-on: the length prefix still frames the stream. Only a frame over MAX_FRAME_BYTES ends it (its
-bytes are not read). A router whose connection closes, or that says nothing for DEAD_S, is gone:
-`gone(router)` lets the worker stop its requests and free their KV blocks."""
+on: the length prefix still frames the stream. So is a sealed frame whose tag is wrong (forged,
+replayed, reordered: `bad_mac`), which counts as nothing heard: the router's next frame as sent
+still opens. Only a frame over MAX_FRAME_BYTES ends it (its bytes are not read). A router whose
+connection closes, or that says nothing for DEAD_S, is gone: `gone(router)` lets the worker stop
+its requests and free their KV blocks."""
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
@@ -25,10 +30,11 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from pdserve.frame_seal import BadSeal
 from pdserve.refusals import Refusals
 from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALL_KINDS, CALLS, DEAD_S, DELTAS, HELLO, LEN, MAX_FRAME_BYTES,
-                                  MAX_HELLO_BYTES, NONCE_BYTES, RESERVE, TAKEN, WELCOME, BadFrame, beat, frame, hello_proof,
-                                  pack_answer, pack_delta, unframe, unpack_request)
+                                  MAX_HELLO_BYTES, NONCE_BYTES, RESERVE, TAKEN, WELCOME, BadFrame, Link, beat, frame,
+                                  hello_proof, pack, pack_answer, pack_delta, session_keys, unframe, unpack_request)
 
 log = logging.getLogger(__name__)
 HELLO_S = 10.0  # a peer that does not prove who it is within this long is dropped
@@ -48,10 +54,11 @@ class ChannelServer:
         self._gone = gone
         self._met = met
         # Connections refused ("other_cluster", "not_a_router"), and frames of proven routers
-        # dropped ("malformed") or that ended their connection ("oversized"), by why.
+        # dropped ("malformed", "bad_mac": a sealed frame that does not open) or that ended their
+        # connection ("oversized"), by why.
         self.refused = Refusals(f"router channel of {worker}", log)
         self.dropped = Refusals(f"router channel of {worker}", log)
-        self._links: dict[str, _Link] = {}  # router -> its live connection
+        self._links: dict[str, _Router] = {}  # router -> its live connection
         self._heard: dict[asyncio.StreamWriter, float] = {}  # connection -> when its last frame came
         self._closing = False  # closed by its worker: the connections it drops are no router's death
         self._dir = tempfile.mkdtemp(prefix="pdserve-ch-")
@@ -69,8 +76,11 @@ class ChannelServer:
         self._error = None
         asyncio.set_event_loop(self._loop)
         try:
-            self._tcp = self._loop.run_until_complete(asyncio.start_server(self._accept, host, 0))
-            self._unix = self._loop.run_until_complete(asyncio.start_unix_server(self._accept, self._ipc))
+            # Over TCP a connection may cross hosts: its frames are sealed.
+            self._tcp = self._loop.run_until_complete(
+                asyncio.start_server(functools.partial(self._accept, sealed=True), host, 0))
+            self._unix = self._loop.run_until_complete(
+                asyncio.start_unix_server(functools.partial(self._accept, sealed=False), self._ipc))
         except Exception as e:
             self._error = e
             started.set()
@@ -93,32 +103,35 @@ class ChannelServer:
         taken the last one yet: the caller joins the next steps' output to these, so a router that
         falls behind gets fewer, larger messages, as over Ray); None: no channel to that router (the
         caller sends over Ray)."""
-        link = self._links.get(router)
-        if link is None or link.writer.is_closing():
+        r = self._links.get(router)
+        if r is None or r.link.writer.is_closing():
             return None
-        if link.sent - link.taken >= IN_FLIGHT:
+        if r.sent - r.taken >= IN_FLIGHT:
             return False
-        data = frame(DELTAS, [pack_delta(d) for d in deltas])
-        link.sent += 1  # (only this thread writes `sent`; only the channel's thread writes `taken`)
-        self._loop.call_soon_threadsafe(_write, link.writer, data)
+        body = pack(DELTAS, [pack_delta(d) for d in deltas])
+        r.sent += 1  # (only this thread writes `sent`; only the channel's thread writes `taken`)
+        self._loop.call_soon_threadsafe(r.link.write_if_open, body)  # (sealed there: in the stream's order)
         return True
 
     # -- connections -----------------------------------------------------------------------------------
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        router = await self._hello(reader, writer)
-        if router is None:
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sealed: bool) -> None:
+        met = await self._hello(reader, writer)
+        if met is None:
             writer.close()
             return
+        router, nonces = met
+        # Sealed: ours (worker to router) first, then the router's.
+        link = Link(writer, session_keys(self._token, nonces, router, self.worker)[::-1] if sealed else None)
         old = self._links.get(router)
         self._met(router)
-        self._links[router] = link = _Link(writer)
+        self._links[router] = r = _Router(link)
         if old is not None:  # the router connected again: its old connection is over
-            old.writer.close()
+            old.link.writer.close()
         self._heard[writer] = self._loop.time()
-        beats = asyncio.ensure_future(beat(writer, lambda: self._heard.get(writer, 0.0), asyncio.current_task()))
+        beats = asyncio.ensure_future(beat(link, lambda: self._heard.get(writer, 0.0), asyncio.current_task()))
         try:
-            await self._read(router, reader, link)
+            await self._read(router, reader, r)
         except asyncio.CancelledError:  # silent past DEAD_S (wire.beat), or the worker closes
             if not self._closing:
                 log.warning("router channel %s <- %s: silent for %g s", self.worker, router, DEAD_S)
@@ -129,32 +142,33 @@ class ChannelServer:
             beats.cancel()
             self._heard.pop(writer, None)
             writer.close()
-            if self._links.get(router) is link:  # (not replaced by a newer connection of it)
+            if self._links.get(router) is r:  # (not replaced by a newer connection of it)
                 del self._links[router]
                 if not self._closing:
                     log.info("router %s's channel to %s closed: its requests here stop", router, self.worker)
                     self._gone(router)
 
-    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
-        """The router's name if its hello proves our cluster's token; else None, refused by name."""
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[str, bytes] | None:
+        """(The router's name, the hello's nonces: ours, then its) if its hello proves our cluster's
+        token; else None, refused by name."""
         nonce = os.urandom(NONCE_BYTES)
-        sender, reason, why = "?", "", None
+        sender, reason, why, nonces = "?", "", None, b""
         try:
             writer.write(nonce)
             (n,) = LEN.unpack(await asyncio.wait_for(reader.readexactly(LEN.size), HELLO_S))
             if n > MAX_HELLO_BYTES:
                 raise BadFrame(f"a first frame of {n} bytes is no hello")
             parts = unframe(await asyncio.wait_for(reader.readexactly(n), HELLO_S))
-            if parts[0] != HELLO or len(parts) != 3:
+            if parts[0] != HELLO or len(parts) != 4 or not isinstance(parts[3], bytes) or len(parts[3]) != NONCE_BYTES:
                 raise BadFrame(f"a first frame {parts[0]!r} is no hello")
-            sender = str(parts[1])
-            if not hmac.compare_digest(str(parts[2]), hello_proof(self._token, nonce, sender, self.worker)):
+            sender, nonces = str(parts[1]), nonce + parts[3]
+            if not hmac.compare_digest(str(parts[2]), hello_proof(self._token, nonces, sender, self.worker)):
                 reason, why = "other_cluster", f"{sender!r} belongs to another cluster: its cluster token differs"
         except (BadFrame, TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
             reason, why = "not_a_router", f"not a pdserve router: {e or type(e).__name__}"
         if why is None:
             writer.write(frame(WELCOME, True, ""))
-            return sender
+            return sender, nonces
         self.refused.refuse(reason, f"a connection from {sender}: {why}")
         try:
             writer.write(frame(WELCOME, False, why))
@@ -163,25 +177,30 @@ class ChannelServer:
             pass
         return None
 
-    async def _read(self, router: str, reader: asyncio.StreamReader, link: "_Link") -> None:
-        heard, writer = self._heard, link.writer
+    async def _read(self, router: str, reader: asyncio.StreamReader, r: "_Router") -> None:
+        heard, writer = self._heard, r.link.writer
         while True:
             (n,) = LEN.unpack(await reader.readexactly(LEN.size))
             if n > MAX_FRAME_BYTES:
                 self.dropped.refuse("oversized", f"a frame of {n} bytes from {router}; its connection closed")
                 raise BadFrame(f"a frame of {n} bytes")
             body = await reader.readexactly(n)
+            try:
+                body = r.link.open(body)
+            except BadSeal as e:  # not the router's (nothing heard from it): its next frame may still open
+                self.dropped.refuse("bad_mac", f"a frame to {router}'s connection: {e}")
+                continue
             heard[writer] = self._loop.time()
             try:
-                self._take(router, unframe(body), link)
+                self._take(router, unframe(body), r)
             except BadFrame as e:  # a broken frame, not a dead router: it goes, the connection serves on
                 self.dropped.refuse("malformed", f"a frame from {router}: {e}")
 
-    def _take(self, router: str, parts: list, link: "_Link") -> None:
+    def _take(self, router: str, parts: list, r: "_Router") -> None:
         """Act on one frame of a proven router; raises BadFrame where it is none of the channel's."""
-        writer = link.writer
+        link = r.link
         if parts[0] == TAKEN:
-            link.taken += 1
+            r.taken += 1
             return
         if parts[0] == BEAT:
             return
@@ -192,14 +211,14 @@ class ChannelServer:
             try:
                 items = [unpack_request(a) for a in items]
             except Exception as e:  # its router waits on the call: it hears why
-                self._answer(writer, seq, None, f"BadFrame: a {kind} call whose items are no requests")
+                self._answer(link, seq, None, f"BadFrame: a {kind} call whose items are no requests")
                 raise BadFrame(f"a {kind} call whose items are no requests ({type(e).__name__})") from None
         elif not isinstance(items, list) or not all(isinstance(i, str) for i in items):
             raise BadFrame("an abort of no request ids")
         if kind in BLOCKING:
-            asyncio.ensure_future(self._call_aside(writer, seq, kind, items, router))
+            asyncio.ensure_future(self._call_aside(link, seq, kind, items, router))
         else:
-            self._answer(writer, seq, *self._call(kind, items, router))
+            self._answer(link, seq, *self._call(kind, items, router))
 
     def _call(self, kind: str, items: list, router: str) -> tuple[list | None, str | None]:
         try:
@@ -208,13 +227,14 @@ class ChannelServer:
             log.exception("%s: %s call from %s failed", self.worker, kind, router)
             return None, f"{type(e).__name__}: {e}"
 
-    async def _call_aside(self, writer, seq: int, kind: str, items: list, router: str) -> None:
+    async def _call_aside(self, link: Link, seq: int, kind: str, items: list, router: str) -> None:
         answers, error = await self._loop.run_in_executor(self._calls, self._call, kind, items, router)
-        self._answer(writer, seq, answers, error)
+        self._answer(link, seq, answers, error)
 
-    def _answer(self, writer: asyncio.StreamWriter, seq: int, answers: list | None, error: str | None) -> None:
-        if seq and not writer.is_closing():
-            writer.write(frame(ANSWERS, seq, None if answers is None else [pack_answer(a) for a in answers], error))
+    def _answer(self, link: Link, seq: int, answers: list | None, error: str | None) -> None:
+        if seq:
+            packed = None if answers is None else [pack_answer(a) for a in answers]
+            link.write_if_open(pack(ANSWERS, seq, packed, error))
 
     def close(self) -> None:
         """Stop listening and drop every router's connection (a flip's old role, a worker's end)."""
@@ -223,8 +243,8 @@ class ChannelServer:
         async def _close():
             self._tcp.close()
             self._unix.close()
-            for link in list(self._links.values()):
-                link.writer.close()
+            for r in list(self._links.values()):
+                r.link.writer.close()
             # Every connection's tasks end here, not destroyed pending when the loop stops.
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
@@ -238,15 +258,10 @@ class ChannelServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-class _Link:
+class _Router:
     """A router's connection, and the deltas frames sent on it and taken by the router."""
 
-    def __init__(self, writer: asyncio.StreamWriter):
-        self.writer = writer
+    def __init__(self, link: Link):
+        self.link = link
         self.sent = 0
         self.taken = 0
-
-
-def _write(w: asyncio.StreamWriter, data: bytes) -> None:
-    if not w.is_closing():
-        w.write(data)

@@ -295,4 +295,14 @@ class EngineWorker:
                             e.pool.num_free_blocks, e.pool.num_blocks, self.aborted, pid=os.getpid(),
                             held=len(e.seqs) + self.loop.queued() + self._held(), profile=e.profile.snapshot(),
                             max_num_seqs=e.config.max_num_seqs, reserved=e.num_reserved,
-                            kv_peers=sorted(self.connector.peers) if self.connector is not None else [])
+                            kv_peers=sorted(self.connector.peers) if self.connector is not None else [],
+                            refusals=self.refusals())
+
+    def refusals(self) -> dict[str, dict[str, int]]:
+        """What this worker's internal endpoints refused or dropped so far, by endpoint and why: the
+        router channel's connections and frames, the KV notices' seal, the KV backend's own."""
+        # Each counter copied whole (dict(), one C call under the GIL): the endpoints' threads count on.
+        out = {"router_channel": {**self.channel.refused, **self.channel.dropped}}
+        if self.connector is not None:
+            out |= {"kv_notices": self.connector.dropped, **self.connector.backend.refusals()}
+        return {endpoint: dict(counts) for endpoint, counts in out.items() if counts}
