@@ -14,6 +14,13 @@ runs beside the replicas that serve, on the same cores where the host has few: a
 replicas on a small host lengthened the TTFT of requests served meanwhile (tests/test_chaos.py). So
 a worker starts STARTING_NICE below its serving priority and moves to it once ready.
 
+Within a process, threads take turns at the interpreter: a thread that waits for it gets it only when
+the holder blocks or after the switch interval, 5 ms by default. A worker's channel thread (a request
+in, a step's deltas out) waits so behind its engine loop's thread, which runs the next step's host
+work right after handing over a step's tokens; a router's loop behind its preload and Ray's threads.
+So a serving process hands the interpreter over every SWITCH_S (PDSERVE_SWITCH_INTERVAL_S overrides
+it, for a same-run comparison): the wait a hop can add is then that, not 5 ms.
+
 Linux keeps a priority per thread, and a thread inherits its creator's: moving means every thread
 the start made (the KV posting thread, torch's pool, UCX's) as well as the main one. A start is only
 lowered where the process may come back: a worker stuck at a low priority would be worse than a slow
@@ -23,11 +30,13 @@ start.
 import logging
 import os
 import resource
+import sys
 
 log = logging.getLogger(__name__)
 
 SERVING_NICE = 0
 STARTING_NICE = 10
+SWITCH_S = float(os.environ.get("PDSERVE_SWITCH_INTERVAL_S", "0.0005"))
 
 
 def serving_priority() -> int:
@@ -59,7 +68,9 @@ def serve_now() -> None:
 
 
 def back_to(priority: int | None) -> None:
-    """Every thread of this process to `priority` (yield_while_starting's answer)."""
+    """Every thread of this process to `priority` (yield_while_starting's answer), taking turns at
+    the interpreter every SWITCH_S."""
+    sys.setswitchinterval(SWITCH_S)
     if priority is None:
         return
     try:

@@ -24,6 +24,9 @@ t = threading.Thread(target=lambda: (started.set(), time.sleep(2)), daemon=True)
 t.start(); started.wait()
 assert os.getpriority(os.PRIO_PROCESS, t.native_id) == SERVING_NICE + STARTING_NICE  # inherited
 back_to(p)
+import sys
+from pdserve.priority import SWITCH_S
+assert sys.getswitchinterval() == SWITCH_S < 0.005, sys.getswitchinterval()  # turns at the interpreter
 print(os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, t.native_id))
 """
 
@@ -33,6 +36,9 @@ from pdserve.priority import serve_now
 t = threading.Thread(target=time.sleep, args=(2,), daemon=True)
 t.start()
 serve_now()
+import sys
+from pdserve.priority import SWITCH_S
+assert sys.getswitchinterval() == SWITCH_S < 0.005, sys.getswitchinterval()
 print(os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, t.native_id))
 """
 

@@ -5,7 +5,8 @@ prompt's TTFT is put against (the serving path's share is the difference).
 
 Builds the engine a colocated replica of cluster.yaml runs (same settings, in this process), then
 for each overlap setting times `add_request` until the step that hands out the first token,
-`--reps` times one prompt at a time (distinct random prompts: no prefix-cache hits). Overlapped
+`--reps` times one prompt at a time (distinct random prompts: no prefix-cache hits), each after
+`--gap-s` idle seconds. Overlapped
 (a GPU's default), the first token is handed out only once the next step is queued: that step's
 host work is part of the engine's own first-token time. `bench-engine`'s prefill figure is the
 prefill step alone.
@@ -24,9 +25,10 @@ from pdserve.engine.engine import Engine
 from pdserve.protocol import SamplingParams
 
 
-def first_token_ms(engine: Engine, ids: list[int], rid: str) -> float:
+def first_token_ms(engine: Engine, ids: list[int], rid: str, gap_s: float = 0.0) -> float:
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
+    time.sleep(gap_s)  # the device and the host idle as between a served light load's requests
     t0 = time.perf_counter()
     engine.add_request(rid, ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     while not any(o.request_id == rid for o in engine.step()):
@@ -42,6 +44,9 @@ def main() -> None:
     ap.add_argument("config")
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[4096], help="one or more prompt lengths")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--gap-s", type=float, default=0.0,
+                    help="idle seconds before each prompt (1: as `pdserve bench --rate 1` leaves the engine between "
+                         "requests; a GPU idle that long starts its next kernels slower)")
     ap.add_argument("--json")
     a = ap.parse_args()
     cfg = load_cluster_config(a.config)
@@ -52,7 +57,7 @@ def main() -> None:
         engine = Engine(base.model_copy(update={"overlap_scheduling": overlap}))
         vocab = engine.args.vocab_size
         for n in a.prompt_len:
-            times = [first_token_ms(engine, [rng.randrange(3, vocab) for _ in range(n)], f"r{n}-{i}")
+            times = [first_token_ms(engine, [rng.randrange(3, vocab) for _ in range(n)], f"r{n}-{i}", a.gap_s)
                      for i in range(a.reps + 2)][2:]  # two warm-ups
             # The engine's own step figures (what a served worker reports in its stats' profile too):
             # a served lone prompt's steps against these say whether the serving path slows the steps
