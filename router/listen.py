@@ -19,7 +19,11 @@ def bind_listener(host: str, port: int, key: str, shared: bool = False) -> socke
     unrelated server) still fails the bind. The first router checks the port is free first
     (`claim_shared`), so that a stale router of another cluster cannot silently split the traffic."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on connections whose socket says
+    # so (an accepted socket takes its listener's). Without it, a response written in two parts
+    # (uvicorn's headers, then its body) waited for the client's delayed ACK: 40 ms on every answer
+    # but the first of a kept-alive connection, as the openai client keeps them.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     # Lets a restart bind while the previous server's connections sit in TIME_WAIT; a port that
     # another process *listens* on still fails.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
