@@ -220,7 +220,13 @@ def mtp_checkpoint(root: Path, seed: int = 0, sharp: bool = False) -> tuple[Path
         for name, b in oracle.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn_like(b))
-        if sharp:  # the draft's head reads the embeddings as the model's does: an easy guess
+        if sharp:
+            # An easy guess: the sharp model's next token follows mostly from the current one (its
+            # head reads a permutation of the embeddings); here eh_proj passes the next token's
+            # embedding on (strongly: the layer's random attention and experts still move it) and
+            # the same head reads it, so the draft is the sharp model's token after the next.
+            h = config.hidden_size
+            oracle.eh_proj.weight.copy_(torch.cat([SHARP_EMBED * torch.eye(h), torch.zeros(h, h)], 1))
             oracle.head.weight.copy_(ck.hf_model.lm_head.weight)
     files = sorted(path.glob("*.safetensors"))
     assert len(files) == 1, files  # (one file: the MTP tensors go into it)

@@ -57,3 +57,85 @@ def test_a_model_without_mtp_loads_as_before_and_mtp_is_refused_by_name(mtp_ckpt
     assert model.mtp is None  # the layer's tensors are skipped
     with pytest.raises(ValueError, match="speculative.method 'mtp'.*Qwen3MoeForCausalLM has none"):
         load_model("tiny-moe", torch.float32, "cpu", mtp=True)
+
+
+# -- speculative decoding with the MTP layer -------------------------------------------------------
+
+from test_spec_decode import engine, run, tokens  # noqa: E402  (one engine builder, one step loop)
+
+from pdserve.protocol import SamplingParams  # noqa: E402
+
+MTP = {"method": "mtp"}
+
+
+@pytest.fixture(scope="module")
+def sharp(tmp_path_factory) -> str:
+    """A checkpoint whose greedy answers hold clear leaders (rounding does not flip them) and whose
+    MTP head reads the embeddings as the model's head does."""
+    return str(mtp_checkpoint(tmp_path_factory.mktemp("mtp-sharp"), sharp=True)[0])
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [3], [1, 2], torch.randint(0, 128, (40,), generator=g).tolist()]
+
+
+def test_greedy_tokens_are_identical_and_drafts_are_accepted(sharp):
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    off, on = engine(sharp), engine(sharp, speculative=MTP)
+    assert on.layout.num_layers == off.layout.num_layers + 1  # the MTP layer's KV, in the same blocks
+    assert tokens(run(on, prompts(), params)) == tokens(run(off, prompts(), params))  # (run: blocks back idle)
+    p = on.profile
+    assert 0 < p.spec_accepted_tokens <= p.spec_draft_tokens
+    # Every decode step carries its one draft (the prompt's step left the first), but a sequence's
+    # last where max_tokens leaves no room: 31 tokens after the first, one a draft accepted.
+    assert p.spec_draft_tokens + p.spec_accepted_tokens >= len(prompts()) * (31 - 1)
+
+
+@pytest.mark.parametrize("kw", [
+    {"num_kv_blocks": 9, "enable_prefix_cache": False},  # preemption by recompute among drafts
+    {"max_num_batched_tokens": 12, "chunk_size": 7},  # chunked prompts, drafts within a small budget
+])
+def test_greedy_tokens_are_identical_under_other_schedules(sharp, kw):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = tokens(run(engine(sharp), prompts(), params))
+    on = engine(sharp, speculative=MTP, **kw)
+    assert tokens(run(on, prompts(), params)) == want
+    assert on.profile.spec_accepted_tokens > 0
+    if "num_kv_blocks" in kw:
+        assert on.scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_is_reproducible_and_an_opted_out_request_is_not_drafted(sharp):
+    off, on = engine(sharp), engine(sharp, speculative=MTP)
+    seeded = [SamplingParams(max_tokens=20, temperature=0.8, seed=s, ignore_eos=True) for s in (3, 3, 4)]
+    a, b, c = (x.token_ids for x in on.generate([prompts()[0]] * 3, seeded))
+    assert a == b != c
+    drafted = on.profile.spec_draft_tokens
+    out = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, speculative=False)
+    assert tokens(run(on, prompts(), out)) == tokens(run(off, prompts(), out))
+    assert on.profile.spec_draft_tokens == drafted
+
+
+def test_abort_during_a_step_frees_every_block(sharp):
+    on = engine(sharp, speculative=MTP)
+    idle = on.pool.num_free_blocks
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    on.add_request("a", prompts()[0], params)
+    on.add_request("b", prompts()[1], params)
+    aborted = []
+
+    def abort_in_verify(layer, scheduled):  # inside the step's forward: the MTP layer runs after it
+        if layer == 0 and any(s.draft for s in scheduled) and not aborted:
+            aborted.append(on.abort("a"))
+
+    on.layer_hook = abort_in_verify
+    while on.has_unfinished():
+        on.step()
+    assert aborted == [True]
+    assert on.pool.num_free_blocks == idle
+
+
+def test_mtp_on_a_model_without_the_layer_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match="speculative.method 'mtp'"):
+        engine(speculative=MTP)
