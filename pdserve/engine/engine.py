@@ -350,14 +350,15 @@ class Engine:
         # Sized before the launch moves num_computed_tokens on. Overlapped, the call's time is that
         # of the step before (it waits for it) but in a steady batch the two are alike.
         decoding = sum(1 for s in scheduled if s.seq.num_computed_tokens >= s.seq.num_tokens - 1)
-        prompt = sum(s.num_new_tokens - len(s.draft) for s in scheduled) - decoding
+        drafts = sum(len(s.draft) for s in scheduled)
+        prompt = sum(s.num_new_tokens for s in scheduled) - drafts - decoding
         launched = self._launch(scheduled) if scheduled else None
         if not self.overlap:
             outputs += self._complete(launched) if launched else []
         else:
             prev, self._inflight = self._inflight, launched
             outputs += self._complete(prev) if prev else []
-        timer.done(prompt, decoding)
+        timer.done(prompt, decoding, drafts)  # (a verify step is kept out of the decode fit)
         return outputs
 
     def _launch(self, scheduled: list[ScheduledSeq]) -> Launched:
