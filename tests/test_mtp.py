@@ -139,3 +139,57 @@ def test_abort_during_a_step_frees_every_block(sharp):
 def test_mtp_on_a_model_without_the_layer_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="speculative.method 'mtp'"):
         engine(speculative=MTP)
+
+
+def test_a_prefill_engine_computes_and_hands_on_the_mtp_layers_kv(sharp):
+    """What moves to the decode replica: the prefill engine's MTP layer KV of a prompt, heard by its
+    layer hook after the model's layers, equals what a colocated engine computes for it."""
+    prompt = prompts()[3]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    pre = engine(sharp, speculative=MTP, role="prefill")
+    heard = []
+    pre.layer_hook = lambda layer, scheduled: heard.append(layer)
+    pre.add_request("p", prompt, params)
+    out = pre.step()
+    L = pre.args.num_layers
+    assert heard == list(range(L + 1)) and out[0].finished
+    col = engine(sharp, speculative=MTP)
+    col.add_request("c", prompt, SamplingParams(max_tokens=2, temperature=0))
+    col.step()  # the prompt's step (colocated: also the MTP layer's over it)
+    assert out[0].token_ids == col.seqs["c"].token_ids[len(prompt):]
+    n = len(prompt)
+    mine = pre.kv_cache[L, :, out[0].kv_block_ids].flatten(1, 2)[:, :n]
+    theirs = col.kv_cache[L, :, col.seqs["c"].block_ids].flatten(1, 2)[:, :n]
+    assert mine.abs().sum() > 0
+    torch.testing.assert_close(mine, theirs)
+    pre.release("p")
+
+
+def test_disaggregated_greedy_text_equals_colocated(sharp, tmp_path):
+    """`pdserve up` with one prefill and one decode replica (NIXL), the decode one drafting with the
+    MTP layer: the prefill replica computes the layer's KV of each prompt, which moves with the
+    rest; the decode replica drafts from its second step on. Same greedy text as one engine alone,
+    blocks back idle, drafts accepted (vLLM's counters in /metrics)."""
+    import openai
+
+    from serving_cluster import Cluster, until
+
+    ref = engine(sharp)
+    c = Cluster(tmp_path, model={"path": sharp}, decode={"speculative": MTP})
+    try:
+        c.wait_ready()
+        oa = openai.OpenAI(base_url=f"{c.url}/v1", api_key="unused", max_retries=0)
+        for p in prompts():
+            want = ref.generate([p], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].text
+            r = oa.completions.create(model=sharp, prompt=p, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+            assert r.choices[0].text == want
+        assert all(s["used"] == 0 for s in c.wait_idle().values())
+
+        def counter(name: str) -> float:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in c.metrics().splitlines() if line.startswith(name))
+
+        until(lambda: counter("vllm:spec_decode_num_accepted_tokens_total") > 0, 10, "accepted drafts in /metrics")
+        assert counter("vllm:spec_decode_num_draft_tokens_total") >= counter("vllm:spec_decode_num_accepted_tokens_total")
+    finally:
+        assert c.stop() == 0, c.output()
