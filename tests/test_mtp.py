@@ -8,6 +8,7 @@ from hf_checkpoints import mtp_checkpoint
 from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.forward.kv_cache import KVLayout, allocate_kv_cache
 from pdserve.models.loader import load_model
+from pdserve.ops.backends import make_backends
 
 BLOCK = 16
 
@@ -18,20 +19,29 @@ def mtp_ckpt(tmp_path_factory):
 
 
 def one_prompt(ids: list[int], positions: range, kv: torch.Tensor, table: list[int]) -> ForwardBatch:
-    long = dict(dtype=torch.long)
+    long = dict(dtype=torch.long, device=kv.device)
     pos = list(positions)
     return ForwardBatch(
         input_ids=torch.tensor(ids, **long), positions=torch.tensor(pos, **long),
         slot_mapping=torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in pos], **long),
         block_tables=torch.tensor([table], **long), query_start=[0, len(pos)], context_lens=[pos[-1] + 1],
-        logits_indices=torch.arange(len(pos)), kv_cache=kv)
+        logits_indices=torch.arange(len(pos), device=kv.device), kv_cache=kv,
+        context_lens_t=torch.tensor([pos[-1] + 1], dtype=torch.int32, device=kv.device),
+        query_start_t=torch.tensor([0, len(pos)], dtype=torch.int32, device=kv.device))
 
 
-def test_draft_logits_match_transformers_modules(mtp_ckpt):
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_draft_logits_match_transformers_modules(mtp_ckpt, device):
+    """On the CPU with the torch reference kernels; on a GPU with the Triton ones (float32 both)."""
     path, ck, oracle = mtp_ckpt
-    model, args = load_model(str(path), torch.float32, "cpu", mtp=True)
+    backends = make_backends("auto", "auto", torch.device(device))
+    model, args = load_model(str(path), torch.float32, device, attn_backend=backends[0], moe_backend=backends[1],
+                             norms=backends[2], mtp=True)
     assert args.num_nextn_predict_layers == 1 and model.mtp is not None
-    kv = allocate_kv_cache(KVLayout.for_model(args, 8, BLOCK, torch.float32, extra_layers=1), torch.device("cpu"))
+    kv = allocate_kv_cache(KVLayout.for_model(args, 8, BLOCK, torch.float32, extra_layers=1), torch.device(device))
     table = [5, 2, 7]
     prompt = torch.randint(0, args.vocab_size, (37,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
@@ -39,15 +49,15 @@ def test_draft_logits_match_transformers_modules(mtp_ckpt):
         want = oracle(ck.hf_model, hf_hidden[:-1], prompt[1:])
     with torch.inference_mode():
         hidden = model(one_prompt(prompt, range(len(prompt)), kv, table))
-        torch.testing.assert_close(hidden, hf_hidden, rtol=1e-4, atol=1e-4 * hf_hidden.abs().max().item())
+        torch.testing.assert_close(hidden.cpu(), hf_hidden, rtol=1e-4, atol=1e-4 * hf_hidden.abs().max().item())
         # Whole, then in two chunks over the MTP layer's own KV (as a chunked prompt, then decode).
         got = model.mtp.compute_logits(model.mtp_forward(one_prompt(prompt[1:], range(36), kv, table), hidden[:-1]))
         a = model.mtp.compute_logits(model.mtp_forward(one_prompt(prompt[1:21], range(20), kv, table), hidden[:20]))
         b = model.mtp.compute_logits(model.mtp_forward(one_prompt(prompt[21:], range(20, 36), kv, table),
                                                        hidden[20:-1]))
     tol = 1e-4 * want.abs().max().item()
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=tol)
-    torch.testing.assert_close(torch.cat([a, b]), want, rtol=1e-4, atol=tol)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=tol)
+    torch.testing.assert_close(torch.cat([a, b]).cpu(), want, rtol=1e-4, atol=tol)
     assert kv[args.num_layers].abs().sum() > 0  # the MTP layer cached in the layer after the model's
 
 
@@ -63,6 +73,8 @@ def test_a_model_without_mtp_loads_as_before_and_mtp_is_refused_by_name(mtp_ckpt
 
 from test_spec_decode import engine, run, tokens  # noqa: E402  (one engine builder, one step loop)
 
+from pdserve.config import EngineConfig, ModelConfig  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
 from pdserve.protocol import SamplingParams  # noqa: E402
 
 MTP = {"method": "mtp"}
@@ -136,6 +148,17 @@ def test_abort_during_a_step_frees_every_block(sharp):
     assert on.pool.num_free_blocks == idle
 
 
+@GPU
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_greedy_tokens_are_identical_and_drafts_are_accepted(sharp, dtype):
+    """On a GPU (Triton kernels, plain decode steps from CUDA graphs, verify steps eager)."""
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    kw = dict(device="cuda", model=ModelConfig(path=sharp, dtype=dtype), num_kv_blocks=256)
+    off, on = Engine(EngineConfig(**kw)), Engine(EngineConfig(**kw, speculative=MTP))
+    assert tokens(run(on, prompts(), params)) == tokens(run(off, prompts(), params))
+    assert on.profile.spec_accepted_tokens > 0
+
+
 def test_mtp_on_a_model_without_the_layer_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="speculative.method 'mtp'"):
         engine(speculative=MTP)
@@ -193,3 +216,36 @@ def test_disaggregated_greedy_text_equals_colocated(sharp, tmp_path):
         assert counter("vllm:spec_decode_num_draft_tokens_total") >= counter("vllm:spec_decode_num_accepted_tokens_total")
     finally:
         assert c.stop() == 0, c.output()
+
+
+def test_config_errors_name_their_keys(sharp, tmp_path):
+    import yaml
+
+    from pdserve.config import ClusterConfig, ConfigError, load_cluster_config
+    from pdserve.control.model_fit import check_model_fit
+    from pdserve.models import resolve_model_args
+
+    def refused(raw: dict) -> str:
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        with pytest.raises(ConfigError) as e:
+            load_cluster_config(str(path))
+        return str(e.value)
+
+    assert "decode.speculative" in refused({"decode": {"speculative": {"method": "mtp", "num_tokens": 3}}})
+    assert "num_tokens 3 with method 'mtp'" in refused({"decode": {"speculative": {"method": "mtp", "num_tokens": 3}}})
+    assert "expert-parallel" in refused({"decode": {"ep_size": 2, "speculative": {"method": "mtp"}}})
+    cfg = ClusterConfig.model_validate({"decode": {"speculative": MTP}})
+    assert cfg.engine_config("prefill").speculative.mtp  # the prefill side computes the layer's KV
+    assert cfg.engine_config("decode").speculative.draft_tokens == 1
+    assert not ClusterConfig.model_validate({"decode": {"speculative": SPEC_NGRAM}}).engine_config(
+        "prefill").speculative.method
+    check_model_fit(cfg, resolve_model_args(sharp))
+    with pytest.raises(ConfigError, match=r"decode.speculative.method: 'mtp' is not allowed — the model"):
+        check_model_fit(cfg, resolve_model_args("tiny-moe"))
+    tp = ClusterConfig.model_validate({"colocated": {"replicas": 1, "tp_size": 2, "speculative": MTP}})
+    with pytest.raises(ConfigError, match=r"colocated.speculative.method: 'mtp' is not allowed with colocated.tp_size"):
+        check_model_fit(tp, resolve_model_args(sharp))
+
+
+SPEC_NGRAM = {"method": "ngram"}
