@@ -188,6 +188,15 @@ def test_a_prefill_engine_computes_and_hands_on_the_mtp_layers_kv(sharp):
     pre.release("p")
 
 
+def test_a_prefill_engine_flipped_to_decode_drafts_with_its_mtp_layer(sharp):
+    pre = engine(sharp, speculative=MTP, role="prefill")
+    assert not pre.speculative and pre.scheduler.drafter is None
+    pre.change_role(pre.config.model_copy(update={"role": "colocated"}))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert tokens(run(pre, prompts(), params)) == tokens(run(engine(sharp), prompts(), params))
+    assert pre.profile.spec_accepted_tokens > 0
+
+
 def test_disaggregated_greedy_text_equals_colocated(sharp, tmp_path):
     """`pdserve up` with one prefill and one decode replica (NIXL), the decode one drafting with the
     MTP layer: the prefill replica computes the layer's KV of each prompt, which moves with the

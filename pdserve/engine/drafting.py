@@ -25,8 +25,8 @@ class Drafting:
             return []
         k = min(self.spec.draft_tokens, room, seq.params.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - seq.num_tokens - 1)
-        if self.spec.mtp:
-            return self.mtp.propose(seq, k)
+        if self.spec.mtp:  # (an engine built without the layer, then flipped to a role that asks for it: none)
+            return self.mtp.propose(seq, k) if self.mtp is not None else []
         return self._ngram.propose(seq.request_id, seq.token_ids, k)
 
     def forget(self, request_id: str) -> None:
