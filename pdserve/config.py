@@ -6,6 +6,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from pdserve.speculative_config import SpeculativeConfig
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -27,27 +29,6 @@ class ModelConfig(_Strict):
     # `pdserve up` on one host reads the checkpoint's files into the page cache while Ray starts
     # and the workers spawn (as much as half the available memory holds; control/prefetch.py).
     prefetch: bool = True
-
-
-class SpeculativeConfig(_Strict):
-    """Speculative decoding (vLLM's speculative_config): each decoding sequence's next tokens are
-    guessed and the guesses checked in the same target step; the output is unchanged (greedy: the
-    same tokens; sampled: the same distribution, by rejection sampling). Off by default."""
-
-    # ngram: prompt lookup (vLLM's "ngram"): the tokens that followed the latest earlier occurrence
-    # of the sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min.
-    method: Literal["ngram"] | None = None
-    num_tokens: int = Field(default=4, ge=1, le=16)  # draft tokens per sequence per step (vLLM's num_speculative_tokens)
-    prompt_lookup_max: int = Field(default=4, ge=1)
-    prompt_lookup_min: int = Field(default=1, ge=1)
-
-    @model_validator(mode="after")
-    def _lookup_range(self) -> "SpeculativeConfig":
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise PydanticCustomError(
-                "lookup_range", "prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})",
-                {"lo": self.prompt_lookup_min, "hi": self.prompt_lookup_max})
-        return self
 
 
 class EngineConfig(_Strict):
@@ -89,7 +70,8 @@ class EngineConfig(_Strict):
     # where kernels compile on first use; on CPU nothing does, and it would only cost time).
     warm_up: bool | None = None
     # Draft tokens checked in each decode step (engine/spec_decode.py); the colocated and decode
-    # roles only (a prefill engine samples one token per request).
+    # roles only (a prefill engine samples one token per request; given method mtp, it computes the
+    # MTP layer's KV of each prompt, which moves to the decode replica with the rest).
     speculative: SpeculativeConfig = SpeculativeConfig()
 
     @field_validator("device")
@@ -335,6 +317,14 @@ class DecodeConfig(_Strict):
     warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
     placement: PlacementConfig = PlacementConfig()
 
+    @field_validator("speculative")
+    @classmethod
+    def _speculative(cls, v: SpeculativeConfig, info: ValidationInfo) -> SpeculativeConfig:
+        if v.mtp and info.data.get("ep_size", 1) > 1:  # (its prefill replicas would cache one layer more)
+            raise PydanticCustomError("mtp_ep", "method 'mtp' is not for an expert-parallel decode replica "
+                                      "(ep_size {ep}): its ranks do not speculate", {"ep": info.data["ep_size"]})
+        return v
+
 
 class ColocatedConfig(_Strict):
     """Replicas doing both phases in one engine (continuous batching, chunked prefill): the
@@ -473,6 +463,8 @@ class ClusterConfig(_Strict):
         kw.update(max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size)
         if role in ("prefill", "colocated"):  # the prompt phase
             kw.update(prefill_graph_max_tokens=r.prefill_graph_max_tokens)
+        if role == "prefill" and self.decode.speculative.mtp:
+            kw.update(speculative=self.decode.speculative)  # the MTP layer's KV goes with the prompt's
         if role in ("decode", "colocated"):  # the generation phase
             kw.update(max_num_seqs=r.max_num_seqs, cuda_graphs=r.cuda_graphs,
                       overlap_scheduling=r.overlap_scheduling,

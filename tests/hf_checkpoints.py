@@ -145,3 +145,97 @@ def clear_prompts(reference, prompts: list[list[int]], n: int, tokens: int, min_
     best = sorted(range(len(prompts)), key=lambda i: -margin[i])[:n]
     assert min(margin[i] for i in best) >= min_margin, sorted(margin)[-n:]
     return [prompts[i] for i in best], [ref[i].token_ids for i in best]
+
+
+class HFMultiTokenPredictor(torch.nn.Module):
+    """DeepSeek-V3's MTP layer built from transformers' own modules (its DeepseekV3ForCausalLM drops
+    the layer): the oracle of pdserve.models.deepseek_mtp. `forward` takes the main model's last
+    hidden states (after its final norm) and the tokens after each position."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+        h = config.hidden_size
+        self.enorm = hf.DeepseekV3RMSNorm(h, eps=config.rms_norm_eps)
+        self.hnorm = hf.DeepseekV3RMSNorm(h, eps=config.rms_norm_eps)
+        self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+        self.block = hf.DeepseekV3DecoderLayer(config, layer_idx=config.num_hidden_layers)
+        self.norm = hf.DeepseekV3RMSNorm(h, eps=config.rms_norm_eps)
+        self.head = torch.nn.Linear(h, config.vocab_size, bias=False)
+
+    def forward(self, hf_model, hidden: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
+        """hidden [T, H] at positions 0..T-1, next_ids [T] -> draft logits [T, vocab]."""
+        t = len(next_ids)
+        embeds = hf_model.model.embed_tokens(torch.tensor(next_ids))
+        embeds[0] = 0  # position 0's embedding is masked (vLLM's DeepSeekMultiTokenPredictorLayer)
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], -1))[None]
+        positions = torch.arange(t)[None]
+        rope = hf_model.model.rotary_emb(x, positions)
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        out = self.block(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
+        out = out[0] if isinstance(out, tuple) else out
+        return self.head(self.norm(out[0])).float()
+
+    def hub_tensors(self, layer: int) -> dict[str, torch.Tensor]:
+        """The layer's tensors as a DeepSeek-V3 checkpoint on the Hub names them: under
+        model.layers.{layer}., one tensor per expert, and a copy of the shared embedding."""
+        out = {}
+        for name, t in self.state_dict().items():
+            name = {"norm.weight": "shared_head.norm.weight", "head.weight": "shared_head.head.weight"}.get(
+                name, name.removeprefix("block."))
+            if name.endswith("experts.gate_up_proj"):
+                prefix, inter = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[f"{prefix}{e}.gate_proj.weight"] = t[e, :inter]
+                    out[f"{prefix}{e}.up_proj.weight"] = t[e, inter:]
+            elif name.endswith("experts.down_proj"):
+                prefix = name.removesuffix("down_proj")
+                for e in range(t.shape[0]):
+                    out[f"{prefix}{e}.down_proj.weight"] = t[e]
+            else:
+                out[name] = t
+        return {f"model.layers.{layer}.{k}": v.contiguous().clone() for k, v in out.items()}
+
+
+def mtp_checkpoint(root: Path, seed: int = 0, sharp: bool = False) -> tuple[Path, Checkpoint, HFMultiTokenPredictor]:
+    """A tiny random DeepSeek-V3 checkpoint with one multi-token-prediction layer (config.json
+    num_nextn_predict_layers 1, the layer's tensors after the last layer's, as on the Hub), its
+    tokenizer; returns its path, the HF model and the MTP oracle. sharp: as checkpoint_path's."""
+    from safetensors.torch import load_file, save_file
+
+    path = checkpoint_path("deepseek_v3", root, seed=seed, sharp=sharp)
+    ck = Checkpoint(path, transformers.DeepseekV3ForCausalLM.from_pretrained(path).eval())
+    config = ck.hf_model.config
+    torch.manual_seed(seed + 1)
+    oracle = HFMultiTokenPredictor(config).eval()
+    with torch.no_grad():
+        for name, p in oracle.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, config.initializer_range)
+        for name, b in oracle.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+        if sharp:
+            # An easy guess: the sharp model's next token follows mostly from the current one (its
+            # head reads a permutation of the embeddings); here eh_proj passes the next token's
+            # embedding on (strongly: the layer's random attention and experts still move it) and
+            # the same head reads it, so the draft is the sharp model's token after the next.
+            h = config.hidden_size
+            oracle.eh_proj.weight.copy_(torch.cat([SHARP_EMBED * torch.eye(h), torch.zeros(h, h)], 1))
+            oracle.head.weight.copy_(ck.hf_model.lm_head.weight)
+    files = sorted(path.glob("*.safetensors"))
+    assert len(files) == 1, files  # (one file: the MTP tensors go into it)
+    tensors = load_file(files[0])
+    tensors.update(oracle.hub_tensors(config.num_hidden_layers))
+    tensors[f"model.layers.{config.num_hidden_layers}.embed_tokens.weight"] = \
+        ck.hf_model.model.embed_tokens.weight.detach().clone()
+    save_file(tensors, files[0], metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path, ck, oracle

@@ -286,3 +286,27 @@ def test_a_bad_lookup_range_names_its_keys(tmp_path):
         load_cluster_config(str(path))
     with pytest.raises(ConfigError, match=r"decode\.speculative\.method"):
         load_cluster_config(None, {"decode.speculative": {"method": "eagle"}})
+
+
+def test_verify_steps_stay_out_of_the_decode_fit(tiny):
+    """A verify step computes 1 + k tokens per decoder: counted under "verify", never "decode" (whose
+    fit the planner and the TPOT guard read), every step still in busy_s and tokens_computed."""
+    from pdserve.engine.step_profile import StepProfile
+    from pdserve.step_cost import fit_phases
+
+    p = StepProfile()
+    p.record(0, 4, 0.5, draft_tokens=12)
+    p.record(0, 4, 0.01)
+    snap = p.snapshot()
+    assert snap["verify"] == {4: [1, 4, 12, 0.5]} and snap["decode"] == {4: [1, 4, 0.01]}
+    assert snap["tokens_computed"] == 4 + 12 + 4 and snap["busy_s"] == pytest.approx(0.51)
+    assert fit_phases(snap)[0].time(4) == pytest.approx(0.01)  # the verify step's 0.5 s is not in it
+
+    _, on = tiny
+    before = on.profile.snapshot()
+    run(on, byte_prompts()[:2], GREEDY)
+    after = on.profile.snapshot()
+    steps = lambda snap, phase: sum(row[0] for row in snap[phase].values())  # noqa: E731
+    drafts = sum(row[2] for row in after["verify"].values()) - sum(row[2] for row in before["verify"].values())
+    assert steps(after, "verify") > steps(before, "verify")
+    assert drafts == after["spec_draft_tokens"] - before["spec_draft_tokens"]  # every drafted step there

@@ -83,7 +83,7 @@ def speed_up(engine: Engine, batch: int, context: int, period: int, tokens: int,
     out = {"batch": batch}
     results = {}
     for name, speculate in (("off", False), ("on", True)):
-        engine.scheduler.drafter = engine._draft if speculate else None
+        engine.scheduler.drafter = engine.drafting.propose if speculate else None
         engine.overlap = False if speculate else overlap_off
         before = engine.profile.snapshot()
         _sync(engine)

@@ -1,5 +1,5 @@
 """What cluster.yaml can only be checked against the model: the sizes of its tensor- and
-expert-parallel groups. `pdserve up` runs it before anything starts; the config itself (config.py)
+expert-parallel groups, and speculative decoding's MTP drafter (a layer the checkpoint must have). `pdserve up` runs it before anything starts; the config itself (config.py)
 is checked without the model, below every layer that knows one."""
 
 from pdserve.config import ClusterConfig, ConfigError
@@ -22,7 +22,25 @@ def check_model_fit(cfg: ClusterConfig, args) -> None:
         allowed = ", ".join(map(str, allowed_ep_sizes(experts))) if experts else "1 (the model has no experts)"
         raise ConfigError(f"decode.ep_size: {d.ep_size} is not allowed — it must divide the model's "
                           f"{experts} experts (allowed: {allowed})")
+    _check_mtp(cfg, args)
     bad = [e for e in d.ep_replicated_experts if not 0 <= e < experts]
     if bad or len(set(d.ep_replicated_experts)) != len(d.ep_replicated_experts):
         raise ConfigError(f"decode.ep_replicated_experts: {d.ep_replicated_experts} is not allowed — "
                           f"distinct expert ids in [0, {experts})")
+
+
+def _check_mtp(cfg: ClusterConfig, args) -> None:
+    """speculative.method 'mtp' needs the checkpoint's MTP layer, and no tensor-parallel replica
+    that would run it (a colocated one, or a prefill one computing its KV for the decode side)."""
+    for role in ("decode", "colocated"):
+        if not getattr(cfg, role).speculative.mtp:
+            continue
+        if not getattr(args, "num_nextn_predict_layers", 0):
+            raise ConfigError(f"{role}.speculative.method: 'mtp' is not allowed — the model ({args.architecture}) "
+                              f"has no multi-token-prediction layer (config.json num_nextn_predict_layers); "
+                              f"use 'ngram'")
+        tp_role = "prefill" if role == "decode" else role
+        if getattr(cfg, tp_role).replicas and getattr(cfg, tp_role).tp_size > 1:
+            raise ConfigError(f"{role}.speculative.method: 'mtp' is not allowed with {tp_role}.tp_size "
+                              f"{getattr(cfg, tp_role).tp_size} — a tensor-parallel replica does not run the "
+                              f"MTP layer; use 'ngram'")

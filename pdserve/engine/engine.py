@@ -31,7 +31,8 @@ from pdserve.engine.graph_capture import capture_graphs
 from pdserve.engine.kv_budget import kv_cache_blocks
 from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
 from pdserve.engine.model_runner import Launched, ModelRunner
-from pdserve.engine.ngram import NgramDrafter
+from pdserve.engine.drafting import Drafting
+from pdserve.engine.mtp_drafter import MTPDrafter
 from pdserve.engine.outputs import Completion, RequestOutput, TextStream
 from pdserve.protocol import TokenLogprob
 from pdserve.protocol import InvalidRequestError, SamplingParams
@@ -78,18 +79,24 @@ class Engine:
         # widths, which the kernels read from the tensors' shapes.
         self.tp = tp if tp is not None and tp.size > 1 else None
         self._ep = ep  # (an expert-parallel rank does not speculate)
+        # The MTP layer: a drafter where this engine speculates; on a prefill replica, its KV of
+        # each prompt is computed too and moves with the rest (pdserve/engine/mtp_drafter.py).
+        mtp = config.speculative.mtp and ep is None
+        if mtp and self.tp is not None:  # (the followers would have to run its forward too: not built)
+            raise ValueError("speculative.method 'mtp' is not built for a tensor-parallel replica; use 'ngram'")
         self.model, self.args = load_model(mc.path, dtype=dtype, device=self.device,
                                            load_format=mc.load_format, attn_backend=attn_backend,
                                            moe_backend=moe_backend, seed=mc.seed, ep=ep, norms=norms,
-                                           tp=self.tp, log=log)
+                                           tp=self.tp, log=log, mtp=mtp)
         self.load_stats = self.model.load_stats  # what loading took (bytes, seconds): workers report it
         self.tokenizer = load_tokenizer(mc.path, eos_token_ids=self.args.eos_token_ids)
         self.fingerprint = model_fingerprint(mc.path, self.args, dtype, mc.load_format, mc.seed)
         self.max_model_len = min(mc.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
         kv_dtype = KV_CACHE_DTYPES.get(mc.kv_cache_dtype, dtype)  # "auto": the model's dtype
-        num_blocks = kv_cache_blocks(config, self.args, self.device, self.tp, kv_dtype)
-        self.layout = KVLayout.for_model(self.args, num_blocks, config.block_size, kv_dtype, tp=self.tp)
+        num_blocks = kv_cache_blocks(config, self.args, self.device, self.tp, kv_dtype, extra_layers=int(mtp))
+        self.layout = KVLayout.for_model(self.args, num_blocks, config.block_size, kv_dtype, tp=self.tp,
+                                         extra_layers=int(mtp))
         self.kv_cache = allocate_kv_cache(self.layout, self.device)
         self.pool = BlockPool(self.layout.num_blocks, config.enable_prefix_cache)
         self.profile = StepProfile()  # what steps cost, by size (the planner reads it)
@@ -101,9 +108,11 @@ class Engine:
         self.runner.sampler.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)  # (min_tokens holds them off)
         self.grammars = self.runner.sampler.grammars = Grammars(self.tokenizer, self.args.vocab_size)
         self.speculative = self._wants_speculation(config, ep)
-        self._ngram = NgramDrafter(config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max)
+        self._mtp = MTPDrafter(self.model, config.block_size, self.device) if mtp else None
+        self.runner.keep_hidden = mtp
+        self.drafting = Drafting(config.speculative, self.max_model_len, self._mtp)
         if self.speculative:
-            self.scheduler.drafter = self._draft
+            self.scheduler.drafter = self.drafting.propose
         # Seconds capturing CUDA graphs, where they are (None: none here).
         self.graphs_s: float | None = capture_graphs(self, attn_backend, moe_backend, ep, log)
         self.seqs: dict[str, Sequence] = {}
@@ -315,8 +324,8 @@ class Engine:
         s.max_num_seqs, s.max_num_batched_tokens, s.chunk_size = c.max_num_seqs, c.max_num_batched_tokens, c.chunk_size
         s.guard = self._tpot_guard(c)
         self.speculative = self._wants_speculation(c, self._ep)
-        self._ngram = NgramDrafter(c.speculative.prompt_lookup_min, c.speculative.prompt_lookup_max)
-        s.drafter = self._draft if self.speculative else None
+        self.drafting = Drafting(c.speculative, self.max_model_len, self._mtp)
+        s.drafter = self.drafting.propose if self.speculative else None
         self.overlap = self._wants_overlap()
         self.layer_hook = None  # the prefill role's KV streamer installs its own
 
@@ -341,14 +350,15 @@ class Engine:
         # Sized before the launch moves num_computed_tokens on. Overlapped, the call's time is that
         # of the step before (it waits for it) but in a steady batch the two are alike.
         decoding = sum(1 for s in scheduled if s.seq.num_computed_tokens >= s.seq.num_tokens - 1)
-        prompt = sum(s.num_new_tokens - len(s.draft) for s in scheduled) - decoding
+        drafts = sum(len(s.draft) for s in scheduled)
+        prompt = sum(s.num_new_tokens for s in scheduled) - drafts - decoding
         launched = self._launch(scheduled) if scheduled else None
         if not self.overlap:
             outputs += self._complete(launched) if launched else []
         else:
             prev, self._inflight = self._inflight, launched
             outputs += self._complete(prev) if prev else []
-        timer.done(prompt, decoding)
+        timer.done(prompt, decoding, drafts)  # (a verify step is kept out of the decode fit)
         return outputs
 
     def _launch(self, scheduled: list[ScheduledSeq]) -> Launched:
@@ -379,6 +389,8 @@ class Engine:
                 ids += tokens[row][1:]
                 self._roll_back(seq, len(launched.drafts[row]), len(tokens[row]) - 1)
             placed.append((seq, at, row))
+        if self._mtp is not None and self._mtp.run(launched, self.speculative) and self.layer_hook:
+            self.layer_hook(self._mtp.kv_layer, launched.scheduled)  # (a prefill replica streams its KV too)
         for s in launched.scheduled:
             if self.seqs.get(s.seq.request_id) is s.seq:
                 self.scheduler.register_full_blocks(s.seq)  # every token it hashes is known now
@@ -386,21 +398,6 @@ class Engine:
             if self.seqs.get(seq.request_id) is seq:  # (not ended by a token of this step before)
                 outputs.append(self._emit_run(seq, at, logprobs[row]))
         return outputs
-
-    def _draft(self, seq: Sequence, room: int) -> list[int]:
-        """A decoding sequence's draft tokens for its next step (the scheduler's drafter): at most
-        `room`, and never more than its max_tokens and the context leave after its next token."""
-        spec = self.config.speculative
-        if not seq.params.speculative:  # (the request opted out)
-            return []
-        if seq.params.grammar is not None:
-            # A verify step samples a row per draft position: each would need its grammar's mask
-            # there, its matcher advanced over the drafts before it (and rolled back on a
-            # rejection). Not built: a constrained request decodes one token a step.
-            return []
-        k = min(spec.num_tokens, room, seq.params.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - seq.num_tokens - 1)
-        return self._ngram.propose(seq.request_id, seq.token_ids, k)
 
     def _roll_back(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """After a verify step: the KV of rejected drafts is not the sequence's. Its computed tokens
@@ -504,7 +501,7 @@ class Engine:
         self._reserved.discard(seq.request_id)
         self._streams.pop(seq.request_id, None)
         self.runner.sampler.forget(seq.request_id)
-        self._ngram.forget(seq.request_id)
+        self.drafting.forget(seq.request_id)
 
     # -- offline ------------------------------------------------------------------------------
 

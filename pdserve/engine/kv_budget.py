@@ -8,9 +8,11 @@ from pdserve.engine.logits_processors import TokenCounts
 from pdserve.forward.kv_cache import num_blocks_for
 
 
-def kv_cache_blocks(config: EngineConfig, args, device: torch.device, tp, dtype: torch.dtype) -> int:
+def kv_cache_blocks(config: EngineConfig, args, device: torch.device, tp, dtype: torch.dtype,
+                    extra_layers: int = 0) -> int:
     """Blocks of `config.block_size` tokens for a model of `args` (ModelArgs) stored as `dtype`;
-    `tp`: the TensorParallel of a tensor-parallel rank (its share of the KV heads), else None."""
+    `tp`: the TensorParallel of a tensor-parallel rank (its share of the KV heads), else None;
+    `extra_layers`: layers cached beside the model's (an MTP drafter's), in every block."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     gb = config.kv_cache_gb
@@ -38,7 +40,7 @@ def kv_cache_blocks(config: EngineConfig, args, device: torch.device, tp, dtype:
     kind, planes, heads, dim = args.kv_cache_entry()
     if tp is not None and kind == "kv":
         heads = len(tp.kv_heads(args.num_heads, heads))
-    n = num_blocks_for(budget, args.num_layers, config.block_size, heads, dim, dtype, planes)
+    n = num_blocks_for(budget, args.num_layers + extra_layers, config.block_size, heads, dim, dtype, planes)
     if tp is not None and config.kv_cache_gb is None and device.type == "cuda":
         # Sized from each GPU's free memory, which differs between ranks; rank 0's block ids
         # address every rank's cache, so all take the smallest.

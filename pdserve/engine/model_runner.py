@@ -39,6 +39,10 @@ class Launched:
     # A verify step's draft tokens per sampling sequence (speculative decoding): each has
     # 1 + len(draft) rows of `sampled`, and `rows` is empty (no step overlaps a verify step).
     drafts: list[list[int]] | None = None
+    # The step's batch and hidden states, kept where a drafter reads them after the step (the MTP
+    # layer: pdserve/engine/mtp_drafter.py); None else.
+    batch: ForwardBatch | None = None
+    hidden: torch.Tensor | None = None
 
     def result(self) -> tuple[list[list[int]], list[list[TokenLogprob | None]]]:
         """Waits for the step; the tokens (and logprobs) of each sampling sequence: one, or in a
@@ -74,6 +78,7 @@ class ModelRunner:
         # Called with each step's batch before its forward: rank 0 of a tensor-parallel replica
         # hands it to the other ranks (pdserve/worker/tp_group.py), which run the same forward.
         self.on_batch: Callable[[ForwardBatch], None] | None = None
+        self.keep_hidden = False  # each Launched keeps its batch and hidden states (an MTP drafter's)
 
     def prepare(self, scheduled: list[ScheduledSeq], prev: Launched | None = None) -> ForwardBatch:
         """The step's batch; a sequence whose last token is PENDING takes it from `prev`'s sampled
@@ -153,17 +158,18 @@ class ModelRunner:
         if self.on_batch is not None:
             self.on_batch(batch)
         hidden = self.forward(batch)
+        kept = (batch, hidden) if self.keep_hidden else (None, None)
         sampling = [s.seq for s in scheduled if s.samples]
         if not sampling:
-            return Launched(scheduled, [], None, {})
+            return Launched(scheduled, [], None, {}, None, *kept)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if any(s.draft for s in scheduled):
             drafts = [s.draft for s in scheduled if s.samples]
             rows = Drafts.of(drafts, logits.device)
             sampled = self.sampler.launch(logits, Drafts.views(sampling, drafts), rows)
-            return Launched(scheduled, sampling, sampled, {}, drafts)
+            return Launched(scheduled, sampling, sampled, {}, drafts, *kept)
         sampled = self.sampler.launch(logits, sampling)
-        return Launched(scheduled, sampling, sampled, {q.request_id: i for i, q in enumerate(sampling)})
+        return Launched(scheduled, sampling, sampled, {q.request_id: i for i, q in enumerate(sampling)}, None, *kept)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The batch's hidden states: a decode graph's replay where one holds the batch, a prefill

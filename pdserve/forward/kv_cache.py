@@ -58,13 +58,15 @@ class KVLayout:
 
     @classmethod
     def for_model(cls, args, num_blocks: int, block_size: int, dtype: torch.dtype,
-                  scales: tuple[tuple[float, ...], ...] = (), tp=None) -> "KVLayout":
+                  scales: tuple[tuple[float, ...], ...] = (), tp=None, extra_layers: int = 0) -> "KVLayout":
         """The layout a model's cache takes (`args`: its pdserve.models.ModelArgs); with `tp` (a
-        pdserve.models.tensor_parallel.TensorParallel) one rank's: the KV heads it holds."""
+        pdserve.models.tensor_parallel.TensorParallel) one rank's: the KV heads it holds.
+        `extra_layers`: layers cached after the model's (a DeepSeek-V3 MTP drafter's, which shares
+        the block tables and moves with the others)."""
         kind, _, heads, dim = args.kv_cache_entry()
         if tp is not None and kind == "kv":
             heads = len(tp.kv_heads(args.num_heads, heads))
-        return cls(args.num_layers, num_blocks, block_size, heads, dim, dtype, kind, scales)
+        return cls(args.num_layers + extra_layers, num_blocks, block_size, heads, dim, dtype, kind, scales)
 
     @property
     def quantized(self) -> bool:

@@ -79,6 +79,9 @@ class ModelArgs:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # RoPE on (even, odd) pairs rather than on halves (DeepSeek)
+    # DeepSeek-V3: multi-token-prediction layers stored after the last (pdserve.models.deepseek_mtp),
+    # a drafter for speculative decoding; not part of the model's forward.
+    num_nextn_predict_layers: int = 0
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str = "bfloat16"  # the checkpoint's dtype, informative only
@@ -197,6 +200,8 @@ def _parse_mla(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
            "v_head_dim": cfg.get("v_head_dim") or 128,
            # transformers' V2 rotates pairs (as complex numbers), always; V3 unless told otherwise.
            "rope_interleave": bool(cfg.get("rope_interleave", True)) if v3 else True}
+    if v3:
+        out["num_nextn_predict_layers"] = int(cfg.get("num_nextn_predict_layers") or 0)
     if out["qk_rope_head_dim"] % 2:
         raise ValueError(f"config.json qk_rope_head_dim {out['qk_rope_head_dim']} must be even")
     return out

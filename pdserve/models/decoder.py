@@ -24,9 +24,9 @@ from pdserve.ops.moe import TorchMoE
 from pdserve.ops.norms import TorchNorms
 
 # Names after `checkpoint_name`. One tensor per expert (what checkpoints on the Hub hold) ...
-_EXPERT = re.compile(r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_EXPERT = re.compile(r"((?:mtp\.mtp_block|layers\.\d+)\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 # ... or all experts fused, as transformers 5 holds them in memory.
-_FUSED = re.compile(r"(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)")
+_FUSED = re.compile(r"((?:mtp\.mtp_block|layers\.\d+)\.mlp)\.experts\.(gate_up_proj|down_proj)")
 
 
 class DecoderLayer(nn.Module):
@@ -76,6 +76,17 @@ class DecoderLM(nn.Module):
                         else nn.Linear(args.hidden_size, args.vocab_size, bias=False))
         self.rotary_emb = RotaryEmbedding(args.rotary_dim, args.max_position_embeddings,
                                           args.rope_theta, args.rope_scaling)
+        # A drafting layer beside the model, where the family has one and the engine drafts with it
+        # (DeepSeek-V3's MTP layer: add_mtp); its decoder layer is sharded and fused as the others.
+        self.mtp: nn.Module | None = None
+
+    def add_mtp(self) -> None:
+        raise ValueError(f"speculative.method 'mtp' needs a checkpoint with a multi-token-prediction layer "
+                         f"(DeepSeek-V3's); {self.args.architecture} has none: use method 'ngram'")
+
+    def all_layers(self) -> list[DecoderLayer]:
+        """The model's decoder layers, then the MTP layer's (where built)."""
+        return list(self.layers) + ([self.mtp.mtp_block] if self.mtp is not None else [])
 
     def make_attention(self, layer_idx: int) -> nn.Module:
         """The attention of layer `layer_idx`: MHA/GQA over a K/V cache here; MLA families override."""
@@ -86,7 +97,7 @@ class DecoderLM(nn.Module):
         return GatedMLP(self.args.hidden_size, self.args.intermediate_size)
 
     def moe_layers(self) -> list[SparseMoE]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        return [layer.mlp for layer in self.all_layers() if isinstance(layer.mlp, SparseMoE)]
 
     def shard_experts(self, exchange) -> None:
         """Expert parallel: keep only this rank's experts (on the meta device, before allocation);
@@ -99,7 +110,7 @@ class DecoderLM(nn.Module):
         """Tensor parallel: keep this rank's heads and intermediate width in every layer (on the
         meta device, before allocation); embedding, norms, routers and LM head stay whole."""
         self.tp = tp
-        for layer in self.layers:
+        for layer in self.all_layers():
             layer.self_attn.shard_tp(tp)
             layer.mlp.shard_tp(tp)
 
@@ -110,7 +121,7 @@ class DecoderLM(nn.Module):
 
     def fuse_qkv(self) -> None:
         """Every attention layer's q/k/v projections as one GEMM (`Attention.fuse_qkv`)."""
-        for layer in self.layers:
+        for layer in self.all_layers():
             layer.self_attn.fuse_qkv()
 
     def fold_shared_experts(self) -> None:

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.models.args import ModelArgs
-from pdserve.models.decoder import DecoderLM
+from pdserve.models.decoder import DecoderLayer, DecoderLM
+from pdserve.models import deepseek_mtp
 from pdserve.models.layers import GatedMLP, SparseMoE
 from pdserve.models.mla import MLAttention
 
@@ -149,10 +151,35 @@ class DeepseekV2ForCausalLM(DecoderLM):
             return None
         m = _LAYER.match(name)
         if m and int(m[1]) >= self.args.num_layers:
-            return None  # V3's multi-token-prediction layer(s) past the last: not used to decode
+            # V3's multi-token-prediction layer(s) past the last: the first is loaded where the
+            # engine drafts with it (add_mtp), the others never are.
+            if self.mtp is None or int(m[1]) != self.args.num_layers:
+                return None
+            name = deepseek_mtp.checkpoint_name(name[m.end():])
+            if name is None:
+                return None
         for pattern, repl in _RENAMES:
             name = pattern.sub(repl, name)
         return name
+
+    def add_mtp(self) -> None:
+        """Build the checkpoint's multi-token-prediction layer (pdserve.models.deepseek_mtp) beside
+        the model, its decoder layer cached in the KV cache's layer after the model's. On the meta
+        device, before allocation, as the model."""
+        args = self.args
+        if not args.num_nextn_predict_layers:
+            raise ValueError(f"speculative.method 'mtp' needs a checkpoint with a multi-token-prediction "
+                             f"layer: this {args.architecture} has none (config.json num_nextn_predict_layers "
+                             f"is 0 or unset); use method 'ngram'")
+        i = args.num_layers
+        block = DecoderLayer(args, self.make_attention(i), self.make_mlp(i), self.norms)
+        self.mtp = deepseek_mtp.DeepseekMTP(args, block, self.norms)
+
+    def mtp_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over `batch` (input_ids: the token after each position) given the main
+        model's hidden states there: h' [T, H]; its logits are `mtp.compute_logits`."""
+        embeds = self.embed_tokens(batch.input_ids)
+        return self.mtp(embeds, hidden, self.rope_inputs(batch.positions, embeds.dtype), batch)
 
     def hub_name(self, name: str) -> str:
         name = name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")

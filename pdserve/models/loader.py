@@ -49,14 +49,15 @@ LOAD_FORMATS = ("auto", "dummy")
 
 def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto",
                attn_backend=None, moe_backend=None, seed: int = 0, ep=None, norms=None, tp=None,
-               log: Callable[[str], None] | None = None) -> tuple[DecoderLM, ModelArgs]:
+               log: Callable[[str], None] | None = None, mtp: bool = False) -> tuple[DecoderLM, ModelArgs]:
     """Build the model on `device` in `dtype`; weights from *.safetensors ("auto") or random ("dummy").
 
     Presets are always dummy. The model is built on the meta device and allocated once, directly
     in `dtype` on `device`; checkpoint files are streamed into the parameters (weight_stream.py).
     With `ep` (an EPExchange) only this rank's experts are allocated and read; with `tp` (a
     TensorParallel of more than one rank) only this rank's slice of each sharded weight. What it
-    took is `model.load_stats` (LoadStats), and `log` hears it.
+    took is `model.load_stats` (LoadStats), and `log` hears it. With `mtp` the checkpoint's
+    multi-token-prediction layer is built and loaded too (`model.mtp`; ValueError where it has none).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
@@ -65,7 +66,7 @@ def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | s
     dummy = load_format == "dummy" or path_or_preset in PRESETS
     files = [] if dummy else safetensors_files(Path(path_or_preset))  # fail before allocating
     device = torch.device(device)
-    model = build_model(args, dtype, attn_backend, moe_backend, norms, ep, tp)
+    model = build_model(args, dtype, attn_backend, moe_backend, norms, ep, tp, mtp)
     model.to_empty(device=device)
     model.rotary_emb.build_cache()  # to_empty left the RoPE tables uninitialised
     t1 = time.perf_counter()
@@ -93,11 +94,14 @@ def load_model(path_or_preset: str, dtype: torch.dtype, device: torch.device | s
 
 
 def build_model(args: ModelArgs, dtype: torch.dtype, attn_backend=None, moe_backend=None, norms=None,
-                ep=None, tp=None) -> DecoderLM:
+                ep=None, tp=None, mtp: bool = False) -> DecoderLM:
     """The family's module for `args`, its parameters in `dtype` on the meta device (no memory yet):
-    with `ep`, this rank's experts only; with `tp`, this rank's slice of each sharded weight."""
+    with `ep`, this rank's experts only; with `tp`, this rank's slice of each sharded weight; with
+    `mtp`, the checkpoint's multi-token-prediction layer beside it (DeepSeek-V3)."""
     with torch.device("meta"), _default_dtype(dtype):
         model = MODEL_CLASSES[args.architecture](args, attn_backend, moe_backend, norms)
+        if mtp:
+            model.add_mtp()
     if ep is not None:
         model.shard_experts(ep)
     if tp is not None and tp.size > 1:
