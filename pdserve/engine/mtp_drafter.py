@@ -58,12 +58,15 @@ class MTPDrafter:
         rows, ids, positions, slots, ctx, tables, drafting = [], [], [], [], [], [], []
         starts = [0]
         first = batch.host[0]  # the step's positions, on the host
-        for i, s in enumerate(launched.scheduled):
-            seq = s.seq
-            lo, end = int(first[batch.query_start[i]]), seq.num_computed_tokens
+        # A sequence's rows of the step: its num_new_tokens, from `at` (a verify step's sequence is
+        # several batch entries of one row each, model_runner.prepare: count rows, not entries).
+        at = 0
+        for s in launched.scheduled:
+            seq, at, row = s.seq, at + s.num_new_tokens, at
+            lo, end = int(first[row]), seq.num_computed_tokens
             if not seq.block_ids or end <= lo or len(seq.token_ids) <= end or seq.token_ids[end] == PENDING:
                 continue  # (freed, or its next token not known: nothing holds yet)
-            rows += range(batch.query_start[i], batch.query_start[i] + end - lo)
+            rows += range(row, row + end - lo)
             ids += seq.token_ids[lo + 1:end + 1]
             positions += range(lo, end)
             slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(lo, end)]
