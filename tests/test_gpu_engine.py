@@ -212,3 +212,24 @@ def test_prefill_graph_max_tokens_needs_the_triton_kernels(root):
     with pytest.raises(ValueError, match="prefill_graph_max_tokens=512 needs the Triton kernels"):
         Engine(EngineConfig(model=ModelConfig(path=str(checkpoint("qwen3_moe", root))), device="cuda:0",
                             num_kv_blocks=64, attention_backend="torch", prefill_graph_max_tokens=512))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_verify_steps_replay_decode_graphs_and_keep_greedy_output(family, root):
+    """Speculative decoding (n-gram drafts) on the GPU, float32: a verify step is a decode step of a
+    row per checked token, replayed from the decode graphs, and greedy output equals speculation off."""
+    path = checkpoint(family, root)
+    ps = [[5, 6, 7, 8] * 6 + [5], [9, 10, 11] * 8, *prompts(2, seed=9)]  # repetitive: drafts to check
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for _ in ps]
+    plain = engine(path, "cuda:0", "float32", prefill_graph_max_tokens=0)
+    want = [c.token_ids for c in plain.generate(ps, params)]
+    del plain
+    spec = engine(path, "cuda:0", "float32", prefill_graph_max_tokens=0,
+                  speculative={"method": "ngram", "num_tokens": 3})
+    rows = []
+    run = spec.runner.graphs.run
+    spec.runner.graphs.run = lambda batch: rows.append(batch.num_seqs) or run(batch)
+    got = [c.token_ids for c in spec.generate(ps, params)]
+    assert got == want
+    assert spec.profile.snapshot()["spec_accepted_tokens"] > 0
+    assert max(rows) > len(ps), f"no verify step was replayed from a graph: {sorted(set(rows))}"

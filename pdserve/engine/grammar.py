@@ -62,7 +62,10 @@ class Grammars:
         # (The host buffer is filled again only after advance() has waited for this step's tokens,
         # so the asynchronous copy has long finished by then.)
         words = bitmask.to(logits.device, non_blocking=True)
-        logits[at] = masked(logits[at], words, self._bits(logits.device))
+        if len(rows) == logits.shape[0]:  # every row constrained (rows are in order): in place, no gather
+            logits.masked_fill_(disallowed(words, self._bits(logits.device), logits.shape[-1]), float("-inf"))
+        else:
+            logits[at] = masked(logits[at], words, self._bits(logits.device))
 
     def defer(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """The tokens just sampled for these sequences (on the device), to be consumed by the next
@@ -148,15 +151,20 @@ def executor_threads() -> int:
 
 
 def bit_values(device: torch.device) -> torch.Tensor:
-    """[32] int32: the value of each bit of a bitmask word (bit 31 is the sign bit)."""
-    return torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device)
+    """[8] uint8: the value of each bit of a byte."""
+    return torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=device)
+
+
+def disallowed(bitmask: torch.Tensor, bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[M, vocab] bool: the tokens whose bit is 0 in bitmask [M, ceil(vocab / 32)] int32 (llguidance's
+    layout: token t is bit t % 32 of word t // 32, so on a little-endian host bit t % 8 of byte
+    t // 8). Unpacked byte-wise: a [M, vocab] uint8 in between, not an int32 one four times its size."""
+    return (bitmask.view(torch.uint8)[:, :, None] & bits).eq(0).flatten(1)[:, :vocab]
 
 
 def masked(logits: torch.Tensor, bitmask: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """logits [M, vocab] with every token whose bit is 0 in bitmask [M, ceil(vocab / 32)] int32
-    (llguidance's layout: token t is bit t % 32 of word t // 32) at -inf: one elementwise op."""
-    allowed = (bitmask[:, :, None] & bits).ne(0).flatten(1)[:, :logits.shape[-1]]
-    return logits.masked_fill(~allowed, float("-inf"))
+    """logits [M, vocab] with every token disallowed by bitmask at -inf."""
+    return logits.masked_fill(disallowed(bitmask, bits, logits.shape[-1]), float("-inf"))
 
 
 def _ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:

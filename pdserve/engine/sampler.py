@@ -49,7 +49,7 @@ class Sampler:
         logits, penalized = self._process(raw, seqs, params, drafts)
         constrained = [i for i, p in enumerate(params) if p.grammar is not None]
         if constrained:
-            if logits is raw:
+            if logits is raw and any(p.logprobs is not None for p in params):
                 logits = raw.clone()  # the raw logits stay for logprobs
             self.grammars.mask(logits, constrained, [seqs[i] for i in constrained])
         tokens = logits.argmax(dim=-1)
