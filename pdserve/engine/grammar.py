@@ -2,12 +2,15 @@
 token masks of a step's constrained rows.
 
 A request's grammar (`SamplingParams.grammar`, an llguidance grammar the front end built from
-response_format / structured_outputs / tool_choice) gets its matcher the first time the request is
-sampled on this engine, advanced over the tokens it generated before (on a decode replica: the first
-token the prefill replica sampled under the same grammar, and a moved request's tokens so far), so no
-grammar state crosses the prefill → decode hand-off or a migration. After that every token sampled
-here is consumed as soon as it is sampled: the next step's mask needs it, also under overlap
-scheduling, where the host would otherwise see it one step late.
+response_format / structured_outputs / tool_choice) is compiled as the request arrives on this engine
+(`compile`), on a pool of threads: a large JSON schema takes seconds to compile, and llguidance does it
+without the GIL, so the engine's steps go on meanwhile. The engine holds the request out of its
+scheduler until then (engine/grammar_gate.py). Its matcher is installed (`install`) advanced over the
+tokens it generated before (on a decode replica: the first token the prefill replica sampled under the
+same grammar, and a moved request's tokens so far), so no grammar state crosses the prefill → decode
+hand-off or a migration. After that every token sampled here is consumed as soon as it is sampled: the
+next step's mask needs it, also under overlap scheduling, where the host would otherwise see it one
+step late.
 
 A step's masks are one batched fill (llguidance's executor, on its own threads, into one packed
 bitmask [rows, ceil(vocab / 32)] int32 on the host) and one tensor op on the logits."""
@@ -15,6 +18,8 @@ bitmask [rows, ceil(vocab / 32)] int32 on the host) and one tensor op on the log
 import json
 import logging
 import os
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import llguidance
 import llguidance.torch
@@ -33,15 +38,59 @@ class Grammars:
         self._tokenizer = tokenizer  # pdserve.tokenizer's Tokenizer or ByteTokenizer
         self.vocab_size = vocab_size  # the model's (its logits' width), which may exceed the tokenizer's
         self._ll: llguidance.LLTokenizer | None = None  # built on first use (a large vocabulary takes ~1 s)
+        self._ll_lock = threading.Lock()  # (the first compiles may race to build it)
         self._executor: llguidance.LLExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # the compiles, started on first use
+        self._compiling: dict[str, Future] = {}  # request id -> its matcher being built, not installed yet
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._ended: dict[str, int] = {}  # request id -> output tokens at which its grammar completed
         self._bitmask = torch.zeros(0, (vocab_size + 31) // 32, dtype=torch.int32)
         self._bit_values: dict[torch.device, torch.Tensor] = {}  # bit_values() on each device
 
     def forget(self, request_id: str) -> None:
+        f = self._compiling.pop(request_id, None)
+        if f is not None:
+            f.cancel()  # (one already running finishes on its thread, its matcher dropped)
         self._matchers.pop(request_id, None)
         self._ended.pop(request_id, None)
+
+    def compile(self, seq: Sequence) -> None:
+        """Start building the request's matcher on the pool (a request without a grammar: nothing)."""
+        rid = seq.request_id
+        if seq.params.grammar is None or rid in self._matchers or rid in self._compiling:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(executor_threads(), thread_name_prefix="grammar")
+        self._compiling[rid] = self._pool.submit(self._build, seq.params.grammar)
+
+    def compiling(self, request_id: str) -> bool:
+        """The request's matcher was started by `compile` and is not installed yet (done or not)."""
+        return request_id in self._compiling
+
+    def compiled(self, request_id: str) -> bool:
+        f = self._compiling.get(request_id)
+        return f is not None and f.done()
+
+    def wait(self, timeout: float) -> None:
+        """Nap until a compile ends, at most `timeout` seconds (the engine has nothing else to do)."""
+        if self._compiling:
+            wait(list(self._compiling.values()), timeout, return_when=FIRST_COMPLETED)
+
+    def install(self, seq: Sequence) -> str | None:
+        """Install the request's compiled matcher (waits for it, if still compiling), advanced over
+        its tokens so far; returns why its grammar does not compile (the request cannot run), or None."""
+        try:
+            m = self._compiling.pop(seq.request_id).result()
+        except Exception as e:  # (llguidance reports a bad grammar in the matcher; anything else here)
+            return f"the grammar did not compile: {e}"
+        if m.is_error():
+            return f"the grammar did not compile: {m.get_error().strip()}"
+        self._matchers[seq.request_id] = m
+        done = [t for t in seq.output_ids if t != PENDING]
+        if done:
+            m.consume_tokens(done)
+        self._note_end(seq, m, len(done))
+        return None
 
     def mask(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
         """In place: logits [N, vocab] at -inf for every token the grammar of each listed row
@@ -74,15 +123,27 @@ class Grammars:
         m = self._matchers.get(seq.request_id)
         if m is not None:
             return m
-        if self._ll is None:
-            self._ll = _ll_tokenizer(self._tokenizer, self.vocab_size)
-            self._executor = llguidance.LLExecutor(executor_threads())
-        m = self._matchers[seq.request_id] = llguidance.LLMatcher(self._ll, seq.params.grammar)
-        done = [t for t in seq.output_ids if t != PENDING]
-        if done:
-            m.consume_tokens(done)
-        self._note_end(seq, m, len(done))
+        # A sequence the engine did not hold back (a caller of the sampler alone): compiled here, now.
+        self.compile(seq)
+        error = self.install(seq)
+        if error is not None:
+            raise ValueError(f"{seq.request_id}: {error}")
+        return self._matchers[seq.request_id]
+
+    def _build(self, grammar: str) -> llguidance.LLMatcher:
+        """On a pool thread: the grammar compiled against the tokenizer, and its first mask computed
+        (the lexer's first states are built lazily: a big schema's take tens of ms)."""
+        m = llguidance.LLMatcher(self._ll_tokenizer(), grammar)
+        if not m.is_error():
+            m.compute_bitmask()
         return m
+
+    def _ll_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._ll_lock:
+            if self._ll is None:
+                self._ll = _ll_tokenizer(self._tokenizer, self.vocab_size)
+                self._executor = llguidance.LLExecutor(executor_threads())
+        return self._ll
 
     def _note_end(self, seq: Sequence, m: llguidance.LLMatcher, n_output: int) -> None:
         if seq.request_id in self._ended:
