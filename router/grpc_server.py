@@ -166,7 +166,8 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             min_tokens=request.min_tokens,
             stop_token_ids=list(request.stop_token_ids),
             cache_salt=_cache_salt(request, tenant),
-            grammar=_grammar(request),
+            # (Off the loop, as the HTTP API's: a large schema's check takes a fraction of a second.)
+            grammar=await off_loop(_grammar, request) if request.HasField("structured_outputs") else None,
         )
         asked = request.priority if request.HasField("priority") else None
         priority = (asked or 0) if tenant is None else tenant.priority_of(asked)

@@ -113,6 +113,11 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"must set exactly one of {', '.join(KINDS)}")
         return v
 
+    def asks_structure(self) -> bool:
+        """A structured-output field is set: structured_grammar has a grammar to build and check."""
+        return (self.structured_outputs is not None or self.response_format not in (None, {"type": "text"})
+                or any(getattr(self, f"guided_{k}") is not None for k in ("json", "regex", "choice", "grammar")))
+
     def structured_grammar(self) -> str | None:
         """The grammar the output must match (None: free text); InvalidRequestError names the field at fault."""
         guided = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None]

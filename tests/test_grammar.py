@@ -161,4 +161,5 @@ def test_a_decode_reservation_starts_once_its_grammar_compiled(slow_grammar):
     tokens, compiling_at_end = _run(engine, {"free", "slow"})
     assert compiling_at_end["free"], compiling_at_end
     assert len(tokens["free"]) == 10 and tokens["slow"][0] == ord("{") and len(tokens["slow"]) == 4
+    assert engine.tokenizer.decode(tokens["slow"]).startswith('{"g0')  # its matcher took the first token
     assert engine.pool.num_free_blocks == engine.pool.num_blocks and not engine.has_unfinished()

@@ -76,9 +76,10 @@ class Grammars:
         if self._compiling:
             wait(list(self._compiling.values()), timeout, return_when=FIRST_COMPLETED)
 
-    def install(self, seq: Sequence) -> str | None:
+    def install(self, seq: Sequence, then: tuple[int, ...] = ()) -> str | None:
         """Install the request's compiled matcher (waits for it, if still compiling), advanced over
-        its tokens so far; returns why its grammar does not compile (the request cannot run), or None."""
+        its tokens so far and `then` (a decode reservation's first token, not in the sequence yet);
+        returns why its grammar does not compile (the request cannot run), or None."""
         try:
             m = self._compiling.pop(seq.request_id).result()
         except Exception as e:  # (llguidance reports a bad grammar in the matcher; anything else here)
@@ -86,7 +87,7 @@ class Grammars:
         if m.is_error():
             return f"the grammar did not compile: {m.get_error().strip()}"
         self._matchers[seq.request_id] = m
-        done = [t for t in seq.output_ids if t != PENDING]
+        done = [t for t in seq.output_ids if t != PENDING] + list(then)
         if done:
             m.consume_tokens(done)
         self._note_end(seq, m, len(done))

@@ -66,7 +66,7 @@ class GrammarGate:
                 failed.append(self._fail(seq, error))
         for rid in [r for r in self._starts if self._grammars.compiled(r)]:
             seq, token, logprob = self._starts.pop(rid)
-            if (error := self._grammars.install(seq)) is None:
+            if (error := self._grammars.install(seq, then=(token,))) is None:
                 self._start(rid, token, logprob)
             else:
                 failed.append(self._fail(seq, error))
