@@ -19,7 +19,7 @@ from pdserve.messages import RequestDelta
 from pdserve.router.openai_protocol import ChatCompletionRequest
 from pdserve.router.openai_responses import ChatShape, sse_event
 from pdserve.router.tool_parsers import ParsedCall, ToolParser
-from pdserve.router.tool_stream import PARTIAL, PartialCall
+from pdserve.router.tool_stream import PARTIAL, PartialCall, Scans
 from pdserve.structured_outputs import json_schema_grammar
 
 _ANY_OBJECT = {"type": "object"}
@@ -100,8 +100,9 @@ class ToolCallShape(ChatShape):
         self._text = ""  # the stream's text so far
         self._shown = 0  # how much of it went out as content
         self._named_id: str | None = None  # a named call's id, once its first delta went out
-        self._sent: list[str] = []  # auto / required: each call opened so far, its arguments sent
+        self._sent: list[int] = []  # auto / required: each call opened so far, how much of its arguments went out
         self._called = False  # the finished text held calls
+        self._scans = Scans()  # the calls' JSON scanned so far
 
     def _choice(self, deltas: list[RequestDelta]) -> dict:
         choice = super()._choice(deltas)
@@ -156,8 +157,8 @@ class ToolCallShape(ChatShape):
         required = self.tool_choice.mode == "required"
         content = "" if required else self._content_piece()
         at = 0 if required else self._text.find(self.parser.start)
-        deltas = self._call_deltas(PARTIAL["required" if required else self.parser.name](self._text[at:])) \
-            if at >= 0 else []
+        reader = PARTIAL["required" if required else self.parser.name]
+        deltas = self._call_deltas(reader(self._text, at, self._scans)) if at >= 0 else []
         if finished:
             final_content, calls = self.tool_choice.calls(self._text, self.parser)
             if calls:
@@ -189,12 +190,14 @@ class ToolCallShape(ChatShape):
             if i == len(self._sent):
                 if call.name is None:
                     break
-                deltas.append(self._open(i, call.name, call.arguments))
-            elif call.arguments.startswith(self._sent[i]) and len(call.arguments) > len(self._sent[i]):
-                deltas.append({"index": i, "function": {"arguments": call.arguments[len(self._sent[i]):]}})
-                self._sent[i] = call.arguments
+                deltas.append(self._open(i, call.name, call.arguments(self._text)))
+            elif len(call) > self._sent[i]:
+                new = call.arguments(self._text)[self._sent[i]:] if call.whole is not None else \
+                    self._text[call.start + self._sent[i]:call.stop]
+                deltas.append({"index": i, "function": {"arguments": new}})
+                self._sent[i] = len(call)
         return deltas
 
     def _open(self, index: int, name: str, arguments: str) -> dict:
-        self._sent.append(arguments)
+        self._sent.append(len(arguments))
         return _tool_call(index, ParsedCall(name, arguments))
