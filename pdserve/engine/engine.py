@@ -163,7 +163,6 @@ class Engine:
                        cache_root=salt_root(params.cache_salt))
         self.seqs[rid] = seq
         self._streams[rid] = TextStream(self.tokenizer, ids, params.stop, output_ids)
-        self.grammars.compile(seq)  # off this thread; the gate holds the request until it is done
         return seq
 
     def check_request(self, request: Request) -> None:
@@ -205,6 +204,7 @@ class Engine:
         preempted by recompute is), and the next token continues the stream after them. Its
         `priority`: lower is admitted first and preempted last (vLLM's meaning; 0 by default)."""
         seq = self._new_sequence(request)
+        self.grammars.compile(seq)  # off this thread; the gate holds the request until it is done
         if not self._gate.holds(seq):
             self.scheduler.add(seq)
 
@@ -261,6 +261,7 @@ class Engine:
         seq.lookup_hashes = hashes  # (a fresh prompt: no PENDING token among them)
         seq.num_cached_tokens = len(cached) * bs
         self._reserved.add(seq.request_id)
+        self.grammars.compile(seq)  # while its KV comes (not for a refused reservation, tried elsewhere)
         return Reservation(list(seq.block_ids), len(cached))
 
     def _victims_for(self, seq: Sequence, need: int) -> int:
@@ -287,9 +288,9 @@ class Engine:
         is in the reserved blocks (placed, or cached here already); generate from `first_token` on."""
         seq = self.seqs[request_id]
         assert seq.block_ids and seq.num_computed_tokens == 0, f"{request_id} was not reserved"
-        self._reserved.discard(request_id)
         if self._gate.holds_start(seq, first_token, first_logprob):
             return  # (its grammar's matcher must consume the first token: called again once compiled)
+        self._reserved.discard(request_id)  # (a held one keeps its sequence slot)
         seq.num_computed_tokens = seq.num_tokens
         self.scheduler.register_full_blocks(seq)
         out = self._append_token(seq, first_token, first_logprob)

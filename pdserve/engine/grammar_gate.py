@@ -2,7 +2,7 @@
 
 A request under a grammar cannot be sampled before its matcher exists, and building the matcher of a
 large JSON schema takes seconds: built on the step path, it stalled every sequence of the step. So
-the engine starts the compile as the request arrives (`Engine._new_sequence`) and holds it here
+the engine starts the compile as the request arrives (`Engine.add`, `Engine.reserve`) and holds it here
 instead of queueing it: a request to compute (`Engine.add`) joins the scheduler's queue, and a decode
 reservation whose KV has arrived starts decoding (`Engine.start_decode`), at the first step boundary
 after its compile ends; the other requests step meanwhile. One whose grammar does not compile ends
