@@ -20,7 +20,7 @@ from pdserve.router.openai_protocol import ChatCompletionRequest
 from pdserve.router.openai_responses import ChatShape, sse_event
 from pdserve.router.tool_parsers import ParsedCall, ToolParser
 from pdserve.router.tool_stream import PARTIAL, PartialCall, Scans
-from pdserve.structured_outputs import json_schema_grammar
+from pdserve.structured_outputs import GrammarTokenizer, json_schema_grammar
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -43,15 +43,15 @@ class ToolChoice:
         if self.mode in ("required", "named") and not self.tools:
             raise InvalidRequestError("tool_choice", f"{choice!r} needs tools")
 
-    def grammar(self) -> str | None:
+    def grammar(self, tokenizer: GrammarTokenizer | None = None) -> str | None:
         """The grammar forcing the call(s), for "required" and a named function; None otherwise."""
         if self.mode == "named":
-            return json_schema_grammar("tools", self.tools[self.name])
+            return json_schema_grammar("tools", self.tools[self.name], tokenizer)
         if self.mode == "required":
             calls = [{"type": "object", "properties": {"name": {"const": n}, "parameters": schema},
                       "required": ["name", "parameters"], "additionalProperties": False}
                      for n, schema in self.tools.items()]
-            return json_schema_grammar("tools", {"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+            return json_schema_grammar("tools", {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, tokenizer)
         return None
 
     def calls(self, text: str, parser: ToolParser) -> tuple[str, list[ParsedCall]]:

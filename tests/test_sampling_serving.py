@@ -334,6 +334,8 @@ def test_a_named_tool_choice_returns_a_parsed_call(cluster, stream):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    # (Valid for any tokenizer but this model's: it has no such special token.)
+    ({"structured_outputs": {"grammar": 'start: "a" <|no_such_token|>'}}, "structured_outputs.grammar"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
 ])
 def test_bad_structured_outputs_are_400_naming_the_field(cluster, body, param):

@@ -15,7 +15,6 @@ step late.
 A step's masks are one batched fill (llguidance's executor, on its own threads, into one packed
 bitmask [rows, ceil(vocab / 32)] int32 on the host) and one tensor op on the logits."""
 
-import json
 import logging
 import os
 import threading
@@ -26,6 +25,7 @@ import llguidance.torch
 import torch
 
 from pdserve.engine.sequence import PENDING, Sequence
+from pdserve.structured_outputs import ll_tokenizer
 
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class Grammars:
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._ll_lock:
             if self._ll is None:
-                self._ll = _ll_tokenizer(self._tokenizer, self.vocab_size)
+                self._ll = ll_tokenizer(self._tokenizer, self.vocab_size)
                 self._executor = llguidance.LLExecutor(executor_threads())
         return self._ll
 
@@ -188,15 +188,3 @@ def masked(logits: torch.Tensor, bitmask: torch.Tensor, bits: torch.Tensor) -> t
     (llguidance's layout: token t is bit t % 32 of word t // 32) at -inf: one elementwise op."""
     allowed = (bitmask[:, :, None] & bits).ne(0).flatten(1)[:, :logits.shape[-1]]
     return logits.masked_fill(~allowed, float("-inf"))
-
-
-def _ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
-    """The engine's tokenizer as llguidance's: an HF tokenizer's tokenizer.json; a preset's byte
-    tokenizer as the HF tokenizer files it equals (pdserve.tokenizer.byte_tokenizer_as_hf)."""
-    from pdserve.tokenizer import ByteTokenizer, byte_tokenizer_as_hf
-
-    if isinstance(tokenizer, ByteTokenizer):
-        spec = json.dumps(byte_tokenizer_as_hf(max(vocab_size, tokenizer.vocab_size), 1 << 20)["tokenizer.json"])
-    else:
-        spec = tokenizer.backend.to_str()
-    return llguidance.LLTokenizer(spec, n_vocab=vocab_size, eos_token=list(tokenizer.eos_token_ids))
