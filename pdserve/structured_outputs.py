@@ -1,10 +1,13 @@
 """Structured outputs as one llguidance grammar (`SamplingParams.grammar`): what the front ends turn
 OpenAI's `response_format`, vLLM's `structured_outputs` (json, regex, choice, grammar, json_object)
 and a forced tool call into, checked here so that a bad schema, regex or grammar is a 400 naming its
-field before any replica sees it. The engine compiles the grammar against its tokenizer and masks
-the logits (pdserve/engine/grammar.py). No torch: the routers import this."""
+field before any replica sees it — checked against the model's tokenizer where the caller has one
+(`GrammarTokenizer`: a special token or token id the vocabulary lacks is the request's fault too).
+The engine compiles the grammar against its tokenizer and masks the logits
+(pdserve/engine/grammar.py). No torch: the routers import this."""
 
 import json
+import threading
 from typing import Any
 
 import llguidance
@@ -18,7 +21,36 @@ _ANY_JSON_OBJECT = {"type": "object"}
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def json_schema_grammar(param: str, schema: Any) -> str:
+def ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """A tokenizer as llguidance's: an HF tokenizer's tokenizer.json; a preset's byte tokenizer as
+    the HF tokenizer files it equals (pdserve.tokenizer.byte_tokenizer_as_hf). `vocab_size`: the
+    model's (its logits' width), which may exceed the tokenizer's."""
+    from pdserve.tokenizer import ByteTokenizer, byte_tokenizer_as_hf
+
+    if isinstance(tokenizer, ByteTokenizer):
+        spec = json.dumps(byte_tokenizer_as_hf(max(vocab_size, tokenizer.vocab_size), 1 << 20)["tokenizer.json"])
+    else:
+        spec = tokenizer.backend.to_str()
+    return llguidance.LLTokenizer(spec, n_vocab=vocab_size, eos_token=list(tokenizer.eos_token_ids))
+
+
+class GrammarTokenizer:
+    """A router's model tokenizer as llguidance's, built on first use (a large vocabulary takes ~1 s;
+    any thread), to check grammars against."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._ll: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll is None:
+                self._ll = ll_tokenizer(self._tokenizer, self._tokenizer.vocab_size)
+        return self._ll
+
+
+def json_schema_grammar(param: str, schema: Any, tokenizer: GrammarTokenizer | None = None) -> str:
     """The grammar of JSON text matching `schema` (a dict, or its JSON text)."""
     if isinstance(schema, str):
         try:
@@ -27,35 +59,37 @@ def json_schema_grammar(param: str, schema: Any) -> str:
             raise InvalidRequestError(param, f"is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise InvalidRequestError(param, f"must be a JSON schema (an object), got {type(schema).__name__}")
-    return _checked(param, llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS))
+    return _checked(param, llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS), tokenizer)
 
 
-def grammar_of(param: str, kind: str, spec: Any) -> str:
-    """The grammar of one structured-output request: `kind` one of KINDS, `spec` its value; an error names `param`."""
+def grammar_of(param: str, kind: str, spec: Any, tokenizer: GrammarTokenizer | None = None) -> str:
+    """The grammar of one structured-output request: `kind` one of KINDS, `spec` its value; an error
+    names `param`. `tokenizer`: the model's, which the grammar is checked against too."""
     if kind == "json":
-        return json_schema_grammar(param, spec)
+        return json_schema_grammar(param, spec, tokenizer)
     if kind == "json_object":
-        return json_schema_grammar(param, _ANY_JSON_OBJECT)
+        return json_schema_grammar(param, _ANY_JSON_OBJECT, tokenizer)
     if kind == "regex":
         if not isinstance(spec, str) or not spec:
             raise InvalidRequestError(param, "must be a non-empty regular expression")
-        return _checked(param, llguidance.LLMatcher.grammar_from_regex(spec))
+        return _checked(param, llguidance.LLMatcher.grammar_from_regex(spec), tokenizer)
     if kind == "choice":
         if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
             raise InvalidRequestError(param, "must be a non-empty list of non-empty strings")
         # Lark string literals take JSON's escapes: each choice is matched exactly.
         return _checked(param, llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c) for c in spec)))
+            "start: " + " | ".join(json.dumps(c) for c in spec)), tokenizer)
     if kind == "grammar":
         if not isinstance(spec, str) or not spec.strip():
             raise InvalidRequestError(param, "must be a non-empty grammar (Lark, or GBNF with ::= rules)")
         lark = llguidance.gbnf_to_lark.gbnf_to_lark(spec) if "::=" in spec else spec
-        return _checked(param, llguidance.LLMatcher.grammar_from_lark(lark))
+        return _checked(param, llguidance.LLMatcher.grammar_from_lark(lark), tokenizer)
     raise InvalidRequestError(param, f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
 
 
-def _checked(param: str, grammar: str) -> str:
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+def _checked(param: str, grammar: str, tokenizer: GrammarTokenizer | None) -> str:
+    # (Against the tokenizer the check costs what it costs without: the grammar's compile.)
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer.get() if tokenizer is not None else None)
     if error:
         raise InvalidRequestError(param, f"is not a valid grammar: {error.strip()}")
     return grammar

@@ -47,7 +47,11 @@ class KVStreamer:
             self.connector.wait(0.005)  # only transfers left: wait without holding the GIL
         outputs = self.engine.step()
         for out in outputs:
-            if out.request_id in self.handles:
+            if out.error is not None and out.request_id in self.handles:
+                # It cannot run (its grammar did not compile): the decode side fails it (KV_FAILED).
+                self._sent.pop(out.request_id, None)
+                self.connector.release(out.request_id, self.handles.pop(out.request_id))
+            elif out.request_id in self.handles:
                 # The first token's logprob (where asked for) goes with it: the decode side streams it.
                 lp = out.logprobs[0] if out.logprobs else None
                 self.connector.finish(out.request_id, out.token_ids[0],

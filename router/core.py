@@ -16,6 +16,7 @@ from pdserve.router.policy import routing_policy
 from pdserve.router.prefill_site import PrefillSite
 from pdserve.router.replica_set import Channel, ReplicaSet
 from pdserve.router.types import DirectWriter
+from pdserve.structured_outputs import GrammarTokenizer
 
 
 class RouterCore:
@@ -32,6 +33,7 @@ class RouterCore:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
+        self.grammar_tokenizer = GrammarTokenizer(tokenizer)  # what structured outputs are checked against
         self.replicas = ReplicaSet(name, metrics, channel)
         self.routing = routing_policy(policy, self.replicas, block_size)
         self.gate = AdmissionGate(admission or AdmissionPolicy(), self.replicas, metrics, replica_wait_s)

@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.protocol import MAX_CACHE_SALT_CHARS, InvalidRequestError, SamplingParams
-from pdserve.structured_outputs import KINDS, grammar_of
+from pdserve.structured_outputs import KINDS, GrammarTokenizer, grammar_of
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2 as pb
 from pdserve.router.grpc_gen.pdserve.v1 import completion_pb2_grpc as pb_grpc
 from pdserve.router import token_budget
@@ -166,7 +166,9 @@ class CompletionServicer(pb_grpc.CompletionServicer):
             min_tokens=request.min_tokens,
             stop_token_ids=list(request.stop_token_ids),
             cache_salt=_cache_salt(request, tenant),
-            grammar=_grammar(request),
+            # (Off the loop, as the HTTP API's: a large schema's check takes a fraction of a second.)
+            grammar=(await off_loop(_grammar, request, self.core.grammar_tokenizer)
+                     if request.HasField("structured_outputs") else None),
         )
         asked = request.priority if request.HasField("priority") else None
         priority = (asked or 0) if tenant is None else tenant.priority_of(asked)
@@ -340,8 +342,9 @@ async def start_grpc_server(core: ServingCore, port: int, host: str = "0.0.0.0",
     return server
 
 
-def _grammar(request: pb.CompletionRequest) -> str | None:
-    """The request's structured_outputs as a grammar, checked (InvalidRequestError names the field)."""
+def _grammar(request: pb.CompletionRequest, tokenizer: GrammarTokenizer) -> str | None:
+    """The request's structured_outputs as a grammar, checked against the model's tokenizer too
+    (InvalidRequestError names the field)."""
     if not request.HasField("structured_outputs"):
         return None
     so = request.structured_outputs
@@ -349,4 +352,4 @@ def _grammar(request: pb.CompletionRequest) -> str | None:
     if kind is None:
         raise InvalidRequestError("structured_outputs", f"must set one of {', '.join(KINDS)}")
     spec = list(so.choice.values) if kind == "choice" else getattr(so, kind)
-    return grammar_of(f"structured_outputs.{kind}", kind, spec)
+    return grammar_of(f"structured_outputs.{kind}", kind, spec, tokenizer)

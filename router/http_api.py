@@ -145,7 +145,9 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
         check_n(n, best_of, max_n)
         prompts = body.prompts()
         salt, priority = _cache_salt(body, scope), _priority(body, scope)
-        grammar = body.structured_grammar()
+        # (Built and checked off the loop: a large schema's check takes a fraction of a second, which
+        # on the loop would stall every stream of this router.)
+        grammar = await off_loop(body.structured_grammar, core.grammar_tokenizer) if body.asks_structure() else None
         if len(prompts) == 1 and best_of == 1 and not body.echo:  # one choice: the everyday path
             prompt = prompts[0]
             prompt_ids = await _tokenize(core, prompt, "prompt") if isinstance(prompt, str) else prompt
@@ -194,7 +196,9 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
         n = body.n or 1
         check_n(n, n, max_n)
         tools = ToolChoice(body)
-        forced, grammar = tools.grammar(), body.structured_grammar()
+        forced, grammar = (await off_loop(lambda: (tools.grammar(core.grammar_tokenizer),  # (as complete's)
+                                                   body.structured_grammar(core.grammar_tokenizer)))
+                           if tools.mode in ("required", "named") or body.asks_structure() else (None, None))
         if forced is not None and grammar is not None:
             raise ApiError(400, "tool_choice: a forced tool call may not be combined with structured outputs "
                                 "(response_format, structured_outputs)", param="tool_choice", code="invalid_value")

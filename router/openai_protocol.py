@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationInfo, field_validator
 
 from pdserve.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, InvalidRequestError, SamplingParams
-from pdserve.structured_outputs import KINDS, grammar_of, json_schema_grammar
+from pdserve.structured_outputs import KINDS, GrammarTokenizer, grammar_of, json_schema_grammar
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -113,31 +113,37 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"must set exactly one of {', '.join(KINDS)}")
         return v
 
-    def structured_grammar(self) -> str | None:
-        """The grammar the output must match (None: free text); InvalidRequestError names the field at fault."""
+    def asks_structure(self) -> bool:
+        """A structured-output field is set: structured_grammar has a grammar to build and check."""
+        return (self.structured_outputs is not None or self.response_format not in (None, {"type": "text"})
+                or any(getattr(self, f"guided_{k}") is not None for k in ("json", "regex", "choice", "grammar")))
+
+    def structured_grammar(self, tokenizer: GrammarTokenizer | None = None) -> str | None:
+        """The grammar the output must match (None: free text), checked (against `tokenizer` too, the
+        model's); InvalidRequestError names the field at fault."""
         guided = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None]
         if guided:
             if len(guided) > 1 or self.structured_outputs is not None:
                 raise InvalidRequestError(f"guided_{guided[-1]}", "only one of structured_outputs and the "
                                                                   "guided_* fields may be set")
-            return grammar_of(f"guided_{guided[0]}", guided[0], getattr(self, f"guided_{guided[0]}"))
+            return grammar_of(f"guided_{guided[0]}", guided[0], getattr(self, f"guided_{guided[0]}"), tokenizer)
         if self.structured_outputs is not None and self.response_format not in (None, {"type": "text"}):
             raise InvalidRequestError("structured_outputs", "may not be set together with a response_format")
         if self.structured_outputs is not None:
             kind = next(k for k in KINDS if self.structured_outputs.get(k) not in (None, False))
-            return grammar_of(f"structured_outputs.{kind}", kind, self.structured_outputs[kind])
+            return grammar_of(f"structured_outputs.{kind}", kind, self.structured_outputs[kind], tokenizer)
         rf = self.response_format
         kind = rf.get("type") if rf is not None else "text"
         if kind == "text":
             return None
         if kind == "json_object":
-            return grammar_of("response_format", "json_object", None)
+            return grammar_of("response_format", "json_object", None, tokenizer)
         if kind == "json_schema":
             spec = rf.get("json_schema")
             if not isinstance(spec, dict) or "schema" not in spec:
                 raise InvalidRequestError("response_format.json_schema",
                                           'must be {"name": ..., "schema": {...}}')
-            return json_schema_grammar("response_format.json_schema.schema", spec["schema"])
+            return json_schema_grammar("response_format.json_schema.schema", spec["schema"], tokenizer)
         raise InvalidRequestError("response_format.type", f'must be "text", "json_object" or "json_schema", got {kind!r}')
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, cache_salt: str | None = None,

@@ -3,10 +3,12 @@ worded with OpenAI's `tool_calls`, whole or as stream deltas.
 
 - "none": the text is the message's content.
 - "auto" (the default when tools are sent): the model's own calls, in its family's format, parsed
-  out of the text (router/tool_parsers.py); the text before the first call stays content.
+  out of the text (router/tool_parsers.py); the text before the first call stays content. Streamed,
+  each call's name goes out once written, then its arguments as they are (router/tool_stream.py).
 - a named function: the output is forced (a grammar, as vLLM does) to that function's arguments,
   a JSON object of its `parameters` schema: the call streams as its arguments are generated.
-- "required": forced to a JSON list of calls, [{"name": ..., "parameters": {...}}, ...] (vLLM's form).
+- "required": forced to a JSON list of calls, [{"name": ..., "parameters": {...}}, ...] (vLLM's form),
+  streamed as auto's are.
 A choice with calls ends with finish_reason "tool_calls"."""
 
 import json
@@ -17,7 +19,8 @@ from pdserve.messages import RequestDelta
 from pdserve.router.openai_protocol import ChatCompletionRequest
 from pdserve.router.openai_responses import ChatShape, sse_event
 from pdserve.router.tool_parsers import ParsedCall, ToolParser
-from pdserve.structured_outputs import json_schema_grammar
+from pdserve.router.tool_stream import PARTIAL, PartialCall, Scans
+from pdserve.structured_outputs import GrammarTokenizer, json_schema_grammar
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -40,15 +43,15 @@ class ToolChoice:
         if self.mode in ("required", "named") and not self.tools:
             raise InvalidRequestError("tool_choice", f"{choice!r} needs tools")
 
-    def grammar(self) -> str | None:
+    def grammar(self, tokenizer: GrammarTokenizer | None = None) -> str | None:
         """The grammar forcing the call(s), for "required" and a named function; None otherwise."""
         if self.mode == "named":
-            return json_schema_grammar("tools", self.tools[self.name])
+            return json_schema_grammar("tools", self.tools[self.name], tokenizer)
         if self.mode == "required":
             calls = [{"type": "object", "properties": {"name": {"const": n}, "parameters": schema},
                       "required": ["name", "parameters"], "additionalProperties": False}
                      for n, schema in self.tools.items()]
-            return json_schema_grammar("tools", {"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+            return json_schema_grammar("tools", {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, tokenizer)
         return None
 
     def calls(self, text: str, parser: ToolParser) -> tuple[str, list[ParsedCall]]:
@@ -97,6 +100,9 @@ class ToolCallShape(ChatShape):
         self._text = ""  # the stream's text so far
         self._shown = 0  # how much of it went out as content
         self._named_id: str | None = None  # a named call's id, once its first delta went out
+        self._sent: list[int] = []  # auto / required: each call opened so far, how much of its arguments went out
+        self._called = False  # the finished text held calls
+        self._scans = Scans()  # the calls' JSON scanned so far
 
     def _choice(self, deltas: list[RequestDelta]) -> dict:
         choice = super()._choice(deltas)
@@ -132,8 +138,8 @@ class ToolCallShape(ChatShape):
             if content:
                 out["content"] = content
             if calls:
-                out["tool_calls"] = [_tool_call(i, c) for i, c in enumerate(calls)]
-            reason = "tool_calls" if calls else delta.finish_reason
+                out["tool_calls"] = calls
+            reason = "tool_calls" if finished and self._called else delta.finish_reason
         if not out and not finished:
             return None
         extra = {"usage": None} if self.include_usage else {}
@@ -142,16 +148,29 @@ class ToolCallShape(ChatShape):
                                                    "finish_reason": reason, "stop_reason": delta.stop_reason}],
                               **extra)
 
-    def _stream_text(self, finished: bool) -> tuple[str, list[ParsedCall]]:
-        """The content to send now and, at the end, the calls: text that is or may become a call
-        (from the parser's start marker, or a "required" list) is held back until the end."""
+    def _stream_text(self, finished: bool) -> tuple[str, list[dict]]:
+        """The content to send now, and the tool-call deltas: text from the parser's start marker (all
+        of a "required" list) is read as calls as it comes (router/tool_stream.py): each call opens
+        with its id and name once the name is whole, then its arguments go out in fragments as the
+        model writes them. At the end, calls the reading missed go out whole, and text that held no
+        call after all is content."""
+        required = self.tool_choice.mode == "required"
+        content = "" if required else self._content_piece()
+        at = 0 if required else self._text.find(self.parser.start)
+        reader = PARTIAL["required" if required else self.parser.name]
+        deltas = self._call_deltas(reader(self._text, at, self._scans)) if at >= 0 else []
         if finished:
-            content, calls = self.tool_choice.calls(self._text, self.parser)
-            rest = content[self._shown:] if calls else self._text[self._shown:]
-            self._shown = len(self._text)
-            return rest, calls
-        if self.tool_choice.mode == "required":
-            return "", []
+            final_content, calls = self.tool_choice.calls(self._text, self.parser)
+            if calls:
+                content += final_content[self._shown:]
+                deltas += [self._open(i, c.name, c.arguments) for i, c in enumerate(calls) if i >= len(self._sent)]
+            elif not self._sent:  # no call in it: all content
+                content += self._text[self._shown:]
+            self._shown, self._called = len(self._text), bool(calls)
+        return content, deltas
+
+    def _content_piece(self) -> str:
+        """Content up to the parser's start marker, less a tail that may begin it."""
         marker = self.parser.start
         at = self._text.find(marker, self._shown)
         if at < 0:  # all of it but a tail that may begin the marker
@@ -161,4 +180,24 @@ class ToolCallShape(ChatShape):
                     at = len(self._text) - k
                     break
         piece, self._shown = self._text[self._shown:at], max(self._shown, at)
-        return piece, []
+        return piece
+
+    def _call_deltas(self, calls: list[PartialCall]) -> list[dict]:
+        """The deltas of what the calls read so far add to what went out: a call's opening (in order,
+        once its name is whole), then its new arguments text."""
+        deltas = []
+        for i, call in enumerate(calls):
+            if i == len(self._sent):
+                if call.name is None:
+                    break
+                deltas.append(self._open(i, call.name, call.arguments(self._text)))
+            elif len(call) > self._sent[i]:
+                new = call.arguments(self._text)[self._sent[i]:] if call.whole is not None else \
+                    self._text[call.start + self._sent[i]:call.stop]
+                deltas.append({"index": i, "function": {"arguments": new}})
+                self._sent[i] = len(call)
+        return deltas
+
+    def _open(self, index: int, name: str, arguments: str) -> dict:
+        self._sent.append(len(arguments))
+        return _tool_call(index, ParsedCall(name, arguments))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from pdserve.messages import Request, RequestDelta
+from pdserve.structured_outputs import GrammarTokenizer
 
 
 class NoCapacityError(RuntimeError):
@@ -62,6 +63,7 @@ class ServingCore(Protocol):
     model_name: str  # the one model this service serves (its id in /v1/models)
     max_model_len: int
     chat_template: str | None  # the model's (the tool-call format is read from it), None if it has none
+    grammar_tokenizer: GrammarTokenizer  # the model's tokenizer as llguidance's: grammars are checked against it
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; False for text a chat template rendered (it carries its own BOS)."""

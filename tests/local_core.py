@@ -9,6 +9,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 
 from pdserve.messages import Request, RequestDelta
+from pdserve.structured_outputs import GrammarTokenizer
 
 
 def delta(text: str, token_ids: list[int], finish_reason: str | None = None, logprobs=(),
@@ -23,6 +24,7 @@ class LocalCore:
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.grammar_tokenizer = GrammarTokenizer(engine.tokenizer)
         self._lock = threading.Lock()  # the engine is not thread-safe: steps and calls take turns
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

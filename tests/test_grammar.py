@@ -15,6 +15,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.sequence import FinishReason, Sequence
+from pdserve.messages import Request
 from pdserve.protocol import SamplingParams
 from pdserve.structured_outputs import grammar_of, json_schema_grammar
 from pdserve.tokenizer import ByteTokenizer
@@ -82,3 +83,87 @@ def test_masks_are_one_op_over_the_constrained_rows():
     allowed = (masked[0] > float("-inf")).nonzero().flatten().tolist()
     assert allowed == list(range(48, 58)) + [257, 259]  # after its digit: more digits, or the end (EOS)
     assert torch.equal(masked[1], logits[1])
+
+
+# -- the grammar compiles off the step path (engine/grammar_gate.py) -----------------------------------
+
+def wide_schema(groups: int, fields: int) -> dict:
+    """Objects of optional string fields, each its own pattern: the compile grows with fields squared
+    (30 x 250: ~0.5 s here, against a few ms a step of tiny-moe); a group stays under the parser's row limit."""
+    return {"type": "object", "additionalProperties": False, "required": [f"g{j}" for j in range(groups)],
+            "properties": {f"g{j}": {"type": "object", "additionalProperties": False, "properties": {
+                f"f{j}_{i}": {"type": "string", "pattern": f"^[a-z]{{1,{3 + i % 9}}}-[0-9]{{{1 + i % 4}}}$"}
+                for i in range(fields)}} for j in range(groups)}}
+
+
+@pytest.fixture(scope="module")
+def slow_grammar() -> str:
+    return json_schema_grammar("json", wide_schema(30, 250))
+
+
+def _run(engine: Engine, until_done: set[str]) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Step until every listed request finished: each request's tokens, and how many of them came
+    while the grammar of "slow" was still compiling."""
+    tokens: dict[str, list[int]] = {}
+    while_compiling: dict[str, int] = {}
+    finished: set[str] = set()
+    while until_done - finished:
+        compiling = engine.grammars.compiling("slow") and not engine.grammars.compiled("slow")
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if compiling and engine.grammars.compiling("slow") and not engine.grammars.compiled("slow"):
+                while_compiling[out.request_id] = while_compiling.get(out.request_id, 0) + len(out.token_ids)
+            if out.finished:
+                finished.add(out.request_id)
+    return tokens, while_compiling
+
+
+def test_a_compiling_grammar_holds_up_only_its_own_request(engine, slow_grammar):
+    free_params = SamplingParams(max_tokens=12, temperature=0)
+    slow_params = SamplingParams(max_tokens=6, temperature=0, grammar=slow_grammar)
+    free_alone = engine.generate(["hi there"], free_params)[0].token_ids
+    engine.add_request("slow", "hello", slow_params)
+    assert engine.grammars.compiling("slow") and engine.seqs["slow"] not in engine.scheduler.waiting
+    engine.add_request("free", "hi there", free_params)
+    tokens, while_compiling = _run(engine, {"free", "slow"})
+    # The free request stepped while the other's grammar compiled (before and after each step: no
+    # step held the compile); only then was the other scheduled. A compile on the step path fails this.
+    assert while_compiling.get("free", 0) >= 1 and "slow" not in while_compiling, while_compiling
+    assert tokens["free"] == free_alone
+    slow_alone = engine.generate(["hello"], slow_params)[0].token_ids  # compiled, then run (the same greedy output)
+    assert tokens["slow"] == slow_alone and len(slow_alone) == 6
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert not engine.grammars._matchers and not engine.grammars._compiling and not engine.has_unfinished()
+
+
+def test_a_grammar_that_does_not_compile_fails_only_its_request(engine):
+    bad = json.dumps({"grammars": [{"lark_grammar": "start: missing_rule"}]})  # (the router refuses it: 400)
+    engine.add_request("bad", "hi", SamplingParams(max_tokens=8, temperature=0, grammar=bad))
+    engine.add_request("ok", "hi", SamplingParams(max_tokens=4, temperature=0))
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    [failed] = outs["bad"]
+    assert failed.finish_reason == FinishReason.ERROR and failed.token_ids == []
+    assert "did not compile" in failed.error and "missing_rule" in failed.error
+    assert sum(len(o.token_ids) for o in outs["ok"]) == 4 and outs["ok"][-1].finish_reason == FinishReason.LENGTH
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks and not engine.seqs
+
+
+def test_a_decode_reservation_starts_once_its_grammar_compiled(slow_grammar):
+    """The decode role: the KV came (start_decode) before the compile ended; the first token waits
+    with the request, the other decoders step on, and its matcher consumes that token once built."""
+    engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=64, role="decode"))
+    prompt = engine.tokenize("hello")
+    assert engine.reserve(Request("free", prompt, SamplingParams(max_tokens=10, temperature=0))) is not None
+    assert engine.reserve(Request("slow", prompt, SamplingParams(max_tokens=4, temperature=0,
+                                                                  grammar=slow_grammar))) is not None
+    engine.start_decode("free", ord("x"))
+    engine.start_decode("slow", ord("{"))  # the first token the prefill replica sampled under the grammar
+    assert engine.seqs["slow"] not in engine.scheduler.running
+    tokens, while_compiling = _run(engine, {"free", "slow"})
+    assert while_compiling.get("free", 0) >= 1 and "slow" not in while_compiling, while_compiling
+    assert len(tokens["free"]) == 10 and tokens["slow"][0] == ord("{") and len(tokens["slow"]) == 4
+    assert engine.tokenizer.decode(tokens["slow"]).startswith('{"g0')  # its matcher took the first token
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks and not engine.has_unfinished()

@@ -382,6 +382,10 @@ BAD = [
     ("/v1/completions", OK | {"structured_outputs": {"json": "{not json"}}, 400, "structured_outputs.json"),
     ("/v1/completions", OK | {"structured_outputs": {"grammar": "start: missing_rule"}}, 400,
      "structured_outputs.grammar"),
+    # What only the model's tokenizer knows: a special token or a token id it lacks (checked against it).
+    ("/v1/completions", OK | {"structured_outputs": {"grammar": 'start: "a" <|no_such_token|>'}}, 400,
+     "structured_outputs.grammar"),
+    ("/v1/completions", OK | {"guided_grammar": "start: <[99999999]>"}, 400, "guided_grammar"),
     ("/v1/completions", OK | {"structured_outputs": {"choice": []}}, 400, "structured_outputs.choice"),
     ("/v1/completions", OK | {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured_outputs"),
     ("/v1/completions", OK | {"guided_regex": "a(+"}, 400, "guided_regex"),

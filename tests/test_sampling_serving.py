@@ -334,6 +334,8 @@ def test_a_named_tool_choice_returns_a_parsed_call(cluster, stream):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    # (Valid for any tokenizer but this model's: it has no such special token.)
+    ({"structured_outputs": {"grammar": 'start: "a" <|no_such_token|>'}}, "structured_outputs.grammar"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
 ])
 def test_bad_structured_outputs_are_400_naming_the_field(cluster, body, param):
@@ -363,3 +365,49 @@ def test_grpc_structured_outputs(cluster):
             with pytest.raises(grpc.RpcError) as e:
                 stub.Complete(pb.CompletionRequest(prompt="hi", max_tokens=4, structured_outputs=so), timeout=60)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field)
+
+
+# The model's own call in the hermes format (the presets' ChatML): the grammar writes it, so that the
+# random-weight model makes one; auto reads it as a model's call.
+HERMES_CALL = ('start: ' + json.dumps('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "')
+               + ' CITY ' + json.dumps('", "unit": "celsius"}}\n</tool_call>') + '\nCITY: /[A-Z][a-z]{1,8}/')
+
+
+def _streamed_calls(c: Cluster, **kw) -> tuple[dict, int]:
+    """A streamed chat completion through the openai client, its deltas accumulated as a client does
+    ({content, finish_reason, tool_calls}), and how many chunks carried argument fragments."""
+    content, reason, calls, fragments = "", None, {}, 0
+    for chunk in c.client.chat.completions.create(model=MODEL, stream=True, max_tokens=200,
+                                                  messages=[{"role": "user", "content": "Weather?"}], **kw):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for t in ch.delta.tool_calls or []:
+                if t.function.name:
+                    assert t.index not in calls and t.id and t.type == "function"
+                name, args = calls.get(t.index, ("", ""))
+                calls[t.index] = (name + (t.function.name or ""), args + (t.function.arguments or ""))
+                fragments += bool(t.function.arguments)
+            reason = ch.finish_reason or reason
+    return {"content": content or None, "finish_reason": reason, "tool_calls": [calls[i] for i in sorted(calls)]}, fragments
+
+
+@pytest.mark.parametrize("choice,extra", [
+    ("auto", {"extra_body": {"structured_outputs": {"grammar": HERMES_CALL}}, "temperature": 0,
+              "tools": [WEATHER, NOTE]}),
+    ("required", {"temperature": 1.0, "seed": 3, "tools": [WEATHER]}),  # (NOTE's free object may run long)
+], ids=["auto", "required"])
+def test_auto_and_required_calls_stream_as_generated(cluster, choice, extra):
+    """tool_choice auto and required stream each call as OpenAI does: its name first, then its
+    arguments in fragments as the model writes them; joined, the same call as the whole response."""
+    whole = cluster.client.chat.completions.create(model=MODEL, max_tokens=200, tool_choice=choice,
+                                                   messages=[{"role": "user", "content": "Weather?"}],
+                                                   **extra).choices[0]
+    streamed, fragments = _streamed_calls(cluster, tool_choice=choice, **extra)
+    assert whole.finish_reason == streamed["finish_reason"] == "tool_calls", (whole, streamed)
+    assert (whole.message.content or None) == streamed["content"] == ("Let me look." if choice == "auto" else None)
+    parsed = [(t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls]
+    assert parsed == [(n, json.loads(a)) for n, a in streamed["tool_calls"]] and parsed
+    assert fragments > 3  # the arguments came as generated, not in one piece at the end
+    for name, arguments in parsed:
+        tool = {"get_weather": WEATHER, "take_note": NOTE}[name]
+        jsonschema.validate(arguments, tool["function"]["parameters"])

@@ -127,3 +127,82 @@ def test_a_conversation_with_calls_reaches_the_template():
     text = render_chat_template(template, [m.for_template() for m in body.messages], False, {})
     assert text == ('user:weather?|assistant:<tool_call>get_weather {"city": "Oslo", "unit": "celsius"}</tool_call>|'
                     "tool:12 C[call_1]|")
+
+
+def _deltas(shape: ToolCallShape, text: str, size: int = 4) -> tuple[list[dict], str]:
+    """Feed a finished text in pieces; every chunk's choice delta, and the finish_reason."""
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    deltas, finish = [], None
+    for i, piece in enumerate(pieces):
+        chunk = shape.chunk(RequestDelta("r", piece, [], finish_reason="stop" if i == len(pieces) - 1 else None))
+        if chunk is not None:
+            deltas.append(chunk["choices"][0]["delta"])
+            finish = chunk["choices"][0]["finish_reason"] or finish
+    return deltas, finish
+
+
+@pytest.mark.parametrize("fmt", list(TEXTS))
+def test_auto_streams_each_calls_arguments_as_they_come(fmt):
+    """OpenAI's (and vLLM's) tool-call deltas: the call opens with its id and name, then its arguments
+    come in fragments as the model writes them, not whole at the end; joined they are the call the
+    whole response holds."""
+    parser = PARSER[fmt]()
+    shape = ToolCallShape("r", "m", False, False, ToolChoice(_body()), parser)
+    deltas, finish = _deltas(shape, TEXTS[fmt])
+    whole = ToolCallShape("r", "m", False, False, ToolChoice(_body()), parser).choice(
+        [RequestDelta("r", TEXTS[fmt], [], finish_reason="stop")])
+    assert finish == whole["finish_reason"] == "tool_calls"
+    assert "".join(d.get("content", "") for d in deltas) == whole["message"]["content"] == "Let me look."
+    fragments: dict[int, list[str]] = {}
+    names: dict[int, str] = {}
+    for k, d in enumerate(deltas):
+        for t in d.get("tool_calls", []):
+            if "name" in t["function"]:
+                assert t["index"] not in names and t["id"].startswith("call_") and t["type"] == "function"
+                names[t["index"]] = t["function"]["name"]
+                assert k < len(deltas) - 1  # opened before the end
+            fragments.setdefault(t["index"], []).append(t["function"]["arguments"])
+    assert [names[i] for i in sorted(names)] == [c["function"]["name"] for c in whole["message"]["tool_calls"]]
+    assert [json.loads("".join(fragments[i])) for i in sorted(fragments)] == \
+           [json.loads(c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert all(len([f for f in fragments[i] if f]) > 3 for i in fragments)  # in pieces, as written
+
+
+def test_required_streams_its_arguments_as_they_come():
+    text = json.dumps([{"name": "get_weather", "parameters": ARGS}, {"name": "get_weather", "parameters": {"city": "Lima"}}])
+    deltas, finish = _deltas(ToolCallShape("r", "m", False, False, ToolChoice(_body(tool_choice="required")), Hermes()), text)
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        assert "content" not in d
+        for t in d.get("tool_calls", []):
+            calls.setdefault(t["index"], []).append(t["function"]["arguments"])
+    assert finish == "tool_calls"
+    assert {i: json.loads("".join(f)) for i, f in calls.items()} == {0: ARGS, 1: {"city": "Lima"}}
+    assert len(calls[0]) > 3
+
+
+def test_a_call_cut_short_is_not_a_call():
+    """max_tokens ended it inside the call's name: nothing was opened, the text is content."""
+    cut = 'Hi<tool_call>\n{"name": "get_wea'
+    deltas, _ = _deltas(ToolCallShape("r", "m", False, False, ToolChoice(_body()), Hermes()), cut)
+    assert "".join(d.get("content", "") for d in deltas) == cut and not any("tool_calls" in d for d in deltas)
+
+
+def test_a_long_call_streams_in_time_linear_in_its_length():
+    """Each delta reads the calls again, but every JSON value is scanned once (tool_stream.Scans): a
+    call of 120,000 characters in 3-character deltas takes about as long per delta as a short one."""
+    import time
+
+    def per_delta(n: int) -> float:
+        args = json.dumps({"items": [{"k": i, "v": 'x\\"y' * 3} for i in range(n)]})
+        text = 'ok<tool_call>\n{"name": "get_weather", "arguments": ' + args + '}\n</tool_call>'
+        shape = ToolCallShape("r", "m", False, False, ToolChoice(_body()), Hermes())
+        started = time.perf_counter()
+        deltas, finish = _deltas(shape, text, size=3)
+        took = (time.perf_counter() - started) / len(deltas)
+        got = "".join(t["function"].get("arguments", "") for d in deltas for t in d.get("tool_calls", []))
+        assert json.loads(got) == json.loads(args) and finish == "tool_calls"
+        return took
+
+    short, long = min(per_delta(30) for _ in range(3)), per_delta(3000)
+    assert long < 20 * short, (short, long)  # a rescan of the whole text per delta: ~90x

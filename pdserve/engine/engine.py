@@ -27,6 +27,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes, salt_root
 from pdserve.engine.grammar import Grammars
+from pdserve.engine.grammar_gate import GrammarGate
 from pdserve.engine.graph_capture import capture_graphs
 from pdserve.engine.kv_budget import kv_cache_blocks
 from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
@@ -107,6 +108,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.layout.scales)
         self.runner.sampler.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)  # (min_tokens holds them off)
         self.grammars = self.runner.sampler.grammars = Grammars(self.tokenizer, self.args.vocab_size)
+        self._gate = GrammarGate(self.grammars, self.scheduler.add, self.start_decode, self.release)
         self.speculative = self._wants_speculation(config, ep)
         self._mtp = MTPDrafter(self.model, config.block_size, self.device) if mtp else None
         self.runner.keep_hidden = mtp
@@ -210,7 +212,10 @@ class Engine:
         already elsewhere (a moved request): their KV is computed with the prompt's (as a sequence
         preempted by recompute is), and the next token continues the stream after them. Its
         `priority`: lower is admitted first and preempted last (vLLM's meaning; 0 by default)."""
-        self.scheduler.add(self._new_sequence(request))
+        seq = self._new_sequence(request)
+        self.grammars.compile(seq)  # off this thread; the gate holds the request until it is done
+        if not self._gate.holds(seq):
+            self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     output_ids: list[int] = (), priority: int = 0) -> None:
@@ -265,6 +270,7 @@ class Engine:
         seq.lookup_hashes = hashes  # (a fresh prompt: no PENDING token among them)
         seq.num_cached_tokens = len(cached) * bs
         self._reserved.add(seq.request_id)
+        self.grammars.compile(seq)  # while its KV comes (not for a refused reservation, tried elsewhere)
         return Reservation(list(seq.block_ids), len(cached))
 
     def _victims_for(self, seq: Sequence, need: int) -> int:
@@ -291,7 +297,9 @@ class Engine:
         is in the reserved blocks (placed, or cached here already); generate from `first_token` on."""
         seq = self.seqs[request_id]
         assert seq.block_ids and seq.num_computed_tokens == 0, f"{request_id} was not reserved"
-        self._reserved.discard(request_id)
+        if self._gate.holds_start(seq, first_token, first_logprob):
+            return  # (its grammar's matcher must consume the first token: called again once compiled)
+        self._reserved.discard(request_id)  # (a held one keeps its sequence slot)
         seq.num_computed_tokens = seq.num_tokens
         self.scheduler.register_full_blocks(seq)
         out = self._append_token(seq, first_token, first_logprob)
@@ -333,7 +341,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         f = self._inflight  # a queued step counts while a sequence of it still waits for its token
-        return (self.scheduler.has_work() or bool(self._ready)
+        return (self.scheduler.has_work() or bool(self._ready) or bool(self._gate)
                 or (f is not None and any(self.seqs.get(q.request_id) is q for q in f.sampling)))
 
     def step(self, scheduled: list[ScheduledSeq] | None = None) -> list[RequestOutput]:
@@ -344,9 +352,13 @@ class Engine:
         detokenizing, streaming) runs while the device computes the next. Its outputs thus come one
         call later, and a sequence that hit a stop token has one more token computed, then dropped."""
         timer = self.profile.timer()
+        if self._gate:  # requests whose grammar compiled join (or fail: error outputs) at this boundary
+            self._ready.extend(self._gate.let_in())
         outputs, self._ready = self._ready, []
         if scheduled is None:
             scheduled = self.scheduler.schedule()
+            if not scheduled and self._gate and self._inflight is None:
+                self._gate.nap()  # only compiles to wait for
         # Sized before the launch moves num_computed_tokens on. Overlapped, the call's time is that
         # of the step before (it waits for it) but in a steady batch the two are alike.
         decoding = sum(1 for s in scheduled if s.seq.num_computed_tokens >= s.seq.num_tokens - 1)
@@ -499,6 +511,7 @@ class Engine:
     def _forget(self, seq: Sequence) -> None:
         self.seqs.pop(seq.request_id, None)
         self._reserved.discard(seq.request_id)
+        self._gate.forget(seq.request_id)
         self._streams.pop(seq.request_id, None)
         self.runner.sampler.forget(seq.request_id)
         self.drafting.forget(seq.request_id)

@@ -2,10 +2,13 @@
 token masks of a step's constrained rows.
 
 A request's grammar (`SamplingParams.grammar`, an llguidance grammar the front end built from
-response_format / structured_outputs / tool_choice) gets its matcher the first time the request is
-sampled on this engine, advanced over the tokens it generated before (on a decode replica: the first
-token the prefill replica sampled under the same grammar, and a moved request's tokens so far), so no
-grammar state crosses the prefill → decode hand-off or a migration.
+response_format / structured_outputs / tool_choice) is compiled as the request arrives on this engine
+(`compile`), on a pool of threads: a large JSON schema takes seconds to compile, and llguidance does it
+without the GIL, so the engine's steps go on meanwhile. The engine holds the request out of its
+scheduler until then (engine/grammar_gate.py). Its matcher is installed (`install`) advanced over the
+tokens it generated before (on a decode replica: the first token the prefill replica sampled under the
+same grammar, and a moved request's tokens so far), so no grammar state crosses the prefill → decode
+hand-off or a migration.
 
 The tokens a step samples are consumed late (`defer`, then `_settle`): by the next step's mask, once
 that step's forward is queued, so that the host's consume and fill run while the device computes the
@@ -15,15 +18,17 @@ the step's outputs. Never later: a mask is always filled from matchers that saw 
 A step's masks are one batched fill (llguidance's executor, on its own threads, into one packed
 bitmask [rows, ceil(vocab / 32)] int32 on the host) and one tensor op on the logits."""
 
-import json
 import logging
 import os
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import llguidance
 import llguidance.torch
 import torch
 
 from pdserve.engine.sequence import PENDING, Sequence
+from pdserve.structured_outputs import ll_tokenizer
 
 
 log = logging.getLogger(__name__)
@@ -36,7 +41,10 @@ class Grammars:
         self._tokenizer = tokenizer  # pdserve.tokenizer's Tokenizer or ByteTokenizer
         self.vocab_size = vocab_size  # the model's (its logits' width), which may exceed the tokenizer's
         self._ll: llguidance.LLTokenizer | None = None  # built on first use (a large vocabulary takes ~1 s)
+        self._ll_lock = threading.Lock()  # (the first compiles may race to build it)
         self._executor: llguidance.LLExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # the compiles, started on first use
+        self._compiling: dict[str, Future] = {}  # request id -> its matcher being built, not installed yet
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._ended: dict[str, int] = {}  # request id -> output tokens at which its grammar completed
         self._bitmask = torch.zeros(0, (vocab_size + 31) // 32, dtype=torch.int32)
@@ -45,8 +53,50 @@ class Grammars:
         self._pending: list[tuple[list[Sequence], torch.Tensor, torch.cuda.Event | None]] = []
 
     def forget(self, request_id: str) -> None:
+        f = self._compiling.pop(request_id, None)
+        if f is not None:
+            f.cancel()  # (one already running finishes on its thread, its matcher dropped)
         self._matchers.pop(request_id, None)
         self._ended.pop(request_id, None)
+
+    def compile(self, seq: Sequence) -> None:
+        """Start building the request's matcher on the pool (a request without a grammar: nothing)."""
+        rid = seq.request_id
+        if seq.params.grammar is None or rid in self._matchers or rid in self._compiling:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(executor_threads(), thread_name_prefix="grammar")
+        self._compiling[rid] = self._pool.submit(self._build, seq.params.grammar)
+
+    def compiling(self, request_id: str) -> bool:
+        """The request's matcher was started by `compile` and is not installed yet (done or not)."""
+        return request_id in self._compiling
+
+    def compiled(self, request_id: str) -> bool:
+        f = self._compiling.get(request_id)
+        return f is not None and f.done()
+
+    def wait(self, timeout: float) -> None:
+        """Nap until a compile ends, at most `timeout` seconds (the engine has nothing else to do)."""
+        if self._compiling:
+            wait(list(self._compiling.values()), timeout, return_when=FIRST_COMPLETED)
+
+    def install(self, seq: Sequence, then: tuple[int, ...] = ()) -> str | None:
+        """Install the request's compiled matcher (waits for it, if still compiling), advanced over
+        its tokens so far and `then` (a decode reservation's first token, not in the sequence yet);
+        returns why its grammar does not compile (the request cannot run), or None."""
+        try:
+            m = self._compiling.pop(seq.request_id).result()
+        except Exception as e:  # (llguidance reports a bad grammar in the matcher; anything else here)
+            return f"the grammar did not compile: {e}"
+        if m.is_error():
+            return f"the grammar did not compile: {m.get_error().strip()}"
+        self._matchers[seq.request_id] = m
+        done = [t for t in seq.output_ids if t != PENDING] + list(then)
+        if done:
+            m.consume_tokens(done)
+        self._note_end(seq, m, len(done))
+        return None
 
     def mask(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
         """In place: logits [N, vocab] at -inf for every token the grammar of each listed row
@@ -59,8 +109,8 @@ class Grammars:
         llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)],
                                                      bitmask)
         at = torch.tensor(rows, device=logits.device)
-        # (The host buffer is filled again only after advance() has waited for this step's tokens,
-        # so the asynchronous copy has long finished by then.)
+        # (The host buffer is filled again only after _settle has waited for this step's tokens, so
+        # the asynchronous copy has long finished by then.)
         words = bitmask.to(logits.device, non_blocking=True)
         if len(rows) == logits.shape[0]:  # every row constrained (rows are in order): in place, no gather
             logits.masked_fill_(disallowed(words, self._bits(logits.device), logits.shape[-1]), float("-inf"))
@@ -108,15 +158,27 @@ class Grammars:
         m = self._matchers.get(seq.request_id)
         if m is not None:
             return m
-        if self._ll is None:
-            self._ll = _ll_tokenizer(self._tokenizer, self.vocab_size)
-            self._executor = llguidance.LLExecutor(executor_threads())
-        m = self._matchers[seq.request_id] = llguidance.LLMatcher(self._ll, seq.params.grammar)
-        done = [t for t in seq.output_ids if t != PENDING]
-        if done:
-            m.consume_tokens(done)
-        self._note_end(seq, m, len(done))
+        # A sequence the engine did not hold back (a caller of the sampler alone): compiled here, now.
+        self.compile(seq)
+        error = self.install(seq)
+        if error is not None:
+            raise ValueError(f"{seq.request_id}: {error}")
+        return self._matchers[seq.request_id]
+
+    def _build(self, grammar: str) -> llguidance.LLMatcher:
+        """On a pool thread: the grammar compiled against the tokenizer, and its first mask computed
+        (the lexer's first states are built lazily: a big schema's take tens of ms)."""
+        m = llguidance.LLMatcher(self._ll_tokenizer(), grammar)
+        if not m.is_error():
+            m.compute_bitmask()
         return m
+
+    def _ll_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._ll_lock:
+            if self._ll is None:
+                self._ll = ll_tokenizer(self._tokenizer, self.vocab_size)
+                self._executor = llguidance.LLExecutor(executor_threads())
+        return self._ll
 
     def _note_end(self, seq: Sequence, m: llguidance.LLMatcher, n_output: int) -> None:
         if seq.request_id in self._ended:
@@ -166,14 +228,3 @@ def masked(logits: torch.Tensor, bitmask: torch.Tensor, bits: torch.Tensor) -> t
     """logits [M, vocab] with every token disallowed by bitmask at -inf."""
     return logits.masked_fill(disallowed(bitmask, bits, logits.shape[-1]), float("-inf"))
 
-
-def _ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
-    """The engine's tokenizer as llguidance's: an HF tokenizer's tokenizer.json; a preset's byte
-    tokenizer as the HF tokenizer files it equals (pdserve.tokenizer.byte_tokenizer_as_hf)."""
-    from pdserve.tokenizer import ByteTokenizer, byte_tokenizer_as_hf
-
-    if isinstance(tokenizer, ByteTokenizer):
-        spec = json.dumps(byte_tokenizer_as_hf(max(vocab_size, tokenizer.vocab_size), 1 << 20)["tokenizer.json"])
-    else:
-        spec = tokenizer.backend.to_str()
-    return llguidance.LLTokenizer(spec, n_vocab=vocab_size, eos_token=list(tokenizer.eos_token_ids))

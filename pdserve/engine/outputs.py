@@ -23,6 +23,7 @@ class RequestOutput:
     # Prefill role: the blocks that hold the prompt's KV (the same ids in every layer). They stay
     # allocated until Engine.release(request_id).
     kv_block_ids: list[int] | None = None
+    error: str | None = None  # why it failed (finish_reason ERROR)
 
 
 @dataclass

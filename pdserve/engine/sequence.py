@@ -20,6 +20,7 @@ class FinishReason(str, Enum):
     STOP = "stop"  # eos, stop token id or stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
+    ERROR = "error"  # it could not run here (its grammar did not compile): RequestOutput.error says why
 
 
 @dataclass

@@ -78,13 +78,13 @@ class RouterStreams:
         if i is None:
             open_[out.request_id] = len(pending)
             # Token ids copied: later steps extend them.
-            pending.append(RequestDelta(out.request_id, out.text, list(out.token_ids), reason, None,
+            pending.append(RequestDelta(out.request_id, out.text, list(out.token_ids), reason, out.error,
                                         out.logprobs or (), stop_reason=out.stop_reason))
         else:
             d = pending[i]
             d.token_ids.extend(out.token_ids)
             logprobs = [*d.logprobs, *out.logprobs] if out.logprobs else d.logprobs
-            pending[i] = RequestDelta(out.request_id, d.text + out.text, d.token_ids, reason, None, logprobs,
+            pending[i] = RequestDelta(out.request_id, d.text + out.text, d.token_ids, reason, out.error, logprobs,
                                       stop_reason=out.stop_reason)
         if out.finished:
             del self._owner[out.request_id]
