@@ -172,16 +172,19 @@ def step_run(args) -> dict:
     grammar = json_schema_grammar("bench", SCHEMA)
     out = {}
     for b in args.batch:
-        # Free first and last: the first pass also warms the engine up; the later free pass is the reference.
-        # `penalties`: every sequence with presence, frequency and repetition penalties (issue 41's batched
-        # sampler: its count rows, no grammar) — the same reference.
-        for key in ("free", "constrained", "penalties", "free"):
+        # A free pass first warms the engine up (not counted); then `--rounds` rounds of a free, a
+        # constrained and a penalties pass, interleaved so that a drift of the host or the device
+        # falls on all three alike; each figure is the median over the rounds. `penalties`: every
+        # sequence with presence, frequency and repetition penalties (issue 41's batched sampler:
+        # its count rows, no grammar), against the same free passes.
+        runs: dict[str, list[float]] = {}
+        for n, key in enumerate(["free"] + ["free", "constrained", "penalties"] * args.rounds):
             extra = {"constrained": {"grammar": grammar},
                      "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}}
             params = SamplingParams(max_tokens=args.warmup + 2 * args.steps + 8, temperature=1.0, seed=1, ignore_eos=True,
                                     **extra.get(key, {}))
             for i in range(b):
-                engine.add_request(f"r{b}-{key}-{i}", list(range(1, 17)), params)
+                engine.add_request(f"r{b}-{n}-{key}-{i}", list(range(1, 17)), params)
             while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
                 engine.step()  # the prompts, and the first tokens
             sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -200,17 +203,23 @@ def step_run(args) -> dict:
             for _ in range(args.steps):
                 engine.step()
             sync()
-            out[(b, key + " back-to-back")] = 1e3 * (time.perf_counter() - t0) / args.steps
+            back_to_back = 1e3 * (time.perf_counter() - t0) / args.steps
             running = len(engine.seqs)
             for rid in list(engine.seqs):
                 engine.abort(rid)
-            out[(b, key)] = 1e3 * statistics.median(times)  # (the second free pass replaces the first)
-            print(f"B={b:4d} {key:11s} median step {out[(b, key)]:9.3f} ms (each step waited for), back to back "
-                  f"{out[(b, key + ' back-to-back')]:9.3f} ms  ({running} sequences still running)", flush=True)
+            if n == 0:
+                continue
+            runs.setdefault(key, []).append(1e3 * statistics.median(times))
+            runs.setdefault(key + " back-to-back", []).append(back_to_back)
+            print(f"B={b:4d} {key:11s} median step {runs[key][-1]:9.3f} ms (each step waited for), back to back "
+                  f"{back_to_back:9.3f} ms  ({running} sequences still running)", flush=True)
+        for key, xs in runs.items():
+            out[(b, key)] = statistics.median(xs)
         for key in ("constrained", "penalties"):
             for how in ("", " back-to-back"):
                 ratio = out[(b, key + how)] / out[(b, "free" + how)]
-                print(f"B={b:4d} {key}{how} / free = {ratio:.3f} (overhead {100 * (ratio - 1):+.1f} %)", flush=True)
+                print(f"B={b:4d} {key}{how} / free = {ratio:.3f} (overhead {100 * (ratio - 1):+.1f} %; medians of "
+                      f"{args.rounds} interleaved rounds)", flush=True)
     return {f"{b}-{k}": v for (b, k), v in out.items()}
 
 
@@ -232,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--batch", type=int, nargs="+", default=[256])
     s.add_argument("--steps", type=int, default=30)
     s.add_argument("--warmup", type=int, default=5)
+    s.add_argument("--rounds", type=int, default=3, help="interleaved rounds of free, constrained, penalties passes")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
