@@ -27,6 +27,7 @@ import llguidance
 import llguidance.torch
 import torch
 
+from pdserve.engine.host_lists import on_device
 from pdserve.engine.sequence import PENDING, Sequence
 from pdserve.structured_outputs import ll_tokenizer
 
@@ -108,13 +109,13 @@ class Grammars:
         bitmask = self._host_bitmask(len(rows))
         llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)],
                                                      bitmask)
-        at = torch.tensor(rows, device=logits.device)
         # (The host buffer is filled again only after _settle has waited for this step's tokens, so
         # the asynchronous copy has long finished by then.)
         words = bitmask.to(logits.device, non_blocking=True)
         if len(rows) == logits.shape[0]:  # every row constrained (rows are in order): in place, no gather
             logits.masked_fill_(disallowed(words, self._bits(logits.device), logits.shape[-1]), float("-inf"))
         else:
+            at = on_device(rows, logits.device)
             logits[at] = masked(logits[at], words, self._bits(logits.device))
 
     def defer(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ seen step N's token."""
 
 import torch
 
+from pdserve.engine.host_lists import on_device
 from pdserve.engine.sequence import PENDING, Sequence
 
 
@@ -35,7 +36,7 @@ class TokenCounts:
                 rows[k] = self.rows.get(seqs[k].request_id)
                 if rows[k] is None:
                     rows[k] = self._add(seqs[k])
-        return torch.tensor(rows, device=self.device)
+        return on_device(rows, self.device)
 
     def _add(self, seq: Sequence) -> int:
         if not self._free:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.grammar import Grammars
+from pdserve.engine.host_lists import on_device
 from pdserve.engine.logits_processors import LogitBiases, TokenCounts, hold_off_stops, min_p_mask
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode import Drafts, rejection_sample
@@ -97,7 +98,7 @@ class Sampler:
         if self._counts is None:
             self._counts = TokenCounts(logits.shape[-1], logits.device)
         rows = self._counts.rows_of([seqs[i] for i in pen])
-        at = torch.tensor(pen, device=logits.device)
+        at = on_device(pen, logits.device)
         extra = drafts.prefix_counts(pen, logits.shape[-1]) if drafts is not None else None
         logits[at] = self._counts.apply(logits[at], rows, extra)
         return logits, (at, rows)
@@ -106,10 +107,10 @@ class Sampler:
         return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
 
     def _sample_random(self, logits, seqs: list[Sequence], params, draft: list[int] | None = None) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        temps = on_device([p.temperature for p in params], logits.device)
         logits = logits / temps[:, None]
         if any(p.min_p > 0 for p in params):
-            logits = min_p_mask(logits, torch.tensor([p.min_p for p in params], device=logits.device))
+            logits = min_p_mask(logits, on_device([p.min_p for p in params], logits.device))
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             logits = self._top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
@@ -139,10 +140,10 @@ class Sampler:
     def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
-        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+        ks = on_device([p.top_k if p.top_k > 0 else vocab for p in params], logits.device)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         drop = ranks >= ks[:, None]
-        ps = torch.tensor([p.top_p for p in params], device=logits.device)
+        ps = on_device([p.top_p for p in params], logits.device)
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
         drop |= (probs.cumsum(dim=-1) - probs) >= ps[:, None]
