@@ -102,6 +102,16 @@ def test_up_flags_override_the_files_keys(tmp_path):
         serve_flags.load(str(path), {"router.http_port": "70000"})
 
 
+def test_vllms_speculative_config_sets_the_replicas_speculation(tmp_path):
+    given = serve_flags.overrides(serve_flags_namespace(
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'))
+    cfg = serve_flags.load(None, given)
+    for spec in (cfg.decode.speculative, cfg.colocated.speculative):
+        assert (spec.method, spec.num_tokens, spec.prompt_lookup_max) == ("ngram", 3, 5)
+    with pytest.raises(ConfigError, match=r"(?s)decode\.speculative.*set by --speculative-config"):
+        serve_flags.load(None, serve_flags.overrides(serve_flags_namespace("--speculative-config", '{"method": "eagle"}')))
+
+
 def serve_flags_namespace(*argv: str):
     import argparse
 

@@ -6,7 +6,9 @@ command line gave them (text): a bad one fails there, naming its key as a file's
 that set it. vLLM flags for what pdserve lacks (LACKS) fail naming what to use instead."""
 
 import argparse
+import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.config import ClusterConfig, ConfigError, load_cluster_config
@@ -24,6 +26,24 @@ class Flag:
     metavar: str = "V"
     aliases: dict[str, str] = field(default_factory=dict)  # vLLM's words for a value pdserve spells otherwise
     switch: bool = False  # --X / --no-X (true / false), no value
+    convert: Callable[[str], object] | None = None  # the text to the keys' value (a flag that takes JSON)
+
+
+def _speculative_config(text: str) -> object:
+    """vLLM's --speculative-config JSON as pdserve's `speculative:` (its num_speculative_tokens is
+    num_tokens; deepseek_mtp is mtp). Text that is no JSON object is passed on: the loader names the key."""
+    try:
+        spec = json.loads(text)
+    except ValueError:
+        return text
+    if not isinstance(spec, dict):
+        return text
+    spec = dict(spec)
+    if "num_speculative_tokens" in spec:
+        spec["num_tokens"] = spec.pop("num_speculative_tokens")
+    if spec.get("method") == "deepseek_mtp":
+        spec["method"] = "mtp"
+    return spec
 
 
 ROLES = ("prefill", "decode", "colocated")
@@ -63,6 +83,10 @@ FLAGS: tuple[Flag, ...] = (
          switch=True),
     Flag("--prefill-replicas", ("prefill.replicas",), "prefill replicas (default 1; 0 with --colocated-replicas)", "N"),
     Flag("--decode-replicas", ("decode.replicas",), "decode replicas (default 1; 0 with --colocated-replicas)", "N"),
+    Flag("--speculative-config", ("decode.speculative", "colocated.speculative"),
+         "speculative decoding of decode and colocated replicas, as JSON: {\"method\": \"ngram\" | \"mtp\", "
+         "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": N}", "JSON",
+         convert=_speculative_config),
     Flag("--colocated-replicas", ("colocated.replicas",), "replicas doing both phases; alone (no --prefill-replicas "
                                                           "or --decode-replicas): a colocated cluster", "N"),
 )
@@ -75,7 +99,6 @@ LACKS = {
     "--enable-expert-parallel": "expert parallelism is decode.ep_size in a cluster.yaml (pdserve up FILE)",
     "--quantization": "pdserve serves float32/bfloat16/float16 weights; --kv-cache-dtype fp8_e4m3 quantizes the KV cache",
     "--enable-lora": "pdserve serves no LoRA adapters",
-    "--speculative-config": "pdserve has no speculative decoding",
     "--cpu-offload-gb": "pdserve offloads no weights to the CPU",
     "--swap-space": "pdserve recomputes a preempted sequence's KV; it swaps none to the CPU",
     "--tokenizer": "pdserve reads the tokenizer from the checkpoint directory (tokenizer.json)",
@@ -107,6 +130,8 @@ def overrides(args: argparse.Namespace) -> dict[str, object]:
             continue
         if isinstance(value, str) and value.lower() in f.aliases:
             value = f.aliases[value.lower()]
+        if f.convert is not None:
+            value = f.convert(value)
         for key in f.keys:
             out[key] = value
     return out
