@@ -34,6 +34,9 @@ class Attempt:
     # while it reserves one), and the prefill or colocated replica computing its prompt, until its
     # first token.
     request: Request | None = None
+    # When its request reached the lifecycle (perf_counter; 0: timed already, or a move's attempt):
+    # the router's `admit` phase runs from then until the attempt is first handed to a worker.
+    began: float = 0.0
     tokens: list[int] = field(default_factory=list)
     slot: str | None = None
     prompt_at: str | None = None

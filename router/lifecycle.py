@@ -81,7 +81,7 @@ class Lifecycle:
                                                 f"{self.max_model_len} tokens")
         if self.gate.draining:
             raise self.gate.closed_error()
-        run = Attempt(request.request_id)
+        run = Attempt(request.request_id, began=time.perf_counter())
         sent: list[int] = []  # token ids the client has (a move prefills them again)
         finished = False
         try:
@@ -228,6 +228,13 @@ class Lifecycle:
         if self.metrics:
             self.metrics.count_migration(role)
 
+    def _admitted(self, run: Attempt) -> None:
+        """The attempt is handed to a worker now (a reservation, or the request itself): its request's
+        `admit` phase ends — admission, the placing policy, a wait for room (once per request)."""
+        if run.began:
+            self._phase("admit", run.began)
+            run.began = 0.0
+
     def _phase(self, phase: str, since: float) -> float:
         """Record that a request spent the time from `since` until now in `phase`; returns now."""
         now = time.perf_counter()
@@ -371,6 +378,7 @@ class Lifecycle:
         rs.place(p_name, run)
         rs.await_prompt(run, p_name, len(request.prompt_ids) + len(sent))
         p_worker = rs.worker(p_name)
+        self._admitted(run)
         t0 = time.perf_counter()
         run.slot = ""  # reserving one
         reserved = await self._reserve(request, run, sent, p_name, p_worker)
@@ -440,6 +448,7 @@ class Lifecycle:
         rs = self.replicas
         run.holders[name] = worker  # before the call: a client leaving during it must still stop the request
         rs.health.wait_on(name, run.request_id, run.queue)
+        self._admitted(run)
         t0 = time.perf_counter()
         raise_refused(await rs.call(name, worker, send[worker](NewRequest(_attempted(request, run, sent)))))
         self._phase("dispatch", t0)

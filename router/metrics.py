@@ -65,7 +65,9 @@ class Metrics:
         self.kv_transfer = LoopHistogram("pdserve_kv_transfer_seconds", "Time to move one request's KV cache",
                                      buckets=_TRANSFER_BUCKETS, registry=r)
         self.phase = LoopHistogram("pdserve_request_phase_seconds", "Time of each phase of a request on its way to "
-                               "its first token, as the router sees it: reserve (decode KV blocks), "
+                               "its first token, as the router sees it: admit (from the request's arrival at "
+                               "the lifecycle until it is first handed to a worker: admission, placing, a wait "
+                               "for room), reserve (decode KV blocks), "
                                "dispatch (handed to the prefill or colocated replica), first_token "
                                "(from then on until its first token reached the router)", ["phase"],
                                buckets=_PHASE_BUCKETS, registry=r)

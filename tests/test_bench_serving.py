@@ -163,8 +163,8 @@ def test_bench_measures_every_request_at_each_rate(cluster, tmp_path):
         assert x["output_throughput"] == pytest.approx(8 * x["request_throughput"], rel=0.01)
         # The router's split of the same requests' TTFT (its /metrics before and after the run).
         phases = x["server_ms"]
-        assert {"reserve", "dispatch", "first_token"} <= phases.keys(), phases
-        assert 0 < phases["reserve"] + phases["dispatch"] + phases["first_token"] < x["ttft_ms"]["mean"]
+        assert {"admit", "reserve", "dispatch", "first_token"} <= phases.keys(), phases
+        assert 0 < phases["admit"] + phases["reserve"] + phases["dispatch"] + phases["first_token"] < x["ttft_ms"]["mean"]
         assert phases["dispatch"] <= phases["dispatch p99<="] * 1.0001, phases  # a mean is below the p99's bound
         assert 0 < x["client_cpu"] < 1.5, x["client_cpu"]  # the client's own share of a core (one thread, mostly)
     starts = [req["start_s"] for req in res["runs"][0]["requests"]]

@@ -234,7 +234,7 @@ def test_64_concurrent_streams_each_get_their_own_text(cluster, reference):
         assert metric(metrics, "pdserve_kv_transfer_seconds_count") + local >= 64
     # Where the time to a first token went, per phase, for every one of these requests too; a KV
     # reservation for each prompt computed remotely.
-    assert all(phase_count(metrics, ph) >= len(prompts) for ph in ("dispatch", "first_token"))
+    assert all(phase_count(metrics, ph) >= len(prompts) for ph in ("admit", "dispatch", "first_token"))
     if cluster.role == "colocated":  # nothing to reserve: no decode replica
         assert phase_count(metrics, "reserve") == 0
     else:

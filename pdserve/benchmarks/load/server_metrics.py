@@ -1,7 +1,8 @@
 """What the server says about a run: its router's timing histograms (/metrics) before and after
 it, as the mean and the 99th percentile of each phase over the run's requests.
 
-The client sees one TTFT; the router splits it (`pdserve_request_phase_seconds`): reserve (KV
+The client sees one TTFT; the router splits it (`pdserve_request_phase_seconds`): admit (from the
+request's arrival at the router's lifecycle until it is first handed to a worker), reserve (KV
 blocks on a decode replica), dispatch (handing the prompt to a prefill or colocated replica),
 first_token (from then until the first token reached the router: queueing and prefill there, the
 KV transfer, the decode replica's first step); and `pdserve_kv_transfer_seconds` times the KV
