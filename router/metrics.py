@@ -145,6 +145,9 @@ class Metrics:
                                    "reason: predicted_ttft (forecast over slo.ttft_ms), queue_full, displaced (a "
                                    "higher priority took its place in the full queue), queue_timeout", ["reason"],
                                    registry=r)
+        self.loop_lag = LoopHistogram("pdserve_router_loop_lag_seconds", "How much later than asked this router's "
+                                      "event loop woke (router/loop_lag.py, every 50 ms): the pauses every stream "
+                                      "on it waits out", buckets=_PHASE_BUCKETS, registry=r)
         self.ttft_forecast = LoopHistogram("pdserve_ttft_forecast_seconds", "The time to first token admission "
                                            "control forecast for each new request (router.refuse_over_slo)",
                                            buckets=_LATENCY_BUCKETS, registry=r)

@@ -18,6 +18,7 @@ from pdserve.priority import serve_now
 from pdserve.router.admission import AdmissionPolicy
 from pdserve.router.http_api import build_app
 from pdserve.router.http_deadlines import deadlined_protocol
+from pdserve.router import loop_lag
 from pdserve.router.listen import bind_listener, claim_shared
 from pdserve.router.metrics import Metrics
 from pdserve.router.core import RouterCore
@@ -120,6 +121,7 @@ class Router:
                             self._channel())
         await self._meet(self.replicas)  # (their empty deliver reaches the core: after it is built)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
+        self._tasks.append(asyncio.create_task(loop_lag.watch(self.metrics.loop_lag.observe)))
         # Each router enforces its share of a key's limits: the kernel spreads connections evenly over them.
         tenants = Tenants(self.api_keys, cfg.router.replicas, self.metrics) if self.api_keys else None
         tls = uvicorn_options(cfg.router.tls_certfile, cfg.router.tls_keyfile)

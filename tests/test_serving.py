@@ -235,6 +235,7 @@ def test_64_concurrent_streams_each_get_their_own_text(cluster, reference):
     # Where the time to a first token went, per phase, for every one of these requests too; a KV
     # reservation for each prompt computed remotely.
     assert all(phase_count(metrics, ph) >= len(prompts) for ph in ("admit", "dispatch", "first_token"))
+    assert metric(metrics, "pdserve_router_loop_lag_seconds_count") > 0  # the loop's pauses, sampled
     if cluster.role == "colocated":  # nothing to reserve: no decode replica
         assert phase_count(metrics, "reserve") == 0
     else:

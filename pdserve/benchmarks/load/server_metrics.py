@@ -5,8 +5,8 @@ The client sees one TTFT; the router splits it (`pdserve_request_phase_seconds`)
 request's arrival at the router's lifecycle until it is first handed to a worker), reserve (KV
 blocks on a decode replica), dispatch (handing the prompt to a prefill or colocated replica),
 first_token (from then until the first token reached the router: queueing and prefill there, the
-KV transfer, the decode replica's first step); and `pdserve_kv_transfer_seconds` times the KV
-transfers alone. The percentile is read off the histogram's buckets: "p99 ≤ X" is the upper
+KV transfer, the decode replica's first step); `pdserve_kv_transfer_seconds` times the KV
+transfers alone; `pdserve_router_loop_lag_seconds` (loop_lag) how late the router's loop woke. The percentile is read off the histogram's buckets: "p99 ≤ X" is the upper
 bound of the bucket holding it. A server without /metrics gives nothing, and the run goes on.
 """
 
@@ -15,7 +15,9 @@ import math
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-_HISTOGRAMS = {"pdserve_request_phase_seconds", "pdserve_kv_transfer_seconds"}
+# Each histogram's key in a Scrape: the phase's name, or the histogram's own.
+_HISTOGRAMS = {"pdserve_request_phase_seconds": None, "pdserve_kv_transfer_seconds": "kv_transfer",
+               "pdserve_router_loop_lag_seconds": "loop_lag"}
 _ROUTERS = "routers"  # the Scrape's entry naming the routers scraped (pdserve_router_info), not a phase
 
 Scrape = dict[str, dict]  # phase (or "kv_transfer") -> {"sum": s, "count": n, "buckets": {le: cumulative n}}
@@ -58,7 +60,7 @@ def parse(text: str) -> Scrape:
         if family.name not in _HISTOGRAMS:
             continue
         for s in family.samples:
-            entry = out.setdefault(s.labels.get("phase", "kv_transfer"), {"sum": 0.0, "count": 0.0, "buckets": {}})
+            entry = out.setdefault(s.labels.get("phase", _HISTOGRAMS[family.name]), {"sum": 0.0, "count": 0.0, "buckets": {}})
             if s.name.endswith("_sum"):
                 entry["sum"] = s.value
             elif s.name.endswith("_count"):
