@@ -29,7 +29,9 @@ router: {host: 127.0.0.1, http_port: 8000, grpc_port: null, replicas: $ROUTERS}
 colocated: {replicas: 1, gpus: 1, max_num_seqs: 512, max_batch_tokens: 16384, chunk_size: 8192}
 YAML
 if [ -z "${SKIP_ENGINE:-}" ]; then
-timeout 200 python -m pdserve.benchmarks.lone_prompt /tmp/coloc.yaml --prompt-len 4096 --reps 10 \
+# The engine's own first token for a lone 4k and a 128-token prompt, each after 1 s idle (as the served
+# light loads below leave the engine between requests; a GPU idle that long starts slower).
+timeout 300 python -m pdserve.benchmarks.lone_prompt /tmp/coloc.yaml --prompt-len 4096 128 --reps 8 --gap-s 1 \
   --json $OUT/engine_lone.json > $OUT/engine_lone.log 2>&1
 echo "lone_prompt exit $?"
 timeout 300 python -m pdserve.benchmarks.engine_workload /tmp/coloc.yaml --concurrency 64 128 256 512 \
@@ -69,6 +71,10 @@ done
 timeout 150 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --max-concurrency 1 --num-prompts 20 \
   --input-len 4096 --output-len 2 --warmup 4 $METRICS --json $OUT/lone.json > $OUT/lone.log 2>&1
 echo "lone exit $?"
+# Issue 40's light load: 128-token prompts at 1 req/s, 50-token answers (TTFT against the engine's 128 above).
+timeout 120 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --num-prompts 25 --input-len 128 \
+  --output-len 50 --warmup 3 $METRICS --json $OUT/light128.json > $OUT/light128.log 2>&1
+echo "light128 exit $?"
 # The served worker's step times (its stats' profile), against lone_prompt.py's in-process ones.
 timeout 60 python -m pdserve.cli tune --record $OUT/served_profile.json > /dev/null 2>&1
 kill -INT $pid; wait $pid
@@ -91,7 +97,8 @@ except Exception as e:
     print("no engine workload figures here", e)
 cpu = {int(l.split()[0][2:]): float(l.split()[-1]) for l in open(f"{out}/cpu.txt")}
 print(f"routers: {os.environ.get('ROUTERS', '1')}")
-print(f"{'C':>4} {'% decode':>8} {'% same work':>11} {'dispatch mean':>13} {'p99<=':>6} {'first_tok':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
+print(f"{'C':>4} {'% decode':>8} {'% same work':>11} {'admit':>6} {'dispatch mean':>13} {'p99<=':>6} {'loop lag p99<=':>14} "
+      f"{'first_tok':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
       f"{'out tok/s':>10} {'router CPU s':>12} {'tok/router CPU-s':>16} {'client CPU':>10} {'ok':>5}")
 for c in (64, 128, 256, 512):
     try:
@@ -102,12 +109,18 @@ for c in (64, 128, 256, 512):
     toks = r["output_throughput"] * r["duration_s"] if "duration_s" in r else float("nan")
     pct = 100 * r["output_throughput"] / decode[c] if c in decode else float("nan")
     pct_same = 100 * r["output_throughput"] / same[c] if c in same else float("nan")
-    print(f"{c:>4} {pct:>8.1f} {pct_same:>11.1f} {ph.get('dispatch', float('nan')):>13} {ph.get('dispatch p99<=', float('nan')):>6} "
+    print(f"{c:>4} {pct:>8.1f} {pct_same:>11.1f} {ph.get('admit', float('nan')):>6} {ph.get('dispatch', float('nan')):>13} "
+          f"{ph.get('dispatch p99<=', float('nan')):>6} {ph.get('loop_lag p99<=', float('nan')):>14} "
           f"{ph.get('first_token', float('nan')):>9} {r['ttft_ms']['p50']!s:>9} {r['ttft_ms']['p90']!s:>9} "
           f"{r['output_throughput']!s:>10} {cpu.get(c, 0):>12.1f} {toks / cpu[c] if cpu.get(c) else float('nan'):>16.0f} "
           f"{r.get('client_cpu', float('nan')):>10} {r['completed']:>5}")
-lone = json.load(open(f"{out}/lone.json"))["runs"][0]
-print("lone 4k: TTFT p50", lone["ttft_ms"]["p50"], "p90", lone["ttft_ms"]["p90"], "server_ms", lone.get("server_ms"))
+for name in ("lone", "light128"):
+    try:
+        r = json.load(open(f"{out}/{name}.json"))["runs"][0]
+        print(f"{name}: TTFT p50", r["ttft_ms"]["p50"], "p90", r["ttft_ms"]["p90"], "p99", r["ttft_ms"]["p99"],
+              "server_ms", r.get("server_ms"))
+    except Exception as e:
+        print(name, "no result", e)
 try:
     print("engine alone, lone 4k first token:", json.load(open(f"{out}/engine_lone.json")))
 except Exception as e:

@@ -18,6 +18,11 @@
 #            guards, 1 + 1 fixed, 2 colocated) on 4k/256, then 8k/128 and 1k/1k (~25 minutes in all);
 #            each sweep's JSON holds the per-request records its goodput grid is printed from
 #   flip     a role flip under load, prefill -> decode and back (deploy/bench/flip: 2 prefill + 1 decode, 3 GPUs)
+#   serving  issue 40's and 44's served figures on one GPU (control_plane.sh): the engine's own first token after
+#            1 s idle, then through `pdserve up`: streams 64-512 (dispatch, admit, loop lag, tokens per router
+#            CPU-s), a lone 4k prompt, 128-token prompts at 1 req/s
+#   grammar  issue 41's step overhead at 256 sequences, all constrained or all penalized, against none (1 GPU)
+#   spec     issue 44's verify-step cost (k = 1, 2, 4, 8 at batch 1, 8, 32) and n-gram speed-up (1 GPU)
 # Each part writes OUT_DIR/<part>*.json and a log; a failing part does not stop the others.
 set -u
 out=${1:?usage: gpu_figures.sh OUT_DIR [PART ...]}
@@ -40,7 +45,7 @@ for part in $parts; do
     case $part in
     tests)
         run tests python -m pytest -q -x -p no:cacheprovider tests/test_gpu_kernels.py tests/test_gpu_engine.py \
-            tests/test_expert_parallel.py tests/test_kvtransfer_gpu.py tests/test_tensor_parallel_gpu.py ;;
+            tests/test_mtp.py tests/test_expert_parallel.py tests/test_kvtransfer_gpu.py tests/test_tensor_parallel_gpu.py ;;
     engine)
         for overlap in on off; do
             run "engine-decode-$overlap" python -m pdserve.benchmarks.bench_engine --overlap "$overlap" \
@@ -96,7 +101,16 @@ for part in $parts; do
     flip)
         run flip python -m pdserve.benchmarks.role_flip deploy/bench/flip/2p1d.yaml --rate 4 --input-len 1024 \
             --output-len 64 --log "$out/flip-up.log" --json "$out/flip.json" ;;
+    serving)
+        run serving env OUT="$out/serving" bash pdserve/benchmarks/control_plane.sh ;;
+    grammar)
+        run grammar python -m pdserve.benchmarks.grammar_masks --json "$out/grammar.json" step --model qwen3-30b-a3b \
+            --device cuda --batch 256 --rounds 4 ;;
+    spec)
+        run spec python -m pdserve.benchmarks.spec_decode --model qwen3-30b-a3b --device cuda --batches 1 8 32 \
+            --k 1 2 4 8 --steps 20 --json "$out/spec.json" ;;
     *)
-        echo "[gpu-figures] unknown part $part (tests, engine, ep, ep512, kv, kvnixl, tp, goodput, adaptive, flip)" ;;
+        echo "[gpu-figures] unknown part $part (tests, engine, ep, ep512, kv, kvnixl, tp, goodput, adaptive, flip," \
+            "serving, grammar, spec)" ;;
     esac
 done
