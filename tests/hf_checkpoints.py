@@ -73,18 +73,27 @@ def build_checkpoint(family: str, root: Path, seed: int = 0, **overrides) -> Che
     config = getattr(transformers, config_cls)(**{**_COMMON, **kwargs, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
+    _spread(model)
+    path = root / family
+    model.save_pretrained(path, **save_kwargs)
+    return Checkpoint(path, model)
+
+
+def _spread(model: torch.nn.Module, others: float | None = None) -> None:
+    """Random weights that differ from HF's initialisation where it leaves them uniform: norms
+    around 1, biases and V3's routing bias (a saved buffer) around 0; `others`: every other weight
+    drawn again with this deviation (a module HF's init never saw)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
+            elif others is not None:
+                p.normal_(0, others)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # V3's routing bias (a saved buffer)
+            if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn_like(b))
-    path = root / family
-    model.save_pretrained(path, **save_kwargs)
-    return Checkpoint(path, model)
 
 
 def write_old_layout(src: Path, dst: Path) -> None:
@@ -209,17 +218,8 @@ def mtp_checkpoint(root: Path, seed: int = 0, sharp: bool = False) -> tuple[Path
     config = ck.hf_model.config
     torch.manual_seed(seed + 1)
     oracle = HFMultiTokenPredictor(config).eval()
+    _spread(oracle, others=config.initializer_range)
     with torch.no_grad():
-        for name, p in oracle.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, config.initializer_range)
-        for name, b in oracle.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn_like(b))
         if sharp:
             # An easy guess: the sharp model's next token follows mostly from the current one (its
             # head reads a permutation of the embeddings); here eh_proj passes the next token's

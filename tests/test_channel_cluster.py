@@ -107,8 +107,13 @@ def test_peers_without_the_cluster_token_are_refused_and_the_worker_serves_on(cl
     until(lambda: refusals_on_metrics(cluster, "pdserve-decode-0").items() >= {
         ("router_channel", "not_a_router"): 1.0, ("router_channel", "other_cluster"): 1.0}.items(),
         timeout_s=30, what="the refusals on the router's /metrics")
-    r = httpx.post(f"{cluster.url}/v1/completions", json={"model": "tiny-moe", "prompt": "still serving",
-                                                          "max_tokens": 8}, timeout=60)
+    assert_serves(cluster, "still serving")
+
+
+def assert_serves(cluster: Cluster, prompt: str) -> None:
+    """The cluster answers a completion whole (8 tokens) through its router."""
+    r = httpx.post(f"{cluster.url}/v1/completions", json={"model": "tiny-moe", "prompt": prompt, "max_tokens": 8},
+                   timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
 
 
@@ -149,9 +154,7 @@ def test_a_forged_or_replayed_sealed_frame_is_dropped_counted_and_the_worker_ser
         until(lambda: refusals_on_metrics(cluster, "pdserve-decode-0").items() >= {
             ("router_channel", "bad_mac"): 2.0, ("router_channel", "malformed"): 1.0}.items(),
             timeout_s=30, what="the dropped frames on the router's /metrics")
-        r = httpx.post(f"{cluster.url}/v1/completions", json={"model": "tiny-moe", "prompt": "sealed all the way",
-                                                              "max_tokens": 8}, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert_serves(cluster, "sealed all the way")
 
 
 def _held(cluster: Cluster) -> tuple[int, int]:
