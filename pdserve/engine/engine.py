@@ -33,6 +33,7 @@ from pdserve.engine.kv_budget import kv_cache_blocks
 from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
 from pdserve.engine.model_runner import Launched, ModelRunner
 from pdserve.engine.drafting import Drafting
+from pdserve.engine.emission import TokenEmission
 from pdserve.engine.mtp_drafter import MTPDrafter
 from pdserve.engine.outputs import Completion, RequestOutput, TextStream
 from pdserve.protocol import TokenLogprob
@@ -64,7 +65,7 @@ class Reservation(NamedTuple):
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class Engine:
+class Engine(TokenEmission):
     def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None, ep=None, tp=None):
         """`ep`: an EPExchange when this engine is one rank of an expert-parallel group; `tp`: a
         TensorParallel (pdserve.models.tensor_parallel) when it is one rank of a tensor-parallel
@@ -419,86 +420,6 @@ class Engine:
         self.pool.free(seq.block_ids[keep:])
         del seq.block_ids[keep:]
         self.profile.spec_verified(drafted, accepted)
-
-    def _emit_run(self, seq: Sequence, at: int, logprobs: list[TokenLogprob | None]) -> RequestOutput:
-        """One output for the tokens from `at` on (a verify step's several), ending the sequence
-        where one of them does (those after it are dropped)."""
-        out = self._emit(seq, at, logprobs[0])
-        for j in range(1, len(logprobs)):
-            if out.finished:
-                break
-            more = self._emit(seq, at + j, logprobs[j])
-            out.token_ids += more.token_ids
-            out.text += more.text
-            out.logprobs += more.logprobs
-            out.finished, out.finish_reason, out.stop_reason = more.finished, more.finish_reason, more.stop_reason
-        return out
-
-    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        seq.token_ids.append(token)
-        return self._emit(seq, len(seq.token_ids) - 1, logprob)
-
-    def _emit(self, seq: Sequence, at: int, logprob: TokenLogprob | None) -> RequestOutput:
-        """The output of the token at `at` in `seq`; ends the sequence where that token does (a
-        PENDING token after it, of a step queued meanwhile, is dropped then)."""
-        p = seq.params
-        token = seq.token_ids[at]
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        stream = self._streams[seq.request_id]
-        reason = stop_reason = None
-        # Short of min_tokens nothing stops it but the length (the sampler held stop tokens off too;
-        # a stop string may end the min_tokens-th token, as in vLLM).
-        may_stop = at + 1 - seq.num_prompt_tokens >= p.min_tokens
-        if may_stop and ((token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids):
-            reason, text = FinishReason.STOP, stream.push_stop_token()  # its own text is not shown
-            # vLLM's stop_reason: the stop token id that ended it (None for the model's EOS).
-            stop_reason = token if token in p.stop_token_ids else None
-        else:
-            text, hit = stream.push(token, check_stops=may_stop)
-            if hit:
-                reason, stop_reason = FinishReason.STOP, stream.stop_hit
-            elif p.grammar is not None and self._grammar_done(seq, at):
-                rest, _ = stream.flush()
-                reason, text = FinishReason.STOP, text + rest
-            elif at + 1 - seq.num_prompt_tokens >= p.max_tokens or at + 1 >= self.max_model_len:
-                rest, hit = stream.flush()
-                reason, text = FinishReason.STOP if hit else FinishReason.LENGTH, text + rest
-                stop_reason = stream.stop_hit
-        if logprob is not None:
-            self._name_tokens(logprob, stream.token_text)
-        out = RequestOutput(seq.request_id, [token], text, [logprob] if logprob else [],
-                            num_prompt_tokens=seq.num_prompt_tokens,
-                            num_cached_tokens=seq.num_cached_tokens)
-        if reason is not None or self.config.role == "prefill":
-            seq.finish_reason = reason
-            out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
-            self.scheduler.remove(seq)
-            if self.config.role == "prefill":
-                # The KV has to reach a decode replica first: hold the blocks until release().
-                seq.status = SeqStatus.PREFILLED
-                out.kv_block_ids = list(seq.block_ids)
-            else:
-                self._finish(seq)
-        return out
-
-    def _grammar_done(self, seq: Sequence, at: int) -> bool:
-        """Whether the token at `at` completed the request's grammar (nothing more may follow)."""
-        end = self.grammars.ended_at(seq)
-        return end is not None and at + 1 - seq.num_prompt_tokens >= end
-
-    def _name_tokens(self, logprob: TokenLogprob, text: str) -> None:
-        """A logprob entry's texts: the token's own (what it added to the output), and each
-        alternative's decoded alone (special tokens by name, as vLLM does); the token itself
-        among the alternatives reads as `text`, so that it can be looked up there."""
-        logprob.text = text
-        logprob.top_texts = [text if i == logprob.token_id else self._piece(i) for i, _ in logprob.top]
-
-    def _piece(self, token_id: int) -> str:
-        piece = self._pieces.get(token_id)
-        if piece is None:
-            piece = self._pieces[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return piece
 
     def _finish(self, seq: Sequence) -> None:
         while seq.token_ids[-1] == PENDING:  # a step queued after the last token (overlap)
