@@ -144,6 +144,10 @@ def test_a_stream_its_client_stops_reading_is_cut_off_and_its_blocks_come_back(c
     s.settimeout(60)
     assert s.recv(4096).startswith(b"HTTP/1.1 200 ")
     try:  # ... and reads no more: cut off by router.sse_write_timeout_s, its 16 choices aborted
+        # Its blocks in use first: read before the request was scheduled, the stats said "all back"
+        # at once, the client read on, and the stream ran to its end.
+        until(lambda: (stats := cluster.replica_stats()) and any(v.get("used", 0) > 0 for v in stats.values()),
+              timeout_s=60, what="the stalled stream's KV blocks in use")
         until(lambda: (stats := cluster.replica_stats()) and all(v.get("used") == 0 for v in stats.values()),
               timeout_s=60, what="the stalled stream's KV blocks back")
         got, closed = b"", False
