@@ -31,22 +31,34 @@ def ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
         spec = json.dumps(byte_tokenizer_as_hf(max(vocab_size, tokenizer.vocab_size), 1 << 20)["tokenizer.json"])
     else:
         spec = tokenizer.backend.to_str()
-    return llguidance.LLTokenizer(spec, n_vocab=vocab_size, eos_token=list(tokenizer.eos_token_ids))
+    # llguidance takes only end tokens its vocabulary spells; a model's config may name one past the
+    # tokenizer's ids (the request still ends where its grammar does: engine/grammar.py).
+    eos = [i for i in tokenizer.eos_token_ids if i < tokenizer.vocab_size]
+    return llguidance.LLTokenizer(spec, n_vocab=vocab_size, eos_token=eos or None)
 
 
 class GrammarTokenizer:
-    """A router's model tokenizer as llguidance's, built on first use (a large vocabulary takes ~1 s;
-    any thread), to check grammars against."""
+    """A model's tokenizer as llguidance's, built once on first use, on any thread (a large vocabulary
+    takes ~1 s): what a router checks grammars against and an engine compiles them with. A tokenizer
+    llguidance refuses is refused once: every later call raises the same error at once (built again
+    per grammar, a 256-request burst queued ~256 such builds behind the lock)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, vocab_size: int | None = None):
         self._tokenizer = tokenizer
+        self._vocab_size = vocab_size or tokenizer.vocab_size  # the logits' width, where it exceeds the tokenizer's
         self._ll: llguidance.LLTokenizer | None = None
+        self._error: Exception | None = None
         self._lock = threading.Lock()
 
     def get(self) -> llguidance.LLTokenizer:
         with self._lock:
-            if self._ll is None:
-                self._ll = ll_tokenizer(self._tokenizer, self._tokenizer.vocab_size)
+            if self._ll is None and self._error is None:
+                try:
+                    self._ll = ll_tokenizer(self._tokenizer, self._vocab_size)
+                except Exception as e:
+                    self._error = ValueError(f"the model's tokenizer is not usable for grammars: {e}")
+            if self._error is not None:
+                raise self._error
         return self._ll
 
 

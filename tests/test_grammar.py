@@ -167,3 +167,62 @@ def test_a_decode_reservation_starts_once_its_grammar_compiled(slow_grammar):
     assert len(tokens["free"]) == 10 and tokens["slow"][0] == ord("{") and len(tokens["slow"]) == 4
     assert engine.tokenizer.decode(tokens["slow"]).startswith('{"g0')  # its matcher took the first token
     assert engine.pool.num_free_blocks == engine.pool.num_blocks and not engine.has_unfinished()
+
+
+def _bpe_model_dir(path, eos_token_id: int) -> str:
+    """A model directory holding a small byte-level BPE tokenizer.json (trained here) whose config
+    names an end token past the tokenizer's ids, as some models' configs do."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(['{"id": 12, "ok": true}'] * 50 + ["hello world"] * 50, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|endoftext|>"]))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_token_id}))
+    return str(path)
+
+
+def test_an_end_token_past_the_tokenizer_does_not_stop_grammars(tmp_path):
+    """llguidance takes only end tokens its vocabulary spells: one past it is left out (it used to make
+    every compile fail, each after rebuilding the tokenizer)."""
+    from pdserve.tokenizer import Tokenizer
+
+    tok = Tokenizer(_bpe_model_dir(tmp_path, eos_token_id=100_000))
+    assert tok.eos_token_ids == [100_000]
+    grammars = Grammars(tok, vocab_size=512)
+    seq = Sequence("r", [1, 2], 2, SamplingParams(temperature=0, grammar=grammar_of("r", "regex", "[0-9]+")))
+    grammars.compile(seq)
+    assert grammars.install(seq) is None
+    logits = torch.zeros(1, 512)
+    grammars.mask(logits, [0], [seq])
+    allowed = (logits[0] > float("-inf")).nonzero().flatten().tolist()
+    assert allowed and all(tok.decode([t]).isdigit() for t in allowed)
+
+
+def test_a_tokenizer_llguidance_refuses_is_refused_once():
+    """Every grammar fails at once with the same error, and the tokenizer is not rebuilt per grammar."""
+    from pdserve.structured_outputs import GrammarTokenizer
+
+    class Unusable:  # a tokenizer.json llguidance cannot read
+        eos_token_ids, vocab_size, reads = [0], 10, 0
+
+        @property
+        def backend(self):
+            Unusable.reads += 1
+            return type("Backend", (), {"to_str": lambda self: '{"model": {"type": "nothing"}}'})()
+
+    gt = GrammarTokenizer(Unusable())
+    for _ in range(3):
+        with pytest.raises(ValueError, match="not usable for grammars"):
+            gt.get()
+    assert Unusable.reads == 1
+    grammars = Grammars(Unusable(), vocab_size=10)
+    seqs = [Sequence(f"r{i}", [1], 1, SamplingParams(grammar=grammar_of("r", "regex", "a+"))) for i in range(4)]
+    for s in seqs:
+        grammars.compile(s)
+    errors = {grammars.install(s) for s in seqs}
+    assert len(errors) == 1 and "not usable for grammars" in errors.pop()
+    assert Unusable.reads == 2  # once more: the engine's own GrammarTokenizer

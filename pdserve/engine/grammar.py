@@ -10,17 +10,21 @@ tokens it generated before (on a decode replica: the first token the prefill rep
 same grammar, and a moved request's tokens so far), so no grammar state crosses the prefill → decode
 hand-off or a migration.
 
-The tokens a step samples are consumed late (`defer`, then `_settle`): by the next step's mask, once
-that step's forward is queued, so that the host's consume and fill run while the device computes the
-forward, and overlap scheduling keeps queueing a step ahead; or by `ended_at`, when the engine reads
-the step's outputs. Never later: a mask is always filled from matchers that saw every token before.
+The tokens a step samples are consumed late (`defer`, then `_settle`): by the next step's masks, once
+that step's forward is queued, or by `ended_at`, when the engine reads the step's outputs. Never
+later: a mask is always filled from matchers that saw every token before.
 
 A step's masks are one batched fill (llguidance's executor, on its own threads, into one packed
-bitmask [rows, ceil(vocab / 32)] int32 on the host) and one tensor op on the logits."""
+bitmask [rows, ceil(vocab / 32)] int32 on the host) and one tensor op on the logits. The fill runs on
+a thread of its own (`begin_mask`), started once the step's forward is queued; the sampler queues the
+step's sampling (`apply_mask` first) only when the next step's batch or the step's result needs it
+(sampler.SampledLater). So under overlap scheduling the fill runs beside the device's forward *and*
+beside the engine thread's reading of the step before and building of the next — at a batch of 256
+and a 152k vocabulary it is milliseconds, which on the engine's thread made the step host-bound.
+The masks reach the device on a copy stream of their own (mask_words.py)."""
 
 import logging
 import os
-import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import llguidance
@@ -28,8 +32,9 @@ import llguidance.torch
 import torch
 
 from pdserve.engine.host_lists import on_device
+from pdserve.engine.mask_words import WordSlot, WordSlots
 from pdserve.engine.sequence import PENDING, Sequence
-from pdserve.structured_outputs import ll_tokenizer
+from pdserve.structured_outputs import GrammarTokenizer
 
 
 log = logging.getLogger(__name__)
@@ -39,19 +44,20 @@ class Grammars:
     """The matchers of this engine's constrained requests, by request id."""
 
     def __init__(self, tokenizer, vocab_size: int):
-        self._tokenizer = tokenizer  # pdserve.tokenizer's Tokenizer or ByteTokenizer
         self.vocab_size = vocab_size  # the model's (its logits' width), which may exceed the tokenizer's
-        self._ll: llguidance.LLTokenizer | None = None  # built on first use (a large vocabulary takes ~1 s)
-        self._ll_lock = threading.Lock()  # (the first compiles may race to build it)
-        self._executor: llguidance.LLExecutor | None = None
+        self._ll = GrammarTokenizer(tokenizer, vocab_size)  # built by the first compile
+        self._executor = llguidance.LLExecutor(executor_threads())
         self._pool: ThreadPoolExecutor | None = None  # the compiles, started on first use
         self._compiling: dict[str, Future] = {}  # request id -> its matcher being built, not installed yet
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._ended: dict[str, int] = {}  # request id -> output tokens at which its grammar completed
         self._bitmask = torch.zeros(0, (vocab_size + 31) // 32, dtype=torch.int32)
+        self._filler: ThreadPoolExecutor | None = None  # the fill thread (begin_mask), started on first use
+        self._words = WordSlots((vocab_size + 31) // 32)
         self._bit_values: dict[torch.device, torch.Tensor] = {}  # bit_values() on each device
-        # Steps' sampled tokens not consumed yet, oldest first: (sequences, host tokens, ready event).
-        self._pending: list[tuple[list[Sequence], torch.Tensor, torch.cuda.Event | None]] = []
+        # Steps' sampled tokens not consumed yet, oldest first: ((sequence, output index, matcher) per row,
+        # host tokens, ready event).
+        self._pending: list[tuple[list[tuple], torch.Tensor, torch.cuda.Event | None]] = []
 
     def forget(self, request_id: str) -> None:
         f = self._compiling.pop(request_id, None)
@@ -101,22 +107,40 @@ class Grammars:
 
     def mask(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
         """In place: logits [N, vocab] at -inf for every token the grammar of each listed row
-        (seqs[k] is rows[k]'s) does not allow next."""
+        (seqs[k] is rows[k]'s) does not allow next. (begin_mask then apply_mask, in one call.)"""
+        self.apply_mask(logits, rows, self.begin_mask(seqs, logits.device))
+
+    def begin_mask(self, seqs: list[Sequence], device: torch.device) -> Future:
+        """Start filling these sequences' next-token masks, on the fill thread; the future's result
+        is what apply_mask takes. Called once the step's forward is queued: the fill (milliseconds at
+        a large batch and vocabulary) runs while the device computes the forward and the engine's
+        thread reads the step before, and the step's sampling waits for it only when it is queued."""
         # Every earlier step's tokens first (waiting for them: this step's forward is queued already).
-        # Only then is the host bitmask free: the last step's copy from it preceded those tokens.
+        # The fill thread is idle here: the step before applied its masks before this one was prepared.
         self._settle(wait=True)
         matchers = [self._matcher(s) for s in seqs]
-        bitmask = self._host_bitmask(len(rows))
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)],
-                                                     bitmask)
-        # (The host buffer is filled again only after _settle has waited for this step's tokens, so
-        # the asynchronous copy has long finished by then.)
-        words = bitmask.to(logits.device, non_blocking=True)
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
+        slot = self._words.take(len(seqs), device)
+        return self._filler.submit(self._fill, matchers, self._host_bitmask(len(seqs)), slot)
+
+    def apply_mask(self, logits: torch.Tensor, rows: list[int], filled: Future) -> None:
+        """In place: the masks begin_mask filled (for the sequences of `rows`, in order) on the logits."""
+        slot = filled.result()
+        words = slot.ready_on(logits.device)
         if len(rows) == logits.shape[0]:  # every row constrained (rows are in order): in place, no gather
             logits.masked_fill_(disallowed(words, self._bits(logits.device), logits.shape[-1]), float("-inf"))
         else:
             at = on_device(rows, logits.device)
             logits[at] = masked(logits[at], words, self._bits(logits.device))
+        slot.used()
+
+    def _fill(self, matchers: list, host: torch.Tensor, slot: "WordSlot") -> "WordSlot":
+        """On the fill thread: llguidance's batched fill (its own threads, without the GIL), then the
+        copy to the device on a stream of its own, so that the forward's stream does not wait for it."""
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)], host)
+        slot.load(host)  # (returns once the host buffer is read: the next fill may overwrite it)
+        return slot
 
     def defer(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """The tokens just sampled for these sequences (on the device), to be consumed by the next
@@ -126,8 +150,10 @@ class Grammars:
         if tokens.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        # Each sequence's output index now: the token is not in the sequence yet.
-        self._pending.append(([(s, s.num_output_tokens + 1) for s in seqs], host, event))
+        # Each sequence's output index now (the token is not in the sequence yet), and its matcher: a
+        # request may end (and be forgotten) before its last token is consumed, and its id come back.
+        self._pending.append(([(s, s.num_output_tokens + 1, self._matchers.get(s.request_id)) for s in seqs],
+                              host, event))
 
     def _settle(self, wait: bool) -> None:
         """Consume the pending steps' tokens, oldest first. wait=False: the newest only if its tokens
@@ -140,8 +166,8 @@ class Grammars:
                     return
                 event.synchronize()
             self._pending.pop(0)
-            live = [(s, n, self._matchers[s.request_id], t) for (s, n), t in zip(rows, host.tolist())
-                    if s.request_id in self._matchers and s.request_id not in self._ended]
+            live = [(s, n, m, t) for (s, n, m), t in zip(rows, host.tolist())
+                    if m is not None and self._matchers.get(s.request_id) is m and s.request_id not in self._ended]
             if live:
                 self._executor.consume_token_par([(m, t) for _, _, m, t in live])
             for s, n, m, _ in live:
@@ -169,17 +195,10 @@ class Grammars:
     def _build(self, grammar: str) -> llguidance.LLMatcher:
         """On a pool thread: the grammar compiled against the tokenizer, and its first mask computed
         (the lexer's first states are built lazily: a big schema's take tens of ms)."""
-        m = llguidance.LLMatcher(self._ll_tokenizer(), grammar)
+        m = llguidance.LLMatcher(self._ll.get(), grammar)
         if not m.is_error():
             m.compute_bitmask()
         return m
-
-    def _ll_tokenizer(self) -> llguidance.LLTokenizer:
-        with self._ll_lock:
-            if self._ll is None:
-                self._ll = ll_tokenizer(self._tokenizer, self.vocab_size)
-                self._executor = llguidance.LLExecutor(executor_threads())
-        return self._ll
 
     def _note_end(self, seq: Sequence, m: llguidance.LLMatcher, n_output: int) -> None:
         if seq.request_id in self._ended:
@@ -209,7 +228,12 @@ class Grammars:
 def executor_threads() -> int:
     """Threads of llguidance's executor: half the CPUs this process may run on. Its default (most of
     them) competes with torch's own threads and the worker's: on a 2-CPU host a step of 256
-    constrained sequences took 12× longer with it than with one thread (docs/benchmarks.md)."""
+    constrained sequences took 12× longer with it than with one thread (docs/benchmarks.md).
+    PDSERVE_GRAMMAR_THREADS sets it."""
+    if (n := os.environ.get("PDSERVE_GRAMMAR_THREADS")):
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"PDSERVE_GRAMMAR_THREADS={n!r}: a whole number of threads, at least 1")
+        return int(n)
     return max(1, min(32, len(os.sched_getaffinity(0)) // 2))
 
 

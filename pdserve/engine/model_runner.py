@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.forward.forward_batch import ForwardBatch
-from pdserve.engine.sampler import Sampled, Sampler
+from pdserve.engine.sampler import Sampled, SampledLater, Sampler
 from pdserve.protocol import TokenLogprob
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.sequence import PENDING, Sequence
@@ -34,7 +34,7 @@ class Launched:
 
     scheduled: list[ScheduledSeq]
     sampling: list[Sequence]  # the sequences that get a token, in the rows of `sampled` (a row each)
-    sampled: Sampled | None
+    sampled: Sampled | SampledLater | None  # (SampledLater: a step under a grammar, queued when needed)
     rows: dict[str, int]  # request id -> row of `sampled`: where the next step finds its input
     # A verify step's draft tokens per sampling sequence (speculative decoding): each has
     # 1 + len(draft) rows of `sampled`, and `rows` is empty (no step overlaps a verify step).

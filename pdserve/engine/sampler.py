@@ -1,5 +1,7 @@
 """Turns the logits of the sequences that reached their last token into next tokens."""
 
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -40,19 +42,33 @@ class Sampler:
         """logits [N, vocab] float32 -> one token id (and its logprob if asked) per row."""
         return self.launch(logits, seqs).result()
 
-    def launch(self, logits: torch.Tensor, seqs: list[Sequence], drafts: Drafts | None = None) -> "Sampled":
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence], drafts: Drafts | None = None
+               ) -> "Sampled | SampledLater":
         """Sample on the device without waiting for it: the tokens stay on the device (the next step
         reads them there) and start their copy to the host; Sampled.result() waits for that copy.
         Logprobs are the model's, before any processing (vLLM's default, raw_logprobs).
-        `drafts`: a verify step's (engine/spec_decode.py), whose rows are `seqs` (PositionViews)."""
+        `drafts`: a verify step's (engine/spec_decode.py), whose rows are `seqs` (PositionViews).
+        A step with rows under a grammar starts filling their masks and returns a SampledLater: its
+        sampling is queued when first needed, so the fill overlaps the forward and the host's work on
+        the step before (grammar.py)."""
         raw = logits.float()
         params = [s.params for s in seqs]
         logits, penalized = self._process(raw, seqs, params, drafts)
         constrained = [i for i, p in enumerate(params) if p.grammar is not None]
-        if constrained:
-            if logits is raw and any(p.logprobs is not None for p in params):
-                logits = raw.clone()  # the raw logits stay for logprobs
-            self.grammars.mask(logits, constrained, [seqs[i] for i in constrained])
+        if not constrained:
+            return self._draw(raw, logits, seqs, params, drafts, penalized)
+        if logits is raw and any(p.logprobs is not None for p in params):
+            logits = raw.clone()  # the raw logits stay for logprobs
+        filled = self.grammars.begin_mask([seqs[i] for i in constrained], logits.device)
+        later = SampledLater(lambda: self._draw(raw, logits, seqs, params, drafts, penalized, (constrained, filled)))
+        return later if drafts is None else later.now()  # (a verify step is never overlapped)
+
+    def _draw(self, raw: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
+              drafts: Drafts | None, penalized, masks: tuple[list[int], Future] | None = None) -> "Sampled":
+        """The tokens from the processed logits (after the grammar masks, where `masks` has them)."""
+        if masks is not None:
+            constrained, filled = masks
+            self.grammars.apply_mask(logits, constrained, filled)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
@@ -62,8 +78,8 @@ class Sampler:
         if penalized is not None:
             at, counts_rows = penalized
             self._counts.count(counts_rows, tokens[at], None if emitted is None else emitted[at])
-        if constrained:  # consumed by the next step's mask, or when the engine reads this step
-            self.grammars.defer([seqs[i] for i in constrained], tokens[constrained])
+        if masks is not None:  # consumed by the next step's mask, or when the engine reads this step
+            self.grammars.defer([seqs[i] for i in masks[0]], tokens[masks[0]])
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         lp = None
         if wanted:
@@ -171,6 +187,33 @@ def _event(t: torch.Tensor):
     ev = torch.cuda.Event()
     ev.record(torch.cuda.current_stream(t.device))
     return ev
+
+
+class SampledLater:
+    """A step's sampling held back until its grammar masks are filled (on the fill thread): queued on
+    the device when first needed — by the next step's batch (its `tokens`) or by the step's result."""
+
+    def __init__(self, draw: Callable[[], "Sampled"]):
+        self._draw: Callable[[], Sampled] | None = draw
+        self._sampled: Sampled | None = None
+
+    def now(self) -> "Sampled":
+        if self._sampled is None:
+            with torch.inference_mode():  # (the result may be asked for outside the step's)
+                self._sampled = self._draw()
+            self._draw = None
+        return self._sampled
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.now().tokens
+
+    @property
+    def emitted(self) -> torch.Tensor | None:
+        return self.now().emitted
+
+    def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        return self.now().result()
 
 
 @dataclass
