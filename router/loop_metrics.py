@@ -29,19 +29,25 @@ class LoopHistogram(Histogram):
         self._buckets[bisect_left(self._upper_bounds, amount)]._value += 1
 
     def observe_all(self, amounts: list[float]) -> None:
-        """observe() each of `amounts`, in order (the same sum, added in the same order), with the
-        checks and lookups paid once: a turn of the loop's streamed tokens' gaps (router/token_tally.py)."""
+        """observe() each of `amounts`, in order (the sum added in the same order), with the checks
+        and lookups paid once and each bucket's count added once: a turn of the loop's streamed
+        tokens' gaps (router/token_tally.py)."""
         if not amounts:
             return
-        if not _plain() or any(a != a for a in amounts):
+        total = self._sum._value
+        for a in amounts:
+            total += a
+        if total != total or not _plain():  # a NaN among them (it falls in no bucket): one at a time
             for a in amounts:
                 self.observe(a)
             return
         self._raise_if_not_observable()
-        buckets, bounds, total = self._buckets, self._upper_bounds, self._sum._value
+        bounds, counts = self._upper_bounds, [0] * len(self._buckets)
         for a in amounts:
-            total += a
-            buckets[bisect_left(bounds, a)]._value += 1
+            counts[bisect_left(bounds, a)] += 1
+        for bucket, n in zip(self._buckets, counts):
+            if n:
+                bucket._value += n
         self._sum._value = total
 
 
