@@ -7,6 +7,7 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from pdserve.router.loop_metrics import LoopCounter, LoopHistogram  # written from the router's loop only
+from pdserve.router.token_tally import TokenTally
 from pdserve.router.vllm_metrics import VLLMMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -34,6 +35,10 @@ class Metrics:
         self._pairing_seen: dict[str, int] = {}  # the controller's pairing failures counted so far, by reason
         self.registry = CollectorRegistry()
         r = self.registry
+        # Streamed tokens' series, added to per turn of the loop; first in the registry: a collection
+        # flushes it before it reads them.
+        self.streamed = TokenTally()
+        r.register(self.streamed)
         if router:
             # Which router answered a scrape: through a shared port any of them may (see pdserve bench).
             Gauge("pdserve_router_info", "The router serving this /metrics", ["router"], registry=r).labels(
@@ -157,6 +162,7 @@ class Metrics:
         self._placed_by: dict[tuple[str, str], LoopCounter] = {}
         self._phase_by: dict[str, LoopHistogram] = {}
         self.vllm = VLLMMetrics(r, model_name)  # vLLM's names for the same figures
+        self.streamed.feed(self.vllm.generation_tokens, (self.itl, self.vllm.itl))
         self._key_requests_by: dict[tuple[str, str], LoopCounter] = {}
         self._key_tokens_by: dict[str, tuple[LoopCounter, LoopCounter]] = {}  # (prompt, generation)
 
@@ -335,6 +341,7 @@ class Metrics:
         """The cumulative figures the planner reads off this router (`pdserve tune`): requests
         arrived and their prompt tokens, requests finished and their generated tokens, and the TTFT
         and inter-token histograms ({upper bound: cumulative count}, math.inf for +Inf)."""
+        self.streamed.flush()
         out: dict = {}
         for key, hist in (("prompt", self.prompt_tokens), ("generation", self.generation_tokens),
                           ("ttft", self.ttft), ("itl", self.itl)):
@@ -377,19 +384,17 @@ class RequestTimer:
         if n <= 0:
             return
         now = time.monotonic()
-        vllm = self.metrics.vllm
-        vllm.generation_tokens.inc(n)
         if self.last is None:
             self.first = now
             self.metrics.ttft.observe(now - self.start)
-            vllm.ttft.observe(now - self.start)
+            self.metrics.vllm.ttft.observe(now - self.start)
+            self.metrics.streamed.add(n)
         else:
             # One observation per wake, not per token: the wake's gap spread evenly over its tokens
             # (their mean ITL). While the router keeps up a wake carries one decode step's token;
             # a router behind its workers wakes once for several, and the histogram then counts
-            # wakes, not tokens.
-            self.metrics.itl.observe((now - self.last) / n)
-            vllm.itl.observe((now - self.last) / n)
+            # wakes, not tokens. (Added up at the end of the loop's turn: router/token_tally.py.)
+            self.metrics.streamed.add(n, (now - self.last) / n)
         self.last = now
         self.num_tokens += n
 

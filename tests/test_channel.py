@@ -35,7 +35,9 @@ def test_typed_messages_come_back_as_they_went():
     assert unpack_delta(pack_delta(RequestDelta("r2", "", [1]))) == RequestDelta("r2", "", [1])
     for why in (508, "</s>"):  # every field crosses: the stop token id or string that ended it too
         d = RequestDelta("r3", "", [508], "stop", stop_reason=why)
-        assert unpack_delta(pack_delta(d)) == d
+        back = unpack_delta(pack_delta(d))
+        assert back == d and type(back) is RequestDelta
+        assert (back.stop_reason, back.more, back.logprobs) == (why, False, ())  # (built field by field: by name too)
 
 
 class Worker:

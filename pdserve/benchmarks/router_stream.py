@@ -8,13 +8,16 @@
 The token source is synthetic on purpose. A real engine on this host would run out of CPU long
 before the router does, and the figure would be the engine's; here one Ray actor, registered as a
 colocated replica, makes one token per live request per step as fast as it can and streams them
-through the real `RouterStreams` (pdserve/worker/router_streams.py), so everything from the
-worker's `Router.deliver` call to the client's socket is the real path: Ray, the router actor
-(pdserve.router.server.Router over RouterCore), the OpenAI front end, uvicorn. The end-to-end
+through the real `RouterStreams` (pdserve/worker/router_streams.py) and the worker's real end of
+the direct channel (ChannelServer), so everything from the worker's frame of a step's deltas to the
+client's socket is the real path: the channel (`router.channel: direct`, a Unix socket on one
+host; `--channel ray`: `Router.deliver` Ray calls), the router actor (pdserve.router.server.Router
+over RouterCore), the OpenAI front end, uvicorn. The end-to-end
 figure, with the real engine behind the router, is the serving benchmarks' (docs/benchmarks.md).
 
-A client in a process of its own keeps C streaming /v1/completions requests open (token-id
-prompt, ignore_eos, include_usage), each connection starting its next request as soon as one
+A client in a process of its own keeps C streaming /v1/completions requests open (a prompt of
+--prompt-len token ids: 256 is `pdserve bench --input-len 256`'s, what a request's admission then
+costs the router; ignore_eos, include_usage), each connection starting its next request as soon as one
 ends, and counts tokens from each stream's usage chunk. The router's CPU time comes from
 /proc/<pid>/stat over the measured run, so the figure is the router process's own, whatever else
 shares the host. A router behind its source gets fewer, larger messages (RouterStreams holds what
@@ -165,9 +168,9 @@ async def _one_connection(host: str, port: int, request: bytes, deadline: float,
         writer.close()
 
 
-async def _drive(url: str, streams: int, max_tokens: int, seconds: float) -> dict:
+async def _drive(url: str, streams: int, max_tokens: int, seconds: float, prompt_len: int) -> dict:
     host, port = url.removeprefix("http://").rsplit(":", 1)
-    body = json.dumps({"model": "tiny-moe", "prompt": list(range(1, 17)), "max_tokens": max_tokens,
+    body = json.dumps({"model": "tiny-moe", "prompt": list(range(1, prompt_len + 1)), "max_tokens": max_tokens,
                        "temperature": 0, "ignore_eos": True, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -180,11 +183,11 @@ async def _drive(url: str, streams: int, max_tokens: int, seconds: float) -> dic
             "wall_s": time.monotonic() - t0}
 
 
-def _client(url: str, streams: int, max_tokens: int, seconds: float, out) -> None:
-    out.send(asyncio.run(_drive(url, streams, max_tokens, seconds)))
+def _client(url: str, streams: int, max_tokens: int, seconds: float, prompt_len: int, out) -> None:
+    out.send(asyncio.run(_drive(url, streams, max_tokens, seconds, prompt_len)))
 
 
-def drive(url: str, streams: int, max_tokens: int, seconds: float, clients: int = 1) -> dict:
+def drive(url: str, streams: int, max_tokens: int, seconds: float, clients: int = 1, prompt_len: int = 16) -> dict:
     """Run the client in processes of their own (the router's host has few cores: they must not
     share this one's GIL), the streams split over `clients` of them; returns their counts, added."""
     ctx = multiprocessing.get_context("spawn")
@@ -192,7 +195,7 @@ def drive(url: str, streams: int, max_tokens: int, seconds: float, clients: int 
     for i in range(clients):
         recv, send = ctx.Pipe(duplex=False)
         share = streams // clients + (i < streams % clients)
-        procs.append(ctx.Process(target=_client, args=(url, share, max_tokens, seconds, send), daemon=True))
+        procs.append(ctx.Process(target=_client, args=(url, share, max_tokens, seconds, prompt_len, send), daemon=True))
         pipes.append(recv)
         procs[-1].start()
     results = [r.recv() for r in pipes]
@@ -242,12 +245,12 @@ def start(max_ahead: int, step_s: float, routers: int = 1, workers: int = 1,
 
 
 def measure(url: str, pids: list[int], streams: int, max_tokens: int, seconds: float, clients: int,
-            channel: str = "direct") -> dict:
-    drive(url, streams, 16, 1.0, clients)  # warm up: connections, the routers' first requests
+            channel: str = "direct", prompt_len: int = 16) -> dict:
+    drive(url, streams, 16, 1.0, clients, prompt_len)  # warm up: connections, the routers' first requests
     cpu0 = sum(map(cpu_seconds, pids))
-    res = drive(url, streams, max_tokens, seconds, clients)
+    res = drive(url, streams, max_tokens, seconds, clients, prompt_len)
     cpu = sum(map(cpu_seconds, pids)) - cpu0  # every router's
-    return {"channel": channel, "routers": len(pids), "streams": streams, "max_tokens": max_tokens, "requests": res["requests"], "failed": res["failed"],
+    return {"channel": channel, "routers": len(pids), "streams": streams, "max_tokens": max_tokens, "prompt_len": prompt_len, "requests": res["requests"], "failed": res["failed"],
             "tokens": res["tokens"], "wall_s": round(res["wall_s"], 2),
             # Events with output (not the usage chunk, not [DONE]): how many tokens one carried.
             "tokens_per_event": round(res["tokens"] / max(1, res["events"] - 2 * res["requests"]), 2),
@@ -260,6 +263,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[128, 512], help="concurrent streams, one run each")
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens per request")
+    ap.add_argument("--prompt-len", type=int, default=16,
+                    help="prompt token ids per request (256: `pdserve bench --input-len 256`'s admission cost)")
     ap.add_argument("--seconds", type=float, default=15.0, help="length of each measured run")
     ap.add_argument("--max-ahead", type=int, default=64,
                     help="steps the source runs ahead of a router that has not taken its last message")
@@ -281,7 +286,7 @@ def main() -> None:
             try:
                 # (the actors are held: they live while it runs)
                 _actors, url, pids = start(args.max_ahead, args.step_ms / 1000, n, args.workers, channel)
-                rows += [measure(url, pids, c, args.max_tokens, args.seconds, args.clients, channel)
+                rows += [measure(url, pids, c, args.max_tokens, args.seconds, args.clients, channel, args.prompt_len)
                          for c in args.streams]
             finally:
                 ray.shutdown()
