@@ -61,13 +61,15 @@ for p in pids:
 print(total)
 PY
 }
-for C in 64 128 256 512; do
+CONCS=${CONCS:-64 128 256 512}  # the concurrencies to serve
+for C in $CONCS; do
   c0=$(router_cpu)
   timeout 180 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate inf --max-concurrency $C \
     --num-prompts $((2 * C)) --input-len 256 --output-len 256 --warmup 16 --clients $CLIENTS $METRICS --json $OUT/bench_$C.json \
     > $OUT/bench_$C.log 2>&1
   echo "C=$C exit $? router_cpu_s $(python -c "print($(router_cpu) - $c0)")" | tee -a $OUT/cpu.txt
 done
+if [ -z "${SKIP_LIGHT:-}" ]; then  # SKIP_LIGHT=1: no lone 4k prompts, no light load
 timeout 150 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --max-concurrency 1 --num-prompts 20 \
   --input-len 4096 --output-len 2 --warmup 4 $METRICS --json $OUT/lone.json > $OUT/lone.log 2>&1
 echo "lone exit $?"
@@ -75,6 +77,7 @@ echo "lone exit $?"
 timeout 120 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --num-prompts 25 --input-len 128 \
   --output-len 50 --warmup 3 $METRICS --json $OUT/light128.json > $OUT/light128.log 2>&1
 echo "light128 exit $?"
+fi
 # The served worker's step times (its stats' profile), against lone_prompt.py's in-process ones.
 timeout 60 python -m pdserve.cli tune --record $OUT/served_profile.json > /dev/null 2>&1
 kill -INT $pid; wait $pid

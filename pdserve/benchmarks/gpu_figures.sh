@@ -21,7 +21,8 @@
 #   serving  issue 40's and 44's served figures on one GPU (control_plane.sh): the engine's own first token after
 #            1 s idle, then through `pdserve up`: streams 64-512 (dispatch, admit, loop lag, tokens per router
 #            CPU-s), a lone 4k prompt, 128-token prompts at 1 req/s
-#   grammar  issue 41's step overhead at 256 sequences, all constrained or all penalized, against none (1 GPU)
+#   grammar  issue 41's step overhead at 256 sequences, all constrained or all penalized, against none, over a
+#            BPE vocabulary, the MoE shape and a dense control (1 GPU)
 #   spec     issue 44's verify-step cost (k = 1, 2, 4, 8 at batch 1, 8, 32) and n-gram speed-up (1 GPU)
 # Each part writes OUT_DIR/<part>*.json and a log; a failing part does not stop the others.
 set -u
@@ -104,8 +105,14 @@ for part in $parts; do
     serving)
         run serving env OUT="$out/serving" bash pdserve/benchmarks/control_plane.sh ;;
     grammar)
-        run grammar python -m pdserve.benchmarks.grammar_masks --json "$out/grammar.json" step --model qwen3-30b-a3b \
-            --device cuda --batch 256 --rounds 4 ;;
+        # A real BPE vocabulary (trained here: no hub), the MoE shape and a dense control whose forward's
+        # cost does not depend on the tokens sampled (docs/benchmarks.md, structured outputs).
+        run bpe python -m pdserve.benchmarks.bpe_vocab /tmp/bpe
+        for m in qwen3-30b-a3b deploy/bench/grammar/qwen3-8b.json; do
+            run "grammar-$(basename $m .json)" python -m pdserve.benchmarks.grammar_masks \
+                --json "$out/grammar-$(basename $m .json).json" step --model $m --device cuda --batch 256 \
+                --steps 20 --rounds 5 --tokenizer /tmp/bpe
+        done ;;
     spec)
         run spec python -m pdserve.benchmarks.spec_decode --model qwen3-30b-a3b --device cuda --batches 1 8 32 \
             --k 1 2 4 8 --steps 20 --json "$out/spec.json" ;;

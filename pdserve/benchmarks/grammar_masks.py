@@ -4,6 +4,7 @@ an engine step. Two measurements:
     python -m pdserve.benchmarks.grammar_masks engines [--only llguidance|xgrammar] [--batch 1 32 256]
                                                        [--tokenizer DIR] [--vocab N]
     python -m pdserve.benchmarks.grammar_masks step [--model qwen3-30b-a3b] [--device cuda] [--batch 256]
+                                                    [--tokenizer DIR]   (a BPE vocabulary: bpe_vocab.py)
 
 engines   llguidance and xgrammar (each where installed) on the same vocabulary and JSON schema: per
           step, every one of B constrained sequences gets its next-token mask (each engine's batched,
