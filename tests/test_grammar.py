@@ -5,6 +5,7 @@ batch mixing constrained and free rows leaves the free ones alone."""
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -101,13 +102,31 @@ def slow_grammar() -> str:
     return json_schema_grammar("json", wide_schema(30, 250))
 
 
-def _run(engine: Engine, until_done: set[str]) -> tuple[dict[str, list[int]], dict[str, int]]:
+@pytest.fixture
+def held(slow_grammar, monkeypatch) -> threading.Event:
+    """The slow grammar's compile waits for this event (set by _run once "free" has two tokens): on
+    2 busy cores a compile of ~0.2 s could end before the other request's first step; held, the test
+    says what it means whatever the machine's speed."""
+    release = threading.Event()
+    build = Grammars._build
+
+    def held_build(self, grammar: str):
+        if grammar == slow_grammar:
+            release.wait(60)
+        return build(self, grammar)
+    monkeypatch.setattr(Grammars, "_build", held_build)
+    return release
+
+
+def _run(engine: Engine, until_done: set[str], release: threading.Event) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Step until every listed request finished: each request's tokens, and how many of them came
-    while the grammar of "slow" was still compiling."""
+    while the grammar of "slow" was still compiling (released once "free" has two tokens)."""
     tokens: dict[str, list[int]] = {}
     while_compiling: dict[str, int] = {}
     finished: set[str] = set()
     while until_done - finished:
+        if len(tokens.get("free", [])) >= 2:
+            release.set()
         compiling = engine.grammars.compiling("slow") and not engine.grammars.compiled("slow")
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
@@ -118,14 +137,14 @@ def _run(engine: Engine, until_done: set[str]) -> tuple[dict[str, list[int]], di
     return tokens, while_compiling
 
 
-def test_a_compiling_grammar_holds_up_only_its_own_request(engine, slow_grammar):
+def test_a_compiling_grammar_holds_up_only_its_own_request(engine, slow_grammar, held):
     free_params = SamplingParams(max_tokens=12, temperature=0)
     slow_params = SamplingParams(max_tokens=6, temperature=0, grammar=slow_grammar)
     free_alone = engine.generate(["hi there"], free_params)[0].token_ids
     engine.add_request("slow", "hello", slow_params)
     assert engine.grammars.compiling("slow") and engine.seqs["slow"] not in engine.scheduler.waiting
     engine.add_request("free", "hi there", free_params)
-    tokens, while_compiling = _run(engine, {"free", "slow"})
+    tokens, while_compiling = _run(engine, {"free", "slow"}, held)
     # The free request stepped while the other's grammar compiled (before and after each step: no
     # step held the compile); only then was the other scheduled. A compile on the step path fails this.
     assert while_compiling.get("free", 0) >= 1 and "slow" not in while_compiling, while_compiling
@@ -151,7 +170,7 @@ def test_a_grammar_that_does_not_compile_fails_only_its_request(engine):
     assert engine.pool.num_free_blocks == engine.pool.num_blocks and not engine.seqs
 
 
-def test_a_decode_reservation_starts_once_its_grammar_compiled(slow_grammar):
+def test_a_decode_reservation_starts_once_its_grammar_compiled(slow_grammar, held):
     """The decode role: the KV came (start_decode) before the compile ended; the first token waits
     with the request, the other decoders step on, and its matcher consumes that token once built."""
     engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=64, role="decode"))
@@ -162,7 +181,7 @@ def test_a_decode_reservation_starts_once_its_grammar_compiled(slow_grammar):
     engine.start_decode("free", ord("x"))
     engine.start_decode("slow", ord("{"))  # the first token the prefill replica sampled under the grammar
     assert engine.seqs["slow"] not in engine.scheduler.running
-    tokens, while_compiling = _run(engine, {"free", "slow"})
+    tokens, while_compiling = _run(engine, {"free", "slow"}, held)
     assert while_compiling.get("free", 0) >= 1 and "slow" not in while_compiling, while_compiling
     assert len(tokens["free"]) == 10 and tokens["slow"][0] == ord("{") and len(tokens["slow"]) == 4
     assert engine.tokenizer.decode(tokens["slow"]).startswith('{"g0')  # its matcher took the first token
