@@ -6,6 +6,7 @@ batch mixing constrained and free rows leaves the free ones alone."""
 import json
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -245,3 +246,30 @@ def test_a_tokenizer_llguidance_refuses_is_refused_once():
     errors = {grammars.install(s) for s in seqs}
     assert len(errors) == 1 and "not usable for grammars" in errors.pop()
     assert Unusable.reads == 2  # once more: the engine's own GrammarTokenizer
+
+
+def test_a_step_sampled_after_the_next_fill_keeps_its_own_masks(monkeypatch):
+    """Overlapped, a step whose rows the next step does not read is sampled only when the engine reads
+    it: after the next step's fill. Its masks must be its own (the host buffer is the next fill's)."""
+    apply = Grammars.apply_mask
+
+    def after_every_fill(self, *args):  # the threads' worst order: every queued fill done first
+        self._filler.submit(lambda: None).result()
+        return apply(self, *args)
+    monkeypatch.setattr(Grammars, "apply_mask", after_every_fill)
+    engine = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=64, overlap_scheduling=True))
+    digits = SamplingParams(max_tokens=3, temperature=0, grammar=grammar_of("r", "regex", "[0-9]{3,9}"))
+    letters = SamplingParams(max_tokens=3, temperature=0, grammar=grammar_of("r", "regex", "[a-z]{3,9}"))
+    engine.add_request("digits", "hi", digits)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        seq = engine.seqs.get("digits")
+        if "letters" not in engine.seqs and "letters" not in tokens and seq is not None \
+                and seq.num_output_tokens >= 3:  # its last token's step is queued, not sampled yet
+            engine.add_request("letters", "hi", letters)
+            while not engine.grammars.compiled("letters"):  # so that the very next step takes it in
+                time.sleep(0.005)
+    text = {rid: engine.tokenizer.decode(ids) for rid, ids in tokens.items()}
+    assert re.fullmatch("[0-9]{3}", text["digits"]) and re.fullmatch("[a-z]{3}", text["letters"]), text

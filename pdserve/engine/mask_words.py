@@ -37,7 +37,10 @@ class WordSlot:
     def load(self, host: torch.Tensor) -> None:
         """On the fill thread: the filled host rows to the device; returns once they are read."""
         if self.buf is None:
-            self.view = host  # a CPU step: the masks are applied from the host buffer, before the next fill
+            # A CPU step: its own copy, as a device's buffer would be. The step may be sampled after
+            # the next step's fill has overwritten the host buffer (overlapped, when no row of the
+            # next step reads this one's tokens, this one is sampled only when the engine reads it).
+            self.view = host.clone()
             return
         torch.cuda.set_device(self.buf.device)  # (a thread starts on device 0)
         # (The buffer was made in the engine's inference mode: only there may it be written.)
