@@ -56,7 +56,9 @@ class GrammarTokenizer:
                 try:
                     self._ll = ll_tokenizer(self._tokenizer, self._vocab_size)
                 except Exception as e:
-                    self._error = ValueError(f"the model's tokenizer is not usable for grammars: {e}")
+                    self._error = ValueError(
+                        f"the model's tokenizer is not usable for grammars ({e}): structured outputs and forced "
+                        "tool calls cannot run on this model; check its tokenizer.json (llguidance reads it)")
             if self._error is not None:
                 raise self._error
         return self._ll
