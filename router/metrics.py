@@ -4,7 +4,7 @@ import collections
 import time
 from collections.abc import Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, ProcessCollector, generate_latest
 
 from pdserve.router.loop_metrics import LoopCounter, LoopHistogram  # written from the router's loop only
 from pdserve.router.token_tally import TokenTally
@@ -40,6 +40,9 @@ class Metrics:
         self.streamed = TokenTally()
         r.register(self.streamed)
         if router:
+            # The process's own CPU, memory and open files (process_cpu_seconds_total, ...), as every
+            # Prometheus client exports them: what a router costs (pdserve bench: tokens per router CPU-s).
+            ProcessCollector(registry=r)
             # Which router answered a scrape: through a shared port any of them may (see pdserve bench).
             Gauge("pdserve_router_info", "The router serving this /metrics", ["router"], registry=r).labels(
                 router=router).set(1)

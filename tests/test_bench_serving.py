@@ -9,6 +9,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -167,6 +168,7 @@ def test_bench_measures_every_request_at_each_rate(cluster, tmp_path):
         assert 0 < phases["admit"] + phases["reserve"] + phases["dispatch"] + phases["first_token"] < x["ttft_ms"]["mean"]
         assert phases["dispatch"] <= phases["dispatch p99<="] * 1.0001, phases  # a mean is below the p99's bound
         assert 0 < x["client_cpu"] < 1.5, x["client_cpu"]  # the client's own share of a core (one thread, mostly)
+        assert x["router_cpu_s"] > 0, x  # the router's process_cpu_seconds_total over the run
     starts = [req["start_s"] for req in res["runs"][0]["requests"]]
     assert starts == sorted(starts) and starts[-1] > 0.1  # Poisson arrivals, spread over about 1.5 s
     assert res["goodput"] == "inf"  # every rate passed: the highest one
@@ -256,3 +258,18 @@ def test_the_p99_of_a_phase_is_the_bound_of_the_bucket_holding_it():
     for _ in range(200):
         other.observe_phase("dispatch", 0.001)
     assert means_ms(before, parse(other.render().decode())) == {}  # another router answered the second scrape
+
+
+def test_the_routers_cpu_over_a_run_is_read_off_their_process_counter():
+    from pdserve.benchmarks.load.server_metrics import parse, router_cpu_s
+    from pdserve.router.metrics import Metrics
+
+    m, other = Metrics("pdserve-router-0"), Metrics("pdserve-router-1")  # (this process's CPU, both)
+    before = parse(m.render().decode())
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.1:  # 0.1 s of CPU: /proc counts in ticks of 10 ms
+        pass
+    spent = router_cpu_s(before, parse(m.render().decode()))
+    assert spent == pytest.approx(0.1, abs=0.03)
+    assert router_cpu_s(before, parse(other.render().decode())) is None  # another router answered
+    assert router_cpu_s(before, None) is None

@@ -110,6 +110,10 @@ for c in (64, 128, 256, 512):
         print(c, "no result", e); continue
     ph = r.get("server_ms") or {}
     toks = r["output_throughput"] * r["duration_s"] if "duration_s" in r else float("nan")
+    # The routers' CPU over the run alone (their process_cpu_seconds_total, read by the bench), else
+    # /proc over the whole bench invocation (its start and warm-up included: more than the run's).
+    if r.get("router_cpu_s"):
+        cpu[c] = r["router_cpu_s"]
     pct = 100 * r["output_throughput"] / decode[c] if c in decode else float("nan")
     pct_same = 100 * r["output_throughput"] / same[c] if c in same else float("nan")
     print(f"{c:>4} {pct:>8.1f} {pct_same:>11.1f} {ph.get('admit', float('nan')):>6} {ph.get('dispatch', float('nan')):>13} "

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 _HISTOGRAMS = {"pdserve_request_phase_seconds": None, "pdserve_kv_transfer_seconds": "kv_transfer",
                "pdserve_router_loop_lag_seconds": "loop_lag"}
 _ROUTERS = "routers"  # the Scrape's entry naming the routers scraped (pdserve_router_info), not a phase
+_CPU = "cpu"  # the Scrape's entry of the routers' process_cpu_seconds_total, added up, not a phase
 
 Scrape = dict[str, dict]  # phase (or "kv_transfer") -> {"sum": s, "count": n, "buckets": {le: cumulative n}}
 
@@ -32,6 +33,11 @@ async def scrape(client: httpx.AsyncClient, urls: list[str]) -> Scrape | None:
         if one is None:
             return None
         out[_ROUTERS]["names"] += one.pop(_ROUTERS)["names"]
+        cpu = one.pop(_CPU, None)
+        if cpu is not None and out.get(_CPU, 0.0) is not None:
+            out[_CPU] = out.get(_CPU, 0.0) + cpu
+        else:
+            out[_CPU] = None  # (one router without it: no total)
         for key, h in one.items():
             entry = out.setdefault(key, {"sum": 0.0, "count": 0.0, "buckets": {}})
             entry["sum"] += h["sum"]
@@ -57,6 +63,8 @@ def parse(text: str) -> Scrape:
     for family in text_string_to_metric_families(text):
         if family.name == "pdserve_router_info":
             out[_ROUTERS]["names"] += [s.labels["router"] for s in family.samples]
+        if family.name == "process_cpu_seconds":
+            out[_CPU] = sum(s.value for s in family.samples)
         if family.name not in _HISTOGRAMS:
             continue
         for s in family.samples:
@@ -77,11 +85,12 @@ def means_ms(before: Scrape | None, after: Scrape | None) -> dict[str, float]:
         return {}
     # The two scrapes reached different routers (through a shared port): no figures, rather than wrong ones.
     if before.get(_ROUTERS) != after.get(_ROUTERS) or any(
-            after.get(k, {}).get("count", 0.0) < h.get("count", 0.0) for k, h in before.items() if k != _ROUTERS):
+            after.get(k, {}).get("count", 0.0) < h.get("count", 0.0) for k, h in before.items()
+            if k not in (_ROUTERS, _CPU)):
         return {}
     out = {}
     for key, now in after.items():
-        if key == _ROUTERS:
+        if key in (_ROUTERS, _CPU):
             continue
         then = before.get(key, {"sum": 0.0, "count": 0.0, "buckets": {}})
         n = now["count"] - then["count"]
@@ -94,3 +103,14 @@ def means_ms(before: Scrape | None, after: Scrape | None) -> dict[str, float]:
                     out[f"{key} p99<="] = round(le * 1e3, 3)
                 break
     return out
+
+
+def router_cpu_s(before: Scrape | None, after: Scrape | None) -> float | None:
+    """CPU seconds the scraped routers spent between two scrapes (process_cpu_seconds_total): the
+    run's window alone, not the bench's start or warm-up; None where a scrape lacks it or the two
+    reached different routers."""
+    if before is None or after is None or before.get(_ROUTERS) != after.get(_ROUTERS):
+        return None
+    if before.get(_CPU) is None or after.get(_CPU) is None:
+        return None
+    return round(after[_CPU] - before[_CPU], 3)

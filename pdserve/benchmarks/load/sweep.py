@@ -15,7 +15,7 @@ from pdserve.benchmarks.load.clients import Clients, client_limits, send_all
 from pdserve.benchmarks.load.records import (RateSummary, RequestRecord, Slo, Workload, goodput, rate_json,
                                              rate_label, summarize)
 from pdserve.benchmarks.load import workloads
-from pdserve.benchmarks.load.server_metrics import means_ms, scrape
+from pdserve.benchmarks.load.server_metrics import means_ms, router_cpu_s, scrape
 from pdserve.benchmarks.load.workloads import poisson_gaps, random_prompt  # noqa: F401 (their old home)
 
 PROGRESS_EVERY_S = 5.0
@@ -38,6 +38,8 @@ class RateRun:
     # on one event loop, and near a whole core its figures (throughput, and the times it stamps on
     # arrivals) are its own limits, not the server's.
     client_cpu: float = 0.0
+    # The routers' CPU seconds over the run (their process_cpu_seconds_total between the two scrapes).
+    router_cpu_s: float | None = None
 
 
 async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workload: Workload,
@@ -78,11 +80,17 @@ async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workl
     if client_cpu >= CLIENT_BUSY:
         log(f"rate {label} req/s: a client process used {100 * client_cpu:.0f} % of a core: the figures may be "
             f"the client's own limit, not the server's; --clients N spreads the requests over N processes")
-    server_ms = means_ms(before, await scrape(client, server.metrics_urls))
+    after = await scrape(client, server.metrics_urls)
+    server_ms = means_ms(before, after)
     if server_ms:
         log(f"rate {label} req/s: the router's means (ms): "
             + ", ".join(f"{k} {v:g}" for k, v in server_ms.items()))
-    return RateRun(summary, records, server_ms, round(client_cpu, 3))
+    cpu_s = router_cpu_s(before, after)
+    if cpu_s:
+        tokens = sum(r.output_tokens for r in records if r.ok)
+        log(f"rate {label} req/s: the routers' CPU {cpu_s:.2f} s over the run: {tokens / cpu_s:,.0f} streamed "
+            f"tokens per router CPU-second")
+    return RateRun(summary, records, server_ms, round(client_cpu, 3), cpu_s)
 
 
 def _counts(records: list[RequestRecord]) -> tuple[int, int, int]:
@@ -118,6 +126,7 @@ class Sweep:
             runs.append(r.summary.to_json())
             runs[-1]["server_ms"] = r.server_ms
             runs[-1]["client_cpu"] = r.client_cpu
+            runs[-1]["router_cpu_s"] = r.router_cpu_s
             if save_requests:
                 runs[-1]["requests"] = [rec.to_json(itl) for rec in r.records]
         return {"url": self.server.url, "model": self.server.model, "max_model_len": self.server.max_model_len,
