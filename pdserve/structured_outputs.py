@@ -45,7 +45,7 @@ class GrammarTokenizer:
 
     def __init__(self, tokenizer, vocab_size: int | None = None):
         self._tokenizer = tokenizer
-        self._vocab_size = vocab_size or tokenizer.vocab_size  # the logits' width, where it exceeds the tokenizer's
+        self._vocab_size = vocab_size  # the logits' width, where it exceeds the tokenizer's (else the tokenizer's)
         self._ll: llguidance.LLTokenizer | None = None
         self._error: Exception | None = None
         self._lock = threading.Lock()
@@ -54,7 +54,7 @@ class GrammarTokenizer:
         with self._lock:
             if self._ll is None and self._error is None:
                 try:
-                    self._ll = ll_tokenizer(self._tokenizer, self._vocab_size)
+                    self._ll = ll_tokenizer(self._tokenizer, self._vocab_size or self._tokenizer.vocab_size)
                 except Exception as e:
                     self._error = ValueError(
                         f"the model's tokenizer is not usable for grammars ({e}): structured outputs and forced "
