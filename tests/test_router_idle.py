@@ -1,12 +1,18 @@
 """An idle router's periodic tasks (router/idle.py): the stats poll slows and the loop-lag sampler
 stops while no request is in flight, and both wake as soon as one starts. On a real event loop
-with real timers; test_serving.py checks a served cluster's sampler stays still at idle."""
+with real timers, and a RouterCore polling a real Ray actor; test_serving.py checks a served
+cluster's sampler stays still at idle."""
 
 import asyncio
 import time
 
+import pytest
+
+from pdserve.messages import ReplicaChange, ReplicaStats
 from pdserve.router import loop_lag
+from pdserve.router.core import RouterCore
 from pdserve.router.idle import Activity
+from pdserve.tokenizer import load_tokenizer
 
 
 def test_pause_sleeps_the_busy_period_while_requests_are_in_flight():
@@ -68,3 +74,55 @@ def test_loop_lag_samples_only_while_requests_are_in_flight():
     assert idle == 0
     assert busy >= 3
     assert end == after  # nothing sampled once idle again
+
+
+# -- the stats poll of a RouterCore over a real Ray actor ------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def counting_replica():
+    """A colocated worker's `stats` as the poll calls it, counting the calls (defined in a function:
+    Ray then ships the class by value, and the workers need not import this test module)."""
+
+    class CountingReplica:
+        def __init__(self, name: str):
+            self.name, self.calls = name, 0
+
+        def stats(self) -> ReplicaStats:
+            self.calls += 1
+            return ReplicaStats(self.name, "colocated", 0, 0, 1 << 20, 1 << 20, 0)
+
+        def count(self) -> int:
+            return self.calls
+
+    return CountingReplica
+
+
+def test_an_idle_router_polls_every_idle_period_and_at_once_when_a_request_starts(ray_session):
+    replica = ray_session.remote(counting_replica()).options(num_cpus=0).remote("c0")
+
+    async def go():
+        core = RouterCore("r", "tiny-moe", 64, load_tokenizer("tiny-moe"),
+                          [ReplicaChange("colocated", "c0", {"c0-w": replica})], "kv-aware")
+        assert await replica.count.remote() == 0  # (its process is up: the rounds below are the poll's)
+        poll = asyncio.ensure_future(core.refresh_stats(interval_s=0.05, idle_s=1.5))
+        await asyncio.sleep(1.0)  # idle: the first round only (busy, 0.05 s apart, it would be ~20)
+        idle = await replica.count.remote()
+        await asyncio.sleep(0.1)  # (the poll past its first round's answer, waiting)
+        core.lifecycle.activity.started()  # a request's start (one too short to be in flight now)
+        await asyncio.sleep(0.5)
+        woken = await replica.count.remote()
+        poll.cancel()
+        return idle, woken, core.stats
+
+    idle, woken, stats = asyncio.run(go())
+    assert idle == 1
+    assert woken == 2  # polled at once, then idle again
+    assert "c0" in stats
