@@ -4,7 +4,9 @@ what the loop's pauses cost tokens, and there are none; the stats poll (2 rounds
 Ray call or two per replica) keeps routing figures fresh for requests that are not there. Each
 wake-up of the idle process is a few hundred µs of a 2-core VM's CPU (docs/benchmarks.md, "Router
 CPU at idle"). So while nothing is in flight the sampler waits for a request and the poll slows to
-IDLE_POLL_S; a request's start wakes both at once. With requests in flight nothing changes."""
+IDLE_POLL_S; a request's start wakes both at once. With requests in flight nothing changes, and the
+poll's first round after the last request ends still comes at the busy period: it brings that
+request's last KV events (the prefix index a next turn routes on) and counters as soon as before."""
 
 import asyncio
 from collections.abc import Callable
@@ -19,6 +21,7 @@ class Activity:
     def __init__(self, in_flight: Callable[[], int]):
         self.in_flight = in_flight
         self._started = asyncio.Event()
+        self._was_busy = False  # (pause's: its caller's last pause had requests in flight)
 
     def started(self) -> None:
         """A request (or an attempt of one) starts: wake whoever waits for one."""
@@ -36,8 +39,11 @@ class Activity:
             pass
 
     async def pause(self, busy_s: float, idle_s: float) -> None:
-        """Sleep busy_s while requests are in flight; else until one starts, at most idle_s."""
-        if self.in_flight():
+        """Sleep busy_s while requests are in flight, and once more after the last one ends; else
+        until one starts, at most idle_s. For one caller (the stats poll): it keeps that one's state."""
+        busy = self.in_flight() > 0
+        if busy or self._was_busy:
+            self._was_busy = busy
             await asyncio.sleep(busy_s)
         else:
             await self.until_busy(idle_s)

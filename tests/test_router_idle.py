@@ -35,6 +35,23 @@ def test_pause_waits_the_idle_period_while_nothing_is_in_flight():
     assert 0.25 < asyncio.run(go()) < 2.0
 
 
+def test_the_pause_after_the_last_request_ends_is_still_the_busy_one():
+    async def go():
+        in_flight = [1]
+        activity = Activity(lambda: in_flight[0])
+        await activity.pause(0.01, 10.0)
+        in_flight[0] = 0  # the last request ended: one more round at the busy period (its last figures)
+        t = time.monotonic()
+        await activity.pause(0.01, 10.0)
+        after_last = time.monotonic() - t
+        t = time.monotonic()
+        await activity.pause(0.01, 0.3)  # then idle
+        return after_last, time.monotonic() - t
+
+    after_last, idle = asyncio.run(go())
+    assert after_last < 0.25 and idle > 0.25
+
+
 def test_a_request_starting_ends_an_idle_pause_at_once():
     async def go():
         in_flight = [0]
