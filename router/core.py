@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 from pdserve.messages import ReplicaChange, Request, RequestDelta
 from pdserve.router.admission import AdmissionGate, AdmissionPolicy
+from pdserve.router.idle import IDLE_POLL_S
 from pdserve.router.lifecycle import Lifecycle
 from pdserve.router.policy import routing_policy
 from pdserve.router.prefill_site import PrefillSite
@@ -53,8 +54,12 @@ class RouterCore:
     def deliver(self, deltas: list[RequestDelta]) -> None:
         self.lifecycle.deliver(deltas)
 
-    async def refresh_stats(self, interval_s: float = 0.5) -> None:
-        await self.replicas.refresh_stats(interval_s, after=self.gate.wake)
+    async def refresh_stats(self, interval_s: float = 0.5, idle_s: float = IDLE_POLL_S) -> None:
+        """Poll replica stats every interval_s while requests are in flight, every idle_s (or at the
+        next request's start) while none are (router/idle.py)."""
+        activity = self.lifecycle.activity
+        await self.replicas.refresh_stats(interval_s, after=self.gate.wake,
+                                          pause=lambda s: activity.pause(s, idle_s))
 
     # -- what the front ends ask -------------------------------------------------------------------
 

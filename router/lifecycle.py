@@ -23,6 +23,7 @@ from pdserve.messages import KV_FAILED, LOST, NewRequest, Request, RequestDelta,
 from pdserve.protocol import InvalidRequestError
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.attempt import Attempt, Lost, raise_refused
+from pdserve.router.idle import Activity
 from pdserve.router.prefill_site import (COLOCATED, LOCAL, REMOTE, PrefillSite, SiteForecast, forecast_paths,
                                          forecast_sites, per_replica)
 from pdserve.router.policy import RoutingPolicy
@@ -50,6 +51,7 @@ class Lifecycle:
         self._queues: dict[str, asyncio.Queue] = {}  # attempt id -> its deltas
         self._direct: dict[str, Attempt] = {}  # attempt id -> the attempt, while its deltas may be written at once
         self.direct_writes = 0  # deltas `deliver` wrote at once (the rest went through a queue)
+        self.activity = Activity(self.in_flight)  # what the periodic tasks wait on while idle (router/idle.py)
 
     def in_flight(self) -> int:
         """Requests this router streams now."""
@@ -136,6 +138,7 @@ class Lifecycle:
         attempt under way. A replica lost under the hand-off makes the request move."""
         self._queues[run.request_id] = run.queue
         self.live[run.request_id] = run
+        self.activity.started()
         run.request, run.tokens = request, sent
         try:
             await self._wait_live(run)

@@ -4,15 +4,19 @@ callback, a burst's admission) before its next token is written, so the histogra
 loop's own work costs the tokens it delivers — and its top bucket, the longest pause of a run."""
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 TICK_S = 0.05  # 20 wake-ups a second: nothing beside the loop's work, fine enough for pauses of ms
 
 
-async def watch(observe: Callable[[float], None]) -> None:
-    """Forever: observe(seconds the loop woke late), every TICK_S."""
+async def watch(observe: Callable[[float], None], until_busy: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Forever: observe(seconds the loop woke late), every TICK_S. until_busy: awaited before each
+    tick, returning once the router streams something (router/idle.py): an idle loop's pauses delay
+    no token, and sampling them would wake an idle process 20 times a second."""
     loop = asyncio.get_running_loop()
     while True:
+        if until_busy is not None:
+            await until_busy()
         asked = loop.time() + TICK_S
         await asyncio.sleep(TICK_S)
         observe(max(0.0, loop.time() - asked))

@@ -274,15 +274,15 @@ class ReplicaSet:
 
     # -- stats and health --------------------------------------------------------------------------
 
-    async def refresh_stats(self, interval_s: float = 0.5, after=lambda: None) -> None:
+    async def refresh_stats(self, interval_s: float = 0.5, after=lambda: None, pause=asyncio.sleep) -> None:
         """Keep replica stats (routing, /health, /metrics) and health fresh; runs for the router's
         life. `after()` runs after each round (admission wakes its queue: other routers' requests
-        finish too)."""
+        finish too). `pause(interval_s)` between rounds (RouterCore's: longer while idle, router/idle.py)."""
         while True:
             for name in list(self.workers):
                 await self._poll(name)
             after()
-            await asyncio.sleep(interval_s)
+            await pause(interval_s)
 
     async def _poll(self, name: str) -> None:
         workers = self.workers.get(name)

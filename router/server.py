@@ -121,7 +121,8 @@ class Router:
                             self._channel())
         await self._meet(self.replicas)  # (their empty deliver reaches the core: after it is built)
         self._tasks.append(asyncio.create_task(self.core.refresh_stats()))
-        self._tasks.append(asyncio.create_task(loop_lag.watch(self.metrics.loop_lag.observe)))
+        self._tasks.append(asyncio.create_task(loop_lag.watch(self.metrics.loop_lag.observe,
+                                                              self.core.lifecycle.activity.until_busy)))
         # Each router enforces its share of a key's limits: the kernel spreads connections evenly over them.
         tenants = Tenants(self.api_keys, cfg.router.replicas, self.metrics) if self.api_keys else None
         tls = uvicorn_options(cfg.router.tls_certfile, cfg.router.tls_keyfile)

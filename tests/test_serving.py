@@ -236,6 +236,12 @@ def test_64_concurrent_streams_each_get_their_own_text(cluster, reference):
     # reservation for each prompt computed remotely.
     assert all(phase_count(metrics, ph) >= len(prompts) for ph in ("admit", "dispatch", "first_token"))
     assert metric(metrics, "pdserve_router_loop_lag_seconds_count") > 0  # the loop's pauses, sampled
+    # ... only while requests stream: an idle router's loop sleeps (router/idle.py), after the tick
+    # under way when the last stream ended
+    time.sleep(2 * 0.05)
+    idle = metric(cluster.metrics(), "pdserve_router_loop_lag_seconds_count")
+    time.sleep(0.5)
+    assert metric(cluster.metrics(), "pdserve_router_loop_lag_seconds_count") == idle
     if cluster.role == "colocated":  # nothing to reserve: no decode replica
         assert phase_count(metrics, "reserve") == 0
     else:
