@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -87,11 +86,9 @@ def test_a_shifting_workload_moves_the_split_there_and_back_and_fails_nothing(tm
     finally:
         try:
             if watcher is not None:
-                watcher.send_signal(signal.SIGINT)  # Ctrl-C ends the watch: exit 0 (its Ray driver's
-                try:                                 # shutdown included, slow on 2 busy cores)
-                    t0 = time.monotonic()
-                    assert watcher.wait(timeout=90) == 0, "".join(log)
-                    print(f"the watcher ended {time.monotonic() - t0:.1f} s after Ctrl-C")
+                watcher.send_signal(signal.SIGINT)  # Ctrl-C ends the watch (~1 s): exit 0
+                try:
+                    assert watcher.wait(timeout=30) == 0, "".join(log)
                 finally:
                     watcher.kill()
         finally:
