@@ -46,7 +46,9 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int):
         self.vocab_size = vocab_size  # the model's (its logits' width), which may exceed the tokenizer's
         self._ll = GrammarTokenizer(tokenizer, vocab_size)  # built by the first compile
-        self._executor = llguidance.LLExecutor(executor_threads())
+        # llguidance's fill and consume threads, started with the first compile (every matcher comes
+        # through compile): an engine that never sees a grammar starts none.
+        self._executor: llguidance.LLExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None  # the compiles, started on first use
         self._compiling: dict[str, Future] = {}  # request id -> its matcher being built, not installed yet
         self._matchers: dict[str, llguidance.LLMatcher] = {}
@@ -73,6 +75,7 @@ class Grammars:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(executor_threads(), thread_name_prefix="grammar")
+            self._executor = llguidance.LLExecutor(executor_threads())
         self._compiling[rid] = self._pool.submit(self._build, seq.params.grammar)
 
     def compiling(self, request_id: str) -> bool:
