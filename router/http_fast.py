@@ -23,6 +23,8 @@ from pydantic_core import from_json
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.hop_trace import hop
+
 # Content types taken at the door; others (and none) go to the app, which says what it accepts.
 _JSON = (b"application/json", b"application/json; charset=utf-8")
 
@@ -44,6 +46,7 @@ class FastDoor:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if route is None or not self._json_within_limit(scope["headers"]):
             return await self.app(scope, receive, send)
+        hop("door")
         if self.guard is not None and not await self.guard(scope, send):
             return
         read: list[Message] = []  # what was received of the body, replayed to the app if it gets the request
@@ -65,6 +68,7 @@ class FastDoor:
             # and it takes no text json.loads refuses, nor reads any differently
             # (tests/test_fast_door.py); what it refuses, the app's json.loads gets.
             request = model.model_validate(from_json(body))
+            hop("validated")
         except Exception:  # not JSON or not valid: the app tries again, and its 400 says why
             return await self.app(scope, _replay(read, receive), send)
         try:

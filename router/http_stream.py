@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Send
 
+from pdserve.hop_trace import hop
 from pdserve.protocol import InvalidRequestError
 from pdserve.router.eager import run_now
 from pdserve.router.http_errors import as_api_error
@@ -193,6 +194,8 @@ class _EventStream(SSEResponse):
                     break
                 if events:
                     await send({"type": "http.response.body", "body": "".join(events).encode(), "more_body": True})
+                    if wake is self.first:
+                        hop("written")  # (the first events only: a trace must not cost every token)
                     events = []
                 direct.send = send  # nothing in hand: the core may write the next deltas at once
                 try:
@@ -230,6 +233,7 @@ async def serve(receive: Receive, core: ServingCore, metrics: Metrics, shape: Re
     try:
         # Streaming waits for the first delta too, so that a refused request still gets a proper 4xx/503.
         result = await presence.guard(wakes.next() if stream else wakes.all())
+        hop("first_delta", req.request_id)
     except _ClientGone:
         presence.close()
         await wakes.aclose()

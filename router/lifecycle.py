@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from pdserve.hop_trace import hop
 from pdserve.messages import KV_FAILED, LOST, NewRequest, Request, RequestDelta, Unpaired
 from pdserve.protocol import InvalidRequestError
 from pdserve.router.admission import AdmissionGate
@@ -84,6 +85,7 @@ class Lifecycle:
         if self.gate.draining:
             raise self.gate.closed_error()
         run = Attempt(request.request_id, began=time.perf_counter())
+        hop("began", request.request_id)
         sent: list[int] = []  # token ids the client has (a move prefills them again)
         finished = False
         try:
@@ -234,6 +236,7 @@ class Lifecycle:
     def _admitted(self, run: Attempt) -> None:
         """The attempt is handed to a worker now (a reservation, or the request itself): its request's
         `admit` phase ends — admission, the placing policy, a wait for room (once per request)."""
+        hop("admitted", run.request_id)
         if run.began:
             self._phase("admit", run.began)
             run.began = 0.0

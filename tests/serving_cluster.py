@@ -14,9 +14,10 @@ from pdserve.benchmarks.up_process import ClusterStartError, UpProcess
 
 
 class Cluster:
-    def __init__(self, tmp_path, admin_key: str | None = None, **sections):
+    def __init__(self, tmp_path, admin_key: str | None = None, env: dict[str, str] | None = None, **sections):
         """admin_key: an admin API key of the cluster's keys file, sent to read /metrics (with keys on,
-        /metrics is an admin's)."""
+        /metrics is an admin's); env: variables added to `pdserve up`'s environment (Ray's processes
+        inherit them)."""
         self.headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
         # Port 0: the router binds any free port and `pdserve up` prints it (no port picked here
         # that another test could take first).
@@ -30,7 +31,7 @@ class Cluster:
             cfg.setdefault(key, {}).update(value)
         self.path = tmp_path / "cluster.yaml"
         self.path.write_text(yaml.safe_dump(cfg))
-        self.up = UpProcess(self.path, tmp_path / "pdserve-up.log")
+        self.up = UpProcess(self.path, tmp_path / "pdserve-up.log", env=os.environ | env if env else None)
         self.proc = self.up.proc
         self.url: str | None = None  # known once it serves
         self.grpc_address: str | None = None

@@ -19,7 +19,7 @@ answer and its last after `--step-ms` (an engine step), through `RouterCore.deli
 (pickling, the actor call) is not in the figure; everything the router's code does is.
 
 The client, in this process, opens C keep-alive connections, then sends C streaming
-/v1/completions requests at once (a burst; `ids`: 256 token ids, as `pdserve bench` sends; `text`:
+/v1/completions requests at once (a burst; `ids`: 256 token ids (`--prompt-len`), as `pdserve bench` sends; `text`:
 ~256 characters, tokenized off the loop), reads each until its end, and repeats. The router's CPU
 comes from /proc/<pid>/task/*/schedstat (nanoseconds, every thread of the process; the loop
 thread's alone as `loop µs`) over the measured bursts, divided by the requests: the router
@@ -44,8 +44,8 @@ import time
 from pathlib import Path
 
 MODEL = "tiny-moe"  # a preset: the byte tokenizer, no files
-MAX_MODEL_LEN = 4096
-PROMPT_TOKENS = 256
+MAX_MODEL_LEN = 8192  # room for a 4096-token prompt (--prompt-len)
+PROMPT_TOKENS = 256  # --prompt-len sets it
 _END = b"\n\r\n0\r\n\r\n"  # the last event's chunk, then the chunked body's terminator
 _WORDS = ["the", "router", "stream", "token", "of", "and", "a", "burst", "engine", "step", "é", "\"quoted\""]
 
@@ -381,8 +381,12 @@ def main() -> None:
                     "(the timings are then valgrind's)")
     ap.add_argument("--json", help="write the rows here as JSON")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-len", type=int, default=256,
+                    help="token ids (or characters) per prompt; 4096: a lone long prompt's share of the router")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the router process
     args = ap.parse_args()
+    global PROMPT_TOKENS
+    PROMPT_TOKENS = args.prompt_len
     if args.serve:
         return serve(args.step_ms / 1e3, args.loop)
     trees = args.tree or [_default_tree()]

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALLS, DEAD_S, DELTAS, HELLO, LEN, MAX_FRAME_BYTES, NONCE_BYTES,
                                   TAKEN, WELCOME, BadFrame, ChannelClosed, Link, beat, frame, hello_proof, pack,
                                   pack_request, session_keys, unframe, unpack_answer, unpack_delta)
+from pdserve.hop_trace import hop
 
 log = logging.getLogger(__name__)
 CONNECT_S = 10.0  # the worker's address, the connection and its hello, each within this
@@ -58,6 +59,7 @@ class WorkerLink:
             self._waiting[seq] = out
             items = [pack_request(r) for r in items]
         body = pack(CALLS, seq, kind, items)
+        hop(f"out_{kind}")
         if self._connected():
             self._link.write(body)
         else:
@@ -126,9 +128,11 @@ class WorkerLink:
                 self._heard = loop.time()
                 kind = parts[0]
                 if kind == DELTAS:
+                    hop("deltas_in")
                     self._deliver([unpack_delta(a) for a in parts[1]])
                     link.write(taken)
                 elif kind == ANSWERS:
+                    hop("answer_in")
                     self._answered(*parts[1:])
                 elif kind != BEAT:
                     raise BadFrame(f"unexpected frame {kind!r}")

@@ -35,6 +35,7 @@ from pdserve.refusals import Refusals
 from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALL_KINDS, CALLS, DEAD_S, DELTAS, HELLO, LEN, MAX_FRAME_BYTES,
                                   MAX_HELLO_BYTES, NONCE_BYTES, RESERVE, TAKEN, WELCOME, BadFrame, Link, beat, frame,
                                   hello_proof, pack, pack_answer, pack_delta, session_keys, unframe, unpack_request)
+from pdserve.hop_trace import hop
 
 log = logging.getLogger(__name__)
 HELLO_S = 10.0  # a peer that does not prove who it is within this long is dropped
@@ -109,6 +110,7 @@ class ChannelServer:
         if r.sent - r.taken >= IN_FLIGHT:
             return False
         body = pack(DELTAS, [pack_delta(d) for d in deltas])
+        hop("deltas_out")
         r.sent += 1  # (only this thread writes `sent`; only the channel's thread writes `taken`)
         self._loop.call_soon_threadsafe(r.link.write_if_open, body)  # (sealed there: in the stream's order)
         return True
@@ -185,6 +187,7 @@ class ChannelServer:
                 self.dropped.refuse("oversized", f"a frame of {n} bytes from {router}; its connection closed")
                 raise BadFrame(f"a frame of {n} bytes")
             body = await reader.readexactly(n)
+            hop("frame_in")
             try:
                 body = r.link.open(body)
             except BadSeal as e:  # not the router's (nothing heard from it): its next frame may still open

@@ -16,6 +16,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+from pdserve.hop_trace import hop
+
 log = logging.getLogger(__name__)
 
 IDLE_S = 0.1  # the nap of a worker with nothing to do; new work wakes it at once
@@ -68,6 +70,7 @@ class EngineLoop:
 
     def submit(self, item: object) -> None:
         """Hand work to the loop; it is taken before the next step. Returns at once."""
+        hop("inbox")
         self._inbox.append(item)
         self._wake.set()
 
@@ -95,8 +98,11 @@ class EngineLoop:
             while not self._stopped:
                 with self.lock:
                     while self._inbox:
+                        hop("taken")
                         self._take(self._inbox.popleft())
+                    hop("step")
                     nap = self._step()
+                    hop("stepped")
                 if nap is not None:
                     self._wake.clear()
                     if not self._inbox:  # (checked after the clear: a submit in between still wakes us)

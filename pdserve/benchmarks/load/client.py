@@ -1,13 +1,24 @@
-"""`pdserve bench`'s HTTP side: find the server and its model, stream one completion, time its chunks."""
+"""`pdserve bench`'s HTTP side: find the server and its model, stream one completion, time its chunks.
 
+The timed requests go through aiohttp (`stream_session`), the rest (health, models, metrics) through
+httpx. A client's own work per request is in every TTFT it stamps, and httpx's was large: on the
+development machine a lone request reached the router's HTTP door 2.1-2.2 ms after httpx was asked to
+send it and its first event was read ~1 ms after the router wrote it, against 0.8-0.9 and ~0.5 ms
+through aiohttp (0.4 and ~0.5 ms from a bare socket; `pdserve/hop_trace.py` timed each). aiohttp is
+what vLLM's and SGLang's serving benchmarks send with.
+"""
+
+import asyncio
 import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import httpx
 
 from pdserve.benchmarks.load.records import RequestRecord
+from pdserve.hop_trace import hop
 
 _HINT_UP = "is `pdserve up` running there? (`pdserve status` prints its endpoints)"
 
@@ -58,30 +69,39 @@ def request_body(server: Server, prompt: list[int], output_len: int, user: str |
     return body
 
 
-async def stream_request(client: httpx.AsyncClient, server: Server, body: dict, rec: RequestRecord,
+def stream_session(timeout_s: float) -> aiohttp.ClientSession:
+    """The session the timed requests go through. No pool limit (a request queued in the client's pool
+    would count the wait as server latency); `timeout_s` bounds each read, as httpx's timeout does (a
+    long stream is not cut short), 30 s the connect; event lines up to 1 MiB (logprobs)."""
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=30, sock_read=timeout_s),
+                                 connector=aiohttp.TCPConnector(limit=0), read_bufsize=1 << 20)
+
+
+async def stream_request(session: aiohttp.ClientSession, server: Server, body: dict, rec: RequestRecord,
                          t0: float) -> None:
     """Send one streaming completion and fill `rec` with its timings, or with why it failed."""
     start = time.perf_counter()
+    hop("send")
     rec.start_s = start - t0
     try:
-        async with client.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:  # a refusal (503: no capacity) is not retried, as for a user
-                rec.error = f"HTTP {resp.status_code}: {_error_text((await resp.aread()).decode(errors='replace'))}"
+        async with session.post(f"{server.url}/v1/completions", json=body) as resp:
+            if resp.status != 200:  # a refusal (503: no capacity) is not retried, as for a user
+                rec.error = f"HTTP {resp.status}: {_error_text((await resp.read()).decode(errors='replace'))}"
                 return
             await _read_events(resp, rec, start)
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         rec.error = f"{type(e).__name__}: {e}".rstrip(": ")
     except json.JSONDecodeError as e:
         rec.error = f"a stream event is not JSON: {e}"
 
 
-async def _read_events(resp: httpx.Response, rec: RequestRecord, start: float) -> None:
+async def _read_events(resp: aiohttp.ClientResponse, rec: RequestRecord, start: float) -> None:
     last = None
-    async for line in resp.aiter_lines():
-        if not line.startswith("data: "):
+    async for raw in resp.content:
+        if not raw.startswith(b"data: "):
             continue
         now = time.perf_counter()  # before parsing: the arrival is what is timed
-        data = line.removeprefix("data: ")
+        data = raw[6:].rstrip(b"\r\n").decode()
         if data == "[DONE]":
             rec.e2e_ms = _ms(now - start)
             break
@@ -91,6 +111,7 @@ async def _read_events(resp: httpx.Response, rec: RequestRecord, start: float) -
             return
         if event.get("choices"):
             if last is None:
+                hop("first_event")
                 rec.ttft_ms = _ms(now - start)
             else:
                 rec.itl_ms.append(_ms(now - last))

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
-from pdserve.benchmarks.load.client import Server, request_body, stream_request
+from pdserve.benchmarks.load.client import Server, request_body, stream_request, stream_session
 from pdserve.benchmarks.load.records import RequestRecord
 from pdserve.benchmarks.load.workloads import Plan
 
@@ -25,7 +25,7 @@ START_AFTER_S = 1.0  # the processes start (spawn, imports) before the common st
 JOIN_SLACK_S = 60.0  # past the requests' own timeout: a process that has not answered by then is stopped
 
 
-async def send_all(client: httpx.AsyncClient, server: Server, records: list[RequestRecord], plan: Plan,
+async def send_all(session: aiohttp.ClientSession, server: Server, records: list[RequestRecord], plan: Plan,
                    concurrency: int | None, output_len: int, t0: float) -> None:
     """Each request at its due time (seconds after t0, a perf_counter instant) or, if it follows
     another (a session's next turn), think_s after that one ended, whichever is later; at most
@@ -39,7 +39,7 @@ async def send_all(client: httpx.AsyncClient, server: Server, records: list[Requ
                 await ended[a].wait()
                 await asyncio.sleep(plan.think_s)
             async with limit or contextlib.nullcontext():
-                await stream_request(client, server, request_body(server, plan.prompts[i], output_len, plan.users[i]),
+                await stream_request(session, server, request_body(server, plan.prompts[i], output_len, plan.users[i]),
                                      records[i], t0)
         finally:
             ended[i].set()
@@ -55,11 +55,6 @@ async def send_all(client: httpx.AsyncClient, server: Server, records: list[Requ
             t.cancel()
 
 
-def client_limits() -> httpx.Limits:
-    # No pool limit: a request queued in the client's pool would count the wait as server latency.
-    return httpx.Limits(max_connections=None, max_keepalive_connections=None)
-
-
 @dataclass
 class _Share:
     server: Server
@@ -73,12 +68,12 @@ class _Share:
 def _child(share: _Share, start_wall: float, counts, slot: int, conn) -> None:
     """One client process: its share of the requests from the common start; sends back (records, CPU s)."""
     async def run() -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(share.timeout_s, connect=30), limits=client_limits()) as c:
+        async with stream_session(share.timeout_s) as session:
             await asyncio.sleep(max(0.0, start_wall - time.time()))
             t0 = time.perf_counter()
             watch = asyncio.create_task(_count(share.records, counts, slot))
             try:
-                await send_all(c, share.server, share.records, share.plan, share.concurrency, share.output_len, t0)
+                await send_all(session, share.server, share.records, share.plan, share.concurrency, share.output_len, t0)
             finally:
                 watch.cancel()
                 _publish(share.records, counts, slot)

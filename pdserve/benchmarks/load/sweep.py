@@ -8,10 +8,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 
-from pdserve.benchmarks.load.client import BenchError, Server, connect, request_body, stream_request
-from pdserve.benchmarks.load.clients import Clients, client_limits, send_all
+from pdserve.benchmarks.load.client import BenchError, Server, connect, request_body, stream_request, stream_session
+from pdserve.benchmarks.load.clients import Clients, send_all
 from pdserve.benchmarks.load.records import (RateSummary, RequestRecord, Slo, Workload, goodput, rate_json,
                                              rate_label, summarize)
 from pdserve.benchmarks.load import workloads
@@ -42,8 +43,10 @@ class RateRun:
     router_cpu_s: float | None = None
 
 
-async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workload: Workload,
-                   rng: random.Random, slo: Slo, log: Callable[[str], None] = log) -> RateRun:
+async def run_rate(client: httpx.AsyncClient, session: aiohttp.ClientSession, server: Server, rate: float,
+                   workload: Workload, rng: random.Random, slo: Slo, log: Callable[[str], None] = log) -> RateRun:
+    """One rate's run: its requests through `session` (one process) or client processes of their own,
+    the routers' metrics before and after through `client`."""
     n = workload.num_requests(rate)
     w = workload
     plan = workloads.plan(w.kind, n, rate, rng, w.input_len, w.output_len, w.prefix_len, w.prefixes, w.turns,
@@ -66,7 +69,7 @@ async def run_rate(client: httpx.AsyncClient, server: Server, rate: float, workl
         t0, cpu0 = time.perf_counter(), time.process_time()
         progress = asyncio.create_task(_report_progress(label, len(records), lambda: _counts(records), t0, log))
         try:
-            await send_all(client, server, records, plan, workload.max_concurrency, workload.output_len, t0)
+            await send_all(session, server, records, plan, workload.max_concurrency, workload.output_len, t0)
         finally:
             progress.cancel()
         wall = time.perf_counter() - t0
@@ -134,7 +137,7 @@ class Sweep:
                 "goodput": rate_json(self.goodput)}
 
 
-async def warm_up(client: httpx.AsyncClient, server: Server, workload: Workload,
+async def warm_up(session: aiohttp.ClientSession, server: Server, workload: Workload,
                   log: Callable[[str], None]) -> None:
     """The first requests of a fresh cluster pay one-time costs (kernel compilation, first
     allocations, connections): they would be counted against the first rate. Sent at once, so that
@@ -142,7 +145,7 @@ async def warm_up(client: httpx.AsyncClient, server: Server, workload: Workload,
     rng = random.Random(f"warm-up {workload.seed}")
     records = [RequestRecord(i, workload.input_len) for i in range(workload.warmup)]
     t0 = time.perf_counter()
-    await asyncio.gather(*(stream_request(client, server, request_body(
+    await asyncio.gather(*(stream_request(session, server, request_body(
         server, random_prompt(rng, workload.input_len), workload.output_len), r, t0) for r in records))
     if failed := [r for r in records if not r.ok]:
         raise BenchError(f"{len(failed)} of {len(records)} warm-up requests failed ({failed[0].error}); "
@@ -168,15 +171,15 @@ async def run_sweep(url: str, rates: list[float], workload: Workload, slo: Slo, 
     With `stop_below`, a rate whose attainment falls under it ends the sweep: higher rates only do worse."""
     # One generator for the whole sweep: no prompt repeats, so the prefix cache cannot help a later rate.
     rng = random.Random(workload.seed)
-    timeout = httpx.Timeout(workload.request_timeout_s, connect=30)
-    async with httpx.AsyncClient(timeout=timeout, limits=client_limits()) as client:
+    async with (httpx.AsyncClient(timeout=httpx.Timeout(30)) as client,
+                stream_session(workload.request_timeout_s) as session):
         server = await connect(client, url.rstrip("/"), model, metrics_urls)
         check_fits(server, workload)
         if workload.warmup:
-            await warm_up(client, server, workload, log)
+            await warm_up(session, server, workload, log)
         sweep = Sweep(server, workload, slo)
         for i, rate in enumerate(rates):
-            sweep.runs.append(await run_rate(client, server, rate, workload, rng, slo, log))
+            sweep.runs.append(await run_rate(client, session, server, rate, workload, rng, slo, log))
             if on_run:
                 on_run(sweep)
             attained = sweep.runs[-1].summary.slo_attainment
