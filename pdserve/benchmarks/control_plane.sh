@@ -9,14 +9,21 @@
 #     --output-len 256` at C = 64, 128, 256, 512 (router dispatch mean and p99, TTFT, delivered tok/s,
 #     and the routers' CPU seconds from /proc: streamed tokens per router CPU-second), from CLIENTS
 #     client processes (default 4);
-#  3. a lone 4096-token prompt's TTFT through the same cluster, 20 times one at a time.
+#  3. a lone 4096-token prompt's TTFT through the same cluster, 20 times one at a time, and 128-token
+#     prompts at 1 req/s with 50-token answers;
+#  4. (TRACE=1, the default) the same two light loads through a fresh cluster whose processes trace
+#     every request's hops (PDSERVE_HOP_TRACE): where each TTFT goes, hop by hop (hop_trace.py).
+# SKIP_ENGINE=1 leaves out bench-engine and the engine on the bench's workload (not the lone prompts'
+# reference); SKIP_LIGHT=1 parts 3 and 4; CONCS the streams of part 2.
 # A table last. Run from the checkout's root:  bash pdserve/benchmarks/control_plane.sh
 set -u
 [ -f .device/setup.sh ] && source .device/setup.sh  # GPU machines: the packages their image lacks
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 ROUTERS=${ROUTERS:-1}
 CLIENTS=${CLIENTS:-4}  # bench client processes: one runs at a whole core from ~128 streams (its client_cpu)
-nvidia-smi --query-gpu=name --format=csv,noheader
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
+MODEL=${MODEL:-qwen3-30b-a3b}  # MODEL=tiny-moe GPUS=0 SKIP_ENGINE=1 CONCS=8: a smoke run of the script on a CPU
+GPUS=${GPUS:-1}
 if [ -z "${SKIP_ENGINE:-}" ]; then  # SKIP_ENGINE=1: the served figures only (an engine run of this session exists)
 timeout 300 python -m pdserve.cli bench-engine --model qwen3-30b-a3b --device cuda --load-format dummy \
   --prefill-sizes 4096 --decode-batches 64 128 256 512 --context 384 --no-hf --json $OUT/engine.json \
@@ -24,26 +31,31 @@ timeout 300 python -m pdserve.cli bench-engine --model qwen3-30b-a3b --device cu
 echo "bench-engine exit $?"
 fi
 cat > /tmp/coloc.yaml <<YAML
-model: {path: qwen3-30b-a3b, load_format: dummy, dtype: bfloat16}
+model: {path: $MODEL, load_format: dummy, dtype: bfloat16}
 router: {host: 127.0.0.1, http_port: 8000, grpc_port: null, replicas: $ROUTERS}
-colocated: {replicas: 1, gpus: 1, max_num_seqs: 512, max_batch_tokens: 16384, chunk_size: 8192}
+colocated: {replicas: 1, gpus: $GPUS, max_num_seqs: 512, max_batch_tokens: 16384, chunk_size: 8192}
 YAML
-if [ -z "${SKIP_ENGINE:-}" ]; then
+if [ -z "${SKIP_LIGHT:-}" ]; then
 # The engine's own first token for a lone 4k and a 128-token prompt, each after 1 s idle (as the served
 # light loads below leave the engine between requests; a GPU idle that long starts slower).
 timeout 300 python -m pdserve.benchmarks.lone_prompt /tmp/coloc.yaml --prompt-len 4096 128 --reps 8 --gap-s 1 \
   --json $OUT/engine_lone.json > $OUT/engine_lone.log 2>&1
 echo "lone_prompt exit $?"
+fi
+if [ -z "${SKIP_ENGINE:-}" ]; then
 timeout 300 python -m pdserve.benchmarks.engine_workload /tmp/coloc.yaml --concurrency 64 128 256 512 \
   --json $OUT/engine_workload.json > $OUT/engine_workload.log 2>&1
 echo "engine_workload exit $?"
 fi
-python -m pdserve.cli up /tmp/coloc.yaml > $OUT/up.log 2>&1 &
-pid=$!; t0=$SECONDS
-until grep -q "ready; Ctrl-C" $OUT/up.log; do  # every router listening
-  sleep 1; [ $((SECONDS - t0)) -gt 240 ] && { echo "no health"; tail -20 $OUT/up.log; break; }
-done
-echo "ready after $((SECONDS - t0)) s"
+up() {  # up LOG: start the cluster, wait until every router listens
+  python -m pdserve.cli up /tmp/coloc.yaml > $1 2>&1 &
+  pid=$!; t0=$SECONDS
+  until grep -q "ready; Ctrl-C" $1; do
+    sleep 1; [ $((SECONDS - t0)) -gt 240 ] && { echo "no health"; tail -20 $1; break; }
+  done
+  echo "ready after $((SECONDS - t0)) s"
+}
+up $OUT/up.log
 # Several routers: the phases come from each one's own /metrics, added up.
 OWN=$(grep -o "own http [^ ]*" $OUT/up.log | awk '{print $3}' | tr '\n' ' ')
 METRICS=${OWN:+--metrics-url $OWN}
@@ -61,22 +73,38 @@ for p in pids:
 print(total)
 PY
 }
+light() {  # light SUFFIX: the lone 4k prompts and the 128-token light load
+  timeout 150 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --max-concurrency 1 --num-prompts 20 \
+    --input-len 4096 --output-len 2 --warmup 4 $METRICS --json $OUT/lone$1.json > $OUT/lone$1.log 2>&1
+  echo "lone$1 exit $?"
+  [ -n "${HOPS:-}" ] && python -m pdserve.benchmarks.hop_trace $HOPS --last 20 --json $OUT/hops_lone.json
+  # Issue 40's light load: 128-token prompts at 1 req/s, 50-token answers (TTFT against the engine's 128 above).
+  timeout 120 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --num-prompts 25 --input-len 128 \
+    --output-len 50 --warmup 3 $METRICS --json $OUT/light128$1.json > $OUT/light128$1.log 2>&1
+  echo "light128$1 exit $?"
+  [ -n "${HOPS:-}" ] && python -m pdserve.benchmarks.hop_trace $HOPS --last 25 --json $OUT/hops_light128.json
+}
 CONCS=${CONCS:-64 128 256 512}  # the concurrencies to serve
 for C in $CONCS; do
   c0=$(router_cpu)
+  # The routers' CPU by thread over 12 s of the run (after the bench's start and warm-up).
+  (sleep 6; timeout 30 python -m pdserve.benchmarks.router_threads --seconds 12 --json $OUT/threads_$C.json \
+    > $OUT/threads_$C.log 2>&1) &
   timeout 180 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate inf --max-concurrency $C \
     --num-prompts $((2 * C)) --input-len 256 --output-len 256 --warmup 16 --clients $CLIENTS $METRICS --json $OUT/bench_$C.json \
     > $OUT/bench_$C.log 2>&1
   echo "C=$C exit $? router_cpu_s $(python -c "print($(router_cpu) - $c0)")" | tee -a $OUT/cpu.txt
 done
 if [ -z "${SKIP_LIGHT:-}" ]; then  # SKIP_LIGHT=1: no lone 4k prompts, no light load
-timeout 150 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --max-concurrency 1 --num-prompts 20 \
-  --input-len 4096 --output-len 2 --warmup 4 $METRICS --json $OUT/lone.json > $OUT/lone.log 2>&1
-echo "lone exit $?"
-# Issue 40's light load: 128-token prompts at 1 req/s, 50-token answers (TTFT against the engine's 128 above).
-timeout 120 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --num-prompts 25 --input-len 128 \
-  --output-len 50 --warmup 3 $METRICS --json $OUT/light128.json > $OUT/light128.log 2>&1
-echo "light128 exit $?"
+  light ""
+fi
+if [ -z "${SKIP_LIGHT:-}" ] && [ "${TRACE:-1}" != 0 ]; then
+  # A fresh cluster whose processes trace every request's hops, the bench's too (PDSERVE_HOP_TRACE).
+  kill -INT $pid; wait $pid
+  export HOPS=$OUT/hops PDSERVE_HOP_TRACE=$OUT/hops
+  up $OUT/up_traced.log
+  light _traced
+  unset PDSERVE_HOP_TRACE
 fi
 # The served worker's step times (its stats' profile), against lone_prompt.py's in-process ones.
 timeout 60 python -m pdserve.cli tune --record $OUT/served_profile.json > /dev/null 2>&1
@@ -121,13 +149,18 @@ for c in (64, 128, 256, 512):
           f"{ph.get('first_token', float('nan')):>9} {r['ttft_ms']['p50']!s:>9} {r['ttft_ms']['p90']!s:>9} "
           f"{r['output_throughput']!s:>10} {cpu.get(c, 0):>12.1f} {toks / cpu[c] if cpu.get(c) else float('nan'):>16.0f} "
           f"{r.get('client_cpu', float('nan')):>10} {r['completed']:>5}")
-for name in ("lone", "light128"):
+for name in ("lone", "light128", "lone_traced", "light128_traced"):
     try:
         r = json.load(open(f"{out}/{name}.json"))["runs"][0]
         print(f"{name}: TTFT p50", r["ttft_ms"]["p50"], "p90", r["ttft_ms"]["p90"], "p99", r["ttft_ms"]["p99"],
-              "server_ms", r.get("server_ms"))
+              "e2e p50", r["e2e_ms"]["p50"], "p99", r["e2e_ms"]["p99"], "server_ms", r.get("server_ms"))
     except Exception as e:
         print(name, "no result", e)
+for c in (128, 512):
+    try:
+        print(f"router threads at {c} streams:", open(f"{out}/threads_{c}.log").read().strip()[-900:])
+    except OSError:
+        pass
 try:
     print("engine alone, lone 4k first token:", json.load(open(f"{out}/engine_lone.json")))
 except Exception as e:
