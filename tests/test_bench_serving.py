@@ -304,6 +304,21 @@ def test_hop_trace_splits_a_lone_requests_ttft_by_process(cluster, tmp_path):
     assert "first_event" in r.stdout and "after previous ms" in r.stdout
 
 
+def test_hop_trace_leaves_out_requests_sent_while_another_streams():
+    from pdserve.benchmarks.hop_trace import segments, table
+    ms = 1_000_000
+    marks = [(0, "send"), (1 * ms, "door"), (5 * ms, "first_event"), (6 * ms, "done"),  # alone
+             (10 * ms, "send"), (12 * ms, "first_event"), (13 * ms, "send"),  # sent while the one before streams
+             (14 * ms, "door"), (15 * ms, "done"), (16 * ms, "first_event"), (17 * ms, "done"),
+             (20 * ms, "send"), (21 * ms, "door"), (23 * ms, "first_event"), (24 * ms, "done")]  # alone
+    segs, left_out = segments(marks)
+    assert segs == [{"send": 0.0, "door": 1.0, "first_event": 5.0}, {"send": 0.0, "first_event": 2.0},
+                    {"send": 0.0, "door": 1.0, "first_event": 3.0}]
+    assert left_out == 1
+    assert [(r["hop"], r["requests"], r["after_send_ms"], r["after_previous_ms"]) for r in table(segs)] == [
+        ("send", 3, 0.0, None), ("door", 2, 1.0, 1.0), ("first_event", 3, 3.0, 3.0)]
+
+
 def test_hop_trace_says_what_to_do_without_a_trace(tmp_path):
     r = run("-m", "pdserve.benchmarks.hop_trace", str(tmp_path))
     assert r.returncode != 0 and "PDSERVE_HOP_TRACE" in r.stderr

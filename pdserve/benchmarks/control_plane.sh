@@ -22,7 +22,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 ROUTERS=${ROUTERS:-1}
 CLIENTS=${CLIENTS:-4}  # bench client processes: one runs at a whole core from ~128 streams (its client_cpu)
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
-MODEL=${MODEL:-qwen3-30b-a3b}  # MODEL=tiny-moe GPUS=0 SKIP_ENGINE=1 CONCS=8: a smoke run of the script on a CPU
+MODEL=${MODEL:-qwen3-30b-a3b}  # MODEL=tiny-moe GPUS=0 SKIP_ENGINE=1 CONCS=8 LONE_LEN=2048: a smoke run on a CPU
+LONE_LEN=${LONE_LEN:-4096}  # the lone prompts' length
 GPUS=${GPUS:-1}
 if [ -z "${SKIP_ENGINE:-}" ]; then  # SKIP_ENGINE=1: the served figures only (an engine run of this session exists)
 timeout 300 python -m pdserve.cli bench-engine --model qwen3-30b-a3b --device cuda --load-format dummy \
@@ -38,7 +39,7 @@ YAML
 if [ -z "${SKIP_LIGHT:-}" ]; then
 # The engine's own first token for a lone 4k and a 128-token prompt, each after 1 s idle (as the served
 # light loads below leave the engine between requests; a GPU idle that long starts slower).
-timeout 300 python -m pdserve.benchmarks.lone_prompt /tmp/coloc.yaml --prompt-len 4096 128 --reps 8 --gap-s 1 \
+timeout 300 python -m pdserve.benchmarks.lone_prompt /tmp/coloc.yaml --prompt-len $LONE_LEN 128 --reps 8 --gap-s 1 \
   --json $OUT/engine_lone.json > $OUT/engine_lone.log 2>&1
 echo "lone_prompt exit $?"
 fi
@@ -75,7 +76,7 @@ PY
 }
 light() {  # light SUFFIX: the lone 4k prompts and the 128-token light load
   timeout 150 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --max-concurrency 1 --num-prompts 20 \
-    --input-len 4096 --output-len 2 --warmup 4 $METRICS --json $OUT/lone$1.json > $OUT/lone$1.log 2>&1
+    --input-len $LONE_LEN --output-len 2 --warmup 4 $METRICS --json $OUT/lone$1.json > $OUT/lone$1.log 2>&1
   echo "lone$1 exit $?"
   [ -n "${HOPS:-}" ] && python -m pdserve.benchmarks.hop_trace $HOPS --last 20 --json $OUT/hops_lone.json
   # Issue 40's light load: 128-token prompts at 1 req/s, 50-token answers (TTFT against the engine's 128 above).

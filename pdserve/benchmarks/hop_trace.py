@@ -34,15 +34,23 @@ def read(trace_dir: Path) -> list[tuple[int, str]]:
 
 def segments(marks: list[tuple[int, str]]) -> tuple[list[dict[str, float]], int]:
     """Per request sent alone: {hop: ms after its send} up to its first_event; and how many were
-    left out (another send came before its first_event)."""
+    left out (sent while another was in flight, from its send to its `done`: the hops of a process
+    then belong to either)."""
     out, overlapped = [], 0
     current: dict[str, float] | None = None
     t0 = 0
+    in_flight = 0
     for t, name in marks:
+        if name == "done":
+            in_flight = max(0, in_flight - 1)
+            continue
         if name == "send":
+            in_flight += 1
             if current is not None:
                 overlapped += 1
-            current, t0 = {"send": 0.0}, t
+            current, t0 = ({"send": 0.0}, t) if in_flight == 1 else (None, t)
+            if current is None:
+                overlapped += 1
             continue
         if current is None or name in current:
             continue

@@ -93,6 +93,8 @@ async def stream_request(session: aiohttp.ClientSession, server: Server, body: d
         rec.error = f"{type(e).__name__}: {e}".rstrip(": ")
     except json.JSONDecodeError as e:
         rec.error = f"a stream event is not JSON: {e}"
+    finally:
+        hop("done")
 
 
 async def _read_events(resp: aiohttp.ClientResponse, rec: RequestRecord, start: float) -> None:
