@@ -30,6 +30,17 @@ def on() -> bool:
     return _DIR is not None
 
 
+def _collected(phase: str, info: dict) -> None:
+    # A collection is a pause of whichever thread allocated: where one lands in a request's hops shows.
+    hop(f"gc{info['generation']}" if phase == "start" else "gc_done")
+
+
+if _DIR is not None:
+    import gc
+
+    gc.callbacks.append(_collected)
+
+
 def _write(name: str, request_id: str) -> None:
     global _file
     t = time.monotonic_ns()

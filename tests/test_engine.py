@@ -318,7 +318,7 @@ def staggered(engine: Engine, ps: list[list[int]], every: int) -> tuple[list[lis
     return [got[f"r{i}"] for i in range(len(ps))], steps
 
 
-def test_fresh_prompts_step_apart_from_decoders_where_graphs_take_each(reference):
+def test_prompts_step_apart_from_decoders_where_graphs_take_each(reference):
     # As an engine with prefill and decode CUDA graphs sets it: a mixed step would run eagerly, so
     # a fresh prompt goes in a step of its own, the decoders' step follows, and nothing changes in
     # the tokens.
@@ -333,13 +333,17 @@ def test_fresh_prompts_step_apart_from_decoders_where_graphs_take_each(reference
     # Without the graphs (the CPU's default) the same arrivals mix, with the same tokens.
     got, steps = staggered(make_engine(), ps, every=3)
     assert got == reference[1:] and [s for s in steps if s[0] and s[1]]
-    # A prompt whose prefix is cached (a repeat of one served already) is no fresh prompt: mixed.
-    again = make_engine()
-    again.scheduler.graph_limits(prompt_tokens=512, prompt_seqs=4, decode_batch=64)
-    got, steps = staggered(again, [ps[4], ps[0], ps[4]], every=10)  # (100 tokens: 6 blocks cached)
-    assert got == [reference[5], reference[1], reference[5]]
-    assert [s for s in steps if s[0] and s[1]] == [(2, 1)]  # the repeat, beside both decoders
-    assert again.pool.num_free_blocks == again.pool.num_blocks
+    # A prompt whose prefix is cached (a repeat of one served already) steps apart too where graphs
+    # of several prompts take it (they read the cached keys through the block table); where they
+    # hold one fresh prompt each (MLA's) it mixes.
+    for seqs, mixed in ((4, []), (1, [(2, 1)])):
+        again = make_engine()
+        again.scheduler.graph_limits(prompt_tokens=512, prompt_seqs=seqs, decode_batch=64)
+        got, steps = staggered(again, [ps[4], ps[0], ps[4]], every=10)  # (100 tokens: 6 blocks cached)
+        assert got == [reference[5], reference[1], reference[5]]
+        assert [s for s in steps if s[0] and s[1]] == mixed  # (the repeat, beside both decoders)
+        assert again.pool.num_free_blocks == again.pool.num_blocks
+        assert again.profile.prefix_hits == 6 * again.config.block_size
     # More decoders than the decode graph holds: mixed as before.
     few = make_engine()
     few.scheduler.graph_limits(prompt_tokens=512, prompt_seqs=4, decode_batch=1)

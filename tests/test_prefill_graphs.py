@@ -48,33 +48,42 @@ def check_padding_is_exact(e: Engine) -> None:
             e.add_request(f"{k}-{i}", ids(n, 10 * k + i), SamplingParams(max_tokens=1))
         scheduled = e.scheduler.schedule()
         assert [s.num_new_tokens for s in scheduled] == lens
-        batch = e.runner.prepare(scheduled)
-        assert pad.choose(batch) == choice
-        # A cache of random values: whatever a step writes, and only that, changes it.
-        before = torch.randn(e.kv_cache.shape, generator=gen).to(e.kv_cache.dtype)
-        e.kv_cache.copy_(before)
-        want = e.model.compute_logits(e.model(batch)[batch.logits_indices])
-        want_kv = e.kv_cache.clone()
-        e.kv_cache.copy_(before)
-        hidden = pad.run(batch, choice)
-        assert hidden.shape[0] == choice[0]
-        got = e.model.compute_logits(hidden[batch.logits_indices])
-        assert got.shape == (len(lens), e.args.vocab_size)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        n = sum(lens)
-        assert pad.slot_mapping[n:choice[0]].eq(-1).all()  # the padding's slots: nowhere
-        # The same cache: the prompts' KV as the unpadded step wrote it (the CPU's GEMMs may round
-        # the last bit of a row differently with more rows), nothing else touched.
-        written = torch.zeros(e.kv_cache.shape[2] * e.kv_cache.shape[3], dtype=torch.bool)
-        written[batch.slot_mapping] = True
-        written = written.view(1, 1, *e.kv_cache.shape[2:4])
-        assert torch.equal(e.kv_cache.view(torch.uint8)[:, :, ~written[0, 0]],
-                           want_kv.view(torch.uint8)[:, :, ~written[0, 0]]), f"step {lens}"
-        assert_close_cache(e.kv_cache[:, :, written[0, 0]], want_kv[:, :, written[0, 0]])
+        assert_padded_step_exact(e, pad, e.runner.prepare(scheduled), choice, gen)
         for i in range(len(lens)):
             e.abort(f"{k}-{i}")
     assert e.pool.num_free_blocks == idle
     assert pad.replays == {c: sum(1 for _, x in STEPS if x == c) for _, c in STEPS}
+
+
+def assert_padded_step_exact(e: Engine, pad: PaddedPrefill, batch, choice, gen: torch.Generator) -> None:
+    """The padded step gives the unpadded step's logits and writes the cache as it does, only there."""
+    assert pad.choose(batch) == choice
+    # A cache of random values: whatever a step writes, and only that, changes it (a cached prefix
+    # is kept: the step reads it).
+    keep = e.kv_cache.clone()
+    before = torch.randn(e.kv_cache.shape, generator=gen).to(e.kv_cache.dtype)
+    read = torch.zeros(e.kv_cache.shape[2], dtype=torch.bool)
+    read[batch.block_tables.flatten()] = True
+    before[:, :, read] = keep[:, :, read]
+    e.kv_cache.copy_(before)
+    want = e.model.compute_logits(e.model(batch)[batch.logits_indices])
+    want_kv = e.kv_cache.clone()
+    e.kv_cache.copy_(before)
+    hidden = pad.run(batch, choice)
+    assert hidden.shape[0] == choice[0]
+    got = e.model.compute_logits(hidden[batch.logits_indices])
+    assert got.shape == (len(batch.logits_indices), e.args.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    n = batch.query_start[-1]
+    assert pad.slot_mapping[n:choice[0]].eq(-1).all()  # the padding's slots: nowhere
+    # The same cache: the step's KV as the unpadded step wrote it (the CPU's GEMMs may round the
+    # last bit of a row differently with more rows), nothing else touched.
+    written = torch.zeros(e.kv_cache.shape[2] * e.kv_cache.shape[3], dtype=torch.bool)
+    written[batch.slot_mapping] = True
+    written = written.view(1, 1, *e.kv_cache.shape[2:4])
+    assert torch.equal(e.kv_cache.view(torch.uint8)[:, :, ~written[0, 0]],
+                       want_kv.view(torch.uint8)[:, :, ~written[0, 0]]), f"step {batch.query_lens}"
+    assert_close_cache(e.kv_cache[:, :, written[0, 0]], want_kv[:, :, written[0, 0]])
 
 
 def assert_close_cache(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -116,18 +125,80 @@ def test_padded_step_equals_unpadded_mla(tmp_path):
     check_padding_is_exact(e)
 
 
-def test_only_fresh_prompt_steps_are_padded():
-    """A chunk after a cached prefix and a decode row beside a prompt run unpadded."""
+@torch.inference_mode()
+def test_steps_beyond_fresh_prompts_pad_as_varlen_and_are_exact():
+    """A prompt whose prefix is cached, a decode row beside a prompt, a later chunk of a long prompt:
+    `varlen` steps whose attention reads the cached keys through the block table, exactly as the
+    unpadded step; with one prompt per graph (MLA's) they stay unpadded."""
+    gen = torch.Generator().manual_seed(1)
+    e = engine()
+    pad = padded(e)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    e.generate([ids(40, 1)], SamplingParams(max_tokens=1))  # its first 32 tokens stay cached
+    e.add_request("b", ids(40, 1) + ids(5, 2), greedy)
+    scheduled = e.scheduler.schedule()
+    assert scheduled[0].seq.num_cached_tokens == 32 and scheduled[0].num_new_tokens == 13
+    batch = e.runner.prepare(scheduled)
+    assert padded(e, max_seqs=1).choose(batch) is None
+    assert_padded_step_exact(e, pad, batch, (32, VARLEN), gen)
+    e.runner.launch(scheduled, None).result()
+    for s in scheduled:
+        s.seq.num_computed_tokens += s.num_new_tokens
+    e.abort("b")
+    # A decoding row beside a prompt.
+    e.add_request("c", ids(20, 3), greedy)
+    e.step()
+    e.add_request("d", ids(9, 4), greedy)
+    scheduled = e.scheduler.schedule()
+    assert sorted(s.num_new_tokens for s in scheduled) == [1, 9]
+    assert_padded_step_exact(e, pad, e.runner.prepare(scheduled), (32, VARLEN), gen)
+    for rid in ("c", "d"):
+        e.abort(rid)
+    # The second chunk of a prompt longer than a step's chunk.
+    e = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=64, max_num_seqs=8,
+                            max_num_batched_tokens=128, chunk_size=16))
+    pad = padded(e)
+    e.add_request("long", ids(40, 5), greedy)
+    first = e.scheduler.schedule()
+    assert padded(e).choose(e.runner.prepare(first)) == (32, SINGLE)  # the first chunk: fresh
+    e.runner.launch(first, None).result()
+    first[0].seq.num_computed_tokens += 16
+    second = e.scheduler.schedule()
+    assert second[0].num_new_tokens == 16 and second[0].seq.num_computed_tokens == 16
+    assert_padded_step_exact(e, pad, e.runner.prepare(second), (32, VARLEN), gen)
+
+
+def test_generation_with_cached_prefixes_and_decoders_through_the_padding_is_the_engines():
+    """Prompts sharing cached prefixes, arriving while others decode: every step with a prompt in it
+    padded (fresh or `varlen`), the same tokens and logprobs as an engine without the padding."""
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2)
+    shared = ids(33, 7)
+    prompts = [shared + ids(n, i) for i, n in enumerate((3, 17, 30))]
+
+    def run(e: Engine) -> list:
+        out = e.generate([shared + ids(2, 9)], params)  # the prefix cached
+        e.add_request("x", prompts[0], params)
+        e.step()
+        e.add_request("y", prompts[1], params)  # beside x's decoding
+        e.step()
+        e.add_request("z", prompts[2], params)
+        done = {}
+        while e.has_unfinished():
+            for o in e.step():
+                d = done.setdefault(o.request_id, [[], []])
+                d[0] += o.token_ids
+                d[1] += [lp.logprob for lp in o.logprobs or []]
+        return out, done
+
+    want_first, want = run(engine())
     e = engine()
     pad = e.runner.prefill_graphs = padded(e)
-    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    e.add_request("a", ids(40, 1), params)
-    e.step()  # fresh: padded to 64
-    e.add_request("b", ids(40, 1) + ids(5, 2), params)  # its first 32 tokens are cached
-    e.step()  # a's decode row beside b's chunk after its prefix
-    while e.has_unfinished():
-        e.step()
-    assert pad.replays == {(64, SINGLE): 1}
+    got_first, got = run(e)
+    assert got_first[0].token_ids == want_first[0].token_ids
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
+    for k in want:
+        assert got[k][1] == pytest.approx(want[k][1], abs=1e-4)
+    assert any(layout == VARLEN for _, layout in pad.replays), pad.replays
 
 
 def test_generation_through_the_padding_is_the_engines():

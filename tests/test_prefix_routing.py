@@ -40,6 +40,19 @@ def test_the_log_gives_each_reader_what_it_missed_or_the_whole_cache():
     assert KVEventLog({}).since(first.epoch, first.cursor).reset
 
 
+def test_a_reader_inside_a_full_log_gets_exactly_the_events_after_its_cursor():
+    log = KVEventLog({}, max_events=8)
+    keys = [bytes([i]) for i in range(20)]
+    for i, x in enumerate(keys):  # seq i + 1; the log keeps seqs 13..20
+        (log.stored if i % 3 else log.removed)(x)
+    epoch = log.since("", 0).epoch
+    for cursor in (12, 15, 19, 20):
+        ev = log.since(epoch, cursor)
+        assert not ev.reset and ev.cursor == 20
+        assert ev.events == [(bool(i % 3), keys[i]) for i in range(cursor, 20)], cursor
+    assert log.since(epoch, 11).reset  # seq 12 is gone from the log
+
+
 class Cache:
     """A prefix cache's dict and its event log, kept as a block pool keeps them."""
 

@@ -39,7 +39,7 @@ YAML
 if [ -z "${SKIP_LIGHT:-}" ]; then
 # The engine's own first token for a lone 4k and a 128-token prompt, each after 1 s idle (as the served
 # light loads below leave the engine between requests; a GPU idle that long starts slower).
-timeout 300 python -m pdserve.benchmarks.lone_prompt /tmp/coloc.yaml --prompt-len $LONE_LEN 128 --reps 8 --gap-s 1 \
+timeout 300 python -m pdserve.benchmarks.lone_prompt /tmp/coloc.yaml --prompt-len $LONE_LEN 128 --reps 8 --gap-s 1 --overlap on \
   --json $OUT/engine_lone.json > $OUT/engine_lone.log 2>&1
 echo "lone_prompt exit $?"
 fi

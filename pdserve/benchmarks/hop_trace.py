@@ -32,10 +32,10 @@ def read(trace_dir: Path) -> list[tuple[int, str]]:
     return marks
 
 
-def segments(marks: list[tuple[int, str]]) -> tuple[list[dict[str, float]], int]:
+def segments(marks: list[tuple[int, str]], starts: list[int] | None = None) -> tuple[list[dict[str, float]], int]:
     """Per request sent alone: {hop: ms after its send} up to its first_event; and how many were
     left out (sent while another was in flight, from its send to its `done`: the hops of a process
-    then belong to either)."""
+    then belong to either). `starts` gets each kept request's send (ns)."""
     out, overlapped = [], 0
     current: dict[str, float] | None = None
     t0 = 0
@@ -57,6 +57,8 @@ def segments(marks: list[tuple[int, str]]) -> tuple[list[dict[str, float]], int]
         current[name] = (t - t0) / 1e6
         if name == "first_event":
             out.append(current)
+            if starts is not None:
+                starts.append(t0)
             current = None
     return out, overlapped
 
@@ -76,18 +78,42 @@ def table(segs: list[dict[str, float]]) -> list[dict]:
     return rows
 
 
+def spans(marks: list[tuple[int, str]], begin: str, end: str) -> list[float]:
+    """ms from each `begin` to the `end` after it (a step's host part: step -> stepped; a KV-events
+    poll on a worker: kv_events -> kv_events_done), over the whole trace."""
+    out, t0 = [], None
+    for t, name in marks:
+        if name == begin:
+            t0 = t
+        elif name == end and t0 is not None:
+            out.append((t - t0) / 1e6)
+            t0 = None
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir", type=Path)
     ap.add_argument("--skip", type=int, default=0, help="leave out the first N requests (warm-up)")
     ap.add_argument("--last", type=int, help="only the last N requests (the directory holds earlier runs too: "
                                              "leave it be while the cluster runs, its processes keep their files)")
+    ap.add_argument("--span", nargs=2, action="append", metavar=("BEGIN", "END"),
+                    help="also print the durations from each BEGIN hop to the END after it, e.g. step stepped")
     ap.add_argument("--json")
     a = ap.parse_args()
-    segs, overlapped = segments(read(a.dir))
-    segs = segs[a.skip:]
+    marks = read(a.dir)
+    starts: list[int] = []
+    segs, overlapped = segments(marks, starts)
+    segs, starts = segs[a.skip:], starts[a.skip:]
     if a.last:
-        segs = segs[-a.last:]
+        segs, starts = segs[-a.last:], starts[-a.last:]
+    if starts:  # spans over the requests' own stretch of the trace (from the first one's send on)
+        window = [m for m in marks if m[0] >= starts[0]]
+        for begin, end in a.span or []:
+            d = sorted(spans(window, begin, end))
+            if d:
+                print(f"{begin} -> {end}: {len(d)}, median {statistics.median(d):.3f} ms, p90 "
+                      f"{d[int(0.9 * (len(d) - 1))]:.3f}, max {d[-1]:.3f}")
     if not segs:
         raise SystemExit(f"no request from send to first_event in {a.dir}: was PDSERVE_HOP_TRACE set for both "
                          f"`pdserve up` and `pdserve bench`, to this directory?")

@@ -28,6 +28,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes, salt_root
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.grammar_gate import GrammarGate
+from pdserve.hop_trace import hop
 from pdserve.engine.graph_capture import capture_graphs
 from pdserve.engine.kv_budget import kv_cache_blocks
 from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
@@ -360,12 +361,14 @@ class Engine(TokenEmission):
             scheduled = self.scheduler.schedule()
             if not scheduled and self._gate and self._inflight is None:
                 self._gate.nap()  # only compiles to wait for
+        hop("scheduled")
         # Sized before the launch moves num_computed_tokens on. Overlapped, the call's time is that
         # of the step before (it waits for it) but in a steady batch the two are alike.
         decoding = sum(1 for s in scheduled if s.seq.num_computed_tokens >= s.seq.num_tokens - 1)
         drafts = sum(len(s.draft) for s in scheduled)
         prompt = sum(s.num_new_tokens for s in scheduled) - drafts - decoding
         launched = self._launch(scheduled) if scheduled else None
+        hop("launched")
         if not self.overlap:
             outputs += self._complete(launched) if launched else []
         else:

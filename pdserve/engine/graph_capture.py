@@ -30,7 +30,8 @@ def capture_graphs(engine: "Engine", attn_backend, moe_backend, ep, log: Callabl
         # MLA has no varlen kernel for fresh prompts: its graphs hold one prompt each.
         seqs = 1 if engine.args.is_mla else min(c.max_num_seqs, PREFILL_GRAPH_MAX_SEQS)
         runner.prefill_graphs = PrefillGraphs(engine.model, engine.kv_cache, layout.scales,
-                                              prefill_buckets(prefill_tokens), seqs, engine.device, log, pool)
+                                              prefill_buckets(prefill_tokens), seqs, engine.device, log, pool,
+                                              max_blocks=-(-engine.max_model_len // c.block_size))
     if decode:
         from pdserve.engine.cuda_graphs import DecodeGraphs
         # A verify step is a decode step of a row per token checked (model_runner.prepare): with

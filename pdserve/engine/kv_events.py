@@ -45,8 +45,12 @@ class KVEventLog:
         all here any more (or the epoch is another log's)."""
         events = list(self._events)  # one consistent copy; the engine thread appends meanwhile
         if epoch == self.epoch and cursor >= (events[0][0] - 1 if events else self._seq):
-            new = [(stored, h) for seq, stored, h in events if seq > cursor]
-            return KVEvents(self.epoch, events[-1][0] if events else cursor, False, new)
+            # Sequence numbers are consecutive: the new events are the copy's tail, found by index.
+            # (A scan of the whole copy held the GIL ~65k tuples long on every poll once the log was
+            # full — after a busy spell — beside the engine's thread.)
+            tail = events[cursor - events[0][0] + 1:] if events else []
+            return KVEvents(self.epoch, events[-1][0] if events else cursor,
+                            False, [(stored, h) for _, stored, h in tail])
         # The cursor the reset answers to: no event after it may be missing from the snapshot, so
         # take it before copying the cache (an event between the two is then sent again: harmless).
         last = events[-1][0] if events else self._seq

@@ -1,11 +1,14 @@
-"""Steps of fresh prompts padded to a token-count bucket, replayed from CUDA graphs.
+"""Prefill steps padded to a token-count bucket, replayed from CUDA graphs.
 
 A prefill step of up to ~4k tokens is host-bound: ~50 kernel launches per layer cost more than the
-GPU's work (docs/benchmarks-history.md, light load and first requests). A captured
-graph launches the whole forward at once. Only steps of *fresh* prompts are graphed: every prompt
-starts at position 0 (no cached prefix, no later chunk, no decode row beside it), so its attention
-needs nothing but its own K/V, and the step's shape is just (tokens, prompts). Everything else runs
-eagerly.
+GPU's work (docs/benchmarks-history.md, light load and first requests). A captured graph launches
+the whole forward at once. A step is graphed when its tokens fit a bucket, its sequences a graph's
+slots, and it is not decode-shaped (one token per sequence: the decode graphs' steps). A step of
+*fresh* prompts (each from position 0, nothing cached) needs nothing but its own K/V; any other
+step — a prompt whose prefix is cached, a later chunk, a decoding row beside a prompt — reads keys
+through the block tables (`varlen`). Such a step ran eagerly before: a 128-token prompt whose
+first 112 tokens were cached took 55 ms to its first token on an H200, against 13 ms uncached
+(the eager launch of 48 layers, ~40 ms of host time; docs/benchmarks.md, cached prefixes).
 
 The padded step. The real tokens take rows [0, N) of the bucket's B rows, as they do in the eager
 batch, so the hidden states of their last tokens (the logits' rows) sit at the same indices; rows
@@ -15,13 +18,15 @@ batch, so the hidden states of their last tokens (the logits' rows) sit at the s
   rows attend to keys at or before them, never to the padding after them, so they are exact; this
   is the eager path for fresh prompts (SDPA over the step's own K/V at lengths padded to 128 rows,
   or MLA's expanded latents), with B in place of the prompt's length.
-- `varlen` (2 .. max_seqs prompts, K/V caches only): per-prompt attention must then follow device
+- `varlen` (up to max_seqs sequences, K/V caches only: several fresh prompts, or any step with a
+  cached prefix, a later chunk or a decoding row): per-sequence attention must then follow device
   data, so the graph runs the paged varlen prefill kernel (pdserve.ops.prefill_attention) over the
-  cache the step has just written, reading each prompt's bounds from `query_start_t` and its blocks
-  from the block table. The batch has max_seqs + 1 sequence slots: the prompts, empty slots (no
-  rows), and last the padding rows as a sequence of their own with no context (they attend to
-  nothing: zeros, no key read). MLA has no varlen kernel for fresh latents: its multi-prompt steps
-  stay eager.
+  cache the step has just written, reading each sequence's bounds from `query_start_t` and
+  `context_lens_t` and its blocks from the block table, which reaches the model's whole context.
+  The batch has max_seqs + 1 sequence slots: the sequences, empty slots (no rows), and last the
+  padding rows as a sequence of their own with no context (they attend to nothing: zeros, no key
+  read). MLA has no varlen kernel for fresh latents: its graphs hold one fresh prompt, and its
+  other prefill steps stay eager.
 
 Buckets (`prefill_buckets`): 128-token steps up to 512, then 256 up to 4096, then 512. Up to ~2k
 tokens the GPU's time is mostly the experts' weights, read once whatever the token count (all 128
@@ -71,13 +76,16 @@ class PaddedPrefill:
     """Pads a step of fresh prompts to its bucket in static buffers and runs the model on them."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, kv_scales: tuple[tuple[float, ...], ...],
-                 buckets: list[int], max_seqs: int, device: torch.device):
-        """`max_seqs`: prompts a step may have (1: `single` steps only)."""
+                 buckets: list[int], max_seqs: int, device: torch.device, max_blocks: int = 0):
+        """`max_seqs`: prompts a step may have (1: `single` steps only); `max_blocks`: the blocks of
+        the longest context (the model's), which a `varlen` step's block table must reach."""
         assert buckets == sorted(buckets) and buckets[0] >= 2 and max_seqs >= 1
         self.model, self.kv_cache, self.kv_scales = model, kv_cache, kv_scales
         self.buckets, self.max_seqs, self.device = list(buckets), max_seqs, device
         n, s = buckets[-1], max_seqs
-        self.width = -(-n // kv_cache.shape[3])  # blocks a prompt of the largest bucket fills
+        self.page = kv_cache.shape[3]
+        # Blocks a sequence's table holds: a prompt of the largest bucket, or a whole context.
+        self.width = max(-(-n // self.page), max_blocks)
         z = dict(device=device)
         self.input_ids = torch.zeros(n, dtype=torch.long, **z)
         self.positions = torch.zeros(n, dtype=torch.long, **z)
@@ -88,17 +96,24 @@ class PaddedPrefill:
         self.query_start, self.context_lens = self.meta[:s + 2], self.meta[s + 2:]
         self.replays: Counter[tuple[int, str]] = Counter()  # (bucket, layout) -> steps run padded
 
-    def shape(self, tokens: int, seqs: int) -> tuple[int, str] | None:
-        """(bucket, layout) of a step of `seqs` fresh prompts, `tokens` in all; None: run it unpadded.
-        A step of one token per prompt is decode-shaped (the decode kernel, DecodeGraphs) and left out."""
+    def shape(self, tokens: int, seqs: int, fresh: bool = True) -> tuple[int, str] | None:
+        """(bucket, layout) of a step of `seqs` sequences, `tokens` in all; None: run it unpadded.
+        `fresh`: every sequence is a whole prompt from position 0 (one alone: `single`); otherwise
+        (a cached prefix, a later chunk, a decoding row beside a prompt) `varlen`, whose attention
+        reads every key through the block tables. A step of one token per sequence is decode-shaped
+        (the decode kernel, DecodeGraphs) and left out."""
         if tokens <= seqs or tokens > self.buckets[-1] or seqs > self.max_seqs:
             return None
-        return next(b for b in self.buckets if b >= tokens), SINGLE if seqs == 1 else VARLEN
+        bucket = next(b for b in self.buckets if b >= tokens)
+        if fresh and seqs == 1:
+            return bucket, SINGLE
+        return (bucket, VARLEN) if self.max_seqs > 1 else None
 
     def choose(self, batch: ForwardBatch) -> tuple[int, str] | None:
-        """The step's (bucket, layout) if all of it is fresh prompts within the buckets, else None."""
-        choice = self.shape(batch.query_start[-1], batch.num_seqs)  # (the cheap test first)
-        if choice is None or batch.query_lens != batch.context_lens:  # a cached prefix, a later chunk, a decode row
+        """The step's (bucket, layout) if it fits a padded step, else None."""
+        fresh = batch.query_lens == batch.context_lens
+        choice = self.shape(batch.query_start[-1], batch.num_seqs, fresh)  # (the cheap tests first)
+        if choice is None or (not fresh and max(batch.context_lens) > self.width * self.page):
             return None
         return choice
 
@@ -149,9 +164,9 @@ class PrefillGraphs(PaddedPrefill):
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, kv_scales: tuple[tuple[float, ...], ...],
                  buckets: list[int], max_seqs: int, device: torch.device,
-                 log: Callable[[str], None] | None = None, pool=None):
+                 log: Callable[[str], None] | None = None, pool=None, max_blocks: int = 0):
         """`pool`: a graph memory pool shared with the decode graphs (one step replays at a time)."""
-        super().__init__(model, kv_cache, kv_scales, buckets, max_seqs, device)
+        super().__init__(model, kv_cache, kv_scales, buckets, max_seqs, device, max_blocks)
         # The single layout's attention reads the step's own K/V (the fresh-prompt path), not the cache.
         assert getattr(model.attn_backend, "fresh_sdpa", True), "single-prompt graphs need fresh_sdpa"
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
@@ -191,8 +206,8 @@ class PrefillGraphs(PaddedPrefill):
                             f"they run eagerly: {self.failed[(b, layout)]}")
         torch.cuda.synchronize(self.device)
 
-    def shape(self, tokens: int, seqs: int) -> tuple[int, str] | None:
-        choice = super().shape(tokens, seqs)
+    def shape(self, tokens: int, seqs: int, fresh: bool = True) -> tuple[int, str] | None:
+        choice = super().shape(tokens, seqs, fresh)
         return choice if choice in self.graphs else None
 
     def run(self, batch: ForwardBatch, choice: tuple[int, str]) -> torch.Tensor:

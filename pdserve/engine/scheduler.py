@@ -21,9 +21,9 @@ last one (`ScheduledSeq.draft`, from the engine's drafter), counted in the step'
 blocks like any other token; where the blocks are short the drafts are dropped, never a sequence
 preempted for them.
 
-Where CUDA graphs cover both kinds of step (`graph_limits`), fresh prompts that a prefill graph
-takes are not mixed into a step of decoding sequences: a mixed step runs eagerly, and its host
-time is far more than the prefill graph's and then the decode graph's together, for the newcomer
+Where CUDA graphs cover both kinds of step (`graph_limits`), prompts that a prefill graph takes (a
+cached prefix too, where the graphs hold several prompts) are not mixed into a step of decoding
+sequences: a mixed step runs eagerly, and its host time is far more than the prefill graph's and then the decode graph's together, for the newcomer
 and for the decoders alike (docs/benchmarks-history.md, light load and first requests). They
 go in a step of their own, and the step after it is the decoders' alone (no two prompt-only
 steps in a row: decoding never waits more than one). Only under a light load (APART_MAX_DECODERS):
@@ -80,7 +80,7 @@ class Scheduler:
         # The largest fresh-prompt step a prefill graph replays (tokens, prompts) and the largest
         # decode graph; 0: no such graphs, every step mixes as it comes (set by the engine).
         self.prompt_graph_tokens = self.prompt_graph_seqs = self.decode_graph_batch = 0
-        self._prompts_alone = False  # the last step was fresh prompts alone
+        self._prompts_alone = False  # the last step was prompts alone
         # Speculative decoding: a decoding sequence's draft tokens, at most the given number (the
         # step's budget left), to check in its step; None: none drafted (set by the engine).
         self.drafter: Callable[[Sequence, int], list[int]] | None = None
@@ -112,16 +112,20 @@ class Scheduler:
         self.decode_graph_batch = min(decode_batch, APART_MAX_DECODERS)
 
     def _graphs_apart(self) -> bool:
-        """Decoders that one decode graph takes, and a fresh prompt waiting that a prefill graph may:
-        the two go in steps of their own."""
+        """Decoders that one decode graph takes, and a prompt waiting (not begun) that a prefill graph
+        may take: the two go in steps of their own."""
         return (self.prompt_graph_tokens > 0 and bool(self.waiting) and bool(self.running)
                 and self.waiting[0].num_computed_tokens == 0 and len(self.running) <= self.decode_graph_batch
                 and all(q.num_tokens - q.num_computed_tokens == 1 for q in self.running))
 
     def _prompts_only(self) -> list[ScheduledSeq]:
-        """Fresh prompts from the head of the queue, whole, as one prefill graph takes them; [] when
-        the first is not one (a cached prefix, too long, no blocks): the step then mixes as usual."""
+        """Prompts from the head of the queue, whole, as one prefill graph takes them; [] when the
+        first is not one (too long, no blocks; a cached prefix where the graphs hold one prompt
+        each: MLA's read only a fresh prompt's own latents): the step then mixes as usual."""
         out: list[ScheduledSeq] = []
+        # Graphs of several prompts read each prompt's keys through its block table, a cached
+        # prefix's too (prefill_graphs.py, `varlen`): a prompt whose prefix is cached runs in them.
+        cached_ok = self.prompt_graph_seqs > 1
         budget = min(self.max_num_batched_tokens, self.prompt_graph_tokens)
         if (room := self._prompt_room()) is not None:  # (the decoders' step follows this one)
             budget = min(budget, room)
@@ -130,14 +134,16 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_computed_tokens == 0:
                 self._use_prefix_cache(seq)
-            n = seq.num_tokens
-            if seq.num_computed_tokens or n > budget or n > self.chunk_size or not self._grow(seq, n):
+            n = seq.num_tokens - seq.num_computed_tokens
+            if ((seq.num_computed_tokens and not cached_ok) or n > budget or n > self.chunk_size
+                    or not self._grow(seq, n)):
                 self._drop_blocks(seq)  # (a waiting sequence holds no blocks; the usual path looks again)
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             _insert(self.running, seq)
             self.profile.prefix_queries += seq.num_tokens
+            self.profile.prefix_hits += seq.num_cached_tokens
             out.append(ScheduledSeq(seq, n))
             budget -= n
         return out

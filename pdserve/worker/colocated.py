@@ -3,6 +3,7 @@ prefill), the baseline every disaggregated figure is compared with. A request go
 in whole; new tokens go back to each router once per step, as from a decode worker."""
 
 from pdserve.config import EngineConfig
+from pdserve.hop_trace import hop
 from pdserve.worker.engine_loop import IDLE_S
 from pdserve.worker.engine_worker import EngineWorker
 from pdserve.worker.inbox import Abort, Generate
@@ -40,4 +41,5 @@ class ColocatedWorker(WholeRequests, EngineWorker):
             return self.streams.flush_nap(IDLE_S)  # the last tokens may still wait for a router
         for out in self.engine.step():
             self.streams.output(out)
+        hop("outputs")
         return self.streams.flush_nap(None)

@@ -18,6 +18,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.warm_up import WarmUp, warm_up
+from pdserve.hop_trace import hop
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.inbox import Abort, Reserve
 from pdserve.priority import back_to, yield_while_starting
@@ -257,7 +258,10 @@ class EngineWorker:
     def kv_events(self, epoch: str, cursor: int) -> KVEvents:
         """What this replica's prefix cache stored and removed after a router's cursor (or all of it:
         engine/kv_events.py); the router's prefix index follows it."""
-        return self.engine.pool.events.since(epoch, cursor)
+        hop("kv_events")
+        events = self.engine.pool.events.since(epoch, cursor)
+        hop("kv_events_done")
+        return events
 
     def startup(self) -> WorkerStartup:
         """What this worker's start took (weights, graphs, the whole engine), once ready."""
@@ -286,6 +290,7 @@ class EngineWorker:
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address()}
 
     def stats(self) -> ReplicaStats:
+        hop("stats")
         if not self.loop.alive():  # the router then counts this replica as down (/health 503)
             raise RuntimeError(f"{self.name}: the engine loop stopped: {self.loop.error!r}")
         if self.connector is not None and self.connector.error is not None:  # down too: no KV moves
