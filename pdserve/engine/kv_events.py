@@ -40,17 +40,32 @@ class KVEventLog:
         self._seq += 1
         self._events.append((self._seq, False, block_hash))
 
+    def _after(self, cursor: int) -> list[tuple[int, bool, bytes]] | None:
+        """The events after `cursor`, oldest first, read from the log's newest end back to the cursor
+        (only those: a poll after a busy spell no longer copies a full log of ~65k events, ~1 ms held
+        under the GIL beside the engine's thread); None when the log no longer reaches back to it."""
+        while True:
+            newest = []
+            try:
+                for event in reversed(self._events):
+                    if event[0] <= cursor:
+                        break
+                    newest.append(event)
+                break
+            except RuntimeError:  # the engine thread appended meanwhile: read again
+                continue
+        # Sequence numbers are consecutive: the oldest one read must follow the cursor (none read:
+        # nothing new since it, which this log's own cursors always allow).
+        if newest and newest[-1][0] != cursor + 1:
+            return None
+        return newest[::-1]
+
     def since(self, epoch: str, cursor: int) -> KVEvents:
         """The events after `cursor` of this log (`epoch`), or the whole cache when those are not
         all here any more (or the epoch is another log's)."""
+        if epoch == self.epoch and (tail := self._after(cursor)) is not None:
+            return KVEvents(self.epoch, tail[-1][0] if tail else cursor, False, [(stored, h) for _, stored, h in tail])
         events = list(self._events)  # one consistent copy; the engine thread appends meanwhile
-        if epoch == self.epoch and cursor >= (events[0][0] - 1 if events else self._seq):
-            # Sequence numbers are consecutive: the new events are the copy's tail, found by index.
-            # (A scan of the whole copy held the GIL ~65k tuples long on every poll once the log was
-            # full — after a busy spell — beside the engine's thread.)
-            tail = events[cursor - events[0][0] + 1:] if events else []
-            return KVEvents(self.epoch, events[-1][0] if events else cursor,
-                            False, [(stored, h) for _, stored, h in tail])
         # The cursor the reset answers to: no event after it may be missing from the snapshot, so
         # take it before copying the cache (an event between the two is then sent again: harmless).
         last = events[-1][0] if events else self._seq

@@ -42,12 +42,14 @@ captures and replays it.
 from array import array
 from collections import Counter
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
 
 from pdserve.engine.cuda_graphs import CAPTURE_MODE
 from pdserve.forward.forward_batch import ForwardBatch
+from pdserve.models.layers import SparseMoE
 
 SINGLE, VARLEN = "single", "varlen"
 # Prompts one `varlen` graph holds; a step of more fresh prompts runs eagerly. Each slot costs the
@@ -88,6 +90,8 @@ class PaddedPrefill:
         self.width = max(-(-n // self.page), max_blocks)
         z = dict(device=device)
         self.input_ids = torch.zeros(n, dtype=torch.long, **z)
+        self.row_valid = torch.zeros(n, dtype=torch.int32, **z)  # rows that hold tokens: 1; padding: 0
+        self.moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
         self.positions = torch.zeros(n, dtype=torch.long, **z)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, **z)
         self.block_tables = torch.zeros(s + 1, self.width, dtype=torch.long, **z)
@@ -125,7 +129,19 @@ class PaddedPrefill:
         # Eagerly the attention reads the host lists: the step's own layout, not the placeholders.
         padded = replace(self.batch(bucket, VARLEN), query_start=query_start, context_lens=context_lens,
                          varlen_rows=None)
-        return self.model(padded)
+        with self.padding(bucket):
+            return self.model(padded)
+
+    @contextmanager
+    def padding(self, bucket: int):
+        """The experts skip the bucket's padding rows while the step runs (or is captured)."""
+        for m in self.moes:
+            m.row_valid = self.row_valid[:bucket]
+        try:
+            yield
+        finally:
+            for m in self.moes:
+                m.row_valid = None
 
     def _fill(self, batch: ForwardBatch, bucket: int, varlen: bool) -> tuple[list[int], list[int]]:
         """Copy the step into the static buffers, padded to `bucket`; with `varlen`, the sequence
@@ -135,6 +151,8 @@ class PaddedPrefill:
         self.positions[:n].copy_(batch.positions)
         self.slot_mapping[:n].copy_(batch.slot_mapping)
         self.slot_mapping[n:bucket].fill_(-1)  # padding writes no KV (ids and positions: any valid value)
+        self.row_valid[:n].fill_(1)
+        self.row_valid[n:bucket].zero_()
         # The prompts, then empty slots, then the padding rows as a sequence with no context.
         query_start = batch.query_start + [n] * (s - m) + [bucket]
         context_lens = batch.context_lens + [0] * (s + 1 - m)
@@ -191,12 +209,13 @@ class PrefillGraphs(PaddedPrefill):
                 batch = self.batch(b, layout)
                 try:
                     stream.wait_stream(torch.cuda.current_stream(self.device))
-                    with torch.cuda.stream(stream):
+                    with torch.cuda.stream(stream), self.padding(b):
                         for _ in range(2):  # every kernel compiled, SDPA's plan built, before capture
                             self.model(batch)
                     torch.cuda.current_stream(self.device).wait_stream(stream)
                     g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=CAPTURE_MODE):
+                    with (torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=CAPTURE_MODE),
+                          self.padding(b)):
                         self.outputs[(b, layout)] = self.model(batch)
                     self.graphs[(b, layout)] = g
                 except RuntimeError as e:  # the replica still serves: these steps run eagerly

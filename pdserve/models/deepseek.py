@@ -56,7 +56,7 @@ class DeepseekMoE(SparseMoE):
                 or path is not None and path(x.shape[0], x.dtype) != "fused"):
             return super().forward(x)
         weights, ids = self.route(x, shared=False)
-        out = self.backend.forward(x, self.w13, self.w2, weights, ids)
+        out = self.backend.forward(x, self.w13, self.w2, weights, self.skip_padding(ids))
         # The shared slots (w13 [n, 2I, H], w2 [n, H, I] after the routed ones), each weight read once:
         # their gate/up rows are one [n x 2I, H] matrix, so one GEMM; SiLU-and-mul in one pass; each
         # slot's down projection accumulated into `out` by its GEMM (beta = 1). Before: batched GEMMs,
