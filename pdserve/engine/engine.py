@@ -28,7 +28,6 @@ from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes, salt_root
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.grammar_gate import GrammarGate
-from pdserve.hop_trace import hop
 from pdserve.engine.graph_capture import capture_graphs
 from pdserve.engine.kv_budget import kv_cache_blocks
 from pdserve.forward.kv_cache import KV_CACHE_DTYPES, KVLayout, allocate_kv_cache
@@ -47,6 +46,7 @@ from pdserve.engine.step_profile import StepProfile
 from pdserve.engine.tpot_guard import TPOTGuard
 from pdserve.messages import Request
 from pdserve.tokenizer import load_tokenizer
+from pdserve.hop_trace import hop
 
 
 class Reservation(NamedTuple):

@@ -52,8 +52,8 @@ from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.models.layers import SparseMoE
 
 SINGLE, VARLEN = "single", "varlen"
-# Prompts one `varlen` graph holds; a step of more fresh prompts runs eagerly. Each slot costs the
-# attention kernel one column of programs that return at once when the slot is empty.
+# Sequences one `varlen` graph holds; a step of more runs eagerly. Each slot costs the attention
+# kernel one column of programs that return at once when the slot is empty.
 PREFILL_GRAPH_MAX_SEQS = 32
 DEFAULT_MAX_TOKENS = 4096  # EngineConfig.prefill_graph_max_tokens on a GPU
 
@@ -75,7 +75,7 @@ def _int32(xs: list[int]) -> torch.Tensor:
 
 
 class PaddedPrefill:
-    """Pads a step of fresh prompts to its bucket in static buffers and runs the model on them."""
+    """Pads a prefill step to its bucket in static buffers and runs the model on them."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, kv_scales: tuple[tuple[float, ...], ...],
                  buckets: list[int], max_seqs: int, device: torch.device, max_blocks: int = 0):

@@ -23,8 +23,10 @@ preempted for them.
 
 Where CUDA graphs cover both kinds of step (`graph_limits`), prompts that a prefill graph takes (a
 cached prefix too, where the graphs hold several prompts) are not mixed into a step of decoding
-sequences: a mixed step runs eagerly, and its host time is far more than the prefill graph's and then the decode graph's together, for the newcomer
-and for the decoders alike (docs/benchmarks-history.md, light load and first requests). They
+sequences: a mixed step runs eagerly, or in a `varlen` prefill graph whose decoding rows go through
+the prefill kernel, and its time was more than the prefill graph's and then the decode graph's
+together, for the newcomer and for the decoders alike (docs/benchmarks-history.md, light load and
+first requests). They
 go in a step of their own, and the step after it is the decoders' alone (no two prompt-only
 steps in a row: decoding never waits more than one). Only under a light load (APART_MAX_DECODERS):
 under many streams stepping apart delivered fewer tokens than mixing, whose steps carry many

@@ -8,7 +8,7 @@
     python -m pdserve.benchmarks.load.grid a.json --slo-grid ...   (the same from the saved records)
     python -m pdserve.benchmarks.load ...          (the same command)
 
-Imports no torch: it runs on any client machine with httpx.
+Imports no torch: it runs on any client machine with httpx and aiohttp.
 
 Workload: prompts of --input-len random token ids (seeded; ids in [3, 256): bytes for the
 byte-level tokenizer of the presets, ordinary tokens of any HF vocabulary), each asking for exactly
