@@ -117,3 +117,23 @@ def test_cost_model_of_qwen3_30b_a3b():
     assert cost.decode_bytes(1, 1024, 8)["total"] == pytest.approx(6.18e9, rel=0.01)
     assert cost.uniform_experts_hit(1) == pytest.approx(8)
     assert cost.uniform_experts_hit(256) == pytest.approx(128, rel=0.01)
+
+
+def test_in_process_light_load_benchmarks_run_on_the_cpu(tmp_path):
+    """cached_prefix (a prompt fresh, then again with its prefix cached) and after_load (a light load
+    before and after a heavy one) on tiny-moe: every figure they print is there."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {path: tiny-moe}\ncolocated: {replicas: 1, gpus: 0}\n")
+    out = tmp_path / "cached.json"
+    r = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.cached_prefix", str(cfg), "--reps", "2",
+                        "--gap-s", "0", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert len(res["fresh_ms"]) == len(res["cached_ms"]) == 2 and res["cached_over_fresh"] > 0
+    out = tmp_path / "after.json"
+    r = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.after_load", str(cfg), "--reps", "2", "--gap-s", "0",
+                        "--heavy", "8", "--concurrency", "4", "--len", "16", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["fresh"]["first_token_ms_p50"] > 0 and res["after"]["step_ms_p50"] > 0 and res["heavy"]["seconds"] >= 0

@@ -24,6 +24,7 @@
 #   grammar  issue 41's step overhead at 256 sequences, all constrained or all penalized, against none, over a
 #            BPE vocabulary, the MoE shape and a dense control (1 GPU)
 #   spec     issue 44's verify-step cost (k = 1, 2, 4, 8 at batch 1, 8, 32) and n-gram speed-up (1 GPU)
+#   cached   a 128-token prompt's first token fresh and again with its prefix cached, in-process (1 GPU)
 # Each part writes OUT_DIR/<part>*.json and a log; a failing part does not stop the others.
 set -u
 out=${1:?usage: gpu_figures.sh OUT_DIR [PART ...]}
@@ -116,8 +117,11 @@ for part in $parts; do
     spec)
         run spec python -m pdserve.benchmarks.spec_decode --model qwen3-30b-a3b --device cuda --batches 1 8 32 \
             --k 1 2 4 8 --steps 20 --json "$out/spec.json" ;;
+    cached)
+        printf 'model: {path: qwen3-30b-a3b, load_format: dummy, dtype: bfloat16}\ncolocated: {replicas: 1, gpus: 1, max_num_seqs: 512, max_batch_tokens: 16384, chunk_size: 8192}\n' > /tmp/cached.yaml
+        run cached python -m pdserve.benchmarks.cached_prefix /tmp/cached.yaml --json "$out/cached.json" ;;
     *)
         echo "[gpu-figures] unknown part $part (tests, engine, ep, ep512, kv, kvnixl, tp, goodput, adaptive, flip," \
-            "serving, grammar, spec)" ;;
+            "serving, grammar, spec, cached)" ;;
     esac
 done
