@@ -204,3 +204,48 @@ def test_run_now_finishes_at_once_or_in_a_task_as_awaiting_would():
         assert closed == [True]  # the coroutine ended where it waited
 
     asyncio.run(scenario())
+
+
+def test_a_direct_write_goes_straight_to_uvicorns_chunked_transport():
+    """Under uvicorn's httptools server (the router's) a started chunked response's cycle is found
+    behind its `send`, and a chunk written to it directly reaches the client as uvicorn's own `send`
+    would frame it; a plain callable keeps the ASGI path."""
+    import uvicorn
+
+    from pdserve.router.http_stream import _chunked_cycle
+
+    found = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        cycle = _chunked_cycle(send)
+        found.append(cycle)
+        await send({"type": "http.response.body", "body": b"one,", "more_body": True})
+        body = b"two,"
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))  # as _DirectSSE.write does
+        await send({"type": "http.response.body", "body": b"three", "more_body": False})
+
+    async def go() -> str:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, http="httptools", log_level="warning"))
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            async with httpx.AsyncClient() as c:
+                r = await c.get(f"http://127.0.0.1:{sock.getsockname()[1]}/", timeout=10)
+            return r.text
+        finally:
+            server.should_exit = True
+            await task
+
+    assert asyncio.run(go()) == "one,two,three"
+    assert found[0] is not None and found[0].chunked_encoding
+
+    async def plain(message):
+        pass
+
+    assert _chunked_cycle(plain) is None
