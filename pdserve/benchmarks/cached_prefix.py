@@ -14,27 +14,10 @@ import argparse
 import json
 import random
 import statistics
-import time
 
-import torch
-
+from pdserve.benchmarks.lone_prompt import first_token_ms
 from pdserve.config import load_cluster_config
 from pdserve.engine.engine import Engine
-from pdserve.protocol import SamplingParams
-
-
-def first_token_ms(engine: Engine, ids: list[int], rid: str, gap_s: float) -> float:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-    time.sleep(gap_s)
-    t0 = time.perf_counter()
-    engine.add_request(rid, ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    while not any(o.request_id == rid for o in engine.step()):
-        pass
-    ms = (time.perf_counter() - t0) * 1e3
-    while engine.has_unfinished():
-        engine.step()
-    return ms
 
 
 def main() -> None:
