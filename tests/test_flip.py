@@ -13,6 +13,7 @@ time from the command to serving, and a restarted controller takes a flipped rep
 import os
 import re
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,11 +51,19 @@ def greedy(url: str) -> list[str]:
                                           extra_body={"ignore_eos": True}).choices[0].text for n in (1, 3)]
 
 
-def long_answer(url: str, i: int) -> str:
-    """A long greedy answer (seconds of decoding on the CPU) to the i-th of LONG prompts."""
+def long_answer(url: str, i: int, decoding: threading.Semaphore | None = None) -> str:
+    """A long greedy answer (seconds of decoding on the CPU) to the i-th of LONG prompts, streamed;
+    `decoding` is released at its first text (the stream is then on a decode replica)."""
     with openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120) as client:
-        return client.completions.create(model="tiny-moe", prompt=f"{i} {PROMPT} " * (1 + i), max_tokens=LONG_TOKENS,
-                                         temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+        text = []
+        for chunk in client.completions.create(model="tiny-moe", prompt=f"{i} {PROMPT} " * (1 + i),
+                                               max_tokens=LONG_TOKENS, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            if chunk.choices and chunk.choices[0].text:
+                if decoding is not None and not text:
+                    decoding.release()
+                text.append(chunk.choices[0].text)
+        return "".join(text)
 
 
 def _metric(cluster: Cluster, series: str) -> float:
@@ -110,18 +119,25 @@ def test_a_flip_past_its_grace_moves_the_streams_left(cluster):
     # replica, where its greedy answer goes on as if it never moved. (The steady load runs on: none
     # of its requests fails; the long streams load the 2 cores too much for its TTFT bound.)
     decode = replicas(cluster.status(), "decode")
-    t0, said = time.monotonic(), []
+    t0, said, decoding = time.monotonic(), [], threading.Semaphore(0)
     with ThreadPoolExecutor(LONG) as pool:
-        answers = [pool.submit(long_answer, cluster.url, i) for i in range(LONG)]
-        # The one of the two holding more, once the long streams run (the router's polls): they are
-        # spread by load, and a flip of a replica that held none of them would cut nothing.
+        answers = [pool.submit(long_answer, cluster.url, i, decoding) for i in range(LONG)]
+        # The one of the two holding more once every long stream decodes (its first text came): they
+        # are spread by load, and a flip of a replica that held none of them would cut nothing. (Counted
+        # before they all decoded, the steady load's short requests alone could pass the count: the pick
+        # was then a guess, and in one CI run the replica flipped held none and drained in 0.29 s.) The
+        # counts are the router's polls, a tick behind: the most of a few reads a tick apart.
+        for _ in range(LONG):
+            assert decoding.acquire(timeout=90), "a long stream had no first token within 90 s"
+
         def held(r: str) -> float:
             return _metric(cluster, f'pdserve_queue_length{{replica="{r}",role="decode"}}')
 
-        deadline = time.monotonic() + 60
-        while sum(map(held, decode)) < LONG and time.monotonic() < deadline:
+        seen = dict.fromkeys(decode, 0.0)
+        for _ in range(4):
+            seen = {r: max(seen[r], held(r)) for r in decode}
             time.sleep(0.25)
-        target = max(decode, key=held)
+        target = max(decode, key=seen.get)
         flip(cluster, target, "prefill", said, grace_s=0.3)()
         moved = [a.result() for a in answers]
         assert moved == list(pool.map(lambda i: long_answer(cluster.url, i), range(LONG)))
