@@ -56,8 +56,9 @@ class EngineConfig(_Strict):
     # than its graph for an EP rank (docs/benchmarks-history.md, expert-parallel decode), hence 512.
     cuda_graph_max_batch: int = Field(default=512, ge=1)
     # Steps of fresh prompts (no cached prefix, no decode rows) of up to this many tokens replay CUDA
-    # graphs, padded to a token-count bucket (engine/prefill_graphs.py); 0: off. Default: 2048 on a
-    # GPU with the Triton backends (colocated and prefill roles), where such a step is host-bound.
+    # graphs, padded to a token-count bucket (engine/prefill_graphs.py); 0: off. Default: 4096 on a
+    # GPU with the Triton backends (every role: a decode replica prefills its local prompts), where
+    # such a step is host-bound.
     # cuda_graphs: false turns these off too.
     prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
     # Queue step N+1 on the device before handing out step N's tokens (default: on a GPU).
@@ -275,8 +276,8 @@ class PrefillConfig(_Strict):
     # the next prompt that starts alike. false: every prompt is computed whole (the
     # baseline of a comparison, or prompts that never share a prefix).
     prefix_cache: bool = True
-    # Fresh-prompt steps of up to this many tokens replay CUDA graphs (EngineConfig's key); default
-    # 2048 with a GPU, 0: off.
+    # Prefill steps of up to this many tokens replay CUDA graphs (EngineConfig's key); default
+    # 4096 with a GPU, 0: off.
     prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
     warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
     placement: PlacementConfig = PlacementConfig()
@@ -307,6 +308,10 @@ class DecodeConfig(_Strict):
     max_batch_tokens: int = Field(default=8192, ge=1)
     chunk_size: int = Field(default=2048, ge=1)
     cuda_graphs: bool = True
+    # Those local prefills' steps of up to this many tokens replay CUDA graphs (EngineConfig's key;
+    # eager, a short prompt's step held the engine's thread ~40 ms on an H200, every decoder of the
+    # replica waiting); default 4096 with a GPU, 0: off.
+    prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     speculative: SpeculativeConfig = SpeculativeConfig()  # off by default (EngineConfig's key)
     num_kv_blocks: int | None = Field(default=None, ge=1)
@@ -316,6 +321,11 @@ class DecodeConfig(_Strict):
     prefix_cache: bool = True
     warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
     placement: PlacementConfig = PlacementConfig()
+
+    @field_validator("prefill_graph_max_tokens")
+    @classmethod
+    def _prefill_graphs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        return check_prefill_graph_max_tokens(v, on_gpu=bool(info.data.get("gpus")))
 
     @field_validator("speculative")
     @classmethod
@@ -346,8 +356,8 @@ class ColocatedConfig(_Strict):
     # baseline of a comparison, or prompts that never share a prefix).
     prefix_cache: bool = True
     cuda_graphs: bool = True
-    # Fresh-prompt steps of up to this many tokens replay CUDA graphs (EngineConfig's key); default
-    # 2048 with a GPU, 0: off.
+    # Prefill steps of up to this many tokens replay CUDA graphs (EngineConfig's key); default
+    # 4096 with a GPU, 0: off.
     prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     speculative: SpeculativeConfig = SpeculativeConfig()  # off by default (EngineConfig's key)
@@ -460,9 +470,8 @@ class ClusterConfig(_Strict):
                   block_size=self.kv_transfer.block_size, num_kv_blocks=r.num_kv_blocks, warm_up=r.warm_up,
                   enable_prefix_cache=r.prefix_cache, gpu_memory_utilization=r.gpu_memory_utilization)
         # Every role computes prompts (a decode replica its local prefills).
-        kw.update(max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size)
-        if role in ("prefill", "colocated"):  # the prompt phase
-            kw.update(prefill_graph_max_tokens=r.prefill_graph_max_tokens)
+        kw.update(max_num_batched_tokens=r.max_batch_tokens, chunk_size=r.chunk_size,
+                  prefill_graph_max_tokens=r.prefill_graph_max_tokens)
         if role == "prefill" and self.decode.speculative.mtp:
             kw.update(speculative=self.decode.speculative)  # the MTP layer's KV goes with the prompt's
         if role in ("decode", "colocated"):  # the generation phase

@@ -12,7 +12,7 @@
   without CUDA graphs, over a float32 or an FP8 latent cache;
 - steps of fresh prompts replayed from the prefill graph of their token bucket (one prompt, or
   several) equal the same steps run eagerly, GQA and MLA, bfloat16 and FP8 caches included; the
-  warm-up replays every such graph.
+  warm-up replays every such graph; a decode replica's local prefills replay them too.
 
     python -m pytest -q tests/test_gpu_engine.py -k mla      (the DeepSeek ones)
 """
@@ -217,6 +217,39 @@ def test_prefill_graphs_take_cached_prefixes_and_decoders_as_the_eager_engine(fa
     assert run(e) == want
     assert e.pool.num_free_blocks == idle
     assert sum(n for (_, layout), n in e.runner.prefill_graphs.replays.items() if layout == VARLEN) >= len(tails)
+
+
+def test_a_decode_replica_prefills_its_local_prompts_in_graphs(root):
+    """A decode replica computes the prompts routed to it whole (adaptive local prefill): its prompt
+    steps replay prefill graphs, each prompt beside the others' decoding (`varlen`) or alone, and give
+    the eager decode engine's greedy tokens; blocks back to idle. float32, as the cached-prefix case."""
+    path = checkpoint("qwen3_moe", root, sharp=True, max_position_embeddings=1024)
+    g = torch.Generator().manual_seed(6)
+    ps = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (40, 130, 300, 7)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def run(graph_tokens: int) -> tuple[dict[str, list[int]], Engine]:
+        e = Engine(EngineConfig(model=ModelConfig(path=str(path), dtype="float32"), role="decode",
+                                device="cuda:0", num_kv_blocks=320, max_num_seqs=32, max_num_batched_tokens=512,
+                                chunk_size=512, prefill_graph_max_tokens=graph_tokens))
+        idle, out = e.pool.num_free_blocks, {}
+        for i, p in enumerate(ps):  # one step each: the next arrives while those before decode
+            e.add_request(f"p{i}", p, params)
+            for o in e.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+        while e.has_unfinished():
+            for o in e.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+        assert e.pool.num_free_blocks == idle
+        return out, e
+
+    want, eager = run(0)
+    assert eager.runner.prefill_graphs is None
+    del eager
+    got, e = run(512)
+    assert e.runner.prefill_graphs is not None and e.runner.graphs is not None
+    assert got == want
+    assert sum(e.runner.prefill_graphs.replays.values()) >= len(ps)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])

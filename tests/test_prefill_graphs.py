@@ -242,15 +242,39 @@ def test_prefill_graph_max_tokens_errors_name_the_key(tmp_path):
     with pytest.raises(ValidationError, match="prefill_graph_max_tokens"):
         EngineConfig(device="cuda", prefill_graph_max_tokens=-1)
     bad = tmp_path / "cluster.yaml"
-    bad.write_text("prefill: {prefill_graph_max_tokens: 512}\ncolocated: {prefill_graph_max_tokens: 1}\n")
+    bad.write_text("prefill: {prefill_graph_max_tokens: 512}\ncolocated: {prefill_graph_max_tokens: 1}\n"
+                   "decode: {prefill_graph_max_tokens: 256}\n")
     with pytest.raises(ConfigError) as err:
         load_cluster_config(str(bad))
     assert "prefill.prefill_graph_max_tokens: 512 is not allowed" in str(err.value)  # gpus: 0
     assert "colocated.prefill_graph_max_tokens: 1 is not allowed" in str(err.value)
+    assert "decode.prefill_graph_max_tokens: 256 is not allowed" in str(err.value)
     assert EngineConfig(device="cpu", prefill_graph_max_tokens=0).prefill_graph_max_tokens == 0
     cfg = ClusterConfig(prefill={"gpus": 1, "prefill_graph_max_tokens": 1024},
-                        decode={"gpus": 1}, colocated={"gpus": 1, "prefill_graph_max_tokens": 0})
+                        decode={"gpus": 1, "prefill_graph_max_tokens": 512},
+                        colocated={"gpus": 1, "prefill_graph_max_tokens": 0})
     assert cfg.engine_config("prefill").prefill_graph_max_tokens == 1024
     assert cfg.engine_config("colocated").prefill_graph_max_tokens == 0
-    assert cfg.engine_config("decode").prefill_graph_max_tokens is None  # the decode role prefills nothing
+    # A decode replica computes prompts too (local prefill): its own key reaches its engine.
+    assert cfg.engine_config("decode").prefill_graph_max_tokens == 512
+    assert engine().runner.prefill_graphs is None  # on the CPU, by default: none
+
+
+def test_every_role_replays_prefill_graphs_where_the_kernels_allow():
+    """A decode replica's local prefills are prefill steps like any other: graphed on a GPU with the
+    Triton kernels, as the other roles' (eager, a short prompt's step held a decode replica's thread
+    ~40 ms on an H200). Not for expert- or tensor-parallel ranks, nor with graphs off."""
+    from pdserve.engine.graph_capture import prefill_graph_tokens
+    from pdserve.engine.prefill_graphs import DEFAULT_MAX_TOKENS
+
+    triton = object()  # any backend but the torch reference's
+    for role in ("prefill", "decode", "colocated"):
+        c = EngineConfig(device="cuda", role=role, max_num_batched_tokens=8192)
+        assert prefill_graph_tokens(c, torch.device("cuda"), None, triton, triton, None) == DEFAULT_MAX_TOKENS
+        c = EngineConfig(device="cuda", role=role, prefill_graph_max_tokens=1024)
+        assert prefill_graph_tokens(c, torch.device("cuda"), None, triton, triton, None) == 1024
+        assert prefill_graph_tokens(c, torch.device("cuda"), object(), triton, triton, None) == 0  # TP
+        assert prefill_graph_tokens(c, torch.device("cuda"), None, triton, triton, object()) == 0  # EP
+        off = EngineConfig(device="cuda", role=role, cuda_graphs=False)
+        assert prefill_graph_tokens(off, torch.device("cuda"), None, triton, triton, None) == 0
     assert engine().runner.prefill_graphs is None  # on the CPU, by default: none

@@ -608,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="timed repeats of each prefill and HF generate")
     p.add_argument("--prefill-graph-max-tokens", type=int, default=None,
                    help="EngineConfig.prefill_graph_max_tokens of the prefill engine: sizes up to it replay "
-                        "CUDA graphs (default: the engine's, 2048 on a GPU; 0: every size eager)")
+                        "CUDA graphs (default: the engine's, 4096 on a GPU; 0: every size eager)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--attention-backend", default="auto", help="EngineConfig.attention_backend")
     p.add_argument("--moe-backend", default="auto", help="EngineConfig.moe_backend")

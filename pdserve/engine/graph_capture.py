@@ -50,14 +50,15 @@ def capture_graphs(engine: "Engine", attn_backend, moe_backend, ep, log: Callabl
 
 
 def prefill_graph_tokens(c: EngineConfig, device: torch.device, tp, attn_backend, moe_backend, ep) -> int:
-    """The largest fresh-prompt step replayed from a CUDA graph (engine/prefill_graphs.py); 0:
-    none. Roles that prefill, on a GPU with the Triton kernels (the torch reference reads
-    host-side lengths and syncs), not expert- or tensor-parallel ranks (their steps stay eager).
-    Never more than one step's token budget."""
+    """The largest prefill step replayed from a CUDA graph (engine/prefill_graphs.py); 0: none.
+    Every role (a decode replica computes the prompts routed to it whole: adaptive local prefill, a
+    prefill pool down), on a GPU with the Triton kernels (the torch reference reads host-side
+    lengths and syncs), not expert- or tensor-parallel ranks (their steps stay eager). Never more
+    than one step's token budget."""
     from pdserve.engine.prefill_graphs import DEFAULT_MAX_TOKENS
 
     want = c.prefill_graph_max_tokens
-    if want == 0 or not c.cuda_graphs or c.role == "decode" or ep is not None or tp is not None:
+    if want == 0 or not c.cuda_graphs or ep is not None or tp is not None:
         return 0
     if not _triton_backends(attn_backend, moe_backend):
         if want is not None:
