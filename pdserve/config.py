@@ -55,12 +55,16 @@ class EngineConfig(_Strict):
     # split-K buffers, so larger captures cost memory; an eager step at 512 ran several times slower
     # than its graph for an EP rank (docs/benchmarks-history.md, expert-parallel decode), hence 512.
     cuda_graph_max_batch: int = Field(default=512, ge=1)
-    # Steps of fresh prompts (no cached prefix, no decode rows) of up to this many tokens replay CUDA
-    # graphs, padded to a token-count bucket (engine/prefill_graphs.py); 0: off. Default: 4096 on a
-    # GPU with the Triton backends (every role: a decode replica prefills its local prompts), where
-    # such a step is host-bound.
-    # cuda_graphs: false turns these off too.
+    # Prefill steps (fresh prompts, cached prefixes, later chunks, decoders beside a prompt) of up to
+    # this many tokens replay CUDA graphs, padded to a token-count bucket (engine/prefill_graphs.py);
+    # 0: off. Default: 4096 on a GPU with the Triton backends (every role: a decode replica prefills
+    # its local prompts), where such a step is host-bound. cuda_graphs: false turns these off too.
     prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
+    # Sequences one such graph holds (min(max_num_seqs, this)); a step of more runs eagerly — on a
+    # decode or colocated replica under load, every step that mixes a prompt's chunk into more
+    # decoders than this. The default is the count measured so far; graphs of more slots launch
+    # the attention over the sequences' tiles only (ops/prefill_attention.py, `flat`).
+    prefill_graph_max_seqs: int = Field(default=32, ge=1)
     # Queue step N+1 on the device before handing out step N's tokens (default: on a GPU).
     overlap_scheduling: bool | None = None
     # A step with decoding sequences takes prompt tokens only up to the budget that keeps it within
@@ -312,6 +316,7 @@ class DecodeConfig(_Strict):
     # eager, a short prompt's step held the engine's thread ~40 ms on an H200, every decoder of the
     # replica waiting); default 4096 with a GPU, 0: off.
     prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
+    prefill_graph_max_seqs: int = Field(default=32, ge=1)  # sequences one such graph holds (EngineConfig's key)
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     speculative: SpeculativeConfig = SpeculativeConfig()  # off by default (EngineConfig's key)
     num_kv_blocks: int | None = Field(default=None, ge=1)
@@ -359,6 +364,7 @@ class ColocatedConfig(_Strict):
     # Prefill steps of up to this many tokens replay CUDA graphs (EngineConfig's key); default
     # 4096 with a GPU, 0: off.
     prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
+    prefill_graph_max_seqs: int = Field(default=32, ge=1)  # sequences one such graph holds (EngineConfig's key)
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     speculative: SpeculativeConfig = SpeculativeConfig()  # off by default (EngineConfig's key)
     warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU
@@ -476,6 +482,7 @@ class ClusterConfig(_Strict):
             kw.update(speculative=self.decode.speculative)  # the MTP layer's KV goes with the prompt's
         if role in ("decode", "colocated"):  # the generation phase
             kw.update(max_num_seqs=r.max_num_seqs, cuda_graphs=r.cuda_graphs,
+                      prefill_graph_max_seqs=r.prefill_graph_max_seqs,
                       overlap_scheduling=r.overlap_scheduling,
                       speculative=r.speculative,
                       tpot_guard_ms=self.slo.tpot_ms if self.slo.tpot_guard in (role, "all") else None)

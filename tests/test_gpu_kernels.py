@@ -272,9 +272,10 @@ def _prefill_seqs(g) -> list[tuple[int, int]]:
     return seqs + [(n + int(torch.randint(0, 2000, (1,), generator=g, device=DEVICE)), n)]
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["grid", "flat"])
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_attention(heads, dtype):
+def test_prefill_attention(heads, dtype, flat):
     num_heads, kv_heads, head_dim = heads
     g = gen(4)
     case = random_paged_case(_prefill_seqs(g), num_heads, kv_heads, head_dim, BLOCK, dtype, DEVICE, g)
@@ -285,8 +286,8 @@ def test_prefill_attention(heads, dtype):
     assert_cache_written(case)
     out = poisoned(case.q.shape, dtype)
     paged_prefill_attention(case.q, b.kv_cache[0], b.block_tables, b.context_lens_t, b.query_start_t,
-                            max(b.query_lens), scale, out=out)
-    check(out, ref, dtype, f"prefill {heads}")
+                            max(b.query_lens), scale, out=out, flat=flat)
+    check(out, ref, dtype, f"prefill {heads}{' flat' if flat else ''}")
 
 
 @pytest.mark.parametrize("fuse_kv_write", [True, False])
@@ -341,6 +342,48 @@ def test_attention_backend_in_a_prefill_graph_of_several_prompts(dtype, fp8):
     out = TritonAttention().forward(0, padded(case.q), padded(case.k), padded(case.v), graph, 0.1)
     assert_cache_written(case)  # the prompts' K/V where write_kv puts them, nothing else written
     check(out[:n], ref, dtype, f"prefill graph {lens}")
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows attend to nothing"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache", "fp8-cache"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_backend_in_a_prefill_graph_of_many_sequences(dtype, fp8):
+    """A prefill graph of more slots than FLAT_FROM_SLOTS (EngineConfig.prefill_graph_max_seqs raised):
+    decoders of long contexts beside a prompt's later chunk and a fresh prompt, most slots empty, the
+    padding a slot of its own. Its attention runs the flat grid (the sequences' tiles end to end);
+    each sequence attends as the reference says, the padding comes out zero."""
+    from pdserve.ops.triton_attention import FLAT_FROM_SLOTS
+
+    g = gen(8)
+    num_heads, kv_heads, head_dim = HEADS[1]
+    rows = pick([(3000, 1), (40, 1), (700, 300), (129, 129), (5, 1)] + [(int(c), 1) for c in
+                                                                      torch.randint(1, 2000, (20,), generator=g)],
+                [(60, 1), (9, 1), (50, 21), (17, 17), (5, 1)])
+    extra = dict(cache_dtype=FP8, kv_scales=FP8_SCALES) if fp8 else {}
+    case = random_paged_case(rows, num_heads, kv_heads, head_dim, BLOCK, dtype, DEVICE, g, **extra)
+    ref = reference_attention(case, 0.1)
+    _poison_new_slots(case)
+    b, m = case.batch, len(rows)
+    n = b.query_start[-1]
+    bucket, slots = n + pick(77, 5), FLAT_FROM_SLOTS + 7  # the sequences, empty slots, then the padding's
+    assert slots + 1 > FLAT_FROM_SLOTS
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.randn(bucket - n, *x.shape[1:], generator=g, device=DEVICE).to(x.dtype)])
+
+    starts, ctx = b.query_start + [n] * (slots - m) + [bucket], b.context_lens + [0] * (slots + 1 - m)
+    meta = torch.tensor(starts + ctx, dtype=torch.int32, device=DEVICE)
+    tables = torch.zeros(slots + 1, b.block_tables.shape[1], dtype=torch.long, device=DEVICE)
+    tables[:m] = b.block_tables
+    graph = ForwardBatch(
+        input_ids=torch.zeros(bucket, dtype=torch.long, device=DEVICE), positions=padded(b.positions) * 0,
+        slot_mapping=torch.cat([b.slot_mapping, torch.full((bucket - n,), -1, device=DEVICE)]),
+        block_tables=tables, query_start=[0] * (slots + 1) + [bucket], context_lens=[0] * (slots + 1),
+        logits_indices=b.logits_indices, kv_cache=b.kv_cache, context_lens_t=meta[len(starts):],
+        query_start_t=meta[:len(starts)], kv_scales=b.kv_scales, varlen_rows=bucket)
+    out = TritonAttention().forward(0, padded(case.q), padded(case.k), padded(case.v), graph, 0.1)
+    assert_cache_written(case)
+    check(out[:n], ref, dtype, f"prefill graph of {slots + 1} slots")
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows attend to nothing"
 
 

@@ -168,6 +168,25 @@ def test_steps_beyond_fresh_prompts_pad_as_varlen_and_are_exact():
     assert_padded_step_exact(e, pad, e.runner.prepare(second), (32, VARLEN), gen)
 
 
+def test_a_prompt_beside_more_decoders_than_the_default_graph_holds_pads_exactly():
+    """EngineConfig.prefill_graph_max_seqs raised: a step mixing a prompt into 36 decoders (more
+    than the default 32 sequences) pads as `varlen` into a graph of 40 slots and is exact; the
+    default's graphs leave it eager."""
+    gen = torch.Generator().manual_seed(2)
+    e = Engine(EngineConfig(model=ModelConfig(path="tiny-moe"), num_kv_blocks=128, max_num_seqs=48,
+                            max_num_batched_tokens=128, chunk_size=128))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for i in range(36):
+        e.add_request(f"d{i}", ids(3, 20 + i), greedy)
+    e.step()  # 36 prompts of 3 tokens: now they decode
+    e.add_request("p", ids(9, 3), greedy)
+    scheduled = e.scheduler.schedule()
+    assert sorted(s.num_new_tokens for s in scheduled) == [1] * 36 + [9]
+    batch = e.runner.prepare(scheduled)
+    assert padded(e, buckets=[64], max_seqs=32).choose(batch) is None
+    assert_padded_step_exact(e, padded(e, buckets=[64], max_seqs=40), batch, (64, VARLEN), gen)
+
+
 def test_generation_with_cached_prefixes_and_decoders_through_the_padding_is_the_engines():
     """Prompts sharing cached prefixes, arriving while others decode: every step with a prompt in it
     padded (fresh or `varlen`), the same tokens and logprobs as an engine without the padding."""
@@ -257,6 +276,11 @@ def test_prefill_graph_max_tokens_errors_name_the_key(tmp_path):
     assert cfg.engine_config("colocated").prefill_graph_max_tokens == 0
     # A decode replica computes prompts too (local prefill): its own key reaches its engine.
     assert cfg.engine_config("decode").prefill_graph_max_tokens == 512
+    assert cfg.engine_config("decode").prefill_graph_max_seqs == 32  # the default
+    cfg = ClusterConfig(decode={"gpus": 1, "prefill_graph_max_seqs": 256},
+                        colocated={"gpus": 1, "prefill_graph_max_seqs": 128})
+    assert cfg.engine_config("decode").prefill_graph_max_seqs == 256
+    assert cfg.engine_config("colocated").prefill_graph_max_seqs == 128
     assert engine().runner.prefill_graphs is None  # on the CPU, by default: none
 
 

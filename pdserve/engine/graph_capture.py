@@ -26,9 +26,9 @@ def capture_graphs(engine: "Engine", attn_backend, moe_backend, ep, log: Callabl
     pool = torch.cuda.graph_pool_handle()
     runner, layout = engine.runner, engine.layout
     if prefill_tokens:
-        from pdserve.engine.prefill_graphs import PREFILL_GRAPH_MAX_SEQS, PrefillGraphs, prefill_buckets
+        from pdserve.engine.prefill_graphs import PrefillGraphs, prefill_buckets
         # MLA has no varlen kernel for fresh prompts: its graphs hold one prompt each.
-        seqs = 1 if engine.args.is_mla else min(c.max_num_seqs, PREFILL_GRAPH_MAX_SEQS)
+        seqs = 1 if engine.args.is_mla else min(c.max_num_seqs, c.prefill_graph_max_seqs)
         runner.prefill_graphs = PrefillGraphs(engine.model, engine.kv_cache, layout.scales,
                                               prefill_buckets(prefill_tokens), seqs, engine.device, log, pool,
                                               max_blocks=-(-engine.max_model_len // c.block_size))

@@ -52,9 +52,6 @@ from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.models.layers import SparseMoE
 
 SINGLE, VARLEN = "single", "varlen"
-# Sequences one `varlen` graph holds; a step of more runs eagerly. Each slot costs the attention
-# kernel one column of programs that return at once when the slot is empty.
-PREFILL_GRAPH_MAX_SEQS = 32
 DEFAULT_MAX_TOKENS = 4096  # EngineConfig.prefill_graph_max_tokens on a GPU
 
 

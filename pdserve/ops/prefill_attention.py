@@ -5,6 +5,11 @@ Sequence b's queries are rows ``query_start[b]:query_start[b+1]`` of q; its keys
 cached prefix attends to the prefix without copying it. Query j of an n-token chunk sits at
 absolute position ctx - n + j and sees keys up to and including it.
 
+Two grids (`flat`): a program per tile slot of every sequence (the longest one's count of tiles for
+each), or the sequences' tiles end to end, each program finding its sequence from a prefix sum of
+the tile counts on the device (a CUDA graph of many sequence slots, most of them empty, launches
+then no program for an empty one).
+
 GQA-aware: a program's tile of BLOCK_M rows is (query, head) pairs of one KV head's group,
 query-major, so each K/V tile it loads serves every head of the group; a one-token row (decode
 inside a mixed batch) still fills GROUP rows of the tile.
@@ -29,14 +34,65 @@ def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, 
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     PRECISION: tl.constexpr, IS_FP8: tl.constexpr):
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1)
-    kvh = tl.program_id(2)
+    """Grid (tiles of the longest sequence, sequences, KV heads): a program per tile slot of every
+    sequence, those past a shorter sequence's rows returning at once."""
+    _tile(tl.program_id(0), tl.program_id(1), tl.program_id(2),
+          q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, qk_scale, v_scale,
+          stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
+          GROUP, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, IS_FP8)
+
+
+@triton.jit
+def _prefill_kernel_flat(q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, qk_scale, v_scale,
+                         num_seqs,
+                         stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb,
+                         stride_ot, stride_oh,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PRECISION: tl.constexpr, IS_FP8: tl.constexpr, SEQS_P2: tl.constexpr):
+    """Grid (tiles of all sequences together, at most, KV heads): program i takes the i-th tile of
+    the sequences' tiles laid end to end, found from the device-side query starts (a prefix sum of
+    each sequence's tile count). Empty sequence slots have no tile, so a CUDA graph of many slots
+    launches no program for those a step leaves empty."""
+    pid = tl.program_id(0)
+    idx = tl.arange(0, SEQS_P2)
+    real = idx < num_seqs
+    first_row = tl.load(qstart_ptr + idx, mask=real, other=0)
+    rows = (tl.load(qstart_ptr + idx + 1, mask=real, other=0) - first_row) * GROUP
+    tiles = tl.where(real, (rows + BLOCK_M - 1) // BLOCK_M, 0)
+    ends = tl.cumsum(tiles, 0)
+    b = tl.sum((ends <= pid).to(tl.int32), 0)  # the sequence whose tiles cover tile `pid`
+    if b < num_seqs:  # (past the last tile: the grid's bound is loose)
+        start = tl.sum(tl.where(idx == b, ends - tiles, 0), 0)
+        _tile(pid - start, b, tl.program_id(1),
+              q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, qk_scale, v_scale,
+              stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
+              GROUP, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, IS_FP8)
+
+
+@triton.jit
+def _tile(pid_m, b, kvh, q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, qk_scale, v_scale,
+          stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
+          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+          PRECISION: tl.constexpr, IS_FP8: tl.constexpr):
+    """Tile pid_m (BLOCK_M of sequence b's (query, head) rows of KV head kvh): its attention."""
     q_first = tl.load(qstart_ptr + b)
     n = tl.load(qstart_ptr + b + 1) - q_first
     rows = n * GROUP
-    if pid_m * BLOCK_M >= rows:
-        return
+    if pid_m * BLOCK_M < rows:
+        _attend(pid_m, b, kvh, q_first, n, q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, qk_scale, v_scale,
+                stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
+                GROUP, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, IS_FP8)
+
+
+@triton.jit
+def _attend(pid_m, b, kvh, q_first, n, q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, qk_scale, v_scale,
+            stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
+            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            PRECISION: tl.constexpr, IS_FP8: tl.constexpr):
+    rows = n * GROUP
     ctx = tl.load(ctx_ptr + b)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -105,10 +161,13 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table
                             context_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int,
                             scale: float, out: torch.Tensor | None = None,
                             config: tuple[int, int, int, int] | None = None,
-                            kv_scales: tuple[float, ...] = ()) -> torch.Tensor:
+                            kv_scales: tuple[float, ...] = (), flat: bool = False) -> torch.Tensor:
     """q [T, heads, D]; kv_layer [2, blocks, page, kv_heads, D]; block_tables [B, max_blocks];
     context_lens [B], query_start [B+1] int32 on the device; max_query_len a host-side bound -> [T, heads, D].
-    An FP8 kv_layer is read through kv_scales = (k_scale, v_scale)."""
+    An FP8 kv_layer is read through kv_scales = (k_scale, v_scale). `flat`: launch a program per
+    tile of the sequences' tiles end to end (at most T's tiles + B) instead of the longest
+    sequence's tile count for every sequence: for many sequences of unequal lengths (a CUDA graph's
+    slots, most of them empty or one decode row; a long chunk beside decoders)."""
     num_tokens, heads, head_dim = q.shape
     page, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     group = heads // kv_heads
@@ -123,13 +182,20 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table
     k_scale, v_scale = kv_scales or (1.0, 1.0)
     dot_dtype = q.dtype if is_fp8 else kv_layer.dtype
     block_m, block_n, warps, stages = config or _tile_config(max_query_len * group, head_dim, dot_dtype)
-    grid = (triton.cdiv(max_query_len * group, block_m), bsz, kv_heads)
-    _prefill_kernel[grid](
-        q, kv_layer, block_tables, context_lens, query_start, out, scale * _LOG2E * k_scale, v_scale,
-        q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        PRECISION="ieee" if dot_dtype == torch.float32 else "tf32", IS_FP8=is_fp8,
-        num_warps=warps, num_stages=stages)
+    strides = (q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2),
+               kv_layer.stride(3), block_tables.stride(0), out.stride(0), out.stride(1))
+    consts = dict(GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+                  BLOCK_D=triton.next_power_of_2(head_dim),
+                  PRECISION="ieee" if dot_dtype == torch.float32 else "tf32", IS_FP8=is_fp8,
+                  num_warps=warps, num_stages=stages)
+    if flat:
+        # Every sequence's tiles end to end: at most all rows' tiles plus one partial tile a sequence.
+        grid = (triton.cdiv(num_tokens * group, block_m) + bsz, kv_heads)
+        _prefill_kernel_flat[grid](q, kv_layer, block_tables, context_lens, query_start, out,
+                                   scale * _LOG2E * k_scale, v_scale, bsz, *strides,
+                                   SEQS_P2=triton.next_power_of_2(bsz), **consts)
+    else:
+        grid = (triton.cdiv(max_query_len * group, block_m), bsz, kv_heads)
+        _prefill_kernel[grid](q, kv_layer, block_tables, context_lens, query_start, out,
+                              scale * _LOG2E * k_scale, v_scale, *strides, **consts)
     return out

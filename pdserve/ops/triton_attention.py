@@ -32,6 +32,14 @@ from pdserve.ops.prefill_attention import paged_prefill_attention
 from pdserve.ops.sdpa import FRESH_BUCKET, padded_len, prompt_attention
 
 
+# A prefill graph of more sequence slots than this (its sequences and the padding's) launches its
+# attention over the sequences' tiles end to end (paged_prefill_attention's `flat`): with a program
+# per tile slot of every sequence slot, the 4,096-token bucket's grid alone is 256 tiles a slot.
+# Above the default graphs' 33 slots (EngineConfig.prefill_graph_max_seqs), whose grid was the one
+# timed on a GPU: the flat grid is checked on the CPU (Triton's interpreter), not timed yet.
+FLAT_FROM_SLOTS = 33
+
+
 class TritonAttention:
     """Paged attention with Triton kernels; `decode_splits` fixes the split count (CUDA graphs)."""
 
@@ -74,7 +82,8 @@ class TritonAttention:
         _ensure_device_metadata(batch, q.device)
         if varlen:  # each prompt over its own K/V, just cached, bounds from the device lists
             return paged_prefill_attention(q, kv_layer, batch.block_tables, batch.context_lens_t,
-                                           batch.query_start_t, batch.varlen_rows, scale, kv_scales=scales)
+                                           batch.query_start_t, batch.varlen_rows, scale, kv_scales=scales,
+                                           flat=batch.num_seqs > FLAT_FROM_SLOTS)
         if decode:
             extra = {} if self.min_keys_per_split is None else {"min_keys_per_split": self.min_keys_per_split}
             splits = self.decode_splits or decode_num_splits(
