@@ -25,8 +25,8 @@ from pdserve.protocol import InvalidRequestError
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.attempt import Attempt, Lost, raise_refused
 from pdserve.router.idle import Activity
-from pdserve.router.prefill_site import (COLOCATED, LOCAL, REMOTE, PrefillSite, SiteForecast, forecast_paths,
-                                         forecast_sites, per_replica)
+from pdserve.router.prefill_site import (COLOCATED, LOCAL, REMOTE, PrefillSite, SiteForecast, as_quick,
+                                         forecast_paths, forecast_sites, per_replica)
 from pdserve.router.policy import RoutingPolicy
 from pdserve.router.replica_set import ReplicaSet
 from pdserve.router.types import DirectWriter, ServingError
@@ -297,7 +297,8 @@ class Lifecycle:
                                 self.prefill_site.path_s(tokens, bool(rs.health.live(prefill)), sites))
         path, why = self.prefill_site.choose_path(fc, per_replica(rs, colocated), per_replica(rs, decode))
         if path == COLOCATED:
-            if (placed := await self._try_colocated_path(request, run, sent, why, fc.colocated_replica)) is not None:
+            quick = as_quick(fc.colocated_each, room)
+            if (placed := await self._try_colocated_path(request, run, sent, why, quick)) is not None:
                 return placed
             return await self._try_disaggregated(request, run, sent)
         if (placed := await self._try_disaggregated(request, run, sent)) is not None:
@@ -305,14 +306,15 @@ class Lifecycle:
         return await self._try_colocated_path(request, run, sent, "room")
 
     async def _try_colocated_path(self, request: Request, run: Attempt, sent: list[int], why: str,
-                                  prefer: str | None = None) -> tuple | None:
-        """(COLOCATED, why, replica) placed at a colocated replica with room (`prefer`, the one the
-        forecast found quickest, where it has room), or None."""
+                                  quick: list[str] | None = None) -> tuple | None:
+        """(COLOCATED, why, replica) placed at a colocated replica with room (of `quick`, those the
+        forecast found as quick as the quickest, the routing policy's pick), or None."""
         rs = self.replicas
-        if prefer is not None:  # (found among those with room, in this same turn of the loop)
+        if quick:  # (found among those with room, in this same turn of the loop)
             run.to_compute = None
-            self._place_whole(request, run, sent, prefer, rs.worker(prefer))
-            return COLOCATED, why, prefer
+            name = self.routing.prompt_replica(quick, "colocated", run, request, sent)
+            self._place_whole(request, run, sent, name, rs.worker(name))
+            return COLOCATED, why, name
         name = await self._try_colocated(request, run, sent)
         return None if name is None else (COLOCATED, why, name)
 
@@ -370,8 +372,7 @@ class Lifecycle:
 
         site, why = self.prefill_site.choose(tokens, bool(rs.health.live(prefill)), forecast if local else None)
         if site == LOCAL and local:
-            prefer = seen[0].local_replica if seen else None
-            if (placed := self._try_local(request, run, sent, prefer)) is not None:
+            if (placed := self._try_local(request, run, sent, seen[0] if seen else None)) is not None:
                 return (LOCAL, why, *placed)
             if why == "no_prefill":
                 return None  # (room on a decode replica comes, or a prefill replica)
@@ -404,19 +405,18 @@ class Lifecycle:
         return [n for n in rs.health.live(rs.decode) if len(rs.decode[n].ranks) == 1]
 
     def _try_local(self, request: Request, run: Attempt, sent: list[int],
-                   prefer: str | None = None) -> tuple[str, str] | None:
-        """A decode replica to prefill the attempt itself -> (replica, its worker): `prefer` (the one
-        the forecast found quickest) if it has room, else the routing policy's first; None when none
-        has room (a new attempt: fewer than router.max_queued_per_replica of ours without a first token)."""
+                   forecast: SiteForecast | None = None) -> tuple[str, str] | None:
+        """A decode replica to prefill the attempt itself -> (replica, its worker): the routing
+        policy's first of those with room that the forecast finds as quick as the quickest of them
+        (prefill_site.AS_QUICK), or of all with room where none is forecast; None when none has room
+        (a new attempt: fewer than router.max_queued_per_replica of ours without a first token)."""
         names = self._local_replicas()
         if run.move == 0:
             names = [n for n in names if self.gate.has_room(n)]
         if not names:
             return None
-        if prefer in names:
-            name, ranks = prefer, self.replicas.decode[prefer].rank_order()
-        else:
-            name, ranks = self.routing.decode_order(names, run, request)[0]
+        quick = forecast.local_candidates(names) if forecast is not None else []
+        name, ranks = self.routing.decode_order(quick or names, run, request)[0]
         run.to_compute = None  # (all of it: what a remote try before this one counted was another replica's)
         self._place_whole(request, run, sent, name, ranks[0])
         return name, ranks[0]

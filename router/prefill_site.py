@@ -49,6 +49,23 @@ REMOTE, LOCAL = "remote", "local"
 COLOCATED, DISAGGREGATED = "colocated", "disaggregated"  # a mixed cluster's two paths
 
 
+# Replicas whose forecast first tokens are within this share of the quickest's are as quick: the
+# routing policy orders them (round-robin turns, prefix-aware weighs caches, kv-aware free blocks).
+# A strict minimum sent every request of a light load to the same replica, its fit a hair lower,
+# whatever router.policy said.
+AS_QUICK = 0.1
+
+
+def as_quick(forecasts: tuple[tuple[str, float], ...], names: list[str]) -> list[str]:
+    """Of `names`, those forecast within AS_QUICK of the quickest of them, in `names`' order; [] if
+    none of them is forecast."""
+    times = {n: t for n, t in forecasts if n in names}
+    if not times:
+        return []
+    bound = min(times.values()) * (1 + AS_QUICK)
+    return [n for n in names if n in times and times[n] <= bound]
+
+
 @dataclass(frozen=True)
 class SiteForecast:
     """Seconds to an attempt's first token at each site, and where (None: cannot be forecast yet)."""
@@ -56,6 +73,11 @@ class SiteForecast:
     remote_s: float | None = None
     local_s: float | None = None
     local_replica: str | None = None  # the decode replica of local_s
+    local_each: tuple[tuple[str, float], ...] = ()  # every decode replica's local forecast
+
+    def local_candidates(self, names: list[str]) -> list[str]:
+        """The decode replicas of `names` as quick as the quickest of them (AS_QUICK)."""
+        return as_quick(self.local_each, names)
 
 
 @dataclass(frozen=True)
@@ -65,6 +87,7 @@ class PathForecast:
     colocated_s: float | None = None
     colocated_replica: str | None = None  # the colocated replica of colocated_s
     disaggregated_s: float | None = None  # the remote site's forecast (SiteForecast.remote_s)
+    colocated_each: tuple[tuple[str, float], ...] = ()  # every colocated replica's forecast
 
 
 @dataclass(frozen=True)
@@ -152,16 +175,18 @@ def forecast_sites(site: PrefillSite, fc, rs, prefill: list[str], local: list[st
               + fc.transfer_s.get(p, 0.0) + decode_step for p in prefill if p in fc.prefill_cost]
     measured = [fc.prefill_cost[p].per_unit for p in fc.prefill_cost if p in rs.prefill]
     per_token = min(measured) if measured else None  # the same model's prompt tokens on a prefill replica
-    best: tuple[float, str] | None = None
+    each: list[tuple[str, float]] = []
     for d in local:
         mixed = fc.mixed_cost.get(d)
         if mixed is None and d in fc.decode_cost and per_token is not None:  # no local prefill measured there yet
             mixed = MixedCost(fc.decode_cost[d], MIXED_OVERHEAD_PRIOR * fc.decode_cost[d].time(_decoders(rs, d)),
                               per_token)
         costs = LocalCosts(mixed, _decoders(rs, d), rs.prompt_tokens.get(d, 0), held.get(d, 0))
-        if (t := site.local_s(tokens, costs)) is not None and (best is None or t < best[0]):
-            best = (t, d)
-    return SiteForecast(min(remote) if remote else None, best[0] if best else None, best[1] if best else None)
+        if (t := site.local_s(tokens, costs)) is not None:
+            each.append((d, t))
+    best = min(each, key=lambda e: e[1]) if each else None
+    return SiteForecast(min(remote) if remote else None, best[1] if best else None, best[0] if best else None,
+                        tuple(each))
 
 
 def forecast_paths(fc, rs, colocated: list[str], tokens: int, cached: dict[str, int],
@@ -169,15 +194,14 @@ def forecast_paths(fc, rs, colocated: list[str], tokens: int, cached: dict[str, 
     """A mixed cluster's forecasts for an attempt leaving `tokens` to compute, over the live
     colocated replicas `colocated` (with room): `fc` the TTFTForecast, `rs` the ReplicaSet, `cached`
     replica -> prompt tokens its prefix cache holds, `disaggregated_s` the remote site's forecast."""
-    best: tuple[float, str] | None = None
+    each: list[tuple[str, float]] = []
     for c in colocated:
         if c not in fc.prefill_cost or c not in fc.decode_cost:  # no prompt or decode step measured there yet
             continue
-        t = fc.prefill_s(c, rs.prompt_tokens.get(c, 0) + max(1, tokens - cached.get(c, 0))) \
-            + fc.decode_cost[c].time(_decoders(rs, c))
-        if best is None or t < best[0]:
-            best = (t, c)
-    return PathForecast(best[0] if best else None, best[1] if best else None, disaggregated_s)
+        each.append((c, fc.prefill_s(c, rs.prompt_tokens.get(c, 0) + max(1, tokens - cached.get(c, 0)))
+                     + fc.decode_cost[c].time(_decoders(rs, c))))
+    best = min(each, key=lambda e: e[1]) if each else None
+    return PathForecast(best[1] if best else None, best[0] if best else None, disaggregated_s, tuple(each))
 
 
 def per_replica(rs, names: list[str]) -> float:

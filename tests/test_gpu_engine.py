@@ -252,6 +252,40 @@ def test_a_decode_replica_prefills_its_local_prompts_in_graphs(root):
     assert sum(e.runner.prefill_graphs.replays.values()) >= len(ps)
 
 
+def test_a_chunk_beside_more_decoders_than_32_replays_a_graph_of_more_slots(root):
+    """prefill_graph_max_seqs 48: a prompt mixed into 40 decoders replays a `varlen` graph of 49 slots
+    (its attention over the sequences' tiles end to end, ops/prefill_attention.py `flat`), and the
+    greedy tokens are the eager engine's; blocks back to idle. float32, as the cached-prefix case."""
+    path = checkpoint("qwen3_moe", root, sharp=True, max_position_embeddings=1024)
+    g = torch.Generator().manual_seed(7)
+    decoders = [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in torch.randint(2, 300, (40,), generator=g)]
+    late = torch.randint(0, 128, (200,), generator=g).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def run(graph_tokens: int) -> tuple[dict[str, list[int]], Engine]:
+        e = Engine(EngineConfig(model=ModelConfig(path=str(path), dtype="float32"), device="cuda:0",
+                                num_kv_blocks=1024, max_num_seqs=64, max_num_batched_tokens=4096, chunk_size=512,
+                                prefill_graph_max_tokens=graph_tokens, prefill_graph_max_seqs=48))
+        idle, out = e.pool.num_free_blocks, {}
+        for i, p in enumerate(decoders):
+            e.add_request(f"d{i}", p, params)
+        for o in e.step():  # every prompt at once: then 40 decoders
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+        e.add_request("late", late, params)  # its chunk mixed into their step
+        while e.has_unfinished():
+            for o in e.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+        assert e.pool.num_free_blocks == idle
+        return out, e
+
+    want, eager = run(0)
+    del eager
+    got, e = run(4096)
+    assert got == want
+    assert any(b >= 200 + 40 for b, _ in e.runner.prefill_graphs.replays), e.runner.prefill_graphs.replays
+    assert e.runner.prefill_graphs.max_seqs == 48
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
 def test_prefill_graphs_on_the_grouped_gemm_path_equal_eager(family, root):
     """bf16 steps of 3,072 tokens and more take the grouped-GEMM MoE (torch._grouped_mm over

@@ -9,7 +9,7 @@ import pytest
 from pdserve.messages import ReplicaStats
 from pdserve.router.forecast import TTFTForecast
 from pdserve.router.prefill_site import (COLOCATED, DISAGGREGATED, LOCAL, MIXED_OVERHEAD_PRIOR, REMOTE,
-                                         LocalCosts, PathForecast, PrefillSite, SiteForecast, forecast_paths,
+                                         LocalCosts, PathForecast, PrefillSite, SiteForecast, as_quick, forecast_paths,
                                          forecast_sites, per_replica)
 from pdserve.router.replica_set import ReplicaSet
 from pdserve.step_cost import STARVE_STEPS, MixedCost, StepCost
@@ -107,6 +107,27 @@ def test_the_local_forecast_follows_the_guards_pace():
     step = DECODE.time(8) + MIXED.overhead
     assert unguarded.local_s(4096, c) == pytest.approx(2 * step + 4096 * MIXED.per_token)
     assert SiteForecast().local_replica is None
+
+
+def test_replicas_as_quick_as_the_quickest_are_the_routing_policys_to_order():
+    """Forecasts within AS_QUICK of the quickest tie: the router orders those by its policy (a light
+    load went all to the replica whose fit was a hair lower, whatever router.policy said); a replica
+    clearly slower is left out, and one not forecast is not a candidate."""
+    each = (("d0", 0.100), ("d1", 0.104), ("d2", 0.200))
+    f = SiteForecast(0.3, 0.100, "d0", each)
+    assert f.local_candidates(["d0", "d1", "d2"]) == ["d0", "d1"]
+    assert f.local_candidates(["d1", "d2"]) == ["d1"]  # the quickest of those with room
+    assert f.local_candidates(["d2", "d3"]) == ["d2"] and f.local_candidates(["d3"]) == []
+    assert as_quick(each, ["d2", "d1", "d0"]) == ["d1", "d0"]  # in the order given
+    # forecast_sites gives every local replica's forecast: equal replicas tie.
+    fc, rs = cluster(decoders=8)
+    fc.decode_cost["d1"], fc.mixed_cost["d1"] = fc.decode_cost["d0"], fc.mixed_cost["d0"]
+    rs.stats["d1"] = ReplicaStats("d1", "decode", 8, 0, 1000, 1000, 0)
+    sites = forecast_sites(SITE, fc, rs, ["p0"], ["d0", "d1"], 512, lambda names: {})
+    assert [n for n, _ in sites.local_each] == ["d0", "d1"] and sites.local_candidates(["d0", "d1"]) == ["d0", "d1"]
+    rs.prompt_tokens["d0"] = 8192  # a queue at d0: d1 alone is as quick
+    sites = forecast_sites(SITE, fc, rs, ["p0"], ["d0", "d1"], 512, lambda names: {})
+    assert sites.local_replica == "d1" and sites.local_candidates(["d0", "d1"]) == ["d1"]
 
 
 def test_a_mixed_cluster_sends_each_attempt_down_the_path_whose_first_token_comes_sooner():

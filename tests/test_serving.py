@@ -47,10 +47,13 @@ def greedy(engine: Engine, prompt: str, max_tokens: int) -> str:
 @pytest.mark.parametrize("sections, replicas", [
     ({"prefill": {"replicas": 2}, "kv_transfer": {"backend": "tcp"}}, 3),
     # Round-robin: consecutive requests go to every replica of each role. Speculating (n-gram drafts
-    # verified in the step): the same greedy text.
+    # verified in the step): the same greedy text. Every prompt remote (prefill_site): adaptive, short
+    # prompts go local as their forecasts say, and a prefill replica may see none of the eight (one CI
+    # run: 7 local, 1 remote).
     ({"colocated": {"replicas": 2, "num_kv_blocks": 512, "speculative": SPECULATIVE},
       "router": {"policy": "round-robin"}}, 2),
-    ({"prefill": {"replicas": 2}, "decode": {"replicas": 2}, "router": {"policy": "round-robin"}}, 4),
+    ({"prefill": {"replicas": 2}, "decode": {"replicas": 2},
+      "router": {"policy": "round-robin", "prefill_site": "remote"}}, 4),
 ], ids=["2-prefill-1-decode-tcp", "2-colocated", "2-prefill-2-decode-round-robin"])
 def test_other_topologies_give_the_same_greedy_text(tmp_path, reference, sections, replicas):
     c = Cluster(tmp_path, **sections)
