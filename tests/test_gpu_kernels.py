@@ -345,6 +345,27 @@ def test_attention_backend_in_a_prefill_graph_of_several_prompts(dtype, fp8):
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows attend to nothing"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_eager_chunk_beside_many_decoders_on_the_flat_grid(dtype, monkeypatch):
+    """FLAT_EAGER (off by default, until timed): an eager step of a prompt's chunk beside more
+    decoders than FLAT_FROM_SLOTS launches the flat grid; each sequence attends as the reference says."""
+    from pdserve.ops import triton_attention
+
+    monkeypatch.setattr(triton_attention, "FLAT_EAGER", True)
+    g = gen(9)
+    num_heads, kv_heads, head_dim = HEADS[1]
+    decoders = [(int(c), 1) for c in torch.randint(1, pick(2000, 40), (triton_attention.FLAT_FROM_SLOTS + 3,),
+                                                   generator=g, device=DEVICE)]
+    rows = decoders[:5] + [(pick(900, 60), pick(400, 25))] + decoders[5:]
+    case = random_paged_case(rows, num_heads, kv_heads, head_dim, BLOCK, dtype, DEVICE, g)
+    case.batch.context_lens_t = case.batch.query_start_t = None
+    ref = reference_attention(case, 0.1)
+    _poison_new_slots(case)
+    out = TritonAttention().forward(0, case.q, case.k, case.v, case.batch, 0.1)
+    assert_cache_written(case)
+    check(out, ref, dtype, f"eager chunk beside {len(decoders)} decoders, flat")
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["cache", "fp8-cache"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_backend_in_a_prefill_graph_of_many_sequences(dtype, fp8):

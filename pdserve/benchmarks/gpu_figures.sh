@@ -25,8 +25,9 @@
 #            BPE vocabulary, the MoE shape and a dense control (1 GPU)
 #   spec     issue 44's verify-step cost (k = 1, 2, 4, 8 at batch 1, 8, 32) and n-gram speed-up (1 GPU)
 #   cached   a 128-token prompt's first token fresh and again with its prefix cached, in-process (1 GPU)
-#   mixed    a decode replica's step with a prompt's chunk beside 32 and 96 decoders (mixed_step.py), eager
-#            beyond the default graphs' 32 sequences, then with prefill graphs of 128 sequences (1 GPU)
+#   mixed    a decode replica's step with a prompt's chunk beside 16, 32 and 96 decoders (mixed_step.py), eager
+#            beyond the default graphs' 32 sequences (its attention's grid as today, then flat), then with
+#            prefill graphs of 128 sequences (1 GPU)
 # Each part writes OUT_DIR/<part>*.json and a log; a failing part does not stop the others.
 set -u
 out=${1:?usage: gpu_figures.sh OUT_DIR [PART ...]}
@@ -123,10 +124,11 @@ for part in $parts; do
         printf 'model: {path: qwen3-30b-a3b, load_format: dummy, dtype: bfloat16}\ncolocated: {replicas: 1, gpus: 1, max_num_seqs: 512, max_batch_tokens: 16384, chunk_size: 8192}\n' > /tmp/cached.yaml
         run cached python -m pdserve.benchmarks.cached_prefix /tmp/cached.yaml --json "$out/cached.json" ;;
     mixed)
-        for seqs in 32 128; do
-            run mixed$seqs python -m pdserve.benchmarks.mixed_step deploy/bench/adaptive/1p1d-adaptive50.yaml \
-                --decoders 16 32 96 --context 4096 --chunks 0 16 256 1024 2048 --graph-seqs $seqs \
-                --json "$out/mixed$seqs.json"
+        for v in "32" "32 --flat-eager" "128"; do
+            name=mixed$(echo $v | tr -d ' -')
+            run $name python -m pdserve.benchmarks.mixed_step deploy/bench/adaptive/1p1d-adaptive50.yaml \
+                --decoders 16 32 96 --context 4096 --chunks 0 16 256 1024 2048 --graph-seqs $v \
+                --json "$out/$name.json"
         done ;;
     *)
         echo "[gpu-figures] unknown part $part (tests, engine, ep, ep512, kv, kvnixl, tp, goodput, adaptive, flip," \

@@ -2,7 +2,7 @@
 the TPOT guard (engine/tpot_guard.py) and the adaptive prefill site (router/prefill_site.py) model.
 
     python -m pdserve.benchmarks.mixed_step deploy/bench/adaptive/1p1d-adaptive50.yaml \\
-        --decoders 32 96 --context 4096 --chunks 0 64 256 1024 2048 [--graph-seqs 128]
+        --decoders 32 96 --context 4096 --chunks 0 64 256 1024 2048 [--graph-seqs 128] [--flat-eager]
 
 Builds the decode engine of cluster.yaml (in this process; no overlap, so that a step's wall time is
 its own), brings D sequences of --context-token prompts to decoding, then times steps of the D
@@ -47,8 +47,14 @@ def main() -> None:
     ap.add_argument("--graph-seqs", type=int,
                     help="decode.prefill_graph_max_seqs: sequences a prefill graph holds (a step mixing a "
                          "chunk into more decoders runs eagerly); default: the config's")
+    ap.add_argument("--flat-eager", action="store_true",
+                    help="an eager mixed step of more than 33 sequences launches its attention over the "
+                         "sequences' tiles only (ops/triton_attention.py FLAT_EAGER)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.flat_eager:
+        from pdserve.ops import triton_attention
+        triton_attention.FLAT_EAGER = True
     cfg = load_cluster_config(a.config)
     update = {"overlap_scheduling": False, "tpot_guard_ms": None}
     if a.graph_seqs is not None:

@@ -38,6 +38,10 @@ from pdserve.ops.sdpa import FRESH_BUCKET, padded_len, prompt_attention
 # Above the default graphs' 33 slots (EngineConfig.prefill_graph_max_seqs), whose grid was the one
 # timed on a GPU: the flat grid is checked on the CPU (Triton's interpreter), not timed yet.
 FLAT_FROM_SLOTS = 33
+# An eager step of more sequences than FLAT_FROM_SLOTS (a chunk mixed into many decoders: the
+# chunk's tile count for every decoder) launches the flat grid too when this is set; off until timed
+# (`python -m pdserve.benchmarks.mixed_step ... --flat-eager` against the same run without it).
+FLAT_EAGER = False
 
 
 class TritonAttention:
@@ -99,7 +103,8 @@ class TritonAttention:
             return _fresh_prompts(q, k, v, batch.query_start, scale)
         max_query_len = max(query_lens)
         return paged_prefill_attention(q, kv_layer, batch.block_tables, batch.context_lens_t,
-                                       batch.query_start_t, max_query_len, scale, kv_scales=scales)
+                                       batch.query_start_t, max_query_len, scale, kv_scales=scales,
+                                       flat=FLAT_EAGER and batch.num_seqs > FLAT_FROM_SLOTS)
 
     def forward_mla(self, layer: int, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch,
                     scale: float, attn) -> torch.Tensor:
