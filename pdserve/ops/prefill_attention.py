@@ -36,10 +36,15 @@ def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, 
                     PRECISION: tl.constexpr, IS_FP8: tl.constexpr):
     """Grid (tiles of the longest sequence, sequences, KV heads): a program per tile slot of every
     sequence, those past a shorter sequence's rows returning at once."""
-    _tile(tl.program_id(0), tl.program_id(1), tl.program_id(2),
-          q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, qk_scale, v_scale,
-          stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
-          GROUP, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, IS_FP8)
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    q_first = tl.load(qstart_ptr + b)
+    n = tl.load(qstart_ptr + b + 1) - q_first
+    if pid_m * BLOCK_M >= n * GROUP:
+        return
+    _attend(pid_m, b, tl.program_id(2), q_first, n, q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, qk_scale,
+            v_scale, stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot,
+            stride_oh, GROUP, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, IS_FP8)
 
 
 @triton.jit
@@ -62,28 +67,14 @@ def _prefill_kernel_flat(q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_
     tiles = tl.where(real, (rows + BLOCK_M - 1) // BLOCK_M, 0)
     ends = tl.cumsum(tiles, 0)
     b = tl.sum((ends <= pid).to(tl.int32), 0)  # the sequence whose tiles cover tile `pid`
-    if b < num_seqs:  # (past the last tile: the grid's bound is loose)
-        start = tl.sum(tl.where(idx == b, ends - tiles, 0), 0)
-        _tile(pid - start, b, tl.program_id(1),
-              q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, qk_scale, v_scale,
-              stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
-              GROUP, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, IS_FP8)
-
-
-@triton.jit
-def _tile(pid_m, b, kvh, q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, qk_scale, v_scale,
-          stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
-          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-          PRECISION: tl.constexpr, IS_FP8: tl.constexpr):
-    """Tile pid_m (BLOCK_M of sequence b's (query, head) rows of KV head kvh): its attention."""
+    if b >= num_seqs:  # past the last tile: the grid's bound is loose
+        return
+    pid_m = pid - tl.sum(tl.where(idx == b, ends - tiles, 0), 0)
     q_first = tl.load(qstart_ptr + b)
     n = tl.load(qstart_ptr + b + 1) - q_first
-    rows = n * GROUP
-    if pid_m * BLOCK_M < rows:
-        _attend(pid_m, b, kvh, q_first, n, q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, qk_scale, v_scale,
-                stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
-                GROUP, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, IS_FP8)
+    _attend(pid_m, b, tl.program_id(1), q_first, n, q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, qk_scale,
+            v_scale, stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot,
+            stride_oh, GROUP, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, IS_FP8)
 
 
 @triton.jit
@@ -92,6 +83,8 @@ def _attend(pid_m, b, kvh, q_first, n, q_ptr, cache_ptr, tables_ptr, ctx_ptr, ou
             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             PRECISION: tl.constexpr, IS_FP8: tl.constexpr):
+    """Tile pid_m (BLOCK_M of sequence b's (query, head) rows of KV head kvh, which exist): its
+    attention. Both grids' kernels share it (inlined)."""
     rows = n * GROUP
     ctx = tl.load(ctx_ptr + b)
 
