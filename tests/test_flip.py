@@ -25,7 +25,9 @@ from pdserve.control.tune import flips
 from serving_cluster import Cluster
 
 STALL_S = 1.0  # the issue's bound: no request's first token waits longer than this during a flip
-LONG, LONG_TOKENS = 4, 800  # streams outlasting a flip's start (the command joins Ray: ~2 s) and grace
+# Streams outlasting a flip's start and grace: the command joins Ray first (~1.6 s to the drain's
+# start quiet, more under load); 800 tokens took 5.5 s quiet, which a loaded host may not leave.
+LONG, LONG_TOKENS = 4, 2400
 PROMPT = "the quick brown fox jumps over the lazy dog and then"
 
 
@@ -120,24 +122,27 @@ def test_a_flip_past_its_grace_moves_the_streams_left(cluster):
     # of its requests fails; the long streams load the 2 cores too much for its TTFT bound.)
     decode = replicas(cluster.status(), "decode")
     t0, said, decoding = time.monotonic(), [], threading.Semaphore(0)
+    # Which decode replica holds the long streams is read off the replicas' queue lengths (the
+    # router's polls), which count the steady load's requests too: it pauses (its requests in flight
+    # end) until the long streams are placed and counted, then runs on through the flip. (In two
+    # loaded runs the replica flipped held no long stream by its drain, done in 0.22-0.29 s, inside the
+    # grace: picked by counts that held the steady load's requests, or its streams had ended.)
+    cluster.load.drain(timeout_s=120)
+
+    def held(r: str) -> float:
+        return _metric(cluster, f'pdserve_queue_length{{replica="{r}",role="decode"}}')
+
     with ThreadPoolExecutor(LONG) as pool:
         answers = [pool.submit(long_answer, cluster.url, i, decoding) for i in range(LONG)]
-        # The one of the two holding more once every long stream decodes (its first text came): they
-        # are spread by load, and a flip of a replica that held none of them would cut nothing. (Counted
-        # before they all decoded, the steady load's short requests alone could pass the count: the pick
-        # was then a guess, and in one CI run the replica flipped held none and drained in 0.29 s.) The
-        # counts are the router's polls, a tick behind: the most of a few reads a tick apart.
-        for _ in range(LONG):
+        for _ in range(LONG):  # each decodes once its first text came
             assert decoding.acquire(timeout=90), "a long stream had no first token within 90 s"
-
-        def held(r: str) -> float:
-            return _metric(cluster, f'pdserve_queue_length{{replica="{r}",role="decode"}}')
-
-        seen = dict.fromkeys(decode, 0.0)
-        for _ in range(4):
-            seen = {r: max(seen[r], held(r)) for r in decode}
-            time.sleep(0.25)
-        target = max(decode, key=seen.get)
+        deadline = time.monotonic() + 30
+        while sum(map(held, decode)) < LONG and time.monotonic() < deadline:  # (the polls, a tick behind)
+            time.sleep(0.1)
+        counts = {r: held(r) for r in decode}
+        target = max(decode, key=counts.get)
+        assert counts[target] > 0, counts
+        cluster.load.resume()
         flip(cluster, target, "prefill", said, grace_s=0.3)()
         moved = [a.result() for a in answers]
         assert moved == list(pool.map(lambda i: long_answer(cluster.url, i), range(LONG)))
