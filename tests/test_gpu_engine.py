@@ -129,6 +129,12 @@ def test_gpu_mla_greedy_equals_cpu(family, cuda_graphs, root):
     assert gpu.pool.num_free_blocks == idle
 
 
+def step(e: Engine, out: dict[str, list[int]]) -> None:
+    """One engine step, its tokens added to `out` by request."""
+    for o in e.step():
+        out.setdefault(o.request_id, []).extend(o.token_ids)
+
+
 # Prefill graphs (engine/prefill_graphs.py): buckets 128, 256, 384, 512 with a 512-token budget.
 # One prompt per step crossing every bucket edge, and steps of several prompts (their attention per
 # prompt inside the graph: the varlen kernel; MLA runs those eagerly).
@@ -202,11 +208,9 @@ def test_prefill_graphs_take_cached_prefixes_and_decoders_as_the_eager_engine(fa
         out: dict[str, list[int]] = {}
         for i, tail in enumerate(tails):
             e.add_request(f"p{i}", shared + tail, params)
-            for o in e.step():  # one step each: the next arrives while this one decodes
-                out.setdefault(o.request_id, []).extend(o.token_ids)
+            step(e, out)  # one step each: the next arrives while this one decodes
         while e.has_unfinished():
-            for o in e.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids)
+            step(e, out)
         return out
 
     eager = prefill_engine(path, dtype, kv, 0)
@@ -235,11 +239,9 @@ def test_a_decode_replica_prefills_its_local_prompts_in_graphs(root):
         idle, out = e.pool.num_free_blocks, {}
         for i, p in enumerate(ps):  # one step each: the next arrives while those before decode
             e.add_request(f"p{i}", p, params)
-            for o in e.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids)
+            step(e, out)
         while e.has_unfinished():
-            for o in e.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids)
+            step(e, out)
         assert e.pool.num_free_blocks == idle
         return out, e
 
@@ -269,12 +271,10 @@ def test_a_chunk_beside_more_decoders_than_32_replays_a_graph_of_more_slots(root
         idle, out = e.pool.num_free_blocks, {}
         for i, p in enumerate(decoders):
             e.add_request(f"d{i}", p, params)
-        for o in e.step():  # every prompt at once: then 40 decoders
-            out.setdefault(o.request_id, []).extend(o.token_ids)
+        step(e, out)  # every prompt at once: then 40 decoders
         e.add_request("late", late, params)  # its chunk mixed into their step
         while e.has_unfinished():
-            for o in e.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids)
+            step(e, out)
         assert e.pool.num_free_blocks == idle
         return out, e
 

@@ -308,6 +308,29 @@ def test_attention_backend_mixed_batch(dtype, fuse_kv_write):
         check(out, ref, dtype, f"backend {rows}")
 
 
+def _in_prefill_graph(case, bucket: int, slots: int, g: torch.Generator) -> torch.Tensor:
+    """TritonAttention over `case`'s step as a prefill graph replays it (engine/prefill_graphs.py):
+    rows padded to `bucket` (slot -1, random q/k/v), `slots` sequence slots (those past the case's
+    empty), the padding a slot of its own with no context, the host lists placeholders (`varlen_rows`)."""
+    b, m = case.batch, case.batch.num_seqs
+    n = b.query_start[-1]
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.randn(bucket - n, *x.shape[1:], generator=g, device=DEVICE).to(x.dtype)])
+
+    starts, ctx = b.query_start + [n] * (slots - m) + [bucket], b.context_lens + [0] * (slots + 1 - m)
+    meta = torch.tensor(starts + ctx, dtype=torch.int32, device=DEVICE)
+    tables = torch.zeros(slots + 1, b.block_tables.shape[1], dtype=torch.long, device=DEVICE)
+    tables[:m] = b.block_tables
+    graph = ForwardBatch(
+        input_ids=torch.zeros(bucket, dtype=torch.long, device=DEVICE), positions=padded(b.positions) * 0,
+        slot_mapping=torch.cat([b.slot_mapping, torch.full((bucket - n,), -1, device=DEVICE)]),
+        block_tables=tables, query_start=[0] * (slots + 1) + [bucket], context_lens=[0] * (slots + 1),
+        logits_indices=b.logits_indices, kv_cache=b.kv_cache, context_lens_t=meta[len(starts):],
+        query_start_t=meta[:len(starts)], kv_scales=b.kv_scales, varlen_rows=bucket)
+    return TritonAttention().forward(0, padded(case.q), padded(case.k), padded(case.v), graph, 0.1)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["cache", "fp8-cache"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_backend_in_a_prefill_graph_of_several_prompts(dtype, fp8):
@@ -323,23 +346,10 @@ def test_attention_backend_in_a_prefill_graph_of_several_prompts(dtype, fp8):
                              **extra)
     ref = reference_attention(case, 0.1)
     _poison_new_slots(case)
-    b, n, m = case.batch, sum(lens), len(lens)
+    n, m = sum(lens), len(lens)
     bucket, slots = n + pick(101, 7), m + 2  # two empty slots, then the padding's
 
-    def padded(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, torch.randn(bucket - n, *x.shape[1:], generator=g, device=DEVICE).to(x.dtype)])
-
-    starts, ctx = b.query_start + [n] * (slots - m) + [bucket], b.context_lens + [0] * (slots + 1 - m)
-    meta = torch.tensor(starts + ctx, dtype=torch.int32, device=DEVICE)
-    tables = torch.zeros(slots + 1, b.block_tables.shape[1], dtype=torch.long, device=DEVICE)
-    tables[:m] = b.block_tables
-    graph = ForwardBatch(
-        input_ids=torch.zeros(bucket, dtype=torch.long, device=DEVICE), positions=padded(b.positions) * 0,
-        slot_mapping=torch.cat([b.slot_mapping, torch.full((bucket - n,), -1, device=DEVICE)]),
-        block_tables=tables, query_start=[0] * (slots + 1) + [bucket], context_lens=[0] * (slots + 1),
-        logits_indices=b.logits_indices, kv_cache=b.kv_cache, context_lens_t=meta[len(starts):],
-        query_start_t=meta[:len(starts)], kv_scales=b.kv_scales, varlen_rows=bucket)
-    out = TritonAttention().forward(0, padded(case.q), padded(case.k), padded(case.v), graph, 0.1)
+    out = _in_prefill_graph(case, bucket, slots, g)
     assert_cache_written(case)  # the prompts' K/V where write_kv puts them, nothing else written
     check(out[:n], ref, dtype, f"prefill graph {lens}")
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows attend to nothing"
@@ -384,25 +394,11 @@ def test_attention_backend_in_a_prefill_graph_of_many_sequences(dtype, fp8):
     case = random_paged_case(rows, num_heads, kv_heads, head_dim, BLOCK, dtype, DEVICE, g, **extra)
     ref = reference_attention(case, 0.1)
     _poison_new_slots(case)
-    b, m = case.batch, len(rows)
-    n = b.query_start[-1]
+    n = case.batch.query_start[-1]
     bucket, slots = n + pick(77, 5), FLAT_FROM_SLOTS + 7  # the sequences, empty slots, then the padding's
     assert slots + 1 > FLAT_FROM_SLOTS
 
-    def padded(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, torch.randn(bucket - n, *x.shape[1:], generator=g, device=DEVICE).to(x.dtype)])
-
-    starts, ctx = b.query_start + [n] * (slots - m) + [bucket], b.context_lens + [0] * (slots + 1 - m)
-    meta = torch.tensor(starts + ctx, dtype=torch.int32, device=DEVICE)
-    tables = torch.zeros(slots + 1, b.block_tables.shape[1], dtype=torch.long, device=DEVICE)
-    tables[:m] = b.block_tables
-    graph = ForwardBatch(
-        input_ids=torch.zeros(bucket, dtype=torch.long, device=DEVICE), positions=padded(b.positions) * 0,
-        slot_mapping=torch.cat([b.slot_mapping, torch.full((bucket - n,), -1, device=DEVICE)]),
-        block_tables=tables, query_start=[0] * (slots + 1) + [bucket], context_lens=[0] * (slots + 1),
-        logits_indices=b.logits_indices, kv_cache=b.kv_cache, context_lens_t=meta[len(starts):],
-        query_start_t=meta[:len(starts)], kv_scales=b.kv_scales, varlen_rows=bucket)
-    out = TritonAttention().forward(0, padded(case.q), padded(case.k), padded(case.v), graph, 0.1)
+    out = _in_prefill_graph(case, bucket, slots, g)
     assert_cache_written(case)
     check(out[:n], ref, dtype, f"prefill graph of {slots + 1} slots")
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows attend to nothing"
