@@ -62,8 +62,9 @@ class EngineConfig(_Strict):
     prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
     # Sequences one such graph holds (min(max_num_seqs, this)); a step of more runs eagerly — on a
     # decode or colocated replica under load, every step that mixes a prompt's chunk into more
-    # decoders than this. The default is the count measured so far; graphs of more slots launch
-    # the attention over the sequences' tiles only (ops/prefill_attention.py, `flat`).
+    # decoders than this. 32 here, a prefill replica's (decode and colocated sections: 128); graphs
+    # of more than 33 slots launch the attention over the sequences' tiles only
+    # (ops/prefill_attention.py, `flat`).
     prefill_graph_max_seqs: int = Field(default=32, ge=1)
     # Queue step N+1 on the device before handing out step N's tokens (default: on a GPU).
     overlap_scheduling: bool | None = None
@@ -208,7 +209,10 @@ class DecodeConfig(_Strict):
     # eager, a short prompt's step held the engine's thread ~40 ms on an H200, every decoder of the
     # replica waiting); default 4096 with a GPU, 0: off.
     prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
-    prefill_graph_max_seqs: int = Field(default=32, ge=1)  # sequences one such graph holds (EngineConfig's key)
+    # Sequences one such graph holds (EngineConfig's key). 128 here (EngineConfig's 32): a chunk mixed
+    # into 32 decoders of 4k context took 23 ms a step in a graph of 128 against 30 ms eager (96
+    # decoders: equal), H200, 2026-11-29, docs/benchmarks.md.
+    prefill_graph_max_seqs: int = Field(default=128, ge=1)
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     speculative: SpeculativeConfig = SpeculativeConfig()  # off by default (EngineConfig's key)
     num_kv_blocks: int | None = Field(default=None, ge=1)
@@ -256,7 +260,10 @@ class ColocatedConfig(_Strict):
     # Prefill steps of up to this many tokens replay CUDA graphs (EngineConfig's key); default
     # 4096 with a GPU, 0: off.
     prefill_graph_max_tokens: int | None = Field(default=None, ge=0)
-    prefill_graph_max_seqs: int = Field(default=32, ge=1)  # sequences one such graph holds (EngineConfig's key)
+    # Sequences one such graph holds (EngineConfig's key). 128 here (EngineConfig's 32): a chunk mixed
+    # into 32 decoders of 4k context took 23 ms a step in a graph of 128 against 30 ms eager (96
+    # decoders: equal), H200, 2026-11-29, docs/benchmarks.md.
+    prefill_graph_max_seqs: int = Field(default=128, ge=1)
     overlap_scheduling: bool | None = None  # step N+1 queued before N is handed out; default: on a GPU
     speculative: SpeculativeConfig = SpeculativeConfig()  # off by default (EngineConfig's key)
     warm_up: bool | None = None  # every kind of step run once before ready; default: on a GPU

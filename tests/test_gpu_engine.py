@@ -225,7 +225,7 @@ def test_prefill_graphs_take_cached_prefixes_and_decoders_as_the_eager_engine(fa
 
 def test_a_decode_replica_prefills_its_local_prompts_in_graphs(root):
     """A decode replica computes the prompts routed to it whole (adaptive local prefill): its prompt
-    steps replay prefill graphs, each prompt beside the others' decoding (`varlen`) or alone, and give
+    steps replay prefill graphs (each step of prompt tokens, alone or beside decoders), and give
     the eager decode engine's greedy tokens; blocks back to idle. float32, as the cached-prefix case."""
     path = checkpoint("qwen3_moe", root, sharp=True, max_position_embeddings=1024)
     g = torch.Generator().manual_seed(6)
@@ -251,7 +251,12 @@ def test_a_decode_replica_prefills_its_local_prompts_in_graphs(root):
     got, e = run(512)
     assert e.runner.prefill_graphs is not None and e.runner.graphs is not None
     assert got == want
-    assert sum(e.runner.prefill_graphs.replays.values()) >= len(ps)
+    # Every step that computed prompt tokens replayed a graph. Not one per prompt: the decode role's
+    # scheduler may run a prompt's step apart from the decoders and join two prompts in one (an
+    # H200 run, 2026-11-29: 128 and 256 `single`, then 384 `varlen` for the last two).
+    replays = e.runner.prefill_graphs.replays
+    prompt_steps = sum(row[0] for row in e.profile.phases["prefill"].values())
+    assert prompt_steps >= 2 and sum(replays.values()) == prompt_steps, (replays, e.profile.phases)
 
 
 def test_a_chunk_beside_more_decoders_than_32_replays_a_graph_of_more_slots(root):

@@ -388,7 +388,7 @@ def test_attention_backend_in_a_prefill_graph_of_many_sequences(dtype, fp8):
     g = gen(8)
     num_heads, kv_heads, head_dim = HEADS[1]
     rows = pick([(3000, 1), (40, 1), (700, 300), (129, 129), (5, 1)] + [(int(c), 1) for c in
-                                                                      torch.randint(1, 2000, (20,), generator=g)],
+                                                                      torch.randint(1, 2000, (20,), generator=g, device=DEVICE)],
                 [(60, 1), (9, 1), (50, 21), (17, 17), (5, 1)])
     extra = dict(cache_dtype=FP8, kv_scales=FP8_SCALES) if fp8 else {}
     case = random_paged_case(rows, num_heads, kv_heads, head_dim, BLOCK, dtype, DEVICE, g, **extra)

@@ -276,11 +276,11 @@ def test_prefill_graph_max_tokens_errors_name_the_key(tmp_path):
     assert cfg.engine_config("colocated").prefill_graph_max_tokens == 0
     # A decode replica computes prompts too (local prefill): its own key reaches its engine.
     assert cfg.engine_config("decode").prefill_graph_max_tokens == 512
-    assert cfg.engine_config("decode").prefill_graph_max_seqs == 32  # the default
+    assert cfg.engine_config("decode").prefill_graph_max_seqs == 128  # the default
     cfg = ClusterConfig(decode={"gpus": 1, "prefill_graph_max_seqs": 256},
-                        colocated={"gpus": 1, "prefill_graph_max_seqs": 128})
+                        colocated={"gpus": 1, "prefill_graph_max_seqs": 64})
     assert cfg.engine_config("decode").prefill_graph_max_seqs == 256
-    assert cfg.engine_config("colocated").prefill_graph_max_seqs == 128
+    assert cfg.engine_config("colocated").prefill_graph_max_seqs == 64
     assert engine().runner.prefill_graphs is None  # on the CPU, by default: none
 
 

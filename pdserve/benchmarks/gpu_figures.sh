@@ -26,7 +26,7 @@
 #   spec     issue 44's verify-step cost (k = 1, 2, 4, 8 at batch 1, 8, 32) and n-gram speed-up (1 GPU)
 #   cached   a 128-token prompt's first token fresh and again with its prefix cached, in-process (1 GPU)
 #   mixed    a decode replica's step with a prompt's chunk beside 16, 32 and 96 decoders (mixed_step.py), eager
-#            beyond the default graphs' 32 sequences (its attention's grid as today, then flat), then with
+#            beyond graphs of 32 sequences (--graph-seqs 32) (its attention's grid as today, then flat), then with
 #            prefill graphs of 128 sequences (1 GPU)
 # Each part writes OUT_DIR/<part>*.json and a log; a failing part does not stop the others.
 set -u

@@ -35,12 +35,14 @@ from pdserve.ops.sdpa import FRESH_BUCKET, padded_len, prompt_attention
 # A prefill graph of more sequence slots than this (its sequences and the padding's) launches its
 # attention over the sequences' tiles end to end (paged_prefill_attention's `flat`): with a program
 # per tile slot of every sequence slot, the 4,096-token bucket's grid alone is 256 tiles a slot.
-# Above the default graphs' 33 slots (EngineConfig.prefill_graph_max_seqs), whose grid was the one
-# timed on a GPU: the flat grid is checked on the CPU (Triton's interpreter), not timed yet.
+# Above the 33 slots of EngineConfig's default graphs (a prefill replica's), whose grid was timed
+# first; decode and colocated replicas' graphs of 128 slots run the flat grid (H200, 2026-11-29:
+# docs/benchmarks.md, "A chunk beside many decoders").
 FLAT_FROM_SLOTS = 33
 # An eager step of more sequences than FLAT_FROM_SLOTS (a chunk mixed into many decoders: the
-# chunk's tile count for every decoder) launches the flat grid too when this is set; off until timed
-# (`python -m pdserve.benchmarks.mixed_step ... --flat-eager` against the same run without it).
+# chunk's tile count for every decoder) launches the flat grid too when this is set. Off: beside 96
+# decoders it timed within 3 % of today's grid, one run each (`python -m pdserve.benchmarks.mixed_step
+# ... --flat-eager` against the same run without it).
 FLAT_EAGER = False
 
 
