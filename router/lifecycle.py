@@ -123,6 +123,7 @@ class Lifecycle:
         """The attempt's first token came: its prefill replica's part is done."""
         if run.move == 0:
             self._phase("first_token", dispatched)
+        self.activity.answered()
         health = self.replicas.health
         for name in self.replicas.prefill.keys() & run.holders.keys():
             health.done_with(name, run.request_id)
@@ -183,6 +184,7 @@ class Lifecycle:
         self._queues.pop(run.request_id, None)
         self._direct.pop(run.request_id, None)
         self.live.pop(run.request_id, None)
+        self.activity.answered()
         rs.prompt_done(run)
         if run.slot is not None or run.placed:  # a slot, or room at a replica, came free
             run.slot = None

@@ -52,7 +52,7 @@ def test_the_pause_after_the_last_request_ends_is_still_the_busy_one():
     assert after_last < 0.25 and idle > 0.25
 
 
-def test_a_request_starting_ends_an_idle_pause_at_once():
+def test_a_request_starting_ends_an_idle_pause_at_its_first_token():
     async def go():
         in_flight = [0]
         activity = Activity(lambda: in_flight[0])
@@ -61,12 +61,32 @@ def test_a_request_starting_ends_an_idle_pause_at_once():
         assert not waiting.done()
         in_flight[0] = 1
         activity.started()
+        await asyncio.sleep(0.2)  # its first step: the poll's round stays out of its way
+        assert not waiting.done()
+        activity.answered()
         t = time.monotonic()
         await asyncio.wait_for(waiting, 1.0)
         return time.monotonic() - t
 
-    # Not at the very instant: the poll's round waits out the request's hand-off (WAKE_DELAY_S).
-    assert idle.WAKE_DELAY_S * 0.9 < asyncio.run(go()) < 0.5
+    assert asyncio.run(go()) < 0.1
+
+
+def test_a_first_token_that_does_not_come_holds_the_woken_poll_a_bounded_time(monkeypatch):
+    monkeypatch.setattr(idle, "FIRST_TOKEN_WAIT_S", 0.2)
+
+    async def go():
+        in_flight = [0]
+        activity = Activity(lambda: in_flight[0])
+        activity.answered()  # a token of the busy period before: not this request's
+        waiting = asyncio.ensure_future(activity.pause(0.01, 30.0))
+        await asyncio.sleep(0.05)
+        in_flight[0] = 1
+        activity.started()
+        t = time.monotonic()
+        await asyncio.wait_for(waiting, 2.0)
+        return time.monotonic() - t
+
+    assert 0.15 < asyncio.run(go()) < 1.0
 
 
 def test_loop_lag_samples_only_while_requests_are_in_flight():
@@ -135,7 +155,9 @@ def test_an_idle_router_polls_every_idle_period_and_at_once_when_a_request_start
         idle = await replica.count.remote()
         await asyncio.sleep(0.1)  # (the poll past its first round's answer, waiting)
         core.lifecycle.activity.started()  # a request's start (one too short to be in flight now)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.1)
+        core.lifecycle.activity.answered()  # ... and its first token
+        await asyncio.sleep(0.4)
         woken = await replica.count.remote()
         poll.cancel()
         return idle, woken, core.stats
