@@ -129,7 +129,7 @@ except Exception as e:
     print("no engine workload figures here", e)
 cpu = {int(l.split()[0][2:]): float(l.split()[-1]) for l in open(f"{out}/cpu.txt")}
 print(f"routers: {os.environ.get('ROUTERS', '1')}")
-print(f"{'C':>4} {'% decode':>8} {'% same work':>11} {'admit':>6} {'dispatch mean':>13} {'p99<=':>6} {'loop lag p99<=':>14} "
+print(f"{'C':>4} {'% decode':>8} {'% same work':>11} {'admit':>6} {'dispatch mean':>13} {'p99<=':>6} {'loop lag p99<=':>14} {'max<=':>6} "
       f"{'first_tok':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
       f"{'out tok/s':>10} {'router CPU s':>12} {'tok/router CPU-s':>16} {'client CPU':>10} {'ok':>5}")
 for c in (64, 128, 256, 512):
@@ -147,6 +147,7 @@ for c in (64, 128, 256, 512):
     pct_same = 100 * r["output_throughput"] / same[c] if c in same else float("nan")
     print(f"{c:>4} {pct:>8.1f} {pct_same:>11.1f} {ph.get('admit', float('nan')):>6} {ph.get('dispatch', float('nan')):>13} "
           f"{ph.get('dispatch p99<=', float('nan')):>6} {ph.get('loop_lag p99<=', float('nan')):>14} "
+          f"{ph.get('loop_lag max<=', float('nan')):>6} "
           f"{ph.get('first_token', float('nan')):>9} {r['ttft_ms']['p50']!s:>9} {r['ttft_ms']['p90']!s:>9} "
           f"{r['output_throughput']!s:>10} {cpu.get(c, 0):>12.1f} {toks / cpu[c] if cpu.get(c) else float('nan'):>16.0f} "
           f"{r.get('client_cpu', float('nan')):>10} {r['completed']:>5}")

@@ -36,8 +36,10 @@ import os
 import re
 import time
 
+import httpx
 import ray
 
+from pdserve.benchmarks.load import server_metrics
 from pdserve.channel.worker_end import ChannelServer
 from pdserve.config import ClusterConfig, ColocatedConfig, ModelConfig, RouterConfig
 from pdserve.control import ray_start
@@ -247,16 +249,28 @@ def start(max_ahead: int, step_s: float, routers: int = 1, workers: int = 1,
 def measure(url: str, pids: list[int], streams: int, max_tokens: int, seconds: float, clients: int,
             channel: str = "direct", prompt_len: int = 16) -> dict:
     drive(url, streams, 16, 1.0, clients, prompt_len)  # warm up: connections, the routers' first requests
+    before = _scrape(url)
     cpu0 = sum(map(cpu_seconds, pids))
     res = drive(url, streams, max_tokens, seconds, clients, prompt_len)
     cpu = sum(map(cpu_seconds, pids)) - cpu0  # every router's
+    # How late the router's loop woke over the run (its loop-lag histogram; one router: with several
+    # the two scrapes may reach different ones, and then there is no figure).
+    lag = server_metrics.means_ms(before, _scrape(url))
     return {"channel": channel, "routers": len(pids), "streams": streams, "max_tokens": max_tokens, "prompt_len": prompt_len, "requests": res["requests"], "failed": res["failed"],
             "tokens": res["tokens"], "wall_s": round(res["wall_s"], 2),
             # Events with output (not the usage chunk, not [DONE]): how many tokens one carried.
             "tokens_per_event": round(res["tokens"] / max(1, res["events"] - 2 * res["requests"]), 2),
             "tokens_per_s": round(res["tokens"] / res["wall_s"]),
             "router_cpu_pct": round(100 * cpu / res["wall_s"], 1),
-            "tokens_per_router_cpu_s": round(res["tokens"] / cpu) if cpu else None}
+            "tokens_per_router_cpu_s": round(res["tokens"] / cpu) if cpu else None,
+            "loop_lag_p99_ms": lag.get("loop_lag p99<="), "loop_lag_max_ms": lag.get("loop_lag max<=")}
+
+
+def _scrape(url: str) -> server_metrics.Scrape | None:
+    try:
+        return server_metrics.parse(httpx.get(f"{url}/metrics", timeout=10).text)
+    except httpx.HTTPError:
+        return None
 
 
 def main() -> None:
@@ -295,10 +309,11 @@ def main() -> None:
                          indent=2))
         return
     print(f"{'channel':>7} {'routers':>7} {'streams':>8} {'tokens/s':>10} {'router CPU %':>13} {'tokens/router CPU-s':>20} {'tokens/event':>13} "
-          f"{'failed':>7}")
+          f"{'failed':>7} {'loop lag p99<= / max<= ms':>26}")
     for r in rows:
         print(f"{r['channel']:>7} {r['routers']:>7} {r['streams']:>8} {r['tokens_per_s']:>10} {r['router_cpu_pct']:>13} "
-              f"{r['tokens_per_router_cpu_s']:>20} {r['tokens_per_event']:>13} {r['failed']:>7}")
+              f"{r['tokens_per_router_cpu_s']:>20} {r['tokens_per_event']:>13} {r['failed']:>7} "
+              f"{str(r['loop_lag_p99_ms']) + ' / ' + str(r['loop_lag_max_ms']):>26}")
 
 
 if __name__ == "__main__":
