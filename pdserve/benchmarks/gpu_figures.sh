@@ -28,7 +28,10 @@
 #   mixed    a decode replica's step with a prompt's chunk beside 16, 32 and 96 decoders (mixed_step.py), eager
 #            beyond graphs of 32 sequences (--graph-seqs 32) (its attention's grid as today, then flat), then with
 #            prefill graphs of 128 sequences (1 GPU)
-# Each part writes OUT_DIR/<part>*.json and a log; a failing part does not stop the others.
+#   routers  issue 40's 1, 2 and 4 routers sharing a port against 4 synthetic workers that outrun one router
+#            (router_stream.py: the real channel, routers and HTTP; no GPU used, the host's cores are what counts)
+# Each part writes OUT_DIR/<part>*.json (routers: its table in the log) and a log; a failing part does not
+# stop the others.
 set -u
 out=${1:?usage: gpu_figures.sh OUT_DIR [PART ...]}
 shift
@@ -130,8 +133,11 @@ for part in $parts; do
                 --decoders 16 32 96 --context 4096 --chunks 0 16 256 1024 2048 --graph-seqs $v \
                 --json "$out/$name.json"
         done ;;
+    routers)
+        run routers python -m pdserve.benchmarks.router_stream --routers 1 2 4 --workers 4 --clients 4 \
+            --streams 128 512 --seconds 15 --prompt-len 256 ;;
     *)
         echo "[gpu-figures] unknown part $part (tests, engine, ep, ep512, kv, kvnixl, tp, goodput, adaptive, flip," \
-            "serving, grammar, spec, cached, mixed)" ;;
+            "serving, grammar, spec, cached, mixed, routers)" ;;
     esac
 done
