@@ -12,9 +12,10 @@ from pdserve.router.vllm_metrics import VLLMMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # A request's phases before its first token: fine below 10 ms, where a hand-off's cost shows (p99 read off them).
-# 12.5 and 17.5 ms: a dispatch p99 set against an engine step of 15-20 ms (issue 40's bar) needs an edge there.
-_PHASE_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03,
-                  0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Edges 2.5 ms apart from 10 to 30 ms, 35 ms: a dispatch p99 set against an engine step of 15-30 ms (issue
+# 40's bar) needs one near the step (an H200 run at 512 streams: a 28.5 ms step, the p99 in 25-30 ms).
+_PHASE_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.0225,
+                  0.025, 0.0275, 0.03, 0.035, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
