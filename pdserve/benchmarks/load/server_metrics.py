@@ -103,7 +103,8 @@ def means_ms(before: Scrape | None, after: Scrape | None) -> dict[str, float]:
                     out[f"{key} p99<="] = round(le * 1e3, 3)
                 break
         if key == "loop_lag":  # the run's longest pause of the router's loop: the bucket of its last sample
-            top = min(le for le in now["buckets"] if now["buckets"][le] - then["buckets"].get(le, 0.0) >= n)
+            top = min((le for le in now["buckets"] if now["buckets"][le] - then["buckets"].get(le, 0.0) >= n),
+                      default=math.inf)
             out[f"{key} max<="] = round(top * 1e3, 3) if not math.isinf(top) else float("inf")
     return out
 
