@@ -111,8 +111,7 @@ class Paths:
         _, _, p_name, p_worker, (d_name, d_rank, handle) = placed
         t1 = time.perf_counter()
         rs.count_placed(p_name)
-        rs.place(d_name, run)
-        rs.count_placed(d_name)
+        rs.count_placed(d_name)  # (counted in its load from the reservation on: `_reserve`)
         run.holders |= {d_name: d_rank, p_name: p_worker}
         for name in (d_name, p_name):
             rs.health.wait_on(name, run.request_id, run.queue)
@@ -159,8 +158,7 @@ class Paths:
         if reserved is None:
             run.slot = None
             rs.prompt_done(run)
-            run.placed.remove(p_name)
-            rs.loads[p_name] -= 1
+            rs.unplace(run, p_name)
             return None
         self._phase("reserve", t0)
         self.routing.routed(run, request, {p_name: p_worker, reserved[0]: reserved[1]})
@@ -245,13 +243,17 @@ class Paths:
                 if not rs.paired(p_name, d_name, rank):  # its KV could not move there
                     continue
                 # Held from the call on: a client that leaves while the reservation is answered
-                # still has it aborted on the rank (not left to its lease).
+                # still has it aborted on the rank (not left to its lease). Counted in the replica's
+                # load from the call on too, so that a burst's reservations, answered together,
+                # spread by the routing policy's balance guard rather than all see it idle.
                 run.holders[d_name] = rank
+                rs.place(d_name, run)
                 try:
                     res = await rs.call(d_name, rank, rs.send[rank](
                         NewRequest(_attempted(request, run, sent), prefill_id=p_worker)))
                 except Lost:
                     run.holders.pop(d_name, None)
+                    rs.unplace(run, d_name)
                     break  # this replica is down: try the next one
                 raise_refused(res.refused)
                 if res.unpaired is not None:  # the stats we routed by were older than its handshakes
@@ -261,6 +263,7 @@ class Paths:
                     rs.reserved[d_name] = rs.reserved.get(d_name, 0) + self._blocks(request, sent)
                     return d_name, rank, res.handle
                 run.holders.pop(d_name, None)
+                rs.unplace(run, d_name)
         if not rs.health.live(rs.decode):
             # (One died under this very reservation: the request waits for its replacement, as a
             # moving one does, rather than hear a 503 that a request a moment later would not.)

@@ -220,11 +220,15 @@ class ReplicaSet:
         self.loads[name] += 1
         run.placed.append(name)
 
-    def unplace(self, run: Attempt) -> None:
-        for name in run.placed:
-            if name in self.loads:
-                self.loads[name] -= 1
-        run.placed.clear()
+    def unplace(self, run: Attempt, name: str | None = None) -> None:
+        """The attempt leaves the replica `name` (a try there that did not take it), or every one."""
+        for n in run.placed if name is None else [name]:
+            if n in self.loads:
+                self.loads[n] -= 1
+        if name is None:
+            run.placed.clear()
+        else:
+            run.placed.remove(name)
 
     def await_prompt(self, run: Attempt, replica: str, tokens: int) -> None:
         """The attempt's prompt (`tokens` long) is now the `replica`'s to compute: all of it, or what

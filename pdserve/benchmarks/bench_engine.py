@@ -273,8 +273,8 @@ def decode_row(cost: ModelCost, batch: int, context: float, step_s: float, hit: 
             "tok_s": round(batch / step_s, 1), "experts_per_layer": round(hit, 2), "experts_source": source,
             "experts_uniform": round(cost.uniform_experts_hit(batch), 2),
             "weights_GB": _sig(b["weights"] / 1e9), "experts_GB": _sig(b["experts"] / 1e9),
-            "kv_GB": _sig(b["kv"] / 1e9), "GB_s": round(b["total"] / step_s / 1e9, 1),
-            "roofline_pct": round(100 * roofline_s / step_s, 2),
+            "kv_GB": _sig(b["kv"] / 1e9), "GB_s": _sig(b["total"] / step_s / 1e9),
+            "roofline_pct": _sig(100 * roofline_s / step_s),
             "roofline_tok_s": round(batch / roofline_s, 1)}
 
 
