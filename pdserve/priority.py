@@ -12,7 +12,8 @@ or RLIMIT_NICE allows it; else it keeps what it was given).
 A worker's start (its model, its KV connector: NIXL's import and UCX's context alone take much CPU)
 runs beside the replicas that serve, on the same cores where the host has few: a scale-up of two NIXL
 replicas on a small host lengthened the TTFT of requests served meanwhile (tests/test_chaos.py). So
-a worker starts STARTING_NICE below its serving priority and moves to it once ready.
+a worker starts STARTING_NICE below its serving priority, or lower where it began lower (Ray's 15),
+and moves to its serving priority once ready.
 
 Within a process, threads take turns at the interpreter: a thread that waits for it gets it only when
 the holder blocks or after the switch interval, 5 ms by default. A worker's channel thread (a request
@@ -51,10 +52,13 @@ def yield_while_starting() -> int | None:
     """Lower this process's priority for its start; returns the priority to serve at (`back_to`'s
     argument), or None where it may not come back (left as is)."""
     try:
+        own = os.getpriority(os.PRIO_PROCESS, 0)
         serve = serving_priority()
         if not _may_take(serve):
             return None
-        os.setpriority(os.PRIO_PROCESS, 0, min(19, serve + STARTING_NICE))
+        # Never above what the process started at: Ray's 15 is already lower than serve + 10, and
+        # raising it for the start (as this did) took three times the CPU from the replicas serving.
+        os.setpriority(os.PRIO_PROCESS, 0, max(own, min(19, serve + STARTING_NICE)))
         return serve
     except OSError as e:  # (not Linux, or not allowed: start as is)
         log.debug("starting at the usual priority: %s", e)
