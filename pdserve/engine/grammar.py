@@ -28,7 +28,6 @@ import os
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import llguidance
-import llguidance.torch
 import torch
 
 from pdserve.engine.host_lists import on_device
@@ -141,7 +140,12 @@ class Grammars:
     def _fill(self, matchers: list, host: torch.Tensor, slot: "WordSlot") -> "WordSlot":
         """On the fill thread: llguidance's batched fill (its own threads, without the GIL), then the
         copy to the device on a stream of its own, so that the forward's stream does not wait for it."""
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)], host)
+        # (llguidance.torch's fill_next_token_bitmask_par is this call; importing that module compiles a
+        # torch.compile'd kernel's wrapper, loading torch._dynamo and inductor: 2.6 s of every
+        # worker's start, for a function pdserve does not use.)
+        assert host.dtype == torch.int32 and host.dim() == 2 and host.is_contiguous() and not host.is_cuda
+        self._executor.unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)], host.data_ptr(),
+                                               host.shape[1] * 4, host.shape[0])
         slot.load(host)  # (returns once the host buffer is read: the next fill may overwrite it)
         return slot
 
