@@ -143,7 +143,7 @@ class Grammars:
         # (llguidance.torch's fill_next_token_bitmask_par is this call; importing that module compiles a
         # torch.compile'd kernel's wrapper, loading torch._dynamo and inductor: 2.6 s of every
         # worker's start, for a function pdserve does not use.)
-        assert host.dtype == torch.int32 and host.dim() == 2 and host.is_contiguous() and not host.is_cuda
+        assert host.dtype == torch.int32 and host.dim() == 2 and host.is_contiguous() and host.is_cpu
         self._executor.unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)], host.data_ptr(),
                                                host.shape[1] * 4, host.shape[0])
         slot.load(host)  # (returns once the host buffer is read: the next fill may overwrite it)
