@@ -39,8 +39,8 @@ def test_the_router_imports_no_torch(tmp_path):
 
 def test_a_worker_imports_no_compiler(tmp_path):
     """A worker's start runs beside the replicas serving: torch._dynamo and inductor (loaded by any
-    module that applies torch.compile at import, as llguidance.torch does) were 2.3 of its 5.4 CPU
-    seconds of imports, for nothing it uses (docs/benchmarks.md, "a worker's imports")."""
+    module that applies torch.compile at import, as llguidance.torch does) were about half the CPU of
+    its imports, for nothing it uses (docs/benchmarks.md, "a worker's imports")."""
     heavy = "sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor')))[:5]"
     r = python(f"import sys; import pdserve.worker.engine_worker; print({heavy})", tmp_path)
     assert r.returncode == 0, r.stderr

@@ -140,9 +140,9 @@ class Grammars:
     def _fill(self, matchers: list, host: torch.Tensor, slot: "WordSlot") -> "WordSlot":
         """On the fill thread: llguidance's batched fill (its own threads, without the GIL), then the
         copy to the device on a stream of its own, so that the forward's stream does not wait for it."""
-        # (llguidance.torch's fill_next_token_bitmask_par is this call; importing that module compiles a
-        # torch.compile'd kernel's wrapper, loading torch._dynamo and inductor: 2.6 s of every
-        # worker's start, for a function pdserve does not use.)
+        # (llguidance.torch's fill_next_token_bitmask_par is this call. Importing that module applies
+        # torch.compile to a helper pdserve does not use, loading torch._dynamo and inductor: about half
+        # the CPU of a worker's imports, docs/benchmarks.md "a worker's imports".)
         assert host.dtype == torch.int32 and host.dim() == 2 and host.is_contiguous() and host.is_cpu
         self._executor.unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)], host.data_ptr(),
                                                host.shape[1] * 4, host.shape[0])
