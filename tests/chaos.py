@@ -6,6 +6,7 @@ showing every replica serving and every KV pair paired."""
 import json
 import os
 import time
+from datetime import datetime
 
 from serving_cluster import Cluster
 from pdserve.benchmarks.load.steady import SteadyLoad
@@ -68,7 +69,7 @@ def change(cluster: Cluster, do, prefill: int, decode: int, what: str = "", afte
     condition on `pdserve up`'s output that says the change is over (a replacement serving).
     Returns the figures (benchmarks.md's table)."""
     mark = len(cluster.output())  # what `pdserve up` prints from here on explains a failure
-    t0 = time.monotonic()
+    t0, began = time.monotonic(), datetime.now().strftime("%H:%M:%S.%f")[:-4]  # (began: to read beside `pdserve up`'s times)
     do()
     # The change is over once `after` holds (a `pdserve scale` call returns once its new replicas
     # serve, every pair made, or its removed ones stopped). `pdserve status` is asked only after the
@@ -84,7 +85,7 @@ def change(cluster: Cluster, do, prefill: int, decode: int, what: str = "", afte
     paired = end - t0 if status is not None else float("inf")
     figures = {"sent": w.sent, "failed": w.failed, "resent": cluster.load.resent, "p99_s": round(w.ttft_p99(), 3),
                "max_s": round(w.ttft_max(), 3), "steady_p99_s": round(cluster.steady_p99, 3),
-               "paired_s": round(paired, 2),
+               "paired_s": round(paired, 2), "began": began,
                "slowest": slowest(w, t0), "steady_slowest": cluster.steady_slowest}
     print("chaos:", what, figures)
     if log := os.environ.get("PDSERVE_CHAOS_LOG"):  # benchmarks.md's table: a JSON line per change
