@@ -3,7 +3,7 @@
 
 A real `pdserve up` cluster of 2 prefill + 1 decode replicas over NIXL, a steady Poisson load of
 short greedy streams through the OpenAI client (tests/chaos.py, pdserve/benchmarks/load/steady.py) the whole
-time. Each flip must leave what every chaos change leaves: 0 requests failed, TTFT p99 of the
+time. Each flip must leave what every chaos change leaves: 0 requests failed, TTFT p95 of the
 requests sent during the flip within 2 x the steady p99 + 1 s, every KV block back to idle, every KV
 pair paired; and none waits over 1 s for its first token. Besides: the flipped worker keeps its
 process (same pid), a greedy answer after the flips equals the one before, the command prints the

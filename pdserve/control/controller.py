@@ -194,60 +194,90 @@ class Controller(Recovery, Handshake, Scaling, Flipping):
                            {n: a[0] for n, a in answers.items() if n in self.routers})
             for name, why in dead.items():
                 self._restarting.setdefault(name, why)
-            for name, why in list(self._restarting.items()):
+            now = time.monotonic()
+            due = {n: why for n, why in list(self._restarting.items()) if now >= self._retry_at.get(n, (0.0, 0.0))[0]}
+            for name in [n for n in due if n in self.routers]:
                 if not self._watching.is_set():
                     return
-                if time.monotonic() >= self._retry_at.get(name, (0.0, 0.0))[0]:
-                    self._replace(name, why)
+                self._replace_router(name, due.pop(name))
+            self._replace_replicas(due)
             with self._life:
                 if self._watching.is_set():
                     self._repair()
             time.sleep(max(0.0, PROBE_INTERVAL_S - (time.monotonic() - t0)))
 
-    def _replace(self, name: str, why: str) -> None:
-        """A fresh incarnation of a dead replica (or router); on failure, tried again later."""
+    def _replace_router(self, slot: str, why: str) -> None:
+        """A fresh incarnation of a dead router; on failure, tried again later."""
         with self._life:
             if not self._watching.is_set():
                 return
             try:
-                if name in self.routers:
-                    self._replace_router(name, why)
-                elif name in self.replicas:
-                    self._replace_replica(name, why)
+                self._restart_router(slot, why)
             except Exception as e:
-                _, backoff = self._retry_at.get(name, (0.0, RETRY_S[0] / 2))
-                backoff = min(RETRY_S[1], backoff * 2)
-                self._retry_at[name] = (time.monotonic() + backoff, backoff)
-                self._note(f"{name}: its replacement failed ({_cause(e)}); trying again in {backoff:.0f} s")
+                self._retry_later(slot, e)
                 return
-            self._restarting.pop(name, None)
-            self._retry_at.pop(name, None)
-            self._beats.forget(name)
+            self._replaced(slot)
 
-    def _replace_replica(self, replica: str, why: str) -> None:
-        old = self.replicas[replica]
-        if old.state == "draining":  # it was leaving anyway: what it held migrates (the routers' job)
-            self._note(f"{replica} ({why}) was draining: removed")
-            self._remove(old)
+    def _replace_replicas(self, due: dict[str, str]) -> None:
+        """Fresh incarnations of the dead replicas `due` (-> why), started together and each put to
+        serve once it is ready and paired: a node's death takes every replica there, and one started
+        only after the one before it served came back a whole start later (a decode replica 13 s after
+        its node's prefill replica, on a loaded 2-core host). A start that fails is tried again later."""
+        if not due:
             return
-        self._note(f"{replica} is down ({why}); starting a replacement")
-        Launcher.stop(old)
-        self._forget_pairs(old)
-        others = [i for i in self.replicas.values() if i is not old]
-        new = self.launcher.start(old.role, replica, old.generation + 1, others)
-        new.restarts = old.restarts + 1
-        try:
-            self._wait_ready([new])
-            if new.role != "colocated":
-                self._handshake([new])
-        except Exception:
-            Launcher.stop(new)
-            raise
-        self.replicas[replica] = new
-        self._tell(new.change())
-        self._note(f"{replica} replaced ({', '.join(new.ranks)}); serving again")
+        with self._life:
+            if not self._watching.is_set():
+                return
+            launched: dict[str, Incarnation] = {}
+            for replica, why in due.items():
+                old = self.replicas.get(replica)
+                if old is None:  # removed meanwhile (a scale-down): nothing to replace
+                    self._replaced(replica)
+                    continue
+                if old.state == "draining":  # it was leaving anyway: what it held migrates (the routers' job)
+                    self._note(f"{replica} ({why}) was draining: removed")
+                    self._remove(old)
+                    self._replaced(replica)
+                    continue
+                self._note(f"{replica} is down ({why}); starting a replacement")
+                Launcher.stop(old)
+                self._forget_pairs(old)
+                # Placed beside the live replicas and the replacements started before it here.
+                others = [i for i in self.replicas.values() if i.replica not in due] + list(launched.values())
+                try:
+                    new = self.launcher.start(old.role, replica, old.generation + 1, others)
+                except Exception as e:
+                    self._retry_later(replica, e)
+                    continue
+                new.restarts = old.restarts + 1
+                launched[replica] = new
+            for replica, new in launched.items():  # (starting together: the first wait covers the others')
+                try:
+                    self._wait_ready([new])
+                    if new.role != "colocated":  # (with the live and the replacements serving already)
+                        self._handshake([new])
+                except Exception as e:
+                    Launcher.stop(new)
+                    self._retry_later(replica, e)
+                    continue
+                self.replicas[replica] = new
+                self._tell(new.change())
+                self._note(f"{replica} replaced ({', '.join(new.ranks)}); serving again")
+                self._replaced(replica)
 
-    def _replace_router(self, slot: str, why: str) -> None:
+    def _retry_later(self, name: str, e: Exception) -> None:
+        """A replacement failed: the watch tries again after a backoff that doubles each time."""
+        _, backoff = self._retry_at.get(name, (0.0, RETRY_S[0] / 2))
+        backoff = min(RETRY_S[1], backoff * 2)
+        self._retry_at[name] = (time.monotonic() + backoff, backoff)
+        self._note(f"{name}: its replacement failed ({_cause(e)}); trying again in {backoff:.0f} s")
+
+    def _replaced(self, name: str) -> None:
+        self._restarting.pop(name, None)
+        self._retry_at.pop(name, None)
+        self._beats.forget(name)
+
+    def _restart_router(self, slot: str, why: str) -> None:
         old = self.routers[slot]
         self._note(f"{old['name']} is down ({why}); starting a replacement")
         try:

@@ -62,9 +62,12 @@ class Window:
         return max((r.ttft for r in self.requests if r.ttft is not None), default=0.0)
 
     def ttft_p99(self) -> float:
+        return self.ttft_quantile(0.99)
+
+    def ttft_quantile(self, q: float) -> float:
         """Of the requests that completed (nearest rank); 0 where none did."""
         ttfts = sorted(r.ttft for r in self.requests if r.ttft is not None)
-        return ttfts[max(0, math.ceil(0.99 * len(ttfts)) - 1)] if ttfts else 0.0
+        return ttfts[max(0, math.ceil(q * len(ttfts)) - 1)] if ttfts else 0.0
 
 
 class SteadyLoad:
