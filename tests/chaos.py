@@ -18,6 +18,10 @@ RATE = 3.0  # requests a second: steady on 2 cores beside a replica that starts
 STEADY_S = 10.0  # the reference window, before any change
 AFTER_S = 2.0
 STALL_S = 5.0  # no request's first token takes longer, whatever the change  # the change's window runs this long past its end (requests sent then still see it)
+SLOW_S = 0.5  # an edge of the routers' TTFT, phase and loop-lag histograms: what took longer is counted
+# The routers' histograms whose observations over SLOW_S a change's figures count (-> the name shown)
+SLOW_SERIES = {"pdserve_ttft_seconds": "ttft", "pdserve_request_phase_seconds": None,
+               "pdserve_router_loop_lag_seconds": "loop_lag"}
 
 
 def steady(cluster: Cluster) -> None:
@@ -35,6 +39,28 @@ def slowest(w, t0: float, n: int = 3) -> list[tuple[float, float]]:
     """The window's slowest requests: when each was sent after t0, and its TTFT (s)."""
     done = sorted((r for r in w.requests if r.ttft is not None), key=lambda r: -r.ttft)
     return [(round(r.at - t0, 2), round(r.ttft, 3)) for r in done[:n]]
+
+
+def slow_counts(metrics: str) -> dict[str, float]:
+    """The routers' observations over SLOW_S so far: their TTFT (from a request's arrival at a router
+    to its first token there), each phase of it (admit, reserve, dispatch, first_token), and their
+    event loops' lags. Where a client waited seconds and none of these did, the wait was outside
+    the routers' span (the client, its connection) or before it."""
+    total: dict[str, float] = {}
+    within: dict[str, float] = {}
+    for line in metrics.splitlines():
+        name, rest = line.split(" ", 1)[0].split("{", 1)[0], line.partition("{")[2]
+        for base, label in SLOW_SERIES.items():
+            if name not in (f"{base}_count", f"{base}_bucket"):
+                continue
+            labels = dict(kv.split("=", 1) for kv in rest.rsplit("}", 1)[0].replace('"', "").split(",") if "=" in kv)
+            key = label or labels.get("phase", base)
+            value = float(line.rsplit(" ", 1)[1])
+            if name.endswith("_count"):
+                total[key] = total.get(key, 0.0) + value
+            elif float(labels.get("le", "nan")) == SLOW_S:
+                within[key] = within.get(key, 0.0) + value
+    return {k: n - within.get(k, 0.0) for k, n in total.items()}
 
 
 def pairs(status: str) -> set[tuple[str, str]]:
@@ -73,6 +99,7 @@ def change(cluster: Cluster, do, prefill: int, decode: int, what: str = "", afte
     Returns the figures (benchmarks.md's table)."""
     mark = len(cluster.output())  # what `pdserve up` prints from here on explains a failure
     t0, began = time.monotonic(), datetime.now().strftime("%H:%M:%S.%f")[:-4]  # (began: to read beside `pdserve up`'s times)
+    slow_before = slow_counts(cluster.metrics())
     do()
     # The change is over once `after` holds (a `pdserve scale` call returns once its new replicas
     # serve, every pair made, or its removed ones stopped). `pdserve status` is asked only after the
@@ -84,12 +111,14 @@ def change(cluster: Cluster, do, prefill: int, decode: int, what: str = "", afte
     time.sleep(AFTER_S)
     cluster.load.drain(timeout_s=180)  # (a stalled request ends after the lease: 60 s)
     w = cluster.load.window(t0, end + AFTER_S)
+    slow = {k: n - slow_before.get(k, 0.0) for k, n in slow_counts(cluster.metrics()).items()}
     status = settled(cluster, prefill, decode)
     paired = end - t0 if status is not None else float("inf")
     figures = {"sent": w.sent, "failed": w.failed, "resent": cluster.load.resent,
                "p95_s": round(w.ttft_quantile(0.95), 3), "p99_s": round(w.ttft_p99(), 3),
                "max_s": round(w.ttft_max(), 3), "steady_p99_s": round(cluster.steady_p99, 3),
                "paired_s": round(paired, 2), "began": began,
+               f"routers_over_{SLOW_S:g}s": {k: int(n) for k, n in slow.items() if n > 0},
                "slowest": slowest(w, t0), "steady_slowest": cluster.steady_slowest}
     print("chaos:", what, figures)
     if log := os.environ.get("PDSERVE_CHAOS_LOG"):  # benchmarks.md's table: a JSON line per change
