@@ -99,7 +99,8 @@ def change(cluster: Cluster, do, prefill: int, decode: int, what: str = "", afte
     condition on `pdserve up`'s output that says the change is over (a replacement serving).
     Returns the figures (benchmarks.md's table)."""
     mark = len(cluster.output())  # what `pdserve up` prints from here on explains a failure
-    t0, began = time.monotonic(), datetime.now().strftime("%H:%M:%S.%f")[:-4]  # (began: to read beside `pdserve up`'s times)
+    # (began: the wall clock, to read beside the times `pdserve up` prints)
+    t0, began = time.monotonic(), datetime.now().strftime("%H:%M:%S.%f")[:-4]
     slow_before = slow_counts(cluster.metrics())
     do()
     # The change is over once `after` holds (a `pdserve scale` call returns once its new replicas

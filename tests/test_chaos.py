@@ -5,7 +5,8 @@ short greedy streams through the OpenAI client (pdserve/benchmarks/load/steady.p
 case makes one change while the load runs — scale prefill up and down, decode up and down, both at
 once, scale while a worker is SIGKILLed, kill a router, kill the controller — and then checks what
 a user sees: 0 requests failed, TTFT p95 of the requests sent during the change within
-2 x the steady p99 + 1 s and none over 5 s (tests/chaos.py), every KV block back to idle, and `pdserve status` showing every KV pair.
+2 x the steady p99 + 1 s and none over 5 s (tests/chaos.py), every KV block back to idle, and
+`pdserve status` showing every KV pair.
 The cases share the module's cluster: each starts from the 1 + 1 it found and leaves it so.
 """
 
