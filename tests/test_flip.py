@@ -25,9 +25,12 @@ from pdserve.control.tune import flips
 from serving_cluster import Cluster
 
 STALL_S = 1.0  # the issue's bound: no request's first token waits longer than this during a flip
-# Streams outlasting a flip's start and grace: the command joins Ray first (~1.6 s to the drain's
-# start quiet, more under load); 800 tokens took 5.5 s quiet, which a loaded host may not leave.
-LONG, LONG_TOKENS = 4, 2400
+# Streams outlasting a flip's start and grace by construction: each asks for more tokens than the flip
+# can take (3,600: ~25 s quiet, a minute loaded; the command joins Ray first, seconds under load) and
+# its reader closes it AFTER chunks past the flip's end, which the replica it moved to sent. (Streams of
+# a fixed 2,400 tokens ended before the drain began in a CI run, the command at nice 10 on saturated
+# cores taking ~45 s to join Ray.)
+LONG, LONG_TOKENS, AFTER = 4, 3600, 48
 PROMPT = "the quick brown fox jumps over the lazy dog and then"
 
 
@@ -53,19 +56,32 @@ def greedy(url: str) -> list[str]:
                                           extra_body={"ignore_eos": True}).choices[0].text for n in (1, 3)]
 
 
-def long_answer(url: str, i: int, decoding: threading.Semaphore | None = None) -> str:
-    """A long greedy answer (seconds of decoding on the CPU) to the i-th of LONG prompts, streamed;
-    `decoding` is released at its first text (the stream is then on a decode replica)."""
+def long_answer(url: str, i: int, decoding: threading.Semaphore | None = None,
+                flipped: threading.Event | None = None, max_tokens: int = LONG_TOKENS) -> tuple[str, int, str | None]:
+    """The i-th of LONG prompts' greedy answer, streamed: its text, its tokens (their logprobs' count)
+    and its finish reason (None: this reader closed it). `decoding` is released at its first text (the
+    stream is then on a decode replica); once `flipped` is set the reader takes AFTER more chunks and
+    closes the stream (the router aborts it)."""
     with openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120) as client:
-        text = []
-        for chunk in client.completions.create(model="tiny-moe", prompt=f"{i} {PROMPT} " * (1 + i),
-                                               max_tokens=LONG_TOKENS, temperature=0, stream=True,
-                                               extra_body={"ignore_eos": True}):
-            if chunk.choices and chunk.choices[0].text:
-                if decoding is not None and not text:
-                    decoding.release()
-                text.append(chunk.choices[0].text)
-        return "".join(text)
+        text, tokens, after, finish = [], 0, 0, None
+        with client.completions.create(model="tiny-moe", prompt=f"{i} {PROMPT} " * (1 + i), max_tokens=max_tokens,
+                                       temperature=0, logprobs=0, stream=True,
+                                       extra_body={"ignore_eos": True}) as stream:
+            for chunk in stream:
+                if not chunk.choices:
+                    continue
+                choice = chunk.choices[0]
+                finish = choice.finish_reason or finish
+                tokens += len(choice.logprobs.tokens) if choice.logprobs and choice.logprobs.tokens else 0
+                if choice.text:
+                    if decoding is not None and not text:
+                        decoding.release()
+                    text.append(choice.text)
+                    if flipped is not None and flipped.is_set():
+                        after += 1
+                        if after == AFTER:
+                            break
+        return "".join(text), tokens, (None if after == AFTER else finish)
 
 
 def _metric(cluster: Cluster, series: str) -> float:
@@ -81,9 +97,9 @@ def _migrations(cluster: Cluster) -> float:
     return _metric(cluster, 'pdserve_request_migrations_total{role="decode"}')
 
 
-def flip(cluster: Cluster, replica: str, role: str, said: list, grace_s: float = 60):
+def flip(cluster: Cluster, replica: str, role: str, said: list, grace_s: float = 60, nice: int = 10):
     def do():
-        r = cluster.cli("scale", "--role", f"{replica}={role}", "--grace", str(grace_s))
+        r = cluster.cli("scale", "--role", f"{replica}={role}", "--grace", str(grace_s), nice=nice)
         assert r.returncode == 0, r.stderr
         said.append(r.stderr + r.stdout)
     return do
@@ -143,8 +159,9 @@ def test_a_flip_past_its_grace_moves_the_streams_left(cluster):
     def held(r: str) -> float:
         return _metric(cluster, f'pdserve_queue_length{{replica="{r}",role="decode"}}')
 
+    flipped = threading.Event()
     with ThreadPoolExecutor(LONG) as pool:
-        answers = [pool.submit(long_answer, cluster.url, i, decoding) for i in range(LONG)]
+        answers = [pool.submit(long_answer, cluster.url, i, decoding, flipped) for i in range(LONG)]
         for _ in range(LONG):  # each decodes once its first text came
             assert decoding.acquire(timeout=90), "a long stream had no first token within 90 s"
         went = {r: n - before[r] for r, n in _placed(cluster, decode).items()}
@@ -155,10 +172,17 @@ def test_a_flip_past_its_grace_moves_the_streams_left(cluster):
             time.sleep(0.1)
         assert held(target) >= went[target], (went, {r: held(r) for r in decode})
         cluster.load.resume()
-        flip(cluster, target, "prefill", said, grace_s=0.3)()
+        flip(cluster, target, "prefill", said, grace_s=0.3, nice=0)()  # (no TTFT bound here: see above)
+        flipped.set()
         moved = [a.result() for a in answers]
-        assert moved == list(pool.map(lambda i: long_answer(cluster.url, i), range(LONG)))
-    print(said[0].strip().splitlines()[-1], "; the long streams went to", went)
+        assert all(finish is None for *_, finish in moved), ("a long stream ended before the flip was done",
+                                                             [(n, f) for _, n, f in moved])
+        # Each moved stream's text is the start of the same prompt's answer never moved (a few tokens longer).
+        whole = list(pool.map(lambda i: long_answer(cluster.url, i, max_tokens=moved[i][1] + 8)[0], range(LONG)))
+        for (text, *_), ref in zip(moved, whole):
+            assert len(ref) > len(text) and ref.startswith(text), (text[-60:], ref[len(text) - 60:len(text) + 20])
+    print(said[0].strip().splitlines()[-1], "; the long streams went to", went, "and were closed after",
+          [n for _, n, _ in moved], "tokens,", f"{time.monotonic() - t0:.1f} s after the test began")
     assert f"{target}: not drained within 0.3 s" in cluster.output(), (went, said[0])
     assert _migrations(cluster) - moves >= went[target], (went, moves, _migrations(cluster))  # each moved
     cluster.load.drain(timeout_s=180)
