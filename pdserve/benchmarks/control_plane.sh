@@ -13,6 +13,8 @@
 #     prompts at 1 req/s with 50-token answers;
 #  4. (TRACE=1, the default) the same two light loads through a fresh cluster whose processes trace
 #     every request's hops (PDSERVE_HOP_TRACE): where each TTFT goes, hop by hop (hop_trace.py).
+# AFTER_LOAD=1 repeats part 4 after 512 streams through the traced cluster, and the engine's own lone prompts
+# after 1,024 requests in the engine (lone_prompt.py --after-load).
 # SKIP_ENGINE=1 leaves out bench-engine and the engine on the bench's workload (not the lone prompts'
 # reference); SKIP_LIGHT=1 parts 3 and 4; CONCS the streams of part 2.
 # A table last. Run from the checkout's root:  bash pdserve/benchmarks/control_plane.sh
@@ -40,7 +42,7 @@ if [ -z "${SKIP_LIGHT:-}" ]; then
 # The engine's own first token for a lone 4k and a 128-token prompt, each after 1 s idle (as the served
 # light loads below leave the engine between requests; a GPU idle that long starts slower).
 timeout 300 python -m pdserve.benchmarks.lone_prompt /tmp/coloc.yaml --prompt-len $LONE_LEN 128 --reps 8 --gap-s 1 --overlap on \
-  --json $OUT/engine_lone.json > $OUT/engine_lone.log 2>&1
+  ${AFTER_LOAD:+--after-load 1024} --json $OUT/engine_lone.json > $OUT/engine_lone.log 2>&1
 echo "lone_prompt exit $?"
 fi
 if [ -z "${SKIP_ENGINE:-}" ]; then
@@ -78,12 +80,12 @@ light() {  # light SUFFIX: the lone 4k prompts and the 128-token light load
   timeout 150 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --max-concurrency 1 --num-prompts 20 \
     --input-len $LONE_LEN --output-len 2 --warmup 4 $METRICS --json $OUT/lone$1.json > $OUT/lone$1.log 2>&1
   echo "lone$1 exit $?"
-  [ -n "${HOPS:-}" ] && python -m pdserve.benchmarks.hop_trace $HOPS --last 20 --json $OUT/hops_lone.json
+  [ -n "${HOPS:-}" ] && python -m pdserve.benchmarks.hop_trace $HOPS --last 20 --json $OUT/hops_lone$1.json
   # Issue 40's light load: 128-token prompts at 1 req/s, 50-token answers (TTFT against the engine's 128 above).
   timeout 120 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --num-prompts 25 --input-len 128 \
     --output-len 50 --warmup 3 $METRICS --json $OUT/light128$1.json > $OUT/light128$1.log 2>&1
   echo "light128$1 exit $?"
-  [ -n "${HOPS:-}" ] && python -m pdserve.benchmarks.hop_trace $HOPS --last 25 --json $OUT/hops_light128.json
+  [ -n "${HOPS:-}" ] && python -m pdserve.benchmarks.hop_trace $HOPS --last 25 --json $OUT/hops_light128$1.json
 }
 CONCS=${CONCS:-64 128 256 512}  # the concurrencies to serve
 for C in $CONCS; do
@@ -105,6 +107,11 @@ if [ -z "${SKIP_LIGHT:-}" ] && [ "${TRACE:-1}" != 0 ]; then
   export HOPS=$OUT/hops PDSERVE_HOP_TRACE=$OUT/hops
   up $OUT/up_traced.log
   light _traced
+  if [ -n "${AFTER_LOAD:-}" ]; then  # AFTER_LOAD=1: and again after 512 streams (what part 2 leaves part 3)
+    timeout 180 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate inf --max-concurrency 512 \
+      --num-prompts 1024 --input-len 256 --output-len 256 --warmup 0 --clients $CLIENTS > $OUT/load_traced.log 2>&1
+    light _traced_loaded
+  fi
   unset PDSERVE_HOP_TRACE
 fi
 # The served worker's step times (its stats' profile), against lone_prompt.py's in-process ones.
@@ -151,7 +158,7 @@ for c in (64, 128, 256, 512):
           f"{ph.get('first_token', float('nan')):>9} {r['ttft_ms']['p50']!s:>9} {r['ttft_ms']['p90']!s:>9} "
           f"{r['output_throughput']!s:>10} {cpu.get(c, 0):>12.1f} {toks / cpu[c] if cpu.get(c) else float('nan'):>16.0f} "
           f"{r.get('client_cpu', float('nan')):>10} {r['completed']:>5}")
-for name in ("lone", "light128", "lone_traced", "light128_traced"):
+for name in ("lone", "light128", "lone_traced", "light128_traced", "lone_traced_loaded", "light128_traced_loaded"):
     try:
         r = json.load(open(f"{out}/{name}.json"))["runs"][0]
         print(f"{name}: TTFT p50", r["ttft_ms"]["p50"], "p90", r["ttft_ms"]["p90"], "p99", r["ttft_ms"]["p99"],

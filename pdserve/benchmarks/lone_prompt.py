@@ -40,6 +40,64 @@ def first_token_ms(engine: Engine, ids: list[int], rid: str, gap_s: float = 0.0)
     return ms
 
 
+class _Collections:
+    """The garbage collector's passes while it is on: how many, their longest and their sum (ms)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.times.append((time.perf_counter() - self._t0) * 1e3)
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+    def summary(self) -> dict:
+        return {"n": len(self.times), "max_ms": round(max(self.times, default=0), 2), "sum_ms": round(sum(self.times), 2)}
+
+
+def _lone(engine: Engine, a: argparse.Namespace, rng: random.Random, key: str) -> dict:
+    out = {}
+    vocab = engine.args.vocab_size
+    for n in a.prompt_len:
+        engine.profile.reset()  # (the load before: not these prompts' steps)
+        with _Collections() as collections:
+            times = [first_token_ms(engine, [rng.randrange(3, vocab) for _ in range(n)], f"r{n}-{key}-{i}", a.gap_s)
+                     for i in range(a.reps + 2)][2:]  # two warm-ups
+        # The engine's own step figures (what a served worker reports in its stats' profile too):
+        # a served lone prompt's steps against these say whether the serving path slows the steps
+        # themselves or only adds time around them.
+        steps = {f"{phase}_{size}": round(1e3 * row[2] / row[0], 2)
+                 for phase in ("prefill", "decode") for size, row in engine.profile.snapshot()[phase].items()}
+        k = key + ("" if len(a.prompt_len) == 1 else f"_{n}")
+        out[k] = {"p50": round(statistics.median(times), 2), "min": round(min(times), 2), "step_mean_ms": steps,
+                  "gc": collections.summary()}
+        engine.profile.reset()
+        print(k, out[k], flush=True)
+    return out
+
+
+def _load(engine: Engine, n: int, rng: random.Random, prompt_len: int = 256, answer_len: int = 256) -> None:
+    """n requests at once, each of prompt_len random tokens and answer_len tokens, until all end."""
+    t0 = time.perf_counter()
+    vocab = engine.args.vocab_size
+    for i in range(n):
+        engine.add_request(f"load-{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)],
+                           SamplingParams(max_tokens=answer_len, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    print(f"load of {n} requests served in {time.perf_counter() - t0:.1f} s; {engine.pool.num_free_blocks} of "
+          f"{engine.pool.num_blocks} blocks free, {len(engine.pool.cached)} cached", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
@@ -50,6 +108,9 @@ def main() -> None:
                          "requests; a GPU idle that long starts its next kernels slower)")
     ap.add_argument("--overlap", choices=["on", "off", "both"], default="both",
                     help="overlap scheduling (on: a GPU's default); both: on, then off, one engine after the other")
+    ap.add_argument("--after-load", type=int, default=0, metavar="N",
+                    help="then N requests at once (256-token prompts and answers) and the lone prompts again; then "
+                         "once more with the prefix cache emptied")
     ap.add_argument("--json")
     a = ap.parse_args()
     cfg = load_cluster_config(a.config)
@@ -58,19 +119,15 @@ def main() -> None:
     out: dict = {}
     for overlap in {"on": (True,), "off": (False,), "both": (True, False)}[a.overlap]:
         engine = Engine(base.model_copy(update={"overlap_scheduling": overlap}))
-        vocab = engine.args.vocab_size
-        for n in a.prompt_len:
-            times = [first_token_ms(engine, [rng.randrange(3, vocab) for _ in range(n)], f"r{n}-{i}", a.gap_s)
-                     for i in range(a.reps + 2)][2:]  # two warm-ups
-            # The engine's own step figures (what a served worker reports in its stats' profile too):
-            # a served lone prompt's steps against these say whether the serving path slows the steps
-            # themselves or only adds time around them.
-            steps = {f"{phase}_{size}": round(1e3 * row[2] / row[0], 2)
-                     for phase in ("prefill", "decode") for size, row in engine.profile.snapshot()[phase].items()}
-            key = f"overlap_{'on' if overlap else 'off'}_ms" + ("" if len(a.prompt_len) == 1 else f"_{n}")
-            out[key] = {"p50": round(statistics.median(times), 2), "min": round(min(times), 2), "step_mean_ms": steps}
-            engine.profile.reset()
-            print(overlap, n, out[key], flush=True)
+        key = f"overlap_{'on' if overlap else 'off'}_ms"
+        out.update(_lone(engine, a, rng, key))
+        if a.after_load:
+            # What a load run leaves (its blocks cached, the pool's free runs scattered) against the same
+            # engine fresh: a served lone prompt after the bench's streams is timed in such an engine.
+            _load(engine, a.after_load, rng)
+            out.update(_lone(engine, a, rng, key + "_after_load"))
+            engine.pool.reset_prefix_cache()
+            out.update(_lone(engine, a, rng, key + "_after_load_cache_emptied"))
         # The next engine needs the memory this one's KV cache holds: its graphs and hooks keep it in
         # reference cycles, which only a collection frees (without it the second engine ran out of
         # memory on an H200).
