@@ -76,14 +76,18 @@ for p in pids:
 print(total)
 PY
 }
-light() {  # light SUFFIX: the lone 4k prompts and the 128-token light load
+light() {  # light SUFFIX SEED: the lone 4k prompts (SEED) and the 128-token light load (SEED + 1)
+  # Seeds no run on the cluster used before: the bench draws prompt i's tokens as the i-th stretch of
+  # one seeded stream, so seed 0's 4k prompts began with the 256-token prompts the streams above had
+  # left cached (a 256-token cached prefix: the varlen prefill path, +8 ms at 4k on an H200).
+  local seed=$2
   timeout 150 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --max-concurrency 1 --num-prompts 20 \
-    --input-len $LONE_LEN --output-len 2 --warmup 4 $METRICS --json $OUT/lone$1.json > $OUT/lone$1.log 2>&1
+    --input-len $LONE_LEN --output-len 2 --warmup 4 --seed $seed $METRICS --json $OUT/lone$1.json > $OUT/lone$1.log 2>&1
   echo "lone$1 exit $?"
   [ -n "${HOPS:-}" ] && python -m pdserve.benchmarks.hop_trace $HOPS --last 20 --json $OUT/hops_lone$1.json
   # Issue 40's light load: 128-token prompts at 1 req/s, 50-token answers (TTFT against the engine's 128 above).
   timeout 120 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --num-prompts 25 --input-len 128 \
-    --output-len 50 --warmup 3 $METRICS --json $OUT/light128$1.json > $OUT/light128$1.log 2>&1
+    --output-len 50 --warmup 3 --seed $((seed + 1)) $METRICS --json $OUT/light128$1.json > $OUT/light128$1.log 2>&1
   echo "light128$1 exit $?"
   [ -n "${HOPS:-}" ] && python -m pdserve.benchmarks.hop_trace $HOPS --last 25 --json $OUT/hops_light128$1.json
 }
@@ -99,18 +103,18 @@ for C in $CONCS; do
   echo "C=$C exit $? router_cpu_s $(python -c "print($(router_cpu) - $c0)")" | tee -a $OUT/cpu.txt
 done
 if [ -z "${SKIP_LIGHT:-}" ]; then  # SKIP_LIGHT=1: no lone 4k prompts, no light load
-  light ""
+  light "" 100
 fi
 if [ -z "${SKIP_LIGHT:-}" ] && [ "${TRACE:-1}" != 0 ]; then
   # A fresh cluster whose processes trace every request's hops, the bench's too (PDSERVE_HOP_TRACE).
   kill -INT $pid; wait $pid
   export HOPS=$OUT/hops PDSERVE_HOP_TRACE=$OUT/hops
   up $OUT/up_traced.log
-  light _traced
+  light _traced 200
   if [ -n "${AFTER_LOAD:-}" ]; then  # AFTER_LOAD=1: and again after 512 streams (what part 2 leaves part 3)
     timeout 180 python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate inf --max-concurrency 512 \
       --num-prompts 1024 --input-len 256 --output-len 256 --warmup 0 --clients $CLIENTS > $OUT/load_traced.log 2>&1
-    light _traced_loaded
+    light _traced_loaded 300
   fi
   unset PDSERVE_HOP_TRACE
 fi
