@@ -9,7 +9,9 @@ for each overlap setting times `add_request` until the step that hands out the f
 `--gap-s` idle seconds. Overlapped
 (a GPU's default), the first token is handed out only once the next step is queued: that step's
 host work is part of the engine's own first-token time. `bench-engine`'s prefill figure is the
-prefill step alone.
+prefill step alone. `--after-load N` times the same again in the same engine after N requests at
+once (what a load run leaves it: its blocks cached, its free runs scattered), then once more with
+the prefix cache emptied; each figure also counts the garbage collector's passes during it.
 """
 
 import argparse
@@ -80,7 +82,6 @@ def _lone(engine: Engine, a: argparse.Namespace, rng: random.Random, key: str) -
         k = key + ("" if len(a.prompt_len) == 1 else f"_{n}")
         out[k] = {"p50": round(statistics.median(times), 2), "min": round(min(times), 2), "step_mean_ms": steps,
                   "gc": collections.summary()}
-        engine.profile.reset()
         print(k, out[k], flush=True)
     return out
 
