@@ -11,7 +11,9 @@ for each overlap setting times `add_request` until the step that hands out the f
 host work is part of the engine's own first-token time. `bench-engine`'s prefill figure is the
 prefill step alone. `--after-load N` times the same again in the same engine after N requests at
 once (what a load run leaves it: its blocks cached, its free runs scattered), then once more with
-the prefix cache emptied; each figure also counts the garbage collector's passes during it.
+the prefix cache emptied; `--cached-prefix C ...` times each prompt again with its first C tokens
+cached (what a shared system prompt or an earlier turn leaves). Each figure also counts the garbage
+collector's passes during it.
 """
 
 import argparse
@@ -66,13 +68,23 @@ class _Collections:
         return {"n": len(self.times), "max_ms": round(max(self.times, default=0), 2), "sum_ms": round(sum(self.times), 2)}
 
 
-def _lone(engine: Engine, a: argparse.Namespace, rng: random.Random, key: str) -> dict:
+def _cached_first_token_ms(engine: Engine, ids: list[int], rid: str, cached: int, gap_s: float) -> float:
+    """first_token_ms of `ids` after a request of its first `cached` tokens put them in the prefix cache."""
+    if cached:
+        first_token_ms(engine, ids[:cached], f"{rid}-primer")
+    return first_token_ms(engine, ids, rid, gap_s)
+
+
+def _lone(engine: Engine, a: argparse.Namespace, rng: random.Random, key: str, cached: int = 0) -> dict:
     out = {}
     vocab = engine.args.vocab_size
     for n in a.prompt_len:
+        if cached >= n:
+            continue
         engine.profile.reset()  # (the load before: not these prompts' steps)
         with _Collections() as collections:
-            times = [first_token_ms(engine, [rng.randrange(3, vocab) for _ in range(n)], f"r{n}-{key}-{i}", a.gap_s)
+            times = [_cached_first_token_ms(engine, [rng.randrange(3, vocab) for _ in range(n)], f"r{n}-{key}-{i}",
+                                            cached, a.gap_s)
                      for i in range(a.reps + 2)][2:]  # two warm-ups
         # The engine's own step figures (what a served worker reports in its stats' profile too):
         # a served lone prompt's steps against these say whether the serving path slows the steps
@@ -112,6 +124,9 @@ def main() -> None:
     ap.add_argument("--after-load", type=int, default=0, metavar="N",
                     help="then N requests at once (256-token prompts and answers) and the lone prompts again; then "
                          "once more with the prefix cache emptied")
+    ap.add_argument("--cached-prefix", type=int, nargs="*", default=[], metavar="TOKENS",
+                    help="also each prompt with its first TOKENS tokens cached (a request of those first: the step "
+                         "then reads its keys through the block tables, the varlen path), one figure per count")
     ap.add_argument("--json")
     a = ap.parse_args()
     cfg = load_cluster_config(a.config)
@@ -122,6 +137,8 @@ def main() -> None:
         engine = Engine(base.model_copy(update={"overlap_scheduling": overlap}))
         key = f"overlap_{'on' if overlap else 'off'}_ms"
         out.update(_lone(engine, a, rng, key))
+        for cached in a.cached_prefix:
+            out.update(_lone(engine, a, rng, f"{key}_cached{cached}", cached))
         if a.after_load:
             # What a load run leaves (its blocks cached, the pool's free runs scattered) against the same
             # engine fresh: a served lone prompt after the bench's streams is timed in such an engine.
