@@ -44,6 +44,10 @@ class RouterConfig(BaseModel):
     # whose client has not taken its events for sse_write_timeout_s is cut off and its request
     # aborted (its KV blocks freed). Past max_connections open connections, new requests get 503.
     header_timeout_s: float = Field(default=10.0, gt=0)
+    # A kept-alive connection idle this long is closed. Longer than the clients' own pools keep one
+    # (httpx 5 s, aiohttp 15 s, a load balancer's 60 s): a client that reuses a connection just as the
+    # server closes it loses the request it sent on it (uvicorn's 5 s default lost one in a test).
+    http_keep_alive_s: float = Field(default=75.0, gt=0)
     body_timeout_s: float = Field(default=30.0, gt=0)
     sse_write_timeout_s: float = Field(default=30.0, gt=0)
     max_connections: int = Field(default=2048, ge=1)

@@ -58,7 +58,8 @@ def http_config(app, tls: dict | None = None, router: RouterConfig | None = None
     router = router or RouterConfig()
     protocol = deadlined_protocol(router.header_timeout_s, router.body_timeout_s, router.sse_write_timeout_s,
                                   router.max_connections, metrics.count_connection_cut if metrics else None)
-    return uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http=protocol, **(tls or {}))
+    return uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http=protocol,
+                          timeout_keep_alive=router.http_keep_alive_s, **(tls or {}))
 
 
 class Router:

@@ -47,7 +47,7 @@ class Front:
                                "sse_write_timeout_s": DEADLINE_S} | router))
         config = http_config(build_app(core, self.metrics, openapi_docs=cfg.openapi_docs), router=cfg,
                              metrics=self.metrics)
-        self.served = Served(config.app, http=config.http)
+        self.served = Served(config.app, http=config.http, timeout_keep_alive=config.timeout_keep_alive)
         self.url = self.served.url
         self.port = int(self.url.rsplit(":", 1)[1])
 
@@ -112,6 +112,20 @@ def test_a_client_dribbling_its_headers_is_cut_off_while_others_are_served(front
     assert closed_by_server(silent) == b""  # cut without an answer: there is no request to answer
     assert f.cuts("header_timeout") == 2
     assert f.complete() == 3
+
+
+def test_a_kept_alive_connection_serves_again_until_idle_for_router_http_keep_alive_s(front):
+    # The default outlasts the clients' own pools (httpx keeps an idle connection 5 s, aiohttp 15 s):
+    # one that reuses a connection just as the server closes it loses its request.
+    assert http_config(None).timeout_keep_alive == RouterConfig().http_keep_alive_s == 75.0
+    f = front(http_keep_alive_s=1.0)
+    s = f.connect()
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    for idle_s in (0.0, 0.5):  # within it: the same connection answers again
+        time.sleep(idle_s)
+        s.sendall(health)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200 "), idle_s
+    assert closed_by_server(s, 5.0) == b""  # idle past it: the server closes it
 
 
 def test_a_body_not_in_within_its_deadline_gets_408(front):
