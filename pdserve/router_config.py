@@ -46,7 +46,8 @@ class RouterConfig(BaseModel):
     header_timeout_s: float = Field(default=10.0, gt=0)
     # A kept-alive connection idle this long is closed. Longer than the clients' own pools keep one
     # (httpx 5 s, aiohttp 15 s, a load balancer's 60 s): a client that reuses a connection just as the
-    # server closes it loses the request it sent on it (uvicorn's 5 s default lost one in a test).
+    # server closes it loses the request it sent on it (with uvicorn's 5 s default a test's bench lost
+    # one so, by every sign: ServerDisconnectedError, nothing else amiss).
     http_keep_alive_s: float = Field(default=75.0, gt=0)
     body_timeout_s: float = Field(default=30.0, gt=0)
     sse_write_timeout_s: float = Field(default=30.0, gt=0)
