@@ -125,7 +125,9 @@ def test_a_kept_alive_connection_serves_again_until_idle_for_router_http_keep_al
     for idle_s in (0.0, 0.5):  # within it: the same connection answers again
         time.sleep(idle_s)
         s.sendall(health)
-        answer = s.recv(65536)  # the whole answer, however many segments it came in
+        answer = b""  # the whole answer, however many segments it came in
+        while b"\r\n\r\n" not in answer:
+            answer += s.recv(65536)
         head, _, body = answer.partition(b"\r\n\r\n")
         length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
         while len(body) < length:
