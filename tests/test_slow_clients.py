@@ -126,12 +126,18 @@ def test_a_kept_alive_connection_serves_again_until_idle_for_router_http_keep_al
         time.sleep(idle_s)
         s.sendall(health)
         answer = b""  # the whole answer, however many segments it came in
+
+        def more() -> bytes:
+            chunk = s.recv(65536)  # (a 10 s timeout: a server that answers nothing fails the test)
+            assert chunk, (idle_s, "the server closed the connection within its keep-alive", answer)
+            return chunk
+
         while b"\r\n\r\n" not in answer:
-            answer += s.recv(65536)
+            answer += more()
         head, _, body = answer.partition(b"\r\n\r\n")
         length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
         while len(body) < length:
-            body += s.recv(65536)
+            body += more()
         assert head.startswith(b"HTTP/1.1 200 ") and len(body) == length, (idle_s, answer)
     assert closed_by_server(s, 5.0) == b""  # idle past it: the server closes it
 
