@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.worker.engine_loop import EngineLoop
 
 from pdserve.messages import Request, RequestDelta
 from pdserve.structured_outputs import GrammarTokenizer
@@ -25,14 +26,14 @@ class LocalCore:
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
         self.grammar_tokenizer = GrammarTokenizer(engine.tokenizer)
-        self._lock = threading.Lock()  # the engine is not thread-safe: steps and calls take turns
-        self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._closed = False
         self.sessions: list[str | None] = []  # each request's session key, as the front end gave it
         self.priorities: list[int] = []  # and its priority
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-        self._thread.start()
+        # The worker's own loop: aborts go through its inbox and are taken between steps,
+        # and whoever must touch the engine meanwhile takes `_lock` (its FIFO lock) at a step boundary.
+        # (A plain lock around each step starved a front end's abort: the loop re-took it every time.)
+        self._loop = EngineLoop(self._step, self._take, "engine-loop")
+        self._lock = self._loop.lock
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -51,19 +52,19 @@ class LocalCore:
         return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
 
     def ready(self) -> bool:
-        return self._thread.is_alive()
+        return self._loop.alive()
 
     def degraded(self) -> dict[str, str]:
-        return {} if self._thread.is_alive() else {"engine": "down: its thread stopped"}
+        return {} if self._loop.alive() else {"engine": "down: its thread stopped"}
 
     async def generate(self, request: Request, direct=None) -> AsyncIterator[RequestDelta]:
         queue: asyncio.Queue = asyncio.Queue()
         self.sessions.append(request.session)
         self.priorities.append(request.priority)
-        with self._lock:
+        with self._lock:  # (added here, not through the inbox: a request the engine refuses raises here)
             self.engine.add(request)
             self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
-        self._wake.set()
+        self._loop.wake()
         finished = False
         try:
             while not finished:
@@ -71,25 +72,22 @@ class LocalCore:
                 finished = d.finish_reason is not None
                 yield d
         finally:
-            with self._lock:
-                self._streams.pop(request.request_id, None)
-                if not finished:  # the client went away: stop generating for it
-                    self.engine.abort(request.request_id)
+            self._streams.pop(request.request_id, None)
+            if not finished:  # the client went away: stop generating for it
+                self._loop.submit(request.request_id)
 
     def close(self) -> None:
-        self._closed = True
-        self._wake.set()
-        self._thread.join(timeout=10)
+        self._loop.stop()
 
-    def _loop(self) -> None:
-        while not self._closed:
-            with self._lock:
-                outputs = self.engine.step() if self.engine.has_unfinished() else None
-                for out in outputs or []:
-                    self._dispatch(out)
-            if outputs is None:
-                self._wake.wait(0.05)
-                self._wake.clear()
+    def _take(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def _step(self) -> float | None:
+        if not self.engine.has_unfinished():
+            return 0.05
+        for out in self.engine.step():
+            self._dispatch(out)
+        return None
 
     def _dispatch(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
