@@ -35,8 +35,9 @@ def _prefill_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr, 
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     PRECISION: tl.constexpr, IS_FP8: tl.constexpr):
     """Grid (tiles of the longest sequence, sequences, KV heads): a program per tile slot of every
-    sequence, those past a shorter sequence's rows returning at once."""
-    pid_m = tl.program_id(0)
+    sequence, those past a shorter sequence's rows returning at once. The last tiles (the most keys)
+    run first: the GPU then ends on short tiles, not one long one."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1)
     q_first = tl.load(qstart_ptr + b)
     n = tl.load(qstart_ptr + b + 1) - q_first
@@ -58,8 +59,8 @@ def _prefill_kernel_flat(q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_
     """Grid (tiles of all sequences together, at most, KV heads): program i takes the i-th tile of
     the sequences' tiles laid end to end, found from the device-side query starts (a prefix sum of
     each sequence's tile count). Empty sequence slots have no tile, so a CUDA graph of many slots
-    launches no program for those a step leaves empty."""
-    pid = tl.program_id(0)
+    launches no program for those a step leaves empty. Run last tile first, as `_prefill_kernel`."""
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
     idx = tl.arange(0, SEQS_P2)
     real = idx < num_seqs
     first_row = tl.load(qstart_ptr + idx, mask=real, other=0)
@@ -102,15 +103,35 @@ def _attend(pid_m, b, kvh, q_first, n, q_ptr, cache_ptr, tables_ptr, ctx_ptr, ou
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
 
-    # Keys past the tile's last query are never seen.
+    # Keys past the tile's last query are never seen; keys before `lo` are seen by every row of the
+    # tile (they precede its first query), so their tiles need no mask: only the last tile or two,
+    # along the diagonal, pay the mask's compares and selects.
+    first_j = (pid_m * BLOCK_M) // GROUP
     last_j = (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP
     hi = tl.minimum(ctx, ctx - n + last_j + 1)
+    lo = (ctx - n + first_j + 1) // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_base = cache_ptr + kvh * stride_ch
     table = tables_ptr + b.to(tl.int64) * stride_tb
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(0, lo, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        blk = tl.load(table + offs_n // PAGE).to(tl.int64)
+        row = blk * stride_cb + (offs_n % PAGE) * stride_cs
+        k = tl.load(kv_base + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+        v = tl.load(kv_base + stride_ckv + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+        if IS_FP8:  # widened through float32, which every GPU converts float8 to
+            k = k.to(tl.float32).to(dot_ty)
+            v = v.to(tl.float32).to(dot_ty)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every key here is seen
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v, input_precision=PRECISION)
+        m_i = m_new
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         blk = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
@@ -118,15 +139,15 @@ def _attend(pid_m, b, kvh, q_first, n, q_ptr, cache_ptr, tables_ptr, ctx_ptr, ou
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(kv_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(kv_base + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IS_FP8:  # widened through float32, which every GPU converts float8 to
+        if IS_FP8:
             k = k.to(tl.float32).to(dot_ty)
             v = v.to(tl.float32).to(dot_ty)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # Every real row sees key 0 in the first tile, so m_new is finite from then on; rows past
-        # the chunk (masked out of the store) may stay -inf: keep them NaN-free anyway.
+        # Every real row sees key 0, so m_new is finite once a key is seen; rows past the chunk
+        # (masked out of the store) may stay -inf: keep them NaN-free anyway.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(qk - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
@@ -141,13 +162,22 @@ def _attend(pid_m, b, kvh, q_first, n, q_ptr, cache_ptr, tables_ptr, ctx_ptr, ou
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-def _tile_config(max_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+# 128-row tiles (4 warps, 3 stages) where a KV head's rows make at least this many of them across
+# the KV heads, else 64-row tiles: fewer programs than ~6 waves of an H200's 132 SMs leave SMs idle
+# at the end. One H200, 2026-11-29, one 4,096-key prompt of Qwen3-30B-A3B's shape with 256 to 4,096
+# queries (`python -m pdserve.benchmarks.prefill_kernel`; docs/benchmarks.md, "A cached prefix").
+LARGE_TILES_FROM = 768
+
+
+def _tile_config(max_rows: int, head_dim: int, dtype: torch.dtype, kv_heads: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the longest sequence's rows (queries x group)."""
     if dtype == torch.float32:  # twice the registers per element: smaller tiles
         return 32, 32, 4, 2
-    if max_rows >= 128 and head_dim <= 128:
-        return 128, 64, 8, 3
-    return 64, 64, 4, 2
+    if max_rows < 128 or head_dim > 128:
+        return 64, 64, 4, 2
+    if triton.cdiv(max_rows, 128) * kv_heads >= LARGE_TILES_FROM:
+        return 128, 64, 4, 3
+    return 64, 64, 4, 3
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
@@ -174,7 +204,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table
     assert is_fp8 == bool(kv_scales), "an FP8 cache is read through its scales, and only it"
     k_scale, v_scale = kv_scales or (1.0, 1.0)
     dot_dtype = q.dtype if is_fp8 else kv_layer.dtype
-    block_m, block_n, warps, stages = config or _tile_config(max_query_len * group, head_dim, dot_dtype)
+    block_m, block_n, warps, stages = config or _tile_config(max_query_len * group, head_dim, dot_dtype, kv_heads)
     strides = (q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2),
                kv_layer.stride(3), block_tables.stride(0), out.stride(0), out.stride(1))
     consts = dict(GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
