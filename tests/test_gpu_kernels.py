@@ -41,7 +41,7 @@ from pdserve.ops.moe import TorchMoE, grouped_route, route  # noqa: E402
 from pdserve.ops.prefill_attention import paged_prefill_attention  # noqa: E402
 from pdserve.ops.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from pdserve.ops.rotary import qk_norm_rope  # noqa: E402
-from pdserve.ops.routing import fused_topk, grouped_topk  # noqa: E402
+from pdserve.ops.routing import fused_topk, grouped_topk, router_gemv  # noqa: E402
 from pdserve.ops.testing import random_moe_inputs, random_paged_case, rel_err  # noqa: E402
 from pdserve.ops.triton_attention import TritonAttention  # noqa: E402
 from pdserve.ops.triton_moe import TritonMoE  # noqa: E402
@@ -797,6 +797,27 @@ def test_routing(shape, tokens, renormalize):
     fused_topk(logits, top_k, renormalize, out=(w, ids))
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+@pytest.mark.parametrize("tokens", pick([1, 2, 5, 8], [1, 3]))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_router_gemv(shape, tokens, dtype):
+    """The router's logits as a GEMV (decode batches) equal F.linear's; the MoE backend takes it for a
+    handful of tokens and cuBLAS beyond, the same logits either way."""
+    experts, _, hidden, _ = shape
+    g = gen(7)
+    x = torch.randn(tokens, hidden, generator=g, device=DEVICE).to(dtype)
+    w = (torch.randn(experts, hidden, generator=g, device=DEVICE) * hidden ** -0.5).to(dtype)
+    ref = torch.nn.functional.linear(x.to(REF_DTYPE), w.to(REF_DTYPE))
+    out = router_gemv(x, w)
+    assert out.dtype == dtype and out.shape == (tokens, experts)
+    check(out, ref, dtype, f"router gemv T={tokens} {shape}")
+    backend = TritonMoE()
+    many = torch.randn(20, hidden, generator=g, device=DEVICE).to(dtype)  # past ROUTER_GEMV_MAX_TOKENS
+    check(backend.router_logits(x, w), ref, dtype, "TritonMoE.router_logits, a few tokens")
+    check(backend.router_logits(many, w), torch.nn.functional.linear(many.to(REF_DTYPE), w.to(REF_DTYPE)),
+          dtype, "TritonMoE.router_logits, many tokens")
 
 
 def test_routing_half_precision_ties():

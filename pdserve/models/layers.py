@@ -275,7 +275,7 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> weights [T, k] float32, expert ids [T, k]: softmax, top-k, renormalised
         where the family says (the backend's kernel on the GPU)."""
-        return self.backend.route(self.gate(x), self.top_k, self.renormalize)
+        return self.backend.route(self.backend.router_logits(x, self.gate.weight), self.top_k, self.renormalize)
 
     def skip_padding(self, ids: torch.Tensor) -> torch.Tensor:
         """A padded step's padding rows take no expert: their pairs get the skip id (one past the

@@ -64,6 +64,10 @@ class TorchMoE:
     # (DeepseekMoE.fold_shared_experts: this backend computes any slots it is given).
     fold_shared_experts = False
 
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [T, H] @ weight [E, H].T -> [T, E]: the router's linear layer."""
+        return torch.nn.functional.linear(x, weight)
+
     def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] -> weights [T, k] float32, ids [T, k]: `route`."""

@@ -109,7 +109,8 @@ def _attend(pid_m, b, kvh, q_first, n, q_ptr, cache_ptr, tables_ptr, ctx_ptr, ou
     first_j = (pid_m * BLOCK_M) // GROUP
     last_j = (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP
     hi = tl.minimum(ctx, ctx - n + last_j + 1)
-    lo = (ctx - n + first_j + 1) // BLOCK_N * BLOCK_N
+    # (Clamped at 0: a row of no context, a graph's padding, has a negative first position.)
+    lo = tl.maximum((ctx - n + first_j + 1) // BLOCK_N * BLOCK_N, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

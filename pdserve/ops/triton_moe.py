@@ -8,7 +8,7 @@ import torch
 from pdserve.ops.fused_moe import fused_moe
 from pdserve.ops.gemv_moe import gemv_moe
 from pdserve.ops.grouped_mm_moe import grouped_mm_moe
-from pdserve.ops.routing import fused_topk, grouped_topk
+from pdserve.ops.routing import fused_topk, grouped_topk, router_gemv
 
 # From this many tokens on, bf16 batches take torch._grouped_mm. Below it the fused path (its 128-row
 # tiles from 128 rows an expert) is the faster one for the whole MoE, Qwen3-30B-A3B's and
@@ -17,9 +17,12 @@ from pdserve.ops.routing import fused_topk, grouped_topk
 # rows of expert-parallel steps (N ranks x 256) and 2k-token prompts then took the slower path.
 GROUPED_MM_MIN_TOKENS = 3072
 # Up to this many tokens, the GEMV path (check_kernels.py's "moe gemv" rows against "moe fused").
-# Replayed from a graph the two tie at T=1 and fused wins from T=2; run eagerly GEMV wins at T=1:
-# its one fewer launch.
-GEMV_MAX_TOKENS = 1
+# Since its loops unroll, replayed from a graph it leads at T = 1, 2 and 4 (33.3 / 49.8 / 82.8 us
+# against 37.1 / 52.8 / 84.2) and, with 32-row tiles, at 8 (127.6 against 133.4 us; one H200,
+# 2026-11-29). Was 1: fused led from T=2.
+GEMV_MAX_TOKENS = 8
+# Up to this many tokens the router's logits come from `router_gemv`, beyond from cuBLAS.
+ROUTER_GEMV_MAX_TOKENS = 8
 
 
 class TritonMoE:
@@ -32,6 +35,12 @@ class TritonMoE:
     def __init__(self, grouped_mm_min_tokens: int = GROUPED_MM_MIN_TOKENS, gemv_max_tokens: int = GEMV_MAX_TOKENS):
         self.grouped_mm_min_tokens = grouped_mm_min_tokens
         self.gemv_max_tokens = gemv_max_tokens
+
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [T, H] @ weight [E, H].T -> [T, E]: a GEMV over the experts' rows for a handful of tokens."""
+        if x.shape[0] <= ROUTER_GEMV_MAX_TOKENS and x.stride(1) == 1 and weight.stride(1) == 1:
+            return router_gemv(x, weight)
+        return torch.nn.functional.linear(x, weight)
 
     def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
