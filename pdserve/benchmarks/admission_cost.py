@@ -12,7 +12,8 @@ With `--rate inf` and equal output lengths a whole batch of requests ends in one
 their successors reach the router as one burst; each is parsed, validated and handed off on the
 router's one event loop, so the last of a burst waits for all the others (issue 18). This measures
 that cost alone. The router runs in a process of its own, as in a cluster: the real OpenAI app
-(`build_app`), served by uvicorn (httptools, uvloop as in a Ray actor), over the real `RouterCore`
+(`build_app`), served by uvicorn (httptools; the event loop Ray gives an async actor: uvloop where
+installed, else asyncio's), over the real `RouterCore`
 and its `HandOff` batching, behind which one synthetic colocated replica stands in for the Ray
 actor: it answers each batched hand-off at once, delivers every request's first token with the
 answer and its last after `--step-ms` (an engine step), through `RouterCore.deliver`. Ray's own cost
@@ -357,6 +358,12 @@ def _run_loop(coro):
         return asyncio.run(coro)
 
 
+def _ray_loop() -> str:
+    import importlib.util
+
+    return "uvloop" if importlib.util.find_spec("uvloop") and os.environ.get("RAY_USE_UVLOOP", "1") not in ("0", "false") else "asyncio"
+
+
 def _default_tree() -> str:
     import pdserve  # the checkout (or installed tree) this process imports
 
@@ -371,7 +378,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="measured bursts of each size (after one warm-up)")
     ap.add_argument("--max-tokens", type=int, default=2, help="tokens per request: the first and the last")
     ap.add_argument("--step-ms", type=float, default=20.0, help="from a request's first token to its last")
-    ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop", help="the router's event loop")
+    ap.add_argument("--loop", choices=["uvloop", "asyncio"], default=_ray_loop(),
+                    help="the router's event loop (default: the one Ray gives an async actor here: uvloop if "
+                         "installed, which pdserve does not require, else asyncio's)")
     ap.add_argument("--tree", action="append", help="a checkout to serve the router from, one run each, in "
                     "this order (default: this one); give two for before/after in one run")
     ap.add_argument("--rounds", type=int, default=1, help="runs of every tree, interleaved")

@@ -222,6 +222,19 @@ class GatedMLP(nn.Module):
         return self.tp.all_reduce(self.partial(x).contiguous())
 
 
+class RouterGate(nn.Linear):
+    """The MoE router's linear layer, its logits computed by the MoE backend (on a GPU, a GEMV for a
+    decode step's few tokens: pdserve.ops.routing.router_gemv). Still called as a module, so forward
+    hooks on `*.mlp.gate` see every routing (bench_engine counts the experts hit with them)."""
+
+    def __init__(self, in_features: int, num_experts: int, backend):
+        super().__init__(in_features, num_experts, bias=False)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.router_logits(x, self.weight)
+
+
 class SparseMoE(nn.Module):
     """Routed SwiGLU experts, optionally plus a shared expert: sigmoid-gated (Qwen2-MoE) or not
     (DeepSeek, whose `route` is its own: pdserve.models.deepseek).
@@ -241,7 +254,7 @@ class SparseMoE(nn.Module):
         # While a padded prefill step runs (engine/prefill_graphs.py): 1 for its rows that hold tokens,
         # 0 for the bucket's padding, which no expert computes.
         self.row_valid: torch.Tensor | None = None
-        self.gate = nn.Linear(h, e, bias=False)  # the router
+        self.gate = RouterGate(h, e, backend)  # the router
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
         self.w2 = nn.Parameter(torch.empty(e, h, i))
         self.shared_expert = self.shared_expert_gate = None
@@ -275,7 +288,7 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> weights [T, k] float32, expert ids [T, k]: softmax, top-k, renormalised
         where the family says (the backend's kernel on the GPU)."""
-        return self.backend.route(self.backend.router_logits(x, self.gate.weight), self.top_k, self.renormalize)
+        return self.backend.route(self.gate(x), self.top_k, self.renormalize)
 
     def skip_padding(self, ids: torch.Tensor) -> torch.Tensor:
         """A padded step's padding rows take no expert: their pairs get the skip id (one past the
