@@ -17,9 +17,9 @@ from pdserve.ops.routing import fused_topk, grouped_topk, router_gemv
 # rows of expert-parallel steps (N ranks x 256) and 2k-token prompts then took the slower path.
 GROUPED_MM_MIN_TOKENS = 3072
 # Up to this many tokens, the GEMV path (check_kernels.py's "moe gemv" rows against "moe fused").
-# Since its loops unroll, replayed from a graph it leads at T = 1, 2 and 4 (33.3 / 49.8 / 82.8 us
-# against 37.1 / 52.8 / 84.2) and, with 32-row tiles, at 8 (127.6 against 133.4 us; one H200,
-# 2026-11-29). Was 1: fused led from T=2.
+# Since its loops unroll (and its tiles are 32 rows), replayed from a graph it leads at every T up
+# to 8: 31.4 / 49.2 / 78.5 / 131.4 us against 37.1 / 52.7 / 83.2 / 138.2 at T = 1 / 2 / 4 / 8
+# (Qwen3-30B-A3B's shape, one H200, 2026-11-29; DeepSeek-V2-Lite's not timed). Was 1: fused led from T=2.
 GEMV_MAX_TOKENS = 8
 # Up to this many tokens the router's logits come from `router_gemv`, beyond from cuBLAS.
 ROUTER_GEMV_MAX_TOKENS = 8
