@@ -24,7 +24,9 @@
 #   grammar  issue 41's step overhead at 256 sequences, all constrained or all penalized, against none, over a
 #            BPE vocabulary, the MoE shape and a dense control (1 GPU)
 #   spec     issue 44's verify-step cost (k = 1, 2, 4, 8 at batch 1, 8, 32) and n-gram speed-up (1 GPU)
-#   cached   a 128-token prompt's first token fresh and again with its prefix cached, in-process (1 GPU)
+#   cached   a 128-token prompt's first token fresh and again with its prefix cached, in-process; the
+#            paged prefill kernel at 0-3,840 cached of 4,096 keys against SDPA; a lone 4k prompt with a
+#            cached prefix (1 GPU)
 #   mixed    a decode replica's step with a prompt's chunk beside 16, 32 and 96 decoders (mixed_step.py), eager
 #            beyond graphs of 32 sequences (--graph-seqs 32) (its attention's grid as today, then flat), then with
 #            prefill graphs of 128 sequences (1 GPU)
@@ -125,7 +127,10 @@ for part in $parts; do
             --k 1 2 4 8 --steps 20 --json "$out/spec.json" ;;
     cached)
         printf 'model: {path: qwen3-30b-a3b, load_format: dummy, dtype: bfloat16}\ncolocated: {replicas: 1, gpus: 1, max_num_seqs: 512, max_batch_tokens: 16384, chunk_size: 8192}\n' > /tmp/cached.yaml
-        run cached python -m pdserve.benchmarks.cached_prefix /tmp/cached.yaml --json "$out/cached.json" ;;
+        run cached python -m pdserve.benchmarks.cached_prefix /tmp/cached.yaml --json "$out/cached.json"
+        run prefill-kernel python -m pdserve.benchmarks.prefill_kernel --json "$out/prefill-kernel.json"
+        run cached-4k python -m pdserve.benchmarks.lone_prompt /tmp/cached.yaml --prompt-len 4096 --reps 8 \
+            --gap-s 0.5 --overlap on --cached-prefix 256 1024 2048 3840 --json "$out/cached-4k.json" ;;
     mixed)
         for v in "32" "32 --flat-eager" "128"; do
             name=mixed$(echo $v | tr -d ' -')
