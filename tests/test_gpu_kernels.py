@@ -1184,3 +1184,58 @@ def test_model_forward_matches_torch_backends(kv_dtype):
                         "positions": torch.tensor([37, 20], device=DEVICE)})
     nxt = torch.randint(0, 256, (2,), generator=g, device=DEVICE)
     assert rel_err(step(b, caches[0], nxt, ours), step(b, caches[1], nxt, ref)) < 1e-4
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch: compute capability 9 or more")
+@pytest.mark.parametrize("prefetch", [False, True], ids=["pdl", "pdl-prefetch"])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, prefetch, tokens):
+    """A decode layer's MoE half as a chain of kernels that launch with PDL (pdserve/ops/pdl.py), each
+    reading the one before's output, replayed from a CUDA graph many times: bit for bit what the
+    same kernels give launched plainly. A kernel reading before its wait would race here."""
+    from pdserve.ops import pdl
+
+    dtype, hidden, experts, inter, top_k, layers = torch.bfloat16, 2048, 128, 768, 8, 6
+    g = gen(21)
+    w_norm = [torch.rand(hidden, generator=g, device=DEVICE).to(dtype) + 0.5 for _ in range(layers)]
+    w_gate = [(torch.randn(experts, hidden, generator=g, device=DEVICE) * hidden ** -0.5).to(dtype)
+              for _ in range(layers)]
+    w13 = [(torch.randn(experts, 2 * inter, hidden, generator=g, device=DEVICE) * hidden ** -0.5).to(dtype)
+           for _ in range(layers)]
+    w2 = [(torch.randn(experts, hidden, inter, generator=g, device=DEVICE) * inter ** -0.5).to(dtype)
+          for _ in range(layers)]
+    x0 = torch.randn(tokens, hidden, generator=g, device=DEVICE).to(dtype)
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        residual = torch.zeros_like(x)
+        for i in range(layers):
+            h, residual = fused_add_rms_norm(x, residual, w_norm[i], 1e-6)
+            weights, ids = fused_topk(router_gemv(h, w_gate[i]), top_k, True)
+            x = gemv_moe(h, w13[i], w2[i], weights, ids)
+        return x + residual
+
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    want = chain(x0)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "PREFETCH", prefetch)
+    assert pdl.enabled(x0.device) and pdl.prefetch(x0.device) == prefetch
+    static_x = x0.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(static_x)  # compiles the PDL builds outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static_x)
+    for _ in range(50):
+        static_x.copy_(torch.randn(tokens, hidden, generator=g, device=DEVICE).to(dtype))
+        graph.replay()
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        ref = chain(static_x.clone())
+        monkeypatch.setattr(pdl, "ENABLED", True)
+        assert torch.equal(out, ref)
+    static_x.copy_(x0)
+    graph.replay()
+    assert torch.equal(out, want)

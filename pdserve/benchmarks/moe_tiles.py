@@ -146,7 +146,8 @@ def part_align(args, dev, rate) -> list[str]:
         for warps, chunk in itertools.product((4, 8, 16), (256, 512, 1024, 2048)):
             def launch():
                 _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, num_padded, cursor, pairs, e, padded,
-                                        padded // bm, BLOCK_M=bm, BLOCK_E=block_e, CHUNK=chunk, num_warps=warps)
+                                        padded // bm, BLOCK_M=bm, BLOCK_E=block_e, CHUNK=chunk, num_warps=warps,
+                                        USE_PDL=False)
             launch()
             got = (int(num_padded), expert_ids.clone())
             assert first is None or (got[0] == first[0] and torch.equal(got[1], first[1])), (warps, chunk)

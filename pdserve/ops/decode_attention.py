@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from pdserve.forward.kv_cache import FP8
+from pdserve.ops import pdl
 from pdserve.ops.kv_write import quantize
 
 _LOG2E = 1.4426950408889634
@@ -45,10 +46,11 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_o_
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          DIRECT: tl.constexpr, PRECISION: tl.constexpr, NEW_KV: tl.constexpr,
-                         IS_FP8: tl.constexpr):
+                         IS_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    pdl.wait(USE_PDL)
     ctx = tl.load(ctx_ptr + b)
     per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits) * BLOCK_N  # keys per split, whole chunks
     start = split * per_split
@@ -130,9 +132,11 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_o_
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
                           stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    pdl.wait(USE_PDL)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < num_splits
@@ -211,7 +215,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, DIRECT=direct, PRECISION=precision, NEW_KV=new_kv,
-        IS_FP8=is_fp8, num_warps=4, num_stages=2)
+        IS_FP8=is_fp8, num_warps=4, num_stages=2, **pdl.launch_kwargs(q.device))
     if not direct:
         merge_splits(part_o, part_lse, out, num_splits)
     return out
@@ -227,4 +231,4 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=8 if head_dim >= 512 else 4 if head_dim >= 128 else 2)
+        num_warps=8 if head_dim >= 512 else 4 if head_dim >= 128 else 2, **pdl.launch_kwargs(out.device))

@@ -20,12 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.ops import pdl
+
 
 # Sizes that change with the batch are not specialised on: one compile serves every batch size.
 @triton.jit(do_not_specialize=["num_pairs", "padded_len", "num_tiles"])
 def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr,
                       num_pairs, num_experts, padded_len, num_tiles,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait(USE_PDL)
     e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for c0 in range(0, num_pairs, CHUNK):
@@ -75,7 +78,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     _moe_align_kernel[(1,)](topk_ids, sorted_ids, expert_ids, num_padded, cursor,
                             num_pairs, num_experts, padded_len, num_tiles,
                             BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=ALIGN_CHUNK,
-                            num_warps=ALIGN_WARPS)
+                            num_warps=ALIGN_WARPS, **pdl.launch_kwargs(dev))
     return sorted_ids, expert_ids, num_padded
 
 
@@ -90,8 +93,9 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr
                      stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                      A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
+    pdl.wait(USE_PDL)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
@@ -135,8 +139,9 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr
 @triton.jit
 def _moe_sum_kernel(y_ptr, out_ptr, rows_ptr, w_ptr, ids_ptr, num_experts, H, stride_y, stride_o,
                     TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                    HAS_IDS: tl.constexpr, BLOCK_H: tl.constexpr):
+                    HAS_IDS: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     t = tl.program_id(0)
+    pdl.wait(USE_PDL)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h < H
     acc = tl.zeros([BLOCK_H], tl.float32)
@@ -168,8 +173,7 @@ def moe_sum(y: torch.Tensor, num_tokens: int, top_k: int, rows: torch.Tensor | N
         y, out, rows if rows is not None else y, weights if weights is not None else y,
         ids if ids is not None else y, num_experts, h, y.stride(0), out.stride(0),
         TOP_K=top_k, HAS_ROWS=rows is not None, HAS_WEIGHTS=weights is not None, HAS_IDS=ids is not None,
-        BLOCK_H=block_h,
-        num_warps=4)
+        BLOCK_H=block_h, num_warps=4, **pdl.launch_kwargs(y.device))
     return out
 
 
@@ -202,7 +206,7 @@ def _launch_gemm(a, w, c, topk_weights, sorted_ids, expert_ids, num_padded, num_
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         A_DIV=a_div, GATED=gated, MUL_WEIGHT=not gated, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_K=k % bk == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kwargs(a.device))
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -8,14 +8,18 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.ops import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, dim, eps,
                      stride_x, stride_r, stride_o, stride_ro,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = d < dim
+    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)  # a weight: no kernel writes it
+    pdl.wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0)
     if HAS_RESIDUAL:  # x + residual rounded to x's dtype, as the unfused add would leave it
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + d, mask=mask, other=0.0).to(tl.float32))
@@ -24,7 +28,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, dim, eps,
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / dim + eps)
     y = (xf * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + d, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -43,7 +46,7 @@ def _launch(x, residual, weight, eps, out):
         _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, dim, eps,
                                   x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
                                   HAS_RESIDUAL=residual is not None, BLOCK_D=block_d,
-                                  num_warps=min(8, max(1, block_d // 256)))
+                                  num_warps=min(8, max(1, block_d // 256)), **pdl.launch_kwargs(x.device))
     return out.view(x.shape), res_out.view(x.shape)
 
 

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.ops import pdl
+
 
 @triton.jit
 def _norm_rope_heads(x_ptr, o_ptr, w_ptr, num_heads, stride_h, stride_oh, c1, c2, s1, s2, eps,
@@ -40,11 +42,12 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh,
                          stride_kot, stride_koh, stride_cos,
                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                         BLOCK_HK: tl.constexpr, NORM: tl.constexpr):
+                         BLOCK_HK: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (tokens, q head groups + 1): program (t, g) takes q heads [g * BLOCK_HQ, ...) of token t,
     the last group of each token its k heads."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
+    pdl.wait(USE_PDL)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     i_mask = i < HALF
@@ -90,7 +93,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
             k_out.stride(0), k_out.stride(1), cos.stride(0),
             HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=per_program,
-            BLOCK_HK=triton.next_power_of_2(k_heads), NORM=norm, num_warps=4)
+            BLOCK_HK=triton.next_power_of_2(k_heads), NORM=norm, num_warps=4, **pdl.launch_kwargs(q.device))
     return q_out, k_out
 
 

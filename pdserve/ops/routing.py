@@ -19,11 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.ops import pdl
+
 
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
-                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     t = tl.program_id(0)
+    pdl.wait(USE_PDL)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * stride_t + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
     m = tl.max(x, 0)
@@ -60,7 +64,7 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if t:
         _topk_softmax_kernel[(t,)](router_logits, weights, ids, e, router_logits.stride(0),
                                    TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(e),
-                                   num_warps=1 if e <= 128 else 4)
+                                   num_warps=1 if e <= 128 else 4, **pdl.launch_kwargs(router_logits.device))
     return weights, ids
 
 
@@ -73,8 +77,9 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts
                          TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, SIGMOID: tl.constexpr,
                          METHOD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                          HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     t = tl.program_id(0)
+    pdl.wait(USE_PDL)
     e = tl.arange(0, BLOCK_E)
     valid = e < num_experts
     x = tl.load(logits_ptr + t * stride_t + e, mask=valid, other=float("-inf")).to(tl.float32)
@@ -157,16 +162,18 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring: str, metho
             TOP_K=top_k, NUM_SHARED=num_shared, SIGMOID=scoring == "sigmoid", METHOD=_METHODS[method],
             N_GROUP=n_group, TOPK_GROUP=topk_group, HAS_BIAS=has_bias, RENORMALIZE=renormalize,
             BLOCK_E=triton.next_power_of_2(e), BLOCK_G=triton.next_power_of_2(n_group),
-            BLOCK_K=triton.next_power_of_2(width), num_warps=1 if e <= 128 else 4)
+            BLOCK_K=triton.next_power_of_2(width), num_warps=1 if e <= 128 else 4,
+            **pdl.launch_kwargs(router_logits.device))
     return weights, ids
 
 
 @triton.jit
 def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, num_experts, stride_xt, stride_we, stride_ot,
-                        K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                        K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (tokens, experts / BLOCK_E): BLOCK_E experts' logits of one token, float32 sums; the loop
     over the hidden size unrolled, so a program's loads are in flight together."""
     t = tl.program_id(0)
+    pdl.wait(USE_PDL)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_mask = offs_e < num_experts
     offs_k = tl.arange(0, BLOCK_K)
@@ -191,5 +198,6 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, block_e: int = 4, block_k
     if t:
         _router_gemv_kernel[(t, triton.cdiv(e, block_e))](
             x, weight, out, e, x.stride(0), weight.stride(0), out.stride(0),
-            K=hidden, BLOCK_E=block_e, BLOCK_K=min(block_k, triton.next_power_of_2(hidden)), num_warps=4)
+            K=hidden, BLOCK_E=block_e, BLOCK_K=min(block_k, triton.next_power_of_2(hidden)), num_warps=4,
+            **pdl.launch_kwargs(x.device))
     return out
