@@ -55,9 +55,13 @@ class ResponseShape:
     def event(self, delta: RequestDelta) -> str | None:
         """The stream event (`data: ...` and its blank line) for one delta, or None when it has nothing
         to show. Most deltas of a stream are text only: their event is a per-request template around
-        the text's JSON, the bytes json.dumps would give for the whole chunk."""
+        the text's JSON, the bytes json.dumps would give for the whole chunk.
+
+        A delta whose tokens have no text yet (part of a UTF-8 character, text held back while it may
+        begin a stop string) still gets its event, with empty text, as vLLM sends it: a client times
+        its first token, and its gaps, by the chunks it reads."""
         if delta.finish_reason is None and not self.want_logprobs:
-            if not delta.text:
+            if not delta.text and not delta.token_ids:
                 return None
             if self._text_event is None:
                 self._text_event = self._cut_template()
@@ -86,7 +90,8 @@ class ResponseShape:
 
     def chunk(self, delta: RequestDelta) -> dict | None:
         """The stream chunk for one delta, or None when it has nothing to show."""
-        if not delta.text and delta.finish_reason is None and not (self.want_logprobs and delta.logprobs):
+        if (not delta.text and not delta.token_ids and delta.finish_reason is None
+                and not (self.want_logprobs and delta.logprobs)):
             return None
         extra = {"usage": None} if self.include_usage else {}
         return self._envelope(self.chunk_object, [self._choice_delta(delta) | {"stop_reason": delta.stop_reason}],
@@ -159,8 +164,9 @@ class ChatShape(ResponseShape):
 
     def _choice_delta(self, delta: RequestDelta) -> dict:
         logprobs = self._logprobs(delta.logprobs) if self.want_logprobs else None
-        return {"index": self.index, "delta": {"content": delta.text} if delta.text else {}, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason}
+        # An empty content where the tokens have no text yet (vLLM's too); none on a last chunk without text.
+        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        return {"index": self.index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
     @staticmethod
     def _logprobs(lps: list[TokenLogprob]) -> dict:

@@ -176,8 +176,14 @@ def test_a_text_event_is_the_bytes_json_dumps_gives(shape, include_usage):
         s = shape("cmpl-1", MODEL, want_logprobs=False, include_usage=include_usage)
         d = delta(text, [1])
         assert s.event(d) == sse_event(s.chunk(d))
+    # A token whose text is held back (part of a UTF-8 character, a possible stop string) still has
+    # its chunk, with empty text, as vLLM sends it: a client stamps its first token on it.
     s = shape("cmpl-1", MODEL, want_logprobs=False, include_usage=include_usage)
-    assert s.event(delta("", [1])) is None  # a token whose text is held back shows nothing yet
+    d = delta("", [1])
+    assert s.event(d) == sse_event(s.chunk(d))
+    choice = json.loads(s.event(d).removeprefix("data: "))["choices"][0]
+    assert (choice["text"] if shape is CompletionShape else choice["delta"]["content"]) == ""
+    assert s.event(delta("", [])) is None  # no token, no text: nothing to show
 
 
 def test_logprob_events_keep_their_offsets():
