@@ -30,6 +30,13 @@
 #   mixed    a decode replica's step with a prompt's chunk beside 16, 32 and 96 decoders (mixed_step.py), eager
 #            beyond graphs of 32 sequences (--graph-seqs 32) (its attention's grid as today, then flat), then with
 #            prefill graphs of 128 sequences (1 GPU)
+#   pdl      issue 44: bench-engine's decode at batch 1, 2, 4, 8 and a 128-token prefill with programmatic
+#            dependent launch off, on, and on with the w2 GEMV's L2 prefetch (PDSERVE_PDL=0 / 1 / prefetch),
+#            interleaved twice (1 GPU)
+#   light    issue 44's light load through `pdserve up` (one colocated replica; 1 req/s, 128-token prompts,
+#            50-token answers, 60 requests) under each of LIGHT_VARIANTS (default "PDSERVE_PDL=0
+#            PDSERVE_PDL=1 PDSERVE_PDL=1,PDSERVE_APART_MAX_DECODERS=0": environments, commas between
+#            variables; the last mixes a prompt into the decoders' step at any batch) (1 GPU)
 #   routers  issue 40's 1, 2 and 4 routers sharing a port against 4 synthetic workers that outrun one router
 #            (router_stream.py: the real channel, routers and HTTP; no GPU used, the host's cores are what counts)
 # Each part writes OUT_DIR/<part>*.json (routers: its table in the log) and a log; a failing part does not
@@ -138,11 +145,33 @@ for part in $parts; do
                 --decoders 16 32 96 --context 4096 --chunks 0 16 256 1024 2048 --graph-seqs $v \
                 --json "$out/$name.json"
         done ;;
+    pdl)
+        for v in 0 1 prefetch 0 1 prefetch; do
+            n=$((${n:-0} + 1))
+            run pdl-$v-$n env PDSERVE_PDL=$v python -m pdserve.cli bench-engine --model qwen3-30b-a3b --device cuda \
+                --load-format dummy --prefill-sizes 128 --decode-batches 1 2 4 8 --no-hf --reps 5 \
+                --json "$out/pdl-$v-$n.json"
+        done ;;
+    light)
+        printf 'model: {path: qwen3-30b-a3b, load_format: dummy, dtype: bfloat16}\nrouter: {host: 127.0.0.1, http_port: 8000, grpc_port: null}\ncolocated: {replicas: 1, gpus: 1, max_num_seqs: 512, max_batch_tokens: 16384, chunk_size: 8192}\n' > /tmp/light.yaml
+        seed=100
+        for v in ${LIGHT_VARIANTS:-PDSERVE_PDL=0 PDSERVE_PDL=1 PDSERVE_PDL=1,PDSERVE_APART_MAX_DECODERS=0}; do
+            name=light-$(echo $v | tr ',=' '-_')
+            env $(echo $v | tr ',' ' ') python -m pdserve.cli up /tmp/light.yaml > "$out/$name-up.log" 2>&1 &
+            pid=$!; t0=$SECONDS
+            until grep -q "ready; Ctrl-C" "$out/$name-up.log"; do
+                sleep 1; [ $((SECONDS - t0)) -gt 300 ] && { echo "[gpu-figures] $name: no health"; break; }
+            done
+            seed=$((seed + 1))  # fresh prompts for every cluster (no cached prefix from a run before)
+            run $name python -m pdserve.cli bench --url http://127.0.0.1:8000 --rate 1 --num-prompts 60 \
+                --input-len 128 --output-len 50 --warmup 3 --seed $seed --json "$out/$name.json"
+            kill -INT $pid; wait $pid
+        done ;;
     routers)
         run routers python -m pdserve.benchmarks.router_stream --routers 1 2 4 --workers 4 --clients 4 \
             --streams 128 512 --seconds 15 --prompt-len 256 ;;
     *)
         echo "[gpu-figures] unknown part $part (tests, engine, ep, ep512, kv, kvnixl, tp, goodput, adaptive, flip," \
-            "serving, grammar, spec, cached, mixed, routers)" ;;
+            "serving, grammar, spec, cached, mixed, pdl, light, routers)" ;;
     esac
 done

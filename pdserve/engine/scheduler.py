@@ -34,6 +34,7 @@ decoders with each prompt (docs/benchmarks-history.md, control plane under load)
 """
 
 import bisect
+import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,10 @@ from pdserve.engine.sequence import PENDING, Sequence, SeqStatus
 from pdserve.engine.step_profile import StepProfile
 from pdserve.engine.tpot_guard import TPOTGuard
 
-APART_MAX_DECODERS = 8  # prompts step apart from at most this many decoding sequences
+# Prompts step apart from at most this many decoding sequences. PDSERVE_APART_MAX_DECODERS=0 mixes
+# always: an A/B switch (gpu_figures.sh light) since mixed steps replay `varlen` graphs whose padding
+# rows take no expert — the 8 was chosen when a mixed step ran eagerly, or with that padding.
+APART_MAX_DECODERS = int(os.environ.get("PDSERVE_APART_MAX_DECODERS", "8"))
 
 
 @dataclass
