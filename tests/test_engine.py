@@ -318,6 +318,31 @@ def staggered(engine: Engine, ps: list[list[int]], every: int) -> tuple[list[lis
     return [got[f"r{i}"] for i in range(len(ps))], steps
 
 
+def test_a_long_prompt_is_computed_fresh_past_a_short_cached_prefix():
+    """Where a prefill graph takes a long prompt whole (a GPU's), a cached prefix under 1/8 of it
+    is not used: the `varlen` path's paged attention costs more than the prefix saves. A larger one
+    is used, and without prefill graphs (the CPU's) any. The same tokens either way; the references
+    the lookup took go back."""
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(0, 256, (2112,), generator=g).tolist()
+    other = torch.randint(0, 256, (2112,), generator=g).tolist()
+    short = first[:256] + other[256:]  # 16 blocks of 132 cached: under 1/8
+    longer = first[:1024] + other[1024:]  # 64 blocks cached
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    kw = dict(num_kv_blocks=600, chunk_size=4096)
+    want = [make_engine(enable_prefix_cache=False, **kw).generate([p], params)[0].token_ids for p in (short, longer)]
+    graphs = make_engine(**kw)
+    graphs.scheduler.graph_limits(prompt_tokens=4096, prompt_seqs=4, decode_batch=64)
+    graphs.generate([first], params)
+    outs = [graphs.generate([p], params)[0] for p in (short, longer)]
+    assert [o.token_ids for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [0, 1024]
+    assert graphs.pool.num_free_blocks == graphs.pool.num_blocks
+    cpu = make_engine(**kw)
+    cpu.generate([first], params)
+    assert cpu.generate([short], params)[0].num_cached_tokens == 256
+
+
 def test_prompts_step_apart_from_decoders_where_graphs_take_each(reference):
     # As an engine with prefill and decode CUDA graphs sets it: a mixed step would run eagerly, so
     # a fresh prompt goes in a step of its own, the decoders' step follows, and nothing changes in

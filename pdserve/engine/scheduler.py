@@ -48,6 +48,14 @@ from pdserve.engine.tpot_guard import TPOTGuard
 # always: an A/B switch (gpu_figures.sh light) since mixed steps replay `varlen` graphs whose padding
 # rows take no expert — the 8 was chosen when a mixed step ran eagerly, or with that padding.
 APART_MAX_DECODERS = int(os.environ.get("PDSERVE_APART_MAX_DECODERS", "8"))
+# Where prefill graphs take a long prompt whole, a cached prefix under this share of it is not used:
+# the prompt is computed fresh (SDPA) rather than after its prefix, whose keys the `varlen` path's
+# paged attention reads through the block table at ~1.45x SDPA's cost a layer. One H200, 4,096
+# tokens (docs/benchmarks.md, "A cached prefix"): 256 cached took 65.8 ms against 62.7 fresh, 1,024
+# cached 56.8 ms. Short prompts always use it (attention is a small part of them: 112 of 128 cached,
+# 0.65x fresh).
+SHORT_PREFIX_SHARE = 1 / 8
+SHORT_PREFIX_FROM_TOKENS = 2048
 
 
 @dataclass
@@ -259,6 +267,9 @@ class Scheduler:
         # Leave at least one token to compute: its logits give the next token.
         hashes = block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size, seq.cache_root)
         hits = self.pool.lookup(hashes)
+        if hits and self._fresh_is_faster(seq.num_tokens, len(hits) * self.block_size):
+            self.pool.free(hits)  # (the references lookup took; the blocks stay cached for others)
+            hits = []
         seq.block_ids = hits
         seq.block_hashes = hashes[: len(hits)]
         # Keys over a PENDING placeholder (a preempted sequence's token still being sampled) are
@@ -268,6 +279,12 @@ class Scheduler:
             known -= 1
         seq.lookup_hashes = hashes[: known // self.block_size]
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+
+    def _fresh_is_faster(self, num_tokens: int, cached: int) -> bool:
+        """Whether a prompt of num_tokens is better computed whole than after its `cached` tokens
+        (SHORT_PREFIX_SHARE): only where one prefill graph takes it whole, fresh."""
+        return (SHORT_PREFIX_FROM_TOKENS <= num_tokens <= min(self.prompt_graph_tokens, self.chunk_size)
+                and cached < num_tokens * SHORT_PREFIX_SHARE)
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Make seq's blocks cover its first num_computed_tokens + n tokens; False if the pool is short."""
