@@ -7,6 +7,7 @@ of an earlier one (a late delta, a settling reservation) can mix with it. The li
 """
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.messages import Refusal, Request
@@ -45,8 +46,9 @@ class Attempt:
     # until its first token.
     to_compute: int | None = None
     prompt_work: int = 0
-    # Prefix-aware placement: the prompt's block hashes (with the tokens a move prefills again).
-    hashes: list[bytes] = field(default_factory=list)
+    # Prefix-aware placement: the prompt's block hashes (with the tokens a move prefills again), a
+    # HashChain (computed as read).
+    hashes: Sequence[bytes] = ()
 
 
 class Lost(ServingError):

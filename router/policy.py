@@ -18,7 +18,7 @@ import itertools
 from collections import OrderedDict
 from typing import Protocol
 
-from pdserve.engine.block_pool import block_hashes, salt_root
+from pdserve.engine.block_pool import HashChain, salt_root
 from pdserve.router.attempt import Attempt
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.replica_set import ReplicaSet
@@ -99,8 +99,9 @@ class PrefixAware(KVAware):
 
     def prepare(self, run, request, sent) -> None:
         # Salted as the engines salt it (Engine._new_sequence): a key's prompt matches only its own
-        # key's blocks here, as in the replicas' caches.
-        run.hashes = block_hashes(request.prompt_ids + sent, self.block_size, salt_root(request.params.cache_salt))
+        # key's blocks here, as in the replicas' caches. Hashed as far as placing it reads (a fresh
+        # prompt: its first block); the rest once it is on its way (PrefixIndex.routed).
+        run.hashes = HashChain(request.prompt_ids + sent, self.block_size, salt_root(request.params.cache_salt))
 
     def prompt_replica(self, names, role, run, request, sent) -> str:
         """The least work before this request's first token there, in prompt tokens to compute: those
@@ -149,7 +150,7 @@ class PrefixAware(KVAware):
             self.index.routed(worker, run.hashes)
         if request.session is None or not run.hashes:
             return
-        self._sessions[request.session] = (tuple(workers), len(run.hashes), run.hashes[-1])
+        self._sessions[request.session] = (tuple(workers), len(run.hashes), run.hashes[-1])  # (hashes it all)
         self._sessions.move_to_end(request.session)
         if len(self._sessions) > SESSIONS:
             self._sessions.popitem(last=False)

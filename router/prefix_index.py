@@ -12,9 +12,10 @@ of requests sharing a prefix (a system prompt; a session's next turn sent right 
 one) would miss what the router itself just placed, so a routed prompt's blocks count as held by
 the worker it went to for ROUTED_TTL_S, until events confirm them (or the cache dropped them)."""
 
+import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from pdserve.messages import KVEvents
 
@@ -28,6 +29,9 @@ class PrefixIndex:
         self._held: dict[str, set[bytes]] = {}  # worker -> its hashes (to drop a worker, or reset it)
         self._cursors: dict[str, tuple[str, int]] = {}  # worker -> (its log's epoch, the last event seen)
         self._routed: dict[str, OrderedDict[bytes, float]] = {}  # worker -> hash -> until (monotonic)
+        # Routed prompts whose chains are not hashed through yet: (worker, chain, until); into
+        # _routed after the turn that sent them, or before the next match.
+        self._unsettled: list[tuple[str, Sequence[bytes], float]] = []
 
     def cursor(self, worker: str) -> tuple[str, int]:
         """Where to ask `worker`'s log from: ("", 0) for a worker not followed yet (a reset comes)."""
@@ -50,26 +54,48 @@ class PrefixIndex:
 
     def drop(self, worker: str) -> None:
         """Forget a worker (gone, or replaced: a new incarnation has a cache of its own)."""
+        self._unsettled = [u for u in self._unsettled if u[0] != worker]
         for h in self._held.pop(worker, ()):
             self._discard(h, worker)
         self._cursors.pop(worker, None)
         self._routed.pop(worker, None)
 
-    def routed(self, worker: str, hashes: list[bytes]) -> None:
+    def routed(self, worker: str, hashes: Sequence[bytes]) -> None:
         """The router just sent a prompt with these block hashes to `worker`: count them as held
-        there until the worker's events can say so."""
+        there until the worker's events can say so. A chain not hashed through yet (HashChain) is
+        hashed after the turn that sends the prompt, not before: its first token need not wait."""
         if not hashes:
             return
-        recent = self._routed.setdefault(worker, OrderedDict())
         until = time.monotonic() + ROUTED_TTL_S
+        if getattr(hashes, "is_complete", True):
+            self._hold(worker, hashes, until)
+            return
+        if not self._unsettled:
+            try:  # two turns on: the hand-off this turn queued (router/handoff.py) is sent by then
+                loop = asyncio.get_running_loop()
+                loop.call_soon(loop.call_soon, self._settle)
+            except RuntimeError:  # no loop (a test, a script): no send to let go first
+                self._hold(worker, hashes, until)
+                return
+        self._unsettled.append((worker, hashes, until))
+
+    def _settle(self) -> None:
+        unsettled, self._unsettled = self._unsettled, []
+        for worker, chain, until in unsettled:  # (a worker dropped meanwhile left none here)
+            self._hold(worker, chain, until)
+
+    def _hold(self, worker: str, hashes: Iterable[bytes], until: float) -> None:
+        recent = self._routed.setdefault(worker, OrderedDict())
         for h in hashes:
             recent[h] = until
             recent.move_to_end(h)
         while len(recent) > ROUTED_MAX:
             recent.popitem(last=False)
 
-    def match(self, hashes: list[bytes], workers: Iterable[str]) -> dict[str, int]:
+    def match(self, hashes: Sequence[bytes], workers: Iterable[str]) -> dict[str, int]:
         """Per worker, how many leading blocks of this prompt's hash chain its cache holds."""
+        if self._unsettled:  # a burst: what was routed a moment ago counts already
+            self._settle()
         now = time.monotonic()
         out = {}
         for w in workers:

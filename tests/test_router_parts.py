@@ -98,7 +98,7 @@ def test_prefix_aware_hashes_a_keys_prompt_as_the_engines_do():
         run = Attempt("r")
         req = Request("r", prompt, SamplingParams(max_tokens=4, cache_salt=salt))
         pa.prepare(run, req, [])
-        assert (run.hashes == stored) is cached, salt
+        assert (list(run.hashes) == stored) is cached, salt
         pa.prompt_replica(["p0", "p1"], "prefill", run, req, [])
         assert (run.to_compute == 1) is cached, salt
 
@@ -116,6 +116,33 @@ def test_prefix_aware_remembers_a_session_for_its_next_turn():
     pa.prepare(run2, nxt, [])
     assert pa.prompt_replica(["p0", "p1"], "prefill", run2, nxt, []) == "p1"
     assert pa.decode_order(["d0", "d1"], run2, nxt)[0][0] == "d1"
+
+
+def test_a_fresh_prompt_is_hashed_through_after_the_turn_that_sends_it():
+    """Placing a prompt no worker holds hashes its first block only (the index walk stops there); the
+    rest once the turn that sends it is over, so its first token does not wait for 64 sha256s. A
+    match before then (a burst sharing the prompt) counts it routed all the same."""
+    from pdserve.engine.block_pool import block_hashes
+
+    async def main():
+        pa = PrefixAware(cluster(), BLOCK)
+        prompt = list(range(64 * BLOCK))
+        run, req = Attempt("r"), request(prompt)
+        pa.prepare(run, req, [])
+        assert pa.prompt_replica(["p0", "p1"], "prefill", run, req, []) in ("p0", "p1")
+        pa.routed(run, req, {"p0": "p0-w"})
+        assert not run.hashes.is_complete  # (placing it read one block)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert run.hashes.is_complete and list(run.hashes) == block_hashes(prompt, BLOCK)
+        assert pa.index.match(run.hashes, ["p0-w", "p1-w"]) == {"p0-w": 64, "p1-w": 0}
+        # A second prompt routed, then matched in the same turn: settled by the match.
+        other, run2 = request(prompt[::-1]), Attempt("r2")
+        pa.prepare(run2, other, [])
+        pa.routed(run2, other, {"p1": "p1-w"})
+        assert pa.index.match(block_hashes(prompt[::-1], BLOCK), ["p1-w"]) == {"p1-w": 64}
+
+    asyncio.run(main())
 
 
 def test_routing_policy_names_the_key_of_an_unknown_policy():

@@ -50,6 +50,57 @@ def block_hashes(token_ids: Seq[int], block_size: int, parent: bytes | None = No
     return out
 
 
+class HashChain(Seq[bytes]):
+    """block_hashes(token_ids, block_size, parent), each computed when first read: a walk that stops
+    at the first block no cache holds (a fresh prompt's: at its first) hashes that far only, and the
+    rest can wait until the prompt is on its way (`complete`). Reads as the list would."""
+
+    __slots__ = ("_ids", "_block_size", "_root", "_done", "_len")
+
+    def __init__(self, token_ids: Seq[int], block_size: int, parent: bytes | None = None):
+        self._ids: Seq[int] | None = token_ids
+        self._block_size, self._root = block_size, parent
+        self._done: list[bytes] = []
+        self._len = len(token_ids) // block_size
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.complete()[i]
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError("block index out of range")
+        self._upto(i + 1)
+        return self._done[i]
+
+    def __iter__(self):
+        for i in range(self._len):
+            if i >= len(self._done):
+                self._upto(i + 1)
+            yield self._done[i]
+
+    @property
+    def is_complete(self) -> bool:
+        return len(self._done) == self._len
+
+    def complete(self) -> list[bytes]:
+        """Every block's hash (computed now where not yet)."""
+        self._upto(self._len)
+        return self._done
+
+    def _upto(self, n: int) -> None:
+        done = len(self._done)
+        if n <= done:
+            return
+        parent = self._done[-1] if done else self._root
+        self._done += block_hashes(self._ids[:n * self._block_size], self._block_size, parent, start=done)
+        if len(self._done) == self._len:
+            self._ids = None  # (the tokens are not needed any more)
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_prefix_cache: bool = True):
         assert num_blocks > 0
