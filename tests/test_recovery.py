@@ -102,11 +102,13 @@ def test_down_with_grace_lets_the_streams_in_flight_finish(tmp_path):
         c.wait_ready()
         texts = prompts(6, 6, seed=5)
         # Long enough that they are still streaming once `pdserve down` (a process that joins Ray
-        # first) has begun the drain, with the replica at its serving priority (pdserve/priority.py).
-        expected = undisturbed(c.url, texts, 1000)
+        # first: seconds on a loaded host) has begun the drain, with the replica at its serving
+        # priority (pdserve/priority.py). 1,000 tokens once finished first on a loaded 2-core host.
+        # The undisturbed texts come from one concurrent batch (greedy: as if each ran alone).
+        expected = asyncio.run(Load(c.url, 1600).run(texts))
 
         async def scenario():
-            load = Load(c.url, 1000)
+            load = Load(c.url, 1600)
             task = asyncio.create_task(load.run(texts))
             started = time.monotonic() + 60
             while len(load.streaming) < len(texts):  # every stream under way, or a clear failure
