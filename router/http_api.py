@@ -157,7 +157,8 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
             if charge is not None:
                 charge.tokens(len(prompt_ids), max_tokens, "prompt", "max_tokens")
             rid = f"cmpl-{uuid.uuid4().hex}"
-            shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage)
+            shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage,
+                                    prompt_tokens=len(prompt_ids), continuous_usage=body.continuous_usage)
             request = Request(rid, prompt_ids, params, session=_session(body, scope), priority=priority)
         else:
             request = None
@@ -175,7 +176,8 @@ async def complete(core: ServingCore, metrics: Metrics, tenants: Tenants | None,
                 total_max += max_tokens * best_of
                 for j in range(best_of):
                     shape = CompletionShape(rid, core.model_name, body.logprobs is not None, body.include_usage,
-                                            i * n + j)
+                                            i * n + j, prompt_tokens=len(prompt_ids),
+                                            continuous_usage=body.continuous_usage)
                     child = Request(f"{rid}-{i}-{j}", prompt_ids, child_params(params, j, best_of > n),
                                     session=_session(body, scope), priority=priority)
                     choices.append(Choice(child, shape, i, echo))
@@ -218,9 +220,11 @@ async def chat_complete(core: ServingCore, metrics: Metrics, tenants: Tenants | 
         priority = _priority(body, scope)
 
     def shape(j: int) -> ChatShape:
+        usage = dict(prompt_tokens=len(prompt_ids), continuous_usage=body.continuous_usage)
         if tools.mode == "none":
-            return ChatShape(rid, core.model_name, logprobs is not None, body.include_usage, j)
-        return ToolCallShape(rid, core.model_name, logprobs is not None, body.include_usage, tools, tool_parser, j)
+            return ChatShape(rid, core.model_name, logprobs is not None, body.include_usage, j, **usage)
+        return ToolCallShape(rid, core.model_name, logprobs is not None, body.include_usage, tools, tool_parser, j,
+                             **usage)
     if n > 1:
         choices = [Choice(Request(f"{rid}-0-{j}", prompt_ids, child_params(params, j, False),
                                   session=_session(body, scope), priority=priority), shape(j), 0)

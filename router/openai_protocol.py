@@ -29,6 +29,8 @@ def _only(value: Any, allowed: tuple, what: str) -> Any:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk carries the usage so far too.
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingRequest(BaseModel):
@@ -175,6 +177,11 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (stream_options.continuous_usage_stats, only with include_usage: vLLM's)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 _IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}

@@ -44,11 +44,15 @@ class ResponseShape:
     object = ""
     chunk_object = ""
 
-    def __init__(self, request_id: str, model: str, want_logprobs: bool, include_usage: bool, index: int = 0):
-        """index: the choice this shape words (a request of several choices has a shape per choice)."""
+    def __init__(self, request_id: str, model: str, want_logprobs: bool, include_usage: bool, index: int = 0,
+                 *, prompt_tokens: int = 0, continuous_usage: bool = False):
+        """index: the choice this shape words (a request of several choices has a shape per choice);
+        continuous_usage: every chunk carries the choice's usage so far (prompt_tokens, and the
+        tokens its chunks have carried), vLLM's stream_options.continuous_usage_stats."""
         self.id, self.model = request_id, model
         self.want_logprobs, self.include_usage = want_logprobs, include_usage
         self.index = index
+        self.continuous_usage, self.prompt_tokens, self.completion_tokens = continuous_usage, prompt_tokens, 0
         self.created = int(time.time())
         self._text_event: tuple[str, str] | None = None  # a text-only chunk's event around its JSON text
 
@@ -60,7 +64,7 @@ class ResponseShape:
         A delta whose tokens have no text yet (part of a UTF-8 character, text held back while it may
         begin a stop string) still gets its event, with empty text, as vLLM sends it: a client times
         its first token, and its gaps, by the chunks it reads."""
-        if delta.finish_reason is None and not self.want_logprobs:
+        if delta.finish_reason is None and not self.want_logprobs and not self.continuous_usage:
             if not delta.text and not delta.token_ids:
                 return None
             if self._text_event is None:
@@ -90,12 +94,19 @@ class ResponseShape:
 
     def chunk(self, delta: RequestDelta) -> dict | None:
         """The stream chunk for one delta, or None when it has nothing to show."""
+        self.completion_tokens += len(delta.token_ids)
         if (not delta.text and not delta.token_ids and delta.finish_reason is None
                 and not (self.want_logprobs and delta.logprobs)):
             return None
-        extra = {"usage": None} if self.include_usage else {}
         return self._envelope(self.chunk_object, [self._choice_delta(delta) | {"stop_reason": delta.stop_reason}],
-                              **extra)
+                              **self._usage_now())
+
+    def _usage_now(self) -> dict:
+        """A chunk's usage field: none without include_usage, null with it, the usage so far with
+        continuous_usage."""
+        if self.continuous_usage:
+            return {"usage": token_usage(self.prompt_tokens, self.completion_tokens)}
+        return {"usage": None} if self.include_usage else {}
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._envelope(self.chunk_object, [], usage=usage)
@@ -110,8 +121,9 @@ class ResponseShape:
 class CompletionShape(ResponseShape):
     endpoint, object, chunk_object = COMPLETIONS, "text_completion", "text_completion"
 
-    def __init__(self, request_id: str, model: str, want_logprobs: bool, include_usage: bool, index: int = 0):
-        super().__init__(request_id, model, want_logprobs, include_usage, index)
+    def __init__(self, request_id: str, model: str, want_logprobs: bool, include_usage: bool, index: int = 0,
+                 **usage):
+        super().__init__(request_id, model, want_logprobs, include_usage, index, **usage)
         # Streaming: where the next token's text starts. Offsets follow the tokens' own texts, not the
         # chunks' (text that may begin a stop string is held back from a chunk, never from its token).
         self._next_offset = 0
@@ -152,9 +164,8 @@ class ChatShape(ResponseShape):
 
     def opening_chunks(self) -> list[dict]:
         # OpenAI sends the role alone first; clients key the assistant message on it.
-        extra = {"usage": None} if self.include_usage else {}
         first = {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [self._envelope(self.chunk_object, [first], **extra)]
+        return [self._envelope(self.chunk_object, [first], **self._usage_now())]
 
     def _choice(self, deltas: list[RequestDelta]) -> dict:
         text = "".join(d.text for d in deltas)

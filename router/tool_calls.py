@@ -94,8 +94,8 @@ class ToolCallShape(ChatShape):
     """A chat choice whose output may be tool calls (ToolChoice's mode not "none")."""
 
     def __init__(self, request_id: str, model: str, want_logprobs: bool, include_usage: bool,
-                 choice: ToolChoice, parser: ToolParser, index: int = 0):
-        super().__init__(request_id, model, want_logprobs, include_usage, index)
+                 choice: ToolChoice, parser: ToolParser, index: int = 0, **usage):
+        super().__init__(request_id, model, want_logprobs, include_usage, index, **usage)
         self.tool_choice, self.parser = choice, parser
         self._text = ""  # the stream's text so far
         self._shown = 0  # how much of it went out as content
@@ -120,6 +120,7 @@ class ToolCallShape(ChatShape):
         return None if chunk is None else sse_event(chunk)
 
     def chunk(self, delta: RequestDelta) -> dict | None:
+        self.completion_tokens += len(delta.token_ids)
         self._text += delta.text
         finished = delta.finish_reason is not None
         out: dict = {}
@@ -142,11 +143,10 @@ class ToolCallShape(ChatShape):
             reason = "tool_calls" if finished and self._called else delta.finish_reason
         if not out and not finished:
             return None
-        extra = {"usage": None} if self.include_usage else {}
         logprobs = self._logprobs(delta.logprobs) if self.want_logprobs else None
         return self._envelope(self.chunk_object, [{"index": self.index, "delta": out, "logprobs": logprobs,
                                                    "finish_reason": reason, "stop_reason": delta.stop_reason}],
-                              **extra)
+                              **self._usage_now())
 
     def _stream_text(self, finished: bool) -> tuple[str, list[dict]]:
         """The content to send now, and the tool-call deltas: text from the parser's start marker (all

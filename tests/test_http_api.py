@@ -139,6 +139,30 @@ def test_completion_stream_with_usage(served):
     assert chunks[-1].usage.prompt_tokens == len(served.engine.tokenize(PROMPT))
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk's usage counts
+    the tokens its choice has streamed so far; without include_usage it asks for nothing."""
+    want = served.expected["plain"]
+    prompt_tokens = len(served.engine.tokenize(PROMPT))
+    chunks = list(served.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    body = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in body) == want.text
+    seen = [c.usage.completion_tokens for c in body]
+    assert seen == sorted(seen) and seen[-1] == 12 and all(c.usage.prompt_tokens == prompt_tokens for c in body)
+    assert all(c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens for c in body)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    chat = list(served.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert [c.usage.completion_tokens for c in chat if c.choices][-1] == 5
+    alone = list(served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                                  stream=True, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in alone)
+
+
 def test_stream_wire_format(served):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
     r = post(served, "/v1/completions", body)
