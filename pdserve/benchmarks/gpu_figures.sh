@@ -35,8 +35,9 @@
 #            interleaved twice (1 GPU)
 #   light    issue 44's light load through `pdserve up` (one colocated replica; 1 req/s, 128-token prompts,
 #            50-token answers, 60 requests) under each of LIGHT_VARIANTS (default "PDSERVE_PDL=0
-#            PDSERVE_PDL=1 PDSERVE_PDL=1,PDSERVE_APART_MAX_DECODERS=0": environments, commas between
-#            variables; the last mixes a prompt into the decoders' step at any batch) (1 GPU)
+#            PDSERVE_PDL=1 PDSERVE_PDL=1,PDSERVE_APART_MAX_DECODERS=0 PDSERVE_PDL=1,SPEC=1": environments,
+#            commas between variables; APART 0 mixes a prompt into the decoders' step at any batch; SPEC=1
+#            serves with n-gram speculation, 4 draft tokens: issue 44's "the figure with it") (1 GPU)
 #   routers  issue 40's 1, 2 and 4 routers sharing a port against 4 synthetic workers that outrun one router
 #            (router_stream.py: the real channel, routers and HTTP; no GPU used, the host's cores are what counts)
 # Each part writes OUT_DIR/<part>*.json (routers: its table in the log) and a log; a failing part does not
@@ -153,11 +154,15 @@ for part in $parts; do
                 --json "$out/pdl-$v-$n.json"
         done ;;
     light)
-        printf 'model: {path: qwen3-30b-a3b, load_format: dummy, dtype: bfloat16}\nrouter: {host: 127.0.0.1, http_port: 8000, grpc_port: null}\ncolocated: {replicas: 1, gpus: 1, max_num_seqs: 512, max_batch_tokens: 16384, chunk_size: 8192}\n' > /tmp/light.yaml
+        for spec in "" ", speculative: {method: ngram, num_tokens: 4}"; do
+            printf 'model: {path: qwen3-30b-a3b, load_format: dummy, dtype: bfloat16}\nrouter: {host: 127.0.0.1, http_port: 8000, grpc_port: null}\ncolocated: {replicas: 1, gpus: 1, max_num_seqs: 512, max_batch_tokens: 16384, chunk_size: 8192%s}\n' "$spec" \
+                > /tmp/light${spec:+-spec}.yaml
+        done
         seed=100
-        for v in ${LIGHT_VARIANTS:-PDSERVE_PDL=0 PDSERVE_PDL=1 PDSERVE_PDL=1,PDSERVE_APART_MAX_DECODERS=0}; do
+        for v in ${LIGHT_VARIANTS:-PDSERVE_PDL=0 PDSERVE_PDL=1 PDSERVE_PDL=1,PDSERVE_APART_MAX_DECODERS=0 PDSERVE_PDL=1,SPEC=1}; do
             name=light-$(echo $v | tr ',=' '-_')
-            env $(echo $v | tr ',' ' ') python -m pdserve.cli up /tmp/light.yaml > "$out/$name-up.log" 2>&1 &
+            yaml=/tmp/light.yaml; case $v in *SPEC=1*) yaml=/tmp/light-spec.yaml ;; esac
+            env $(echo $v | tr ',' ' ') python -m pdserve.cli up $yaml > "$out/$name-up.log" 2>&1 &
             pid=$!; t0=$SECONDS
             until grep -q "ready; Ctrl-C" "$out/$name-up.log"; do
                 sleep 1; [ $((SECONDS - t0)) -gt 300 ] && { echo "[gpu-figures] $name: no health"; break; }
