@@ -343,34 +343,40 @@ def test_a_long_prompt_is_computed_fresh_past_a_short_cached_prefix():
     assert cpu.generate([short], params)[0].num_cached_tokens == 256
 
 
-def test_prompts_step_apart_from_decoders_where_graphs_take_each(reference):
-    # As an engine with prefill and decode CUDA graphs sets it: a mixed step would run eagerly, so
-    # a fresh prompt goes in a step of its own, the decoders' step follows, and nothing changes in
-    # the tokens.
+def test_prompts_step_apart_from_decoders_where_no_graph_takes_them_together(reference):
+    # As an engine whose prefill graphs hold one prompt (MLA's) sets it: a mixed step would run
+    # eagerly, so a fresh prompt goes in a step of its own, the decoders' step follows, and nothing
+    # changes in the tokens.
     ps = prompts(8)[1:]  # (a one-token prompt looks like a decoding row)
     apart = make_engine()
-    apart.scheduler.graph_limits(prompt_tokens=512, prompt_seqs=4, decode_batch=64)  # (counts as 8)
+    apart.scheduler.graph_limits(prompt_tokens=512, prompt_seqs=1, decode_batch=64)  # (counts as 8)
     got, steps = staggered(apart, ps, every=3)
     assert got == reference[1:]
     assert not [s for s in steps if s[0] and s[1]], "a step mixed a prompt with decoding rows"
     alone = [i for i, s in enumerate(steps) if s[1] and not s[0]]
     assert len(alone) >= len(ps) - 1 and all(steps[i + 1][1] == 0 for i in alone if i + 1 < len(steps))
-    # Without the graphs (the CPU's default) the same arrivals mix, with the same tokens.
-    got, steps = staggered(make_engine(), ps, every=3)
-    assert got == reference[1:] and [s for s in steps if s[0] and s[1]]
-    # A prompt whose prefix is cached (a repeat of one served already) steps apart too where graphs
-    # of several prompts take it (they read the cached keys through the block table); where they
-    # hold one fresh prompt each (MLA's) it mixes.
-    for seqs, mixed in ((4, []), (1, [(2, 1)])):
+    # Without the graphs (the CPU's default) the same arrivals mix, with the same tokens; and where a
+    # `varlen` graph takes the prompt with every decoder (room for 8 sequences), they mix too.
+    for seqs in (0, 8):
+        mixing = make_engine()
+        if seqs:
+            mixing.scheduler.graph_limits(prompt_tokens=512, prompt_seqs=seqs, decode_batch=64)
+        got, steps = staggered(mixing, ps, every=3)
+        assert got == reference[1:] and [s for s in steps if s[0] and s[1]]
+    # A prompt whose prefix is cached (a repeat of one served already), beside two decoders: apart
+    # where graphs of two prompts take it alone (they read the cached keys through the block table;
+    # the second prompt, fresh, mixed with the one decoder then); mixed where graphs hold one fresh
+    # prompt each (MLA's), or where one `varlen` graph of four takes the three together.
+    for seqs, mixed in ((2, [(1, 1)]), (1, [(2, 1)]), (4, [(1, 1), (2, 1)])):
         again = make_engine()
         again.scheduler.graph_limits(prompt_tokens=512, prompt_seqs=seqs, decode_batch=64)
         got, steps = staggered(again, [ps[4], ps[0], ps[4]], every=10)  # (100 tokens: 6 blocks cached)
         assert got == [reference[5], reference[1], reference[5]]
-        assert [s for s in steps if s[0] and s[1]] == mixed  # (the repeat, beside both decoders)
+        assert [s for s in steps if s[0] and s[1]] == mixed  # ((2, 1): the repeat, beside both decoders)
         assert again.pool.num_free_blocks == again.pool.num_blocks
         assert again.profile.prefix_hits == 6 * again.config.block_size
     # More decoders than the decode graph holds: mixed as before.
     few = make_engine()
-    few.scheduler.graph_limits(prompt_tokens=512, prompt_seqs=4, decode_batch=1)
+    few.scheduler.graph_limits(prompt_tokens=512, prompt_seqs=1, decode_batch=1)
     got, steps = staggered(few, ps, every=3)
     assert got == reference[1:] and [s for s in steps if s[0] > 1 and s[1]]

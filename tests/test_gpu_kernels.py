@@ -1188,9 +1188,8 @@ def test_model_forward_matches_torch_backends(kv_dtype):
 
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch: compute capability 9 or more")
-@pytest.mark.parametrize("prefetch", [False, True], ids=["pdl", "pdl-prefetch"])
 @pytest.mark.parametrize("tokens", [1, 8])
-def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, prefetch, tokens):
+def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, tokens):
     """A decode layer's MoE half as a chain of kernels that launch with PDL (pdserve/ops/pdl.py), each
     reading the one before's output, replayed from a CUDA graph many times: bit for bit what the
     same kernels give launched plainly. A kernel reading before its wait would race here."""
@@ -1218,8 +1217,7 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, prefetch, token
     monkeypatch.setattr(pdl, "ENABLED", False)
     want = chain(x0)
     monkeypatch.setattr(pdl, "ENABLED", True)
-    monkeypatch.setattr(pdl, "PREFETCH", prefetch)
-    assert pdl.enabled(x0.device) and pdl.prefetch(x0.device) == prefetch
+    assert pdl.enabled(x0.device)
     static_x = x0.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

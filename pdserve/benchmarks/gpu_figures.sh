@@ -31,13 +31,12 @@
 #            beyond graphs of 32 sequences (--graph-seqs 32) (its attention's grid as today, then flat), then with
 #            prefill graphs of 128 sequences (1 GPU)
 #   pdl      issue 44: bench-engine's decode at batch 1, 2, 4, 8 and a 128-token prefill with programmatic
-#            dependent launch off, on, and on with the w2 GEMV's L2 prefetch (PDSERVE_PDL=0 / 1 / prefetch),
-#            interleaved twice (1 GPU)
+#            dependent launch off and on (PDSERVE_PDL=0 / 1; PDL_VARIANTS, default "0 1 0 1": interleaved
+#            twice) (1 GPU)
 #   light    issue 44's light load through `pdserve up` (one colocated replica; 1 req/s, 128-token prompts,
-#            50-token answers, 60 requests) under each of LIGHT_VARIANTS (default "PDSERVE_PDL=0
-#            PDSERVE_PDL=1 PDSERVE_PDL=1,PDSERVE_APART_MAX_DECODERS=0 PDSERVE_PDL=1,SPEC=1": environments,
-#            commas between variables; APART 0 mixes a prompt into the decoders' step at any batch; SPEC=1
-#            serves with n-gram speculation, 4 draft tokens: issue 44's "the figure with it") (1 GPU)
+#            50-token answers, 60 requests) under each of LIGHT_VARIANTS (default "PDSERVE_PDL=1
+#            PDSERVE_PDL=1,SPEC=1 PDSERVE_PDL=0": environments, commas between variables; SPEC=1 serves
+#            with n-gram speculation, 4 draft tokens: issue 44's "the figure with it") (1 GPU)
 #   routers  issue 40's 1, 2 and 4 routers sharing a port against 4 synthetic workers that outrun one router
 #            (router_stream.py: the real channel, routers and HTTP; no GPU used, the host's cores are what counts)
 # Each part writes OUT_DIR/<part>*.json (routers: its table in the log) and a log; a failing part does not
@@ -147,7 +146,7 @@ for part in $parts; do
                 --json "$out/$name.json"
         done ;;
     pdl)
-        for v in 0 1 prefetch 0 1 prefetch; do
+        for v in ${PDL_VARIANTS:-0 1 0 1}; do
             n=$((${n:-0} + 1))
             run pdl-$v-$n env PDSERVE_PDL=$v python -m pdserve.cli bench-engine --model qwen3-30b-a3b --device cuda \
                 --load-format dummy --prefill-sizes 128 --decode-batches 1 2 4 8 --no-hf --reps 5 \
@@ -159,7 +158,7 @@ for part in $parts; do
                 > /tmp/light${spec:+-spec}.yaml
         done
         seed=100
-        for v in ${LIGHT_VARIANTS:-PDSERVE_PDL=0 PDSERVE_PDL=1 PDSERVE_PDL=1,PDSERVE_APART_MAX_DECODERS=0 PDSERVE_PDL=1,SPEC=1}; do
+        for v in ${LIGHT_VARIANTS:-PDSERVE_PDL=1 PDSERVE_PDL=1,SPEC=1 PDSERVE_PDL=0}; do
             name=light-$(echo $v | tr ',=' '-_')
             yaml=/tmp/light.yaml; case $v in *SPEC=1*) yaml=/tmp/light-spec.yaml ;; esac
             env $(echo $v | tr ',' ' ') python -m pdserve.cli up $yaml > "$out/$name-up.log" 2>&1 &

@@ -21,16 +21,17 @@ last one (`ScheduledSeq.draft`, from the engine's drafter), counted in the step'
 blocks like any other token; where the blocks are short the drafts are dropped, never a sequence
 preempted for them.
 
-Where CUDA graphs cover both kinds of step (`graph_limits`), prompts that a prefill graph takes (a
-cached prefix too, where the graphs hold several prompts) are not mixed into a step of decoding
-sequences: a mixed step runs eagerly, or in a `varlen` prefill graph whose decoding rows go through
-the prefill kernel, and its time was more than the prefill graph's and then the decode graph's
-together, for the newcomer and for the decoders alike (docs/benchmarks-history.md, light load and
-first requests). They
-go in a step of their own, and the step after it is the decoders' alone (no two prompt-only
-steps in a row: decoding never waits more than one). Only under a light load (APART_MAX_DECODERS):
-under many streams stepping apart delivered fewer tokens than mixing, whose steps carry many
-decoders with each prompt (docs/benchmarks-history.md, control plane under load).
+Where CUDA graphs cover both kinds of step (`graph_limits`), a step that mixes a fresh prompt with
+decoding sequences replays a `varlen` prefill graph when it holds few enough sequences (its decoding
+rows go through the prefill kernel); such a step was measured the better one under a light load (one
+H200, 1 req/s of 128-token prompts: e2e p99 197-202 ms against 235 stepping apart; docs/benchmarks.md).
+Where the mixed step would not fit one (MLA's prefill graphs hold one fresh prompt each), it runs
+eagerly, and its time was more than the prefill graph's and then the decode graph's together, for the
+newcomer and for the decoders alike (docs/benchmarks-history.md, light load and first requests): the
+prompt then goes in a step of its own, and the step after it is the decoders' alone (no two
+prompt-only steps in a row: decoding never waits more than one). Only under a light load
+(APART_MAX_DECODERS): under many streams stepping apart delivered fewer tokens than mixing, whose
+steps carry many decoders with each prompt (docs/benchmarks-history.md, control plane under load).
 """
 
 import bisect
@@ -44,9 +45,8 @@ from pdserve.engine.sequence import PENDING, Sequence, SeqStatus
 from pdserve.engine.step_profile import StepProfile
 from pdserve.engine.tpot_guard import TPOTGuard
 
-# Prompts step apart from at most this many decoding sequences. PDSERVE_APART_MAX_DECODERS=0 mixes
-# always: an A/B switch (gpu_figures.sh light) since mixed steps replay `varlen` graphs whose padding
-# rows take no expert — the 8 was chosen when a mixed step ran eagerly, or with that padding.
+# Prompts whose mixed step no graph takes step apart from at most this many decoding sequences.
+# PDSERVE_APART_MAX_DECODERS=0 mixes always: an A/B switch (gpu_figures.sh light).
 APART_MAX_DECODERS = int(os.environ.get("PDSERVE_APART_MAX_DECODERS", "8"))
 # Where prefill graphs take a long prompt whole, a cached prefix under this share of it is not used:
 # the prompt is computed fresh (SDPA) rather than after its prefix, whose keys the `varlen` path's
@@ -121,15 +121,17 @@ class Scheduler:
 
     def graph_limits(self, prompt_tokens: int, prompt_seqs: int, decode_batch: int) -> None:
         """The engine's CUDA graphs: fresh-prompt steps up to prompt_tokens tokens of prompt_seqs
-        prompts, decode steps up to decode_batch sequences (of which APART_MAX_DECODERS count here)."""
+        prompts (a `varlen` step of prompt_seqs sequences takes decoders beside a prompt), decode steps
+        up to decode_batch sequences (of which APART_MAX_DECODERS count here)."""
         self.prompt_graph_tokens, self.prompt_graph_seqs = prompt_tokens, prompt_seqs
         self.decode_graph_batch = min(decode_batch, APART_MAX_DECODERS)
 
     def _graphs_apart(self) -> bool:
         """Decoders that one decode graph takes, and a prompt waiting (not begun) that a prefill graph
-        may take: the two go in steps of their own."""
+        may take, but no `varlen` graph with them: the two go in steps of their own."""
         return (self.prompt_graph_tokens > 0 and bool(self.waiting) and bool(self.running)
                 and self.waiting[0].num_computed_tokens == 0 and len(self.running) <= self.decode_graph_batch
+                and len(self.running) + 1 > self.prompt_graph_seqs
                 and all(q.num_tokens - q.num_computed_tokens == 1 for q in self.running))
 
     def _prompts_only(self) -> list[ScheduledSeq]:

@@ -71,20 +71,11 @@ def _gemv_w13_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, I, num_experts,
 def _gemv_w2_kernel(inter_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, N, num_experts,
                     stride_it, stride_we, stride_wn, stride_ot,
                     K: tl.constexpr, EPP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_PDL: tl.constexpr,
-                    PREFETCH: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
+                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_PDL: tl.constexpr):
     grp = tl.program_id(0)
     nt = tl.program_id(1)
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    if PREFETCH:  # this program's expert rows into L2 while _gemv_w13_kernel ends (see pdl.py)
-        # The ids are topk's, two kernels back: done once _gemv_w13_kernel's programs have passed
-        # their wait, which they have before this kernel can start.
-        lines = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        for j in tl.static_range(EPP):
-            e = tl.minimum(tl.load(ids_ptr + grp * EPP + j), num_experts - 1).to(tl.int64)
-            pdl.prefetch_l2(w_ptr + e * stride_we + rows[:, None] * stride_wn + lines[None, :])
     pdl.wait(USE_PDL)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -156,13 +147,11 @@ def gemv_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         num_warps=cfg["num_warps"], **pdl.launch_kwargs(x.device))
     groups = num_tokens * (top_k // epp)
     y = out if epp == top_k else torch.empty(groups, hidden, dtype=torch.float32, device=x.device)
-    line = 128 // w2.element_size()  # elements in a 128-byte line
     _gemv_w2_kernel[(groups, triton.cdiv(hidden, bn2))](
         inter, w2, ids, tw, y, hidden, w2.shape[0],
         inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         K=inter_size, EPP=epp, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=inter_size % bk2 == 0, EVEN_N=hidden % bn2 == 0,
-        num_warps=cfg["num_warps"], PREFETCH=pdl.prefetch(x.device), LINE=line,
-        LINES=triton.next_power_of_2(triton.cdiv(inter_size, line)), **pdl.launch_kwargs(x.device))
+        num_warps=cfg["num_warps"], **pdl.launch_kwargs(x.device))
     if epp != top_k:
         moe_sum(y, num_tokens, top_k // epp, out=out)
     return out

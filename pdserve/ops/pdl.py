@@ -5,13 +5,15 @@ A small-batch decode step is a chain of ~13 short kernels a layer, and each one'
 scheduling and prologue used to wait for the previous kernel to end. Launched with PDL, the next
 kernel's programs are scheduled once every program of the one before has signalled
 (`gdc_launch_dependents`) and run their prologue meanwhile; `griddepcontrol.wait` then holds them
-until that kernel has finished and its writes are visible. CUDA graphs keep these edges.
+until that kernel has finished and its writes are visible. CUDA graphs keep these edges. One H200,
+Qwen3-30B-A3B's shape (docs/benchmarks.md, "Programmatic dependent launch"): the decode step at batch
+1 / 2 / 4 / 8 took 3.29 / 4.18 / 5.71 / 8.43 ms without, 2.99 / 3.93 / 5.46 / 8.26 ms with.
 
 The rule every kernel launched with `launch_kwargs` keeps, so that completion stays transitive (a
 kernel that has ended implies every kernel before it has): `wait` before reading anything an earlier
 kernel wrote and before writing anything, and always, in every program. `launch_dependents` only
-after `wait`. Data no kernel writes (weights) may be read before the wait — that is the point of
-prefetching there.
+after `wait`. (Data no kernel writes, weights, may be read before the wait: asking L2 for the w2 GEMV's
+expert rows there was tried and measured slower, 3.06 / 8.92 ms at batch 1 / 8.)
 """
 
 import functools
@@ -21,9 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Off until measured on a GPU (docs/benchmarks.md says when): PDSERVE_PDL=1 turns it on, =prefetch
-# with the weight prefetch below; tests flip `ENABLED` / `PREFETCH`.
-ENABLED = os.environ.get("PDSERVE_PDL", "0") != "0"
+# PDSERVE_PDL=0 turns it off (an A/B switch); tests flip `ENABLED`.
+ENABLED = os.environ.get("PDSERVE_PDL", "1") != "0"
 
 
 @functools.cache
@@ -49,21 +50,3 @@ def wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-# PDSERVE_PDL=prefetch: kernels that can also prefetch their weights into L2 before the wait do so
-# (an A/B switch while it is measured).
-PREFETCH = os.environ.get("PDSERVE_PDL", "0") == "prefetch"
-
-
-def prefetch(device: torch.device) -> bool:
-    """Whether kernels launched with PDL on this device also prefetch their weights before the wait."""
-    return PREFETCH and enabled(device)
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the lines these pointers fall in (one pointer per 128-byte line is enough); nothing
-    is loaded into registers."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
