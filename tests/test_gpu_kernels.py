@@ -11,7 +11,6 @@ computed in float64 (CPU) or float32 (GPU) from the same inputs upcast. Two mode
 """
 
 import copy
-import functools
 import os
 
 INTERPRET = os.environ.get("PDSERVE_TRITON_INTERPRET") == "1"
@@ -926,10 +925,7 @@ def test_fused_moe(shape, tokens, dtype):
 
 GEMV_CONFIGS = [None,  # the default table
                 dict(BLOCK_N13=8, BLOCK_K13=pick(512, 16), BLOCK_N2=32, BLOCK_K2=pick(128, 16), EPP=1, num_warps=4),
-                dict(BLOCK_N13=32, BLOCK_K13=pick(128, 32), BLOCK_N2=8, BLOCK_K2=pick(256, 32), EPP=2, num_warps=2),
-                # one kernel for both GEMVs (gemv_moe.py, FUSED): slices of I (masked where uneven), w2's rows
-                dict(FUSED=True, BLOCK_I=pick(32, 16), BLOCK_K13=pick(256, 16), BLOCK_HD=pick(256, 16), num_warps=4),
-                dict(FUSED=True, BLOCK_I=pick(64, 8), BLOCK_K13=pick(512, 64), BLOCK_HD=pick(64, 32), num_warps=8)]
+                dict(BLOCK_N13=32, BLOCK_K13=pick(128, 32), BLOCK_N2=8, BLOCK_K2=pick(256, 32), EPP=2, num_warps=2)]
 
 
 @pytest.mark.parametrize("shape", MOE_SHAPES)
@@ -962,14 +958,14 @@ def test_grouped_mm_moe(shape, tokens):
     check(out, ref, dtype, f"grouped_mm_moe T={tokens} {shape}")
 
 
-@pytest.mark.parametrize("impl", ["fused", "gemv", "gemv-fused", "grouped_mm", "torch"])
+@pytest.mark.parametrize("impl", ["fused", "gemv", "grouped_mm", "torch"])
 def test_moe_skips_pairs_served_elsewhere(impl):
     """Expert parallel: a pair carrying the skip id E (another rank serves it) adds nothing, in
     every backend, whatever its never-computed rows hold. Half the pairs are skipped, and every
     pair of the last token (a padding row). Oracle: the same pairs kept at weight 0."""
     experts, top_k, hidden, inter = MOE_SHAPES[0]
     dtype = (torch.float16 if INTERPRET else torch.bfloat16) if impl == "grouped_mm" else torch.float32
-    tokens = pick(5, 3) if impl.startswith("gemv") else pick(64, 9)
+    tokens = pick(5, 3) if impl == "gemv" else pick(64, 9)
     x, w13, w2, logits = random_moe_inputs(tokens, experts, hidden, inter, dtype, DEVICE, gen(21))
     weights, ids = route(logits, top_k, True)
     skip = torch.rand(ids.shape, generator=gen(22), device=DEVICE) < 0.5
@@ -980,9 +976,8 @@ def test_moe_skips_pairs_served_elsewhere(impl):
         out = TorchMoE().forward(x, w13, w2, weights, skipped)
     else:
         out = poisoned(x.shape, dtype)
-        gemv_fused = functools.partial(gemv_moe, config=GEMV_CONFIGS[3])
-        {"fused": fused_moe, "gemv": gemv_moe, "gemv-fused": gemv_fused,
-         "grouped_mm": grouped_mm_moe}[impl](x, w13, w2, weights, skipped, out=out)
+        {"fused": fused_moe, "gemv": gemv_moe, "grouped_mm": grouped_mm_moe}[impl](x, w13, w2, weights, skipped,
+                                                                                  out=out)
     check(out, ref, dtype, f"{impl} with skipped pairs")
 
 
@@ -1193,9 +1188,8 @@ def test_model_forward_matches_torch_backends(kv_dtype):
 
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch: compute capability 9 or more")
-@pytest.mark.parametrize("fused", [False, True], ids=["gemv", "gemv-fused"])
 @pytest.mark.parametrize("tokens", [1, 8])
-def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, tokens, fused):
+def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, tokens):
     """A decode layer's MoE half as a chain of kernels that launch with PDL (pdserve/ops/pdl.py), each
     reading the one before's output, replayed from a CUDA graph many times: bit for bit what the
     same kernels give launched plainly. A kernel reading before its wait would race here."""
@@ -1217,7 +1211,7 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, tokens, fused):
         for i in range(layers):
             h, residual = fused_add_rms_norm(x, residual, w_norm[i], 1e-6)
             weights, ids = fused_topk(router_gemv(h, w_gate[i]), top_k, True)
-            x = gemv_moe(h, w13[i], w2[i], weights, ids, config=GEMV_CONFIGS[3] if fused else None)
+            x = gemv_moe(h, w13[i], w2[i], weights, ids)
         return x + residual
 
     monkeypatch.setattr(pdl, "ENABLED", False)

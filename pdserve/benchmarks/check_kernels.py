@@ -363,10 +363,6 @@ def sweep_gemv_moe(c: Checker, a, tokens: int) -> None:
                             (32, 256, 32, 256, 1, 4), (16, 256, 32, 256, 1, 4), (16, 256, 8, 256, 1, 4),
                             (16, 512, 16, 256, 1, 4), (32, 256, 16, 256, 1, 8), (8, 256, 16, 256, 1, 4),
                             (16, 256, 16, 128, 1, 4), (16, 128, 16, 256, 1, 4)]]
-    # One kernel for both GEMVs (gemv_moe.py, FUSED): slice width, w2 rows a load, warps.
-    cfgs += [dict(FUSED=True, BLOCK_I=bi, BLOCK_K13=256, BLOCK_HD=bh, num_warps=w, EPP=1)
-             for bi, bh, w in [(32, 256, 4), (32, 128, 4), (32, 512, 8), (16, 256, 4), (64, 256, 4), (64, 128, 8),
-                               (16, 512, 4)]]
     for cfg in cfgs:
         if k % cfg["EPP"]:
             continue

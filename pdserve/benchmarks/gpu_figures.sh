@@ -33,9 +33,6 @@
 #   pdl      issue 44: bench-engine's decode at batch 1, 2, 4, 8 and a 128-token prefill with programmatic
 #            dependent launch off and on (PDSERVE_PDL=0 / 1; PDL_VARIANTS, default "0 1 0 1": interleaved
 #            twice) (1 GPU)
-#   gemvfused issue 44: the GEMV MoE's two kernels against one (gemv_moe.py, FUSED): its GPU tests, the configs
-#            swept at T = 1, 2, 8 (check_kernels --only small --sweep), and bench-engine's decode at batch 1, 2,
-#            4, 8 with PDSERVE_GEMV_FUSED=0 / 1 interleaved twice (1 GPU)
 #   light    issue 44's light load through `pdserve up` (one colocated replica; 1 req/s, 128-token prompts,
 #            50-token answers, 60 requests) under each of LIGHT_VARIANTS (default "PDSERVE_PDL=1
 #            PDSERVE_PDL=1,SPEC=1 PDSERVE_PDL=0": environments, commas between variables; SPEC=1 serves
@@ -155,16 +152,6 @@ for part in $parts; do
                 --load-format dummy --prefill-sizes 128 --decode-batches 1 2 4 8 --no-hf --reps 5 \
                 --json "$out/pdl-$v-$n.json"
         done ;;
-    gemvfused)
-        run gemvfused-tests python -m pytest tests/test_gpu_kernels.py -q -p no:cacheprovider \
-            -k "gemv_moe or skips_pairs or pdl_chain"
-        run gemvfused-sweep timeout 400 python -m pdserve.benchmarks.check_kernels --only small --sweep
-        for v in 0 1 0 1; do
-            n=$((${n:-0} + 1))
-            run gemvfused-$v-$n env PDSERVE_GEMV_FUSED=$v python -m pdserve.cli bench-engine --model qwen3-30b-a3b \
-                --device cuda --load-format dummy --prefill-sizes 128 --decode-batches 1 2 4 8 --no-hf --reps 5 \
-                --json "$out/gemvfused-$v-$n.json"
-        done ;;
     light)
         for spec in "" ", speculative: {method: ngram, num_tokens: 4}"; do
             printf 'model: {path: qwen3-30b-a3b, load_format: dummy, dtype: bfloat16}\nrouter: {host: 127.0.0.1, http_port: 8000, grpc_port: null}\ncolocated: {replicas: 1, gpus: 1, max_num_seqs: 512, max_batch_tokens: 16384, chunk_size: 8192%s}\n' "$spec" \
@@ -189,6 +176,6 @@ for part in $parts; do
             --streams 128 512 --seconds 15 --prompt-len 256 ;;
     *)
         echo "[gpu-figures] unknown part $part (tests, engine, ep, ep512, kv, kvnixl, tp, goodput, adaptive, flip," \
-            "serving, grammar, spec, cached, mixed, pdl, gemvfused, light, routers)" ;;
+            "serving, grammar, spec, cached, mixed, pdl, light, routers)" ;;
     esac
 done
