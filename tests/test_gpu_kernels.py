@@ -1237,3 +1237,64 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, tokens):
     static_x.copy_(x0)
     graph.replay()
     assert torch.equal(out, want)
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch: compute capability 9 or more")
+@pytest.mark.parametrize("splits", [1, 4])
+def test_pdl_mla_chain_in_a_graph_equals_plain_launches(monkeypatch, splits):
+    """An MLA decode layer's attention half as a chain of kernels that launch with PDL: the norm, the
+    query's and the latent's RoPE with the cache entry (mla_rope), the absorbed decode writing the
+    step's latent into the cache (with its splits' merge), SiLU-and-mul; replayed from a CUDA graph
+    many times, bit for bit what plain launches give, its cache too. (A cuBLAS projection closes each
+    layer: a plain launch, which waits for everything before it.)"""
+    from pdserve.ops import pdl
+    from pdserve.ops.mla_rope import mla_rope
+
+    dtype, heads, rank, rope, layers, seqs, ctx, page = torch.bfloat16, 16, 512, 64, 4, 8, 300, BLOCK
+    qk = rank + rope  # the query's nope part stands in for its absorbed latent (as wide)
+    width = heads * qk + rank + rope
+    g = gen(23)
+    per_seq = -(-(ctx + 1) // page)
+    tables = torch.arange(seqs * per_seq, dtype=torch.int32, device=DEVICE).view(seqs, per_seq)
+    context = torch.full((seqs,), ctx + 1, dtype=torch.int32, device=DEVICE)  # the step's own token too
+    slots = tables[:, ctx // page].long() * page + ctx % page
+    angles = torch.rand(seqs, 1, rope // 2, generator=g, device=DEVICE) * 6.28
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    w_norm = [torch.rand(width, generator=g, device=DEVICE).to(dtype) + 0.5 for _ in range(layers)]
+    proj = [(torch.randn(heads * rank // 2, width, generator=g, device=DEVICE) * (heads * rank) ** -0.5).to(dtype)
+            for _ in range(layers)]
+    caches = [torch.randn(1, seqs * per_seq, page, 1, qk, generator=g, device=DEVICE).to(dtype)
+              for _ in range(layers)]
+
+    def chain(x: torch.Tensor, kv: list[torch.Tensor]) -> torch.Tensor:
+        residual = torch.zeros_like(x)
+        for i in range(layers):
+            h, residual = fused_add_rms_norm(x, residual, w_norm[i], 1e-6)
+            q, latent = mla_rope(h[:, :heads * qk].view(seqs, heads, qk), h[:, heads * qk:heads * qk + rank],
+                                 h[:, heads * qk + rank:], cos, sin, True)
+            o = paged_mla_decode(q[..., :rank], q[..., rank:], kv[i], tables, context, qk ** -0.5, splits,
+                                 latent_new=latent, slot_mapping=slots)
+            x = silu_and_mul(o.view(seqs, heads * rank)) @ proj[i]
+        return x + residual
+
+    x0 = torch.randn(seqs, width, generator=g, device=DEVICE).to(dtype)
+    static_x = x0.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(static_x, [c.clone() for c in caches])  # compiles the PDL builds outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    assert pdl.enabled(x0.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static_x, caches)
+    for _ in range(30):
+        static_x.copy_(torch.randn(seqs, width, generator=g, device=DEVICE).to(dtype))
+        ref_caches = [c.clone() for c in caches]
+        graph.replay()
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        ref = chain(static_x.clone(), ref_caches)
+        monkeypatch.setattr(pdl, "ENABLED", True)
+        assert torch.equal(out, ref)
+        assert all(torch.equal(c, r) for c, r in zip(caches, ref_caches))

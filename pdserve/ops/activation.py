@@ -4,9 +4,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.ops import pdl
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < inter_size
@@ -26,5 +29,5 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if rows:
         block = min(1024, triton.next_power_of_2(inter_size))
         _silu_and_mul_kernel[(rows, triton.cdiv(inter_size, block))](
-            x, out, inter_size, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+            x, out, inter_size, x.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl.launch_kwargs(x.device))
     return out

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from pdserve.forward.kv_cache import FP8
+from pdserve.ops import pdl
 
 
 @triton.jit
@@ -26,7 +27,9 @@ def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, k_scale, v_scale,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_ckv, stride_cb, stride_cs, stride_ch,
                      block_size, num_kv_heads,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl.wait(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -64,12 +67,13 @@ def write_kv_triton(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         kv_layer.shape[2], kv_heads,
         HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        IS_FP8=is_fp8, num_warps=4 if kv_heads * head_dim >= 1024 else 1)
+        IS_FP8=is_fp8, num_warps=4 if kv_heads * head_dim >= 1024 else 1, **pdl.launch_kwargs(k.device))
 
 
 @triton.jit
 def _write_latent_kernel(x_ptr, cache_ptr, slot_ptr, scale, stride_xt, stride_cb, stride_cs, block_size,
-                         DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr):
+                         DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -97,4 +101,5 @@ def write_latent_triton(kv_layer: torch.Tensor, latent: torch.Tensor, slot_mappi
     _write_latent_kernel[(t,)](
         latent, kv_layer, slot_mapping, scales[0] if scales else 1.0,
         latent.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.shape[2],
-        DIM=dim, BLOCK_D=triton.next_power_of_2(dim), IS_FP8=is_fp8, num_warps=4 if dim >= 512 else 1)
+        DIM=dim, BLOCK_D=triton.next_power_of_2(dim), IS_FP8=is_fp8, num_warps=4 if dim >= 512 else 1,
+        **pdl.launch_kwargs(latent.device))

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from pdserve.forward.kv_cache import FP8
+from pdserve.ops import pdl
 from pdserve.ops.decode_attention import decode_num_splits, merge_splits
 from pdserve.ops.kv_write import quantize
 
@@ -46,7 +47,8 @@ def _mla_decode_kernel(qc_ptr, qr_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, 
                        RANK: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-                       NEW_LATENT: tl.constexpr, IS_FP8: tl.constexpr):
+                       NEW_LATENT: tl.constexpr, IS_FP8: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait(USE_PDL)
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -192,7 +194,7 @@ def paged_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_layer: tor
         RANK=rank, ROPE=rope, PAGE=page, BLOCK_H=BLOCK_H,
         BLOCK_C=max(16, triton.next_power_of_2(rank)), BLOCK_R=max(16, triton.next_power_of_2(rope)),
         BLOCK_N=block_n, DIRECT=direct, PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
-        NEW_LATENT=new, IS_FP8=is_fp8, num_warps=num_warps, num_stages=num_stages)
+        NEW_LATENT=new, IS_FP8=is_fp8, num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q_latent.device))
     if not direct:
         merge_splits(part_o, part_lse, out, num_splits)
     return out

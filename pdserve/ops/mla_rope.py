@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.ops import pdl
+
 
 @triton.jit
 def _mla_rope_kernel(q_ptr, c_ptr, kr_ptr, cos_ptr, sin_ptr, q_out_ptr, lat_ptr, num_heads,
@@ -22,7 +24,8 @@ def _mla_rope_kernel(q_ptr, c_ptr, kr_ptr, cos_ptr, sin_ptr, q_out_ptr, lat_ptr,
                      stride_qot, stride_qoh, stride_lt,
                      NOPE: tl.constexpr, ROPE: tl.constexpr, RANK: tl.constexpr, INTERLEAVE: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                     BLOCK_C: tl.constexpr):
+                     BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     half = ROPE // 2
     j = tl.arange(0, BLOCK_HALF)
@@ -81,5 +84,5 @@ def mla_rope(q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor, cos: tor
         q_out.stride(0), q_out.stride(1), latent.stride(0),
         NOPE=nope, ROPE=rope, RANK=rank, INTERLEAVE=interleave, BLOCK_H=triton.next_power_of_2(heads),
         BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_HALF=triton.next_power_of_2(rope // 2),
-        BLOCK_C=triton.next_power_of_2(rank), num_warps=4 if heads * qk >= 2048 else 1)
+        BLOCK_C=triton.next_power_of_2(rank), num_warps=4 if heads * qk >= 2048 else 1, **pdl.launch_kwargs(q.device))
     return q_out, latent
