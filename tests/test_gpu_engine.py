@@ -185,8 +185,9 @@ def test_prefill_graphs_equal_eager(family, dtype, kv, root):
     assert graphs.replays == expect
 
 
-# float32: the eager engine mixes a prompt into the decoders' step where the graphed one steps apart,
-# so their GEMMs differ in shape; only float32 keeps greedy tokens through that.
+# float32: the graphed engine pads each step to its bucket (and, where no graph takes a prompt with
+# the decoders, steps apart), so its GEMMs differ in shape from the eager engine's; only float32
+# keeps greedy tokens through that.
 CACHED_CASES = [("qwen3_moe", "float32", "auto"), ("qwen3", "float32", "fp8_e4m3")]
 
 
