@@ -202,6 +202,8 @@ class Paths:
         rs = self.replicas
         rs.place(name, run)
         rs.count_placed(name)
+        if name in rs.decode:  # its prompt's blocks, against the free blocks it last reported (as a reservation's)
+            rs.reserved[name] = rs.reserved.get(name, 0) + self._blocks(request, sent)
         run.slot = name
         rs.await_prompt(run, name, len(request.prompt_ids) + len(sent))
         self.routing.routed(run, request, {name: worker})

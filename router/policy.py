@@ -65,9 +65,12 @@ class KVAware:
         return min(names, key=lambda n: loads[n])  # fewest requests in flight from us
 
     def decode_order(self, names, run, request) -> list[tuple[str, list[str]]]:
-        # Most free KV blocks first (as last reported), then fewest requests from us.
-        stats, loads, decode = self.replicas.stats, self.replicas.loads, self.replicas.decode
-        names = sorted(names, key=lambda n: (-getattr(stats.get(n), "free_blocks", 0), loads[n]))
+        # Most free KV blocks first, then fewest requests from us. Free as last reported less what we
+        # reserved or placed there since (`reserved`): stats up to a poll old would send a whole burst
+        # to the one replica that had the most.
+        rs = self.replicas
+        stats, loads, decode, reserved = rs.stats, rs.loads, rs.decode, rs.reserved
+        names = sorted(names, key=lambda n: (reserved.get(n, 0) - getattr(stats.get(n), "free_blocks", 0), loads[n]))
         return [(n, decode[n].rank_order()) for n in names]
 
     def routed(self, run, request, workers) -> None:

@@ -65,6 +65,28 @@ def test_kv_aware_fewest_requests_and_most_free_blocks():
     run, req = Attempt("r"), request([1, 2, 3])
     assert kv.prompt_replica(["p0", "p1"], "prefill", run, req, []) == "p1"
     assert [n for n, _ in kv.decode_order(["d0", "d1"], run, req)] == ["d1", "d0"]
+    rs.reserved["d1"] = 85  # what we reserved there since its stats: 5 left by our count
+    assert [n for n, _ in kv.decode_order(["d0", "d1"], run, req)] == ["d0", "d1"]
+
+
+def test_a_burst_of_local_prompts_spreads_over_the_decode_replicas():
+    """Prompts computed on decode replicas (adaptive local prefill), placed faster than stats come:
+    each placement counts its blocks against its replica's last reported free blocks, so the next
+    one goes where more are left, not all to the replica that had the most."""
+    from pdserve.router.paths import Paths
+
+    rs = cluster()
+    rs.stats["d0"].free_blocks, rs.stats["d1"].free_blocks = 100, 90
+    paths = Paths()
+    paths.replicas, paths.routing, paths.block_size, paths.metrics = rs, KVAware(rs), BLOCK, None
+    picks = []
+    for i in range(4):
+        run, req = Attempt(f"r{i}"), request(list(range(8 * BLOCK - 1)))  # 8 blocks with its first token
+        name, ranks = paths.routing.decode_order(["d0", "d1"], run, req)[0]
+        paths._place_whole(req, run, [], name, ranks[0])
+        picks.append(name)
+    assert picks == ["d0", "d0", "d1", "d0"]  # 100, 92, 84 vs 90: d1 once d0's count falls under it
+    assert rs.reserved == {"d0": 24, "d1": 8}
 
 
 def test_prefix_aware_goes_where_the_prompt_is_cached_until_the_balance_guard():
