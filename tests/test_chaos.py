@@ -12,7 +12,9 @@ The cases share the module's cluster: each starts from the 1 + 1 it found and le
 
 import asyncio
 import os
+import re
 import signal
+import threading
 import time
 
 import openai
@@ -71,13 +73,24 @@ def test_scale_both_up_pairs_the_new_with_the_new_and_nothing_stalls(cluster):
 def test_scale_decode_up_a_worker_killed_while_prefill_scales_then_down(cluster):
     change(cluster, scale(cluster, decode=2), 1, 2, "decode 1 -> 2")
     pid = cluster.pid("pdserve-decode-0")
+    mark = len(cluster.output())
 
     def kill_and_scale():  # its streams move to decode-1 while prefill-1 starts and pairs
-        os.kill(pid, signal.SIGKILL)
-        scale(cluster, prefill=2)()
+        scaling = threading.Thread(target=scale(cluster, prefill=2))
+        scaling.start()
+        deadline = time.monotonic() + 120
+        while "scale: starting" not in cluster.output()[mark:] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)  # while the new prefill replica loads
+        scaling.join(300)
     change(cluster, kill_and_scale, 2, 2, "decode-0 SIGKILLed while prefill 1 -> 2",
            after=lambda: cluster.replacements("pdserve-decode-0") >= 1)
     assert cluster.replacements("pdserve-decode-0") == 1, cluster.output()
+    # The watch kept probing while the scale waited for its new replica: the death was seen, and the
+    # replacement begun, before that replica served (the scale held the watch off until then).
+    new = cluster.output()[mark:]
+    assert "pdserve-decode-0 is down" in new, new
+    assert new.index("pdserve-decode-0 is down") < re.search(r"scale: pdserve-prefill-\d+ serving", new).start(), new
     change(cluster, scale(cluster, decode=1), 2, 1, "decode 2 -> 1")
     change(cluster, scale(cluster, prefill=1), 1, 1, "prefill 2 -> 1 (after the kill)")
 

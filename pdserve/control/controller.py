@@ -60,6 +60,7 @@ class Controller(Recovery, Handshake, Scaling, Flipping):
         self._restarting: dict[str, str] = {}  # replica or router -> why it is being replaced
         self._retry_at: dict[str, tuple[float, float]] = {}  # -> (when to try again, backoff)
         self._life = threading.RLock()  # one change of the replica set at a time (watch, scale, shutdown)
+        self._scaling = threading.RLock()  # one scale or flip at a time (their waits hold no _life)
         self._beats = Heartbeats()
         self._watching = threading.Event()
         self._load = LoadWindow()  # the heartbeats' answers, for the planner (`pdserve tune`)

@@ -33,6 +33,10 @@ class Flipping:
         """Turn `replica` (None: the controller's choice, the newest of the other role, as a scale
         removes) into a `role` replica. Returns what it became and what each part took (seconds;
         `serving_s` from the call to serving in the new role)."""
+        with self._scaling:  # (a scale's new replicas are not in self.replicas while they load: names)
+            return self._flip(replica, role, grace_s)
+
+    def _flip(self, replica: str | None, role: str, grace_s: float) -> dict:
         t0 = time.monotonic()
         with self._life:
             if self.state not in ("running", "degraded"):

@@ -21,46 +21,63 @@ class Scaling:
     def scale(self, counts: dict[str, int], grace_s: float) -> dict[str, list[str]]:
         """Replicas per role as asked: new ones start, handshake and join the routers; removed ones
         (the newest first) drain — no new work, what they hold finishes, at most grace_s — then
-        stop. Returns the replicas started and removed."""
-        with self._life:
-            if self.state not in ("running", "degraded"):
-                raise RuntimeError(f"the cluster is {self.state}")
-            started, removed = [], []
-            for role, want in counts.items():
-                have = sorted((inc for inc in self.replicas.values() if inc.role == role and inc.state == "serving"),
-                              key=lambda inc: _index(inc.replica))
-                for inc in have[want:][::-1]:
-                    removed.append(inc)
-                taken = taken_names(self.replicas.values())  # (a flipped worker's first name too: its actor's)
-                free = (n for i in range(1 << 20) if (n := f"pdserve-{role}-{i}") not in taken)
-                for _ in range(max(0, want - len(have))):
-                    others = list(self.replicas.values()) + started
-                    started.append(self.launcher.start(role, next(free), 0, others))
+        stop. Returns the replicas started and removed. One scale or flip at a time (`_scaling`); the
+        new replicas load their model without the lock on the replica set (`_life`), so the watch
+        keeps probing and replacing meanwhile: a replica that died during a scale-up was otherwise
+        seen only once the new ones served (a minute, with a large model)."""
+        with self._scaling:
+            with self._life:
+                if self.state not in ("running", "degraded"):
+                    raise RuntimeError(f"the cluster is {self.state}")
+                started, removed = [], []
+                for role, want in counts.items():
+                    have = sorted((inc for inc in self.replicas.values()
+                                   if inc.role == role and inc.state == "serving"), key=lambda inc: _index(inc.replica))
+                    for inc in have[want:][::-1]:
+                        removed.append(inc)
+                    taken = taken_names(self.replicas.values())  # (a flipped worker's first name too: its actor's)
+                    free = (n for i in range(1 << 20) if (n := f"pdserve-{role}-{i}") not in taken)
+                    for _ in range(max(0, want - len(have))):
+                        others = list(self.replicas.values()) + started
+                        started.append(self.launcher.start(role, next(free), 0, others))
             if started:
-                self._note(f"scale: starting {', '.join(i.replica for i in started)}")
-                try:
-                    self._wait_ready(started)
-                    # The new with the serving and with each other: a scale-up of both roles made no
-                    # pair between its new prefill and new decode replicas, whose requests then
-                    # waited out the lease (kv_transfer.lease_s) and moved.
-                    self._handshake([i for i in started if i.role != "colocated"], ("serving",))
-                except Exception:
-                    for inc in started:
-                        Launcher.stop(inc)
-                    raise
-                for inc in started:
-                    self.replicas[inc.replica] = inc
+                self._join(started)
+            with self._life:
+                for inc in removed:
+                    inc.state = "draining"
                     self._tell(inc.change())
-                    self._note(f"scale: {inc.replica} serving")
-            for inc in removed:
-                inc.state = "draining"
-                self._tell(inc.change())
-                self._note(f"scale: draining {inc.replica}")
-        self._drain(removed, grace_s)  # (not holding _life: a dead replica meanwhile is still replaced)
-        with self._life:
-            for inc in removed:
-                self._remove(inc)
+                    self._note(f"scale: draining {inc.replica}")
+            self._drain(removed, grace_s)  # (not holding _life: a dead replica meanwhile is still replaced)
+            with self._life:
+                for inc in removed:
+                    self._remove(inc)
         return {"started": [i.replica for i in started], "removed": [i.replica for i in removed]}
+
+    def _join(self, started: list[Incarnation]) -> None:
+        """The started replicas, once ready, pair and join the routers; all stopped if one fails."""
+        self._note(f"scale: starting {', '.join(i.replica for i in started)}")
+        try:
+            self._wait_ready(started)  # (not holding _life: see scale)
+        except Exception:
+            for inc in started:
+                Launcher.stop(inc)
+            raise
+        with self._life:
+            try:
+                if self.state not in ("running", "degraded"):  # (stopped or draining while they loaded)
+                    raise RuntimeError(f"the cluster is {self.state}")
+                # The new with the serving and with each other: a scale-up of both roles made no
+                # pair between its new prefill and new decode replicas, whose requests then
+                # waited out the lease (kv_transfer.lease_s) and moved.
+                self._handshake([i for i in started if i.role != "colocated"], ("serving",))
+            except Exception:
+                for inc in started:
+                    Launcher.stop(inc)
+                raise
+            for inc in started:
+                self.replicas[inc.replica] = inc
+                self._tell(inc.change())
+                self._note(f"scale: {inc.replica} serving")
 
     def _drain(self, incs: list[Incarnation], grace_s: float) -> None:
         """Until the draining replicas hold no request (their workers and every router say so),
