@@ -307,3 +307,61 @@ def test_a_workers_frame_that_does_not_open_ends_the_routers_connection():
         ch.close()
         server.close()
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["unix", "sealed"])
+def test_frames_from_two_threads_keep_their_order_through_a_full_socket(sealed):
+    """A worker's link (channel/thread_link.py): the engine's thread writes its frames itself while
+    the channel's loop writes its own, into a socket whose reader does not read at first — its
+    buffer fills, and the frames that do not fit go through the loop. Every frame arrives whole (a
+    sealed one opens: numbered in the stream's order), each thread's in the order it wrote them."""
+    import os
+    import threading
+
+    from pdserve.channel.thread_link import ThreadLink
+
+    keys = (os.urandom(32), os.urandom(32)) if sealed else None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    loop = asyncio.new_event_loop()
+    spin = threading.Thread(target=loop.run_forever, daemon=True)
+    spin.start()
+
+    async def connect():
+        _, writer = await asyncio.open_unix_connection(sock=ours)
+        return ThreadLink(writer, keys, loop)
+    link = asyncio.run_coroutine_threadsafe(connect(), loop).result(10)
+    handed, write_later = [], link._write_later  # (frames the loop wrote for the engine's thread)
+    link._write_later = lambda data: (handed.append(len(data)), write_later(data))
+    pad = b"x" * 4000
+    engine_frames, loop_frames = 600, 150  # 3 MB: many times a Unix socket's buffer
+
+    def engine():
+        for i in range(engine_frames):
+            link.write_now(wire.pack("e", i, pad))
+
+    writer_thread = threading.Thread(target=engine)
+    writer_thread.start()
+    for j in range(loop_frames):
+        loop.call_soon_threadsafe(link.write, wire.pack("l", j, pad))
+        time.sleep(0.001)
+    peer = wire.Link(None, keys[::-1] if keys else None)
+    got: dict[str, list[int]] = {"e": [], "l": []}
+    theirs.settimeout(30)
+    buf = b""
+    while len(got["e"]) + len(got["l"]) < engine_frames + loop_frames:
+        chunk = theirs.recv(1 << 16)
+        assert chunk, "the connection closed early"
+        buf += chunk
+        while len(buf) >= wire.LEN.size and len(buf) >= wire.LEN.size + wire.LEN.unpack_from(buf)[0]:
+            n = wire.LEN.unpack_from(buf)[0]
+            who, i, body = wire.unframe(peer.open(buf[wire.LEN.size:wire.LEN.size + n]))
+            assert body == pad
+            got[who].append(i)
+            buf = buf[wire.LEN.size + n:]
+    writer_thread.join(10)
+    assert got == {"e": list(range(engine_frames)), "l": list(range(loop_frames))}
+    assert handed and link._behind == 0  # the full socket sent some through the loop
+    loop.call_soon_threadsafe(loop.stop)
+    spin.join(5)
+    ours.close()
+    theirs.close()

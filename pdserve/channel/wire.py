@@ -84,9 +84,14 @@ class Link:
 
     def write(self, body: bytes) -> None:
         """Send one frame's body (pack()'s), sealed where the connection is."""
+        self.writer.write(self.framed(body))
+
+    def framed(self, body: bytes) -> bytes:
+        """One frame's bytes as they go on the connection (sealed where it is): call in the order
+        the frames are sent, a sealed frame's number is its place in the stream."""
         if self._out is not None:
             body = self._out.seal(body)
-        self.writer.write(LEN.pack(len(body)) + body)
+        return LEN.pack(len(body)) + body
 
     def send(self, *parts) -> None:
         self.write(pack(*parts))

@@ -4,9 +4,10 @@ requests' deltas, one frame per engine step. A TCP connection's frames after the
 (wire.Link); a Unix socket's are not.
 
 It runs on a thread of its own with its own event loop, as the KV TCP backend's receiver does: the
-engine loop's thread only encodes a step's deltas and hands the bytes over (sealed, in order, on the
-channel's thread). A connection opens with a fresh nonce; the router's first frame (HELLO) names
-it, brings the router's nonce and proves the token over both.
+engine loop's thread encodes a step's deltas and writes them itself (thread_link.py: one lock with
+the channel's thread, which writes whatever the socket cannot take at once, in order). A connection
+opens with a fresh nonce; the router's first frame (HELLO) names it, brings the router's nonce and
+proves the token over both.
 Anything else — a wrong proof, a frame that is not the channel's, silence past HELLO_S — is
 refused by name: logged, counted in `refused` (by why: a flood costs no memory), answered and
 closed; the worker serves on. After the hello, a frame that cannot be read (not msgpack, an unknown
@@ -30,6 +31,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from pdserve.channel.thread_link import ThreadLink
 from pdserve.frame_seal import BadSeal
 from pdserve.refusals import Refusals
 from pdserve.channel.wire import (ABORT, ANSWERS, BEAT, CALL_KINDS, CALLS, DEAD_S, DELTAS, HELLO, LEN, MAX_FRAME_BYTES,
@@ -112,7 +114,7 @@ class ChannelServer:
         body = pack(DELTAS, [pack_delta(d) for d in deltas])
         hop("deltas_out")
         r.sent += 1  # (only this thread writes `sent`; only the channel's thread writes `taken`)
-        self._loop.call_soon_threadsafe(r.link.write_if_open, body)  # (sealed there: in the stream's order)
+        r.link.write_now(body)  # (on the socket from this thread: thread_link.py)
         return True
 
     # -- connections -----------------------------------------------------------------------------------
@@ -124,7 +126,8 @@ class ChannelServer:
             return
         router, nonces = met
         # Sealed: ours (worker to router) first, then the router's.
-        link = Link(writer, session_keys(self._token, nonces, router, self.worker)[::-1] if sealed else None)
+        link = ThreadLink(writer, session_keys(self._token, nonces, router, self.worker)[::-1] if sealed else None,
+                          self._loop)
         old = self._links.get(router)
         self._met(router)
         self._links[router] = r = _Router(link)
