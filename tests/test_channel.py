@@ -361,6 +361,8 @@ def test_frames_from_two_threads_keep_their_order_through_a_full_socket(sealed):
     writer_thread.join(10)
     assert got == {"e": list(range(engine_frames)), "l": list(range(loop_frames))}
     assert handed and link._behind == 0  # the full socket sent some through the loop
+    link.close()
+    link.write_now(wire.pack("e", -1, pad))  # (after its end: not written, no error)
     loop.call_soon_threadsafe(loop.stop)
     spin.join(5)
     ours.close()

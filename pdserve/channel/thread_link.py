@@ -24,7 +24,10 @@ class ThreadLink(Link):
         self._loop = loop
         self._lock = threading.Lock()
         self._behind = 0  # frames handed to the loop by the engine's thread, not yet written
-        self._fd = writer.transport.get_extra_info("socket").fileno()
+        # A descriptor of our own for the socket: the transport may close its own at any turn of the
+        # loop (the peer gone), and the number could then name another connection by our write.
+        self._fd = os.dup(writer.transport.get_extra_info("socket").fileno())
+        self._closed = False
 
     def write(self, body: bytes) -> None:
         """The channel loop's frames (its thread only)."""
@@ -40,7 +43,7 @@ class ThreadLink(Link):
         """A frame from another thread than the loop's: on the socket now where nothing waits to go
         before it and the socket takes it whole; else the loop writes it, in order."""
         with self._lock:
-            if self.writer.is_closing():
+            if self._closed or self.writer.is_closing():
                 return
             data = self.framed(body)
             if not self._behind and not self.writer.transport.get_write_buffer_size():
@@ -61,3 +64,10 @@ class ThreadLink(Link):
             self._behind -= 1
             if not self.writer.is_closing():
                 self.writer.write(data)
+
+    def close(self) -> None:
+        """The connection is over (its reader's end): our descriptor goes; nothing is written after."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._fd)

@@ -147,6 +147,7 @@ class ChannelServer:
             beats.cancel()
             self._heard.pop(writer, None)
             writer.close()
+            link.close()
             if self._links.get(router) is r:  # (not replaced by a newer connection of it)
                 del self._links[router]
                 if not self._closing:
