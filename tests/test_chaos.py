@@ -76,13 +76,22 @@ def test_scale_decode_up_a_worker_killed_while_prefill_scales_then_down(cluster)
     mark = len(cluster.output())
 
     def kill_and_scale():  # its streams move to decode-1 while prefill-1 starts and pairs
-        scaling = threading.Thread(target=scale(cluster, prefill=2))
+        failed: list[BaseException] = []
+
+        def scale_up():
+            try:
+                scale(cluster, prefill=2)()
+            except BaseException as e:  # (reported by the test's thread below)
+                failed.append(e)
+        scaling = threading.Thread(target=scale_up)
         scaling.start()
         deadline = time.monotonic() + 120
-        while "scale: starting" not in cluster.output()[mark:] and time.monotonic() < deadline:
+        while "scale: starting" not in cluster.output()[mark:]:
+            assert time.monotonic() < deadline and scaling.is_alive(), (failed, cluster.output()[mark:])
             time.sleep(0.05)
         os.kill(pid, signal.SIGKILL)  # while the new prefill replica loads
         scaling.join(300)
+        assert not scaling.is_alive() and not failed, (failed, cluster.output()[mark:])
     change(cluster, kill_and_scale, 2, 2, "decode-0 SIGKILLed while prefill 1 -> 2",
            after=lambda: cluster.replacements("pdserve-decode-0") >= 1)
     assert cluster.replacements("pdserve-decode-0") == 1, cluster.output()
