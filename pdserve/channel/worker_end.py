@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from pdserve.event_loop import new_event_loop
 from pdserve.channel.thread_link import ThreadLink
 from pdserve.frame_seal import BadSeal
 from pdserve.refusals import Refusals
@@ -68,7 +69,7 @@ class ChannelServer:
         weakref.finalize(self, shutil.rmtree, self._dir, True)  # (at the latest when the process exits)
         self._ipc = os.path.join(self._dir, "w.sock")
         self._calls = ThreadPoolExecutor(4, thread_name_prefix=f"{worker}-channel-calls")
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()  # (uvloop's: pdserve/event_loop.py)
         started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(host, started), name=f"{worker}-channel", daemon=True)
         self._thread.start()
