@@ -33,6 +33,7 @@ from pdserve.ops.activation import silu_and_mul  # noqa: E402
 from pdserve.ops.attention import TorchAttention, gather, write_kv, write_latent  # noqa: E402
 from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention  # noqa: E402
 from pdserve.ops.fused_moe import fused_moe, moe_align  # noqa: E402
+from pdserve.ops.gemv_linear import GEMV_LINEAR_MAX_TOKENS, gemv_linear, linear  # noqa: E402
 from pdserve.ops.gemv_moe import gemv_moe  # noqa: E402
 from pdserve.ops.grouped_mm_moe import grouped_mm_moe  # noqa: E402
 from pdserve.ops.kv_write import write_kv_triton, write_latent_triton  # noqa: E402
@@ -818,6 +819,44 @@ def test_router_gemv(shape, tokens, dtype):
     check(backend.router_logits(x, w), ref, dtype, "TritonMoE.router_logits, a few tokens")
     check(backend.router_logits(many, w), torch.nn.functional.linear(many.to(REF_DTYPE), w.to(REF_DTYPE)),
           dtype, "TritonMoE.router_logits, many tokens")
+
+
+# (out_features, in_features): Qwen3-30B-A3B's q/k/v and o; DeepSeek-V2-Lite's q+kv_a; ragged ones
+LINEAR_SHAPES = pick([(5120, 2048), (2048, 4096), (3648, 2048), (200, 333)], [(40, 64), (33, 100)])
+LINEAR_CONFIGS = [None,  # the default table
+                  dict(BLOCK_N=32, BLOCK_K=pick(128, 32), num_warps=4),
+                  dict(BLOCK_N=16, BLOCK_K=pick(1024, 64), num_warps=8)]
+LINEAR_SHAPES = LINEAR_SHAPES + pick([(2048, 2048)], [])  # (DeepSeek-V2-Lite's o)
+
+
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("config", range(len(LINEAR_CONFIGS)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_linear(shape, tokens, bias, config, dtype):
+    """The one- and two-row GEMV equals F.linear, with and without bias, at ragged shapes (a last
+    tile past N, a last chunk past K), in every output it owns."""
+    n, k = shape
+    g = gen(5 + tokens)
+    x = torch.randn(tokens, k, generator=g, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=DEVICE) * k ** -0.5).to(dtype)
+    b = torch.randn(n, generator=g, device=DEVICE).to(dtype) if bias else None
+    ref = torch.nn.functional.linear(x.to(REF_DTYPE), w.to(REF_DTYPE), b.to(REF_DTYPE) if bias else None)
+    out = poisoned((tokens, n), dtype)
+    gemv_linear(x, w, b, config=LINEAR_CONFIGS[config], out=out)
+    check(out, ref, dtype, f"gemv_linear T={tokens} {shape} cfg{config}")
+
+
+def test_linear_takes_the_gemv_up_to_its_row_limit_only():
+    g = gen(3)
+    w = torch.randn(48, 64, generator=g, device=DEVICE)
+    for rows in (1, GEMV_LINEAR_MAX_TOKENS, GEMV_LINEAR_MAX_TOKENS + 1):
+        x = torch.randn(rows, 64, generator=g, device=DEVICE)
+        check(linear(x, w), torch.nn.functional.linear(x.double(), w.double()), torch.float32, f"linear rows={rows}")
+        # The GEMV sums chunk by chunk, cuBLAS in its own order: bit-equal only off the GEMV.
+        if rows > GEMV_LINEAR_MAX_TOKENS or not x.is_cuda:
+            assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
 
 
 def test_routing_half_precision_ties():

@@ -373,6 +373,45 @@ def sweep_gemv_moe(c: Checker, a, tokens: int) -> None:
                   note=("default " if cfg is default else "") + " ".join(f"{n}={v}" for n, v in cfg.items())))
 
 
+def linear_shapes(a) -> dict[str, tuple[int, int]]:
+    """The dense projections of a decode step: name -> (out_features, in_features)."""
+    if a.is_mla:
+        q = a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+        return {"q+kv_a": (q + a.kv_lora_rank + a.qk_rope_head_dim, a.hidden_size),
+                "o_proj": (a.hidden_size, a.num_heads * a.v_head_dim)}
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    return {"qkv": (q + 2 * kv, a.hidden_size), "o_proj": (a.hidden_size, q)}
+
+
+def check_linear(c: Checker, a, tokens: int, sweep: bool) -> None:
+    """The small-row GEMV (pdserve/ops/gemv_linear.py) against cuBLAS (torch.mm), both replayed from
+    graphs, weights rotated past L2. (Graph-timed alone: the PDL overlap with the kernels around it
+    is the engine's step to show, `bench-engine` with PDSERVE_GEMV_LINEAR_MAX_TOKENS=0 the reference.)"""
+    from pdserve.ops.gemv_linear import gemv_linear, gemv_linear_config
+
+    for name, (n, k) in linear_shapes(a).items():
+        g = _gen(c.device, 11)
+        x = torch.randn(tokens, k, generator=g, device=c.device).to(torch.bfloat16)
+        copies = _copies(n * k * 2)
+        ws = [(torch.randn(n, k, generator=g, device=c.device) * k ** -0.5).to(torch.bfloat16) for _ in range(copies)]
+        outs = [x.new_empty(tokens, n) for _ in ws]
+        ref = F.linear(x.float(), ws[0].float())
+        theirs = c.bench_graph(lambda: [torch.mm(x, w.t(), out=o) for w, o in zip(ws, outs)], copies)
+        default = gemv_linear_config(tokens, n, k, c.device)
+        cfgs = [default]
+        if sweep:
+            cfgs += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn, bk, w in [
+                (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 4), (16, 512, 8),
+                (32, 256, 4), (32, 128, 4), (64, 128, 8)]]
+        for cfg in cfgs:
+            t = c.bench_graph(lambda: [gemv_linear(x, w, config=cfg, out=o) for w, o in zip(ws, outs)], copies)
+            err = rel_err(gemv_linear(x, ws[0], config=cfg), ref)
+            c.add(Row("linear gemv" if cfg is default else "sweep linear", f"{name} T={tokens} {n}x{k}", err, t,
+                      theirs, bytes=n * k * 2 + tokens * (n + k) * 2, flops=2 * tokens * n * k,
+                      note=("graph; default " if cfg is default else "graph; ")
+                      + " ".join(f"{kk}={v}" for kk, v in cfg.items())))
+
+
 def check_routing(c: Checker, a, tokens: int) -> None:
     from pdserve.ops.moe import route
     from pdserve.ops.routing import fused_topk
@@ -526,15 +565,15 @@ def main() -> None:
                    help="also time decode split counts and GEMV-MoE configs (the fused MoE's tiles: "
                         "python -m pdserve.benchmarks.moe_tiles)")
     p.add_argument("--only", default="",
-                   help="comma-separated groups: write,decode,prefill,mla,moe,routing,norm; "
+                   help="comma-separated groups: write,decode,prefill,mla,moe,linear,routing,norm; "
                         "small = the small-batch old/new rows only (decode B=1/8/64/256, MoE T=1..16)")
     args = p.parse_args()
     assert torch.cuda.is_available(), "check_kernels needs a CUDA GPU"
     device = torch.device("cuda")
     torch.manual_seed(0)
     a = resolve_model_args(args.preset)
-    default = {"mla", "moe", "routing", "norm"} if a.is_mla else {"write", "decode", "prefill", "moe", "routing",
-                                                                  "norm", "small"}
+    default = ({"mla", "moe", "linear", "routing", "norm"} if a.is_mla else
+               {"write", "decode", "prefill", "moe", "linear", "routing", "norm", "small"})
     groups = set(filter(None, args.only.split(","))) or default
     c = Checker(device)
     start = time.time()
@@ -586,6 +625,9 @@ def main() -> None:
         if "moe" in groups:
             for t in (1, 64, 256, 4096) if "small" not in groups else (64, 256, 4096):
                 c.run(f"moe T={t}", lambda t=t: check_moe(c, a, t))
+        if "linear" in groups:
+            for t in (1, 2):
+                c.run(f"linear T={t}", lambda t=t: check_linear(c, a, t, args.sweep))
         if "routing" in groups:
             for t in (1, 256, 4096):
                 c.run(f"routing T={t}", lambda t=t: check_routing(c, a, t))

@@ -176,7 +176,7 @@ class Attention(nn.Module):
             return (self.q_proj(x).view(t, self.num_heads, d), self.k_proj(x).view(t, self.num_kv_heads, d),
                     self.v_proj(x).view(t, self.num_kv_heads, d))
         q_dim, kv_dim = self.num_heads * d, self.num_kv_heads * d
-        q, k, v = F.linear(x, *self.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = self.backend.linear(x, *self.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
         return q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
 
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
@@ -190,7 +190,7 @@ class Attention(nn.Module):
         o = self.backend.forward(self.layer_idx, q, k, v, batch, self.scale)  # [T, heads, D]
         if batch.layer_done is not None:
             batch.layer_done(self.layer_idx)
-        return row_parallel(self.o_proj, o.flatten(1), self.tp)
+        return row_parallel(self.o_proj, o.flatten(1), self.tp, self.backend.linear)
 
 
 class GatedMLP(nn.Module):

@@ -111,7 +111,7 @@ class MLAttention(nn.Module):
             q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
             return q, self.kv_a_proj_with_mqa(x)
         kv_width = self.kv_lora_rank + self.qk_rope_head_dim
-        q, kv_a = F.linear(x, *self.q_kv_a).split([self.q_kv_a[0].shape[0] - kv_width, kv_width], -1)
+        q, kv_a = self.backend.linear(x, *self.q_kv_a).split([self.q_kv_a[0].shape[0] - kv_width, kv_width], -1)
         if self.q_proj is None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         return q, kv_a
@@ -129,7 +129,7 @@ class MLAttention(nn.Module):
         o = self.backend.forward_mla(self.layer_idx, q, latent, batch, self.scale, self)  # [T, heads, v_head_dim]
         if batch.layer_done is not None:
             batch.layer_done(self.layer_idx)
-        return row_parallel(self.o_proj, o.flatten(1), self.tp)
+        return row_parallel(self.o_proj, o.flatten(1), self.tp, self.backend.linear)
 
     def expand_latent(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache entries [1, ..., L, 1, kv_lora_rank + qk_rope_head_dim] -> keys [..., L, heads,

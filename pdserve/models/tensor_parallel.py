@@ -114,11 +114,12 @@ def shard_linear_in(linear: nn.Linear, index: torch.Tensor) -> None:
     shard_param(linear, "weight", 1, index)
 
 
-def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
-    """linear(x) for a row-parallel layer: this rank's partial product, summed over ranks, plus bias."""
+def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel | None, matmul=F.linear) -> torch.Tensor:
+    """linear(x) for a row-parallel layer: this rank's partial product, summed over ranks, plus bias.
+    `matmul` (F.linear's contract): the attention backend's `linear`."""
     if tp is None or tp.size == 1:
-        return linear(x)
-    out = tp.all_reduce(F.linear(x, linear.weight).contiguous())
+        return matmul(x, linear.weight, linear.bias)
+    out = tp.all_reduce(matmul(x, linear.weight).contiguous())
     return out if linear.bias is None else out + linear.bias
 
 

@@ -86,6 +86,8 @@ class TorchAttention:
 
     # It computes Multi-head Latent Attention (`forward_mla`), as the Triton backend does.
     supports_mla = True
+    # The layers' dense projections (fused q/k/v, o; MLA's fused q + kv_a, o): transformers' own op.
+    linear = staticmethod(F.linear)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, scale: float) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 
 from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention
+from pdserve.ops.gemv_linear import linear
 from pdserve.ops.kv_quant import round_trip
 from pdserve.ops.kv_write import write_kv_triton, write_latent_triton
 from pdserve.ops.mla_attention import mla_decode, mla_mixed
@@ -55,6 +56,9 @@ class TritonAttention:
     fuse_qkv = True
     # Multi-head Latent Attention (DeepSeek-V2/V3) over a latent cache: `forward_mla`.
     supports_mla = True
+    # The layers' dense projections (fused q/k/v, o; MLA's fused q + kv_a, o): one GEMV launch for a
+    # decode step's few rows, in the PDL chain (pdserve/ops/gemv_linear.py); cuBLAS beyond.
+    linear = staticmethod(linear)
 
     def __init__(self, decode_splits: int | None = None, fuse_kv_write: bool = True,
                  min_keys_per_split: int | None = None, fresh_sdpa: bool = True):
