@@ -72,6 +72,44 @@ def test_prefix_cache_hits_equal_misses(reference):
     assert engine.pool.num_free_blocks == 256
 
 
+def test_a_prompts_block_chain_is_hashed_after_its_step_is_launched(reference):
+    """The prefix-cache lookup hashes a fresh prompt's chain only as far as it reads (its first
+    block); the rest is hashed once the step is on the device, and the blocks it registers carry
+    the chain's keys: a repeat of the prompt hits every full block."""
+    from pdserve.engine.block_pool import HashChain, block_hashes
+
+    engine = make_engine()
+    p = prompts(8)[5]  # 100 tokens: 6 full blocks
+    engine.add_request("a", p, GREEDY)
+    seq = engine.seqs["a"]
+    schedule_first, seen = engine.scheduler.schedule, {}
+
+    def schedule():
+        out = schedule_first()
+        chain = seq.lookup_hashes
+        seen["lazy"] = isinstance(chain, HashChain) and len(chain._done) == 1  # the lookup's one read
+        return out
+
+    engine.scheduler.schedule = schedule
+    launch = engine._launch
+
+    def launched(scheduled):
+        seen["hashed_before_launch"] = seq.lookup_hashes.is_complete
+        return launch(scheduled)
+
+    engine._launch = launched
+    engine.step()
+    assert seen == {"lazy": True, "hashed_before_launch": False}
+    assert seq.lookup_hashes.is_complete  # (hash_launched, beside the device's work)
+    assert list(seq.lookup_hashes) == block_hashes(p[:99], engine.config.block_size)
+    while engine.has_unfinished():
+        engine.step()
+    engine.scheduler.schedule, engine._launch = schedule_first, launch
+    repeat = engine.generate([p], GREEDY)[0]
+    assert repeat.num_cached_tokens == 96 and repeat.token_ids == reference[5]
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
 def test_preemption_equals_no_preemption(reference):
     # 8 prompts need ~30 blocks to finish; 14 blocks force preemption by recompute.
     engine = make_engine(num_kv_blocks=14, enable_prefix_cache=False)

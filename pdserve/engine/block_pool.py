@@ -91,6 +91,11 @@ class HashChain(Seq[bytes]):
         self._upto(self._len)
         return self._done
 
+    def prefix(self, n: int) -> list[bytes]:
+        """The first n blocks' hashes (computed now where not yet), a list of its own."""
+        self._upto(n)
+        return self._done[:n]
+
     def _upto(self, n: int) -> None:
         done = len(self._done)
         if n <= done:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes, salt_root
+from pdserve.engine.block_pool import BlockPool, HashChain, NoFreeBlocksError, salt_root
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.grammar_gate import GrammarGate
 from pdserve.engine.graph_capture import capture_graphs
@@ -258,7 +258,9 @@ class Engine(TokenEmission):
         cached: list[int] = []
         try:
             bs = self.config.block_size
-            hashes = block_hashes(seq.token_ids[:seq.num_tokens - 1], bs, seq.cache_root)
+            # Hashed as the lookup reads it: the rest when start_decode registers the blocks, not
+            # before this reservation's answer (the prompt's prefill waits for it).
+            hashes = HashChain(seq.token_ids[:seq.num_tokens - 1], bs, seq.cache_root)
             cached = self.pool.lookup(hashes)
             need = -(-seq.num_tokens // bs) - len(cached)
             for _ in range(self._victims_for(seq, need)):
@@ -270,7 +272,7 @@ class Engine(TokenEmission):
             return None
         seq.block_ids = cached + fresh
         # Registered already: start_decode registers the blocks after them, each once.
-        seq.block_hashes = hashes[:len(cached)]
+        seq.block_hashes = hashes.prefix(len(cached))
         seq.lookup_hashes = hashes  # (a fresh prompt: no PENDING token among them)
         seq.num_cached_tokens = len(cached) * bs
         self._reserved.add(seq.request_id)
@@ -371,6 +373,8 @@ class Engine(TokenEmission):
         prompt = sum(s.num_new_tokens for s in scheduled) - drafts - decoding
         launched = self._launch(scheduled) if scheduled else None
         hop("launched")
+        if scheduled:
+            self.scheduler.hash_launched(scheduled)  # (beside the device's work)
         if not self.overlap:
             outputs += self._complete(launched) if launched else []
         else:

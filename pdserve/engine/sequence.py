@@ -1,5 +1,6 @@
 """A request's state inside the engine: its tokens, how many have KV, and the blocks holding it."""
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -41,8 +42,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks so far
     # The chain over the prompt's full blocks as the prefix-cache lookup computed it (hits and
     # misses): registering the missed blocks once computed takes their keys from here instead of
-    # hashing them again (a 4k prompt: ~250 sha256 calls on the step's host path).
-    lookup_hashes: list[bytes] = field(default_factory=list)
+    # hashing them again (a 4k prompt: ~250 sha256 calls on the step's host path). A HashChain
+    # (block_pool.py) hashed as far as the lookup read until its step is launched.
+    lookup_hashes: Seq[bytes] = field(default_factory=list)
     cache_root: bytes | None = None  # the parent of its first block's key: block_pool.salt_root(cache_salt)
     finish_reason: FinishReason | None = None
     logprobs: list[dict] = field(default_factory=list)
