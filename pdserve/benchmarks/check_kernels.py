@@ -397,7 +397,7 @@ def check_linear(c: Checker, a, tokens: int, sweep: bool) -> None:
         outs = [x.new_empty(tokens, n) for _ in ws]
         ref = F.linear(x.float(), ws[0].float())
         theirs = c.bench_graph(lambda: [torch.mm(x, w.t(), out=o) for w, o in zip(ws, outs)], copies)
-        default = gemv_linear_config(tokens, n, k, c.device)
+        default = gemv_linear_config(tokens, k)
         cfgs = [default]
         if sweep:
             cfgs += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn, bk, w in [

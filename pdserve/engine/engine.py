@@ -373,8 +373,7 @@ class Engine(TokenEmission):
         prompt = sum(s.num_new_tokens for s in scheduled) - drafts - decoding
         launched = self._launch(scheduled) if scheduled else None
         hop("launched")
-        if scheduled:
-            self.scheduler.hash_launched(scheduled)  # (beside the device's work)
+        self.scheduler.hash_launched()  # (beside the device's work)
         if not self.overlap:
             outputs += self._complete(launched) if launched else []
         else:

@@ -77,6 +77,9 @@ class Scheduler:
                  max_num_batched_tokens: int, chunk_size: int, whole_prompt: bool = False,
                  profile: StepProfile | None = None, guard: TPOTGuard | None = None):
         self.pool = pool
+        # Sequences whose prompt chain the lookup hashed only in part: hash_launched finishes those
+        # that were launched.
+        self._unhashed: list[Sequence] = []
         self.guard = guard  # bounds the prompt tokens of a step with decoders (None: no bound)
         self.profile = profile or StepProfile()  # counts prefix-cache lookups and hits
         self.block_size = block_size
@@ -283,18 +286,20 @@ class Scheduler:
             known -= 1
         full = known // self.block_size
         seq.lookup_hashes = hashes if full == len(hashes) else hashes.prefix(full)
+        if seq.lookup_hashes is hashes and not hashes.is_complete:
+            self._unhashed.append(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
 
-    @staticmethod
-    def hash_launched(scheduled: list[ScheduledSeq]) -> None:
-        """Hash the rest of each launched prompt's block chain (_use_prefix_cache hashed what its
+    def hash_launched(self) -> None:
+        """Hash the rest of each admitted prompt's block chain (_use_prefix_cache hashed what its
         lookup read): called once the step is on the device, so that a long prompt's ~250 sha256
         calls (0.46 ms for 4k tokens on the development CPU) run beside its prefill, not before
-        it; register_full_blocks then finds them done."""
-        for s in scheduled:
-            chain = s.seq.lookup_hashes
-            if isinstance(chain, HashChain) and not chain.is_complete:
-                chain.complete()
+        it; register_full_blocks then finds them done. (A prompt left waiting looks up again.)"""
+        if self._unhashed:
+            for seq in self._unhashed:
+                if seq.status is SeqStatus.RUNNING and isinstance(seq.lookup_hashes, HashChain):
+                    seq.lookup_hashes.complete()
+            self._unhashed.clear()
 
     def _fresh_is_faster(self, num_tokens: int, cached: int) -> bool:
         """Whether a prompt of num_tokens is better computed whole than after its `cached` tokens

@@ -13,7 +13,7 @@ the MoE GEMVs, pdserve/ops/gemv_moe.py), so a program has all its chunks' loads 
 split-K: no second kernel, no float32 scratch; the bias is added in the same launch.
 
 Measured (one H200, 2026-11-30, docs/benchmarks.md): the decode step at batch 1 0.90x cuBLAS's
-(2.69 against 2.98 ms), batch 2 0.98x. At 4 and 8 rows a tensor-core-dot variant (rows padded to
+(2.70 against 3.00 ms), batch 2 0.97x (3.80 against 3.93 ms). At 4 and 8 rows a tensor-core-dot variant (rows padded to
 16) was 1.10x / 1.09x slower in the step and was removed; a first version (pipelined loop, dots at
 every row count, no PDL) measured no faster than cuBLAS on an H100 (2026-11-27).
 
@@ -76,13 +76,7 @@ def _gemv_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, stride_xt, stride_wn, s
         tl.store(out_ptr + stride_ot + offs_n, y1.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _num_sms(device: torch.device) -> int:
-    from pdserve.ops.decode_attention import _num_sms as sms
-
-    return sms(device)
-
-
-def gemv_linear_config(num_tokens: int, out_features: int, in_features: int, device: torch.device) -> dict:
+def gemv_linear_config(num_tokens: int, in_features: int) -> dict:
     """Fixed table (no autotuning; `check_kernels --only linear --sweep` times alternatives). Tiles of
     8 features: on an H200 (Qwen3-30B-A3B, graph-replayed, 2026-11-30) 8-row tiles beat 16-, 32- and
     64-row ones at both shapes and both row counts; the chunk a quarter of the reduced dimension for
@@ -102,7 +96,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     assert out.shape == (num_tokens, n) and out.stride(1) == 1
     if num_tokens == 0:
         return out
-    cfg = config or gemv_linear_config(num_tokens, n, k, x.device)
+    cfg = config or gemv_linear_config(num_tokens, k)
     bn, bk = cfg["BLOCK_N"], min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
     assert num_tokens <= 2, f"gemv_linear takes one or two rows, not {num_tokens} (F.linear beyond)"
     _gemv_linear_kernel[(triton.cdiv(n, bn),)](
