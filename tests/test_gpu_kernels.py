@@ -830,13 +830,14 @@ LINEAR_SHAPES = LINEAR_SHAPES + pick([(2048, 2048)], [])  # (DeepSeek-V2-Lite's 
 
 
 @pytest.mark.parametrize("shape", LINEAR_SHAPES)
-@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("tokens", pick([1, 2, 3, 5, 8], [1, 2, 3, 5]))
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("config", range(len(LINEAR_CONFIGS)))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_linear(shape, tokens, bias, config, dtype):
-    """The one- and two-row GEMV equals F.linear, with and without bias, at ragged shapes (a last
-    tile past N, a last chunk past K), in every output it owns."""
+    """The GEMV equals F.linear at one and two rows (elementwise sums) and three to eight (each
+    chunk reduced per row), with and without bias, at ragged shapes (a last tile past N, a last
+    chunk past K), in every output it owns."""
     n, k = shape
     g = gen(5 + tokens)
     x = torch.randn(tokens, k, generator=g, device=DEVICE).to(dtype)
