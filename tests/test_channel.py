@@ -367,3 +367,23 @@ def test_frames_from_two_threads_keep_their_order_through_a_full_socket(sealed):
     spin.join(5)
     ours.close()
     theirs.close()
+
+
+def test_channel_loops_are_uvloops_unless_rays_switch_is_off(monkeypatch):
+    """A worker's channel loop is uvloop's (a dependency), as Ray makes the routers' loops;
+    RAY_USE_UVLOOP=0 turns it off here as it does there."""
+    import uvloop
+
+    from pdserve.event_loop import new_event_loop
+
+    loop = new_event_loop()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
+    monkeypatch.setenv("RAY_USE_UVLOOP", "0")
+    loop = new_event_loop()
+    try:
+        assert not isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
