@@ -156,16 +156,16 @@ def test_a_peer_of_another_version_is_refused_by_name():
 def test_every_backend_addresses_a_block_where_the_layout_puts_it(kind):
     """NIXL's descriptor rows, the handshake's offsets and the allocation agree for either layout:
     row (layer * planes + plane) * blocks + block is that block's bytes."""
-    from pdserve.kvtransfer.backends.nixl import _descs, _indices
+    from pdserve.kvtransfer.backends.nixl_descs import block_descs, plane_indices
 
     layout = KVLayout(3, 5, 4, *((2, 8) if kind == "kv" else (1, 24)), torch.float32, kind)
     kv = allocate_kv_cache(layout, torch.device("cpu"))
     meta = KVAgentMetadata.for_cache("e", "nixl", kv, layout, "f")
-    rows = _descs(meta.base_addr, meta.num_layers, meta.num_blocks, meta.bytes_per_block, 0, meta.num_planes)
+    rows = block_descs(meta.base_addr, meta.num_layers, meta.num_blocks, meta.bytes_per_block, 0, meta.num_planes)
     assert len(rows) == 3 * layout.num_planes * 5 and rows[-1][0] + rows[-1][1] == kv.data_ptr() + kv.nbytes
     blocks = np.array([4, 1])
     for layer in range(3):
-        idx = _indices(layer, blocks, 5, meta.num_planes)
+        idx = plane_indices(layer, blocks, 5, meta.num_planes)
         want = [meta.base_addr + meta.offset(layer, plane, b) for plane in range(layout.num_planes) for b in blocks]
         assert rows[idx, 0].tolist() == want
         assert want == [kv[layer, plane, b].data_ptr() for plane in range(layout.num_planes) for b in blocks]

@@ -1,10 +1,10 @@
 """KV over NIXL (UCX): one-sided WRITEs straight into the peer's registered KV allocation.
 
-The allocation is registered once, one region per layer (`_regions`), and both descriptor lists
+The allocation is registered once, one region per layer (nixl_descs.py), and both descriptor lists
 (ours and each peer's) are prepared once: one descriptor per (layer, plane, block) — the planes are
 K and V, or MLA's one latent —, index `(layer * planes + plane) * num_blocks + block`, so that index
-order is address order. A write then only picks indices. NIXL merges descriptors that are adjacent on both sides (`skip_desc_merge=False`),
-so a run of consecutive blocks moves as one descriptor: checked with NIXL's telemetry
+order is address order. A write then only picks indices. NIXL merges descriptors that are adjacent
+on both sides (`skip_desc_merge=False`), so a run of consecutive blocks moves as one descriptor: checked with NIXL's telemetry
 (`descCount` is 1 for a 4000-block run, 4000 with merging skipped; tests/test_nixl_backend.py
 asserts it), which matters because UCX pays per descriptor (docs/benchmarks-history.md, KV transfer
 between two GPUs).
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from pdserve.kvtransfer.backend import KVBackend, Part
+from pdserve.kvtransfer.backends.nixl_descs import block_array, block_descs, layer_regions, memory_of, plane_indices
 from pdserve.kvtransfer.backends.nixl_rows import block_rows, descriptors, gathered_rows
 from pdserve.kvtransfer.blocks import runs
 from pdserve.kvtransfer.metadata import KVAgentMetadata
@@ -37,53 +38,6 @@ from pdserve.kvtransfer.staging import StagingPool, cache_words, gather, layer_r
 from pdserve.kvtransfer.wire import ReserveHandle
 
 log = logging.getLogger(__name__)
-
-
-def _mem(device: str) -> tuple[str, int]:
-    """NIXL memory type and device id of an allocation on `device` ("cpu" or "cuda:N")."""
-    if device.startswith("cuda"):
-        return "VRAM", torch.device(device).index or 0
-    return "DRAM", 0  # NIXL wants device id 0 for host memory
-
-
-def _descs(base: int, num_layers: int, num_blocks: int, bytes_per_block: int, dev: int,
-           num_planes: int = 2) -> np.ndarray:
-    """Nx3 (address, length, device) rows, one per (layer, plane, block), row i at offset i * bpb."""
-    # Row order equals KVAgentMetadata.offset's: (layer * planes + plane) * num_blocks + block.
-    n = num_layers * num_planes * num_blocks
-    if n >= 2**31:  # NIXL takes descriptor indices as int32
-        raise ValueError(f"{n} KV descriptors exceed NIXL's int32 indices; use larger blocks")
-    out = np.empty((n, 3), dtype=np.uint64)
-    out[:, 0] = base + np.arange(n, dtype=np.uint64) * np.uint64(bytes_per_block)
-    out[:, 1] = bytes_per_block
-    out[:, 2] = dev
-    return out
-
-
-def _regions(meta: KVAgentMetadata, dev: int) -> list[tuple[int, int, int, str]]:
-    """The KV allocation as registered memory: one region per layer (its K and V, or latent, blocks).
-
-    Per-layer regions and one region for the whole allocation move KV equally fast
-    (docs/benchmarks-history.md, KV transfer between two GPUs); per layer keeps each region within
-    what a peer maps.
-    """
-    size = meta.num_planes * meta.num_blocks * meta.bytes_per_block
-    return [(meta.base_addr + layer * size, size, dev, "") for layer in range(meta.num_layers)]
-
-
-def _indices(layer: int, blocks: np.ndarray, num_blocks: int, num_planes: int = 2) -> np.ndarray:
-    """Descriptor indices of each plane of `layer` for these blocks, K then V (K's last and V's first
-    may merge), or the latent alone."""
-    first = blocks + layer * num_planes * num_blocks
-    return np.concatenate([first + p * num_blocks for p in range(num_planes)]).astype(np.int32)
-
-
-def _blocks(ids, num_blocks: int, side: str) -> np.ndarray:
-    """Block ids as an int64 array, refusing any outside [0, num_blocks): they would alias another layer."""
-    a = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if a.size and (a.min() < 0 or a.max() >= num_blocks):
-        raise ValueError(f"{side} block ids must lie in [0, {num_blocks}), got {a.min()}..{a.max()}")
-    return a
 
 
 class _Bound(threading.local):
@@ -122,7 +76,7 @@ class NixlBackend(KVBackend):
         assert kv_cache.data_ptr() == meta.base_addr, "meta describes another allocation"
         self.meta = meta
         self.kv = kv_cache  # keeps the registered memory alive as long as the agent uses it
-        self._mem, self._dev = _mem(str(kv_cache.device))
+        self._mem, self._dev = memory_of(str(kv_cache.device))
         self._close_timeout_s = close_timeout_s
         self._closed = False
         self._peers: dict[str, _Peer] = {}
@@ -146,7 +100,7 @@ class NixlBackend(KVBackend):
         # Slots of one size, allocated and registered once: bounded, and no allocation per transfer.
         self.staging = StagingPool(staging_slots, int(staging_slot_mb * 2**20), kv_cache.device)
         self._cache = cache_words(kv_cache, meta.num_layers, meta.num_planes, meta.num_blocks)
-        regions = _regions(meta, self._dev)
+        regions = layer_regions(meta, self._dev)
         if staging_slots:
             regions.append((self.staging.base_addr, staging_slots * self.staging.slot_bytes, self._dev, ""))
             meta.staging_addr, meta.staging_slots = self.staging.base_addr, staging_slots
@@ -155,7 +109,7 @@ class NixlBackend(KVBackend):
         try:
             self._local = self.agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT",
-                _descs(meta.base_addr, meta.num_layers, meta.num_blocks, meta.bytes_per_block, self._dev,
+                block_descs(meta.base_addr, meta.num_layers, meta.num_blocks, meta.bytes_per_block, self._dev,
                        meta.num_planes),
                 self._mem)
         except Exception:
@@ -176,11 +130,11 @@ class NixlBackend(KVBackend):
         if name != peer.engine_id:
             self.agent.remove_remote_agent(name)
             raise ValueError(f"peer {peer.engine_id!r} sent NIXL metadata of agent {name!r}")
-        mem, dev = _mem(peer.device)
+        mem, dev = memory_of(peer.device)
         try:
             dlist = self.agent.prep_xfer_dlist(
                 peer.engine_id,
-                _descs(peer.base_addr, peer.num_layers, peer.num_blocks, peer.bytes_per_block, dev,
+                block_descs(peer.base_addr, peer.num_layers, peer.num_blocks, peer.bytes_per_block, dev,
                        peer.num_planes), mem)
         except Exception:
             self.agent.remove_remote_agent(peer.engine_id)
@@ -223,10 +177,9 @@ class NixlBackend(KVBackend):
             self._xfers[token] = _Xfer(peer_id, None, "failed")
             return token
         planes = self.meta.num_planes  # the handshake made sure the peer's is the same
-        src_idx = [_indices(layer, _blocks(s, self.meta.num_blocks, "source"), self.meta.num_blocks, planes)
-                   for layer, s, _ in parts]
-        dst_idx = [_indices(layer, _blocks(d, peer.meta.num_blocks, "destination"), peer.meta.num_blocks, planes)
-                   for layer, _, d in parts]
+        ours, theirs = self.meta.num_blocks, peer.meta.num_blocks
+        src_idx = [plane_indices(layer, block_array(s, ours, "source"), ours, planes) for layer, s, _ in parts]
+        dst_idx = [plane_indices(layer, block_array(d, theirs, "destination"), theirs, planes) for layer, _, d in parts]
         src, dst = np.concatenate(src_idx), np.concatenate(dst_idx)
         if src.size == 0:
             self._xfers[token] = _Xfer(peer_id, None, "done")
@@ -296,7 +249,7 @@ class NixlBackend(KVBackend):
             if not (0 <= first and first + count <= m.num_layers) or len(src) != len(dst):
                 raise ValueError(f"layers [{first}, {first + count}) with {len(src)} source and {len(dst)} "
                                  f"destination blocks")
-            _blocks(src, m.num_blocks, "source")
+            block_array(src, m.num_blocks, "source")
             if any(d not in at for d in dst):
                 raise ValueError(f"{handle.request_id}: destination blocks outside the lease")
         nbytes = sum(count * m.num_planes * len(src) * m.bytes_per_block for _, count, src, _ in groups)
@@ -330,7 +283,7 @@ class NixlBackend(KVBackend):
         x = _Xfer(peer_id, None, "pending", slot)
         self._xfers[token] = x
         try:
-            mem, dev = _mem(pm.device)
+            mem, dev = memory_of(pm.device)
             local, remote = descriptors(rows, self._dev, dev)
             x.handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self._mem),
                                                   self.agent.get_xfer_descs(remote, mem), peer_id)
