@@ -29,12 +29,9 @@ class Scaling:
             with self._life:
                 if self.state not in ("running", "degraded"):
                     raise RuntimeError(f"the cluster is {self.state}")
-                started, removed = [], []
+                started = []
                 for role, want in counts.items():
-                    have = sorted((inc for inc in self.replicas.values()
-                                   if inc.role == role and inc.state == "serving"), key=lambda inc: _index(inc.replica))
-                    for inc in have[want:][::-1]:
-                        removed.append(inc)
+                    have = self._serving(role)
                     taken = taken_names(self.replicas.values())  # (a flipped worker's first name too: its actor's)
                     free = (n for i in range(1 << 20) if (n := f"pdserve-{role}-{i}") not in taken)
                     for _ in range(max(0, want - len(have))):
@@ -43,6 +40,9 @@ class Scaling:
             if started:
                 self._join(started)
             with self._life:
+                # Chosen now, not before the join: a replica replaced while the new ones loaded is
+                # another incarnation, and the one to drain is the serving one.
+                removed = [inc for role, want in counts.items() for inc in self._serving(role)[want:][::-1]]
                 for inc in removed:
                     inc.state = "draining"
                     self._tell(inc.change())
@@ -52,6 +52,11 @@ class Scaling:
                 for inc in removed:
                     self._remove(inc)
         return {"started": [i.replica for i in started], "removed": [i.replica for i in removed]}
+
+    def _serving(self, role: str) -> list[Incarnation]:
+        """The role's serving replicas, oldest name first (a scale-down removes from the end)."""
+        return sorted((inc for inc in self.replicas.values() if inc.role == role and inc.state == "serving"),
+                      key=lambda inc: _index(inc.replica))
 
     def _join(self, started: list[Incarnation]) -> None:
         """The started replicas, once ready, pair and join the routers; all stopped if one fails."""
