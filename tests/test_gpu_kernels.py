@@ -28,6 +28,7 @@ triton = pytest.importorskip("triton")
 
 from pdserve.forward.forward_batch import ForwardBatch  # noqa: E402
 from pdserve.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from pdserve.ops import arrival  # noqa: E402
 from pdserve.ops.norms import apply_rotary  # noqa: E402
 from pdserve.ops.activation import silu_and_mul  # noqa: E402
 from pdserve.ops.attention import TorchAttention, gather, write_kv, write_latent  # noqa: E402
@@ -42,7 +43,7 @@ from pdserve.ops.moe import TorchMoE, grouped_route, route  # noqa: E402
 from pdserve.ops.prefill_attention import paged_prefill_attention  # noqa: E402
 from pdserve.ops.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from pdserve.ops.rotary import qk_norm_rope  # noqa: E402
-from pdserve.ops.routing import fused_topk, grouped_topk, router_gemv  # noqa: E402
+from pdserve.ops.routing import fused_topk, grouped_topk, router_gemv, router_gemv_topk  # noqa: E402
 from pdserve.ops.testing import random_moe_inputs, random_paged_case, rel_err  # noqa: E402
 from pdserve.ops.triton_attention import TritonAttention  # noqa: E402
 from pdserve.ops.triton_moe import TritonMoE  # noqa: E402
@@ -262,6 +263,29 @@ def test_decode_context_zero_gives_zeros():
         out = poisoned(case.q.shape, torch.float32)
         paged_decode_attention(case.q, case.ref_batch.kv_cache[0], b.block_tables, ctx, 0.2, splits, out=out)
         assert torch.isfinite(out).all() and (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("splits", [2, 5, 32])
+def test_decode_merge_by_the_last_slice_equals_the_reduce_launch(splits, monkeypatch):
+    """The split launch merging its slices itself (the last of a group to finish) gives what the
+    separate reduce launch gives, launch after launch (the counters are left zeroed), graph padding
+    rows (context 0) included."""
+    g = gen(17)
+    ctx = [1, 17, 77, 40, 0]
+    case = random_paged_case([(max(c, 1), 1) for c in ctx], 8, 2, 32, BLOCK, torch.float32, DEVICE, g)
+    b = case.batch
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
+    write_kv_triton(b.kv_cache[0], case.k, case.v, b.slot_mapping)
+    outs = []
+    for fused in (False, True, True):
+        monkeypatch.setattr(arrival, "ENABLED", fused)
+        out = poisoned(case.q.shape, torch.float32)
+        paged_decode_attention(case.q, b.kv_cache[0], b.block_tables, ctx_t, 0.2, splits, out=out)
+        outs.append(out)
+    assert torch.isfinite(outs[1]).all() and (outs[1][-1] == 0).all()
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(outs[2], outs[1])
+    assert int(arrival.counters(torch.device(DEVICE), 1).count_nonzero()) == 0
 
 
 def _prefill_seqs(g) -> list[tuple[int, int]]:
@@ -819,6 +843,31 @@ def test_router_gemv(shape, tokens, dtype):
     check(backend.router_logits(x, w), ref, dtype, "TritonMoE.router_logits, a few tokens")
     check(backend.router_logits(many, w), torch.nn.functional.linear(many.to(REF_DTYPE), w.to(REF_DTYPE)),
           dtype, "TritonMoE.router_logits, many tokens")
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+@pytest.mark.parametrize("tokens", pick([1, 2, 5, 8], [1, 3]))
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_router_gemv_routes_in_its_last_program(shape, tokens, renormalize, dtype, monkeypatch):
+    """The router's logits and their top-k in one launch (the last of a token's programs routes it)
+    choose what router_gemv then fused_topk choose, with the same weights, launch after launch (the
+    counters are left zeroed), and so does the two-launch fallback."""
+    experts, top_k, hidden, _ = shape
+    g = gen(8)
+    x = torch.randn(tokens, hidden, generator=g, device=DEVICE).to(dtype)
+    w = (torch.randn(experts, hidden, generator=g, device=DEVICE) * hidden ** -0.5).to(dtype)
+    ref_w, ref_ids = fused_topk(router_gemv(x, w), top_k, renormalize)
+    for fused in (True, True, False):
+        monkeypatch.setattr(arrival, "ENABLED", fused)
+        weights, ids = router_gemv_topk(x, w, top_k, renormalize)
+        assert torch.equal(ids, ref_ids), (fused, ids, ref_ids)
+        torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
+    monkeypatch.setattr(arrival, "ENABLED", True)
+    assert int(arrival.counters(torch.device(DEVICE), 1).count_nonzero()) == 0
+    weights, ids = TritonMoE().gate_and_route(x, w, top_k, renormalize)  # a decode step's few tokens
+    assert torch.equal(ids, ref_ids)
+    assert TritonMoE().gate_and_route(x[:1].repeat(9, 1), w, top_k, renormalize) is None  # past them: two steps
 
 
 # (out_features, in_features): Qwen3-30B-A3B's q/k/v and o; DeepSeek-V2-Lite's q+kv_a; ragged ones

@@ -224,8 +224,9 @@ class GatedMLP(nn.Module):
 
 class RouterGate(nn.Linear):
     """The MoE router's linear layer, its logits computed by the MoE backend (on a GPU, a GEMV for a
-    decode step's few tokens: pdserve.ops.routing.router_gemv). Still called as a module, so forward
-    hooks on `*.mlp.gate` see every routing (bench_engine counts the experts hit with them)."""
+    decode step's few tokens: pdserve.ops.routing.router_gemv). Called as a module whenever a forward
+    hook is registered on it, so hooks on `*.mlp.gate` see every routing (bench_engine counts the
+    experts hit with them); without one a decode step's routing may skip it (SparseMoE.route)."""
 
     def __init__(self, in_features: int, num_experts: int, backend):
         super().__init__(in_features, num_experts, bias=False)
@@ -287,7 +288,12 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> weights [T, k] float32, expert ids [T, k]: softmax, top-k, renormalised
-        where the family says (the backend's kernel on the GPU)."""
+        where the family says (the backend's kernel on the GPU; for a decode step's few tokens the
+        router's logits and their routing in one launch, unless a hook on the gate wants the logits)."""
+        if not self.gate._forward_hooks:
+            routed = self.backend.gate_and_route(x, self.gate.weight, self.top_k, self.renormalize)
+            if routed is not None:
+                return routed
         return self.backend.route(self.gate(x), self.top_k, self.renormalize)
 
     def skip_padding(self, ids: torch.Tensor) -> torch.Tensor:
