@@ -1032,6 +1032,24 @@ def test_gemv_moe(shape, tokens, config, dtype):
     check(out, ref, dtype, f"gemv_moe T={tokens} {shape} cfg{config}")
 
 
+@pytest.mark.parametrize("config", [1, 2])
+@pytest.mark.parametrize("tokens", pick([1, 3, 8], [1, 3]))
+def test_gemv_moe_partials_summed_by_the_last_program(config, tokens, monkeypatch):
+    """The down GEMV's partial rows (EPP < k) summed by the last of a token's programs on a tile give
+    moe_sum's output bit for bit, launch after launch (the counters are left zeroed)."""
+    experts, top_k, hidden, inter = MOE_SHAPES[0]
+    x, w13, w2, logits = random_moe_inputs(tokens, experts, hidden, inter, torch.float32, DEVICE, gen(19))
+    weights, ids = route(logits, top_k, True)
+    outs = []
+    for fused in (False, True, True):
+        monkeypatch.setattr(arrival, "ENABLED", fused)
+        out = poisoned(x.shape, torch.float32)
+        gemv_moe(x, w13, w2, weights, ids, config=GEMV_CONFIGS[config], out=out)
+        outs.append(out)
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+    assert int(arrival.counters(torch.device(DEVICE), 1).count_nonzero()) == 0
+
+
 @pytest.mark.parametrize("shape", MOE_SHAPES)
 @pytest.mark.parametrize("tokens", pick([1, 64, 600, 4096], [1, 3, 17]))
 def test_grouped_mm_moe(shape, tokens):

@@ -12,7 +12,8 @@ rows directly:
 2. `_gemv_w2_kernel`, grid (T * k / EPP, H / BLOCK_N): one program takes EPP consecutive pairs of
    one token, multiplies each intermediate row by its routing weight and accumulates
    w2[e] @ (w * inter) over them in float32. EPP == k writes the token's output row directly (no
-   reduce); EPP < k writes float32 partial rows that `moe_sum` adds (more programs at T=1).
+   reduce); EPP < k writes float32 partial rows (more programs at T=1), which the last of a token's
+   programs on a tile adds (pdserve/ops/arrival.py; `moe_sum`, a third launch, without counters).
 
 Each program's loop over the reduced dimension is unrolled (its length a compile-time constant: one
 build per model shape), so a program has several tiles' loads in flight, not one at a time: at T=1
@@ -31,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.ops import pdl
+from pdserve.ops import arrival, pdl
+from pdserve.ops.arrival import last_to_arrive
 from pdserve.ops.fused_moe import moe_sum
 
 
@@ -74,10 +76,13 @@ def _gemv_w13_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, I, num_experts,
 
 
 @triton.jit
-def _gemv_w2_kernel(inter_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, N, num_experts,
-                    stride_it, stride_we, stride_wn, stride_ot,
-                    K: tl.constexpr, EPP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_w2_kernel(inter_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, sum_ptr, counter_ptr, N, num_experts,
+                    stride_it, stride_we, stride_wn, stride_ot, stride_st,
+                    K: tl.constexpr, EPP: tl.constexpr, GROUPS: tl.constexpr, FUSED_SUM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_PDL: tl.constexpr):
+    """GROUPS (= k / EPP) programs per token and tile of H; with more than one they write float32
+    partial rows, which FUSED_SUM has the last of them to finish add (as `moe_sum`: in group order)."""
     grp = tl.program_id(0)
     nt = tl.program_id(1)
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -103,6 +108,14 @@ def _gemv_w2_kernel(inter_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, N, num_experts,
             acc += w * (a * wt)[None, :]
     y = tl.sum(acc, 1)
     tl.store(out_ptr + grp.to(tl.int64) * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    if FUSED_SUM:
+        t = grp // GROUPS
+        if last_to_arrive(counter_ptr + t * tl.num_programs(1) + nt, GROUPS):
+            total = tl.zeros([BLOCK_N], tl.float32)
+            for g in tl.static_range(GROUPS):
+                total += tl.load(out_ptr + (t * GROUPS + g).to(tl.int64) * stride_ot + offs_n, mask=n_mask,
+                                 other=0.0, cache_modifier=".cg")
+            tl.store(sum_ptr + t.to(tl.int64) * stride_st + offs_n, total.to(sum_ptr.dtype.element_ty), mask=n_mask)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -153,11 +166,14 @@ def gemv_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         num_warps=cfg["num_warps"], **pdl.launch_kwargs(x.device))
     groups = num_tokens * (top_k // epp)
     y = out if epp == top_k else torch.empty(groups, hidden, dtype=torch.float32, device=x.device)
-    _gemv_w2_kernel[(groups, triton.cdiv(hidden, bn2))](
-        inter, w2, ids, tw, y, hidden, w2.shape[0],
-        inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        K=inter_size, EPP=epp, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=inter_size % bk2 == 0, EVEN_N=hidden % bn2 == 0,
+    n_tiles = triton.cdiv(hidden, bn2)
+    counters = None if epp == top_k else arrival.counters(x.device, num_tokens * n_tiles)
+    _gemv_w2_kernel[(groups, n_tiles)](
+        inter, w2, ids, tw, y, out, counters if counters is not None else ids, hidden, w2.shape[0],
+        inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0), out.stride(0),
+        K=inter_size, EPP=epp, GROUPS=top_k // epp, FUSED_SUM=counters is not None,
+        BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=inter_size % bk2 == 0, EVEN_N=hidden % bn2 == 0,
         num_warps=cfg["num_warps"], **pdl.launch_kwargs(x.device))
-    if epp != top_k:
+    if epp != top_k and counters is None:
         moe_sum(y, num_tokens, top_k // epp, out=out)
     return out
