@@ -34,7 +34,7 @@ from pdserve.ops.activation import silu_and_mul  # noqa: E402
 from pdserve.ops.attention import TorchAttention, gather, write_kv, write_latent  # noqa: E402
 from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention  # noqa: E402
 from pdserve.ops.fused_moe import fused_moe, moe_align  # noqa: E402
-from pdserve.ops.gemv_linear import GEMV_LINEAR_MAX_TOKENS, gemv_linear, linear  # noqa: E402
+from pdserve.ops.gemv_linear import GEMV_LINEAR_MAX_TOKENS, gemv_linear, linear, linear_add_rms_norm  # noqa: E402
 from pdserve.ops.gemv_moe import gemv_moe  # noqa: E402
 from pdserve.ops.grouped_mm_moe import grouped_mm_moe  # noqa: E402
 from pdserve.ops.kv_write import write_kv_triton, write_latent_triton  # noqa: E402
@@ -898,6 +898,28 @@ def test_gemv_linear(shape, tokens, bias, config, dtype):
     check(out, ref, dtype, f"gemv_linear T={tokens} {shape} cfg{config}")
 
 
+@pytest.mark.parametrize("tokens", pick([1, 2, 5], [1, 2, 3]))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_linear_with_the_norm_after_it(tokens, dtype):
+    """The o projection's GEMV whose last program adds the residual and normalises: the same
+    projection, sum and normalised sum as the GEMV, then fused_add_rms_norm; the counters left zeroed."""
+    n, k = pick((2048, 4096), (48, 64))
+    g = gen(23)
+    x = torch.randn(tokens, k, generator=g, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=DEVICE) * k ** -0.5).to(dtype)
+    residual = torch.randn(tokens, n, generator=g, device=DEVICE).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(n, generator=g, device=DEVICE)).to(dtype)
+    proj = gemv_linear(x, w)
+    ref_normed, ref_sum = fused_add_rms_norm(proj, residual, norm_w, 1e-6)
+    counters = arrival.counters(torch.device(DEVICE), 1)
+    for _ in range(2):
+        out, normed, res_out = poisoned((tokens, n), dtype), poisoned((tokens, n), dtype), poisoned((tokens, n), dtype)
+        gemv_linear(x, w, out=out, norm=(residual, norm_w, 1e-6, normed, res_out, counters))
+        assert torch.equal(out, proj) and torch.equal(res_out, ref_sum)
+        torch.testing.assert_close(normed, ref_normed, rtol=pick(1e-2, 1e-5), atol=pick(1e-2, 1e-5))
+    assert int(counters.count_nonzero()) == 0
+
+
 def test_linear_takes_the_gemv_up_to_its_row_limit_only():
     g = gen(3)
     w = torch.randn(48, 64, generator=g, device=DEVICE)
@@ -1311,13 +1333,17 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, tokens):
            for _ in range(layers)]
     w2 = [(torch.randn(experts, hidden, inter, generator=g, device=DEVICE) * inter ** -0.5).to(dtype)
           for _ in range(layers)]
+    w_o = [(torch.randn(hidden, hidden, generator=g, device=DEVICE) * hidden ** -0.5).to(dtype) for _ in range(layers)]
     x0 = torch.randn(tokens, hidden, generator=g, device=DEVICE).to(dtype)
 
     def chain(x: torch.Tensor) -> torch.Tensor:
+        # With the merges by the last program to arrive (pdserve/ops/arrival.py): the projection and
+        # the norm after it, the router's GEMV and top-k, the down GEMV and its partials' sum.
         residual = torch.zeros_like(x)
         for i in range(layers):
-            h, residual = fused_add_rms_norm(x, residual, w_norm[i], 1e-6)
-            weights, ids = fused_topk(router_gemv(h, w_gate[i]), top_k, True)
+            fused = linear_add_rms_norm(x, w_o[i], None, residual, w_norm[i], 1e-6)
+            h, residual = fused or fused_add_rms_norm(gemv_linear(x, w_o[i]), residual, w_norm[i], 1e-6)
+            weights, ids = router_gemv_topk(h, w_gate[i], top_k, True)
             x = gemv_moe(h, w13[i], w2[i], weights, ids)
         return x + residual
 

@@ -29,7 +29,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pdserve.ops import pdl
+from pdserve.ops import arrival, pdl
+from pdserve.ops.arrival import last_to_arrive
+from pdserve.ops.rms_norm import add_rms_norm_row
 
 # Up to this many rows `linear` takes the GEMV (PDSERVE_GEMV_LINEAR, at most 8): 2 by default, as
 # measured; 0: always F.linear (the reference a benchmark compares against). At 4 and 8 rows a
@@ -42,11 +44,15 @@ MAX_ROWS = 8
 
 @triton.jit
 def _gemv_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, stride_xt, stride_wn, stride_ot,
+                        res_ptr, nw_ptr, normed_ptr, res_out_ptr, counter_ptr, eps,
+                        stride_rt, stride_nt, stride_rot,
                         K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                        NORM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     """ROWS: 1 or 2 input rows, each summed elementwise in float32 and reduced once at the end;
     3 to 8, each chunk's products reduced at once into one column per row (elementwise sums of eight
-    rows would hold 8 x BLOCK_N x BLOCK_K floats in registers)."""
+    rows would hold 8 x BLOCK_N x BLOCK_K floats in registers). NORM: the last program to finish
+    also adds each output row to its residual and RMS-normalises the sum (`add_rms_norm_row`)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # Features past N read row N - 1 (in bounds, never stored): the weight loads need no mask along N.
@@ -100,6 +106,11 @@ def _gemv_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, stride_xt, stride_wn, s
             acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
         dst = out_ptr + offs_r[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_r < ROWS)[None, :])
+    if NORM:
+        if last_to_arrive(counter_ptr, tl.num_programs(0)):
+            for r in tl.static_range(ROWS):
+                add_rms_norm_row(out_ptr + r * stride_ot, res_ptr + r * stride_rt, nw_ptr, normed_ptr + r * stride_nt,
+                                 res_out_ptr + r * stride_rot, N, eps, True, BLOCK_D)
 
 
 def gemv_linear_config(num_tokens: int, in_features: int) -> dict:
@@ -114,8 +125,11 @@ def gemv_linear_config(num_tokens: int, in_features: int) -> dict:
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear's contract for x [T, K] (T = 1 to 8), weight [N, K], bias [N] or None -> [T, N] in x's dtype."""
+                config: dict | None = None, out: torch.Tensor | None = None, norm: tuple | None = None
+                ) -> torch.Tensor:
+    """F.linear's contract for x [T, K] (T = 1 to 8), weight [N, K], bias [N] or None -> [T, N] in x's dtype.
+    norm: (residual [T, N], norm weight [N], eps, normed [T, N], residual out [T, N], arrival counters)
+    to have the launch's last program also store rms_norm(out + residual) and the sum."""
     num_tokens, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
@@ -127,17 +141,43 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     cfg = config or gemv_linear_config(num_tokens, k)
     bn, bk = cfg["BLOCK_N"], min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
     assert num_tokens <= MAX_ROWS, f"gemv_linear takes 1 to {MAX_ROWS} rows, not {num_tokens} (F.linear beyond)"
+    if norm is None:
+        residual = norm_weight = normed = res_out = counters = out  # unused
+        eps = 0.0
+    else:
+        residual, norm_weight, eps, normed, res_out, counters = norm
     _gemv_linear_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, out, n,
         x.stride(0), weight.stride(0), out.stride(0),
-        K=k, HAS_BIAS=bias is not None, ROWS=num_tokens, ROWS_PAD=triton.next_power_of_2(num_tokens), BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+        residual, norm_weight, normed, res_out, counters, eps, residual.stride(0), normed.stride(0), res_out.stride(0),
+        K=k, HAS_BIAS=bias is not None, ROWS=num_tokens, ROWS_PAD=triton.next_power_of_2(num_tokens), BLOCK_N=bn,
+        BLOCK_K=bk, EVEN_K=k % bk == 0, NORM=norm is not None, BLOCK_D=triton.next_power_of_2(n),
         num_warps=cfg["num_warps"], **pdl.launch_kwargs(x.device))
     return out
 
 
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_LINEAR_MAX_TOKENS and x.is_cuda
+            and x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the GEMV for up to GEMV_LINEAR_MAX_TOKENS rows of a 2-D x on a GPU."""
-    if (x.dim() == 2 and 0 < x.shape[0] <= GEMV_LINEAR_MAX_TOKENS and x.is_cuda
-            and x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype):
+    if _takes_gemv(x, weight):
         return gemv_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                        norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rms_norm(linear(x) + residual) * norm_weight, linear(x) + residual) in the GEMV's launch,
+    for the rows it takes (the o projection and the norm after it, a kernel boundary less); None
+    where it does not take them, or without arrival counters: the caller runs the two."""
+    counters = arrival.counters(x.device, 1) if _takes_gemv(x, weight) else None
+    if (counters is None or residual.shape != (x.shape[0], weight.shape[0]) or residual.stride(1) != 1
+            or residual.dtype != x.dtype or not norm_weight.is_contiguous()):
+        return None
+    normed = torch.empty(residual.shape, dtype=torch.result_type(norm_weight, x), device=x.device)
+    res_out = torch.empty_like(residual)
+    gemv_linear(x, weight, bias, norm=(residual, norm_weight, eps, normed, res_out, counters))
+    return normed, res_out
