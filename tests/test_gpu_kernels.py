@@ -879,14 +879,13 @@ LINEAR_SHAPES = LINEAR_SHAPES + pick([(2048, 2048)], [])  # (DeepSeek-V2-Lite's 
 
 
 @pytest.mark.parametrize("shape", LINEAR_SHAPES)
-@pytest.mark.parametrize("tokens", pick([1, 2, 3, 5, 8], [1, 2, 3, 5]))
+@pytest.mark.parametrize("tokens", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("config", range(len(LINEAR_CONFIGS)))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_linear(shape, tokens, bias, config, dtype):
-    """The GEMV equals F.linear at one and two rows (elementwise sums) and three to eight (each
-    chunk reduced per row), with and without bias, at ragged shapes (a last tile past N, a last
-    chunk past K), in every output it owns."""
+    """The GEMV equals F.linear at one and two rows, with and without bias, at ragged shapes (a last
+    tile past N, a last chunk past K), in every output it owns."""
     n, k = shape
     g = gen(5 + tokens)
     x = torch.randn(tokens, k, generator=g, device=DEVICE).to(dtype)
@@ -898,7 +897,7 @@ def test_gemv_linear(shape, tokens, bias, config, dtype):
     check(out, ref, dtype, f"gemv_linear T={tokens} {shape} cfg{config}")
 
 
-@pytest.mark.parametrize("tokens", pick([1, 2, 5], [1, 2, 3]))
+@pytest.mark.parametrize("tokens", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_linear_with_the_norm_after_it(tokens, dtype):
     """The o projection's GEMV whose last program adds the residual and normalises: the same
@@ -1341,8 +1340,8 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, tokens):
         # the norm after it, the router's GEMV and top-k, the down GEMV and its partials' sum.
         residual = torch.zeros_like(x)
         for i in range(layers):
-            fused = linear_add_rms_norm(x, w_o[i], None, residual, w_norm[i], 1e-6)
-            h, residual = fused or fused_add_rms_norm(gemv_linear(x, w_o[i]), residual, w_norm[i], 1e-6)
+            fused = linear_add_rms_norm(x, w_o[i], None, residual, w_norm[i], 1e-6)  # (None past 2 rows)
+            h, residual = fused or fused_add_rms_norm(linear(x, w_o[i]), residual, w_norm[i], 1e-6)
             weights, ids = router_gemv_topk(h, w_gate[i], top_k, True)
             x = gemv_moe(h, w13[i], w2[i], weights, ids)
         return x + residual

@@ -626,7 +626,7 @@ def main() -> None:
             for t in (1, 64, 256, 4096) if "small" not in groups else (64, 256, 4096):
                 c.run(f"moe T={t}", lambda t=t: check_moe(c, a, t))
         if "linear" in groups:
-            for t in (1, 2, 4, 8):
+            for t in (1, 2):  # (the GEMV takes at most two rows)
                 c.run(f"linear T={t}", lambda t=t: check_linear(c, a, t, args.sweep))
         if "routing" in groups:
             for t in (1, 256, 4096):

@@ -1,5 +1,5 @@
-"""A dense projection for a handful of rows (decode at batch 1 and 2; up to 8 on trial): one Triton
-GEMV launch.
+"""A dense projection for one or two rows (decode at batch 1 and 2): one Triton GEMV launch, which
+may also add the residual and RMS-normalise its output (the o projection and the norm after it).
 
 A small-batch decode step is a chain of short kernels, each launched with programmatic dependent
 launch (pdserve/ops/pdl.py) so that its launch and prologue overlap the kernel before. cuBLAS's
@@ -8,15 +8,18 @@ reduce kernel on an H200) broke the chain three times a layer, and ran at 1.8-2.
 time (check_kernels, graph-replayed: 9.0 us for 21 MB, 9.9 us for 16.8 MB).
 
 One program owns BLOCK_N output features: it streams their weight rows once, over the whole reduced
-dimension in BLOCK_K chunks, and multiplies them with the input rows: one or two summed elementwise
-in float32 and reduced once at the end, three to eight reduced chunk by chunk. The loop over K is unrolled (K a compile-time constant, as in
-the MoE GEMVs, pdserve/ops/gemv_moe.py), so a program has all its chunks' loads in flight. No
-split-K: no second kernel, no float32 scratch; the bias is added in the same launch.
+dimension in BLOCK_K chunks, and multiplies them with the input rows, summed elementwise in float32
+and reduced once at the end. The loop over K is unrolled (K a compile-time constant, as in the MoE
+GEMVs, pdserve/ops/gemv_moe.py), so a program has all its chunks' loads in flight. No split-K: no
+second kernel, no float32 scratch; the bias is added in the same launch. With a norm, the last
+program to finish (pdserve/ops/arrival.py) adds each output row to its residual and normalises it:
+the decoder layer's post-attention norm needs no launch of its own.
 
 Measured (one H200, 2026-11-30, docs/benchmarks.md): the decode step at batch 1 0.90x cuBLAS's
-(2.70 against 3.00 ms), batch 2 0.97x (3.80 against 3.93 ms). At 4 and 8 rows a tensor-core-dot variant (rows padded to
-16) was 1.10x / 1.09x slower in the step and was removed; a first version (pipelined loop, dots at
-every row count, no PDL) measured no faster than cuBLAS on an H100 (2026-11-27).
+(2.70 against 3.00 ms), batch 2 0.97x (3.80 against 3.93 ms). Beyond two rows it lost: a
+tensor-core-dot variant (rows padded to 16) was 1.10x / 1.09x slower in the step at 4 / 8 rows, one
+reducing each chunk per row 1.10x / 1.24x; both were removed. A first version (pipelined loop, dots
+at every row count, no PDL) measured no faster than cuBLAS on an H100 (2026-11-27).
 
 Grids depend only on the shapes: CUDA-graph safe. `linear` is what the Triton backends call: this
 kernel for up to GEMV_LINEAR_MAX_TOKENS rows on a GPU, `F.linear` otherwise.
@@ -33,26 +36,22 @@ from pdserve.ops import arrival, pdl
 from pdserve.ops.arrival import last_to_arrive
 from pdserve.ops.rms_norm import add_rms_norm_row
 
-# Up to this many rows `linear` takes the GEMV (PDSERVE_GEMV_LINEAR, at most 8): 2 by default, as
-# measured; 0: always F.linear (the reference a benchmark compares against). At 4 and 8 rows a
-# tensor-core-dot variant measured 1.10x / 1.09x slower in the engine's step than cuBLAS and was
-# removed (docs/benchmarks.md); the per-chunk reduction for 3-8 rows below is not timed yet
-# (PDSERVE_GEMV_LINEAR=8 tries it).
-GEMV_LINEAR_MAX_TOKENS = min(8, int(os.environ.get("PDSERVE_GEMV_LINEAR", "2")))
-MAX_ROWS = 8
+# Up to this many rows `linear` takes the GEMV (PDSERVE_GEMV_LINEAR: 2, 1, or 0: always F.linear, the
+# reference a benchmark compares against). Beyond two rows cuBLAS is faster (docs/benchmarks.md).
+MAX_ROWS = 2
+GEMV_LINEAR_MAX_TOKENS = min(MAX_ROWS, int(os.environ.get("PDSERVE_GEMV_LINEAR", "2")))
 
 
 @triton.jit
 def _gemv_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, stride_xt, stride_wn, stride_ot,
                         res_ptr, nw_ptr, normed_ptr, res_out_ptr, counter_ptr, eps,
                         stride_rt, stride_nt, stride_rot,
-                        K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
+                        K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                         NORM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
-    """ROWS: 1 or 2 input rows, each summed elementwise in float32 and reduced once at the end;
-    3 to 8, each chunk's products reduced at once into one column per row (elementwise sums of eight
-    rows would hold 8 x BLOCK_N x BLOCK_K floats in registers). NORM: the last program to finish
-    also adds each output row to its residual and RMS-normalises the sum (`add_rms_norm_row`)."""
+    """ROWS: 1 or 2 input rows, each summed elementwise in float32 and reduced once at the end.
+    NORM: the last program to finish also adds each output row to its residual and RMS-normalises
+    the sum (`add_rms_norm_row`)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # Features past N read row N - 1 (in bounds, never stored): the weight loads need no mask along N.
@@ -60,52 +59,32 @@ def _gemv_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, stride_xt, stride_wn, s
     offs_k = tl.arange(0, BLOCK_K)
     w_tile = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     pdl.wait(USE_PDL)  # x is the kernel before's output
-    if ROWS <= 2:
-        acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: the next chunks' loads go out before this one's sums
-            if EVEN_K:
-                w = tl.load(w_tile + k0).to(tl.float32)
-                x0 = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
-            else:
-                k_mask = offs_k < K - k0
-                w = tl.load(w_tile + k0, mask=k_mask[None, :], other=0.0).to(tl.float32)
-                x0 = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            acc0 += w * x0[None, :]
-            if ROWS == 2:
-                if EVEN_K:
-                    x1 = tl.load(x_ptr + stride_xt + k0 + offs_k).to(tl.float32)
-                else:
-                    x1 = tl.load(x_ptr + stride_xt + k0 + offs_k, mask=offs_k < K - k0, other=0.0).to(tl.float32)
-                acc1 += w * x1[None, :]
-        y0 = tl.sum(acc0, 1)
-        y1 = tl.sum(acc1, 1)  # (one row: zeros, never stored)
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + rows).to(tl.float32)
-            y0 += bias
-            y1 += bias
-        tl.store(out_ptr + offs_n, y0.to(out_ptr.dtype.element_ty), mask=n_mask)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: the next chunks' loads go out before this one's sums
+        if EVEN_K:
+            w = tl.load(w_tile + k0).to(tl.float32)
+            x0 = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
+        else:
+            k_mask = offs_k < K - k0
+            w = tl.load(w_tile + k0, mask=k_mask[None, :], other=0.0).to(tl.float32)
+            x0 = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        acc0 += w * x0[None, :]
         if ROWS == 2:
-            tl.store(out_ptr + stride_ot + offs_n, y1.to(out_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        offs_r = tl.arange(0, ROWS_PAD)
-        acc = tl.zeros([BLOCK_N, ROWS_PAD], tl.float32)
-        for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled
             if EVEN_K:
-                w = tl.load(w_tile + k0).to(tl.float32)
+                x1 = tl.load(x_ptr + stride_xt + k0 + offs_k).to(tl.float32)
             else:
-                w = tl.load(w_tile + k0, mask=(offs_k < K - k0)[None, :], other=0.0).to(tl.float32)
-            for r in tl.static_range(ROWS):
-                if EVEN_K:
-                    xr = tl.load(x_ptr + r * stride_xt + k0 + offs_k).to(tl.float32)
-                else:
-                    xr = tl.load(x_ptr + r * stride_xt + k0 + offs_k, mask=offs_k < K - k0, other=0.0).to(tl.float32)
-                part = tl.sum(w * xr[None, :], 1)
-                acc = tl.where(offs_r[None, :] == r, acc + part[:, None], acc)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
-        dst = out_ptr + offs_r[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
-        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_r < ROWS)[None, :])
+                x1 = tl.load(x_ptr + stride_xt + k0 + offs_k, mask=offs_k < K - k0, other=0.0).to(tl.float32)
+            acc1 += w * x1[None, :]
+    y0 = tl.sum(acc0, 1)
+    y1 = tl.sum(acc1, 1)  # (one row: zeros, never stored)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rows).to(tl.float32)
+        y0 += bias
+        y1 += bias
+    tl.store(out_ptr + offs_n, y0.to(out_ptr.dtype.element_ty), mask=n_mask)
+    if ROWS == 2:
+        tl.store(out_ptr + stride_ot + offs_n, y1.to(out_ptr.dtype.element_ty), mask=n_mask)
     if NORM:
         if last_to_arrive(counter_ptr, tl.num_programs(0)):
             for r in tl.static_range(ROWS):
@@ -118,8 +97,6 @@ def gemv_linear_config(num_tokens: int, in_features: int) -> dict:
     8 features: on an H200 (Qwen3-30B-A3B, graph-replayed, 2026-11-30) 8-row tiles beat 16-, 32- and
     64-row ones at both shapes and both row counts; the chunk a quarter of the reduced dimension for
     one row (q/k/v 7.2 us at 512, o 6.2 us at 1024) and 1,024 for two (9.3 / 7.2 us)."""
-    if num_tokens > 2:  # (3-8 rows: untimed; chunks of 256 keep a row's partial sums few)
-        return dict(BLOCK_N=8, BLOCK_K=256, num_warps=4)
     bk = max(256, min(1024, in_features // 4)) if num_tokens == 1 else 1024
     return dict(BLOCK_N=8, BLOCK_K=bk, num_warps=4)
 
@@ -127,7 +104,7 @@ def gemv_linear_config(num_tokens: int, in_features: int) -> dict:
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 config: dict | None = None, out: torch.Tensor | None = None, norm: tuple | None = None
                 ) -> torch.Tensor:
-    """F.linear's contract for x [T, K] (T = 1 to 8), weight [N, K], bias [N] or None -> [T, N] in x's dtype.
+    """F.linear's contract for x [T, K] (T = 1 or 2), weight [N, K], bias [N] or None -> [T, N] in x's dtype.
     norm: (residual [T, N], norm weight [N], eps, normed [T, N], residual out [T, N], arrival counters)
     to have the launch's last program also store rms_norm(out + residual) and the sum."""
     num_tokens, k = x.shape
@@ -150,7 +127,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         x, weight, bias if bias is not None else weight, out, n,
         x.stride(0), weight.stride(0), out.stride(0),
         residual, norm_weight, normed, res_out, counters, eps, residual.stride(0), normed.stride(0), res_out.stride(0),
-        K=k, HAS_BIAS=bias is not None, ROWS=num_tokens, ROWS_PAD=triton.next_power_of_2(num_tokens), BLOCK_N=bn,
+        K=k, HAS_BIAS=bias is not None, ROWS=num_tokens, BLOCK_N=bn,
         BLOCK_K=bk, EVEN_K=k % bk == 0, NORM=norm is not None, BLOCK_D=triton.next_power_of_2(n),
         num_warps=cfg["num_warps"], **pdl.launch_kwargs(x.device))
     return out
