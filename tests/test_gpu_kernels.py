@@ -34,7 +34,7 @@ from pdserve.ops.activation import silu_and_mul  # noqa: E402
 from pdserve.ops.attention import TorchAttention, gather, write_kv, write_latent  # noqa: E402
 from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention  # noqa: E402
 from pdserve.ops.fused_moe import fused_moe, moe_align  # noqa: E402
-from pdserve.ops.gemv_linear import GEMV_LINEAR_MAX_TOKENS, gemv_linear, linear, linear_add_rms_norm  # noqa: E402
+from pdserve.ops.gemv_linear import GEMV_LINEAR_MAX_TOKENS, gemv_linear, linear  # noqa: E402
 from pdserve.ops.gemv_moe import gemv_moe  # noqa: E402
 from pdserve.ops.grouped_mm_moe import grouped_mm_moe  # noqa: E402
 from pdserve.ops.kv_write import write_kv_triton, write_latent_triton  # noqa: E402
@@ -43,7 +43,7 @@ from pdserve.ops.moe import TorchMoE, grouped_route, route  # noqa: E402
 from pdserve.ops.prefill_attention import paged_prefill_attention  # noqa: E402
 from pdserve.ops.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from pdserve.ops.rotary import qk_norm_rope  # noqa: E402
-from pdserve.ops.routing import fused_topk, grouped_topk, router_gemv, router_gemv_topk  # noqa: E402
+from pdserve.ops.routing import fused_topk, grouped_topk, router_gemv  # noqa: E402
 from pdserve.ops.testing import random_moe_inputs, random_paged_case, rel_err  # noqa: E402
 from pdserve.ops.triton_attention import TritonAttention  # noqa: E402
 from pdserve.ops.triton_moe import TritonMoE  # noqa: E402
@@ -263,29 +263,6 @@ def test_decode_context_zero_gives_zeros():
         out = poisoned(case.q.shape, torch.float32)
         paged_decode_attention(case.q, case.ref_batch.kv_cache[0], b.block_tables, ctx, 0.2, splits, out=out)
         assert torch.isfinite(out).all() and (out[1] == 0).all()
-
-
-@pytest.mark.parametrize("splits", [2, 5, 32])
-def test_decode_merge_by_the_last_slice_equals_the_reduce_launch(splits, monkeypatch):
-    """The split launch merging its slices itself (the last of a group to finish) gives what the
-    separate reduce launch gives, launch after launch (the counters are left zeroed), graph padding
-    rows (context 0) included."""
-    g = gen(17)
-    ctx = [1, 17, 77, 40, 0]
-    case = random_paged_case([(max(c, 1), 1) for c in ctx], 8, 2, 32, BLOCK, torch.float32, DEVICE, g)
-    b = case.batch
-    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
-    write_kv_triton(b.kv_cache[0], case.k, case.v, b.slot_mapping)
-    outs = []
-    for fused in (False, True, True):
-        monkeypatch.setattr(arrival, "ENABLED", fused)
-        out = poisoned(case.q.shape, torch.float32)
-        paged_decode_attention(case.q, b.kv_cache[0], b.block_tables, ctx_t, 0.2, splits, out=out)
-        outs.append(out)
-    assert torch.isfinite(outs[1]).all() and (outs[1][-1] == 0).all()
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
-    assert torch.equal(outs[2], outs[1])
-    assert int(arrival.counters(torch.device(DEVICE), 1).count_nonzero()) == 0
 
 
 def _prefill_seqs(g) -> list[tuple[int, int]]:
@@ -845,31 +822,6 @@ def test_router_gemv(shape, tokens, dtype):
           dtype, "TritonMoE.router_logits, many tokens")
 
 
-@pytest.mark.parametrize("shape", MOE_SHAPES)
-@pytest.mark.parametrize("tokens", pick([1, 2, 5, 8], [1, 3]))
-@pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_router_gemv_routes_in_its_last_program(shape, tokens, renormalize, dtype, monkeypatch):
-    """The router's logits and their top-k in one launch (the last of a token's programs routes it)
-    choose what router_gemv then fused_topk choose, with the same weights, launch after launch (the
-    counters are left zeroed), and so does the two-launch fallback."""
-    experts, top_k, hidden, _ = shape
-    g = gen(8)
-    x = torch.randn(tokens, hidden, generator=g, device=DEVICE).to(dtype)
-    w = (torch.randn(experts, hidden, generator=g, device=DEVICE) * hidden ** -0.5).to(dtype)
-    ref_w, ref_ids = fused_topk(router_gemv(x, w), top_k, renormalize)
-    for fused in (True, True, False):
-        monkeypatch.setattr(arrival, "ENABLED", fused)
-        weights, ids = router_gemv_topk(x, w, top_k, renormalize)
-        assert torch.equal(ids, ref_ids), (fused, ids, ref_ids)
-        torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
-    monkeypatch.setattr(arrival, "ENABLED", True)
-    assert int(arrival.counters(torch.device(DEVICE), 1).count_nonzero()) == 0
-    weights, ids = TritonMoE().gate_and_route(x, w, top_k, renormalize)  # a decode step's few tokens
-    assert torch.equal(ids, ref_ids)
-    assert TritonMoE().gate_and_route(x[:1].repeat(9, 1), w, top_k, renormalize) is None  # past them: two steps
-
-
 # (out_features, in_features): Qwen3-30B-A3B's q/k/v and o; DeepSeek-V2-Lite's q+kv_a; ragged ones
 LINEAR_SHAPES = pick([(5120, 2048), (2048, 4096), (3648, 2048), (200, 333)], [(40, 64), (33, 100)])
 LINEAR_CONFIGS = [None,  # the default table
@@ -895,28 +847,6 @@ def test_gemv_linear(shape, tokens, bias, config, dtype):
     out = poisoned((tokens, n), dtype)
     gemv_linear(x, w, b, config=LINEAR_CONFIGS[config], out=out)
     check(out, ref, dtype, f"gemv_linear T={tokens} {shape} cfg{config}")
-
-
-@pytest.mark.parametrize("tokens", [1, 2])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_linear_with_the_norm_after_it(tokens, dtype):
-    """The o projection's GEMV whose last program adds the residual and normalises: the same
-    projection, sum and normalised sum as the GEMV, then fused_add_rms_norm; the counters left zeroed."""
-    n, k = pick((2048, 4096), (48, 64))
-    g = gen(23)
-    x = torch.randn(tokens, k, generator=g, device=DEVICE).to(dtype)
-    w = (torch.randn(n, k, generator=g, device=DEVICE) * k ** -0.5).to(dtype)
-    residual = torch.randn(tokens, n, generator=g, device=DEVICE).to(dtype)
-    norm_w = (1 + 0.1 * torch.randn(n, generator=g, device=DEVICE)).to(dtype)
-    proj = gemv_linear(x, w)
-    ref_normed, ref_sum = fused_add_rms_norm(proj, residual, norm_w, 1e-6)
-    counters = arrival.counters(torch.device(DEVICE), 1)
-    for _ in range(2):
-        out, normed, res_out = poisoned((tokens, n), dtype), poisoned((tokens, n), dtype), poisoned((tokens, n), dtype)
-        gemv_linear(x, w, out=out, norm=(residual, norm_w, 1e-6, normed, res_out, counters))
-        assert torch.equal(out, proj) and torch.equal(res_out, ref_sum)
-        torch.testing.assert_close(normed, ref_normed, rtol=pick(1e-2, 1e-5), atol=pick(1e-2, 1e-5))
-    assert int(counters.count_nonzero()) == 0
 
 
 def test_linear_takes_the_gemv_up_to_its_row_limit_only():
@@ -1068,7 +998,7 @@ def test_gemv_moe_partials_summed_by_the_last_program(config, tokens, monkeypatc
         gemv_moe(x, w13, w2, weights, ids, config=GEMV_CONFIGS[config], out=out)
         outs.append(out)
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
-    assert int(arrival.counters(torch.device(DEVICE), 1).count_nonzero()) == 0
+    assert int(arrival.buffer(torch.device(DEVICE)).count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("shape", MOE_SHAPES)
@@ -1332,18 +1262,14 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, tokens):
            for _ in range(layers)]
     w2 = [(torch.randn(experts, hidden, inter, generator=g, device=DEVICE) * inter ** -0.5).to(dtype)
           for _ in range(layers)]
-    w_o = [(torch.randn(hidden, hidden, generator=g, device=DEVICE) * hidden ** -0.5).to(dtype) for _ in range(layers)]
     x0 = torch.randn(tokens, hidden, generator=g, device=DEVICE).to(dtype)
 
     def chain(x: torch.Tensor) -> torch.Tensor:
-        # With the merges by the last program to arrive (pdserve/ops/arrival.py): the projection and
-        # the norm after it, the router's GEMV and top-k, the down GEMV and its partials' sum.
         residual = torch.zeros_like(x)
         for i in range(layers):
-            fused = linear_add_rms_norm(x, w_o[i], None, residual, w_norm[i], 1e-6)  # (None past 2 rows)
-            h, residual = fused or fused_add_rms_norm(linear(x, w_o[i]), residual, w_norm[i], 1e-6)
-            weights, ids = router_gemv_topk(h, w_gate[i], top_k, True)
-            x = gemv_moe(h, w13[i], w2[i], weights, ids)
+            h, residual = fused_add_rms_norm(x, residual, w_norm[i], 1e-6)
+            weights, ids = fused_topk(router_gemv(h, w_gate[i]), top_k, True)
+            x = gemv_moe(h, w13[i], w2[i], weights, ids)  # (its partials summed by the last program: arrival.py)
         return x + residual
 
     monkeypatch.setattr(pdl, "ENABLED", False)

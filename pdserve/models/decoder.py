@@ -50,7 +50,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h, residual = self.self_attn.forward_norm(h, rope, batch, self.post_attention_layernorm, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, batch), residual)
         return self.mlp(h), residual
 
 

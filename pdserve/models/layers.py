@@ -120,29 +120,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
 
-class OutputProjection:
-    """An attention module's last step, its o projection (row-parallel under TP), alone (`forward`)
-    or with the decoder layer's post-attention norm after it (`forward_norm`), which the attention
-    backend may run in the projection's launch. The module defines `attend` (x -> the heads'
-    outputs, flattened [T, heads x D]) and has o_proj, tp and backend."""
-
-    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
-        return row_parallel(self.o_proj, self.attend(x, rope, batch), self.tp, self.backend.linear)
-
-    def forward_norm(self, x: torch.Tensor, rope, batch: ForwardBatch, norm: "RMSNorm", residual: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(forward(x), residual): (the normalised sum, the sum), the next residual."""
-        o = self.attend(x, rope, batch)
-        if self.tp is None or self.tp.size == 1:  # (under TP the all-reduce comes between)
-            fused = self.backend.linear_add_rms_norm(o, self.o_proj.weight, self.o_proj.bias, residual,
-                                                     norm.weight, norm.eps)
-            if fused is not None:
-                return fused
-        return norm(row_parallel(self.o_proj, o, self.tp, self.backend.linear), residual)
-
-
-class Attention(OutputProjection, nn.Module):
+class Attention(nn.Module):
     """Self-attention over the paged KV cache; the backend writes this step's K/V and attends."""
 
     def __init__(self, args: ModelArgs, layer_idx: int, backend, norms):
@@ -201,9 +179,9 @@ class Attention(OutputProjection, nn.Module):
         q, k, v = self.backend.linear(x, *self.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
         return q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
 
-    def attend(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        """x [T, hidden] -> the heads' outputs [T, heads x D], before o_proj; `rope` from the norms
-        backend's `rope_inputs`. Calls batch.layer_done(layer) once the layer's KV is cached."""
+    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `rope` from the norms backend's `rope_inputs`. Calls
+        batch.layer_done(layer) once the layer's KV is cached."""
         q, k, v = self.project(x)
         qk_norm = self.q_norm is not None  # Qwen3 normalises each head before RoPE
         q, k = self.norms.qk_norm_rope(q, k, rope, self.q_norm.weight if qk_norm else None,
@@ -212,7 +190,7 @@ class Attention(OutputProjection, nn.Module):
         o = self.backend.forward(self.layer_idx, q, k, v, batch, self.scale)  # [T, heads, D]
         if batch.layer_done is not None:
             batch.layer_done(self.layer_idx)
-        return o.flatten(1)
+        return row_parallel(self.o_proj, o.flatten(1), self.tp, self.backend.linear)
 
 
 class GatedMLP(nn.Module):
@@ -246,9 +224,8 @@ class GatedMLP(nn.Module):
 
 class RouterGate(nn.Linear):
     """The MoE router's linear layer, its logits computed by the MoE backend (on a GPU, a GEMV for a
-    decode step's few tokens: pdserve.ops.routing.router_gemv). Called as a module whenever a forward
-    hook is registered on it, so hooks on `*.mlp.gate` see every routing (bench_engine counts the
-    experts hit with them); without one a decode step's routing may skip it (SparseMoE.route)."""
+    decode step's few tokens: pdserve.ops.routing.router_gemv). Still called as a module, so forward
+    hooks on `*.mlp.gate` see every routing (bench_engine counts the experts hit with them)."""
 
     def __init__(self, in_features: int, num_experts: int, backend):
         super().__init__(in_features, num_experts, bias=False)
@@ -310,12 +287,7 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> weights [T, k] float32, expert ids [T, k]: softmax, top-k, renormalised
-        where the family says (the backend's kernel on the GPU; for a decode step's few tokens the
-        router's logits and their routing in one launch, unless a hook on the gate wants the logits)."""
-        if not self.gate._forward_hooks:
-            routed = self.backend.gate_and_route(x, self.gate.weight, self.top_k, self.renormalize)
-            if routed is not None:
-                return routed
+        where the family says (the backend's kernel on the GPU)."""
         return self.backend.route(self.gate(x), self.top_k, self.renormalize)
 
     def skip_padding(self, ids: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,8 @@ from torch import nn
 
 from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.models.args import ModelArgs
-from pdserve.models.layers import OutputProjection, RMSNorm
-from pdserve.models.tensor_parallel import TensorParallel, shard_linear_in, shard_linear_out
+from pdserve.models.layers import RMSNorm
+from pdserve.models.tensor_parallel import TensorParallel, row_parallel, shard_linear_in, shard_linear_out
 from pdserve.ops.norms import TorchNorms
 
 # transformers builds the two latent norms with RMSNorm's default eps, not config.rms_norm_eps.
@@ -42,7 +42,7 @@ def mla_softmax_scale(args: ModelArgs) -> float:
     return scale
 
 
-class MLAttention(OutputProjection, nn.Module):
+class MLAttention(nn.Module):
     """Multi-head Latent Attention; the backend writes this step's latents and attends."""
 
     def __init__(self, args: ModelArgs, layer_idx: int, backend, norms):
@@ -116,9 +116,9 @@ class MLAttention(OutputProjection, nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q))
         return q, kv_a
 
-    def attend(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        """x [T, hidden] -> the heads' outputs [T, heads x v_head_dim], before o_proj; `rope`: cos,
-        sin [T, 1, qk_rope_head_dim]. Calls batch.layer_done(layer) once the layer's latents are cached."""
+    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `rope`: cos, sin [T, 1, qk_rope_head_dim]. Calls
+        batch.layer_done(layer) once the layer's latents are cached."""
         t = x.shape[0]
         q, kv_a = self._project(x)
         c_kv, k_rope = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
@@ -129,7 +129,7 @@ class MLAttention(OutputProjection, nn.Module):
         o = self.backend.forward_mla(self.layer_idx, q, latent, batch, self.scale, self)  # [T, heads, v_head_dim]
         if batch.layer_done is not None:
             batch.layer_done(self.layer_idx)
-        return o.flatten(1)
+        return row_parallel(self.o_proj, o.flatten(1), self.tp, self.backend.linear)
 
     def expand_latent(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache entries [1, ..., L, 1, kv_lora_rank + qk_rope_head_dim] -> keys [..., L, heads,

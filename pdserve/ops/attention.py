@@ -89,10 +89,6 @@ class TorchAttention:
     # The layers' dense projections (fused q/k/v, o; MLA's fused q + kv_a, o): transformers' own op.
     linear = staticmethod(F.linear)
 
-    def linear_add_rms_norm(self, x, weight, bias, residual, norm_weight, eps) -> None:
-        """The reference runs the projection and the norm after it as two steps (None: the caller's)."""
-        return None
-
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D]."""

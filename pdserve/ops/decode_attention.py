@@ -1,8 +1,8 @@
 """Paged decode attention in Triton: one query token per sequence, K/V read through the block table.
 
 One program handles all query heads of one KV head (GQA: K/V are read once for the whole group)
-over one slice of the context (split-K, "flash-decoding"); the slices are merged by their
-log-sum-exp, by the last of them to finish (below) or by a second kernel. Everything the kernels read is on the device (block tables, int32 context
+over one slice of the context (split-K, "flash-decoding"); a second kernel merges the slices by
+their log-sum-exp. Everything the kernels read is on the device (block tables, int32 context
 lengths) and the grid depends only on the batch size and a split count chosen on the host, so a
 launch can be captured in a CUDA graph and replayed for other context lengths: each program
 derives its slice from its sequence's context length. A sequence of context 0 (graph padding)
@@ -12,10 +12,6 @@ Fused KV write (`k_new`/`v_new`/`slot_mapping` given): the step's K/V need no se
 program whose slice holds a sequence's last position (ctx - 1, the new token) stores the new K/V
 into the cache at the sequence's slot and uses them straight from registers; every program reads
 the cache only below ctx - 1, so nothing reads a slot this launch writes.
-
-Fused merge (`pdserve/ops/arrival.py`): the slice of a (sequence, KV head) that finishes last
-merges its group's slices itself, so a split launch needs no reduce launch after it (a kernel
-boundary less a layer in the small-batch decode step). `PDSERVE_FUSED_MERGE=0` keeps the two.
 
 FP8 cache (`kv_scales` given): keys and values are read as float8 and widened to q's dtype for the
 dots; their scales are applied outside the loop — k_scale folded into the softmax scale, v_scale
@@ -31,8 +27,7 @@ import triton
 import triton.language as tl
 
 from pdserve.forward.kv_cache import FP8
-from pdserve.ops import arrival, pdl
-from pdserve.ops.arrival import last_to_arrive
+from pdserve.ops import pdl
 from pdserve.ops.kv_write import quantize
 
 _LOG2E = 1.4426950408889634
@@ -43,7 +38,7 @@ PROGRAMS_PER_SM = 2
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-                         k_new_ptr, v_new_ptr, slot_ptr, counter_ptr,
+                         k_new_ptr, v_new_ptr, slot_ptr,
                          qk_scale, k_scale, v_scale, num_splits,
                          stride_qb, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_tb,
                          stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -51,8 +46,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_o_
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          DIRECT: tl.constexpr, PRECISION: tl.constexpr, NEW_KV: tl.constexpr,
-                         IS_FP8: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         IS_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -133,35 +127,6 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_o_
         tl.store(dst, o, mask=hd_mask)
         lse = m_i + tl.log2(l_i)  # -inf for an empty slice
         tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=hs < GROUP)
-        if FUSED_MERGE:  # the last slice of this (sequence, KV head) to finish merges them all
-            if last_to_arrive(counter_ptr + b * tl.num_programs(1) + kvh, num_splits):
-                # Only the slices that hold keys (the others' lse is -inf: they weigh 0); context 0: none.
-                used = tl.where(per_split > 0, tl.cdiv(ctx, tl.maximum(per_split, 1)), 0)
-                for h in tl.static_range(GROUP):
-                    _merge_head(part_o_ptr, part_lse_ptr, out_ptr, b, kvh * GROUP + h, used,
-                                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                                HEAD_DIM, BLOCK_S, BLOCK_D)
-
-
-@triton.jit
-def _merge_head(part_o_ptr, part_lse_ptr, out_ptr, b, h, num_splits,
-                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[b, h] = the first num_splits slices' outputs weighted by their log-sum-exps (log2 units);
-    empty slices (-inf) weigh 0, and no slice with weight leaves zeros. Read from L2 (".cg"): the
-    fused merge reads what other programs of its launch wrote."""
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_splits
-    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + s, mask=s_mask, other=float("-inf"),
-                  cache_modifier=".cg")
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty slices weigh 0
-    den = tl.sum(w, 0)
-    o = tl.load(part_o_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")
-    o = tl.sum(o * w[:, None], 0) / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -169,10 +134,20 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
                           stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                           HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                           USE_PDL: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
     pdl.wait(USE_PDL)
-    _merge_head(part_o_ptr, part_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1), num_splits,
-                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                HEAD_DIM, BLOCK_S, BLOCK_D)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty slices weigh 0
+    den = tl.sum(w, 0)
+    o = tl.load(part_o_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @functools.cache
@@ -230,10 +205,8 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
     assert is_fp8 == bool(kv_scales), "an FP8 cache is read through its scales, and only it"
     k_scale, v_scale = kv_scales or (1.0, 1.0)
     precision = "ieee" if (q.dtype if is_fp8 else kv_layer.dtype) == torch.float32 else "tf32"
-    counters = None if direct else arrival.counters(q.device, bsz * kv_heads)
     _decode_split_kernel[(bsz, kv_heads, num_splits)](
         q, kv_layer, block_tables, context_lens, out, part_o, part_lse, k_new, v_new, slot_mapping,
-        counters if counters is not None else q,
         scale * _LOG2E * k_scale, k_scale, v_scale, num_splits,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
@@ -242,9 +215,8 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, DIRECT=direct, PRECISION=precision, NEW_KV=new_kv,
-        IS_FP8=is_fp8, FUSED_MERGE=counters is not None, BLOCK_S=triton.next_power_of_2(num_splits),
-        num_warps=4, num_stages=2, **pdl.launch_kwargs(q.device))
-    if not direct and counters is None:
+        IS_FP8=is_fp8, num_warps=4, num_stages=2, **pdl.launch_kwargs(q.device))
+    if not direct:
         merge_splits(part_o, part_lse, out, num_splits)
     return out
 

@@ -1,5 +1,4 @@
-"""A dense projection for one or two rows (decode at batch 1 and 2): one Triton GEMV launch, which
-may also add the residual and RMS-normalise its output (the o projection and the norm after it).
+"""A dense projection for one or two rows (decode at batch 1 and 2): one Triton GEMV launch.
 
 A small-batch decode step is a chain of short kernels, each launched with programmatic dependent
 launch (pdserve/ops/pdl.py) so that its launch and prologue overlap the kernel before. cuBLAS's
@@ -11,9 +10,9 @@ One program owns BLOCK_N output features: it streams their weight rows once, ove
 dimension in BLOCK_K chunks, and multiplies them with the input rows, summed elementwise in float32
 and reduced once at the end. The loop over K is unrolled (K a compile-time constant, as in the MoE
 GEMVs, pdserve/ops/gemv_moe.py), so a program has all its chunks' loads in flight. No split-K: no
-second kernel, no float32 scratch; the bias is added in the same launch. With a norm, the last
-program to finish (pdserve/ops/arrival.py) adds each output row to its residual and normalises it:
-the decoder layer's post-attention norm needs no launch of its own.
+second kernel, no float32 scratch; the bias is added in the same launch. (The post-attention norm
+done by the launch's last program to finish, pdserve/ops/arrival.py, measured slower: 1.02x at
+batch 2, docs/benchmarks.md.)
 
 Measured (one H200, 2026-11-30, docs/benchmarks.md): the decode step at batch 1 0.90x cuBLAS's
 (2.70 against 3.00 ms), batch 2 0.97x (3.80 against 3.93 ms). Beyond two rows it lost: a
@@ -32,9 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pdserve.ops import arrival, pdl
-from pdserve.ops.arrival import last_to_arrive
-from pdserve.ops.rms_norm import add_rms_norm_row
+from pdserve.ops import pdl
 
 # Up to this many rows `linear` takes the GEMV (PDSERVE_GEMV_LINEAR: 2, 1, or 0: always F.linear, the
 # reference a benchmark compares against). Beyond two rows cuBLAS is faster (docs/benchmarks.md).
@@ -44,14 +41,9 @@ GEMV_LINEAR_MAX_TOKENS = min(MAX_ROWS, int(os.environ.get("PDSERVE_GEMV_LINEAR",
 
 @triton.jit
 def _gemv_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, stride_xt, stride_wn, stride_ot,
-                        res_ptr, nw_ptr, normed_ptr, res_out_ptr, counter_ptr, eps,
-                        stride_rt, stride_nt, stride_rot,
                         K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        NORM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
-    """ROWS: 1 or 2 input rows, each summed elementwise in float32 and reduced once at the end.
-    NORM: the last program to finish also adds each output row to its residual and RMS-normalises
-    the sum (`add_rms_norm_row`)."""
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """ROWS: 1 or 2 input rows, each summed elementwise in float32 and reduced once at the end."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # Features past N read row N - 1 (in bounds, never stored): the weight loads need no mask along N.
@@ -85,11 +77,6 @@ def _gemv_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, stride_xt, stride_wn, s
     tl.store(out_ptr + offs_n, y0.to(out_ptr.dtype.element_ty), mask=n_mask)
     if ROWS == 2:
         tl.store(out_ptr + stride_ot + offs_n, y1.to(out_ptr.dtype.element_ty), mask=n_mask)
-    if NORM:
-        if last_to_arrive(counter_ptr, tl.num_programs(0)):
-            for r in tl.static_range(ROWS):
-                add_rms_norm_row(out_ptr + r * stride_ot, res_ptr + r * stride_rt, nw_ptr, normed_ptr + r * stride_nt,
-                                 res_out_ptr + r * stride_rot, N, eps, True, BLOCK_D)
 
 
 def gemv_linear_config(num_tokens: int, in_features: int) -> dict:
@@ -102,11 +89,8 @@ def gemv_linear_config(num_tokens: int, in_features: int) -> dict:
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: dict | None = None, out: torch.Tensor | None = None, norm: tuple | None = None
-                ) -> torch.Tensor:
-    """F.linear's contract for x [T, K] (T = 1 or 2), weight [N, K], bias [N] or None -> [T, N] in x's dtype.
-    norm: (residual [T, N], norm weight [N], eps, normed [T, N], residual out [T, N], arrival counters)
-    to have the launch's last program also store rms_norm(out + residual) and the sum."""
+                config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear's contract for x [T, K] (T = 1 or 2), weight [N, K], bias [N] or None -> [T, N] in x's dtype."""
     num_tokens, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
@@ -118,17 +102,10 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     cfg = config or gemv_linear_config(num_tokens, k)
     bn, bk = cfg["BLOCK_N"], min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
     assert num_tokens <= MAX_ROWS, f"gemv_linear takes 1 to {MAX_ROWS} rows, not {num_tokens} (F.linear beyond)"
-    if norm is None:
-        residual = norm_weight = normed = res_out = counters = out  # unused
-        eps = 0.0
-    else:
-        residual, norm_weight, eps, normed, res_out, counters = norm
     _gemv_linear_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, out, n,
         x.stride(0), weight.stride(0), out.stride(0),
-        residual, norm_weight, normed, res_out, counters, eps, residual.stride(0), normed.stride(0), res_out.stride(0),
-        K=k, HAS_BIAS=bias is not None, ROWS=num_tokens, BLOCK_N=bn,
-        BLOCK_K=bk, EVEN_K=k % bk == 0, NORM=norm is not None, BLOCK_D=triton.next_power_of_2(n),
+        K=k, HAS_BIAS=bias is not None, ROWS=num_tokens, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
         num_warps=cfg["num_warps"], **pdl.launch_kwargs(x.device))
     return out
 
@@ -144,17 +121,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return gemv_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
-
-def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                        norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rms_norm(linear(x) + residual) * norm_weight, linear(x) + residual) in the GEMV's launch,
-    for the rows it takes (the o projection and the norm after it, a kernel boundary less); None
-    where it does not take them, or without arrival counters: the caller runs the two."""
-    counters = arrival.counters(x.device, 1) if _takes_gemv(x, weight) else None
-    if (counters is None or residual.shape != (x.shape[0], weight.shape[0]) or residual.stride(1) != 1
-            or residual.dtype != x.dtype or not norm_weight.is_contiguous()):
-        return None
-    normed = torch.empty(residual.shape, dtype=torch.result_type(norm_weight, x), device=x.device)
-    res_out = torch.empty_like(residual)
-    gemv_linear(x, weight, bias, norm=(residual, norm_weight, eps, normed, res_out, counters))
-    return normed, res_out

@@ -73,10 +73,6 @@ class TorchMoE:
         """router_logits [T, E] -> weights [T, k] float32, ids [T, k]: `route`."""
         return route(router_logits, top_k, renormalize)
 
-    def gate_and_route(self, x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool) -> None:
-        """The reference has no one-launch routing: the caller takes router_logits, then route."""
-        return None
-
     def grouped_route(self, router_logits: torch.Tensor, top_k: int, num_shared: int = 0, **kw
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek's routing (`grouped_route`, keywords as there) -> weights, ids [T, k + num_shared]:

@@ -12,32 +12,23 @@ from pdserve.ops import pdl
 
 
 @triton.jit
-def add_rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, dim, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One row: out = rms_norm(x (+ residual)) * w, the sum stored at res_out_ptr. x is read from L2
-    (".cg"): a GEMV's last program normalises what its other programs wrote (gemv_linear.py)."""
-    d = tl.arange(0, BLOCK_D)
-    mask = d < dim
-    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + d, mask=mask, other=0.0, cache_modifier=".cg")
-    if HAS_RESIDUAL:  # x + residual rounded to x's dtype, as the unfused add would leave it
-        x = (x.to(tl.float32) + tl.load(res_ptr + d, mask=mask, other=0.0).to(tl.float32))
-        x = x.to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + d, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / dim + eps)
-    y = (xf * rstd).to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + d, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, dim, eps,
                      stride_x, stride_r, stride_o, stride_ro,
                      HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < dim
+    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)  # a weight: no kernel writes it
     pdl.wait(USE_PDL)
-    add_rms_norm_row(x_ptr + row * stride_x, res_ptr + row * stride_r, w_ptr, out_ptr + row * stride_o,
-                     res_out_ptr + row * stride_ro, dim, eps, HAS_RESIDUAL, BLOCK_D)
+    x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # x + residual rounded to x's dtype, as the unfused add would leave it
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + d, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + d, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / dim + eps)
+    y = (xf * rstd).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + d, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x, residual, weight, eps, out):

@@ -12,61 +12,43 @@ handful of tokens.
   weight 1), for a MoE layer whose shared experts are folded into the routed ones.
 - `router_gemv` (decode at batch 1..8): the router's logits, x @ gate.T, as a GEMV spread over the
   experts' rows. cuBLAS ran Qwen3-30B-A3B's [1, 2048] x [2048, 128] on 2 CTAs: 4.9 us a layer for
-  0.5 MB (an H200's batch-1 step, docs/benchmarks.md). `router_gemv_topk`: with `fused_topk` in
-  the same launch, by the last of a token's programs to finish (pdserve/ops/arrival.py).
+  0.5 MB (an H200's batch-1 step, docs/benchmarks.md).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from pdserve.ops import arrival, pdl
-from pdserve.ops.arrival import last_to_arrive
-
-
-@triton.jit
-def _topk_softmax_row(logits_ptr, weights_ptr, ids_ptr, t, num_experts, stride_t,
-                      TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Token t's softmax over its logits, top-k and renormalisation: weights and ids [T, TOP_K].
-    Read from L2 (".cg"): the router GEMV's last program reads what its other programs wrote."""
-    e = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + t * stride_t + e, mask=e < num_experts, other=float("-inf"),
-                cache_modifier=".cg").to(tl.float32)
-    m = tl.max(x, 0)
-    ex = tl.exp(x - m)
-    probs = ex / tl.sum(ex, 0)
-    # Pick the top k one at a time; `pick` keeps the logits, knocked out to -inf once chosen.
-    slot = tl.arange(0, BLOCK_K)
-    w = tl.zeros([BLOCK_K], tl.float32)
-    ids = tl.zeros([BLOCK_K], tl.int64)
-    pick = x
-    for i in tl.static_range(TOP_K):
-        best = tl.argmax(pick, 0, tie_break_left=True)
-        w = tl.where(slot == i, tl.sum(tl.where(e == best, probs, 0.0), 0), w)
-        ids = tl.where(slot == i, best.to(tl.int64), ids)
-        pick = tl.where(e == best, float("-inf"), pick)
-    if RENORMALIZE:  # by the chosen experts' total probability
-        w = w / tl.sum(w, 0)
-    tl.store(weights_ptr + t * TOP_K + slot, w, mask=slot < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + slot, ids.to(ids_ptr.dtype.element_ty), mask=slot < TOP_K)
+from pdserve.ops import pdl
 
 
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
                          TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                         USE_PDL: tl.constexpr):
+    t = tl.program_id(0)
     pdl.wait(USE_PDL)
-    _topk_softmax_row(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0), num_experts, stride_t,
-                      TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
-
-
-def _block_k(top_k: int) -> int:
-    return max(2, triton.next_power_of_2(top_k))
-
-
-def _routing_out(t: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty(t, top_k, dtype=torch.float32, device=device),
-            torch.empty(t, top_k, dtype=torch.int64, device=device))
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * stride_t + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    ex = tl.exp(x - m)
+    probs = ex / tl.sum(ex, 0)
+    total = 1.0
+    if RENORMALIZE:  # a first pass for the chosen experts' total probability
+        pick = x
+        total = 0.0
+        for i in tl.static_range(TOP_K):
+            best = tl.argmax(pick, 0, tie_break_left=True)
+            total += tl.sum(tl.where(e == best, probs, 0.0), 0)
+            pick = tl.where(e == best, float("-inf"), pick)
+    # Pick the top k one at a time; `pick` keeps the logits, knocked out to -inf once chosen.
+    pick = x
+    for i in tl.static_range(TOP_K):
+        best = tl.argmax(pick, 0, tie_break_left=True)
+        w = tl.sum(tl.where(e == best, probs, 0.0), 0)
+        tl.store(weights_ptr + t * TOP_K + i, w / total)
+        tl.store(ids_ptr + t * TOP_K + i, best.to(ids_ptr.dtype.element_ty))
+        pick = tl.where(e == best, float("-inf"), pick)
 
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -74,11 +56,14 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     """router_logits [T, E] -> weights [T, k] float32, ids [T, k] int64 (as `moe.route`)."""
     t, e = router_logits.shape
     assert router_logits.stride(-1) == 1 and top_k <= e
-    weights, ids = out if out is not None else _routing_out(t, top_k, router_logits.device)
+    if out is not None:
+        weights, ids = out
+    else:
+        weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+        ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
     if t:
         _topk_softmax_kernel[(t,)](router_logits, weights, ids, e, router_logits.stride(0),
                                    TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(e),
-                                   BLOCK_K=_block_k(top_k),
                                    num_warps=1 if e <= 128 else 4, **pdl.launch_kwargs(router_logits.device))
     return weights, ids
 
@@ -183,14 +168,10 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring: str, metho
 
 
 @triton.jit
-def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, counter_ptr, weights_ptr, ids_ptr, num_experts,
-                        stride_xt, stride_we, stride_ot,
-                        K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                        ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                        BLOCK_ALL: tl.constexpr, BLOCK_TOPK: tl.constexpr, USE_PDL: tl.constexpr):
+def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, num_experts, stride_xt, stride_we, stride_ot,
+                        K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (tokens, experts / BLOCK_E): BLOCK_E experts' logits of one token, float32 sums; the loop
-    over the hidden size unrolled, so a program's loads are in flight together. ROUTE: the token's
-    last program to finish also routes it (`_topk_softmax_row` over the logits as stored)."""
+    over the hidden size unrolled, so a program's loads are in flight together."""
     t = tl.program_id(0)
     pdl.wait(USE_PDL)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -206,44 +187,17 @@ def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, counter_ptr, weights_ptr, ids_ptr
         acc += w * xk[None, :]
     logits = tl.sum(acc, 1)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_e, logits.to(out_ptr.dtype.element_ty), mask=e_mask)
-    if ROUTE:
-        if last_to_arrive(counter_ptr + t, tl.num_programs(1)):
-            _topk_softmax_row(out_ptr, weights_ptr, ids_ptr, t, num_experts, stride_ot, TOP_K, RENORMALIZE,
-                              BLOCK_ALL, BLOCK_TOPK)
-
-
-def _router_gemv(x: torch.Tensor, weight: torch.Tensor, block_e: int, block_k: int,
-                 route: tuple[int, bool, torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    t, hidden = x.shape
-    e = weight.shape[0]
-    assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == hidden
-    out = torch.empty(t, e, dtype=x.dtype, device=x.device)
-    top_k, renormalize, counters, weights, ids = route if route is not None else (1, False, out, out, out)
-    if t:
-        _router_gemv_kernel[(t, triton.cdiv(e, block_e))](
-            x, weight, out, counters, weights, ids, e, x.stride(0), weight.stride(0), out.stride(0),
-            K=hidden, BLOCK_E=block_e, BLOCK_K=min(block_k, triton.next_power_of_2(hidden)),
-            ROUTE=route is not None, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_ALL=triton.next_power_of_2(e),
-            BLOCK_TOPK=_block_k(top_k),
-            num_warps=4, **pdl.launch_kwargs(x.device))
-    return out
 
 
 def router_gemv(x: torch.Tensor, weight: torch.Tensor, block_e: int = 4, block_k: int = 512) -> torch.Tensor:
     """x [T, H] @ weight [E, H].T -> [T, E] in x's dtype (as F.linear), summed in float32."""
-    return _router_gemv(x, weight, block_e, block_k, None)
-
-
-def router_gemv_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
-                     block_e: int = 4, block_k: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fused_topk(router_gemv(x, weight), top_k, renormalize)` in one launch where the device's
-    arrival counters allow (pdserve/ops/arrival.py: the last of a token's programs routes it), two
-    otherwise: the same weights [T, k] float32 and ids [T, k] int64."""
-    t, e = x.shape[0], weight.shape[0]
-    assert top_k <= e
-    counters = arrival.counters(x.device, t)
-    if counters is None:
-        return fused_topk(router_gemv(x, weight, block_e, block_k), top_k, renormalize)
-    weights, ids = _routing_out(t, top_k, x.device)
-    _router_gemv(x, weight, block_e, block_k, (top_k, renormalize, counters, weights, ids))
-    return weights, ids
+    t, hidden = x.shape
+    e = weight.shape[0]
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == hidden
+    out = torch.empty(t, e, dtype=x.dtype, device=x.device)
+    if t:
+        _router_gemv_kernel[(t, triton.cdiv(e, block_e))](
+            x, weight, out, e, x.stride(0), weight.stride(0), out.stride(0),
+            K=hidden, BLOCK_E=block_e, BLOCK_K=min(block_k, triton.next_power_of_2(hidden)), num_warps=4,
+            **pdl.launch_kwargs(x.device))
+    return out

@@ -24,7 +24,7 @@ import torch
 
 from pdserve.forward.forward_batch import ForwardBatch
 from pdserve.ops.decode_attention import decode_num_splits, paged_decode_attention
-from pdserve.ops.gemv_linear import linear, linear_add_rms_norm
+from pdserve.ops.gemv_linear import linear
 from pdserve.ops.kv_quant import round_trip
 from pdserve.ops.kv_write import write_kv_triton, write_latent_triton
 from pdserve.ops.mla_attention import mla_decode, mla_mixed
@@ -59,8 +59,6 @@ class TritonAttention:
     # The layers' dense projections (fused q/k/v, o; MLA's fused q + kv_a, o): one GEMV launch for a
     # decode step's few rows, in the PDL chain (pdserve/ops/gemv_linear.py); cuBLAS beyond.
     linear = staticmethod(linear)
-    # The o projection and the decoder layer's norm after it in one launch, for the rows the GEMV takes.
-    linear_add_rms_norm = staticmethod(linear_add_rms_norm)
 
     def __init__(self, decode_splits: int | None = None, fuse_kv_write: bool = True,
                  min_keys_per_split: int | None = None, fresh_sdpa: bool = True):

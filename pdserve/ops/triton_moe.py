@@ -8,7 +8,7 @@ import torch
 from pdserve.ops.fused_moe import fused_moe
 from pdserve.ops.gemv_moe import gemv_moe
 from pdserve.ops.grouped_mm_moe import grouped_mm_moe
-from pdserve.ops.routing import fused_topk, grouped_topk, router_gemv, router_gemv_topk
+from pdserve.ops.routing import fused_topk, grouped_topk, router_gemv
 
 # From this many tokens on, bf16 batches take torch._grouped_mm. Below it the fused path (its 128-row
 # tiles from 128 rows an expert) is the faster one for the whole MoE, Qwen3-30B-A3B's and
@@ -46,14 +46,6 @@ class TritonMoE:
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] -> weights [T, k] float32, ids [T, k]: softmax, top-k, renormalise."""
         return fused_topk(router_logits, top_k, renormalize)
-
-    def gate_and_route(self, x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`route(router_logits(x, weight), ...)` in one launch for a decode step's few tokens
-        (`router_gemv_topk`); None beyond them (the caller takes the two steps)."""
-        if x.shape[0] <= ROUTER_GEMV_MAX_TOKENS and x.stride(1) == 1 and weight.stride(1) == 1:
-            return router_gemv_topk(x, weight, top_k, renormalize)
-        return None
 
     def grouped_route(self, router_logits: torch.Tensor, top_k: int, num_shared: int = 0, **kw
                       ) -> tuple[torch.Tensor, torch.Tensor]:
