@@ -230,6 +230,34 @@ def test_decode_attention_fused_kv_write(heads, splits, dtype):
     check(out, ref, dtype, f"decode fused write {heads} splits={splits}")
 
 
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_decode_prefetch_before_the_wait_changes_nothing(splits, monkeypatch):
+    """The decode kernel loading its first chunk of cached K/V before its PDL wait (PDSERVE_PREFETCH's
+    "attention") gives the same output and cache bit for bit: empty slices, contexts of one token
+    and graph padding (context 0, slot -1) included."""
+    from pdserve.ops import pdl
+
+    g = gen(18)
+    ctx_list = [1, 2, 17, 77, 40, 64, 65]
+    case = random_paged_case([(c, 1) for c in ctx_list], 8, 2, 32, BLOCK, torch.float32, DEVICE, g)
+    b = case.batch
+    ctx = b.context_lens_t.clone()
+    ctx[-1] = 0
+    slots = b.slot_mapping.clone()
+    slots[-1] = -1
+    results = []
+    for kinds in (set(), {"attention"}):
+        monkeypatch.setattr(pdl, "PREFETCH", kinds)
+        cache = b.kv_cache[0].clone()
+        out = poisoned(case.q.shape, torch.float32)
+        paged_decode_attention(case.q, cache, b.block_tables, ctx, 0.2, splits, out=out, block_n=pick(64, 16),
+                               k_new=case.k, v_new=case.v, slot_mapping=slots)
+        results.append((out, cache))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(torch.nan_to_num(results[0][1]), torch.nan_to_num(results[1][1]))
+    assert torch.isfinite(results[1][0]).all() and (results[1][0][-1] == 0).all()
+
+
 def test_decode_fused_write_padding_rows():
     """Graph padding rows (context 0, slot -1) write nothing and give zeros; strided k/v views work."""
     g = gen(16)
@@ -847,6 +875,23 @@ def test_gemv_linear(shape, tokens, bias, config, dtype):
     out = poisoned((tokens, n), dtype)
     gemv_linear(x, w, b, config=LINEAR_CONFIGS[config], out=out)
     check(out, ref, dtype, f"gemv_linear T={tokens} {shape} cfg{config}")
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_weights_loaded_before_the_wait_change_nothing(tokens, monkeypatch):
+    """The dense GEMV and the router's GEMV loading their first chunk of weights before their PDL
+    wait (PDSERVE_PREFETCH's "linear", "router") give the same bits, at even and ragged shapes."""
+    from pdserve.ops import pdl
+
+    g = gen(29)
+    for n, k in pick([(5120, 2048), (200, 333)], [(40, 64), (33, 100)]):
+        x = torch.randn(tokens, k, generator=g, device=DEVICE)
+        w = torch.randn(n, k, generator=g, device=DEVICE) * k ** -0.5
+        outs = []
+        for kinds in (set(), {"linear", "router"}):
+            monkeypatch.setattr(pdl, "PREFETCH", kinds)
+            outs.append((gemv_linear(x, w), router_gemv(x, w)))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def test_linear_takes_the_gemv_up_to_its_row_limit_only():

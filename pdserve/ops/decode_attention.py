@@ -36,6 +36,45 @@ MAX_SPLITS = 32
 PROGRAMS_PER_SM = 2
 
 
+@triton.jit
+def _slice(ctx_ptr, b, split, num_splits, BLOCK_N: tl.constexpr):
+    """Sequence b's context length and this split's keys [start, end), whole BLOCK_N chunks."""
+    ctx = tl.load(ctx_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits) * BLOCK_N
+    start = split * per_split
+    return ctx, start, tl.minimum(start + per_split, ctx)
+
+
+@triton.jit
+def _kv_chunk(kv_base, table, n0, end, stride_ckv, stride_cb, stride_cs, d,
+              HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cached K and V of positions n0 .. n0 + BLOCK_N (those below `end`), through the block table."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs < end
+    blk = tl.load(table + offs // PAGE, mask=n_mask, other=0).to(tl.int64)
+    row = blk * stride_cb + (offs % PAGE) * stride_cs
+    kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(kv_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(kv_base + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return k, v, n_mask
+
+
+@triton.jit
+def _attend(q, k, v, n_mask, m_i, l_i, acc, qk_scale, IS_FP8: tl.constexpr, PRECISION: tl.constexpr):
+    """One chunk of keys into the running max, sum and output (online softmax, log2 units)."""
+    if IS_FP8:  # widened through float32, which every GPU converts float8 to
+        k = k.to(tl.float32).to(q.dtype)
+        v = v.to(tl.float32).to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                          k_new_ptr, v_new_ptr, slot_ptr,
@@ -46,19 +85,28 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_o_
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          DIRECT: tl.constexpr, PRECISION: tl.constexpr, NEW_KV: tl.constexpr,
-                         IS_FP8: tl.constexpr, USE_PDL: tl.constexpr):
+                         IS_FP8: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    d = tl.arange(0, BLOCK_D)
+    kv_base = cache_ptr + kvh * stride_ch
+    table = tables_ptr + b.to(tl.int64) * stride_tb
+    if PREFETCH:
+        # (NEW_KV only.) Before the wait, what no kernel of this step's last two wrote: the context
+        # lengths and block tables (set before the step's first kernel) and the cache below the new
+        # token (earlier steps'). Under PDL every kernel before the one before has ended when this
+        # launch's programs start, so the first chunk's K/V load while that kernel (the q/k norm
+        # and RoPE) runs.
+        ctx, start, end = _slice(ctx_ptr, b, split, num_splits, BLOCK_N)
+        k_pre, v_pre, mask_pre = _kv_chunk(kv_base, table, start, tl.minimum(end, ctx - 1), stride_ckv, stride_cb,
+                                           stride_cs, d, HEAD_DIM, PAGE, BLOCK_N)
     pdl.wait(USE_PDL)
-    ctx = tl.load(ctx_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits) * BLOCK_N  # keys per split, whole chunks
-    start = split * per_split
-    end = tl.minimum(start + per_split, ctx)
+    if not PREFETCH:
+        ctx, start, end = _slice(ctx_ptr, b, split, num_splits, BLOCK_N)
 
     hs = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + hs
-    d = tl.arange(0, BLOCK_D)
     hd_mask = (hs < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     kv_ty = cache_ptr.dtype.element_ty
     # The dots' input type: the cache's, or q's over an FP8 cache (its values widened, unscaled:
@@ -70,8 +118,6 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_o_
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    kv_base = cache_ptr + kvh * stride_ch
-    table = tables_ptr + b.to(tl.int64) * stride_tb
     if NEW_KV:
         # The new token (position ctx - 1) comes from k_new/v_new; the cache is read below it.
         last = ctx - 1
@@ -96,25 +142,14 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_o_
         l_i = tl.where(owner, 1.0, l_i)
         acc = tl.where(owner, tl.zeros([BLOCK_H, BLOCK_D], tl.float32) + v_new.to(tl.float32)[None, :], acc)
         end = tl.minimum(end, last)
-    for n0 in range(start, end, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs < end
-        blk = tl.load(table + offs // PAGE, mask=n_mask, other=0).to(tl.int64)
-        row = blk * stride_cb + (offs % PAGE) * stride_cs
-        kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(kv_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(kv_base + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IS_FP8:  # widened through float32, which every GPU converts float8 to
-            k = k.to(tl.float32).to(dot_ty)
-            v = v.to(tl.float32).to(dot_ty)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v, input_precision=PRECISION)
-        m_i = m_new
+    first = start
+    if PREFETCH:
+        if start < end:  # (an empty slice attends to nothing: its chunk is all masked)
+            m_i, l_i, acc = _attend(q, k_pre, v_pre, mask_pre, m_i, l_i, acc, qk_scale, IS_FP8, PRECISION)
+        first = start + BLOCK_N
+    for n0 in range(first, end, BLOCK_N):
+        k, v, n_mask = _kv_chunk(kv_base, table, n0, end, stride_ckv, stride_cb, stride_cs, d, HEAD_DIM, PAGE, BLOCK_N)
+        m_i, l_i, acc = _attend(q, k, v, n_mask, m_i, l_i, acc, qk_scale, IS_FP8, PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty slice (or context 0) leaves zeros
     if IS_FP8:
@@ -215,7 +250,8 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, DIRECT=direct, PRECISION=precision, NEW_KV=new_kv,
-        IS_FP8=is_fp8, num_warps=4, num_stages=2, **pdl.launch_kwargs(q.device))
+        IS_FP8=is_fp8, PREFETCH=new_kv and pdl.prefetches("attention"), num_warps=4, num_stages=2,
+        **pdl.launch_kwargs(q.device))
     if not direct:
         merge_splits(part_o, part_lse, out, num_splits)
     return out

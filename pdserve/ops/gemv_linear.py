@@ -42,24 +42,34 @@ GEMV_LINEAR_MAX_TOKENS = min(MAX_ROWS, int(os.environ.get("PDSERVE_GEMV_LINEAR",
 @triton.jit
 def _gemv_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, stride_xt, stride_wn, stride_ot,
                         K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """ROWS: 1 or 2 input rows, each summed elementwise in float32 and reduced once at the end."""
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    """ROWS: 1 or 2 input rows, each summed elementwise in float32 and reduced once at the end.
+    PREFETCH: the first chunk of weight rows is loaded before the wait (no kernel writes weights)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # Features past N read row N - 1 (in bounds, never stored): the weight loads need no mask along N.
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     w_tile = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    if PREFETCH:
+        w_first = tl.load(w_tile, mask=(offs_k < K)[None, :], other=0.0)
     pdl.wait(USE_PDL)  # x is the kernel before's output
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: the next chunks' loads go out before this one's sums
         if EVEN_K:
-            w = tl.load(w_tile + k0).to(tl.float32)
+            if PREFETCH and k0 == 0:
+                w = w_first.to(tl.float32)
+            else:
+                w = tl.load(w_tile + k0).to(tl.float32)
             x0 = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
         else:
             k_mask = offs_k < K - k0
-            w = tl.load(w_tile + k0, mask=k_mask[None, :], other=0.0).to(tl.float32)
+            if PREFETCH and k0 == 0:
+                w = w_first.to(tl.float32)
+            else:
+                w = tl.load(w_tile + k0, mask=k_mask[None, :], other=0.0).to(tl.float32)
             x0 = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         acc0 += w * x0[None, :]
         if ROWS == 2:
@@ -106,6 +116,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         x, weight, bias if bias is not None else weight, out, n,
         x.stride(0), weight.stride(0), out.stride(0),
         K=k, HAS_BIAS=bias is not None, ROWS=num_tokens, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+        PREFETCH=pdl.prefetches("linear"),
         num_warps=cfg["num_warps"], **pdl.launch_kwargs(x.device))
     return out
 

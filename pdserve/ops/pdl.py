@@ -12,7 +12,8 @@ Qwen3-30B-A3B's shape (docs/benchmarks.md, "Programmatic dependent launch"): the
 The rule every kernel launched with `launch_kwargs` keeps, so that completion stays transitive (a
 kernel that has ended implies every kernel before it has): `wait` before reading anything an earlier
 kernel wrote and before writing anything, and always, in every program. `launch_dependents` only
-after `wait`. (Data no kernel writes, weights, may be read before the wait: asking L2 for the w2 GEMV's
+after `wait`. Hence when a kernel's programs start, every kernel but the one right before it has
+ended: what only those wrote (or nothing did) may be read before the wait (`prefetches`). (Data no kernel writes, weights, may be read before the wait: asking L2 for the w2 GEMV's
 expert rows there was tried and measured slower, 3.06 / 8.92 ms at batch 1 / 8.)
 """
 
@@ -25,6 +26,12 @@ import triton.language as tl
 
 # PDSERVE_PDL=0 turns it off (an A/B switch); tests flip `ENABLED`.
 ENABLED = os.environ.get("PDSERVE_PDL", "1") != "0"
+# Which kernels load, before their wait, data that no kernel of the last two wrote (weights; the
+# attention's cache below the new token): PDSERVE_PREFETCH, a comma-separated list of
+# PREFETCH_KINDS or "1" for all; none by default until timed (a trial: issue 44). Tests set `PREFETCH`.
+PREFETCH_KINDS = ("attention", "linear", "router")
+_prefetch = os.environ.get("PDSERVE_PREFETCH", "0")
+PREFETCH = set(PREFETCH_KINDS) if _prefetch == "1" else set(_prefetch.split(",")) - {"0", ""}
 
 
 @functools.cache
@@ -37,6 +44,11 @@ def enabled(device: torch.device) -> bool:
     Triton's interpreter, and not switched off."""
     return (ENABLED and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
             and _capable(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def prefetches(kind: str) -> bool:
+    """Whether kernels of `kind` (one of PREFETCH_KINDS) load their prefetchable data before the wait."""
+    return kind in PREFETCH
 
 
 def launch_kwargs(device: torch.device) -> dict:

@@ -169,21 +169,28 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring: str, metho
 
 @triton.jit
 def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, num_experts, stride_xt, stride_we, stride_ot,
-                        K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                        K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     """Grid (tokens, experts / BLOCK_E): BLOCK_E experts' logits of one token, float32 sums; the loop
-    over the hidden size unrolled, so a program's loads are in flight together."""
+    over the hidden size unrolled, so a program's loads are in flight together. PREFETCH: the first
+    chunk of the router's rows is loaded before the wait (no kernel writes weights)."""
     t = tl.program_id(0)
-    pdl.wait(USE_PDL)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_mask = offs_e < num_experts
     offs_k = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + t.to(tl.int64) * stride_xt
     w_rows = w_ptr + offs_e[:, None].to(tl.int64) * stride_we + offs_k[None, :]
+    if PREFETCH:
+        w_first = tl.load(w_rows, mask=e_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    pdl.wait(USE_PDL)
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
     acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         xk = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k0, mask=e_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        if PREFETCH and k0 == 0:
+            w = w_first.to(tl.float32)
+        else:
+            w = tl.load(w_rows + k0, mask=e_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         acc += w * xk[None, :]
     logits = tl.sum(acc, 1)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_e, logits.to(out_ptr.dtype.element_ty), mask=e_mask)
@@ -198,6 +205,7 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, block_e: int = 4, block_k
     if t:
         _router_gemv_kernel[(t, triton.cdiv(e, block_e))](
             x, weight, out, e, x.stride(0), weight.stride(0), out.stride(0),
-            K=hidden, BLOCK_E=block_e, BLOCK_K=min(block_k, triton.next_power_of_2(hidden)), num_warps=4,
+            K=hidden, BLOCK_E=block_e, BLOCK_K=min(block_k, triton.next_power_of_2(hidden)),
+            PREFETCH=pdl.prefetches("router"), num_warps=4,
             **pdl.launch_kwargs(x.device))
     return out
