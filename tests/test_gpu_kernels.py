@@ -848,6 +848,13 @@ def test_router_gemv(shape, tokens, dtype):
     check(backend.router_logits(x, w), ref, dtype, "TritonMoE.router_logits, a few tokens")
     check(backend.router_logits(many, w), torch.nn.functional.linear(many.to(REF_DTYPE), w.to(REF_DTYPE)),
           dtype, "TritonMoE.router_logits, many tokens")
+    # Float32 logits (DeepSeek's router): the sums kept unrounded, as torch.mm(..., out_dtype=float32) has them.
+    f32 = backend.router_logits(x, w, out_dtype=torch.float32)
+    assert f32.dtype == torch.float32
+    check(f32, ref, torch.float32, f"router gemv float32 out T={tokens} {shape}")
+    if x.is_cuda and dtype != torch.float32:  # beyond the GEMV's tokens: cuBLAS, float32 out
+        check(backend.router_logits(many, w, out_dtype=torch.float32),
+              torch.nn.functional.linear(many.to(REF_DTYPE), w.to(REF_DTYPE)), torch.float32, "many tokens, float32 out")
 
 
 # (out_features, in_features): Qwen3-30B-A3B's q/k/v and o; DeepSeek-V2-Lite's q+kv_a; ragged ones

@@ -81,8 +81,9 @@ class DeepseekMoE(SparseMoE):
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.gate.weight.dtype == x.dtype:
             # Products of 16-bit floats are exact in float32, so a GEMM that accumulates and writes
             # float32 gives those logits (up to summation order) without converting x first: the
-            # conversion and a float32 SIMT GEMM were a visible part of a long prompt's step.
-            logits = torch.mm(x, self.gate.weight.t(), out_dtype=torch.float32)
+            # conversion and a float32 SIMT GEMM were a visible part of a long prompt's step. (A
+            # decode step's few tokens: the backend's GEMV, in the chain of PDL launches.)
+            logits = self.backend.router_logits(x, self.gate.weight, out_dtype=torch.float32)
         else:
             w = self.gate.weight.float() if self.gate_weight_f32 is None else self.gate_weight_f32
             logits = F.linear(x.float(), w)

@@ -64,8 +64,12 @@ class TorchMoE:
     # (DeepseekMoE.fold_shared_experts: this backend computes any slots it is given).
     fold_shared_experts = False
 
-    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [T, H] @ weight [E, H].T -> [T, E]: the router's linear layer."""
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None
+                      ) -> torch.Tensor:
+        """x [T, H] @ weight [E, H].T -> [T, E]: the router's linear layer; out_dtype float32 (x and
+        weight 16-bit, one dtype, on a GPU): the products summed and kept in float32, one GEMM."""
+        if out_dtype == torch.float32:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
         return torch.nn.functional.linear(x, weight)
 
     def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool

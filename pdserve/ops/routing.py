@@ -12,7 +12,8 @@ handful of tokens.
   weight 1), for a MoE layer whose shared experts are folded into the routed ones.
 - `router_gemv` (decode at batch 1..8): the router's logits, x @ gate.T, as a GEMV spread over the
   experts' rows. cuBLAS ran Qwen3-30B-A3B's [1, 2048] x [2048, 128] on 2 CTAs: 4.9 us a layer for
-  0.5 MB (an H200's batch-1 step, docs/benchmarks.md).
+  0.5 MB (an H200's batch-1 step, docs/benchmarks.md), outside the PDL chain. Float32 logits too
+  (DeepSeek's, whose cuBLAS call was the same).
 """
 
 import torch
@@ -196,12 +197,14 @@ def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, num_experts, stride_xt, stride_we
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_e, logits.to(out_ptr.dtype.element_ty), mask=e_mask)
 
 
-def router_gemv(x: torch.Tensor, weight: torch.Tensor, block_e: int = 4, block_k: int = 512) -> torch.Tensor:
-    """x [T, H] @ weight [E, H].T -> [T, E] in x's dtype (as F.linear), summed in float32."""
+def router_gemv(x: torch.Tensor, weight: torch.Tensor, block_e: int = 4, block_k: int = 512,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, H] @ weight [E, H].T -> [T, E] in x's dtype (as F.linear), summed in float32; with
+    out_dtype float32 the sums unrounded (DeepSeek's routers take float32 logits)."""
     t, hidden = x.shape
     e = weight.shape[0]
     assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == hidden
-    out = torch.empty(t, e, dtype=x.dtype, device=x.device)
+    out = torch.empty(t, e, dtype=out_dtype or x.dtype, device=x.device)
     if t:
         _router_gemv_kernel[(t, triton.cdiv(e, block_e))](
             x, weight, out, e, x.stride(0), weight.stride(0), out.stride(0),

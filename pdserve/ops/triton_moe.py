@@ -36,10 +36,15 @@ class TritonMoE:
         self.grouped_mm_min_tokens = grouped_mm_min_tokens
         self.gemv_max_tokens = gemv_max_tokens
 
-    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [T, H] @ weight [E, H].T -> [T, E]: a GEMV over the experts' rows for a handful of tokens."""
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None
+                      ) -> torch.Tensor:
+        """x [T, H] @ weight [E, H].T -> [T, E] in x's dtype, or float32 (out_dtype; 16-bit x and
+        weight of one dtype: the products exact, summed in float32): a GEMV over the experts' rows
+        for a handful of tokens, cuBLAS beyond."""
         if x.shape[0] <= ROUTER_GEMV_MAX_TOKENS and x.stride(1) == 1 and weight.stride(1) == 1:
-            return router_gemv(x, weight)
+            return router_gemv(x, weight, out_dtype=out_dtype)
+        if out_dtype == torch.float32:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
         return torch.nn.functional.linear(x, weight)
 
     def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool
