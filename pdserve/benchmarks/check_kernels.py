@@ -386,7 +386,7 @@ def linear_shapes(a) -> dict[str, tuple[int, int]]:
 def check_linear(c: Checker, a, tokens: int, sweep: bool) -> None:
     """The small-row GEMV (pdserve/ops/gemv_linear.py) against cuBLAS (torch.mm), both replayed from
     graphs, weights rotated past L2. (Graph-timed alone: the PDL overlap with the kernels around it
-    is the engine's step to show, `bench-engine` with PDSERVE_GEMV_LINEAR_MAX_TOKENS=0 the reference.)"""
+    is the engine's step to show, `bench-engine` with PDSERVE_GEMV_LINEAR=0 the reference.)"""
     from pdserve.ops.gemv_linear import gemv_linear, gemv_linear_config
 
     for name, (n, k) in linear_shapes(a).items():
